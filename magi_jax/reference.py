@@ -1,0 +1,65 @@
+"""Dense reference attention over a slice mask: the truth the kernels are judged against.
+
+Materialises the ``[Tq, Tk]`` mask and scores, so it is for tests and small problems only.
+It runs in the inputs' dtype (``float64`` too, with ``jax_enable_x64``), which makes it both
+the float64 oracle and the "straightforward low-precision computation" of DESIGN.md §6.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from magi_jax.mask import AttnMask
+
+__all__ = ["reference_attention", "reference_attention_vjp"]
+
+
+def _attend(q, k, v, dense, scale, softcap):
+    """q [..., Tq, Hq, D], k/v [..., Tk, Hkv, D], dense bool [Tq, Tk] -> out, lse [..., Tq, Hq]."""
+    hq, hkv = q.shape[-2], k.shape[-2]
+    group = hq // hkv
+    k = jnp.repeat(k, group, axis=-2)
+    v = jnp.repeat(v, group, axis=-2)
+    s = jnp.einsum("...qhd,...khd->...hqk", q, k) * jnp.asarray(scale, q.dtype)
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    allowed = jnp.asarray(dense)
+    s = jnp.where(allowed, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0)
+    e = jnp.where(allowed, jnp.exp(s - m), 0)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    has_key = denom > 0
+    p = e / jnp.where(has_key, denom, 1)
+    out = jnp.einsum("...hqk,...khd->...qhd", p, v)
+    lse = jnp.where(has_key, m + jnp.log(jnp.where(has_key, denom, 1)), -jnp.inf)[..., 0]
+    return out, jnp.swapaxes(lse, -1, -2)
+
+
+def reference_attention(q, k, v, mask: AttnMask, *, softmax_scale=None, softcap: float = 0.0):
+    """Dense attention ``(out, lse)`` over ``mask``, computed in ``q``'s dtype.
+
+    q: ``[Tq, Hq, D]`` or ``[B, Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]`` (same leading batch).
+    Returns ``out`` like ``q`` and ``lse`` ``[(B,) Tq, Hq]`` float32 (float64 for float64
+    inputs). Rows that see no key give ``out = 0``, ``lse = -inf`` and zero gradients.
+    Differentiable with ``jax.grad`` / ``jax.vjp``.
+    """
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    dense = mask.to_dense()
+    out, lse = _attend(q, k, v, dense, scale, softcap)
+    lse_dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    return out.astype(q.dtype), lse.astype(lse_dtype)
+
+
+def reference_attention_vjp(q, k, v, mask: AttnMask, dout, dlse=None, *, softmax_scale=None,
+                            softcap: float = 0.0):
+    """``(out, lse, (dq, dk, dv))`` of the reference, with cotangents ``dout`` (and ``dlse``,
+    zero when omitted), all computed in ``q``'s dtype."""
+    fn = lambda q_, k_, v_: reference_attention(q_, k_, v_, mask, softmax_scale=softmax_scale,
+                                                softcap=softcap)
+    (out, lse), vjp = jax.vjp(fn, q, k, v)
+    if dlse is None:
+        dlse = jnp.zeros(lse.shape, lse.dtype)
+    return out, lse, vjp((dout.astype(out.dtype), jnp.asarray(dlse, lse.dtype)))
+
