@@ -1,0 +1,236 @@
+"""FFA forward as a Mosaic GPU kernel (Hopper, sm90), over a q-tile work list.
+
+One program per (q-tile of 128 rows, batch, query head), launched heaviest tile first.
+Warp specialised in the style of FlashAttention-3: a producer warpgroup streams the K/V
+tiles of the program's work items through a ring of shared-memory slots with TMA, and two
+consumer warpgroups (64 query rows each) run ``wgmma`` for ``S = Q·Kᵀ`` and ``O += P·V``
+with the online softmax in float32 between them, ping-ponging on a schedule barrier so one
+warpgroup's softmax overlaps the other's matmuls. The mask predicate is evaluated only on
+boundary items (``full == 0``), from the slice geometry the item carries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from magi_jax.pallas.plan import FWD_BLOCK_K, FWD_BLOCK_Q
+
+__all__ = ["FwdConfig", "ffa_forward"]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_COMPUTE_WGS = 2
+_WG_ROWS = FWD_BLOCK_Q // _COMPUTE_WGS
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+    """Static configuration of the forward kernel."""
+
+    scale: float
+    softcap: float
+    num_stages: int = 2
+    interpret: bool = False
+
+    def __post_init__(self):
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+        if self.softcap < 0:
+            raise ValueError(f"softcap={self.softcap} must be >= 0")
+
+
+def _smem(shape, dtype):
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
+                                                plgpu.SwizzleTransform(128)))
+
+
+def mma_lhs(acc_ref, x, b_ref, stage):
+    """``acc_ref += x @ b_ref`` with ``x`` in registers. GPU interpret mode only multiplies
+    shared-memory operands, so there (``stage`` given) ``x`` goes through shared memory."""
+    if stage is None:
+        plgpu.wgmma(acc_ref, x, b_ref)
+    else:
+        stage[...] = x
+        plgpu.commit_smem()
+        plgpu.wgmma(acc_ref, stage, b_ref)
+
+
+def tile_predicate(item, row0, col0, rows, cols, layout):
+    """Cells of a ``rows x cols`` tile at (row0, col0) that belong to the item's slice."""
+    r = row0 + plgpu.broadcasted_iota(jnp.int32, (rows, cols), 0, layout=layout)
+    c = col0 + plgpu.broadcasted_iota(jnp.int32, (rows, cols), 1, layout=layout)
+    q0, q1, k0, k1, dlo, dhi = item
+    d = c - r
+    return (r >= q0) & (r < q1) & (c >= k0) & (c < k1) & (d >= dlo) & (d <= dhi)
+
+
+def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
+    """q ``[B, Tq, Hq, D]``, k/v ``[B, Tk, Hkv, D]`` (Tq, Tk multiples of 128; bf16/fp16),
+    plan arrays of the forward work list. Returns ``out [B, Tq, Hq, D]`` and
+    ``lse [B, Hq, Tq]`` float32 (natural log; ``-inf`` for rows that see no key)."""
+    b, tq, hq, d = q.shape
+    _, tk, hkv, _ = k.shape
+    group = hq // hkv
+    num_tiles = tq // FWD_BLOCK_Q
+    assert tq % FWD_BLOCK_Q == 0 and tk % FWD_BLOCK_K == 0, (tq, tk)
+    assert order.shape == (num_tiles,), (order.shape, num_tiles)
+    dtype = q.dtype
+    bq, bk, stages = _WG_ROWS, FWD_BLOCK_K, cfg.num_stages
+    softcap = cfg.softcap
+    # Scores are kept in the log2 domain: s2 = S·log2(e), so exp2 needs one FMA.
+    s2_scale = cfg.scale * _LOG2E if not softcap else cfg.scale / softcap
+
+    def kernel(q_ref, k_ref, v_ref, order_ref, off_ref, items_ref, out_ref, lse_ref,
+               q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free,
+               schedule, *p_stage):
+        wg = lax.axis_index("wg")
+        tile = order_ref[lax.axis_index("tile")]
+        batch = lax.axis_index("batch")
+        head = lax.axis_index("head")
+        first = off_ref[tile]
+        num_items = off_ref[tile + 1] - first
+
+        def schedule_barrier():
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def consumer():
+            plgpu.set_max_registers(232, action="increase")
+            row0 = tile * FWD_BLOCK_Q + wg * bq
+            my_q = q_smem.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, bq), head], my_q,
+                                    q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+            layout = plgpu.Layout.WGMMA
+            row_layout = plgpu.Layout.WGMMA.reduce(1)
+            m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
+            l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
+            acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), layout)
+            pl.when(wg == 1)(schedule_barrier)
+
+            def step(i, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(i, jnp.int32(stages))
+                it = first + i
+                ktile = items_ref[it, 0]
+                geom = tuple(items_ref[it, f] for f in range(1, 7))
+                full = items_ref[it, 7]
+                plgpu.barrier_wait(k_ready.at[slot])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].T)
+                    schedule_barrier()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if softcap:
+                    s = jnp.tanh(s * s2_scale) * (softcap * _LOG2E)
+                else:
+                    s = s * s2_scale
+
+                def masked():
+                    keep = tile_predicate(geom, row0, ktile * bk, bq, bk, layout)
+                    return jnp.where(keep, s, -jnp.inf)
+
+                s = lax.cond(full != 0, lambda: s, masked)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                # Rows with no cell yet keep m = -inf; use 0 there so exp2 gives 0, not NaN.
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2(m_i - m_use)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                plgpu.barrier_wait(v_ready.at[slot])
+                schedule_barrier()
+
+                def pv(acc_ref):
+                    mma_lhs(acc_ref, p16, v_smem.at[slot],
+                            p_stage[0].at[wg] if p_stage else None)
+                    return acc_ref[...]
+
+                o = pl.run_scoped(pv, plgpu.ACC((bq, d), jnp.float32))
+                plgpu.barrier_arrive(v_free.at[slot])
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
+                return acc, m_new, l_i
+
+            acc, m_i, l_i = lax.fori_loop(0, num_items, step, (acc, m_i, l_i))
+            pl.when(wg == 0)(schedule_barrier)
+            seen = l_i > 0
+            inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
+            acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+            lse = jnp.where(seen, (m_i + jnp.log2(jnp.where(seen, l_i, 1.0))) * _LN2,
+                            -jnp.inf)
+            my_q[...] = acc.astype(dtype)
+            lse_smem[wg] = lse
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_q, out_ref.at[batch, pl.ds(row0, bq), head])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(row0, bq)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def producer():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(head, jnp.int32(group))
+
+            @pl.loop(0, num_items)
+            def _(i):
+                slot = lax.rem(i, jnp.int32(stages))
+                ktile = items_ref[first + i, 0]
+                src = (batch, pl.ds(ktile * bk, bk), kv_head)
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_ready.at[slot])
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_ready.at[slot])
+
+            # Drain: observe the release of the last slots, so every barrier phase is seen
+            # before the shared memory is given back.
+            @pl.loop(lax.max(num_items - stages, jnp.int32(0)), num_items)
+            def _(i):
+                slot = lax.rem(i, jnp.int32(stages))
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+
+    out_shape = (jax.ShapeDtypeStruct(q.shape, dtype),
+                 jax.ShapeDtypeStruct((b, hq, tq), jnp.float32))
+    scratch = [
+        _smem((_COMPUTE_WGS, bq, d), dtype),
+        _smem((stages, bk, d), dtype),
+        _smem((stages, bk, d), dtype),
+        plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),
+        plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+    ]
+    if cfg.interpret:
+        scratch.append(_smem((_COMPUTE_WGS, bq, bk), dtype))
+    return plgpu.kernel(
+        kernel,
+        out_type=out_shape,
+        scratch_types=scratch,
+        grid=(num_tiles, b, hq),
+        grid_names=("tile", "batch", "head"),
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
+    )(q, k, v, order, offsets, items)

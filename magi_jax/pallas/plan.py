@@ -1,0 +1,147 @@
+"""Work lists of the Mosaic GPU FFA kernels (host NumPy, no JAX inside).
+
+The kernels own one output tile per program (DESIGN.md §2.2): the forward and dQ programs
+own a q-tile and walk the key tiles it sees; the dK/dV programs own a k-tile and walk the
+query tiles that see it. A :class:`WorkList` stores these runs in CSR form over the tiles,
+with every item carrying the slice geometry needed for its in-kernel predicate and whether
+it is *full* (no predicate needed). Programs are launched heaviest tile first (``order``),
+so a few long rows start early instead of finishing last.
+
+All arrays are int32 of shapes fixed by the plan; :meth:`KernelPlanArrays.pad_to` pads them
+(empty tiles, empty items) so the plans of several context-parallel ranks can be stacked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from magi_jax.mask import AttnMask, SliceShapes
+from magi_jax.tiling import tile_items
+
+__all__ = ["ITEM_FIELDS", "NUM_FIELDS", "WorkList", "KernelPlan", "KernelPlanArrays",
+           "build_work_list", "build_kernel_plan", "kernel_plan_for_mask",
+           "FWD_BLOCK_Q", "FWD_BLOCK_K", "DKV_BLOCK_Q", "DKV_BLOCK_K"]
+
+# Columns of an item: the tile on the other side (k-tile for q-owned lists, q-tile for
+# k-owned ones), the slice's canonical geometry (q ∈ [q0,q1), k ∈ [k0,k1),
+# dlo <= k - q <= dhi) and the full flag.
+ITEM_FIELDS = ("other_tile", "q0", "q1", "k0", "k1", "dlo", "dhi", "full")
+NUM_FIELDS = len(ITEM_FIELDS)
+_I32 = np.iinfo(np.int32)
+# An item without cells (padding): empty row range.
+_EMPTY_ITEM = np.array([0, 0, 0, 0, 0, 0, -1, 0], np.int32)
+
+# Tile sizes the kernels are built for. Forward and dQ: a program owns 128 query rows (two
+# consumer warpgroups of 64) and steps over 128 keys. dK/dV: a program owns 128 keys (two
+# warpgroups of 64) and steps over 64 query rows.
+FWD_BLOCK_Q, FWD_BLOCK_K = 128, 128
+DKV_BLOCK_Q, DKV_BLOCK_K = 64, 128
+
+
+class WorkList(NamedTuple):
+    """Items grouped by the tile that owns them.
+
+    ``order [N]``: owned tiles, heaviest first (the launch order); ``offsets [N + 1]``: the
+    items of tile ``t`` are ``items[offsets[t]:offsets[t + 1]]``; ``items [W, 8]``
+    (:data:`ITEM_FIELDS`), sorted by (owned tile, other tile).
+    """
+
+    order: np.ndarray
+    offsets: np.ndarray
+    items: np.ndarray
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.order.shape[0])
+
+    def counts(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+class KernelPlanArrays(NamedTuple):
+    """The device view of a kernel plan: the forward/dQ list (q-tiles of
+    :data:`FWD_BLOCK_Q`, k-steps of :data:`FWD_BLOCK_K`) and the dK/dV list (k-tiles of
+    :data:`DKV_BLOCK_K`, q-steps of :data:`DKV_BLOCK_Q`). Under context parallelism every
+    array gets a leading ``cp`` axis."""
+
+    q_order: np.ndarray
+    q_offsets: np.ndarray
+    q_items: np.ndarray
+    k_order: np.ndarray
+    k_offsets: np.ndarray
+    k_items: np.ndarray
+
+    def pad_to(self, num_q_tiles: int, num_q_items: int, num_k_tiles: int,
+               num_k_items: int) -> "KernelPlanArrays":
+        """The same plan for more (empty) tiles and more (empty) items, for stacking plans of
+        several ranks. Extra tiles own no item; extra items are never visited."""
+        def pad(order, offsets, items, n, w):
+            if n < len(order) or w < len(items):
+                raise ValueError(f"cannot pad a plan of {len(order)} tiles / {len(items)} "
+                                 f"items down to {n} / {w}")
+            order = np.concatenate([order, np.arange(len(order), n, dtype=np.int32)])
+            offsets = np.concatenate([offsets, np.full(n - len(offsets) + 1, offsets[-1],
+                                                       np.int32)])
+            extra = np.broadcast_to(_EMPTY_ITEM, (w - len(items), NUM_FIELDS))
+            return order, offsets, np.concatenate([items, extra]).astype(np.int32)
+        return KernelPlanArrays(*pad(self.q_order, self.q_offsets, self.q_items, num_q_tiles,
+                                     num_q_items),
+                                *pad(self.k_order, self.k_offsets, self.k_items, num_k_tiles,
+                                     num_k_items))
+
+
+def build_work_list(shapes: SliceShapes, total_q: int, total_k: int, block_q: int,
+                    block_k: int, by: str) -> WorkList:
+    """Items of tiles ``block_q x block_k`` owned by q-tiles (``by="q"``) or k-tiles
+    (``by="k"``)."""
+    ti = tile_items(shapes, total_q, total_k, block_q, block_k)
+    if by == "q":
+        own, other, num = ti.q_tile, ti.k_tile, ti.num_q_tiles
+    elif by == "k":
+        own, other, num = ti.k_tile, ti.q_tile, ti.num_k_tiles
+    else:
+        raise ValueError(f"by={by!r}: use 'q' or 'k'")
+    s = ti.slice_id
+    order = np.lexsort((other, own))
+    own, other, s, full = own[order], other[order], s[order], ti.full[order]
+    counts = np.bincount(own, minlength=num).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    if offsets[-1] > _I32.max:
+        raise ValueError(f"{offsets[-1]} work items do not fit int32 offsets; use a smaller "
+                         "problem per call (e.g. context parallelism)")
+    clip = lambda x: np.clip(x, -_I32.max, _I32.max)
+    items = np.stack([other, shapes.q0[s], shapes.q1[s], shapes.k0[s], shapes.k1[s],
+                      clip(shapes.dlo[s]), clip(shapes.dhi[s]), full.astype(np.int64)],
+                     axis=-1).astype(np.int32).reshape(-1, NUM_FIELDS)
+    # Heaviest first; ties by tile index so the order is deterministic.
+    launch = np.lexsort((np.arange(num), -counts)).astype(np.int32)
+    return WorkList(launch, offsets.astype(np.int32), items)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """Host plan of the ``pallas`` backend for one mask: forward/dQ and dK/dV lists."""
+
+    fwd: WorkList
+    dkv: WorkList
+    total_q: int
+    total_k: int
+
+    def arrays(self) -> KernelPlanArrays:
+        return KernelPlanArrays(*self.fwd, *self.dkv)
+
+
+def build_kernel_plan(shapes: SliceShapes, total_q: int, total_k: int) -> KernelPlan:
+    fwd = build_work_list(shapes, total_q, total_k, FWD_BLOCK_Q, FWD_BLOCK_K, "q")
+    dkv = build_work_list(shapes, total_q, total_k, DKV_BLOCK_Q, DKV_BLOCK_K, "k")
+    return KernelPlan(fwd, dkv, total_q, total_k)
+
+
+@functools.lru_cache(maxsize=256)
+def kernel_plan_for_mask(mask: AttnMask) -> KernelPlan:
+    """The kernel plan of ``mask``, cached by the mask's fingerprint."""
+    return build_kernel_plan(mask.shapes, mask.total_q, mask.total_k)
