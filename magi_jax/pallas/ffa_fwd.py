@@ -12,7 +12,6 @@ boundary items (``full == 0``), from the slice geometry the item carries.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.experimental.pallas as pl
@@ -20,12 +19,11 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from magi_jax.pallas.common import LN2, LOG2E, mma_lhs, smem, tile_predicate
 from magi_jax.pallas.plan import FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["FwdConfig", "ffa_forward"]
 
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
 _COMPUTE_WGS = 2
 _WG_ROWS = FWD_BLOCK_Q // _COMPUTE_WGS
 
@@ -46,31 +44,6 @@ class FwdConfig:
             raise ValueError(f"softcap={self.softcap} must be >= 0")
 
 
-def _smem(shape, dtype):
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
-                                                plgpu.SwizzleTransform(128)))
-
-
-def mma_lhs(acc_ref, x, b_ref, stage):
-    """``acc_ref += x @ b_ref`` with ``x`` in registers. GPU interpret mode only multiplies
-    shared-memory operands, so there (``stage`` given) ``x`` goes through shared memory."""
-    if stage is None:
-        plgpu.wgmma(acc_ref, x, b_ref)
-    else:
-        stage[...] = x
-        plgpu.commit_smem()
-        plgpu.wgmma(acc_ref, stage, b_ref)
-
-
-def tile_predicate(item, row0, col0, rows, cols, layout):
-    """Cells of a ``rows x cols`` tile at (row0, col0) that belong to the item's slice."""
-    r = row0 + plgpu.broadcasted_iota(jnp.int32, (rows, cols), 0, layout=layout)
-    c = col0 + plgpu.broadcasted_iota(jnp.int32, (rows, cols), 1, layout=layout)
-    q0, q1, k0, k1, dlo, dhi = item
-    d = c - r
-    return (r >= q0) & (r < q1) & (c >= k0) & (c < k1) & (d >= dlo) & (d <= dhi)
-
-
 def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
     """q ``[B, Tq, Hq, D]``, k/v ``[B, Tk, Hkv, D]`` (Tq, Tk multiples of 128; bf16/fp16),
     plan arrays of the forward work list. Returns ``out [B, Tq, Hq, D]`` and
@@ -85,7 +58,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
     bq, bk, stages = _WG_ROWS, FWD_BLOCK_K, cfg.num_stages
     softcap = cfg.softcap
     # Scores are kept in the log2 domain: s2 = S·log2(e), so exp2 needs one FMA.
-    s2_scale = cfg.scale * _LOG2E if not softcap else cfg.scale / softcap
+    s2_scale = cfg.scale * LOG2E if not softcap else cfg.scale / softcap
 
     def kernel(q_ref, k_ref, v_ref, order_ref, off_ref, items_ref, out_ref, lse_ref,
                q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free,
@@ -133,12 +106,12 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 if softcap:
-                    s = jnp.tanh(s * s2_scale) * (softcap * _LOG2E)
+                    s = jnp.tanh(s * s2_scale) * (softcap * LOG2E)
                 else:
                     s = s * s2_scale
 
                 def masked():
-                    keep = tile_predicate(geom, row0, ktile * bk, bq, bk, layout)
+                    keep = tile_predicate(geom, row0, ktile * bk, (bq, bk), layout)
                     return jnp.where(keep, s, -jnp.inf)
 
                 s = lax.cond(full != 0, lambda: s, masked)
@@ -167,7 +140,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
             seen = l_i > 0
             inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
             acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-            lse = jnp.where(seen, (m_i + jnp.log2(jnp.where(seen, l_i, 1.0))) * _LN2,
+            lse = jnp.where(seen, (m_i + jnp.log2(jnp.where(seen, l_i, 1.0))) * LN2,
                             -jnp.inf)
             my_q[...] = acc.astype(dtype)
             lse_smem[wg] = lse
@@ -210,9 +183,9 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
     out_shape = (jax.ShapeDtypeStruct(q.shape, dtype),
                  jax.ShapeDtypeStruct((b, hq, tq), jnp.float32))
     scratch = [
-        _smem((_COMPUTE_WGS, bq, d), dtype),
-        _smem((stages, bk, d), dtype),
-        _smem((stages, bk, d), dtype),
+        smem((_COMPUTE_WGS, bq, d), dtype),
+        smem((stages, bk, d), dtype),
+        smem((stages, bk, d), dtype),
         plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),
         plgpu.Barrier(num_barriers=_COMPUTE_WGS),
         plgpu.Barrier(num_barriers=stages),
@@ -222,7 +195,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
     ]
     if cfg.interpret:
-        scratch.append(_smem((_COMPUTE_WGS, bq, bk), dtype))
+        scratch.append(smem((_COMPUTE_WGS, bq, bk), dtype))
     return plgpu.kernel(
         kernel,
         out_type=out_shape,

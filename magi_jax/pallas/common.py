@@ -1,0 +1,40 @@
+"""Pieces shared by the Mosaic GPU FFA kernels."""
+
+from __future__ import annotations
+
+import math
+
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+__all__ = ["LOG2E", "LN2", "smem", "mma_lhs", "tile_predicate"]
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def smem(shape, dtype):
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
+                                                plgpu.SwizzleTransform(128)))
+
+
+def mma_lhs(acc_ref, x, b_ref, stage):
+    """``acc_ref += x @ b_ref`` with ``x`` in registers. GPU interpret mode only multiplies
+    shared-memory operands, so there (``stage`` given) ``x`` goes through shared memory."""
+    if stage is None:
+        plgpu.wgmma(acc_ref, x, b_ref)
+    else:
+        stage[...] = x
+        plgpu.commit_smem()
+        plgpu.wgmma(acc_ref, stage, b_ref)
+
+
+def tile_predicate(item, row0, col0, shape, layout, transposed=False):
+    """Cells of a tile that belong to the item's slice. The tile's first query row is
+    ``row0`` and first key ``col0``; queries run along axis 0 (axis 1 if ``transposed``)."""
+    q_axis, k_axis = (1, 0) if transposed else (0, 1)
+    r = row0 + plgpu.broadcasted_iota(jnp.int32, shape, q_axis, layout=layout)
+    c = col0 + plgpu.broadcasted_iota(jnp.int32, shape, k_axis, layout=layout)
+    q0, q1, k0, k1, dlo, dhi = item
+    d = c - r
+    return (r >= q0) & (r < q1) & (c >= k0) & (c < k1) & (d >= dlo) & (d <= dhi)
