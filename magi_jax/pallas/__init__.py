@@ -1,0 +1,154 @@
+"""The ``pallas`` backend of :func:`magi_jax.flex_flash_attention`: Mosaic GPU kernels for
+Hopper (sm90) over host-built work lists (:mod:`magi_jax.pallas.plan`).
+
+Entry points:
+  * :func:`flex_flash_attention_pallas` — from an :class:`~magi_jax.AttnMask` (plans cached by
+    the mask's fingerprint);
+  * :func:`ffa_pallas` — from plan arrays of static shape (no mask object), the form context
+    parallelism calls per rank under ``shard_map``;
+  * :func:`supported` — whether the kernels take these inputs here, and why not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from magi_jax.pallas.common import LOG2E
+from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq
+from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward
+from magi_jax.pallas.plan import (DKV_BLOCK_K, FWD_BLOCK_K, FWD_BLOCK_Q, KernelPlanArrays,
+                                  kernel_plan_for_mask)
+
+__all__ = ["flex_flash_attention_pallas", "ffa_pallas", "supported", "KernelPlanArrays",
+           "kernel_plan_for_mask", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES"]
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def _is_sm90() -> tuple[bool, str]:
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError as e:  # pragma: no cover - no backend at all
+        return False, f"no JAX device ({e})"
+    if dev.platform != "gpu":
+        return False, f"the default device is {dev.platform}, not an NVIDIA GPU"
+    cc = getattr(dev, "compute_capability", None)
+    if cc is None or not str(cc).startswith("9"):
+        return False, (f"the GPU {dev.device_kind} has compute capability {cc}; the Mosaic GPU "
+                       "FFA kernels are written for Hopper (9.0)")
+    return True, ""
+
+
+def supported(q, k, v, mask=None, *, check_device: bool = True) -> tuple[bool, str]:
+    """Whether the pallas kernels take these inputs: ``(ok, reason)`` (reason empty when ok).
+
+    q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]``; bf16 or fp16, ``D`` in
+    :data:`SUPPORTED_HEAD_DIMS`, ``Hq % Hkv == 0``. ``check_device`` also requires that the
+    default device is an sm90 GPU."""
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False, (f"dtype {q.dtype}/{k.dtype}/{v.dtype}: the pallas kernels take "
+                       "bfloat16 or float16 q, k, v of one dtype")
+    d = q.shape[-1]
+    if d not in SUPPORTED_HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:
+        return False, (f"head dim {d}: the pallas kernels support D in {SUPPORTED_HEAD_DIMS} "
+                       "(D = 256 does not fit the shared-memory plan yet)")
+    if q.shape[-2] % k.shape[-2]:
+        return False, f"Hq={q.shape[-2]} is not a multiple of Hkv={k.shape[-2]}"
+    if check_device:
+        ok, why = _is_sm90()
+        if not ok:
+            return False, why
+    return True, ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    scale: float
+    softcap: float
+    interpret: bool
+
+
+def _pad_rows(x, multiple):
+    t = x.shape[1]
+    pad = -t % multiple
+    if not pad:
+        return x
+    return jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+
+
+def _forward(q, k, v, plan: KernelPlanArrays, cfg: _Config):
+    tq = q.shape[1]
+    qp = _pad_rows(q, FWD_BLOCK_Q)
+    kp, vp = _pad_rows(k, FWD_BLOCK_K), _pad_rows(v, FWD_BLOCK_K)
+    out, lse_bht = ffa_forward(qp, kp, vp, plan.q_order, plan.q_offsets, plan.q_items,
+                               FwdConfig(cfg.scale, cfg.softcap, interpret=cfg.interpret))
+    return out[:, :tq], lse_bht[:, :, :tq]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ffa(q, k, v, plan, cfg):
+    out, lse_bht = _forward(q, k, v, plan, cfg)
+    return out, jnp.swapaxes(lse_bht, 1, 2)
+
+
+def _ffa_fwd(q, k, v, plan, cfg):
+    out, lse_bht = _forward(q, k, v, plan, cfg)
+    return (out, jnp.swapaxes(lse_bht, 1, 2)), (q, k, v, plan, out, lse_bht)
+
+
+def _ffa_bwd(cfg, res, cts):
+    q, k, v, plan, out, lse_bht = res
+    dout, dlse = cts
+    tq, tk = q.shape[1], k.shape[1]
+    finite = jnp.isfinite(lse_bht)
+    # delta = rowsum(out·dout) − dlse: d lse / d s = p, so the lse cotangent shifts delta.
+    delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), dout.astype(jnp.float32))
+    delta = delta - jnp.where(finite, jnp.swapaxes(dlse, 1, 2).astype(jnp.float32), 0.0)
+    # Rows that see no key: lse = +inf makes P = 0 there, so their gradients are 0.
+    lse2 = jnp.where(finite, lse_bht * LOG2E, jnp.inf)
+    pad_q = lambda x: _pad_rows(x, FWD_BLOCK_Q)
+    pad_k = lambda x: _pad_rows(x, max(FWD_BLOCK_K, DKV_BLOCK_K))
+    pad_stat = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -tq % FWD_BLOCK_Q)))
+    args = (pad_q(q), pad_k(k), pad_k(v), pad_q(dout.astype(q.dtype)), pad_stat(lse2),
+            pad_stat(delta))
+    bcfg = BwdConfig(cfg.scale, cfg.softcap, interpret=cfg.interpret)
+    dq = ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items, bcfg)
+    dk, dv = ffa_dkv(*args, plan.k_order, plan.k_offsets, plan.k_items, bcfg)
+    return dq[:, :tq], dk[:, :tk], dv[:, :tk], None
+
+
+_ffa.defvjp(_ffa_fwd, _ffa_bwd)
+
+
+def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap: float = 0.0,
+               interpret: bool = False):
+    """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
+
+    q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64 or 128); ``plan`` from
+    :func:`kernel_plan_for_mask` (``.arrays()``) for these ``Tq``/``Tk``, as int32 arrays.
+    Returns ``out`` (q's shape and dtype) and ``lse [(B,) Tq, Hq]`` float32 (natural log,
+    ``-inf`` for rows that see no key). Differentiable in q, k, v, also through lse.
+    ``interpret=True`` runs the kernels in Mosaic GPU interpret mode (CPU, tests only)."""
+    cfg = _Config(float(softmax_scale), float(softcap), bool(interpret))
+    plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
+    if q.ndim == 3:
+        out, lse = _ffa(q[None], k[None], v[None], plan, cfg)
+        return out[0], lse[0]
+    return _ffa(q, k, v, plan, cfg)
+
+
+def flex_flash_attention_pallas(q, k, v, mask, *, softmax_scale: float | None = None,
+                                softcap: float = 0.0, interpret: bool = False):
+    """:func:`magi_jax.flex_flash_attention` on the Mosaic GPU kernels. Same contract;
+    raises ``ValueError`` naming the reason when the inputs are not supported."""
+    ok, why = supported(q, k, v, mask, check_device=not interpret)
+    if not ok:
+        raise ValueError(f"backend='pallas' cannot run these inputs: {why}; use backend='xla'")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    plan = kernel_plan_for_mask(mask).arrays()
+    return ffa_pallas(q, k, v, plan, softmax_scale=scale, softcap=softcap, interpret=interpret)
