@@ -1,0 +1,102 @@
+"""How correctness is judged (DESIGN.md §6), as reusable test helpers.
+
+For ``out``, ``lse``, ``dq``, ``dk``, ``dv``: ``‖x − ref64‖∞ ≤ max(floor, 2·‖ref_lp − ref64‖∞)``
+where ``ref64`` is the dense reference in float64 and ``ref_lp`` the same reference run in the
+inputs' precision. Also: no NaN, rows that see no key give exactly ``out = 0`` and
+``lse = -inf``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from magi_jax.mask import AttnMask
+from magi_jax.reference import reference_attention_vjp
+
+__all__ = ["reference_results", "assert_matches_reference", "random_inputs", "FLOORS"]
+
+# Absolute error floors, relative to max(1, ‖ref64‖∞): what a correct implementation may
+# always differ by, even where the low-precision reference happens to be very accurate.
+FLOORS = {"float64": 1e-9, "float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+_NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def random_inputs(key, mask: AttnMask, hq: int, hkv: int, d: int, dtype, batch: int | None = None):
+    """Random ``q, k, v, dout, dlse`` for ``mask`` (normal, unit scale)."""
+    lead = () if batch is None else (batch,)
+    ks = jax.random.split(key, 5)
+    q = jax.random.normal(ks[0], lead + (mask.total_q, hq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], lead + (mask.total_k, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], lead + (mask.total_k, hkv, d), jnp.float32).astype(dtype)
+    dout = jax.random.normal(ks[3], lead + (mask.total_q, hq, d), jnp.float32).astype(dtype)
+    dlse = jax.random.normal(ks[4], lead + (mask.total_q, hq), jnp.float32)
+    return q, k, v, dout, dlse
+
+
+def reference_results(q, k, v, mask, dout, dlse=None, *, softmax_scale=None, softcap=0.0,
+                      float64: bool = True) -> dict[str, np.ndarray]:
+    """The reference's out, lse, dq, dk, dv as NumPy arrays, in float64 (``float64=True``)
+    or in the inputs' precision."""
+    def run(q_, k_, v_, do_, dl_):
+        out, lse, (dq, dk, dv) = reference_attention_vjp(
+            q_, k_, v_, mask, do_, dl_, softmax_scale=softmax_scale, softcap=softcap)
+        return dict(zip(_NAMES, (out, lse, dq, dk, dv)))
+
+    if float64:
+        with jax.enable_x64(True):
+            cast = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))
+            res = run(*(cast(x) for x in (q, k, v, dout, dlse)))
+            return {n: np.asarray(x, np.float64) for n, x in res.items()}
+    res = run(q, k, v, dout, dlse)
+    return {n: np.asarray(jnp.asarray(x, jnp.float32), np.float64) for n, x in res.items()}
+
+
+def _max_err(x, ref):
+    finite = np.isfinite(ref)
+    return float(np.max(np.abs(np.where(finite, x - ref, 0)), initial=0.0))
+
+
+def assert_matches_reference(results: dict, q, k, v, mask: AttnMask, dout=None, dlse=None, *,
+                             softmax_scale=None, softcap=0.0, floor: float | None = None,
+                             ref64: dict | None = None, ref_lp: dict | None = None) -> dict:
+    """Checks ``results`` (any of out, lse, dq, dk, dv) against the rule of DESIGN.md §6.
+
+    Returns the per-quantity ``(error, bound)`` table; raises ``AssertionError`` naming every
+    quantity that fails. Pass ``ref64``/``ref_lp`` to reuse references across calls.
+    """
+    if dout is None:
+        dout = jnp.zeros(q.shape, q.dtype)
+    kw = dict(softmax_scale=softmax_scale, softcap=softcap)
+    ref64 = ref64 or reference_results(q, k, v, mask, dout, dlse, float64=True, **kw)
+    ref_lp = ref_lp or reference_results(q, k, v, mask, dout, dlse, float64=False, **kw)
+    base = FLOORS[jnp.dtype(q.dtype).name] if floor is None else floor
+    table, failures = {}, []
+    for name, x in results.items():
+        x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+        r64 = ref64[name]
+        if x.shape != r64.shape:
+            failures.append(f"{name}: shape {x.shape} != reference {r64.shape}")
+            continue
+        if np.isnan(x).any():
+            failures.append(f"{name}: {int(np.isnan(x).sum())} NaN values")
+            continue
+        err = _max_err(x, r64)
+        bound = max(base * max(1.0, float(np.max(np.abs(np.where(np.isfinite(r64), r64, 0)),
+                                                 initial=0.0))),
+                    2 * _max_err(ref_lp[name], r64))
+        table[name] = (err, bound)
+        if err > bound:
+            failures.append(f"{name}: max error {err:.3e} > bound {bound:.3e}")
+        if name == "lse" and not np.array_equal(np.isneginf(x), np.isneginf(r64)):
+            failures.append("lse: -inf exactly where no key is seen: "
+                            f"{int((np.isneginf(x) != np.isneginf(r64)).sum())} rows differ")
+    empty = np.isneginf(ref64["lse"])               # [..., Tq, Hq] rows that see no key
+    if "out" in results and empty.any():
+        out = np.asarray(jnp.asarray(results["out"], jnp.float32))
+        if np.any(out[empty] != 0):
+            failures.append("out: rows that see no key are not exactly 0")
+    if failures:
+        raise AssertionError("; ".join(failures) + f" (errors/bounds: {table})")
+    return table
