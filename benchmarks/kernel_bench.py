@@ -1,0 +1,273 @@
+"""Kernel benchmark: FFA (pallas, xla) against cuDNN, tokamax and dense XLA over the mask zoo.
+
+TFLOP/s are counted from the mask area: ``4·area·Hq·D·B`` forward, 3.5× that for
+forward+backward (PERF.md). Writes ``benchmarks/results/kernel_<date>_<device>.{json,md}``.
+
+    PYTHONPATH=. python benchmarks/kernel_bench.py --lengths 16384 --masks full,causal
+    PYTHONPATH=. python benchmarks/kernel_bench.py --preset acceptance
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from magi_jax.mask import AttnMask  # noqa: E402
+
+# Documents of PERF.md's doc-causal mask (32k tokens); scaled for other lengths.
+PERF_DOCS = (7040, 5376, 4352, 2560, 2816, 768, 1024, 512, 1792, 6528)
+ZOO = ("full", "causal", "doc_causal", "doc_full", "swa_causal_1024", "swa_causal_4096",
+       "block_causal", "shared_question", "prefix_lm", "causal_blockwise")
+IMPLS = ("ffa_pallas", "ffa_xla", "cudnn", "tokamax", "xla_dense")
+PRESETS = {
+    # The acceptance lines of issue 3: full/causal 16k (B=2), doc-causal 32k, the zoo at 16k.
+    "acceptance": [("full", 16384), ("causal", 16384), ("doc_causal", 32768)]
+                  + [(m, 16384) for m in ZOO if m not in ("full", "causal")],
+    "smoke": [("causal", 4096), ("doc_causal", 4096)],
+}
+
+
+def docs_for(total: int) -> list[int]:
+    """PERF.md's documents scaled to ``total`` tokens (multiples of 128)."""
+    scaled = [max(128, int(round(d * total / 32768 / 128)) * 128) for d in PERF_DOCS]
+    scaled[-1] += total - sum(scaled)
+    assert scaled[-1] > 0 and sum(scaled) == total
+    return scaled
+
+
+def make_mask(name: str, total: int) -> AttnMask:
+    docs = docs_for(total)
+    cu = np.concatenate([[0], np.cumsum(docs)])
+    if name == "full":
+        return AttnMask.full(total)
+    if name == "causal":
+        return AttnMask.causal(total)
+    if name == "doc_causal":
+        return AttnMask.varlen(cu, causal=True)
+    if name == "doc_full":
+        return AttnMask.varlen(cu, causal=False)
+    if name.startswith("swa_causal_"):
+        return AttnMask.varlen([0, total], causal=True, window=int(name.rsplit("_", 1)[1]))
+    if name == "block_causal":
+        return AttnMask.block_causal(docs, 2048)
+    if name == "shared_question":
+        return AttnMask.shared_question(docs)
+    if name == "prefix_lm":
+        return AttnMask.prefix_lm(docs, [d // 4 for d in docs])
+    if name == "causal_blockwise":
+        return AttnMask.causal_blockwise(docs)
+    raise ValueError(f"unknown mask {name!r}; one of {ZOO}")
+
+
+def row_intervals(mask: AttnMask):
+    """Per query row, the visible keys as one interval ``[lo, hi)`` if they form one
+    (tokamax's k_start/k_end); None otherwise."""
+    sh = mask.shapes
+    t = mask.total_q
+    lo = np.full(t, np.iinfo(np.int64).max)
+    hi = np.full(t, -1)
+    count = np.zeros(t, np.int64)
+    for s in np.nonzero(sh.nonempty)[0]:
+        rows = np.arange(sh.q0[s], sh.q1[s])
+        a, b = sh.lo(rows, s), sh.hi(rows, s)
+        lo[rows] = np.minimum(lo[rows], a)
+        hi[rows] = np.maximum(hi[rows], b)
+        count[rows] += b - a + 1
+    seen = count > 0
+    if not np.array_equal(count[seen], (hi - lo + 1)[seen]) or not seen.all():
+        return None
+    return lo.astype(np.int32), (hi + 1).astype(np.int32)
+
+
+def attention_fn(impl: str, mask: AttnMask, name: str):
+    """``f(q, k, v) -> out`` for one implementation, or raises NotImplementedError."""
+    t = mask.total_q
+    if impl == "ffa_pallas":
+        from magi_jax.pallas import flex_flash_attention_pallas
+        return lambda q, k, v: flex_flash_attention_pallas(q, k, v, mask)[0]
+    if impl == "ffa_xla":
+        if t > 8192:
+            raise NotImplementedError("ffa_xla only up to 8k (slow)")
+        from magi_jax.ffa import flex_flash_attention
+        return lambda q, k, v: flex_flash_attention(q, k, v, mask, backend="xla")[0]
+    if impl in ("cudnn", "xla_dense"):
+        kind = "cudnn" if impl == "cudnn" else "xla"
+        if impl == "xla_dense" and t > 4096:
+            raise NotImplementedError("dense XLA only up to 4k")
+        if name in ("full", "causal"):
+            return functools.partial(jax.nn.dot_product_attention, is_causal=name == "causal",
+                                     implementation=kind)
+        if t > 32768:
+            raise NotImplementedError("dense bool mask only up to 32k")
+        dense = jnp.asarray(mask.to_dense(max_cells=1 << 31))[None, None]
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense,
+                                                            implementation=kind)
+    if impl == "tokamax":
+        import tokamax
+        from tokamax._src.ops.attention import api, base
+        if name in ("full", "causal"):
+            return functools.partial(tokamax.dot_product_attention, is_causal=name == "causal",
+                                     implementation="mosaic")
+        iv = row_intervals(mask)
+        if iv is None:
+            raise NotImplementedError("rows are not single key intervals")
+        ks, ke = (jnp.asarray(x)[None, None, :] for x in iv)
+        m = base.Mask(k_start=ks, k_end=ke)
+        return lambda q, k, v: api.IMPLEMENTATIONS["mosaic_gpu"](q, k, v, mask=m)
+    raise ValueError(f"unknown impl {impl!r}")
+
+
+def bench(fn, args, n=5, reps=5):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    out = fn(*args)
+    jax.block_until_ready(out)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / n)
+    return statistics.median(ts)
+
+
+def run_case(impl, name, total, batch, heads, kv_heads, head_dim, dtype, modes):
+    mask = make_mask(name, total)
+    f = attention_fn(impl, mask, name)
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (batch, total, heads, head_dim), dtype)
+    k = jax.random.normal(ks[1], (batch, total, kv_heads, head_dim), dtype)
+    v = jax.random.normal(ks[2], (batch, total, kv_heads, head_dim), dtype)
+    do = jax.random.normal(ks[3], (batch, total, heads, head_dim), dtype)
+    flops = 4.0 * mask.area * heads * head_dim * batch
+    rows = []
+    for mode in modes:
+        if mode == "fwd":
+            fn = jax.jit(f)
+            args = (q, k, v)
+            fl = flops
+        else:
+            def fb(q, k, v, do):
+                out, vjp = jax.vjp(f, q, k, v)
+                return vjp(do)
+            fn = jax.jit(fb)
+            args = (q, k, v, do)
+            fl = 3.5 * flops
+        t = bench(fn, args)
+        rows.append(dict(impl=impl, mask=name, length=total, batch=batch, heads=heads,
+                         kv_heads=kv_heads, head_dim=head_dim, dtype=jnp.dtype(dtype).name,
+                         mode=mode, ms=t * 1e3, tflops=fl / t / 1e12, area=mask.area))
+    return rows
+
+
+def versions():
+    v = dict(jax=jax.__version__, python=platform.python_version())
+    try:
+        import jaxlib
+        v["jaxlib"] = jaxlib.__version__
+    except ImportError:
+        pass
+    try:
+        import tokamax
+        v["tokamax"] = getattr(tokamax, "__version__", "0.0.17")
+    except Exception:
+        pass
+    return v
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    p.add_argument("--masks", default="full,causal,doc_causal")
+    p.add_argument("--lengths", default="16384")
+    p.add_argument("--impls", default="ffa_pallas,cudnn,tokamax")
+    p.add_argument("--modes", default="fwd,fwd+bwd")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tokens-per-batch", type=int, default=32768,
+                   help="batch = max(1, this // length) (PERF.md: B=2 at 16k, 1 at 32k)")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--tag", default="")
+    a = p.parse_args(argv)
+    if a.preset:
+        cases = PRESETS[a.preset]
+    else:
+        cases = [(m, int(t)) for t in a.lengths.split(",") for m in a.masks.split(",")]
+    impls = a.impls.split(",")
+    modes = a.modes.split(",")
+    dtype = jnp.dtype(a.dtype)
+    kvh = a.kv_heads or a.heads
+    work = [(i, m, t) for m, t in cases for i in impls]
+    try:
+        from tqdm import tqdm
+        it = tqdm(work, file=sys.stderr)
+    except ImportError:
+        it = work
+    rows = []
+    for impl, name, total in it:
+        if hasattr(it, "set_description"):
+            it.set_description(f"{impl} {name} {total}")
+        batch = max(1, a.tokens_per_batch // total)
+        try:
+            rows += run_case(impl, name, total, batch, a.heads, kvh, a.head_dim, dtype, modes)
+        except NotImplementedError as e:
+            rows.append(dict(impl=impl, mask=name, length=total, mode="-", skipped=str(e)))
+        except Exception as e:  # keep the sweep going; record the failure
+            traceback.print_exc()
+            rows.append(dict(impl=impl, mask=name, length=total, mode="-",
+                             error=repr(e)[:300]))
+    dev = jax.devices()[0]
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                device=getattr(dev, "device_kind", str(dev)), versions=versions(),
+                heads=a.heads, kv_heads=kvh, head_dim=a.head_dim, dtype=dtype.name,
+                tokens_per_batch=a.tokens_per_batch,
+                flops="4*area*Hq*D*B fwd, 3.5x for fwd+bwd")
+    table = markdown(rows, meta)
+    print(table)
+    os.makedirs(a.out, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
+    base = os.path.join(a.out, f"kernel_{stamp}_{meta['device'].replace(' ', '_')}{a.tag}")
+    with open(base + ".json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(table)
+    return rows
+
+
+def markdown(rows, meta) -> str:
+    lines = [f"# Kernel benchmark {meta['date']} on {meta['device']}", "",
+             f"versions: {meta['versions']}; Hq={meta['heads']}, Hkv={meta['kv_heads']}, "
+             f"D={meta['head_dim']}, {meta['dtype']}; B = max(1, "
+             f"{meta['tokens_per_batch']} / length); TFLOP/s = {meta['flops']}", "",
+             "| mask | length | mode | impl | ms | TFLOP/s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "tflops" in r:
+            lines.append(f"| {r['mask']} | {r['length']} | {r['mode']} | {r['impl']} | "
+                         f"{r['ms']:.3f} | {r['tflops']:.1f} |")
+        else:
+            why = r.get("skipped") or r.get("error")
+            lines.append(f"| {r['mask']} | {r['length']} | - | {r['impl']} | - | "
+                         f"{'skipped' if 'skipped' in r else 'ERROR'}: {why} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
