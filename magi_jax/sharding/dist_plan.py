@@ -1,0 +1,242 @@
+"""Distributed plan: what every rank computes and which KV tokens travel (host NumPy).
+
+Given a dispatch (:class:`~magi_jax.sharding.solver.DispatchMeta`), every rank's queries see
+a set of global key intervals. The keys it owns form the *host stage* (its local KV); the
+others — exactly the keys some local query needs, each fetched once — form the *remote
+buffer*, ordered by global position and cut into ``overlap_degree`` stages of nearly equal
+size. Per stage, the rank's slices are clipped to the stage's key segments, split at kinks
+(canonical, kink-free shapes) and re-expressed in local coordinates: query ``i`` = local
+token ``i``, key ``j`` = position ``j`` in that stage's KV buffer. Each stage then gets an FFA
+plan (:func:`magi_jax.xla_ffa.build_xla_plan`) and a group-cast table
+(:class:`~magi_jax.sharding.collectives.CastTable`). Everything is stacked over ranks into
+``[cp, ...]`` int32 arrays padded to the maxima, and cached by (mask fingerprint, dispatch,
+options). Every process builds the whole plan itself.
+
+``overlap_degree = 0`` makes one stage whose KV is ``concat(local KV, whole remote buffer)``
+(one FFA call); ``overlap_degree = k >= 1`` makes the host stage plus ``k`` remote stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+
+from magi_jax.mask import AttnMask, SliceShapes
+from magi_jax.sharding.collectives import CastTable, build_cast_table
+from magi_jax.sharding.solver import (DispatchMeta, merge_intervals, ranges_repeat,
+                                      slice_chunk_pairs)
+from magi_jax.xla_ffa import FFAPlanArrays, build_xla_plan, stack_plans
+
+__all__ = ["DistPlan", "StagePlan", "build_dist_plan", "RankView", "rank_views"]
+
+# Diagonal bounds beyond this magnitude are "unbounded" sentinels and are never shifted.
+_UNBOUNDED = 1 << 39
+_CACHE: dict = {}
+_CACHE_LOCK = threading.Lock()
+_CACHE_MAX = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """One FFA call per rank: ``ffa`` stacked ``[cp, ...]`` over ranks, its KV length
+    ``kv_len`` (the same on every rank), and the cast table that fills its remote part
+    (``None`` for the host stage). For ``overlap_degree = 0`` the stage's KV is local KV
+    followed by the cast buffer (``kv_len = local_len + cast.buffer_len``)."""
+
+    ffa: FFAPlanArrays
+    kv_len: int
+    cast: CastTable | None
+    num_slices: np.ndarray          # int64 [cp]: canonical pieces in the plan, per rank
+    area: np.ndarray                # int64 [cp]: cells per rank
+
+
+@dataclasses.dataclass(frozen=True)
+class DistPlan:
+    """The whole distributed plan: dispatch + stages. ``stages[0]`` is the host stage when
+    ``overlap_degree >= 1``; for degree 0 there is exactly one (combined) stage."""
+
+    meta: DispatchMeta
+    overlap_degree: int
+    block_q: int
+    block_k: int
+    stages: tuple[StagePlan, ...]
+    remote_tokens: np.ndarray       # int64 [cp]: KV tokens fetched by each rank (all stages)
+    needed: tuple[np.ndarray, ...]  # per rank: global key intervals its queries see [n, 2]
+
+    @property
+    def cp(self) -> int:
+        return self.meta.cp
+
+
+@dataclasses.dataclass(frozen=True)
+class RankView:
+    """One rank's geometry (host), for planning and for tests: its query slices in global
+    coordinates, the key intervals it needs, the remote pieces ``(g0, g1, owner, stage,
+    offset)`` in stage-buffer coordinates."""
+
+    pairs: tuple[np.ndarray, ...]   # (slice, chunk, a, b, e0, e1) of its query chunks
+    needed: np.ndarray              # [n, 2] merged global key intervals
+    remote: np.ndarray              # [p, 5] (g0, g1, owner, stage, offset in stage buffer)
+    stage_len: np.ndarray           # [num_remote_stages] tokens per stage
+
+
+def _split_even(total: int, parts: int) -> np.ndarray:
+    return (np.arange(parts + 1) * total) // parts
+
+
+def rank_views(mask: AttnMask, meta: DispatchMeta, num_remote_stages: int) -> list[RankView]:
+    """Every rank's :class:`RankView`; remote keys cut into ``num_remote_stages`` stages of
+    nearly equal token counts (by buffer position)."""
+    c = meta.chunk_size
+    pairs = slice_chunk_pairs(mask.shapes, c)
+    rank = meta.chunk_owner[pairs[1]]
+    order = np.lexsort((pairs[4], rank))
+    pairs = tuple(p[order] for p in pairs)
+    rank = rank[order]
+    bounds = np.searchsorted(rank, np.arange(meta.cp + 1))
+    views = []
+    for r in range(meta.cp):
+        sl = slice(bounds[r], bounds[r + 1])
+        p = tuple(x[sl] for x in pairs)
+        needed = merge_intervals(p[4], p[5])
+        # Cut the needed intervals at chunk boundaries; keep the pieces owned elsewhere.
+        iv, ch = ranges_repeat(needed[:, 0] // c, (needed[:, 1] - 1) // c + 1)
+        g0 = np.maximum(needed[iv, 0], ch * c)
+        g1 = np.minimum(needed[iv, 1], (ch + 1) * c)
+        own = meta.chunk_owner[ch]
+        keep = own != r
+        g0, g1, own = g0[keep], g1[keep], own[keep]
+        views.append(RankView(p, needed, *_cut_stages(g0, g1, own, num_remote_stages)))
+    return views
+
+
+def _cut_stages(g0, g1, own, k):
+    """Splits the remote pieces (in buffer order) into ``k`` stages of nearly equal size."""
+    lengths = g1 - g0
+    total = int(lengths.sum())
+    if k == 0:
+        return np.zeros((0, 5), np.int64), np.zeros((0,), np.int64)
+    stage_bounds = _split_even(total, k)
+    start = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    cuts = np.unique(np.concatenate([start, stage_bounds[:-1]]))
+    cuts = cuts[cuts < total]
+    ends = np.append(cuts[1:], total)
+    piece = np.searchsorted(start, cuts, side="right") - 1
+    stage = np.searchsorted(stage_bounds, cuts, side="right") - 1
+    a = g0[piece] + (cuts - start[piece])
+    b = a + (ends - cuts)
+    remote = np.stack([a, b, own[piece], stage, cuts - stage_bounds[stage]], axis=1)
+    return remote.astype(np.int64), np.diff(stage_bounds).astype(np.int64)
+
+
+def _clip_to_segments(sh: SliceShapes, pairs, seg_g0, seg_g1, seg_shift, q_shift_of_chunk):
+    """Clips each (slice, query chunk) pair to the key segments ``[g0, g1)`` (sorted,
+    disjoint), splits at kinks and shifts into local coordinates: ``q += q_shift``,
+    ``k += seg_shift``. Returns a :class:`SliceShapes` (kink-free pieces)."""
+    s, chunk, a, b, e0, e1 = pairs
+    lo = np.searchsorted(seg_g1, e0, side="right")
+    hi = np.searchsorted(seg_g0, e1, side="left")
+    pi, si = ranges_repeat(lo, hi)
+    s, chunk = s[pi], chunk[pi]
+    q0, q1 = a[pi], b[pi]
+    k0 = np.maximum(sh.k0[s], seg_g0[si])
+    k1 = np.minimum(sh.k1[s], seg_g1[si])
+    dlo, dhi = sh.dlo[s], sh.dhi[s]
+    # Rows that see a key, then the kinks t (lower edge turns diagonal) and u (upper edge
+    # clamps): inside each of the three row bands lo(q) and hi(q) are linear.
+    qa = np.maximum(q0, k0 - dhi)
+    qb = np.minimum(q1, k1 - dlo)
+    ok = (qb > qa) & (k1 > k0) & (dhi >= dlo)
+    t = np.clip(k0 - dlo, qa, qb)
+    u = np.clip(k1 - dhi, qa, qb)
+    cuts = np.stack([qa, np.minimum(t, u), np.maximum(t, u), qb], axis=1)
+    band_a, band_b = cuts[:, :3].reshape(-1), cuts[:, 1:].reshape(-1)
+    rep = lambda x: np.repeat(x, 3)
+    keep = rep(ok) & (band_b > band_a)
+    sq = rep(q_shift_of_chunk[chunk])[keep]
+    sk = rep(seg_shift[si])[keep]
+    d = sk - sq
+    dlo_, dhi_ = rep(dlo)[keep], rep(dhi)[keep]
+    return SliceShapes(
+        q0=band_a[keep] + sq, q1=band_b[keep] + sq,
+        k0=rep(k0)[keep] + sk, k1=rep(k1)[keep] + sk,
+        dlo=np.where(np.abs(dlo_) >= _UNBOUNDED, dlo_, dlo_ + d),
+        dhi=np.where(np.abs(dhi_) >= _UNBOUNDED, dhi_, dhi_ + d))
+
+
+def build_dist_plan(mask: AttnMask, meta: DispatchMeta, overlap_degree: int, block_q: int,
+                    block_k: int) -> DistPlan:
+    """The distributed plan of ``mask`` over the dispatch ``meta``; cached by (mask
+    fingerprint, dispatch, overlap_degree, block sizes)."""
+    if int(overlap_degree) < 0:
+        raise ValueError(f"overlap_degree={overlap_degree} must be >= 0 (0: one FFA call "
+                         "after fetching all remote KV; k: host stage + k remote stages)")
+    key = (mask.fingerprint, meta.fingerprint(), int(overlap_degree), int(block_q),
+           int(block_k))
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    plan = _build(mask, meta, int(overlap_degree), int(block_q), int(block_k))
+    with _CACHE_LOCK:
+        if len(_CACHE) >= _CACHE_MAX:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = plan
+    return plan
+
+
+def _build(mask, meta, degree, bq, bk) -> DistPlan:
+    cp, c, t_loc = meta.cp, meta.chunk_size, meta.local_len
+    num_remote = max(degree, 1)
+    views = rank_views(mask, meta, num_remote)
+    sh = mask.shapes
+    q_shift = meta.chunk_slot * c - np.arange(meta.num_chunks) * c     # per chunk
+    stage_len = np.array([v.stage_len for v in views]).reshape(cp, num_remote)
+    buf_len = np.maximum(stage_len.max(axis=0), 1)                        # per remote stage
+    casts = [build_cast_table(meta, [v.remote[v.remote[:, 3] == s] for v in views],
+                              int(buf_len[s])) for s in range(num_remote)]
+    any_remote = bool(stage_len.sum())
+
+    local_g0 = meta.rank_chunks * c                                       # [cp, m]
+    local_shift = (np.arange(meta.chunks_per_rank) * c)[None, :] - local_g0
+
+    def stage_shapes(r, which):
+        """'host' | 'combined' | remote stage index -> the rank's local SliceShapes."""
+        if which == "host":
+            g0, g1, sk = local_g0[r], local_g0[r] + c, local_shift[r]
+        else:
+            rem = views[r].remote
+            if which == "combined":
+                rem_shift = rem[:, 4] - rem[:, 0] + t_loc
+            else:
+                rem = rem[rem[:, 3] == which]
+                rem_shift = rem[:, 4] - rem[:, 0]
+            g0, g1, sk = rem[:, 0], rem[:, 1], rem_shift
+            if which == "combined":
+                g0 = np.concatenate([g0, local_g0[r]])
+                g1 = np.concatenate([g1, local_g0[r] + c])
+                sk = np.concatenate([sk, local_shift[r]])
+            order = np.argsort(g0, kind="stable")
+            g0, g1, sk = g0[order], g1[order], sk[order]
+        return _clip_to_segments(sh, views[r].pairs, g0, g1, sk, q_shift)
+
+    def make_stage(which, kv_len, cast):
+        shapes = [stage_shapes(r, which) for r in range(cp)]
+        plans = [build_xla_plan(x, t_loc, kv_len, bq, bk).arrays() for x in shapes]
+        return StagePlan(ffa=stack_plans(plans), kv_len=kv_len, cast=cast,
+                         num_slices=np.array([len(x.q0) for x in shapes], np.int64),
+                         area=np.array([int(x.areas().sum()) for x in shapes], np.int64))
+
+    if degree == 0 or not any_remote:
+        if any_remote:
+            stages = (make_stage("combined", t_loc + int(buf_len[0]), casts[0]),)
+        else:
+            stages = (make_stage("host", t_loc, None),)
+    else:
+        stages = (make_stage("host", t_loc, None),) + tuple(
+            make_stage(s, int(buf_len[s]), casts[s]) for s in range(num_remote))
+    return DistPlan(meta=meta, overlap_degree=degree if any_remote else 0, block_q=bq,
+                    block_k=bk, stages=stages, remote_tokens=stage_len.sum(axis=1),
+                    needed=tuple(v.needed for v in views))

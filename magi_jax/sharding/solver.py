@@ -1,0 +1,446 @@
+"""Dispatch solver: which chunks of the packed sequence each context-parallel rank owns.
+
+Host-only NumPy, pure and deterministic (DESIGN.md §2.1). The packed sequence (queries and
+keys share positions: self-attention) is padded to ``num_chunks · chunk_size`` tokens and cut
+into equal chunks; every rank gets the same number of chunks (hence of tokens). The compute of
+a rank is the mask area of its *query* rows, so each chunk's weight is the exact area of the
+mask restricted to its rows (slices clipped in canonical form, so a clipped bottom-right
+CAUSAL slice keeps its alignment).
+
+Algorithms (``algorithm=``):
+
+- ``"magi"`` (default): ``"greedy"`` followed by a pairwise-swap refinement that moves area
+  from the most loaded rank to another until no swap lowers the maximum, then a
+  communication pass that swaps chunks of (near-)equal area between ranks when that lowers
+  the remote-KV volume without raising the maximum area. The chunk count per rank is chosen
+  automatically (8, 16 or 32 chunks per rank; the fewest that reach max/mean ≤ 1.01).
+- ``"greedy"``: chunks sorted by area (descending) go one by one to the least loaded rank
+  that still has room (min-heap, equal cardinality) — the MagiAttention baseline.
+- ``"contiguous"``: rank ``r`` holds the ``r``-th contiguous block.
+- ``"zigzag"``: dual-chunk swap (ring/zigzag attention): rank ``r`` holds block ``r`` and block
+  ``2·cp − 1 − r`` of ``2·cp`` blocks.
+- ``"striped"``: chunk ``i`` goes to rank ``i mod cp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+
+import numpy as np
+
+from magi_jax.mask import AttnMask, SliceShapes
+
+__all__ = ["ALGORITHMS", "DispatchMeta", "solve_dispatch", "chunk_areas", "needed_kv",
+           "remote_kv_tokens", "ranges_repeat", "auto_chunk_size"]
+
+ALGORITHMS = ("magi", "greedy", "contiguous", "zigzag", "striped")
+# Candidate chunks per rank for the automatic chunk size, fewest first.
+_AUTO_CHUNKS_PER_RANK = (8, 16, 32, 64)
+# Imbalance (max/mean area) the automatic chunk size is content with.
+_AUTO_TARGET = 1.01
+# Upper bound on the swap-refinement iterations (each one strictly lowers the objective).
+_MAX_SWAPS_PER_RANK = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchMeta:
+    """Where every token lives. Chunk ``c`` holds global positions
+    ``[c·chunk_size, (c+1)·chunk_size)``; rank ``r`` holds chunks ``rank_chunks[r]`` (sorted
+    ascending) back to back, so its local token ``i`` is global position
+    ``rank_chunks[r, i // chunk_size]·chunk_size + i % chunk_size``. Positions ``>= total``
+    are padding (their queries attend to nothing, nothing attends to their keys)."""
+
+    total: int
+    cp: int
+    chunk_size: int
+    rank_chunks: np.ndarray          # int64 [cp, chunks_per_rank]
+    algorithm: str
+    chunk_area: np.ndarray           # int64 [num_chunks]
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.rank_chunks.shape[1]
+
+    @property
+    def num_chunks(self) -> int:
+        return self.rank_chunks.size
+
+    @property
+    def padded_total(self) -> int:
+        return self.num_chunks * self.chunk_size
+
+    @property
+    def local_len(self) -> int:
+        """Tokens per rank (equal on every rank)."""
+        return self.chunks_per_rank * self.chunk_size
+
+    @functools.cached_property
+    def chunk_owner(self) -> np.ndarray:
+        """int64 [num_chunks]: the rank that owns each chunk."""
+        owner = np.empty(self.num_chunks, np.int64)
+        owner[self.rank_chunks.reshape(-1)] = np.repeat(np.arange(self.cp), self.chunks_per_rank)
+        return owner
+
+    @functools.cached_property
+    def chunk_slot(self) -> np.ndarray:
+        """int64 [num_chunks]: the position of each chunk inside its owner's local tokens."""
+        slot = np.empty(self.num_chunks, np.int64)
+        slot[self.rank_chunks.reshape(-1)] = np.tile(np.arange(self.chunks_per_rank), self.cp)
+        return slot
+
+    @functools.cached_property
+    def positions(self) -> np.ndarray:
+        """int64 [cp, local_len]: global position of every local token of every rank."""
+        c = self.chunk_size
+        return (self.rank_chunks[:, :, None] * c + np.arange(c)).reshape(self.cp, -1)
+
+    def rank_area(self) -> np.ndarray:
+        """int64 [cp]: mask area of each rank's queries."""
+        return self.chunk_area[self.rank_chunks].sum(axis=1)
+
+    def imbalance(self) -> float:
+        """max / mean of the per-rank area (1.0 for an empty mask)."""
+        a = self.rank_area()
+        return float(a.max() / a.mean()) if a.sum() else 1.0
+
+    def fingerprint(self) -> tuple:
+        return (self.total, self.cp, self.chunk_size, self.rank_chunks.tobytes())
+
+
+def ranges_repeat(start: np.ndarray, stop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each i, the integers ``[start[i], stop[i])``: returns (owner index, value)."""
+    n = np.maximum(np.asarray(stop) - np.asarray(start), 0)
+    owner = np.repeat(np.arange(len(n)), n)
+    value = np.repeat(start, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
+    return owner, value
+
+
+def _shape_rows_area(sh: SliceShapes, s: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Area of (kink-free, canonical) slices ``s`` restricted to rows ``[a, b)``."""
+    rows = b - a
+    first = sh.hi(a, s) - sh.lo(a, s) + 1
+    last = sh.hi(b - 1, s) - sh.lo(b - 1, s) + 1
+    return np.where(rows > 0, rows * (first + last) // 2, 0)
+
+
+def slice_chunk_pairs(sh: SliceShapes, chunk_size: int):
+    """Every (slice, query chunk) pair with cells: ``(slice, chunk, row_a, row_b, k_first,
+    k_end)`` — the slice's rows inside the chunk and the (contiguous) key extent they see."""
+    live = np.nonzero(sh.nonempty)[0]
+    owner, chunk = ranges_repeat(sh.q0[live] // chunk_size,
+                                 (sh.q1[live] - 1) // chunk_size + 1)
+    s = live[owner]
+    a = np.maximum(sh.q0[s], chunk * chunk_size)
+    b = np.minimum(sh.q1[s], (chunk + 1) * chunk_size)
+    # Row intervals move monotonically and consecutive rows' intervals touch, so the keys seen
+    # by rows [a, b) are exactly [lo(a), hi(b - 1)].
+    return s, chunk, a, b, sh.lo(a, s), sh.hi(b - 1, s) + 1
+
+
+def chunk_areas(mask: AttnMask, chunk_size: int, num_chunks: int) -> np.ndarray:
+    """int64 [num_chunks]: exact mask area of each chunk's query rows."""
+    sh = mask.shapes
+    s, chunk, a, b, _, _ = slice_chunk_pairs(sh, chunk_size)
+    return np.bincount(chunk, weights=_shape_rows_area(sh, s, a, b),
+                       minlength=num_chunks).astype(np.int64)[:num_chunks]
+
+
+def needed_kv(mask: AttnMask, meta: DispatchMeta) -> list[np.ndarray]:
+    """Per rank, the merged global key intervals ``int64 [n, 2]`` its queries see."""
+    s, chunk, a, b, k0, k1 = slice_chunk_pairs(mask.shapes, meta.chunk_size)
+    rank = meta.chunk_owner[chunk]
+    out = []
+    order = np.lexsort((k0, rank))
+    rank, k0, k1 = rank[order], k0[order], k1[order]
+    bounds = np.searchsorted(rank, np.arange(meta.cp + 1))
+    for r in range(meta.cp):
+        out.append(merge_intervals(k0[bounds[r]:bounds[r + 1]], k1[bounds[r]:bounds[r + 1]]))
+    return out
+
+
+def merge_intervals(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Union of half-open intervals sorted by start -> disjoint sorted ``int64 [n, 2]``."""
+    if not len(starts):
+        return np.zeros((0, 2), np.int64)
+    run_end = np.maximum.accumulate(ends)
+    # A new run starts where the interval begins after everything before it ended.
+    new = np.ones(len(starts), bool)
+    new[1:] = starts[1:] > run_end[:-1]
+    first = np.nonzero(new)[0]
+    last = np.append(first[1:], len(starts)) - 1
+    return np.stack([starts[first], run_end[last]], axis=1).astype(np.int64)
+
+
+def _coverage(intervals: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Number of tokens of the disjoint sorted ``intervals`` below each ``x``."""
+    if not len(intervals):
+        return np.zeros_like(x)
+    lengths = intervals[:, 1] - intervals[:, 0]
+    cum = np.concatenate([[0], np.cumsum(lengths)])
+    i = np.searchsorted(intervals[:, 0], x, side="right")   # intervals starting <= x
+    inside = np.where(i > 0, np.minimum(x, intervals[np.maximum(i - 1, 0), 1])
+                      - intervals[np.maximum(i - 1, 0), 0], 0)
+    return cum[np.maximum(i - 1, 0)] * (i > 0) + inside
+
+
+def remote_kv_tokens(mask: AttnMask, meta: DispatchMeta) -> np.ndarray:
+    """int64 [cp]: key tokens each rank needs from other ranks (each counted once)."""
+    need = needed_kv(mask, meta)
+    c = meta.chunk_size
+    out = np.zeros(meta.cp, np.int64)
+    for r in range(meta.cp):
+        iv = need[r]
+        total = int((iv[:, 1] - iv[:, 0]).sum())
+        ch = meta.rank_chunks[r]
+        local = _coverage(iv, (ch + 1) * c) - _coverage(iv, ch * c)
+        out[r] = total - int(local.sum())
+    return out
+
+
+# ---- assignment algorithms -------------------------------------------------------------------
+
+def _contiguous(n: int, cp: int, area: np.ndarray) -> np.ndarray:
+    return np.arange(n).reshape(cp, -1)
+
+
+def _striped(n: int, cp: int, area: np.ndarray) -> np.ndarray:
+    return np.arange(n).reshape(-1, cp).T.copy()
+
+
+def _zigzag(n: int, cp: int, area: np.ndarray) -> np.ndarray:
+    blocks = np.arange(n).reshape(2 * cp, -1)
+    return np.concatenate([blocks[:cp], blocks[::-1][:cp]], axis=1)
+
+
+def _greedy(n: int, cp: int, area: np.ndarray) -> np.ndarray:
+    """Longest-processing-time first with equal cardinality: a min-heap of (load, rank) over
+    the ranks that still have room; ties go to the lower chunk id / lower rank."""
+    m = n // cp
+    order = np.lexsort((np.arange(n), -area))
+    heap = [(0, r) for r in range(cp)]
+    assign = [[] for _ in range(cp)]
+    for c in order.tolist():
+        load, r = heapq.heappop(heap)
+        assign[r].append(c)
+        if len(assign[r]) < m:
+            heapq.heappush(heap, (load + int(area[c]), r))
+    return np.array(assign, np.int64)
+
+
+def _refine_swaps(assign: np.ndarray, area: np.ndarray) -> np.ndarray:
+    """Pairwise swaps between the most loaded rank and any other rank, each one strictly
+    lowering the larger of the two loads below the current maximum; stops at a local optimum.
+    Keeps the number of chunks per rank. For every (other rank, chunk of the top rank) only
+    the two chunks nearest to the ideal exchange are tried (sorted search), so an iteration
+    costs O(cp·m·log m)."""
+    assign = assign.copy()
+    cp, m = assign.shape
+    loads = area[assign].sum(axis=1)
+    ranks = np.arange(cp)[:, None]
+    for _ in range(_MAX_SWAPS_PER_RANK * cp):
+        top = int(np.argmax(loads))
+        gap = loads[top] - loads                                # [cp]
+        order = np.argsort(area[assign], axis=1, kind="stable")
+        b = np.take_along_axis(area[assign], order, axis=1)     # [cp, m] sorted
+        a = area[assign[top]]                                   # [m]
+        # Ideal partner area: a_i - gap_r / 2 (the swap then evens the pair).
+        target = a[None, :] - gap[:, None] // 2                 # [cp, m]
+        j = np.stack([_row_searchsorted(b, target), _row_searchsorted(b, target) - 1], -1)
+        j = np.clip(j, 0, m - 1)                                # [cp, m, 2]
+        bj = np.take_along_axis(b[:, None, :].repeat(m, 1), j, axis=2)
+        d = a[None, :, None] - bj
+        new_max = np.maximum(loads[top] - d, loads[:, None, None] + d)
+        ok = (d > 0) & (new_max < loads[top])
+        ok[top] = False
+        if not ok.any():
+            break
+        flat = np.where(ok, new_max, np.iinfo(np.int64).max).reshape(-1)
+        r, i, t = np.unravel_index(int(np.argmin(flat)), d.shape)
+        jj = order[r, j[r, i, t]]
+        assign[top, i], assign[r, jj] = assign[r, jj], assign[top, i]
+        loads[top] -= d[r, i, t]
+        loads[r] += d[r, i, t]
+    return assign
+
+
+def _row_searchsorted(b: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Row-wise ``searchsorted(b[r], x[r])`` for sorted rows ``b`` [R, m], ``x`` [R, k]."""
+    return (b[:, None, :] < x[:, :, None]).sum(-1)
+
+
+def _chunk_kv_extents(mask: AttnMask, chunk_size: int, n: int):
+    """Per chunk, the key chunks its rows see, as a CSR (indptr, key-chunk ids)."""
+    s, chunk, a, b, k0, k1 = slice_chunk_pairs(mask.shapes, chunk_size)
+    owner, kc = ranges_repeat(k0 // chunk_size, (k1 - 1) // chunk_size + 1)
+    pairs = np.unique(chunk[owner] * n + kc)
+    qc, kc = pairs // n, pairs % n
+    indptr = np.searchsorted(qc, np.arange(n + 1))
+    return indptr, kc
+
+
+def _refine_comm(assign: np.ndarray, area: np.ndarray, mask: AttnMask, chunk_size: int,
+                 rounds: int = 2) -> np.ndarray:
+    """Swaps that keep every rank's area under the current maximum and lower the number of
+    (rank, key chunk) pairs ranks must fetch remotely — a chunk-level proxy of the remote-KV
+    volume that pulls chunks attending to one another onto one rank. First-improvement over
+    chunks; for chunk ``x`` the partner ranks are the two whose queries need ``x`` most and the
+    partner chunks the four of theirs that ``x``'s rank needs most. Every candidate is scored
+    by its local delta (only the touched columns), so a round is O(n · |extent|)."""
+    cp, m = assign.shape
+    n = assign.size
+    indptr, kc = _chunk_kv_extents(mask, chunk_size, n)
+    if len(kc) > 32 * n:      # dense masks (every chunk sees most chunks): nothing to gain
+        return assign
+    assign = assign.copy()
+    owner = np.empty(n, np.int64)
+    owner[assign.reshape(-1)] = np.repeat(np.arange(cp), m)
+    slot = np.empty(n, np.int64)
+    slot[assign.reshape(-1)] = np.tile(np.arange(m), cp)
+    loads = area[assign].sum(axis=1)
+    cap = loads.max()
+    need = np.zeros((cp, n), np.int64)      # need[r, c]: rank r's query chunks that see c
+    qc_of = np.repeat(np.arange(n), np.diff(indptr))
+    np.add.at(need, (owner[qc_of], kc), 1)
+    seen = [kc[indptr[c]:indptr[c + 1]] for c in range(n)]
+
+    def remote(rank_need, own_mask_cols, cols):
+        return int(((rank_need[cols] > 0) & ~own_mask_cols).sum())
+
+    def delta(x, y):
+        rx, ry = owner[x], owner[y]
+        sx, sy = seen[x], seen[y]
+        cols = np.unique(np.concatenate([sx, sy, [x, y]]))
+        before = 0
+        after = 0
+        for r, gain, lose, gets, gives in ((rx, sy, sx, y, x), (ry, sx, sy, x, y)):
+            own = owner[cols] == r
+            before += remote(need[r], own, cols)
+            nr = need[r][cols].copy()
+            nr[np.searchsorted(cols, lose)] -= 1
+            nr[np.searchsorted(cols, gain)] += 1
+            own2 = own.copy()
+            own2[np.searchsorted(cols, gives)] = False
+            own2[np.searchsorted(cols, gets)] = True
+            after += int(((nr > 0) & ~own2).sum())
+        return after - before
+
+    for _ in range(rounds):
+        improved = False
+        for x in range(n):
+            rx = owner[x]
+            partners = np.argsort(-need[:, x], kind="stable")[:2]
+            for ry in partners.tolist():
+                if ry == rx or need[ry, x] == 0:
+                    continue
+                ys = assign[ry]
+                feasible = ((loads[rx] - area[x] + area[ys] <= cap)
+                            & (loads[ry] - area[ys] + area[x] <= cap))
+                ys = ys[feasible]
+                if not len(ys):
+                    continue
+                ys = ys[np.argsort(-need[rx, ys], kind="stable")[:4]]
+                scores = [delta(x, y) for y in ys.tolist()]
+                k = int(np.argmin(scores))
+                if scores[k] >= 0:
+                    continue
+                y = int(ys[k])
+                np.add.at(need[rx], seen[x], -1)
+                np.add.at(need[ry], seen[x], 1)
+                np.add.at(need[ry], seen[y], -1)
+                np.add.at(need[rx], seen[y], 1)
+                assign[rx, slot[x]], assign[ry, slot[y]] = y, x
+                owner[x], owner[y] = ry, rx
+                slot[x], slot[y] = slot[y], slot[x]
+                loads[rx] += area[y] - area[x]
+                loads[ry] += area[x] - area[y]
+                improved = True
+                break
+        if not improved:
+            break
+    return assign
+
+
+_ASSIGN = {"contiguous": _contiguous, "striped": _striped, "zigzag": _zigzag,
+           "greedy": _greedy}
+
+
+def auto_chunk_size(total: int, cp: int, chunks_per_rank: int) -> int:
+    """Chunk size giving about ``chunks_per_rank`` chunks per rank, rounded up to a power of
+    two that keeps the padding under ~1.6% (``align <= chunk / 64``)."""
+    c = max(1, -(-total // (cp * chunks_per_rank)))
+    align = 1 << max(0, min(7, (c // 64).bit_length() - 1)) if c >= 64 else 1
+    return -(-c // align) * align
+
+
+def _validate(mask, cp, chunk_size, algorithm):
+    if not isinstance(mask, AttnMask):
+        raise TypeError(f"mask must be an AttnMask; got {type(mask).__name__}")
+    if mask.total_q != mask.total_k:
+        raise ValueError(
+            f"context parallelism dispatches queries and keys of one packed sequence, but the "
+            f"mask has total_q={mask.total_q} != total_k={mask.total_k}; build the mask over "
+            "one sequence (self-attention)")
+    if int(cp) < 1:
+        raise ValueError(f"cp={cp} must be >= 1 (the size of the context-parallel mesh axis)")
+    if chunk_size is not None and int(chunk_size) < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be a positive number of tokens, or None "
+                         "for automatic")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
+
+
+@functools.lru_cache(maxsize=128)
+def solve_dispatch(mask: AttnMask, cp: int, chunk_size: int | None = None,
+                   algorithm: str = "magi") -> DispatchMeta:
+    """Assigns chunks of the (padded) sequence to ``cp`` ranks; cached by (mask fingerprint,
+    cp, chunk_size, algorithm).
+
+    ``chunk_size=None`` chooses it: for ``"magi"`` the fewest of 8/16/32 chunks per rank that
+    reach max/mean area ≤ 1.01 (else the best of them), for the baselines 8 per rank.
+    Sequences whose length is not a multiple of ``cp·chunk_size`` are padded at the end.
+    """
+    _validate(mask, cp, chunk_size, algorithm)
+    cp = int(cp)
+    total = mask.total_q
+    if chunk_size is not None:
+        return _solve(mask, cp, int(chunk_size), algorithm)
+    if algorithm != "magi":
+        return _solve(mask, cp, auto_chunk_size(total, cp, _AUTO_CHUNKS_PER_RANK[0]), algorithm)
+    best = None
+    for m in _AUTO_CHUNKS_PER_RANK:
+        c = auto_chunk_size(total, cp, m)
+        meta = _solve(mask, cp, c, "balance")
+        if best is None or meta.imbalance() < best.imbalance() - 1e-9:
+            best = meta
+        if best.imbalance() <= _AUTO_TARGET or c == 1:
+            break
+    # Communication refinement once, on the chunking that balanced best.
+    assign = _refine_comm(best.rank_chunks, best.chunk_area, mask, best.chunk_size)
+    return _meta(mask, cp, best.chunk_size, assign, best.chunk_area, algorithm)
+
+
+def _solve(mask: AttnMask, cp: int, chunk_size: int, algorithm: str) -> DispatchMeta:
+    total = mask.total_q
+    m = max(1, -(-total // (cp * chunk_size)))
+    if algorithm == "zigzag" and m % 2:
+        m += 1                     # two halves per rank
+    n = m * cp
+    area = chunk_areas(mask, chunk_size, n)
+    if algorithm in ("magi", "balance"):
+        assign = _refine_swaps(_greedy(n, cp, area), area)
+        if algorithm == "magi":
+            assign = _refine_comm(assign, area, mask, chunk_size)
+    else:
+        assign = _ASSIGN[algorithm](n, cp, area)
+    return _meta(mask, cp, chunk_size, assign, area, algorithm)
+
+
+def _meta(mask, cp, chunk_size, assign, area, algorithm) -> DispatchMeta:
+    total = mask.total_q
+    assign = np.sort(assign, axis=1).astype(np.int64)
+    assign.setflags(write=False)
+    area.setflags(write=False)
+    return DispatchMeta(total=total, cp=cp, chunk_size=chunk_size, rank_chunks=assign,
+                        algorithm=algorithm, chunk_area=area)
