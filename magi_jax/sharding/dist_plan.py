@@ -50,6 +50,7 @@ class StagePlan:
     cast: CastTable | None
     num_slices: np.ndarray          # int64 [cp]: canonical pieces in the plan, per rank
     area: np.ndarray                # int64 [cp]: cells per rank
+    shapes: tuple[SliceShapes, ...]  # per rank: the local-coordinate shapes planned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +228,8 @@ def _build(mask, meta, degree, bq, bk) -> DistPlan:
         plans = [build_xla_plan(x, t_loc, kv_len, bq, bk).arrays() for x in shapes]
         return StagePlan(ffa=stack_plans(plans), kv_len=kv_len, cast=cast,
                          num_slices=np.array([len(x.q0) for x in shapes], np.int64),
-                         area=np.array([int(x.areas().sum()) for x in shapes], np.int64))
+                         area=np.array([int(x.areas().sum()) for x in shapes], np.int64),
+                         shapes=tuple(shapes))
 
     if degree == 0 or not any_remote:
         if any_remote:
