@@ -97,9 +97,11 @@ def row_intervals(mask: AttnMask):
 def attention_fn(impl: str, mask: AttnMask, name: str):
     """``f(q, k, v) -> out`` for one implementation, or raises NotImplementedError."""
     t = mask.total_q
-    if impl == "ffa_pallas":
+    if impl.startswith("ffa_pallas"):
+        # "ffa_pallas" or with tuning, e.g. "ffa_pallas:num_stages=3:fused_acc=0".
         from magi_jax.pallas import flex_flash_attention_pallas
-        return lambda q, k, v: flex_flash_attention_pallas(q, k, v, mask)[0]
+        tuning = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in impl.split(":")[1:]}
+        return lambda q, k, v: flex_flash_attention_pallas(q, k, v, mask, **tuning)[0]
     if impl == "ffa_xla":
         if t > 8192:
             raise NotImplementedError("ffa_xla only up to 8k (slow)")

@@ -71,6 +71,9 @@ class _Config:
     scale: float
     softcap: float
     interpret: bool
+    num_stages: int = 2
+    bwd_num_stages: int = 2
+    fused_acc: bool = True
 
 
 def _pad_rows(x, multiple):
@@ -86,7 +89,8 @@ def _forward(q, k, v, plan: KernelPlanArrays, cfg: _Config):
     qp = _pad_rows(q, FWD_BLOCK_Q)
     kp, vp = _pad_rows(k, FWD_BLOCK_K), _pad_rows(v, FWD_BLOCK_K)
     out, lse_bht = ffa_forward(qp, kp, vp, plan.q_order, plan.q_offsets, plan.q_items,
-                               FwdConfig(cfg.scale, cfg.softcap, interpret=cfg.interpret))
+                               FwdConfig(cfg.scale, cfg.softcap, num_stages=cfg.num_stages,
+                                         fused_acc=cfg.fused_acc, interpret=cfg.interpret))
     return out[:, :tq], lse_bht[:, :, :tq]
 
 
@@ -116,7 +120,8 @@ def _ffa_bwd(cfg, res, cts):
     pad_stat = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -tq % FWD_BLOCK_Q)))
     args = (pad_q(q), pad_k(k), pad_k(v), pad_q(dout.astype(q.dtype)), pad_stat(lse2),
             pad_stat(delta))
-    bcfg = BwdConfig(cfg.scale, cfg.softcap, interpret=cfg.interpret)
+    bcfg = BwdConfig(cfg.scale, cfg.softcap, num_stages=cfg.bwd_num_stages,
+                     interpret=cfg.interpret)
     dq = ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items, bcfg)
     dk, dv = ffa_dkv(*args, plan.k_order, plan.k_offsets, plan.k_items, bcfg)
     return dq[:, :tq], dk[:, :tk], dv[:, :tk], None
@@ -126,15 +131,20 @@ _ffa.defvjp(_ffa_fwd, _ffa_bwd)
 
 
 def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap: float = 0.0,
-               interpret: bool = False):
+               interpret: bool = False, num_stages: int = 2, bwd_num_stages: int = 2,
+               fused_acc: bool = True):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
     q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64 or 128); ``plan`` from
     :func:`kernel_plan_for_mask` (``.arrays()``) for these ``Tq``/``Tk``, as int32 arrays.
     Returns ``out`` (q's shape and dtype) and ``lse [(B,) Tq, Hq]`` float32 (natural log,
     ``-inf`` for rows that see no key). Differentiable in q, k, v, also through lse.
-    ``interpret=True`` runs the kernels in Mosaic GPU interpret mode (CPU, tests only)."""
-    cfg = _Config(float(softmax_scale), float(softcap), bool(interpret))
+    ``interpret=True`` runs the kernels in Mosaic GPU interpret mode (CPU, tests only).
+    Tuning (results do not depend on it beyond rounding): ``num_stages`` /
+    ``bwd_num_stages`` shared-memory slots of the producer rings, ``fused_acc`` whether the
+    forward lets wgmma accumulate into the rescaled output registers."""
+    cfg = _Config(float(softmax_scale), float(softcap), bool(interpret), int(num_stages),
+                  int(bwd_num_stages), bool(fused_acc))
     plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     if q.ndim == 3:
         out, lse = _ffa(q[None], k[None], v[None], plan, cfg)
@@ -143,7 +153,7 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
 
 
 def flex_flash_attention_pallas(q, k, v, mask, *, softmax_scale: float | None = None,
-                                softcap: float = 0.0, interpret: bool = False):
+                                softcap: float = 0.0, interpret: bool = False, **tuning):
     """:func:`magi_jax.flex_flash_attention` on the Mosaic GPU kernels. Same contract;
     raises ``ValueError`` naming the reason when the inputs are not supported."""
     ok, why = supported(q, k, v, mask, check_device=not interpret)
@@ -151,4 +161,5 @@ def flex_flash_attention_pallas(q, k, v, mask, *, softmax_scale: float | None = 
         raise ValueError(f"backend='pallas' cannot run these inputs: {why}; use backend='xla'")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     plan = kernel_plan_for_mask(mask).arrays()
-    return ffa_pallas(q, k, v, plan, softmax_scale=scale, softcap=softcap, interpret=interpret)
+    return ffa_pallas(q, k, v, plan, softmax_scale=scale, softcap=softcap, interpret=interpret,
+                      **tuning)

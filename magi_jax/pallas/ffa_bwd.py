@@ -101,12 +101,17 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
                     geom = tuple(items_ref[it, f] for f in range(1, 7))
                     full = items_ref[it, 7]
                     plgpu.barrier_wait(k_ready.at[slot])
+                    plgpu.barrier_wait(v_ready.at[slot])
 
-                    def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].T)
-                        return acc_ref[...]
+                    # S = Q·Kᵀ and dP = dO·Vᵀ issued back to back, one wait for both.
+                    def qk_dov(s_ref, dp_ref):
+                        plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
+                        plgpu.wgmma(dp_ref, my_do, v_smem.at[slot].T)
+                        return s_ref[...], dp_ref[...]
 
-                    s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+                    s, dp = pl.run_scoped(qk_dov, plgpu.ACC((bq, bk), jnp.float32),
+                                          plgpu.ACC((bq, bk), jnp.float32))
+                    plgpu.barrier_arrive(v_free.at[slot])
                     s, dcap = _log2_scores(s, cfg)
 
                     def masked():
@@ -115,14 +120,6 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
 
                     s = lax.cond(full != 0, lambda: s, masked)
                     p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [0]))
-                    plgpu.barrier_wait(v_ready.at[slot])
-
-                    def dov(acc_ref):
-                        plgpu.wgmma(acc_ref, my_do, v_smem.at[slot].T)
-                        return acc_ref[...]
-
-                    dp = pl.run_scoped(dov, plgpu.ACC((bq, bk), jnp.float32))
-                    plgpu.barrier_arrive(v_free.at[slot])
                     ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
                     if dcap is not None:
                         ds = ds * dcap
@@ -236,12 +233,16 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
                     geom = tuple(items_ref[it, f] for f in range(1, 7))
                     full = items_ref[it, 7]
                     plgpu.barrier_wait(q_ready.at[slot])
+                    plgpu.barrier_wait(do_ready.at[slot])
 
-                    def kq(acc_ref):
-                        plgpu.wgmma(acc_ref, my_k, q_smem.at[slot].T)
-                        return acc_ref[...]
+                    # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ issued back to back, one wait for both.
+                    def kq_vdo(s_ref, dp_ref):
+                        plgpu.wgmma(s_ref, my_k, q_smem.at[slot].T)
+                        plgpu.wgmma(dp_ref, my_v, do_smem.at[slot].T)
+                        return s_ref[...], dp_ref[...]
 
-                    st = pl.run_scoped(kq, plgpu.ACC((bk, bq), jnp.float32))
+                    st, dpt = pl.run_scoped(kq_vdo, plgpu.ACC((bk, bq), jnp.float32),
+                                            plgpu.ACC((bk, bq), jnp.float32))
                     st, dcap = _log2_scores(st, cfg)
 
                     def masked():
@@ -253,24 +254,18 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
                     plgpu.barrier_wait(lse_ready.at[slot])
                     lse2 = plgpu.load(lse_smem.at[slot], layout=_COL)
                     plgpu.barrier_arrive(lse_free.at[slot])
-                    pt = jnp.exp2(st - lax.broadcast_in_dim(lse2, st.shape, [1]))
-                    plgpu.barrier_wait(do_ready.at[slot])
-                    mma_lhs(dv_acc, pt.astype(dtype), do_smem.at[slot], stages_[0])
-
-                    def vdo(acc_ref):
-                        plgpu.wgmma(acc_ref, my_v, do_smem.at[slot].T)
-                        return acc_ref[...]
-
-                    dpt = pl.run_scoped(vdo, plgpu.ACC((bk, bq), jnp.float32))
-                    plgpu.barrier_arrive(do_free.at[slot])
                     plgpu.barrier_wait(delta_ready.at[slot])
                     delta = plgpu.load(delta_smem.at[slot], layout=_COL)
                     plgpu.barrier_arrive(delta_free.at[slot])
+                    pt = jnp.exp2(st - lax.broadcast_in_dim(lse2, st.shape, [1]))
                     dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
                     if dcap is not None:
                         dst = dst * dcap
+                    # dV += Pᵀ·dO and dK += dSᵀ·Q, both in flight before the one wait.
+                    mma_lhs(dv_acc, pt.astype(dtype), do_smem.at[slot], stages_[0])
                     mma_lhs(dk_acc, dst.astype(dtype), q_smem.at[slot], stages_[1])
                     plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(do_free.at[slot])
                     plgpu.barrier_arrive(q_free.at[slot])
                     return carry
 

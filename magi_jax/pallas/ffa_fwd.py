@@ -35,6 +35,9 @@ class FwdConfig:
     scale: float
     softcap: float
     num_stages: int = 2
+    # Rescale O in registers and let wgmma accumulate into it (pl.run_state). GPU interpret
+    # mode cannot run that, so there P·V lands in a fresh accumulator that is then added.
+    fused_acc: bool = True
     interpret: bool = False
 
     def __post_init__(self):
@@ -120,19 +123,28 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 alpha = jnp.exp2(m_i - m_use)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
+                fused = cfg.fused_acc and not cfg.interpret
                 p16 = p.astype(dtype)
+                l_i = l_i * alpha + p.sum(axis=1)
+                if fused:
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    acc, l_i, p16 = lax.optimization_barrier((acc, l_i, p16))
                 plgpu.barrier_wait(v_ready.at[slot])
                 schedule_barrier()
+                if fused:
+                    def pv_into(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
 
-                def pv(acc_ref):
-                    mma_lhs(acc_ref, p16, v_smem.at[slot],
-                            p_stage[0].at[wg] if p_stage else None)
-                    return acc_ref[...]
+                    acc = pl.run_state(pv_into)(plgpu.ACC.init(acc))
+                else:
+                    def pv(acc_ref):
+                        mma_lhs(acc_ref, p16, v_smem.at[slot],
+                                p_stage[0].at[wg] if p_stage else None)
+                        return acc_ref[...]
 
-                o = pl.run_scoped(pv, plgpu.ACC((bq, d), jnp.float32))
+                    o = pl.run_scoped(pv, plgpu.ACC((bq, d), jnp.float32))
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
                 plgpu.barrier_arrive(v_free.at[slot])
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
                 return acc, m_new, l_i
 
             acc, m_i, l_i = lax.fori_loop(0, num_items, step, (acc, m_i, l_i))
