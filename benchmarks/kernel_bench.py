@@ -114,8 +114,9 @@ def attention_fn(impl: str, mask: AttnMask, name: str):
         if name in ("full", "causal"):
             return functools.partial(jax.nn.dot_product_attention, is_causal=name == "causal",
                                      implementation=kind)
-        if t > 32768:
-            raise NotImplementedError("dense bool mask only up to 32k")
+        if t > 32768 or (impl == "cudnn" and name != "doc_causal"):
+            raise NotImplementedError("dense bool mask: only doc_causal up to 32k (PERF.md's "
+                                      "comparison; ~23 TFLOP/s, the cost is Tq·Tk)")
         dense = jnp.asarray(mask.to_dense(max_cells=1 << 31))[None, None]
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense,
                                                             implementation=kind)
