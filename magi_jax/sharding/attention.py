@@ -5,9 +5,10 @@ group-cast; every remote stage runs FFA on its fetched KV buffer; the partial ``
 are merged in float32. With ``overlap_degree = 0`` all remote KV is fetched first and one FFA
 call covers ``concat(local KV, remote KV)``. Backward is autodiff of these pieces: FFA's own
 VJP, the merge, and ``group_cast``'s adjoint ``group_reduce``, which sums the partial dK/dV
-of fetched KV (float32) back onto their owners. Each remote stage is rematerialised in the
-backward (its KV buffer is re-fetched rather than kept), so memory stays at local KV plus the
-stage in flight.
+of fetched KV (float32) back onto their owners. With ``backward_refetch=True`` on the key,
+each remote stage is rematerialised in the backward (its KV buffer re-fetched rather than
+kept, so memory stays at local KV plus the stage in flight) at the price of re-running that
+stage's FFA forward; by default the buffers are kept as residuals.
 """
 
 from __future__ import annotations
@@ -58,11 +59,13 @@ def _stage_ffa(q, k_local, v_local, kv_local, ffa_arrays, cast_arrays, stage, ke
         kk, vv = k_local, v_local
     else:
         buf = group_cast(kv_local, cast_arrays, stage.cast)
-        buf = checkpoint_name(buf, _REMOTE_KV)
         kk, vv = buf[:, :hkv], buf[:, hkv:]
         if stage.combined:
             kk = jnp.concatenate([k_local, kk])
             vv = jnp.concatenate([v_local, vv])
+        # The values FFA keeps for its backward are named, so the stage's checkpoint policy
+        # re-fetches them instead of holding every stage's KV buffer until the backward.
+        kk, vv = checkpoint_name(kk, _REMOTE_KV), checkpoint_name(vv, _REMOTE_KV)
     return ffa(q, kk, vv, ffa_arrays, softmax_scale=scale, softcap=softcap,
                block_q=key.block_q, block_k=key.block_k)
 
@@ -74,8 +77,10 @@ def _local(q, k, v, stage_arrays, key: MagiKey, scale: float, softcap: float):
     for stage, (ffa_arrays, cast_arrays) in zip(key.stages, stage_arrays):
         fn = functools.partial(_stage_ffa, stage=stage, key=key, scale=scale,
                                softcap=softcap)
-        if stage.cast is not None:
-            # Re-fetch the remote KV in the backward instead of keeping every stage's buffer.
+        if stage.cast is not None and key.backward_refetch:
+            # Re-fetch the remote KV in the backward instead of keeping every stage's buffer
+            # (costs re-running the stage's FFA forward: the FFA contract has no entry that
+            # takes saved (out, lse) without its inputs).
             fn = jax.checkpoint(
                 fn, policy=jax.checkpoint_policies.save_any_names_but_these(_REMOTE_KV))
         o, l = fn(q, k, v, kv, ffa_arrays, cast_arrays)

@@ -134,7 +134,8 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
                   chunk_size: int | None = None, overlap_degree: int | None = None,
                   comm_backend: str = "auto", dispatch_algorithm: str = "magi",
                   dispatch_from: MagiKey | None = None, block_q: int | None = None,
-                  block_k: int | None = None, ffa_backend: str = "xla") -> MagiKey:
+                  block_k: int | None = None, ffa_backend: str = "xla",
+                  backward_refetch: bool = False) -> MagiKey:
     """Plans context-parallel attention of ``mask`` over ``mesh``'s ``cp_axis``.
 
     Args:
@@ -153,6 +154,8 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
         mask over the same sequence — layers with different masks share one dispatch.
       block_q, block_k: FFA tile sizes (default 128, smaller for short local lengths).
       ffa_backend: per-rank FFA implementation (``"xla"``; ``"pallas"`` when it lands).
+      backward_refetch: re-fetch each remote stage's KV in the backward instead of keeping
+        it (less memory, one more FFA forward per remote stage).
 
     Returns a :class:`MagiKey`; cached by (mask fingerprint, mesh, options).
     """
@@ -183,7 +186,7 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
     return _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend,
                      dispatch_algorithm,
                      None if dispatch_from is None else _MetaRef(dispatch_from.plan.meta),
-                     block_q, block_k, ffa_backend, cp)
+                     block_q, block_k, ffa_backend, cp, bool(backward_refetch))
 
 
 class _MetaRef:
@@ -202,7 +205,7 @@ class _MetaRef:
 
 @functools.lru_cache(maxsize=64)
 def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, algorithm,
-              meta_ref, block_q, block_k, ffa_backend, cp) -> MagiKey:
+              meta_ref, block_q, block_k, ffa_backend, cp, backward_refetch) -> MagiKey:
     if meta_ref is not None:
         meta = meta_ref.meta
     else:
@@ -232,11 +235,12 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
     inverse[order] = np.arange(meta.padded_total)
     replicated = NamedSharding(mesh, P())
     token = (mask.fingerprint, meta.fingerprint(), id(mesh), cp_axis, degree, bq, bk,
-             comm_backend, ffa_backend)
+             comm_backend, ffa_backend, backward_refetch)
     static = _Static(token, mesh=mesh, cp_axis=cp_axis, cp=cp, total=meta.total,
                      padded_total=meta.padded_total, local_len=meta.local_len,
                      overlap_degree=plan.overlap_degree, block_q=bq, block_k=bk,
-                     stages=tuple(statics), plan=plan, mask=mask, ffa_backend=ffa_backend)
+                     stages=tuple(statics), plan=plan, mask=mask, ffa_backend=ffa_backend,
+                     backward_refetch=backward_refetch)
     return MagiKey(static,
                    jax.device_put(order.astype(np.int32), replicated),
                    jax.device_put(inverse[:meta.total].astype(np.int32), replicated),

@@ -1,0 +1,158 @@
+"""magi_attention through dispatch/undispatch on 8 CPU host devices vs the single-device
+float64 reference, by DESIGN.md §6 (forward and gradients)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import magi_jax as mj
+from magi_jax.mask import AttnMask
+from magi_jax.sharding import (dispatch, magi_attention, magi_attention_local, make_flex_key,
+                               make_varlen_key, position_ids, undispatch)
+from magi_jax.testing import assert_matches_reference, random_inputs
+from tests.sharding.masks import CU, T, ZOO, self_attention_masks
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh(cp):
+    return jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@functools.lru_cache(maxsize=None)
+def _end_to_end(key, softcap=0.0, softmax_scale=None):
+    """Jitted natural-order forward + VJP through dispatch -> magi_attention -> undispatch."""
+    def fwd(q, k, v):
+        o, l = magi_attention(dispatch(q, key), dispatch(k, key), dispatch(v, key), key,
+                              softcap=softcap, softmax_scale=softmax_scale)
+        return undispatch(o, key), undispatch(l, key)
+
+    @jax.jit
+    def run(q, k, v, dout, dlse):
+        (out, lse), vjp = jax.vjp(fwd, q, k, v)
+        dq, dk, dv = vjp((dout, dlse))
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    return run
+
+
+def _check(mask, cp, degree=None, dtype=jnp.float32, hq=2, hkv=1, d=8, seed=0, **kw):
+    key = make_flex_key(mask, _mesh(cp), "cp", overlap_degree=degree,
+                        **{k: kw.pop(k) for k in ("chunk_size", "dispatch_algorithm",
+                                                  "comm_backend", "backward_refetch")
+                           if k in kw})
+    q, k, v, dout, dlse = random_inputs(jax.random.key(seed), mask, hq, hkv, d, dtype)
+    res = _end_to_end(key, **kw)(q, k, v, dout, dlse)
+    assert res["out"].dtype == dtype and res["lse"].dtype == jnp.float32
+    assert_matches_reference(res, q, k, v, mask, dout, dlse, **kw)
+    return key, res
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_cp8(name):
+    _check(ZOO[name], 8)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_cp_sizes_doc_causal(cp):
+    _check(ZOO["doc_causal"], cp, hq=4, hkv=2)
+
+
+def test_overlap_degrees_agree():
+    results = {}
+    for degree in (0, 1, 3):
+        key, results[degree] = _check(ZOO["shared_question"], 4, degree, chunk_size=3,
+                                      backward_refetch=degree == 3)
+        assert key.overlap_degree == degree
+        assert len(key.stages) == (1 if degree == 0 else degree + 1)
+    for degree in (1, 3):
+        for n in results[0]:
+            np.testing.assert_allclose(np.asarray(results[degree][n]),
+                                       np.asarray(results[0][n]), rtol=2e-5, atol=2e-5,
+                                       err_msg=f"{n}, degree {degree}")
+
+
+@settings(max_examples=4)
+@given(self_attention_masks(min_len=5, max_len=40), st.sampled_from([2, 4, 8]),
+       st.sampled_from([0, 1, 3]))
+def test_random_masks(mask, cp, degree):
+    _check(mask, cp, degree)
+
+
+def test_bfloat16_gqa_softcap_all_to_all():
+    _check(ZOO["block_causal"], 4, 2, jnp.bfloat16, hq=4, hkv=2, d=16, softcap=4.0,
+           comm_backend="all_to_all")
+
+
+def test_dispatch_undispatch_positions_and_shared_dispatch():
+    mesh = _mesh(4)
+    key = make_varlen_key(CU, mesh, "cp", causal=True, chunk_size=3)
+    assert key.padded_total == 72 and key.total == T
+    x = jnp.arange(T, dtype=jnp.float32)[:, None] * jnp.ones((1, 3))
+    xd = dispatch(x, key)
+    assert xd.shape == (72, 3) and xd.sharding.spec[0] == "cp"
+    pos = np.asarray(position_ids(key))
+    real = pos < T
+    np.testing.assert_array_equal(np.asarray(xd)[real, 0], pos[real])
+    np.testing.assert_array_equal(np.asarray(xd)[~real], 0)
+    np.testing.assert_array_equal(np.asarray(undispatch(xd, key)), np.asarray(x))
+    # VJP of dispatch is undispatch of the cotangent (and drops padding).
+    w = jax.random.normal(jax.random.key(1), (72, 3))
+    g = jax.grad(lambda a: (dispatch(a, key) * w).sum())(x)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(undispatch(w, key)))
+    # A second mask over the same tokens reuses the dispatch.
+    key2 = make_flex_key(AttnMask.sliding_window(T, 4, 0), mesh, "cp", dispatch_from=key)
+    np.testing.assert_array_equal(np.asarray(position_ids(key2)), pos)
+    assert key2.plan.meta is key.plan.meta
+    q, k, v, dout, dlse = random_inputs(jax.random.key(2), key2.mask, 2, 1, 8, jnp.float32)
+    assert_matches_reference(_end_to_end(key2)(q, k, v, dout, dlse), q, k, v, key2.mask,
+                             dout, dlse)
+
+
+def test_local_api_inside_user_shard_map():
+    from jax.sharding import PartitionSpec as P
+    mask = ZOO["prefix_lm"]
+    key = make_flex_key(mask, _mesh(4), "cp", overlap_degree=1)
+    q, k, v, _, _ = random_inputs(jax.random.key(3), mask, 2, 1, 8, jnp.float32)
+    body = lambda q_, k_, v_: magi_attention_local(q_, k_, v_, key)
+    f = jax.jit(jax.shard_map(body, mesh=key.mesh, in_specs=(P("cp"),) * 3,
+                              out_specs=(P("cp"), P("cp")), check_vma=False))
+    out, lse = f(dispatch(q, key), dispatch(k, key), dispatch(v, key))
+    assert_matches_reference(dict(out=undispatch(out, key), lse=undispatch(lse, key)), q, k, v,
+                             mask)
+
+
+def test_key_is_cached_and_a_pytree():
+    mesh = _mesh(2)
+    a = make_flex_key(ZOO["causal"], mesh, "cp", overlap_degree=1)
+    assert make_flex_key(ZOO["causal"], mesh, "cp", overlap_degree=1) is a
+    leaves, tree = jax.tree.flatten(a)
+    assert all(np.asarray(x).dtype == np.int32 for x in leaves)
+    assert jax.tree.unflatten(tree, leaves).plan is a.plan
+
+
+def test_errors_name_argument_value_and_fix():
+    mesh = _mesh(2)
+    key = make_flex_key(ZOO["causal"], mesh, "cp")
+    with pytest.raises(ValueError, match="cp_axis='sp'.*axes"):
+        make_flex_key(ZOO["causal"], mesh, "sp")
+    with pytest.raises(ValueError, match="total_q=4 != total_k=6"):
+        make_flex_key(AttnMask.full(4, 6), mesh, "cp")
+    with pytest.raises(NotImplementedError, match="comm_backend='native'"):
+        make_flex_key(ZOO["causal"], mesh, "cp", comm_backend="native")
+    q = jnp.zeros((key.padded_total - 1, 2, 8))
+    with pytest.raises(ValueError, match="dispatch it first"):
+        magi_attention(q, q, q, key)
+    with pytest.raises(ValueError, match="dispatch: x has shape"):
+        dispatch(jnp.zeros((T + 1, 2)), key)
+    with pytest.raises(ValueError, match="dispatch_from was made for"):
+        make_flex_key(AttnMask.causal(T + 1), mesh, "cp", dispatch_from=key)
+
+
+def test_public_names():
+    for name in ("make_flex_key", "make_varlen_key", "dispatch", "undispatch",
+                 "magi_attention", "position_ids"):
+        assert getattr(mj, name) is getattr(__import__("magi_jax.sharding").sharding, name)
