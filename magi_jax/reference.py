@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from magi_jax.mask import AttnMask
 
-__all__ = ["reference_attention", "reference_attention_vjp"]
+__all__ = ["reference_attention", "reference_attention_vjp", "dense_attention"]
 
 
 def _attend(q, k, v, dense, scale, softcap):
@@ -45,8 +45,14 @@ def reference_attention(q, k, v, mask: AttnMask, *, softmax_scale=None, softcap:
     inputs). Rows that see no key give ``out = 0``, ``lse = -inf`` and zero gradients.
     Differentiable with ``jax.grad`` / ``jax.vjp``.
     """
+    return dense_attention(q, k, v, mask.to_dense(), softmax_scale=softmax_scale,
+                           softcap=softcap)
+
+
+def dense_attention(q, k, v, dense, *, softmax_scale=None, softcap: float = 0.0):
+    """:func:`reference_attention` with the mask given as a bool ``[Tq, Tk]`` array (may be
+    traced, so one compilation serves every mask of a size)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    dense = mask.to_dense()
     out, lse = _attend(q, k, v, dense, scale, softcap)
     lse_dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     return out.astype(q.dtype), lse.astype(lse_dtype)

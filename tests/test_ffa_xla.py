@@ -34,10 +34,13 @@ ZOO = {
 
 
 def _run(mask, q, k, v, dout, dlse, **kw):
-    fn = lambda q_, k_, v_: mj.flex_flash_attention(q_, k_, v_, mask, backend="xla", **kw)
-    (out, lse), vjp = jax.vjp(fn, q, k, v)
-    dq, dk, dv = vjp((dout, dlse))
-    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    @jax.jit
+    def run(q, k, v, dout, dlse):
+        fn = lambda q_, k_, v_: mj.flex_flash_attention(q_, k_, v_, mask, backend="xla", **kw)
+        (out, lse), vjp = jax.vjp(fn, q, k, v)
+        dq, dk, dv = vjp((dout, dlse))
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    return run(q, k, v, dout, dlse)
 
 
 def _check(mask, dtype=jnp.float32, hq=4, hkv=2, d=16, batch=None, seed=0, softcap=0.0,
