@@ -111,31 +111,34 @@ def build_cast_table(meta: DispatchMeta, remote: list[np.ndarray], buffer_len: i
     global end, owner rank, stage, offset in the stage buffer); ``buffer_len`` >= every
     rank's buffer."""
     cp, c = meta.cp, meta.chunk_size
-    src, dst, g, pos_b = [], [], [], []
-    for r, rem in enumerate(remote):
-        pi, gg = ranges_repeat(rem[:, 0], rem[:, 1])
-        src.append(rem[pi, 2])
-        dst.append(np.full(len(gg), r, np.int64))
-        g.append(gg)
-        pos_b.append(rem[pi, 4] + gg - rem[pi, 0])
-    src, dst, g, pos_b = (np.concatenate(x).astype(np.int64) if x else np.zeros(0, np.int64)
-                          for x in (src, dst, g, pos_b))
-    order = np.lexsort((g, dst, src))
-    src, dst, g, pos_b = src[order], dst[order], g[order], pos_b[order]
+    # Work per piece first (few), then expand to tokens once: a piece's rows sit in the block
+    # (owner -> receiver) after the earlier pieces of that owner, in global-position order.
+    pieces = [np.column_stack([rem[:, :3], np.full(len(rem), r), rem[:, 4]])
+              for r, rem in enumerate(remote) if len(rem)]
+    pieces = np.concatenate(pieces) if pieces else np.zeros((0, 5), np.int64)
+    g0, g1, src, dst, off_b = (pieces[:, i].astype(np.int64) for i in range(5))
+    order = np.lexsort((g0, dst, src))
+    g0, g1, src, dst, off_b = g0[order], g1[order], src[order], dst[order], off_b[order]
+    length = g1 - g0
     pair = src * cp + dst
-    starts = np.searchsorted(pair, pair, side="left")
-    pos = np.arange(len(pair)) - starts                      # position inside its block
+    first = np.searchsorted(pair, pair, side="left")
+    cum = np.concatenate([[0], np.cumsum(length)])
+    off_block = cum[:-1] - cum[first]                         # piece start inside its block
+    block_len = np.zeros(cp * cp, np.int64)
+    np.add.at(block_len, pair, length)
     shift = (dst - src) % cp
     shifts = np.unique(shift)
     slot = np.searchsorted(shifts, shift)
-    s_len = int(pos.max()) + 1 if len(pos) else 1
     widths = np.zeros(len(shifts), np.int64)
-    np.maximum.at(widths, slot, pos + 1)
+    np.maximum.at(widths, slot, off_block + length)
+    s_len = max(int(block_len.max(initial=0)), 1)
     send = np.full((cp, len(shifts), s_len), -1, np.int32)
-    local_row = meta.chunk_slot[g // c] * c + g % c
-    send[src, slot, pos] = local_row
     recv = np.full((cp, max(int(buffer_len), 1)), -1, np.int32)
-    recv[dst, pos_b] = slot * s_len + pos
+    pi, g = ranges_repeat(g0, g1)
+    step = g - g0[pi]
+    pos = off_block[pi] + step
+    send[src[pi], slot[pi], pos] = meta.chunk_slot[g // c] * c + g % c
+    recv[dst[pi], off_b[pi] + step] = slot[pi] * s_len + pos
     return CastTable(send, recv, tuple(int(s) for s in shifts), tuple(int(w) for w in widths))
 
 
