@@ -1,0 +1,160 @@
+"""Ring attention (zigzag layout) on our FFA: the KV blocks travel around the ring with
+``ppermute``; every rank merges its partial results by log-sum-exp.
+
+Forward, rank ``r``, step ``s = 0 .. cp−1``: it holds the KV block of rank ``r − s`` (its own
+at ``s = 0``), sends it on to ``r + 1`` (issued before the step's FFA, so XLA may overlap the
+two) and runs FFA of its queries against it with the plan of the sub-mask between its tokens
+and that block. Steps where no rank sees any cell of its block skip the FFA (not the send).
+
+Backward (``custom_vjp``): the same ring again, now carrying KV *and* its partial dK/dV
+(float32). At every step each rank runs the FFA backward of its queries against the block it
+holds, given the merged ``(out, lse)``, adds dQ locally and dK/dV onto the travelling
+accumulator; a final hop brings every dK/dV home. Nothing is recomputed and at most one
+remote block is held at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from benchmarks.baselines.common import (Layout, LocalFFA, area, shard_stacked, sub_shapes)
+from magi_jax.sharding.attention import merge_partials
+
+__all__ = ["RingPlan", "make_ring_plan", "ring_attention", "ring_attention_local"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _RingStatic:
+    axis: str
+    cp: int
+    ffa: LocalFFA
+    active: tuple[bool, ...]       # per step: does any rank compute?
+
+
+@jax.tree_util.register_pytree_node_class
+class RingPlan:
+    """Per step ``s``, the FFA plan of every rank's sub-mask against the block of rank
+    ``r − s``, stacked ``[cp, ...]`` (``None`` for skipped steps). Host figures:
+    ``step_area [cp_steps, cp]``."""
+
+    def __init__(self, static: _RingStatic, steps, layout=None, step_area=None):
+        self.static = static
+        self.steps = steps
+        self.layout = layout
+        self.step_area = step_area
+
+    def tree_flatten(self):
+        return (self.steps,), self.static
+
+    @classmethod
+    def tree_unflatten(cls, static, children):
+        return cls(static, *children)
+
+
+def make_ring_plan(layout: Layout, ffa: LocalFFA) -> RingPlan:
+    """Host plan of ring attention over ``layout``."""
+    cp, tl, c = layout.cp, layout.local_len, layout.meta.chunk_size
+    chunks = layout.meta.rank_chunks
+    offsets = np.arange(chunks.shape[1]) * c
+    steps, active, areas = [], [], []
+    for s in range(cp):
+        shapes = [sub_shapes(layout, [r], chunks[(r - s) % cp], offsets) for r in range(cp)]
+        a = [area(x) for x in shapes]
+        areas.append(a)
+        active.append(any(a))
+        steps.append(shard_stacked(ffa.stack([ffa.plan(x, tl, tl) for x in shapes]), layout)
+                     if any(a) else None)
+    return RingPlan(_RingStatic(layout.axis, cp, ffa, tuple(active)), tuple(steps), layout,
+                    np.array(areas, np.int64))
+
+
+def _shift(x, axis, cp):
+    return jax.lax.ppermute(x, axis, [(i, (i + 1) % cp) for i in range(cp)])
+
+
+def _empty(q):
+    return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
+
+
+def _forward(q, k, v, steps, st: _RingStatic, scale, softcap):
+    hkv = k.shape[1]
+    kv = jnp.concatenate([k, v], axis=1)            # one ppermute carries K and V
+    outs, lses = [], []
+    for s in range(st.cp):
+        nxt = _shift(kv, st.axis, st.cp) if s < st.cp - 1 else None
+        if st.active[s]:
+            o, l = st.ffa.forward(q, kv[:, :hkv], kv[:, hkv:], steps[s], scale=scale,
+                                  softcap=softcap)
+            outs.append(o)
+            lses.append(l)
+        kv = nxt
+    if not outs:
+        return _empty(q)
+    return merge_partials(outs, lses, q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ring(q, k, v, steps, st, scale, softcap):
+    return _forward(q, k, v, steps, st, scale, softcap)
+
+
+def _ring_fwd(q, k, v, steps, st, scale, softcap):
+    out, lse = _forward(q, k, v, steps, st, scale, softcap)
+    return (out, lse), (q, k, v, steps, out, lse)
+
+
+def _ring_bwd(st, scale, softcap, res, cts):
+    q, k, v, steps, out, lse = res
+    dout, dlse = cts
+    hkv = k.shape[1]
+    kv = jnp.concatenate([k, v], axis=1)
+    dkv = jnp.zeros(kv.shape, jnp.float32)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    for s in range(st.cp):
+        if st.active[s]:
+            dq_s, dk_s, dv_s = st.ffa.backward(q, kv[:, :hkv], kv[:, hkv:], out, lse, dout,
+                                               dlse, steps[s], scale=scale, softcap=softcap)
+            dq = dq + dq_s.astype(jnp.float32)
+            dkv = dkv + jnp.concatenate([dk_s, dv_s], axis=1).astype(jnp.float32)
+        if s < st.cp - 1:
+            kv = _shift(kv, st.axis, st.cp)
+            dkv = _shift(dkv, st.axis, st.cp)
+    # After the last step rank r holds the dK/dV of rank r + 1: one more hop home.
+    dkv = _shift(dkv, st.axis, st.cp)
+    return (dq.astype(q.dtype), dkv[:, :hkv].astype(k.dtype), dkv[:, hkv:].astype(v.dtype),
+            None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_attention_local(q, k, v, steps, static: _RingStatic, *, softmax_scale=None,
+                         softcap: float = 0.0):
+    """Per-rank body (inside ``shard_map`` over the plan's axis): q ``[Tl, Hq, D]``, k/v
+    ``[Tl, Hkv, D]``, ``steps`` this rank's plan rows. Returns local ``(out, lse)``."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return _ring(q, k, v, steps, static, scale, float(softcap))
+
+
+def ring_attention(q, k, v, plan: RingPlan, *, softmax_scale=None, softcap: float = 0.0):
+    """Ring attention of dispatched (zigzag layout) q ``[padded_total, Hq, D]``, k/v
+    ``[padded_total, Hkv, D]`` sharded over the plan's axis. Returns dispatched
+    ``(out, lse)``; differentiable in q, k, v."""
+    st = plan.static
+    spec = P(st.axis)
+
+    def body(q, k, v, steps):
+        steps = jax.tree.map(lambda a: a[0], steps)
+        return ring_attention_local(q, k, v, steps, st, softmax_scale=softmax_scale,
+                                    softcap=softcap)
+
+    step_specs = jax.tree.map(lambda _: spec, plan.steps)
+    fn = jax.shard_map(body, mesh=plan.layout.mesh, in_specs=(spec, spec, spec, step_specs),
+                       out_specs=(spec, spec), check_vma=False)
+    return fn(q, k, v, plan.steps)
