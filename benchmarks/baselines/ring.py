@@ -35,6 +35,9 @@ class _RingStatic:
     cp: int
     ffa: LocalFFA
     active: tuple[bool, ...]       # per step: does any rank compute?
+    mesh: jax.sharding.Mesh
+    layout: Layout = dataclasses.field(compare=False, hash=False, repr=False)
+    step_area: np.ndarray = dataclasses.field(compare=False, hash=False, repr=False)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -43,11 +46,17 @@ class RingPlan:
     ``r − s``, stacked ``[cp, ...]`` (``None`` for skipped steps). Host figures:
     ``step_area [cp_steps, cp]``."""
 
-    def __init__(self, static: _RingStatic, steps, layout=None, step_area=None):
+    def __init__(self, static: _RingStatic, steps):
         self.static = static
         self.steps = steps
-        self.layout = layout
-        self.step_area = step_area
+
+    @property
+    def layout(self) -> Layout:
+        return self.static.layout
+
+    @property
+    def step_area(self) -> np.ndarray:
+        return self.static.step_area
 
     def tree_flatten(self):
         return (self.steps,), self.static
@@ -70,8 +79,9 @@ def make_ring_plan(layout: Layout, ffa: LocalFFA) -> RingPlan:
         active.append(any(a))
         steps.append(shard_stacked(ffa.stack([ffa.plan(x, tl, tl) for x in shapes]), layout)
                      if any(a) else None)
-    return RingPlan(_RingStatic(layout.axis, cp, ffa, tuple(active)), tuple(steps), layout,
-                    np.array(areas, np.int64))
+    static = _RingStatic(layout.axis, cp, ffa, tuple(active), layout.mesh, layout,
+                         np.array(areas, np.int64))
+    return RingPlan(static, tuple(steps))
 
 
 def _shift(x, axis, cp):
@@ -155,6 +165,6 @@ def ring_attention(q, k, v, plan: RingPlan, *, softmax_scale=None, softcap: floa
                                     softcap=softcap)
 
     step_specs = jax.tree.map(lambda _: spec, plan.steps)
-    fn = jax.shard_map(body, mesh=plan.layout.mesh, in_specs=(spec, spec, spec, step_specs),
+    fn = jax.shard_map(body, mesh=st.mesh, in_specs=(spec, spec, spec, step_specs),
                        out_specs=(spec, spec), check_vma=False)
     return fn(q, k, v, plan.steps)
