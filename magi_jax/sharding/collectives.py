@@ -23,8 +23,9 @@ back (shift ``-shifts[j]``), and are scatter-added (float32) into the owner's ro
 Transports: ``"ppermute"`` (one ``lax.ppermute`` per slot, sending only its ``width``
 columns; partly overlappable with compute on GPU, PERF.md) and ``"all_to_all"`` (one padded
 ``lax.all_to_all``; fewer launches when nearly every pair talks). ``ragged_all_to_all`` is not
-used: ~100x slower than the link on H200 and unsupported on CPU (PERF.md). A native FFI
-transport (NVSHMEM) plugs in by implementing :func:`_exchange` for the same tables.
+used: ~100x slower than the link on H200 and unsupported on CPU (PERF.md). ``"native"``: the
+C++ XLA FFI custom calls of :mod:`magi_jax.native` (NVSHMEM on GPU, a rendezvous of the host
+devices on CPU) take the same tables and replace the whole gather/exchange/scatter.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from magi_jax import native
 from magi_jax.sharding.solver import DispatchMeta, ranges_repeat
 
 __all__ = ["CastTable", "CastArrays", "CastSpec", "TRANSPORTS", "build_cast_table",
            "choose_transport", "group_cast", "group_reduce", "cast_model", "reduce_model"]
 
-TRANSPORTS = ("ppermute", "all_to_all")
+TRANSPORTS = ("ppermute", "all_to_all", "native")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +206,8 @@ def _cast(x, tables: CastArrays, spec: CastSpec):
     buf = recv.shape[0]
     if not spec.shifts:
         return jnp.zeros((buf,) + x.shape[1:], x.dtype)
+    if spec.transport == "native":
+        return native.group_cast(x, tables, spec)
     n, s = send.shape
     idx = jnp.where(send < 0, x.shape[0], send)
     blocks = jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
@@ -219,6 +223,8 @@ def _reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int):
     out = jnp.zeros((num_rows,) + tail, acc)
     if not spec.shifts:
         return out
+    if spec.transport == "native":
+        return native.group_reduce(y, tables, spec, num_rows)
     n, s = send.shape
     ridx = jnp.where(recv < 0, n * s, recv)
     slots = jnp.zeros((n * s,) + tail, acc).at[ridx].add(y.astype(acc), mode="drop")

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from magi_jax import native
 from magi_jax.mask import AttnMask
 from magi_jax.sharding.collectives import TRANSPORTS, CastArrays, CastSpec, choose_transport
 from magi_jax.sharding.dist_plan import DistPlan, build_dist_plan
@@ -26,7 +27,7 @@ from magi_jax.xla_ffa import FFAPlanArrays, default_block_sizes
 __all__ = ["MagiKey", "StageStatic", "make_flex_key", "make_varlen_key", "dispatch",
            "undispatch", "position_ids", "default_overlap_degree", "COMM_BACKENDS"]
 
-COMM_BACKENDS = ("auto", "xla") + TRANSPORTS + ("native",)
+COMM_BACKENDS = ("auto", "xla") + TRANSPORTS
 FFA_BACKENDS = ("xla",)
 # Cost model of the default overlap degree (H200 figures of PERF.md, bf16, Hq = Hkv = 16,
 # D = 128): seconds per attended cell, per fetched KV token, and per extra stage.
@@ -93,6 +94,11 @@ class MagiKey:
         except KeyError:
             raise AttributeError(name) from None
 
+    def plot(self, path=None, **kwargs):
+        """Picture of the plan (PNG at ``path``); see :func:`magi_jax.plot.plot_plan`."""
+        from magi_jax.plot import plot_key
+        return plot_key(self, path, **kwargs)
+
     def __repr__(self):
         p = self.plan
         return (f"MagiKey(cp={self.cp}, total={self.total}, padded_total={self.padded_total}, "
@@ -147,8 +153,10 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
         per rank).
       overlap_degree: number of remote stages (0: fetch all remote KV, then one FFA call);
         default from a compute/communication cost model.
-      comm_backend: ``"auto"``/``"xla"`` (XLA collectives, transport per stage),
-        ``"ppermute"``, ``"all_to_all"``; ``"native"`` is not available yet.
+      comm_backend: ``"xla"`` (XLA collectives, transport per stage), ``"ppermute"``,
+        ``"all_to_all"``, ``"native"`` (the FFI transport of :mod:`magi_jax.native`) or
+        ``"auto"``: ``native`` on GPUs with one process per GPU when its CUDA library was
+        built, else ``xla`` (``magi_jax.native.auto_reason(mesh, cp_axis)`` says why).
       dispatch_algorithm: one of :data:`~magi_jax.sharding.solver.ALGORITHMS`.
       dispatch_from: reuse this key's dispatch (same chunks on the same ranks) for another
         mask over the same sequence — layers with different masks share one dispatch.
@@ -166,8 +174,9 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
     if comm_backend not in COMM_BACKENDS:
         raise ValueError(f"comm_backend={comm_backend!r} is not one of {COMM_BACKENDS}")
     if comm_backend == "native":
-        raise NotImplementedError("comm_backend='native' (the NVSHMEM FFI transport) is not "
-                                  "available yet; use comm_backend='auto' (XLA collectives)")
+        native.check_mesh(mesh, cp_axis)
+    elif comm_backend == "auto" and native.auto_reason(mesh, cp_axis) is None:
+        comm_backend = "native"
     if ffa_backend not in FFA_BACKENDS:
         raise ValueError(f"ffa_backend={ffa_backend!r} is not one of {FFA_BACKENDS}")
     if dispatch_algorithm not in ALGORITHMS:
@@ -216,7 +225,7 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
               else int(overlap_degree))
     plan: DistPlan = build_dist_plan(mask, meta, degree, bq, bk)
     shard = NamedSharding(mesh, P(cp_axis))
-    put = lambda a: jax.device_put(np.ascontiguousarray(a, np.int32), shard)
+    put = lambda a: _put(a, shard)
     statics, arrays = [], []
     for st in plan.stages:
         ffa = FFAPlanArrays(*(put(a) for a in st.ffa))
@@ -226,6 +235,8 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
             continue
         transport = (choose_transport(st.cast) if comm_backend in ("auto", "xla")
                      else comm_backend)
+        if transport == "native":
+            native.check_table(st.cast)
         spec = CastSpec(cp_axis, cp, st.cast.shifts, st.cast.widths, transport)
         combined = st.kv_len != st.cast.buffer_len
         statics.append(StageStatic(st.kv_len, combined, spec))
@@ -241,10 +252,15 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
                      overlap_degree=plan.overlap_degree, block_q=bq, block_k=bk,
                      stages=tuple(statics), plan=plan, mask=mask, ffa_backend=ffa_backend,
                      backward_refetch=backward_refetch)
-    return MagiKey(static,
-                   jax.device_put(order.astype(np.int32), replicated),
-                   jax.device_put(inverse[:meta.total].astype(np.int32), replicated),
+    return MagiKey(static, _put(order, replicated), _put(inverse[:meta.total], replicated),
                    tuple(arrays))
+
+
+def _put(a: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host int32 array every process computed identically -> a global array; each
+    process fills only its addressable shards (multi-host safe, no cross-host transfer)."""
+    a = np.ascontiguousarray(a, np.int32)
+    return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
 
 
 def make_varlen_key(cu_seqlens, mesh: Mesh, cp_axis: str = "cp", *, causal: bool = True,

@@ -156,3 +156,13 @@ def test_public_names():
     for name in ("make_flex_key", "make_varlen_key", "dispatch", "undispatch",
                  "magi_attention", "position_ids"):
         assert getattr(mj, name) is getattr(__import__("magi_jax.sharding").sharding, name)
+
+
+def test_key_passes_through_jit_as_an_argument():
+    mask = ZOO["doc_window"]
+    key = make_flex_key(mask, _mesh(2), "cp", overlap_degree=1)
+    q, k, v, _, _ = random_inputs(jax.random.key(4), mask, 2, 1, 8, jnp.float32)
+    f = jax.jit(lambda q_, k_, v_, key_: magi_attention(q_, k_, v_, key_))
+    out, lse = f(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)
+    assert_matches_reference(dict(out=undispatch(out, key), lse=undispatch(lse, key)), q, k, v,
+                             mask)
