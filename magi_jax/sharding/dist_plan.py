@@ -19,6 +19,7 @@ options). Every process builds the whole plan itself.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 
 import numpy as np
@@ -29,7 +30,7 @@ from magi_jax.sharding.solver import (DispatchMeta, merge_intervals, ranges_repe
                                       slice_chunk_pairs)
 from magi_jax.xla_ffa import FFAPlanArrays, build_xla_plan, stack_plans
 
-__all__ = ["DistPlan", "StagePlan", "build_dist_plan", "RankView", "rank_views"]
+__all__ = ["DistPlan", "StagePlan", "build_dist_plan", "RankView", "rank_views", "split_areas"]
 
 # Diagonal bounds beyond this magnitude are "unbounded" sentinels and are never shifted.
 _UNBOUNDED = 1 << 39
@@ -188,40 +189,51 @@ def build_dist_plan(mask: AttnMask, meta: DispatchMeta, overlap_degree: int, blo
     return plan
 
 
+def _stage_shapes(mask, meta, views, r, which):
+    """Rank ``r``'s local-coordinate shapes for ``which`` = ``"host"`` (local KV),
+    ``"combined"`` (local KV then the whole remote buffer) or a remote stage index."""
+    c, t_loc = meta.chunk_size, meta.local_len
+    q_shift = meta.chunk_slot * c - np.arange(meta.num_chunks) * c     # per chunk
+    local_g0 = meta.rank_chunks[r] * c
+    local_shift = np.arange(meta.chunks_per_rank) * c - local_g0
+    if which == "host":
+        g0, g1, sk = local_g0, local_g0 + c, local_shift
+    else:
+        rem = views[r].remote
+        if which != "combined":
+            rem = rem[rem[:, 3] == which]
+        g0, g1, sk = rem[:, 0], rem[:, 1], rem[:, 4] - rem[:, 0]
+        if which == "combined":
+            g0 = np.concatenate([g0, local_g0])
+            g1 = np.concatenate([g1, local_g0 + c])
+            sk = np.concatenate([sk + t_loc, local_shift])
+        order = np.argsort(g0, kind="stable")
+        g0, g1, sk = g0[order], g1[order], sk[order]
+    return _clip_to_segments(mask.shapes, views[r].pairs, g0, g1, sk, q_shift)
+
+
+def split_areas(mask: AttnMask, meta: DispatchMeta):
+    """Per rank: area on local KV, area on remote KV and remote KV tokens (int64 ``[cp]``
+    each) — the inputs of the overlap cost model, without building any kernel plan."""
+    views = rank_views(mask, meta, 1)
+    host = np.array([_stage_shapes(mask, meta, views, r, "host").areas().sum()
+                     for r in range(meta.cp)], np.int64)
+    remote = np.array([_stage_shapes(mask, meta, views, r, 0).areas().sum()
+                       for r in range(meta.cp)], np.int64)
+    tokens = np.array([int(v.stage_len.sum()) for v in views], np.int64)
+    return host, remote, tokens
+
+
 def _build(mask, meta, degree, bq, bk) -> DistPlan:
-    cp, c, t_loc = meta.cp, meta.chunk_size, meta.local_len
+    cp, t_loc = meta.cp, meta.local_len
     num_remote = max(degree, 1)
     views = rank_views(mask, meta, num_remote)
-    sh = mask.shapes
-    q_shift = meta.chunk_slot * c - np.arange(meta.num_chunks) * c     # per chunk
     stage_len = np.array([v.stage_len for v in views]).reshape(cp, num_remote)
     buf_len = np.maximum(stage_len.max(axis=0), 1)                        # per remote stage
     casts = [build_cast_table(meta, [v.remote[v.remote[:, 3] == s] for v in views],
                               int(buf_len[s])) for s in range(num_remote)]
     any_remote = bool(stage_len.sum())
-
-    local_g0 = meta.rank_chunks * c                                       # [cp, m]
-    local_shift = (np.arange(meta.chunks_per_rank) * c)[None, :] - local_g0
-
-    def stage_shapes(r, which):
-        """'host' | 'combined' | remote stage index -> the rank's local SliceShapes."""
-        if which == "host":
-            g0, g1, sk = local_g0[r], local_g0[r] + c, local_shift[r]
-        else:
-            rem = views[r].remote
-            if which == "combined":
-                rem_shift = rem[:, 4] - rem[:, 0] + t_loc
-            else:
-                rem = rem[rem[:, 3] == which]
-                rem_shift = rem[:, 4] - rem[:, 0]
-            g0, g1, sk = rem[:, 0], rem[:, 1], rem_shift
-            if which == "combined":
-                g0 = np.concatenate([g0, local_g0[r]])
-                g1 = np.concatenate([g1, local_g0[r] + c])
-                sk = np.concatenate([sk, local_shift[r]])
-            order = np.argsort(g0, kind="stable")
-            g0, g1, sk = g0[order], g1[order], sk[order]
-        return _clip_to_segments(sh, views[r].pairs, g0, g1, sk, q_shift)
+    stage_shapes = functools.partial(_stage_shapes, mask, meta, views)
 
     def make_stage(which, kv_len, cast):
         shapes = [stage_shapes(r, which) for r in range(cp)]

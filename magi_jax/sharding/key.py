@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from magi_jax import native
 from magi_jax.mask import AttnMask
 from magi_jax.sharding.collectives import TRANSPORTS, CastArrays, CastSpec, choose_transport
-from magi_jax.sharding.dist_plan import DistPlan, build_dist_plan
+from magi_jax.sharding.dist_plan import DistPlan, build_dist_plan, split_areas
 from magi_jax.sharding.solver import ALGORITHMS, DispatchMeta, solve_dispatch
 from magi_jax.xla_ffa import FFAPlanArrays, default_block_sizes
 
@@ -107,17 +107,15 @@ class MagiKey:
                 f"max_remote_kv={int(p.remote_tokens.max())})")
 
 
-def default_overlap_degree(mask: AttnMask, meta: DispatchMeta, block_q: int,
-                           block_k: int) -> int:
+def default_overlap_degree(mask: AttnMask, meta: DispatchMeta) -> int:
     """Overlap degree minimising a simple per-rank pipeline model: stage 0 computes the host
     area while remote stage 0 arrives; each later stage computes its share while the next
-    arrives; every stage costs a fixed overhead. Degree 0 fetches everything, then computes."""
-    p1 = build_dist_plan(mask, meta, 1, block_q, block_k)
-    if p1.overlap_degree == 0:
+    arrives; every stage costs a fixed overhead. Degree 0 fetches everything, then computes.
+    Needs no kernel plan (areas from the clipped slices)."""
+    host, rem, tokens = (x.astype(np.float64) for x in split_areas(mask, meta))
+    if not tokens.any():
         return 0
-    host = p1.stages[0].area * _SEC_PER_CELL
-    rem = p1.stages[1].area * _SEC_PER_CELL
-    comm = p1.remote_tokens * _SEC_PER_TOKEN
+    host, rem, comm = host * _SEC_PER_CELL, rem * _SEC_PER_CELL, tokens * _SEC_PER_TOKEN
     best, best_t = 0, float(np.max(comm + host + rem)) + _SEC_PER_STAGE
     for k in range(1, _MAX_DEGREE + 1):
         c, r = comm / k, rem / k
@@ -221,7 +219,7 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
         meta = solve_dispatch(mask, cp, chunk_size, algorithm)
     auto_q, auto_k = default_block_sizes(meta.local_len, meta.local_len)
     bq, bk = int(block_q or auto_q), int(block_k or auto_k)
-    degree = (default_overlap_degree(mask, meta, bq, bk) if overlap_degree is None
+    degree = (default_overlap_degree(mask, meta) if overlap_degree is None
               else int(overlap_degree))
     plan: DistPlan = build_dist_plan(mask, meta, degree, bq, bk)
     shard = NamedSharding(mesh, P(cp_axis))
