@@ -1,0 +1,116 @@
+"""Work lists of the pallas kernels: hand-checked cases and properties (every unmasked cell
+visited exactly once, no empty tile visited, full flags exact, heaviest tile first)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from magi_jax.mask import AttnMask
+from magi_jax.pallas.plan import (ITEM_FIELDS, NUM_FIELDS, build_kernel_plan, build_work_list,
+                                  kernel_plan_for_mask)
+from tests.strategies import slice_masks
+
+
+def _cells(items, by, block_q, block_k, owner, total_q, total_k):
+    """Dense count of how many items visit each cell, and per-item cell counts."""
+    count = np.zeros((total_q, total_k), np.int64)
+    per_item = []
+    for it in items:
+        other, q0, q1, k0, k1, dlo, dhi, full = (int(x) for x in it)
+        qt, kt = (owner, other) if by == "q" else (other, owner)
+        r = np.arange(qt * block_q, (qt + 1) * block_q)[:, None]
+        c = np.arange(kt * block_k, (kt + 1) * block_k)[None, :]
+        keep = ((r >= q0) & (r < q1) & (c >= k0) & (c < k1) & (c - r >= dlo) & (c - r <= dhi)
+                & (r < total_q) & (c < total_k))
+        if full:   # full: the whole tile is inside the slice (and inside the sequences)
+            assert keep.all(), f"item {it} flagged full but holds masked cells"
+        rr, cc = np.nonzero(keep)
+        np.add.at(count, (rr + qt * block_q, cc + kt * block_k), 1)
+        per_item.append(keep.sum())
+    return count, per_item
+
+
+def _check_list(mask, block_q, block_k, by):
+    wl = build_work_list(mask.shapes, mask.total_q, mask.total_k, block_q, block_k, by)
+    n = -(-(mask.total_q if by == "q" else mask.total_k) // (block_q if by == "q" else block_k))
+    assert wl.order.dtype == wl.offsets.dtype == wl.items.dtype == np.int32
+    assert wl.items.shape[1] == NUM_FIELDS == len(ITEM_FIELDS)
+    assert sorted(wl.order.tolist()) == list(range(n))
+    counts = wl.counts()
+    assert wl.offsets[0] == 0 and wl.offsets[-1] == len(wl.items) and (counts >= 0).all()
+    # Heaviest first, ties by tile index.
+    launched = counts[wl.order]
+    assert (np.diff(launched) <= 0).all()
+    total = np.zeros((mask.total_q, mask.total_k), np.int64)
+    for t in range(n):
+        its = wl.items[wl.offsets[t]:wl.offsets[t + 1]]
+        assert (np.diff(its[:, 0]) >= 0).all(), "items of a tile sorted by the other tile"
+        count, per_item = _cells(its, by, block_q, block_k, t, mask.total_q, mask.total_k)
+        assert all(c > 0 for c in per_item), "an empty tile is visited"
+        total += count
+    if mask.total_q * mask.total_k:
+        np.testing.assert_array_equal(total, mask.to_dense().astype(np.int64))
+    return wl
+
+
+def test_causal_hand_checked():
+    wl = build_work_list(AttnMask.causal(256).shapes, 256, 256, 128, 128, "q")
+    np.testing.assert_array_equal(wl.offsets, [0, 1, 3])
+    np.testing.assert_array_equal(wl.order, [1, 0])           # the heavier tile first
+    np.testing.assert_array_equal(wl.items[:, 0], [0, 0, 1])  # k-tiles
+    np.testing.assert_array_equal(wl.items[:, 7], [0, 1, 0])  # only (1, 0) is full
+    kl = build_work_list(AttnMask.causal(256).shapes, 256, 256, 64, 128, "k")
+    np.testing.assert_array_equal(kl.offsets, [0, 4, 6])       # k-tile 0 seen by 4 q-tiles
+    np.testing.assert_array_equal(kl.items[:, 0], [0, 1, 2, 3, 2, 3])
+    np.testing.assert_array_equal(kl.items[:, 7], [0, 0, 1, 1, 0, 0])  # diagonal tiles masked
+
+
+def test_two_slices_share_a_tile():
+    # Rows [0, 100) see keys [0, 60) fully and [60, 100) causally-shifted: two items on k-tile 0.
+    mask = AttnMask.from_ranges([[0, 100], [0, 100]], [[0, 60], [60, 200]],
+                                ["full", "inv_causal"], 100, 200)
+    wl = _check_list(mask, 128, 128, "q")
+    assert list(wl.items[:, 0]) == [0, 0, 1]
+
+
+def test_empty_mask_and_empty_tiles():
+    empty = AttnMask.from_ranges([], [], [], total_q=300, total_k=200)
+    wl = _check_list(empty, 128, 128, "q")
+    assert len(wl.items) == 0 and wl.counts().tolist() == [0, 0, 0]
+    mask = AttnMask.from_ranges([[0, 50]], [[0, 50]], ["causal"], 400, 400)
+    wl = _check_list(mask, 128, 128, "k")
+    assert wl.counts().tolist() == [1, 0, 0, 0]
+
+
+@pytest.mark.parametrize("blocks", [(128, 128), (64, 128)])
+def test_zoo_kernel_tiles(blocks):
+    lens = [300, 77, 512, 129, 250]
+    cu = np.cumsum([0] + lens)
+    for mask in (AttnMask.varlen(cu, causal=True), AttnMask.sliding_window(1268, 100, 31),
+                 AttnMask.shared_question(lens), AttnMask.causal(200, 700),
+                 AttnMask.global_sliding_window(1268, 200, 40)):
+        for by in ("q", "k"):
+            _check_list(mask, *blocks, by)
+
+
+@given(slice_masks(max_len=40), st.sampled_from([(8, 8), (16, 8), (4, 16), (8, 32)]),
+       st.sampled_from(["q", "k"]))
+def test_every_cell_exactly_once(mask, blocks, by):
+    _check_list(mask, *blocks, by)
+
+
+def test_kernel_plan_cached_and_padded():
+    mask = AttnMask.varlen([0, 100, 300], causal=True)
+    plan = kernel_plan_for_mask(mask)
+    assert kernel_plan_for_mask(AttnMask.varlen([0, 100, 300], causal=True)) is plan
+    arr = plan.arrays()
+    padded = arr.pad_to(len(arr.q_order) + 2, len(arr.q_items) + 5, len(arr.k_order),
+                        len(arr.k_items) + 1)
+    assert padded.q_order.shape == (len(arr.q_order) + 2,)
+    np.testing.assert_array_equal(np.diff(padded.q_offsets)[-2:], [0, 0])
+    np.testing.assert_array_equal(padded.q_offsets[:len(arr.q_offsets)], arr.q_offsets)
+    assert padded.q_items.shape == (len(arr.q_items) + 5, NUM_FIELDS)
+    with pytest.raises(ValueError, match="cannot pad"):
+        arr.pad_to(1, 1, 1, 1)
+    built = build_kernel_plan(mask.shapes, 300, 300)
+    np.testing.assert_array_equal(built.fwd.items, plan.fwd.items)
