@@ -269,6 +269,11 @@ class AttnMask:
                 f"num_slices={self.num_slices}, area={self.area}, "
                 f"fingerprint={self.fingerprint[:12]})")
 
+    def plot(self, path=None, **kwargs):
+        """Picture of the mask (PNG at ``path``); see :func:`magi_jax.plot.plot_mask`."""
+        from magi_jax.plot import plot_mask
+        return plot_mask(self, path, **kwargs)
+
     def slices(self) -> list[tuple[tuple[int, int], tuple[int, int], AttnMaskType]]:
         """The slices as Python tuples ``((qs, qe), (ks, ke), type)``."""
         return [((int(q[0]), int(q[1])), (int(k[0]), int(k[1])), AttnMaskType(int(t)))

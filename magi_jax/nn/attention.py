@@ -1,0 +1,286 @@
+"""Flax integration: ``attention_fn`` adapters and an NNX self-attention layer.
+
+Two ways into a Flax model:
+
+- :func:`make_attention_fn` turns an :class:`~magi_jax.AttnMask` (one device) or a
+  :class:`~magi_jax.sharding.MagiKey` (context parallel) into an ``attention_fn`` for
+  ``flax.linen.MultiHeadDotProductAttention(attention_fn=...)`` or
+  ``flax.nnx.MultiHeadAttention(attention_fn=...)``: the layer's projections stay as they are,
+  the attention itself becomes :func:`~magi_jax.flex_flash_attention` or
+  :func:`~magi_jax.magi_attention`.
+- :class:`SelfAttention` is an NNX layer with grouped-query attention and rotary position
+  embeddings; called with a mask it runs on one device, called with a key it runs context
+  parallel and takes its RoPE positions from :func:`~magi_jax.position_ids`.
+
+Token layout: with a mask, the layer sees the packed sequence in natural order
+(``[..., T, H, D]``); with a key, it sees *dispatched* tokens (``mj.dispatch(x, key)``,
+``[..., padded_total, H, D]``), and only token-wise layers (projections, MLPs, norms) may sit
+between dispatch and undispatch — which is every layer of a transformer but attention.
+Leading batch axes share one mask; under context parallelism they are folded into the head
+axis (query head ``b·Hq + h`` keeps using key head ``b·Hkv + h // (Hq/Hkv)``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from magi_jax.ffa import flex_flash_attention
+from magi_jax.mask import AttnMask
+from magi_jax.sharding.attention import magi_attention, magi_attention_local
+from magi_jax.sharding.key import MagiKey, position_ids
+
+__all__ = ["make_attention_fn", "SelfAttention", "apply_rope", "rope_positions"]
+
+
+def make_attention_fn(mask_or_key: AttnMask | MagiKey, *, softmax_scale: float | None = None,
+                      softcap: float = 0.0, backend: str = "auto", local: bool = False):
+    """An ``attention_fn`` for Flax's multi-head attention layers.
+
+    Args:
+      mask_or_key: an :class:`AttnMask` (single-device :func:`flex_flash_attention` over
+        natural-order tokens) or a :class:`MagiKey` (context-parallel :func:`magi_attention`
+        over dispatched tokens).
+      softmax_scale: default ``head_dim ** -0.5`` (Flax's own scaling).
+      softcap: tanh soft-capping of the logits (0 = off).
+      backend: FFA backend for the single-device path (``"auto"``, ``"xla"``, ...).
+      local: with a key, the layer runs *inside* the caller's ``shard_map`` over the key's
+        cp axis and sees one rank's ``[..., local_len, H, D]`` tokens.
+
+    Returns ``fn(query, key, value, bias=None, mask=None, ...)`` with query
+    ``[..., T, Hq, D]`` and key/value ``[..., T, Hkv, D]`` returning ``[..., T, Hq, D]``.
+    The mask comes from ``mask_or_key``: passing ``mask=``/``bias=`` to the layer, attention
+    dropout, or ``is_causal=True`` is rejected (dropout on the layer's output works as usual).
+    """
+    if isinstance(mask_or_key, AttnMask):
+        if local:
+            raise ValueError("local=True needs a MagiKey (it selects the per-rank body of "
+                             "context-parallel attention); got an AttnMask")
+        target = mask_or_key
+    elif isinstance(mask_or_key, MagiKey):
+        target = mask_or_key
+    else:
+        raise TypeError(f"make_attention_fn needs an AttnMask or a MagiKey (from "
+                        f"mj.make_flex_key / mj.make_varlen_key); got "
+                        f"{type(mask_or_key).__name__}")
+
+    def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                     dropout_rng=None, dropout_rate=0.0, deterministic=True, dtype=None,
+                     precision=None, module=None, **kwargs):
+        del broadcast_dropout, dropout_rng, precision, module
+        if bias is not None or mask is not None:
+            what = "bias" if bias is not None else "mask"
+            arr = bias if bias is not None else mask
+            raise ValueError(
+                f"magi-jax attention_fn got {what}= (shape {tuple(jnp.shape(arr))}); the mask "
+                "comes from the AttnMask/MagiKey given to make_attention_fn — call the layer "
+                f"without {what}=")
+        if kwargs.get("is_causal"):
+            raise ValueError("magi-jax attention_fn got is_causal=True; the mask comes from "
+                             "the AttnMask/MagiKey (use AttnMask.causal(T) for plain causal)")
+        if dropout_rate > 0.0 and not deterministic:
+            raise NotImplementedError(
+                f"attention-weight dropout (dropout_rate={dropout_rate}) is not supported by "
+                "flexible-mask flash attention; set the layer's dropout_rate=0 or call it "
+                "with deterministic=True")
+        out = attend(query, key, value, target, softmax_scale=softmax_scale, softcap=softcap,
+                     backend=backend, local=local)
+        return out if dtype is None else out.astype(dtype)
+
+    return attention_fn
+
+
+def attend(q, k, v, mask_or_key, *, softmax_scale=None, softcap=0.0, backend="auto",
+           local=False):
+    """Attention of ``q [..., T, Hq, D]``, ``k, v [..., T, Hkv, D]`` under a mask (natural
+    order, one device) or a key (dispatched tokens, context parallel); returns ``out`` like
+    ``q``. This is what the adapters and :class:`SelfAttention` call."""
+    _check_layout(q, k, v, mask_or_key, local)
+    dtype = jnp.result_type(q, k, v)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    if isinstance(mask_or_key, AttnMask):
+        batch = q.shape[:-3]
+        flat = lambda x: x.reshape((-1,) + x.shape[-3:]) if len(batch) > 1 else x
+        out, _ = flex_flash_attention(flat(q), flat(k), flat(v), mask_or_key,
+                                      softmax_scale=softmax_scale, softcap=softcap,
+                                      backend=backend)
+        return out.reshape(q.shape)
+    key = mask_or_key
+    _check_mesh(key, q, k, v)
+    fn = magi_attention_local if local else magi_attention
+    out, _ = fn(_fold(q), _fold(k), _fold(v), key, softmax_scale=softmax_scale,
+                softcap=softcap)
+    return _unfold(out, q.shape)
+
+
+def _fold(x):
+    """``[B..., T, H, D]`` -> ``[T, B·H, D]`` (batch folded into heads)."""
+    if x.ndim == 3:
+        return x
+    t, h, d = x.shape[-3:]
+    x = x.reshape((-1, t, h, d))
+    return jnp.moveaxis(x, 0, 1).reshape(t, -1, d)
+
+
+def _unfold(x, shape):
+    if len(shape) == 3:
+        return x
+    t, h, d = shape[-3:]
+    return jnp.moveaxis(x.reshape(t, -1, h, d), 1, 0).reshape(shape)
+
+
+def _check_layout(q, k, v, mask_or_key, local):
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        if x.ndim < 3:
+            raise ValueError(f"magi-jax attention: {name} must be [..., T, heads, head_dim]; "
+                             f"got shape {tuple(x.shape)}")
+    if k.shape != v.shape or q.shape[:-2] != k.shape[:-2]:
+        raise ValueError(f"magi-jax attention: query {tuple(q.shape)}, key {tuple(k.shape)} "
+                         f"and value {tuple(v.shape)} must share batch and token axes "
+                         "(self-attention over one packed sequence)")
+    if isinstance(mask_or_key, AttnMask):
+        want, what = mask_or_key.total_q, f"the mask has total_q={mask_or_key.total_q} tokens"
+        if mask_or_key.total_q != mask_or_key.total_k:
+            raise ValueError(f"magi-jax attention layers are self-attention: the mask must have "
+                             f"total_q == total_k; got {mask_or_key.total_q} and "
+                             f"{mask_or_key.total_k}")
+    else:
+        key = mask_or_key
+        if local:
+            want = key.local_len
+            what = f"the key gives every rank local_len={key.local_len} tokens"
+        else:
+            want = key.padded_total
+            what = (f"the key dispatches padded_total={key.padded_total} tokens "
+                    f"({key.total} real + padding)")
+    t = q.shape[-3]
+    if t == want:
+        return
+    hint = ""
+    if q.ndim >= 4 and q.shape[-4] == want:
+        hint = (" The token axis must be third from last ([batch, T, heads, head_dim]); "
+                "yours looks like [T, batch, ...].")
+    elif isinstance(mask_or_key, MagiKey):
+        key = mask_or_key
+        if t == key.total and not local:
+            hint = (" These look like natural-order tokens: dispatch the layer's input "
+                    "first (x = mj.dispatch(x, key)) and undispatch its output.")
+        elif t == key.local_len and not local:
+            hint = (" These look like one rank's tokens (inside shard_map): build the "
+                    "attention_fn with local=True, or call the layer outside shard_map.")
+        elif t == key.padded_total and local:
+            hint = (" These look like all dispatched tokens: local=True is only for layers "
+                    "called inside shard_map over the key's cp axis.")
+    raise ValueError(f"magi-jax attention: the layer sees {t} tokens (query shape "
+                     f"{tuple(q.shape)}) but {what}.{hint}")
+
+
+def _check_mesh(key: MagiKey, *xs):
+    """A concrete input sharded over devices other than the key's mesh is a mistake that
+    would otherwise surface as an obscure shard_map error."""
+    mesh_devices = set(key.mesh.devices.flat)
+    for x in xs:
+        if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+            continue
+        devices = x.sharding.device_set
+        if len(devices) > 1 and devices != mesh_devices:
+            raise ValueError(
+                f"magi-jax attention: an input is sharded over {len(devices)} devices that are "
+                f"not the key's mesh ({len(mesh_devices)} devices, axes "
+                f"{key.mesh.axis_names}); build the key on the mesh the model runs on, or "
+                "dispatch the input with mj.dispatch(x, key)")
+
+
+# ---- rotary position embeddings -------------------------------------------------------------
+
+def rope_positions(mask_or_key, num_tokens: int):
+    """Positions for RoPE: ``arange(T)`` for a mask (natural order), the global position of
+    every dispatched token for a key (:func:`~magi_jax.position_ids`)."""
+    if isinstance(mask_or_key, MagiKey):
+        return position_ids(mask_or_key)
+    return jnp.arange(num_tokens, dtype=jnp.int32)
+
+
+def apply_rope(x, positions, theta: float = 10000.0):
+    """Rotary embedding (rotate-half form) of ``x [..., T, H, D]`` at integer ``positions
+    [T]`` (or ``[..., T]``); computed in float32, returned in ``x``'s dtype. RoPE only sees
+    position differences, so global positions over a packed sequence give each document the
+    same rotations as positions restarting at 0 would."""
+    d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"RoPE needs an even head_dim; got {d}")
+    freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+    ang = positions.astype(jnp.float32)[..., None] * freq            # [..., T, D/2]
+    sin, cos = jnp.sin(ang)[..., None, :], jnp.cos(ang)[..., None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ---- NNX layer ------------------------------------------------------------------------------
+
+class SelfAttention(nnx.Module):
+    """Multi-head self-attention with grouped-query attention and RoPE, over a packed sequence.
+
+    Args:
+      in_features: model width ``F``.
+      num_heads: query heads ``Hq``; num_kv_heads: key/value heads ``Hkv`` (default ``Hq``;
+        ``Hq % Hkv == 0``).
+      head_dim: default ``F // Hq``.
+      rope_theta: RoPE base; ``None`` disables RoPE.
+      softmax_scale, softcap: as for :func:`~magi_jax.flex_flash_attention`.
+      use_bias, dtype, param_dtype, kernel_init: as for :class:`flax.nnx.Linear`.
+
+    Call ``layer(x, mask_or_key, positions=None)`` with ``x [..., T, F]``: natural-order
+    tokens and an :class:`AttnMask` (one device), or dispatched tokens and a
+    :class:`MagiKey` (context parallel; positions default to ``position_ids(key)``).
+    Returns ``[..., T, F]`` in the same order.
+    """
+
+    def __init__(self, in_features: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, rope_theta: float | None = 10000.0,
+                 softmax_scale: float | None = None, softcap: float = 0.0,
+                 use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
+                 kernel_init=nnx.initializers.lecun_normal(), backend: str = "auto",
+                 rngs: nnx.Rngs):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of "
+                             f"num_kv_heads={num_kv_heads} (grouped-query attention)")
+        if head_dim is None:
+            if in_features % num_heads:
+                raise ValueError(f"in_features={in_features} is not divisible by "
+                                 f"num_heads={num_heads}; pass head_dim explicitly")
+            head_dim = in_features // num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rope_theta, self.softmax_scale, self.softcap = rope_theta, softmax_scale, softcap
+        self.backend = backend
+        lin = lambda i, o: nnx.Linear(i, o, use_bias=use_bias, dtype=dtype,
+                                      param_dtype=param_dtype, kernel_init=kernel_init,
+                                      rngs=rngs)
+        self.q_proj = lin(in_features, num_heads * head_dim)
+        self.k_proj = lin(in_features, num_kv_heads * head_dim)
+        self.v_proj = lin(in_features, num_kv_heads * head_dim)
+        self.o_proj = lin(num_heads * head_dim, in_features)
+
+    def __call__(self, x, mask_or_key: AttnMask | MagiKey, positions=None):
+        if not isinstance(mask_or_key, (AttnMask, MagiKey)):
+            raise TypeError(f"SelfAttention needs an AttnMask or a MagiKey; got "
+                            f"{type(mask_or_key).__name__}")
+        if x.ndim < 2:
+            raise ValueError(f"SelfAttention: x must be [..., T, features]; got shape "
+                             f"{tuple(x.shape)}")
+        split = lambda y, h: y.reshape(y.shape[:-1] + (h, self.head_dim))
+        q = split(self.q_proj(x), self.num_heads)
+        k = split(self.k_proj(x), self.num_kv_heads)
+        v = split(self.v_proj(x), self.num_kv_heads)
+        if self.rope_theta is not None:
+            _check_layout(q, k, v, mask_or_key, False)
+            if positions is None:
+                positions = rope_positions(mask_or_key, q.shape[-3])
+            q = apply_rope(q, positions, self.rope_theta)
+            k = apply_rope(k, positions, self.rope_theta)
+        out = attend(q, k, v, mask_or_key, softmax_scale=self.softmax_scale,
+                     softcap=self.softcap, backend=self.backend)
+        return self.o_proj(out.reshape(out.shape[:-2] + (-1,)))
