@@ -1,0 +1,94 @@
+"""The pallas kernels in Mosaic GPU interpret mode on the CPU (tiny shapes), against the
+float64 reference by DESIGN.md §6. Interpret mode fills fresh buffers with NaN, so an output
+element the kernels forget to write fails the NaN check: the outputs are poisoned."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from magi_jax.mask import AttnMask
+from magi_jax.pallas import (ffa_pallas, flex_flash_attention_pallas, kernel_plan_for_mask,
+                             supported)
+from magi_jax.testing import assert_matches_reference, random_inputs
+
+# Non-square slices, rows covered by several slices, rows [190, 200) covered by none, and
+# lengths that are not multiples of the 128-row tiles.
+IRREGULAR = AttnMask.from_ranges([[0, 100], [100, 190], [100, 190]],
+                                 [[0, 100], [0, 60], [100, 200]],
+                                 ["causal", "full", "causal"], 200, 200)
+# A whole q-tile ([128, 256)) that sees nothing and keys [300, 384) that nobody sees.
+EMPTY_TILES = AttnMask.from_ranges([[0, 128], [256, 384], [256, 384]],
+                                   [[0, 200], [0, 50], [50, 300]],
+                                   ["inv_causal", "full", "bi_causal"], 384, 384)
+
+
+def _run(mask, dtype, hq, hkv, d, batch=None, softcap=0.0, seed=0, jit=False):
+    q, k, v, dout, dlse = random_inputs(jax.random.key(seed), mask, hq, hkv, d, dtype, batch)
+    fn = functools.partial(flex_flash_attention_pallas, mask=mask, softcap=softcap,
+                           interpret=True)
+    f = lambda a, b, c: fn(a, b, c)
+    if jit:
+        f = jax.jit(f)
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    dq, dk, dv = vjp((dout, dlse))
+    assert out.dtype == dtype and lse.dtype == jnp.float32 and dk.dtype == dtype
+    res = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    assert_matches_reference(res, q, k, v, mask, dout, dlse, softcap=softcap)
+    return res
+
+
+def test_irregular_slices_gqa_bf16():
+    res = _run(IRREGULAR, jnp.bfloat16, hq=2, hkv=1, d=64, jit=True)
+    assert np.isneginf(np.asarray(res["lse"])[190:]).all()
+    assert (np.asarray(res["dq"], np.float32)[190:] == 0).all()
+
+
+def test_empty_tiles_fp16_d128():
+    res = _run(EMPTY_TILES, jnp.float16, hq=1, hkv=1, d=128)
+    assert (np.asarray(res["out"], np.float32)[128:256] == 0).all()
+    assert (np.asarray(res["dk"], np.float32)[300:] == 0).all()
+    assert (np.asarray(res["dv"], np.float32)[300:] == 0).all()
+
+
+def test_softcap_batch_window():
+    mask = AttnMask.varlen([0, 70, 150], causal=True, window=40)
+    _run(mask, jnp.bfloat16, hq=1, hkv=1, d=64, batch=2, softcap=4.0, seed=3)
+
+
+def test_plan_arrays_entry_point_with_padded_items():
+    """The mask-free entry point (what context parallelism calls per rank) gives the same
+    result with extra padding items appended to its plan."""
+    mask = IRREGULAR
+    q, k, v, _, _ = random_inputs(jax.random.key(1), mask, 1, 1, 64, jnp.bfloat16)
+    arr = kernel_plan_for_mask(mask).arrays()
+    padded = arr.pad_to(len(arr.q_order), len(arr.q_items) + 3, len(arr.k_order),
+                        len(arr.k_items) + 2)
+    run = lambda plan: ffa_pallas(q, k, v, plan, softmax_scale=0.125, interpret=True)
+    (o1, l1), (o2, l2) = run(arr), run(padded)
+    np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
+    np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
+
+
+def test_supported_reasons():
+    mask = AttnMask.causal(16)
+    x = lambda dt, d=64, h=2: jnp.zeros((16, h, d), dt)
+    ok, why = supported(x(jnp.float32), x(jnp.float32), x(jnp.float32), mask,
+                        check_device=False)
+    assert not ok and "bfloat16 or float16" in why
+    ok, why = supported(x(jnp.bfloat16, 96), x(jnp.bfloat16, 96), x(jnp.bfloat16, 96), mask,
+                        check_device=False)
+    assert not ok and "head dim 96" in why
+    ok, why = supported(x(jnp.bfloat16, h=3), x(jnp.bfloat16), x(jnp.bfloat16), mask,
+                        check_device=False)
+    assert not ok and "multiple" in why
+    assert supported(x(jnp.bfloat16), x(jnp.bfloat16), x(jnp.bfloat16), mask,
+                     check_device=False) == (True, "")
+    if jax.devices()[0].platform == "cpu":
+        ok, why = supported(x(jnp.bfloat16), x(jnp.bfloat16), x(jnp.bfloat16), mask)
+        assert not ok and "cpu" in why
+        with pytest.raises(ValueError, match="backend='pallas' cannot run"):
+            flex_flash_attention_pallas(x(jnp.bfloat16), x(jnp.bfloat16), x(jnp.bfloat16),
+                                        mask)
