@@ -18,17 +18,31 @@ _MAX_HEAD_DIM = 256
 _log = logging.getLogger(__name__)
 
 
-def select_backend(backend: str = "auto") -> tuple[str, str]:
-    """The backend ``flex_flash_attention`` would use and why: ``(name, reason)``."""
+def select_backend(backend: str = "auto", q=None, k=None, v=None,
+                   mask: AttnMask | None = None) -> tuple[str, str]:
+    """The backend ``flex_flash_attention`` would use and why: ``(name, reason)``.
+
+    ``auto`` picks ``pallas`` (Mosaic GPU kernels) on an sm90 GPU when the inputs, if given,
+    are supported (bf16/fp16, D 64 or 128), else ``xla``, with the reason. An explicit
+    ``pallas`` that cannot run raises ``NotImplementedError`` saying why."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    if backend == "pallas":
-        raise NotImplementedError(
-            "backend='pallas': the Mosaic GPU (Hopper) FFA kernel is not available in this "
-            "version of magi-jax yet; use backend='xla' (or 'auto')")
     if backend == "xla":
         return "xla", "requested explicitly"
-    return "xla", "the pallas (Mosaic GPU) kernel is not available yet"
+    from magi_jax import pallas
+    if q is not None:
+        ok, why = pallas.supported(q, k, v, mask)
+    else:
+        ok, why = pallas.device_supported()
+    if backend == "pallas":
+        if not ok:
+            raise NotImplementedError(
+                f"backend='pallas': the Mosaic GPU FFA kernels are not available for this "
+                f"call: {why}; use backend='xla' (or 'auto', which falls back to it)")
+        return "pallas", "requested explicitly"
+    if ok:
+        return "pallas", "sm90 GPU" + (" and supported inputs" if q is not None else "")
+    return "xla", f"pallas (Mosaic GPU) not used: {why}"
 
 
 def _check_inputs(q, k, v, mask: AttnMask):
@@ -89,11 +103,15 @@ def flex_flash_attention(q, k, v, mask: AttnMask, *, softmax_scale: float | None
       Differentiable in q, k, v; works under ``jit``, ``grad`` and ``vmap``.
     """
     _check_inputs(q, k, v, mask)
-    name, reason = select_backend(backend)
+    name, reason = select_backend(backend, q, k, v, mask)
     _log.debug("flex_flash_attention: backend %s (%s)", name, reason)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if softcap < 0:
         raise ValueError(f"softcap={softcap} must be >= 0 (0 disables soft-capping)")
+    if name == "pallas":
+        from magi_jax.pallas import ffa_pallas, kernel_plan_for_mask
+        return ffa_pallas(q, k, v, kernel_plan_for_mask(mask).arrays(), softmax_scale=scale,
+                          softcap=float(softcap))
     auto_q, auto_k = default_block_sizes(mask.total_q, mask.total_k)
     bq, bk = block_q or auto_q, block_k or auto_k
     plan = plan_for_mask(mask, bq, bk)

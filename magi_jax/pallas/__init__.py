@@ -23,14 +23,16 @@ from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward
 from magi_jax.pallas.plan import (DKV_BLOCK_K, FWD_BLOCK_K, FWD_BLOCK_Q, KernelPlanArrays,
                                   kernel_plan_for_mask)
 
-__all__ = ["flex_flash_attention_pallas", "ffa_pallas", "supported", "KernelPlanArrays",
-           "kernel_plan_for_mask", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES"]
+__all__ = ["flex_flash_attention_pallas", "ffa_pallas", "supported", "device_supported",
+           "KernelPlanArrays", "kernel_plan_for_mask", "SUPPORTED_HEAD_DIMS",
+           "SUPPORTED_DTYPES"]
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def _is_sm90() -> tuple[bool, str]:
+def device_supported() -> tuple[bool, str]:
+    """Whether the default JAX device is an sm90 (Hopper) GPU: ``(ok, reason)``."""
     try:
         dev = jax.devices()[0]
     except RuntimeError as e:  # pragma: no cover - no backend at all
@@ -60,7 +62,7 @@ def supported(q, k, v, mask=None, *, check_device: bool = True) -> tuple[bool, s
     if q.shape[-2] % k.shape[-2]:
         return False, f"Hq={q.shape[-2]} is not a multiple of Hkv={k.shape[-2]}"
     if check_device:
-        ok, why = _is_sm90()
+        ok, why = device_supported()
         if not ok:
             return False, why
     return True, ""

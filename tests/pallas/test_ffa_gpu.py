@@ -11,7 +11,7 @@ from magi_jax.testing import assert_matches_reference, random_inputs
 
 pallas = pytest.importorskip("magi_jax.pallas")
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not pallas._is_sm90()[0], reason="needs an sm90 GPU")]
+              pytest.mark.skipif(not pallas.device_supported()[0], reason="needs an sm90 GPU")]
 
 DOCS = [704, 537, 435, 256, 281, 77, 102, 51, 179, 652]     # 3274 tokens, unaligned
 CU = np.cumsum([0] + DOCS)
@@ -57,3 +57,17 @@ def test_dtypes_head_dims_gqa(dtype, d, heads):
 def test_softcap_batch():
     _check(ZOO["shared_question"], jnp.bfloat16, hq=4, hkv=2, softcap=20.0, batch=2)
 
+
+
+def test_front_door_auto_picks_pallas():
+    import magi_jax as mj
+    mask = ZOO["doc_causal"]
+    q, k, v, dout, dlse = random_inputs(jax.random.key(5), mask, 4, 2, 128, jnp.bfloat16)
+    assert mj.select_backend("auto", q, k, v, mask)[0] == "pallas"
+    assert mj.select_backend("auto", q.astype(jnp.float32), k.astype(jnp.float32),
+                             v.astype(jnp.float32), mask)[0] == "xla"
+    fn = lambda a, b, c: mj.flex_flash_attention(a, b, c, mask)
+    (out, lse), vjp = jax.vjp(jax.jit(fn), q, k, v)
+    dq, dk, dv = vjp((dout, dlse))
+    assert_matches_reference(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, mask,
+                             dout, dlse)

@@ -92,3 +92,18 @@ def test_supported_reasons():
         with pytest.raises(ValueError, match="backend='pallas' cannot run"):
             flex_flash_attention_pallas(x(jnp.bfloat16), x(jnp.bfloat16), x(jnp.bfloat16),
                                         mask)
+
+
+def test_front_door_backend_choice_without_gpu():
+    import magi_jax as mj
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("checks the CPU fallback")
+    mask = AttnMask.causal(16)
+    q = jnp.zeros((16, 2, 64), jnp.bfloat16)
+    name, why = mj.select_backend("auto", q, q, q, mask)
+    assert name == "xla" and "not an NVIDIA GPU" in why
+    assert mj.select_backend("auto")[0] == "xla"
+    with pytest.raises(NotImplementedError, match="Mosaic GPU FFA kernels are not available"):
+        mj.flex_flash_attention(q, q, q, mask, backend="pallas")
+    out, lse = mj.flex_flash_attention(q, q, q, mask)   # auto: xla, still works
+    assert out.shape == q.shape and lse.shape == (16, 2)
