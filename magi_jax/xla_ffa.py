@@ -302,6 +302,9 @@ def _ffa_bwd(cfg, res, cts):
 
 
 _ffa.defvjp(_ffa_fwd, _ffa_bwd)
+# Compiled once per shape and config, so eager calls (and their VJPs) do not run op by op;
+# inside an enclosing jit it simply inlines.
+_ffa_jit = jax.jit(_ffa, static_argnums=(4,))
 
 
 def xla_ffa(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: float,
@@ -317,7 +320,7 @@ def xla_ffa(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: floa
     cfg = _Config(float(softmax_scale), float(softcap), int(block_q), int(block_k))
     if q.ndim == 4:
         return _batched(q, k, v, plan, cfg)
-    return _ffa(q, k, v, plan, cfg)
+    return _ffa_jit(q, k, v, plan, cfg)
 
 
 def _batched(q, k, v, plan, cfg):
@@ -326,7 +329,7 @@ def _batched(q, k, v, plan, cfg):
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1:3]
     fold = lambda x, t, h: jnp.moveaxis(x, 0, 1).reshape(t, b * h, d)
-    out, lse = _ffa(fold(q, tq, hq), fold(k, tk, hkv), fold(v, tk, hkv), plan, cfg)
+    out, lse = _ffa_jit(fold(q, tq, hq), fold(k, tk, hkv), fold(v, tk, hkv), plan, cfg)
     out = jnp.moveaxis(out.reshape(tq, b, hq, d), 1, 0)
     lse = jnp.moveaxis(lse.reshape(tq, b, hq), 1, 0)
     return out, lse
