@@ -74,7 +74,8 @@ class _Config:
     softcap: float
     interpret: bool
     num_stages: int = 2
-    bwd_num_stages: int = 2
+    dq_num_stages: int = 2
+    dkv_num_stages: int = 2
     fused_acc: bool = True
 
 
@@ -122,10 +123,11 @@ def _ffa_bwd(cfg, res, cts):
     pad_stat = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -tq % FWD_BLOCK_Q)))
     args = (pad_q(q), pad_k(k), pad_k(v), pad_q(dout.astype(q.dtype)), pad_stat(lse2),
             pad_stat(delta))
-    bcfg = BwdConfig(cfg.scale, cfg.softcap, num_stages=cfg.bwd_num_stages,
-                     interpret=cfg.interpret)
-    dq = ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items, bcfg)
-    dk, dv = ffa_dkv(*args, plan.k_order, plan.k_offsets, plan.k_items, bcfg)
+    bcfg = lambda stages: BwdConfig(cfg.scale, cfg.softcap, num_stages=stages,
+                                    interpret=cfg.interpret)
+    dq = ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items, bcfg(cfg.dq_num_stages))
+    dk, dv = ffa_dkv(*args, plan.k_order, plan.k_offsets, plan.k_items,
+                     bcfg(cfg.dkv_num_stages))
     return dq[:, :tq], dk[:, :tk], dv[:, :tk], None
 
 
@@ -133,8 +135,8 @@ _ffa.defvjp(_ffa_fwd, _ffa_bwd)
 
 
 def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap: float = 0.0,
-               interpret: bool = False, num_stages: int = 2, bwd_num_stages: int = 2,
-               fused_acc: bool = True):
+               interpret: bool = False, num_stages: int = 2, dq_num_stages: int = 2,
+               dkv_num_stages: int = 2, fused_acc: bool = True):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
     q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64 or 128); ``plan`` from
@@ -142,11 +144,12 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
     Returns ``out`` (q's shape and dtype) and ``lse [(B,) Tq, Hq]`` float32 (natural log,
     ``-inf`` for rows that see no key). Differentiable in q, k, v, also through lse.
     ``interpret=True`` runs the kernels in Mosaic GPU interpret mode (CPU, tests only).
-    Tuning (results do not depend on it beyond rounding): ``num_stages`` /
-    ``bwd_num_stages`` shared-memory slots of the producer rings, ``fused_acc`` whether the
-    forward lets wgmma accumulate into the rescaled output registers."""
+    Tuning (results do not depend on it beyond rounding): ``num_stages`` (forward),
+    ``dq_num_stages``, ``dkv_num_stages``: shared-memory slots of the producer rings (with
+    D = 128 only the dK/dV kernel fits 3); ``fused_acc``: the forward lets wgmma accumulate
+    into the rescaled output registers."""
     cfg = _Config(float(softmax_scale), float(softcap), bool(interpret), int(num_stages),
-                  int(bwd_num_stages), bool(fused_acc))
+                  int(dq_num_stages), int(dkv_num_stages), bool(fused_acc))
     plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     if q.ndim == 3:
         out, lse = _ffa(q[None], k[None], v[None], plan, cfg)

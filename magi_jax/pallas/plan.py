@@ -24,7 +24,7 @@ from magi_jax.tiling import tile_items
 
 __all__ = ["ITEM_FIELDS", "NUM_FIELDS", "WorkList", "KernelPlan", "KernelPlanArrays",
            "build_work_list", "build_kernel_plan", "kernel_plan_for_mask",
-           "FWD_BLOCK_Q", "FWD_BLOCK_K", "DKV_BLOCK_Q", "DKV_BLOCK_K"]
+           "stack_kernel_plans", "FWD_BLOCK_Q", "FWD_BLOCK_K", "DKV_BLOCK_Q", "DKV_BLOCK_K"]
 
 # Columns of an item: the tile on the other side (k-tile for q-owned lists, q-tile for
 # k-owned ones), the slice's canonical geometry (q ∈ [q0,q1), k ∈ [k0,k1),
@@ -145,3 +145,21 @@ def build_kernel_plan(shapes: SliceShapes, total_q: int, total_k: int) -> Kernel
 def kernel_plan_for_mask(mask: AttnMask) -> KernelPlan:
     """The kernel plan of ``mask``, cached by the mask's fingerprint."""
     return build_kernel_plan(mask.shapes, mask.total_q, mask.total_k)
+
+
+def stack_kernel_plans(plans: list[KernelPlanArrays]) -> KernelPlanArrays:
+    """Stacks the plans of several ranks along a new leading axis (for ``shard_map``), padding
+    every plan's item lists to the longest. The ranks must hold sequences of one length, so
+    their tile counts already agree."""
+    if not plans:
+        raise ValueError("stack_kernel_plans needs at least one plan")
+    nq = {len(p.q_order) for p in plans}
+    nk = {len(p.k_order) for p in plans}
+    if len(nq) != 1 or len(nk) != 1:
+        raise ValueError(f"plans cover different numbers of tiles (q {sorted(nq)}, k "
+                         f"{sorted(nk)}); every rank must hold the same local Tq and Tk")
+    wq = max(len(p.q_items) for p in plans)
+    wk = max(len(p.k_items) for p in plans)
+    padded = [p.pad_to(len(p.q_order), wq, len(p.k_order), wk)
+              for p in plans]
+    return KernelPlanArrays(*(np.stack(parts) for parts in zip(*padded)))

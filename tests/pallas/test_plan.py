@@ -114,3 +114,16 @@ def test_kernel_plan_cached_and_padded():
         arr.pad_to(1, 1, 1, 1)
     built = build_kernel_plan(mask.shapes, 300, 300)
     np.testing.assert_array_equal(built.fwd.items, plan.fwd.items)
+
+
+def test_stack_kernel_plans():
+    from magi_jax.pallas.plan import stack_kernel_plans
+    a = kernel_plan_for_mask(AttnMask.causal(300)).arrays()
+    b = kernel_plan_for_mask(AttnMask.varlen([0, 100, 300], causal=True)).arrays()
+    st = stack_kernel_plans([a, b])
+    assert st.q_items.shape == (2, max(len(a.q_items), len(b.q_items)), NUM_FIELDS)
+    assert st.k_offsets.shape == (2, len(a.k_offsets))
+    np.testing.assert_array_equal(st.q_offsets[1], b.q_offsets)
+    np.testing.assert_array_equal(st.q_items[1, :len(b.q_items)], b.q_items)
+    with pytest.raises(ValueError, match="same local Tq"):
+        stack_kernel_plans([a, kernel_plan_for_mask(AttnMask.causal(100)).arrays()])
