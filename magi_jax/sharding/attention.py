@@ -54,25 +54,28 @@ def merge_partials(outs, lses, dtype):
 def _stage_ffa(q, k_local, v_local, kv_local, ffa_arrays, cast_arrays, stage, key, scale,
                softcap):
     ffa = FFA_IMPLS[key.ffa_backend]
-    hkv = k_local.shape[1]
+    hkv = k_local.shape[-2]
+    seq = q.ndim - 3                                   # 1 with a leading batch axis
     if stage.cast is None:
         kk, vv = k_local, v_local
     else:
-        buf = group_cast(kv_local, cast_arrays, stage.cast)
-        kk, vv = buf[:, :hkv], buf[:, hkv:]
+        # The cast moves rows of its first axis: put the sequence first for batched inputs.
+        buf = group_cast(jnp.moveaxis(kv_local, seq, 0), cast_arrays, stage.cast)
+        buf = jnp.moveaxis(buf, 0, seq)
+        kk, vv = buf[..., :hkv, :], buf[..., hkv:, :]
         if stage.combined:
-            kk = jnp.concatenate([k_local, kk])
-            vv = jnp.concatenate([v_local, vv])
+            kk = jnp.concatenate([k_local, kk], axis=seq)
+            vv = jnp.concatenate([v_local, vv], axis=seq)
         # The values FFA keeps for its backward are named, so the stage's checkpoint policy
-        # re-fetches them instead of holding every stage's KV buffer until the backward.
+        # (backward_refetch) re-fetches them instead of holding every stage's KV buffer.
         kk, vv = checkpoint_name(kk, _REMOTE_KV), checkpoint_name(vv, _REMOTE_KV)
     return ffa(q, kk, vv, ffa_arrays, softmax_scale=scale, softcap=softcap,
                block_q=key.block_q, block_k=key.block_k)
 
 
 def _local(q, k, v, stage_arrays, key: MagiKey, scale: float, softcap: float):
-    """One rank: q/k/v ``[local_len, H, D]``, ``stage_arrays`` this rank's plan arrays."""
-    kv = jnp.concatenate([k, v], axis=1)          # one collective carries K and V
+    """One rank: q/k/v ``[(B,) local_len, H, D]``, ``stage_arrays`` this rank's plan arrays."""
+    kv = jnp.concatenate([k, v], axis=-2)         # one collective carries K and V
     outs, lses = [], []
     for stage, (ffa_arrays, cast_arrays) in zip(key.stages, stage_arrays):
         fn = functools.partial(_stage_ffa, stage=stage, key=key, scale=scale,
@@ -92,21 +95,24 @@ def _local(q, k, v, stage_arrays, key: MagiKey, scale: float, softcap: float):
 def _check_inputs(q, k, v, key):
     _check_key(key)
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 3:
-            raise ValueError(f"magi_attention: {name} must be [padded_total, H, D] (dispatched "
-                             f"tokens); got shape {tuple(x.shape)}")
-        if x.shape[0] != key.padded_total:
+        if x.ndim not in (3, 4) or x.ndim != q.ndim:
+            raise ValueError(f"magi_attention: {name} must be [padded_total, H, D] or "
+                             f"[B, padded_total, H, D] (dispatched tokens, like q); got shape "
+                             f"{tuple(x.shape)}")
+        if x.shape[-3] != key.padded_total:
             raise ValueError(
-                f"magi_attention: {name} has {x.shape[0]} tokens but the key dispatches "
+                f"magi_attention: {name} has {x.shape[-3]} tokens but the key dispatches "
                 f"{key.padded_total} ({key.total} + padding); dispatch it first with "
-                "mj.dispatch(x, key)")
+                "mj.dispatch(x, key)" + (", seq_axis=1" if x.ndim == 4 else ""))
+    if q.ndim == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     if k.shape != v.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"head dims differ: q has D={q.shape[2]}, k/v have D={k.shape[2]}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"q has {q.shape[1]} heads and k/v have {k.shape[1]}: the number of "
-                         "query heads must be a multiple of the number of key/value heads")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"head dims differ: q has D={q.shape[-1]}, k/v have D={k.shape[-1]}")
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"q has {q.shape[-2]} heads and k/v have {k.shape[-2]}: the number "
+                         "of query heads must be a multiple of the number of key/value heads")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them "
                         "to one dtype")
@@ -119,25 +125,27 @@ def magi_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
     Args:
       q: ``[padded_total, Hq, D]``, k/v: ``[padded_total, Hkv, D]`` — outputs of
         :func:`~magi_jax.sharding.key.dispatch` (or computed from dispatched activations),
-        sharded over ``key.cp_axis``.
+        sharded over ``key.cp_axis``; or ``[B, padded_total, H, D]`` (one mask for the
+        batch; dispatch with ``seq_axis=1``).
       key: from :func:`make_flex_key` / :func:`make_varlen_key`.
       softmax_scale: default ``D ** -0.5``; softcap: tanh soft-capping (0 = off).
 
     Returns ``(out, lse)`` in dispatched order: ``out`` like ``q``, ``lse``
-    ``[padded_total, Hq]`` float32; padding rows give ``out = 0``, ``lse = -inf``.
+    ``[(B,) padded_total, Hq]`` float32; padding rows give ``out = 0``, ``lse = -inf``.
     Differentiable in q, k, v; works under ``jax.jit``.
     """
     _check_inputs(q, k, v, key)
     if softcap < 0:
         raise ValueError(f"softcap={softcap} must be >= 0 (0 disables soft-capping)")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    spec = P(key.cp_axis)
+    spec = P(key.cp_axis) if q.ndim == 3 else P(None, key.cp_axis)
+    plan_spec = P(key.cp_axis)
 
     def body(q, k, v, stage_arrays):
         stage_arrays = jax.tree.map(lambda a: a[0], stage_arrays)
         return _local(q, k, v, stage_arrays, key, scale, float(softcap))
 
-    arr_specs = jax.tree.map(lambda _: spec, key.stage_arrays)
+    arr_specs = jax.tree.map(lambda _: plan_spec, key.stage_arrays)
     fn = jax.shard_map(body, mesh=key.mesh, in_specs=(spec, spec, spec, arr_specs),
                        out_specs=(spec, spec), check_vma=False)
     return fn(q, k, v, key.stage_arrays)

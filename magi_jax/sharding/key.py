@@ -275,30 +275,43 @@ def _check_key(key):
                         f"{type(key).__name__}")
 
 
-def dispatch(x, key: MagiKey):
-    """Natural order ``[total, ...]`` -> dispatched ``[padded_total, ...]`` sharded over the cp
-    axis (rank ``r`` holds rows ``[r·local_len, (r+1)·local_len)``); padding rows are zero.
-    Differentiable (the VJP gathers the cotangent back to natural order)."""
+def dispatch(x, key: MagiKey, seq_axis: int = 0):
+    """Natural order -> dispatched order along ``seq_axis`` (``total`` -> ``padded_total``
+    rows), sharded over the cp axis: rank ``r`` holds rows ``[r·local_len, (r+1)·local_len)``;
+    padding rows are zero. Differentiable (the VJP gathers the cotangent back)."""
     _check_key(key)
-    if x.ndim < 1 or x.shape[0] != key.total:
+    axis = _axis(x, seq_axis, "dispatch")
+    if x.shape[axis] != key.total:
         raise ValueError(f"dispatch: x has shape {tuple(x.shape)} but the key is for "
-                         f"{key.total} tokens; the leading axis must be the packed sequence")
+                         f"{key.total} tokens; seq_axis={seq_axis} must be the packed sequence")
     pad = key.padded_total - key.total
-    xp = jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) if pad else x
-    return _shard_rows(jnp.take(xp, key.order, axis=0), key)
+    if pad:
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, pad)
+        x = jnp.pad(x, widths)
+    return _shard_rows(jnp.take(x, key.order, axis=axis), key, axis)
 
 
-def undispatch(x, key: MagiKey):
-    """Dispatched ``[padded_total, ...]`` -> natural order ``[total, ...]`` (padding dropped).
-    Differentiable (padding rows get zero cotangent)."""
+def undispatch(x, key: MagiKey, seq_axis: int = 0):
+    """Dispatched -> natural order along ``seq_axis`` (``padded_total`` -> ``total`` rows,
+    padding dropped). Differentiable (padding rows get zero cotangent)."""
     _check_key(key)
-    if x.ndim < 1 or x.shape[0] != key.padded_total:
+    axis = _axis(x, seq_axis, "undispatch")
+    if x.shape[axis] != key.padded_total:
         raise ValueError(f"undispatch: x has shape {tuple(x.shape)} but the key dispatches "
-                         f"{key.padded_total} rows ({key.total} tokens + padding); pass an "
-                         "array produced by dispatch/magi_attention with this key")
+                         f"{key.padded_total} rows ({key.total} tokens + padding) along "
+                         f"seq_axis={seq_axis}; pass an array produced by dispatch/"
+                         "magi_attention with this key")
     if any(t == jax.sharding.AxisType.Explicit for t in key.mesh.axis_types):
         x = jax.sharding.reshard(x, NamedSharding(key.mesh, P()))
-    return jnp.take(x, key.inverse, axis=0)
+    return jnp.take(x, key.inverse, axis=axis)
+
+
+def _axis(x, seq_axis, fn):
+    if not -x.ndim <= seq_axis < x.ndim:
+        raise ValueError(f"{fn}: seq_axis={seq_axis} is out of range for an array of shape "
+                         f"{tuple(x.shape)}")
+    return seq_axis % x.ndim
 
 
 def position_ids(key: MagiKey):
@@ -308,9 +321,9 @@ def position_ids(key: MagiKey):
     return _shard_rows(key.order, key)
 
 
-def _shard_rows(x, key: MagiKey):
-    """Constrains ``x`` to be sharded by rows over the cp axis (Auto or Explicit meshes)."""
-    spec = P(key.cp_axis, *([None] * (x.ndim - 1)))
+def _shard_rows(x, key: MagiKey, axis: int = 0):
+    """Constrains ``x`` to be sharded along ``axis`` over the cp axis (Auto or Explicit)."""
+    spec = P(*([None] * axis), key.cp_axis, *([None] * (x.ndim - axis - 1)))
     explicit = any(t == jax.sharding.AxisType.Explicit for t in key.mesh.axis_types)
     if explicit:
         return jax.sharding.reshard(x, NamedSharding(key.mesh, spec))

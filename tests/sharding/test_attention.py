@@ -75,7 +75,7 @@ def test_overlap_degrees_agree():
                                        err_msg=f"{n}, degree {degree}")
 
 
-@settings(max_examples=4)
+@settings(max_examples=3)
 @given(self_attention_masks(min_len=5, max_len=40), st.sampled_from([2, 4, 8]),
        st.sampled_from([0, 1, 3]))
 def test_random_masks(mask, cp, degree):
@@ -83,7 +83,7 @@ def test_random_masks(mask, cp, degree):
 
 
 def test_bfloat16_gqa_softcap_all_to_all():
-    _check(ZOO["block_causal"], 4, 2, jnp.bfloat16, hq=4, hkv=2, d=16, softcap=4.0,
+    _check(ZOO["block_causal"], 4, 1, jnp.bfloat16, hq=4, hkv=2, d=16, softcap=4.0,
            comm_backend="all_to_all")
 
 
@@ -141,8 +141,8 @@ def test_errors_name_argument_value_and_fix():
         make_flex_key(ZOO["causal"], mesh, "sp")
     with pytest.raises(ValueError, match="total_q=4 != total_k=6"):
         make_flex_key(AttnMask.full(4, 6), mesh, "cp")
-    with pytest.raises(NotImplementedError, match="comm_backend='native'"):
-        make_flex_key(ZOO["causal"], mesh, "cp", comm_backend="native")
+    with pytest.raises(ValueError, match="comm_backend='ragged'"):
+        make_flex_key(ZOO["causal"], mesh, "cp", comm_backend="ragged")
     q = jnp.zeros((key.padded_total - 1, 2, 8))
     with pytest.raises(ValueError, match="dispatch it first"):
         magi_attention(q, q, q, key)
@@ -166,3 +166,20 @@ def test_key_passes_through_jit_as_an_argument():
     out, lse = f(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)
     assert_matches_reference(dict(out=undispatch(out, key), lse=undispatch(lse, key)), q, k, v,
                              mask)
+
+
+def test_batched_inputs_share_the_mask():
+    mask = ZOO["doc_causal"]
+    key = make_flex_key(mask, _mesh(4), "cp", overlap_degree=1)
+    q, k, v, dout, dlse = random_inputs(jax.random.key(5), mask, 2, 1, 8, jnp.float32, batch=2)
+
+    def fwd(q_, k_, v_):
+        d = lambda x: dispatch(x, key, seq_axis=1)
+        o, l = magi_attention(d(q_), d(k_), d(v_), key)
+        return undispatch(o, key, seq_axis=1), undispatch(l, key, seq_axis=1)
+
+    @jax.jit
+    def run(q_, k_, v_, do, dl):
+        (out, lse), vjp = jax.vjp(fwd, q_, k_, v_)
+        return dict(zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *vjp((do, dl)))))
+    assert_matches_reference(run(q, k, v, dout, dlse), q, k, v, mask, dout, dlse)
