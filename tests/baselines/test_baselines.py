@@ -197,3 +197,27 @@ def test_pick_backend_on_cpu():
     assert pick_backend("pallas", jnp.bfloat16, 128)[0] == "pallas"
     with pytest.raises(ValueError, match="backend"):
         pick_backend("cuda", jnp.bfloat16, 128)
+
+
+@pytest.mark.slow
+def test_local_ffa_pallas_backward_matches_autodiff():
+    """The same for the pallas kernels (Mosaic GPU interpret mode): the backward that ring
+    attention runs on the GPU, from stacked (padded) plan arrays."""
+    mask = AttnMask.varlen([0, 70, 150, 200], causal=True)
+    ffa = LocalFFA("pallas", interpret=True)
+    plans = ffa.stack([ffa.plan(mask.shapes, 200, 200),
+                       ffa.plan(AttnMask.causal(200).shapes, 200, 200)])
+    plan = jax.tree.map(lambda a: jnp.asarray(a[0]), plans)
+    q, k, v, dout, dlse = random_inputs(jax.random.key(4), mask, 2, 1, 64, jnp.bfloat16)
+
+    @jax.jit
+    def both(q, k, v, dout, dlse):
+        fwd = lambda q_, k_, v_: ffa.forward(q_, k_, v_, plan, scale=0.2, softcap=0.0)
+        (out, lse), vjp = jax.vjp(fwd, q, k, v)
+        return (out, lse), vjp((dout, dlse)), ffa.backward(q, k, v, out, lse, dout, dlse, plan,
+                                                           scale=0.2, softcap=0.0)
+    (out, lse), want, got = both(q, k, v, dout, dlse)
+    assert_matches_reference(dict(out=out, lse=lse), q, k, v, mask, softmax_scale=0.2)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
