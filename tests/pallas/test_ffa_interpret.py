@@ -107,3 +107,32 @@ def test_front_door_backend_choice_without_gpu():
         mj.flex_flash_attention(q, q, q, mask, backend="pallas")
     out, lse = mj.flex_flash_attention(q, q, q, mask)   # auto: xla, still works
     assert out.shape == q.shape and lse.shape == (16, 2)
+
+
+def test_per_rank_plans_under_shard_map():
+    """Context parallelism's use: every rank runs the kernels on its own plan, the plans
+    stacked along a leading cp axis and sharded with the tokens."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from magi_jax.pallas.plan import KernelPlanArrays, stack_kernel_plans
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (conftest gives 8 CPU host devices)")
+    masks = [AttnMask.causal(128), AttnMask.varlen([0, 50, 128], causal=True)]
+    mesh = Mesh(np.array(jax.devices()[:2]), ("cp",))
+    shard = NamedSharding(mesh, P("cp"))
+    qkv = [jax.random.normal(kk, (2, 128, 1, 64), jnp.float32).astype(jnp.bfloat16)
+           for kk in jax.random.split(jax.random.key(7), 3)]
+    plans = stack_kernel_plans([kernel_plan_for_mask(m).arrays() for m in masks])
+    plans = KernelPlanArrays(*(jax.device_put(jnp.asarray(a), shard) for a in plans))
+
+    def per_rank(q, k, v, plan):
+        plan = KernelPlanArrays(*(a[0] for a in plan))
+        out, lse = ffa_pallas(q[0], k[0], v[0], plan, softmax_scale=0.125, interpret=True)
+        return out[None], lse[None]
+
+    f = jax.shard_map(per_rank, mesh=mesh, in_specs=(P("cp"),) * 4, out_specs=(P("cp"),) * 2)
+    out, lse = jax.jit(f)(*(jax.device_put(x, shard) for x in qkv), plans)
+    for r, m in enumerate(masks):
+        o1, l1 = ffa_pallas(*(x[r] for x in qkv), kernel_plan_for_mask(m).arrays(),
+                            softmax_scale=0.125, interpret=True)
+        np.testing.assert_array_equal(np.asarray(out, np.float32)[r], np.asarray(o1, np.float32))
+        np.testing.assert_array_equal(np.asarray(lse)[r], np.asarray(l1))
