@@ -21,14 +21,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from magi_jax.sharding.collectives import group_cast
+from magi_jax.sharding.ffa_backends import get_backend
 from magi_jax.sharding.key import MagiKey, _check_key
-from magi_jax.xla_ffa import xla_ffa
 
-__all__ = ["magi_attention", "magi_attention_local", "merge_partials", "FFA_IMPLS"]
-
-# Per-rank FFA implementations; all share xla_ffa's signature
-# (q, k, v, plan_arrays, *, softmax_scale, softcap, block_q, block_k) -> (out, lse).
-FFA_IMPLS = {"xla": xla_ffa}
+__all__ = ["magi_attention", "magi_attention_local", "merge_partials"]
 _REMOTE_KV = "magi_remote_kv"
 
 
@@ -53,7 +49,7 @@ def merge_partials(outs, lses, dtype):
 
 def _stage_ffa(q, k_local, v_local, kv_local, ffa_arrays, cast_arrays, stage, key, scale,
                softcap):
-    ffa = FFA_IMPLS[key.ffa_backend]
+    ffa = get_backend(key.ffa_backend).call
     hkv = k_local.shape[-2]
     seq = q.ndim - 3                                   # 1 with a leading batch axis
     if stage.cast is None:

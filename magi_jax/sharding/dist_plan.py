@@ -7,7 +7,7 @@ buffer*, ordered by global position and cut into ``overlap_degree`` stages of ne
 size. Per stage, the rank's slices are clipped to the stage's key segments, split at kinks
 (canonical, kink-free shapes) and re-expressed in local coordinates: query ``i`` = local
 token ``i``, key ``j`` = position ``j`` in that stage's KV buffer. Each stage then gets an FFA
-plan (:func:`magi_jax.xla_ffa.build_xla_plan`) and a group-cast table
+plan (of the chosen backend, :mod:`magi_jax.sharding.ffa_backends`) and a group-cast table
 (:class:`~magi_jax.sharding.collectives.CastTable`). Everything is stacked over ranks into
 ``[cp, ...]`` int32 arrays padded to the maxima, and cached by (mask fingerprint, dispatch,
 options). Every process builds the whole plan itself.
@@ -28,7 +28,7 @@ from magi_jax.mask import AttnMask, SliceShapes
 from magi_jax.sharding.collectives import CastTable, build_cast_table
 from magi_jax.sharding.solver import (DispatchMeta, merge_intervals, ranges_repeat,
                                       slice_chunk_pairs)
-from magi_jax.xla_ffa import FFAPlanArrays, build_xla_plan, stack_plans
+from magi_jax.sharding.ffa_backends import get_backend
 
 __all__ = ["DistPlan", "StagePlan", "build_dist_plan", "RankView", "rank_views", "split_areas"]
 
@@ -46,7 +46,7 @@ class StagePlan:
     (``None`` for the host stage). For ``overlap_degree = 0`` the stage's KV is local KV
     followed by the cast buffer (``kv_len = local_len + cast.buffer_len``)."""
 
-    ffa: FFAPlanArrays
+    ffa: tuple                      # the backend's plan arrays (NamedTuple), stacked
     kv_len: int
     cast: CastTable | None
     num_slices: np.ndarray          # int64 [cp]: canonical pieces in the plan, per rank
@@ -169,19 +169,20 @@ def _clip_to_segments(sh: SliceShapes, pairs, seg_g0, seg_g1, seg_shift, q_shift
 
 
 def build_dist_plan(mask: AttnMask, meta: DispatchMeta, overlap_degree: int, block_q: int,
-                    block_k: int) -> DistPlan:
+                    block_k: int, ffa_backend: str = "xla") -> DistPlan:
     """The distributed plan of ``mask`` over the dispatch ``meta``; cached by (mask
-    fingerprint, dispatch, overlap_degree, block sizes)."""
+    fingerprint, dispatch, overlap_degree, block sizes, FFA backend)."""
     if int(overlap_degree) < 0:
         raise ValueError(f"overlap_degree={overlap_degree} must be >= 0 (0: one FFA call "
                          "after fetching all remote KV; k: host stage + k remote stages)")
+    backend = get_backend(ffa_backend)
     key = (mask.fingerprint, meta.fingerprint(), int(overlap_degree), int(block_q),
-           int(block_k))
+           int(block_k), backend.name)
     with _CACHE_LOCK:
         hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    plan = _build(mask, meta, int(overlap_degree), int(block_q), int(block_k))
+    plan = _build(mask, meta, int(overlap_degree), int(block_q), int(block_k), backend)
     with _CACHE_LOCK:
         if len(_CACHE) >= _CACHE_MAX:
             _CACHE.pop(next(iter(_CACHE)))
@@ -209,7 +210,40 @@ def _stage_shapes(mask, meta, views, r, which):
             sk = np.concatenate([sk + t_loc, local_shift])
         order = np.argsort(g0, kind="stable")
         g0, g1, sk = g0[order], g1[order], sk[order]
-    return _clip_to_segments(mask.shapes, views[r].pairs, g0, g1, sk, q_shift)
+    g0, g1, sk = _merge_runs(g0, g1, sk)
+    return _clip_to_segments(mask.shapes, _merge_pairs(views[r].pairs, q_shift), g0, g1, sk,
+                             q_shift)
+
+
+def _merge_runs(g0, g1, shift):
+    """Merges consecutive segments that abut both globally and locally (same shift), e.g.
+    neighbouring chunks a rank owns side by side, so slices are not cut where no cut is
+    needed."""
+    if len(g0) < 2:
+        return g0, g1, shift
+    new = np.ones(len(g0), bool)
+    new[1:] = (g0[1:] != g1[:-1]) | (shift[1:] != shift[:-1])
+    first = np.nonzero(new)[0]
+    last = np.append(first[1:], len(g0)) - 1
+    return g0[first], g1[last], shift[first]
+
+
+def _merge_pairs(pairs, q_shift):
+    """Merges (slice, query chunk) pairs of one slice whose rows abut globally and locally
+    (neighbouring chunks held side by side): one pair, rows ``[a, b)`` and key extent the
+    union (still contiguous: rows are consecutive)."""
+    s, chunk, a, b, e0, e1 = pairs
+    if len(s) < 2:
+        return pairs
+    order = np.lexsort((a, s))
+    s, chunk, a, b, e0, e1 = (x[order] for x in (s, chunk, a, b, e0, e1))
+    sh = q_shift[chunk]
+    new = np.ones(len(s), bool)
+    new[1:] = (s[1:] != s[:-1]) | (a[1:] != b[:-1]) | (sh[1:] != sh[:-1])
+    first = np.nonzero(new)[0]
+    last = np.append(first[1:], len(s)) - 1
+    return (s[first], chunk[first], a[first], b[last], np.minimum.reduceat(e0, first),
+            np.maximum.reduceat(e1, first))
 
 
 def split_areas(mask: AttnMask, meta: DispatchMeta):
@@ -224,7 +258,7 @@ def split_areas(mask: AttnMask, meta: DispatchMeta):
     return host, remote, tokens
 
 
-def _build(mask, meta, degree, bq, bk) -> DistPlan:
+def _build(mask, meta, degree, bq, bk, backend) -> DistPlan:
     cp, t_loc = meta.cp, meta.local_len
     num_remote = max(degree, 1)
     views = rank_views(mask, meta, num_remote)
@@ -237,8 +271,8 @@ def _build(mask, meta, degree, bq, bk) -> DistPlan:
 
     def make_stage(which, kv_len, cast):
         shapes = [stage_shapes(r, which) for r in range(cp)]
-        plans = [build_xla_plan(x, t_loc, kv_len, bq, bk).arrays() for x in shapes]
-        return StagePlan(ffa=stack_plans(plans), kv_len=kv_len, cast=cast,
+        plans = [backend.build(x, t_loc, kv_len, bq, bk) for x in shapes]
+        return StagePlan(ffa=backend.stack(plans), kv_len=kv_len, cast=cast,
                          num_slices=np.array([len(x.q0) for x in shapes], np.int64),
                          area=np.array([int(x.areas().sum()) for x in shapes], np.int64),
                          shapes=tuple(shapes))

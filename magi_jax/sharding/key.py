@@ -22,13 +22,13 @@ from magi_jax.mask import AttnMask
 from magi_jax.sharding.collectives import TRANSPORTS, CastArrays, CastSpec, choose_transport
 from magi_jax.sharding.dist_plan import DistPlan, build_dist_plan, split_areas
 from magi_jax.sharding.solver import ALGORITHMS, DispatchMeta, solve_dispatch
-from magi_jax.xla_ffa import FFAPlanArrays, default_block_sizes
+from magi_jax.sharding.ffa_backends import FFA_BACKENDS
+from magi_jax.xla_ffa import default_block_sizes
 
 __all__ = ["MagiKey", "StageStatic", "make_flex_key", "make_varlen_key", "dispatch",
            "undispatch", "position_ids", "default_overlap_degree", "COMM_BACKENDS"]
 
 COMM_BACKENDS = ("auto", "xla") + TRANSPORTS
-FFA_BACKENDS = ("xla",)
 # Cost model of the default overlap degree (H200 figures of PERF.md, bf16, Hq = Hkv = 16,
 # D = 128): seconds per attended cell, per fetched KV token, and per extra stage.
 _SEC_PER_CELL = 4 * 16 * 128 / 400e12
@@ -159,7 +159,8 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
       dispatch_from: reuse this key's dispatch (same chunks on the same ranks) for another
         mask over the same sequence — layers with different masks share one dispatch.
       block_q, block_k: FFA tile sizes (default 128, smaller for short local lengths).
-      ffa_backend: per-rank FFA implementation (``"xla"``; ``"pallas"`` when it lands).
+      ffa_backend: per-rank FFA implementation: ``"xla"`` (portable) or ``"pallas"`` (Mosaic
+        GPU kernels: Hopper, bf16/fp16, D 64/128).
       backward_refetch: re-fetch each remote stage's KV in the backward instead of keeping
         it (less memory, one more FFA forward per remote stage).
 
@@ -221,12 +222,12 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
     bq, bk = int(block_q or auto_q), int(block_k or auto_k)
     degree = (default_overlap_degree(mask, meta) if overlap_degree is None
               else int(overlap_degree))
-    plan: DistPlan = build_dist_plan(mask, meta, degree, bq, bk)
+    plan: DistPlan = build_dist_plan(mask, meta, degree, bq, bk, ffa_backend)
     shard = NamedSharding(mesh, P(cp_axis))
     put = lambda a: _put(a, shard)
     statics, arrays = [], []
     for st in plan.stages:
-        ffa = FFAPlanArrays(*(put(a) for a in st.ffa))
+        ffa = type(st.ffa)(*(put(a) for a in st.ffa))
         if st.cast is None:
             statics.append(StageStatic(st.kv_len, False, None))
             arrays.append((ffa, None))
