@@ -1,0 +1,448 @@
+// CPU handlers of the native group collectives (magi_jax/native.py, DESIGN.md §8).
+//
+// Same semantics as the CUDA/NVSHMEM handlers and the NumPy models `cast_model` /
+// `reduce_model` of magi_jax/sharding/collectives.py, for the host devices of ONE process:
+// XLA:CPU runs the programs of the host devices concurrently, so the devices of one cp group
+// meet in a "room" (keyed by the call site and the group) and publish their buffers; the
+// last to arrive moves the data for all of them (see "rendezvous" below). A room that stays
+// incomplete for `timeout_ms` fails every waiting device with an error that says so,
+// instead of hanging.
+//
+// Tables of rank r (see collectives.py): send [n, S] (local row or -1), recv [B] (j*S + p or
+// -1); slot j of rank r goes to rank (r + shifts[j]) % cp.
+//   cast:   out_r[b] = x_src[send_src[j, p]],  recv_r[b] = j*S + p,  src = r - shifts[j]
+//   reduce: out_r[row] = acc_r[row] + sum over j (ascending), dst = r + shifts[j], b
+//           (ascending) with recv_dst[b] = j*S + p and send_r[j, p] = row, of y_dst[b]
+//           (in float32, float64 for float64 input).
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ---- rendezvous ------------------------------------------------------------------------
+//
+// The handlers are asynchronous (they return an ffi::Future): a device that arrives early
+// does not hold one of XLA:CPU's threads while it waits, so devices that reach independent
+// collectives in different orders cannot starve each other. The LAST device to arrive moves
+// the data for the whole group (every input is alive: no device's call has completed yet)
+// and then completes every device's future. A watchdog fails the futures of a room that
+// stays incomplete longer than its timeout.
+
+using Clock = std::chrono::steady_clock;
+
+struct Member {
+  const void* data = nullptr;     // x (cast) or y (reduce)
+  const void* acc = nullptr;      // reduce: initial output or nullptr
+  void* out = nullptr;
+  const int32_t* send = nullptr;  // [n, S]
+  const int32_t* recv = nullptr;  // [B]
+  int64_t rows = 0;               // rows of data
+  int64_t row_bytes = 0;
+  int64_t out_rows = 0;
+  int64_t n = 0, s = 0, b = 0;
+  ffi::DataType dtype = ffi::DataType::INVALID;
+  bool present = false;
+  ffi::Promise promise;
+};
+
+struct Room {
+  std::vector<Member> members;
+  int arrived = 0;
+  Clock::time_point first;
+  int64_t timeout_ms = 0;
+  std::string op;
+};
+
+using RoomKey = std::pair<int64_t, int64_t>;  // (call_id, cp group)
+std::mutex g_mu;
+std::map<RoomKey, Room> g_rooms;
+
+std::string TimeoutMessage(const Room& room, int64_t cp) {
+  return "magi_jax native " + room.op + " (CPU): rendezvous timed out after " +
+         std::to_string(room.timeout_ms) + " ms with " + std::to_string(room.arrived) +
+         " of " + std::to_string(cp) +
+         " devices of the cp group arrived. Every device of the cp axis must run this "
+         "collective in this process (call it inside shard_map over the cp axis, with cp "
+         "equal to the axis size).";
+}
+
+// Completing a promise runs the rest of that device's program on the calling thread, which
+// may block there (e.g. in an XLA:CPU collective waiting for the other devices), so every
+// promise is completed on a thread of its own, never inline.
+void Complete(ffi::Promise p, ffi::Error error) {
+  std::thread([p = std::move(p), error = std::move(error)]() mutable {
+    if (error.success()) {
+      p.SetAvailable();
+    } else {
+      p.SetError(std::move(error));
+    }
+  }).detach();
+}
+
+void Watchdog() {
+  for (;;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::vector<std::pair<std::string, std::vector<ffi::Promise>>> expired;
+    {
+      std::lock_guard<std::mutex> lock(g_mu);
+      auto now = Clock::now();
+      for (auto it = g_rooms.begin(); it != g_rooms.end();) {
+        Room& room = it->second;
+        if (now - room.first > std::chrono::milliseconds(room.timeout_ms)) {
+          std::vector<ffi::Promise> ps;
+          for (auto& m : room.members)
+            if (m.present) ps.push_back(m.promise);
+          expired.emplace_back(TimeoutMessage(room, room.members.size()), std::move(ps));
+          it = g_rooms.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (auto& [msg, ps] : expired)
+      for (auto& p : ps) Complete(p, ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg));
+  }
+}
+
+// Joins the room of (call_id, group). Returns the whole group when this device is the last
+// to arrive (the caller then does the work and completes every promise), else nothing.
+std::optional<std::vector<Member>> Arrive(RoomKey key, int64_t rank, int64_t cp,
+                                          int64_t timeout_ms, const char* op,
+                                          Member me, std::string* err) {
+  static std::once_flag watchdog;
+  std::call_once(watchdog, [] { std::thread(Watchdog).detach(); });
+  std::lock_guard<std::mutex> lock(g_mu);
+  Room& room = g_rooms[key];
+  if (room.members.empty()) {
+    room.members.resize(cp);
+    room.first = Clock::now();
+    room.timeout_ms = timeout_ms;
+    room.op = op;
+  }
+  if (static_cast<int64_t>(room.members.size()) != cp || room.members[rank].present) {
+    *err = "two devices claim rank " + std::to_string(rank) + " of one cp group";
+    return std::nullopt;
+  }
+  me.present = true;
+  room.members[rank] = std::move(me);
+  if (++room.arrived < cp) return std::nullopt;
+  std::vector<Member> all = std::move(room.members);
+  g_rooms.erase(key);
+  return all;
+}
+
+int64_t Mod(int64_t a, int64_t m) { return ((a % m) + m) % m; }
+
+// ---- dtype helpers ---------------------------------------------------------------------
+
+float Bf16ToF32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+float F16ToF32(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do { e++; man <<= 1; } while (!(man & 0x400u));
+      bits = sign | ((127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <typename Acc>
+void AddRow(Acc* dst, const void* src, ffi::DataType dtype, int64_t elems) {
+  switch (dtype) {
+    case ffi::DataType::BF16: {
+      auto* s = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < elems; ++i) dst[i] += static_cast<Acc>(Bf16ToF32(s[i]));
+      break;
+    }
+    case ffi::DataType::F16: {
+      auto* s = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < elems; ++i) dst[i] += static_cast<Acc>(F16ToF32(s[i]));
+      break;
+    }
+    case ffi::DataType::F32: {
+      auto* s = static_cast<const float*>(src);
+      for (int64_t i = 0; i < elems; ++i) dst[i] += static_cast<Acc>(s[i]);
+      break;
+    }
+    case ffi::DataType::F64: {
+      auto* s = static_cast<const double*>(src);
+      for (int64_t i = 0; i < elems; ++i) dst[i] += static_cast<Acc>(s[i]);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+struct Where {
+  int64_t rank, group;
+};
+
+ffi::ErrorOr<Where> ReadWhere(ffi::Buffer<ffi::S32> where, int64_t cp) {
+  if (where.element_count() != 2) {
+    return ffi::Error::InvalidArgument("where must hold (rank, group)");
+  }
+  Where w{where.typed_data()[0], where.typed_data()[1]};
+  if (w.rank < 0 || w.rank >= cp) {
+    return ffi::Error::InvalidArgument("rank " + std::to_string(w.rank) +
+                                       " is outside the cp axis of size " +
+                                       std::to_string(cp));
+  }
+  return w;
+}
+
+int64_t RowBytes(ffi::AnyBuffer a) {
+  auto dims = a.dimensions();
+  int64_t per_row = 1;
+  for (size_t i = 1; i < dims.size(); ++i) per_row *= dims[i];
+  return per_row * static_cast<int64_t>(ffi::ByteWidth(a.element_type()));
+}
+
+std::string CheckTables(const std::vector<Member>& m, size_t n_shifts) {
+  for (const Member& x : m) {
+    if (x.n != m[0].n || x.s != m[0].s || x.row_bytes != m[0].row_bytes ||
+        x.dtype != m[0].dtype) {
+      return "the devices of one cp group passed tables or rows of different shapes";
+    }
+  }
+  if (static_cast<size_t>(m[0].n) != n_shifts) {
+    return "send_index has " + std::to_string(m[0].n) + " slots but shifts has " +
+           std::to_string(n_shifts);
+  }
+  return "";
+}
+
+// out_r[b] = x_src[send_src[j, p]] for recv_r[b] = j*S + p, src = r - shifts[j].
+std::string CastOne(const std::vector<Member>& m, int64_t rank,
+                    ffi::Span<const int64_t> shifts) {
+  const int64_t cp = m.size();
+  const Member& me = m[rank];
+  char* dst = static_cast<char*>(me.out);
+  const int64_t rb = me.row_bytes, slots = me.n * me.s;
+  for (int64_t b = 0; b < me.b; ++b) {
+    int32_t e = me.recv[b];
+    char* row_out = dst + b * rb;
+    if (e < 0) {
+      std::memset(row_out, 0, rb);
+      continue;
+    }
+    if (e >= slots) {
+      return "recv_index[" + std::to_string(b) + "] = " + std::to_string(e) +
+             " is outside the " + std::to_string(slots) + " received rows";
+    }
+    int64_t j = e / me.s, p = e % me.s;
+    int64_t src = Mod(rank - shifts[j], cp);
+    int32_t row = m[src].send[j * me.s + p];
+    if (row < 0) {
+      std::memset(row_out, 0, rb);
+    } else if (row >= m[src].rows) {
+      return "send_index of rank " + std::to_string(src) + " names row " +
+             std::to_string(row) + " of " + std::to_string(m[src].rows);
+    } else {
+      std::memcpy(row_out, static_cast<const char*>(m[src].data) + row * rb, rb);
+    }
+  }
+  return "";
+}
+
+// out_r[row] = acc_r[row] + sum over j (ascending), dst = r + shifts[j], b (ascending) with
+// recv_dst[b] = j*S + p and send_r[j, p] = row, of y_dst[b].
+template <typename Acc>
+std::string ReduceOne(const std::vector<Member>& m, int64_t rank,
+                      ffi::Span<const int64_t> shifts) {
+  const int64_t cp = m.size();
+  const Member& me = m[rank];
+  const int64_t elems = me.row_bytes / static_cast<int64_t>(ffi::ByteWidth(me.dtype));
+  Acc* out = static_cast<Acc*>(me.out);
+  if (me.acc) {
+    std::memcpy(out, me.acc, me.out_rows * elems * sizeof(Acc));
+  } else {
+    std::memset(out, 0, me.out_rows * elems * sizeof(Acc));
+  }
+  for (int64_t j = 0; j < me.n; ++j) {
+    const Member& md = m[Mod(rank + shifts[j], cp)];
+    for (int64_t b = 0; b < md.b; ++b) {
+      int32_t e = md.recv[b];
+      if (e < 0 || e >= me.n * me.s || e / me.s != j) continue;
+      int32_t row = me.send[e];
+      if (row < 0) continue;
+      if (row >= me.out_rows) {
+        return "send_index names row " + std::to_string(row) + " of " +
+               std::to_string(me.out_rows);
+      }
+      AddRow(out + row * elems, static_cast<const char*>(md.data) + b * md.row_bytes,
+             md.dtype, elems);
+    }
+  }
+  return "";
+}
+
+// Runs `one` for every rank of the group and completes each rank's promise.
+template <typename F>
+void Finish(std::vector<Member>& m, size_t n_shifts, const char* op, F one) {
+  // Every output first, then the promises: a completed device may release its inputs.
+  std::string shared = CheckTables(m, n_shifts);
+  std::vector<std::string> errs(m.size(), shared);
+  for (int64_t r = 0; r < static_cast<int64_t>(m.size()); ++r) {
+    if (shared.empty()) errs[r] = one(r);
+  }
+  for (int64_t r = 0; r < static_cast<int64_t>(m.size()); ++r) {
+    const std::string& err = errs[r];
+    Complete(m[r].promise, err.empty() ? ffi::Error::Success()
+                                       : ffi::Error::InvalidArgument(
+                                             std::string("magi_jax native ") + op +
+                                             " (CPU): " + err));
+  }
+}
+
+ffi::Future Failed(ffi::Error error) {
+  ffi::Promise p;
+  ffi::Future f(p);
+  p.SetError(std::move(error));
+  return f;
+}
+
+// ---- handlers --------------------------------------------------------------------------
+
+ffi::Future CastImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
+                     ffi::Buffer<ffi::S32> where, ffi::Result<ffi::AnyBuffer> out, int64_t cp,
+                     ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms) {
+  auto w = ReadWhere(where, cp);
+  if (w.has_error()) return Failed(w.error());
+  auto sdims = send.dimensions();
+  if (sdims.size() != 2) return Failed(ffi::Error::InvalidArgument("send_index must be [n, S]"));
+  Member me;
+  me.data = x.untyped_data();
+  me.out = out->untyped_data();
+  me.send = send.typed_data();
+  me.recv = recv.typed_data();
+  me.rows = x.dimensions().size() == 0 ? 0 : x.dimensions()[0];
+  me.row_bytes = RowBytes(x);
+  me.n = sdims[0];
+  me.s = sdims[1];
+  me.b = static_cast<int64_t>(recv.element_count());
+  me.dtype = x.element_type();
+  if (out->element_type() != x.element_type() || RowBytes(*out) != me.row_bytes ||
+      out->dimensions()[0] != me.b) {
+    return Failed(ffi::Error::InvalidArgument("out must be [B, ...] with x's dtype and rows"));
+  }
+  ffi::Future future(me.promise);
+  std::string err;
+  auto group = Arrive({call_id, w->group}, w->rank, cp, timeout_ms, "group_cast",
+                      std::move(me), &err);
+  if (!err.empty()) return Failed(ffi::Error::InvalidArgument(err));
+  if (group) {
+    Finish(*group, shifts.size(), "group_cast",
+           [&](int64_t r) { return CastOne(*group, r, shifts); });
+  }
+  return future;
+}
+
+ffi::Future ReduceImpl(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> send,
+                       ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
+                       ffi::AnyBuffer acc, ffi::Result<ffi::AnyBuffer> out, int64_t cp,
+                       ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
+                       bool accumulate) {
+  auto w = ReadWhere(where, cp);
+  if (w.has_error()) return Failed(w.error());
+  auto sdims = send.dimensions();
+  if (sdims.size() != 2) return Failed(ffi::Error::InvalidArgument("send_index must be [n, S]"));
+  ffi::DataType dt = y.element_type();
+  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16 && dt != ffi::DataType::F32 &&
+      dt != ffi::DataType::F64) {
+    return Failed(ffi::Error::InvalidArgument("group_reduce takes bf16, f16, f32 or f64"));
+  }
+  const bool wide = out->element_type() == ffi::DataType::F64;
+  if (out->element_type() != (wide ? ffi::DataType::F64 : ffi::DataType::F32)) {
+    return Failed(ffi::Error::InvalidArgument("group_reduce output must be float32 (float64)"));
+  }
+  Member me;
+  me.data = y.untyped_data();
+  me.out = out->untyped_data();
+  me.acc = accumulate ? acc.untyped_data() : nullptr;
+  me.send = send.typed_data();
+  me.recv = recv.typed_data();
+  me.rows = y.dimensions().size() == 0 ? 0 : y.dimensions()[0];
+  me.row_bytes = RowBytes(y);
+  me.out_rows = out->dimensions()[0];
+  me.n = sdims[0];
+  me.s = sdims[1];
+  me.b = static_cast<int64_t>(recv.element_count());
+  me.dtype = dt;
+  if (me.rows != me.b) {
+    return Failed(ffi::Error::InvalidArgument("y must have one row per recv_index entry"));
+  }
+  if (accumulate && acc.size_bytes() != out->size_bytes()) {
+    return Failed(ffi::Error::InvalidArgument("acc must have the output's shape and dtype"));
+  }
+  ffi::Future future(me.promise);
+  std::string err;
+  auto group = Arrive({call_id, w->group}, w->rank, cp, timeout_ms, "group_reduce",
+                      std::move(me), &err);
+  if (!err.empty()) return Failed(ffi::Error::InvalidArgument(err));
+  if (group) {
+    Finish(*group, shifts.size(), "group_reduce", [&](int64_t r) {
+      return wide ? ReduceOne<double>(*group, r, shifts) : ReduceOne<float>(*group, r, shifts);
+    });
+  }
+  return future;
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCpu, CastImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("cp")
+                                  .Attr<ffi::Span<const int64_t>>("shifts")
+                                  .Attr<int64_t>("call_id")
+                                  .Attr<int64_t>("timeout_ms"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceCpu, ReduceImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("cp")
+                                  .Attr<ffi::Span<const int64_t>>("shifts")
+                                  .Attr<int64_t>("call_id")
+                                  .Attr<int64_t>("timeout_ms")
+                                  .Attr<bool>("accumulate"));

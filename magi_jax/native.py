@@ -1,0 +1,404 @@
+"""The ``native`` transport of the group collectives: a C++ XLA FFI library (``ffi/``).
+
+Two shared libraries, built by the package build (``CMakeLists.txt``):
+
+- ``_magi_native_cpu.so`` — CPU handlers. The host devices of one process meet in a
+  rendezvous, publish their buffers and each pulls what its tables say (DESIGN.md §8). It
+  exists so that the FFI path runs in CI; it is not a fast path.
+- ``_magi_native_cuda.so`` — CUDA handlers over NVSHMEM, one process per GPU. One kernel per
+  collective: some blocks put their rows straight into the peers' symmetric staging buffer
+  and raise a flag per chunk (NVSHMEM signal), the others wait for the flags of the rows they
+  need and copy them into XLA's output (cast) or sum them in float32 (reduce). Stream-ordered,
+  no host synchronisation; reuse of the staging buffer is guarded by per-peer
+  acknowledgements, so back-to-back calls need no barrier.
+
+Semantics (both platforms) are those of ``cast_model`` / ``reduce_model`` in
+:mod:`magi_jax.sharding.collectives`, for tables that satisfy :func:`check_table` (every real
+send entry is received exactly once, every received entry is a real send entry — which
+:func:`~magi_jax.sharding.collectives.build_cast_table` guarantees).
+
+NVSHMEM needs every process to join: :func:`initialize` (called lazily by the first traced
+native collective, identically on every process of an SPMD program) takes the unique id from
+process 0 through the ``jax.distributed`` key-value store and reserves the symmetric staging
+buffer; a collective whose rows do not fit raises a ``ValueError`` that says how much to
+reserve. :func:`available` / :func:`unavailable_reason` say whether a platform can run it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import functools
+import itertools
+import math
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["available", "unavailable_reason", "group_cast", "group_reduce", "check_table",
+           "initialize", "finalize", "staging_bytes", "auto_reason", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_TIMEOUT_S = 120.0
+_LIBS = {"cpu": "_magi_native_cpu.so", "cuda": "_magi_native_cuda.so"}
+_CAST, _REDUCE = "magi_group_cast", "magi_group_reduce"
+# Launch shape of the CUDA kernel: blocks that put (send) and blocks that copy out or sum
+# (receive); the rest of the GPU stays free for overlapping compute.
+_SEND_BLOCKS, _RECV_BLOCKS = 64, 64
+_CHUNKS_PER_SEND_BLOCK = 4
+_FLAG_CAPACITY = 1 << 16
+_DEFAULT_SYMMETRIC_BYTES = 1 << 30
+_call_ids = itertools.count(1)
+
+
+class NativeUnavailable(RuntimeError):
+    """The native library for a platform cannot be used (the message says why)."""
+
+
+def _platform_key(platform: str) -> str:
+    p = platform.lower()
+    return "cuda" if p in ("cuda", "gpu", "rocm") else p
+
+
+def _search_dirs():
+    here = Path(__file__).resolve().parent
+    seen = [here]
+    for p in sys.path:
+        d = Path(p or ".").resolve() / "magi_jax"
+        if d not in seen:
+            seen.append(d)
+    extra = os.environ.get("MAGI_JAX_NATIVE_DIR")
+    if extra:
+        seen.insert(0, Path(extra))
+    return seen
+
+
+def _find(name: str) -> Path | None:
+    for d in _search_dirs():
+        if (d / name).is_file():
+            return d / name
+    return None
+
+
+def _capsule(ptr: int):
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype = ctypes.py_object
+    new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return new(ptr, None, None)
+
+
+@functools.cache
+def _load(platform: str):
+    """Loads and registers the library of ``platform`` ('cpu' or 'cuda'); raises
+    :class:`NativeUnavailable` with the reason."""
+    name = _LIBS.get(platform)
+    if name is None:
+        raise NativeUnavailable(f"no native group collectives for platform {platform!r}")
+    path = _find(name)
+    if path is None:
+        hint = ("install the package with `pip install -e .` (it compiles ffi/ with CMake)"
+                if platform == "cpu" else
+                "it is built when nvcc and the NVSHMEM headers (pip install "
+                "nvidia-nvshmem-cu13) are present at install time, or with "
+                "-C cmake.define.MAGI_JAX_CUDA=ON")
+        raise NativeUnavailable(f"{name} was not found next to magi_jax ({_search_dirs()[0]}) "
+                                f"or on sys.path; {hint}")
+    if platform == "cuda":
+        _preload_nvshmem()
+    try:
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise NativeUnavailable(f"could not load {path}: {e}") from e
+    plat = "cpu" if platform == "cpu" else "CUDA"
+    if platform == "cpu":
+        jax.ffi.register_ffi_target(_CAST, jax.ffi.pycapsule(lib.MagiGroupCastCpu), platform=plat)
+        jax.ffi.register_ffi_target(_REDUCE, jax.ffi.pycapsule(lib.MagiGroupReduceCpu),
+                                    platform=plat)
+    else:
+        lib.MagiNvStateTypeId.restype = ctypes.c_void_p
+        lib.MagiNvStateTypeInfo.restype = ctypes.c_void_p
+        jax.ffi.register_ffi_type(
+            "magi_jax.nvshmem_collective_state",
+            {"type_id": _capsule(lib.MagiNvStateTypeId()),
+             "type_info": _capsule(lib.MagiNvStateTypeInfo())}, platform=plat)
+        for target, stem in ((_CAST, "MagiGroupCastCuda"), (_REDUCE, "MagiGroupReduceCuda")):
+            jax.ffi.register_ffi_target(
+                target, {"instantiate": jax.ffi.pycapsule(getattr(lib, stem + "Instantiate")),
+                         "execute": jax.ffi.pycapsule(getattr(lib, stem + "Execute"))},
+                platform=plat)
+        lib.magi_nv_uid_size.restype = ctypes.c_int
+        lib.magi_nv_get_uid.argtypes = [ctypes.c_void_p]
+        lib.magi_nv_init.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int,
+                                     ctypes.c_size_t, ctypes.c_size_t, ctypes.c_char_p,
+                                     ctypes.c_int]
+        lib.magi_nv_finalize.restype = ctypes.c_int
+    return lib
+
+
+def _preload_nvshmem():
+    """Loads libnvshmem_host.so.3 from the nvidia-nvshmem-cu13 wheel (the CUDA library links
+    it by soname) and points NVSHMEM at its bootstrap plugin."""
+    try:
+        import nvidia.nvshmem as m
+    except ImportError as e:
+        raise NativeUnavailable("the CUDA handlers need NVSHMEM at run time: pip install "
+                                "nvidia-nvshmem-cu13") from e
+    lib_dir = Path(list(m.__path__)[0]) / "lib"
+    host = sorted(lib_dir.glob("libnvshmem_host.so*"))
+    if not host:
+        raise NativeUnavailable(f"libnvshmem_host.so not found in {lib_dir}")
+    uid_plugin = lib_dir / "nvshmem_bootstrap_uid.so.3"
+    if uid_plugin.exists():
+        os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_PLUGIN", str(uid_plugin))
+    ctypes.CDLL(str(host[0]), mode=ctypes.RTLD_GLOBAL)
+
+
+def unavailable_reason(platform: str | None = None) -> str | None:
+    """``None`` when the native collectives can run on ``platform`` (default: JAX's default
+    backend), else why not."""
+    try:
+        _load(_platform_key(platform or jax.default_backend()))
+    except NativeUnavailable as e:
+        return str(e)
+    return None
+
+
+def available(platform: str | None = None) -> bool:
+    """Whether the native library for ``platform`` (default: JAX's default backend) loads."""
+    return unavailable_reason(platform) is None
+
+
+def auto_reason(mesh, cp_axis: str) -> str | None:
+    """``None`` if ``comm_backend="auto"`` should pick ``native`` for ``mesh``: GPUs, one per
+    process, the cp axis spanning every process in process order, and the CUDA library built.
+    Otherwise the reason it picks ``xla``."""
+    devices = list(np.asarray(mesh.devices).reshape(-1))
+    if devices[0].platform != "gpu":
+        return f"the mesh is on {devices[0].platform}, the native fast path needs GPUs"
+    return _gpu_mesh_problem(mesh, cp_axis) or unavailable_reason("cuda")
+
+
+def _gpu_mesh_problem(mesh, cp_axis: str) -> str | None:
+    if jax.local_device_count() != 1:
+        return (f"this process drives {jax.local_device_count()} GPUs; NVSHMEM needs one "
+                "process per GPU (set CUDA_VISIBLE_DEVICES per process)")
+    if int(mesh.shape[cp_axis]) != jax.process_count() or mesh.devices.size != jax.process_count():
+        return (f"the cp axis has {mesh.shape[cp_axis]} ranks over a mesh of {mesh.devices.size} "
+                f"devices and {jax.process_count()} processes; the CUDA native transport "
+                "supports a mesh whose only axis of size > 1 is the cp axis over all processes")
+    procs = [d.process_index for d in np.asarray(mesh.devices).reshape(-1)]
+    if procs != list(range(len(procs))):
+        return (f"the cp ranks sit on processes {procs}; the CUDA native transport needs rank r "
+                "on process r (build the mesh from jax.devices() in order)")
+    return None
+
+
+def check_mesh(mesh, cp_axis: str) -> None:
+    """Raises ``ValueError`` if ``comm_backend="native"`` cannot run on ``mesh``."""
+    devices = list(np.asarray(mesh.devices).reshape(-1))
+    plat = devices[0].platform
+    if plat == "gpu":
+        problem = _gpu_mesh_problem(mesh, cp_axis) or unavailable_reason("cuda")
+    else:
+        problem = unavailable_reason(plat)
+    if problem:
+        raise ValueError(f"comm_backend='native' cannot run here: {problem}; use "
+                         "comm_backend='auto' or 'xla'")
+
+
+def check_table(table) -> None:
+    """Raises ``ValueError`` unless ``table`` (a stacked :class:`CastTable`) is one the native
+    transport moves exactly: for every rank ``d`` and slot ``j``, the entries ``j·S + p`` of
+    ``recv_index[d]`` are exactly the real entries ``p`` of ``send_index[(d - shift_j) % cp, j]``,
+    each once. (The CUDA kernels skip padding rows and put each row at its slot position.)"""
+    send, recv = np.asarray(table.send_index), np.asarray(table.recv_index)
+    cp, n, s = send.shape
+    for d in range(cp):
+        e = recv[d][recv[d] >= 0]
+        if len(np.unique(e)) != len(e):
+            raise ValueError(f"cast table: rank {d} receives some slot entry twice")
+        want = []
+        for j, shift in enumerate(table.shifts):
+            src = (d - shift) % cp
+            want.append(j * s + np.nonzero(send[src, j] >= 0)[0])
+        want = np.concatenate(want) if want else np.zeros(0, np.int64)
+        if not np.array_equal(np.sort(e), np.sort(want)):
+            raise ValueError(
+                f"cast table: rank {d} receives slot entries {sorted(set(e) ^ set(want))[:8]} "
+                "that are padding, or misses real ones; the native transport needs every real "
+                "send entry received exactly once (tables from build_cast_table satisfy this)")
+
+
+# ---- NVSHMEM bootstrap ----------------------------------------------------------------------
+
+_nv = {"bytes": 0, "initialized": False}
+
+
+def initialize(symmetric_bytes: int = _DEFAULT_SYMMETRIC_BYTES) -> None:
+    """Joins NVSHMEM (every process must call this, in the same order as its other
+    collectives) and reserves ``symmetric_bytes`` of staging per GPU. Call after
+    ``jax.distributed.initialize``; leave GPU memory free for it (e.g.
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION``). Called lazily by the first native collective with
+    max(its need, 1 GiB)."""
+    if _nv["initialized"]:
+        if symmetric_bytes > _nv["bytes"]:
+            raise ValueError(f"NVSHMEM is already initialized with {_nv['bytes']} bytes of "
+                             f"staging; {symmetric_bytes} were asked for. Call "
+                             "magi_jax.native.initialize(symmetric_bytes=...) with the largest "
+                             "need before the first native collective")
+        return
+    lib = _load("cuda")
+    rank, n = jax.process_index(), jax.process_count()
+    size = lib.magi_nv_uid_size()
+    if n > 1:
+        from jax._src import distributed
+        client = distributed.global_state.client
+        if client is None:
+            raise RuntimeError("the native transport over several processes needs "
+                               "jax.distributed.initialize() first")
+        key = "magi_jax/nvshmem_uid"
+        if rank == 0:
+            buf = ctypes.create_string_buffer(size)
+            if lib.magi_nv_get_uid(buf) != 0:
+                raise RuntimeError("nvshmemx_get_uniqueid failed")
+            client.key_value_set_bytes(key, buf.raw)
+        uid = client.blocking_key_value_get_bytes(key, 300_000)
+    else:
+        buf = ctypes.create_string_buffer(size)
+        if lib.magi_nv_get_uid(buf) != 0:
+            raise RuntimeError("nvshmemx_get_uniqueid failed")
+        uid = buf.raw
+    symmetric_bytes = int(symmetric_bytes)
+    flags_bytes = 16 * _FLAG_CAPACITY + (1 << 20)
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE",
+                          str(symmetric_bytes + flags_bytes + (64 << 20)))
+    err = ctypes.create_string_buffer(512)
+    rc = lib.magi_nv_init(uid, rank, n, symmetric_bytes, _FLAG_CAPACITY, err, 512)
+    if rc != 0:
+        raise RuntimeError(f"NVSHMEM initialization failed ({rc}): {err.value.decode()}")
+    _nv.update(bytes=symmetric_bytes, initialized=True)
+    atexit.register(finalize)
+
+
+def finalize() -> None:
+    """Frees the symmetric buffers and leaves NVSHMEM (registered at exit)."""
+    if _nv["initialized"]:
+        _nv["initialized"] = False
+        _load("cuda").magi_nv_finalize()
+
+
+def staging_bytes(n_slots: int, slot_len: int, row_shape, dtype) -> int:
+    """Symmetric staging bytes one collective needs: every position of the received blocks
+    (``n_slots · S`` rows of ``row_shape`` and ``dtype``)."""
+    return n_slots * slot_len * math.prod(row_shape) * np.dtype(dtype).itemsize
+
+
+# ---- the collectives (inside shard_map) -----------------------------------------------------
+
+def _where(axis_name: str):
+    """int32 [2]: this device's rank on the cp axis and the index of its cp group (the other
+    mesh axes flattened), so concurrent groups never share a CPU rendezvous."""
+    rank = jax.lax.axis_index(axis_name).astype(jnp.int32)
+    group = jnp.int32(0)
+    mesh = jax.sharding.get_abstract_mesh()
+    for name in getattr(mesh, "axis_names", ()):
+        if name != axis_name and name in getattr(mesh, "manual_axes", ()):
+            group = group * mesh.shape[name] + jax.lax.axis_index(name).astype(jnp.int32)
+    return jnp.stack([rank, group])
+
+
+def _platform() -> str:
+    mesh = jax.sharding.get_abstract_mesh()
+    plat = getattr(mesh, "_platform", None) or getattr(mesh, "platform", None)
+    return _platform_key(plat or jax.default_backend())
+
+
+def _common_attrs(spec, timeout_s):
+    return dict(cp=np.int64(spec.cp), shifts=np.asarray(spec.shifts, np.int64),
+                call_id=np.int64(next(_call_ids)),
+                timeout_ms=np.int64(int(1000 * (DEFAULT_TIMEOUT_S if timeout_s is None
+                                                else timeout_s))))
+
+
+def _cuda_attrs(spec, n_rows_per_slot):
+    total = max(1, sum(spec.widths))
+    rows_per_chunk = max(1, -(-total // (_SEND_BLOCKS * _CHUNKS_PER_SEND_BLOCK)))
+    chunks = sum(-(-w // rows_per_chunk) for w in spec.widths)
+    if chunks > _FLAG_CAPACITY:
+        raise ValueError(f"native collective needs {chunks} flags (> {_FLAG_CAPACITY})")
+    return dict(widths=np.asarray(spec.widths, np.int64), slot_len=np.int64(n_rows_per_slot),
+                rows_per_chunk=np.int64(rows_per_chunk), send_blocks=np.int64(_SEND_BLOCKS),
+                recv_blocks=np.int64(_RECV_BLOCKS))
+
+
+def _ensure_staging(send, row_shape, dtype):
+    n, s = send.shape
+    need = staging_bytes(n, s, row_shape, dtype)
+    if not _nv["initialized"]:
+        initialize(max(need, _DEFAULT_SYMMETRIC_BYTES))
+    if need > _nv["bytes"]:
+        raise ValueError(
+            f"this native collective stages {need / 2**20:.1f} MiB per GPU ({n} "
+            f"slots x {s} rows of {row_shape} {np.dtype(dtype).name}) but only "
+            f"{_nv['bytes'] / 2**20:.1f} MiB of NVSHMEM symmetric memory were reserved; call "
+            f"magi_jax.native.initialize(symmetric_bytes={need}) (or more) before the first "
+            "native collective, or use more overlap stages (smaller casts)")
+
+
+def group_cast(x, tables, spec, *, timeout_s: float | None = None):
+    """Native :func:`~magi_jax.sharding.collectives.group_cast` (no VJP of its own: the
+    transport-generic ``group_cast`` wraps it). ``x [T, ...]`` -> ``[B, ...]``."""
+    send, recv = tables
+    plat = _platform()
+    _load(plat)
+    out = jax.ShapeDtypeStruct((recv.shape[0],) + x.shape[1:], x.dtype)
+    attrs = _common_attrs(spec, timeout_s)
+    x2 = x.reshape(x.shape[0], -1) if x.ndim != 2 else x
+    if plat == "cuda":
+        _ensure_staging(send, x.shape[1:], x.dtype)
+        attrs.update(_cuda_attrs(spec, send.shape[1]))
+    out2 = jax.ShapeDtypeStruct((recv.shape[0], math.prod(x.shape[1:])), x.dtype)
+    got = jax.ffi.ffi_call(_CAST, out2)(x2, send, recv, _where(spec.axis_name), **attrs)
+    return got.reshape(out.shape)
+
+
+def group_reduce(y, tables, spec, num_rows: int, *, acc=None, timeout_s: float | None = None):
+    """Native :func:`~magi_jax.sharding.collectives.group_reduce`: ``y [B, ...]`` summed in
+    float32 (float64 for float64 ``y``; CPU only) into the owners' rows ->
+    ``[num_rows, ...]``, added to ``acc`` (same shape, float32) when given."""
+    send, recv = tables
+    plat = _platform()
+    _load(plat)
+    wide = y.dtype == jnp.float64
+    acc_dtype = jnp.float64 if wide else jnp.float32
+    if plat == "cuda" and y.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise TypeError(f"native group_reduce on GPU takes bf16, f16 or f32; got {y.dtype}")
+    feat = math.prod(y.shape[1:])
+    y2 = y.reshape(y.shape[0], feat)
+    out2 = jax.ShapeDtypeStruct((num_rows, feat), acc_dtype)
+    accumulate = acc is not None
+    acc2 = (acc.astype(acc_dtype).reshape(num_rows, feat) if accumulate
+            else jnp.zeros((0,), acc_dtype))
+    attrs = _common_attrs(spec, timeout_s)
+    attrs["accumulate"] = accumulate
+    where = _where(spec.axis_name)
+    if plat == "cuda":
+        _ensure_staging(send, y.shape[1:], y.dtype)
+        attrs.update(_cuda_attrs(spec, send.shape[1]))
+        n, s = send.shape
+        # inv[row, j] = p with send[j, p] = row (the owner's slot position of each row);
+        # rinv[j*S + p] = b with recv[b] = j*S + p (the buffer row that answers it).
+        rows = jnp.where(send < 0, num_rows, send)
+        inv = jnp.full((num_rows + 1, n), -1, jnp.int32).at[
+            rows, jnp.arange(n)[:, None]].set(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32),
+                                                              (n, s)))[:num_rows]
+        ridx = jnp.where(recv < 0, n * s, recv)
+        rinv = jnp.full((n * s + 1,), -1, jnp.int32).at[ridx].set(
+            jnp.arange(recv.shape[0], dtype=jnp.int32))[:n * s]
+        got = jax.ffi.ffi_call(_REDUCE, out2)(y2, send, recv, where, acc2, inv, rinv, **attrs)
+    else:
+        got = jax.ffi.ffi_call(_REDUCE, out2)(y2, send, recv, where, acc2, **attrs)
+    return got.reshape((num_rows,) + y.shape[1:])

@@ -1,0 +1,172 @@
+"""The native transport's CPU FFI handlers (magi_jax/native.py, ffi/cpu_group_collectives.cc)
+on 8 host devices: against the NumPy model of the tables and the XLA transports, on
+hand-checked and random tables; errors; magi_attention with comm_backend="native"."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.sharding import PartitionSpec as P
+
+from magi_jax import native
+from magi_jax.sharding import make_flex_key
+from magi_jax.sharding.collectives import (CastArrays, CastSpec, CastTable, build_cast_table,
+                                           cast_model, group_cast, reduce_model)
+from tests.sharding.masks import ZOO
+from tests.sharding.test_attention import _check, _mesh
+from tests.sharding.test_collectives import _meta, _random_table, _run
+
+# CI must build the CPU library (pip install -e .): its absence is a failure, not a skip.
+if not native.available("cpu"):
+    raise RuntimeError(f"native CPU library unavailable: {native.unavailable_reason('cpu')}")
+
+
+def _hand_table():
+    # cp 4, 2 tokens per rank (chunk 2): rank r owns globals 2r, 2r+1.
+    # rank 0 needs global 2 (rank 1 row 0) -> buffer 0 and global 6 (rank 3 row 0) -> 1;
+    # rank 1 needs global 6 -> buffer 0        (global 6 has three destinations);
+    # rank 2 needs globals 6, 7 -> buffer 0, 1 and global 3 (rank 1 row 1) -> 2;
+    # rank 3 needs nothing. Ranks 0 and 2 send nothing; globals 0, 1, 4, 5 go nowhere.
+    meta = _meta(4, 2, 1)
+    remote = [np.array([[2, 3, 1, 0, 0], [6, 7, 3, 0, 1]]), np.array([[6, 7, 3, 0, 0]]),
+              np.array([[6, 8, 3, 0, 0], [3, 4, 1, 0, 2]]), np.zeros((0, 5), np.int64)]
+    return build_cast_table(meta, remote, 3)
+
+
+def test_hand_checked_cast_and_reduce():
+    t = _hand_table()
+    native.check_table(t)
+    x = (np.arange(4)[:, None, None] * 10 + np.arange(2)[None, :, None] + 1).astype(
+        np.float32) * np.ones((1, 1, 3), np.float32)           # x[r, row] = 10 r + row + 1
+    out = _run("cast", x, t, 2, "native")[..., 0]
+    np.testing.assert_array_equal(out, [[11, 31, 0], [31, 0, 0], [31, 32, 12], [0, 0, 0]])
+    y = (np.arange(4)[:, None] * 10 + np.arange(3)[None, :] + 1).astype(np.float32)[..., None]
+    back = _run("reduce", y, t, 2, "native")[..., 0]
+    # rank 3 row 0 <- y[0,1] + y[1,0] + y[2,0]; row 1 <- y[2,1]; rank 1 row 0 <- y[0,0],
+    # row 1 <- y[2,2]; ranks 0 and 2 get nothing (rank 3's buffer rows are padding).
+    np.testing.assert_array_equal(back, [[0, 0], [1, 23], [0, 0], [2 + 11 + 21, 22]])
+    np.testing.assert_array_equal(out, cast_model(x, t)[..., 0])
+    np.testing.assert_array_equal(back, reduce_model(y, t, 2)[..., 0])
+
+
+@settings(max_examples=8)
+@given(st.integers(0, 10_000), st.sampled_from([2, 4, 8]),
+       st.sampled_from([np.float32, jnp.bfloat16, np.float16]))
+def test_random_tables_match_model_and_xla(seed, cp, dtype):
+    rng = np.random.default_rng(seed)
+    table, t_loc = _random_table(rng, cp, 3, 2, int(rng.integers(0, 3)))
+    native.check_table(table)
+    x = rng.standard_normal((cp, t_loc, 2, 4)).astype(dtype)
+    got = _run("cast", x, table, t_loc, "native")
+    assert got.dtype == x.dtype
+    np.testing.assert_array_equal(got, cast_model(x, table))          # a cast moves bits
+    np.testing.assert_array_equal(got, _run("cast", x, table, t_loc, "ppermute"))
+    y = rng.standard_normal((cp, table.buffer_len, 2, 4)).astype(dtype)
+    want = reduce_model(y.astype(np.float64), table, t_loc)
+    for op in ("reduce", "cast_vjp"):
+        r = _run(op, y, table, t_loc, "native")
+        assert r.dtype == (np.float32 if op == "reduce" else y.dtype)
+        tol = 1e-6 if op == "reduce" else (1e-6 if dtype == np.float32 else 1e-2)
+        np.testing.assert_allclose(r.astype(np.float64), want, rtol=tol, atol=tol)
+        np.testing.assert_allclose(r, _run(op, y, table, t_loc, "all_to_all"), rtol=tol,
+                                   atol=tol)
+
+
+def test_reduce_sums_bf16_in_float32():
+    meta = _meta(4, 1, 1)
+    remote = [np.zeros((0, 5), np.int64)] + [np.array([[0, 1, 0, 0, 0]])] * 3
+    table = build_cast_table(meta, remote, 1)
+    y = jnp.full((4, 1, 1), 1.0 + 2 ** -7, jnp.bfloat16)
+    out = _run("reduce", y, table, 1, "native")
+    assert out.dtype == np.float32 and out[0, 0, 0] == 3.0234375
+
+
+def _direct(cp, spec, fn, mesh=None):
+    mesh = mesh or _mesh(cp)
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("cp"), out_specs=P("cp"),
+                                 check_vma=False))
+
+
+def test_reduce_accumulates_into_existing_output():
+    rng = np.random.default_rng(3)
+    table, t_loc = _random_table(rng, 4, 2, 2, 0)
+    spec = CastSpec("cp", 4, table.shifts, table.widths, "native")
+    y = rng.standard_normal((4, table.buffer_len, 3)).astype(np.float32)
+    acc = rng.standard_normal((4, t_loc, 3)).astype(np.float32)
+
+    def body(y_, acc_, send, recv):
+        return native.group_reduce(y_[0], CastArrays(send[0], recv[0]), spec, t_loc,
+                                   acc=acc_[0])[None]
+    f = jax.jit(jax.shard_map(body, mesh=_mesh(4), in_specs=(P("cp"),) * 4, out_specs=P("cp"),
+                              check_vma=False))
+    got = f(y, acc, table.send_index, table.recv_index)
+    np.testing.assert_allclose(got, acc + reduce_model(y, table, t_loc), rtol=1e-6, atol=1e-6)
+
+
+def test_concurrent_cp_groups_do_not_mix():
+    # A (dp=2, cp=4) mesh: two cp groups run the same collective at the same time.
+    mesh = jax.make_mesh((2, 4), ("dp", "cp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rng = np.random.default_rng(5)
+    table, t_loc = _random_table(rng, 4, 2, 2, 0)
+    spec = CastSpec("cp", 4, table.shifts, table.widths, "native")
+    x = rng.standard_normal((2, 4, t_loc, 3)).astype(np.float32)
+
+    def body(x_, send, recv):
+        return group_cast(x_[0, 0], CastArrays(send[0], recv[0]), spec)[None, None]
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("dp", "cp"), P("cp"), P("cp")),
+                              out_specs=P("dp", "cp"), check_vma=False))
+    got = np.asarray(f(x, table.send_index, table.recv_index))
+    for g in range(2):
+        np.testing.assert_array_equal(got[g], cast_model(x[g], table))
+
+
+def test_missing_devices_time_out_with_a_clear_error():
+    # The spec claims 8 ranks but only 4 devices run the program: the rendezvous must give up.
+    t = _hand_table()
+    spec = CastSpec("cp", 8, t.shifts, t.widths, "native")
+
+    def body(x, send, recv):
+        return native.group_cast(x[0], CastArrays(send[0], recv[0]), spec,
+                                 timeout_s=0.3)[None]
+    f = jax.jit(jax.shard_map(body, mesh=_mesh(4), in_specs=(P("cp"),) * 3, out_specs=P("cp"),
+                              check_vma=False))
+    with pytest.raises(Exception, match="rendezvous timed out after 300 ms with 4 of 8"):
+        np.asarray(f(np.zeros((4, 2, 3), np.float32), t.send_index, t.recv_index))
+
+
+def test_check_table_rejects_what_the_kernels_cannot_move():
+    t = _hand_table()
+    recv = t.recv_index.copy()
+    recv[3, 0] = 0          # rank 3 reads slot entry 0 of rank 0, which is padding
+    with pytest.raises(ValueError, match="rank 3 receives slot entries"):
+        native.check_table(CastTable(t.send_index, recv, t.shifts, t.widths))
+    recv = t.recv_index.copy()
+    recv[2, 2] = recv[2, 0]  # the same entry twice
+    with pytest.raises(ValueError, match="twice"):
+        native.check_table(CastTable(t.send_index, recv, t.shifts, t.widths))
+
+
+@pytest.mark.parametrize("name,degree", [("doc_causal", None), ("shared_question", 2),
+                                         ("sliding_window", 0)])
+def test_magi_attention_native_matches_reference_and_xla(name, degree):
+    key, res = _check(ZOO[name], 8, degree, comm_backend="native")
+    assert any(s.cast is not None for s in key.stages)
+    assert all(s.cast.transport == "native" for s in key.stages if s.cast is not None)
+    _, ref = _check(ZOO[name], 8, degree, comm_backend="ppermute")
+    for n in res:
+        np.testing.assert_allclose(np.asarray(res[n]), np.asarray(ref[n]), rtol=1e-5,
+                                   atol=1e-5, err_msg=n)
+
+
+def test_magi_attention_native_bf16_gqa_refetch():
+    _check(ZOO["block_causal"], 4, 2, jnp.bfloat16, hq=4, hkv=2, d=16, softcap=4.0,
+           comm_backend="native", backward_refetch=True)
+
+
+def test_auto_picks_xla_on_cpu_and_says_why():
+    key = make_flex_key(ZOO["causal"], _mesh(2), "cp", overlap_degree=1)
+    assert all(s.cast.transport != "native" for s in key.stages if s.cast is not None)
+    assert "cpu" in native.auto_reason(_mesh(2), "cp")
