@@ -1,0 +1,123 @@
+"""Overlap probe: the pieces of ``magi_attention`` as separately jitted programs, to prove
+(or disprove) that communication overlaps compute (DESIGN.md §7): time ``comm`` alone,
+``compute`` alone (FFA stages on pre-fetched KV), and ``both`` (the real thing). Overlap
+hides ``comm + compute − both`` of the communication.
+
+    fns = overlap_probe(key, q, k, v)          # q/k/v dispatched
+    bufs = fns["comm"](k, v)                   # group-casts only -> KV buffers
+    out, lse = fns["compute"](q, k, v, bufs)   # FFA stages + merge, no communication
+    out, lse = fns["both"](q, k, v)            # magi_attention
+    ms = time_ms(fns["both"], q, k, v)
+
+``backward=True`` gives the forward+backward versions (``comm``: cast then reduce;
+``compute``: FFA VJPs with the buffers' cotangents; ``both``: VJP of ``magi_attention``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from magi_jax.sharding.attention import magi_attention, merge_partials
+from magi_jax.sharding.collectives import group_cast, group_reduce
+from magi_jax.sharding.ffa_backends import get_backend
+from magi_jax.sharding.key import MagiKey
+
+__all__ = ["overlap_probe", "time_ms"]
+
+
+def _remote_stages(key):
+    return [i for i, st in enumerate(key.stages) if st.cast is not None]
+
+
+def overlap_probe(key: MagiKey, q, k, v, *, softmax_scale: float | None = None,
+                  softcap: float = 0.0, backward: bool = False) -> dict:
+    """Jitted ``comm``, ``compute`` and ``both`` for ``key`` and inputs shaped like the
+    dispatched ``q, k, v`` (``[padded_total, H, D]``); see the module docstring."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    spec = P(key.cp_axis)
+    arr_specs = jax.tree.map(lambda _: spec, key.stage_arrays)
+    remote = _remote_stages(key)
+    ffa = get_backend(key.ffa_backend).call
+    hkv = k.shape[-2]
+
+    def mine(arrays):
+        return jax.tree.map(lambda a: a[0], arrays)
+
+    def comm_body(k, v, arrays):
+        arrays = mine(arrays)
+        kv = jnp.concatenate([k, v], axis=-2)
+        bufs = tuple(group_cast(kv, arrays[i][1], key.stages[i].cast) for i in remote)
+        if not backward:
+            return bufs
+        # The backward's communication: the same casts, then reduces of same-sized buffers.
+        red = [group_reduce(b, arrays[i][1], key.stages[i].cast, kv.shape[0])
+               for b, i in zip(bufs, remote)]
+        return bufs + tuple(r.astype(kv.dtype) for r in red)
+
+    def stage_compute(q, k, v, bufs, arrays):
+        outs, lses = [], []
+        it = iter(bufs)
+        for st, (ffa_arrays, _) in zip(key.stages, arrays):
+            if st.cast is None:
+                kk, vv = k, v
+            else:
+                buf = next(it)
+                kk, vv = buf[:, :hkv], buf[:, hkv:]
+                if st.combined:
+                    kk, vv = jnp.concatenate([k, kk]), jnp.concatenate([v, vv])
+            o, l = ffa(q, kk, vv, ffa_arrays, softmax_scale=scale, softcap=float(softcap),
+                       block_q=key.block_q, block_k=key.block_k)
+            outs.append(o)
+            lses.append(l)
+        return merge_partials(outs, lses, q.dtype)
+
+    def compute_body(q, k, v, bufs, arrays):
+        arrays = mine(arrays)
+        if not backward:
+            return stage_compute(q, k, v, bufs, arrays)
+        (out, lse), vjp = jax.vjp(lambda *a: stage_compute(*a, arrays), q, k, v, bufs)
+        return vjp((out, jnp.zeros_like(lse)))
+
+    num_out = len(remote) * (2 if backward else 1)
+    comm = jax.jit(jax.shard_map(comm_body, mesh=key.mesh, in_specs=(spec, spec, arr_specs),
+                                 out_specs=(spec,) * num_out, check_vma=False))
+    buf_specs = (spec,) * len(remote)
+    compute = jax.jit(jax.shard_map(
+        compute_body, mesh=key.mesh, in_specs=(spec, spec, spec, buf_specs, arr_specs),
+        out_specs=(spec, spec, spec, buf_specs) if backward else (spec, spec),
+        check_vma=False))
+
+    def both_fn(q, k, v):
+        out, lse = magi_attention(q, k, v, key, softmax_scale=scale, softcap=softcap)
+        return out, lse
+
+    if backward:
+        def both_vjp(q, k, v):
+            (out, lse), vjp = jax.vjp(both_fn, q, k, v)
+            return vjp((out, jnp.zeros_like(lse)))
+        both = jax.jit(both_vjp)
+    else:
+        both = jax.jit(both_fn)
+    return {
+        "comm": lambda k, v: comm(k, v, key.stage_arrays),
+        "compute": lambda q, k, v, bufs: compute(q, k, v, tuple(bufs)[:len(remote)],
+                                                 key.stage_arrays),
+        "both": both,
+    }
+
+
+def time_ms(fn, *args, warmup: int = 2, iters: int = 10) -> float:
+    """Median wall time of ``fn(*args)`` in milliseconds (blocking on the outputs)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
