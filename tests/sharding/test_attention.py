@@ -19,6 +19,9 @@ from tests.sharding.masks import CU, T, ZOO, self_attention_masks
 
 @functools.lru_cache(maxsize=None)
 def _mesh(cp):
+    """Auto-sharded meshes, except cp = 2: jax.make_mesh's default (Explicit) axis type."""
+    if cp == 2:
+        return jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
     return jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
                          axis_types=(jax.sharding.AxisType.Auto,))
 
@@ -183,3 +186,17 @@ def test_batched_inputs_share_the_mask():
         (out, lse), vjp = jax.vjp(fwd, q_, k_, v_)
         return dict(zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *vjp((do, dl)))))
     assert_matches_reference(run(q, k, v, dout, dlse), q, k, v, mask, dout, dlse)
+
+
+def test_two_dimensional_mesh_replicates_over_the_other_axis():
+    mask = ZOO["prefix_lm"]
+    mesh = jax.make_mesh((2, 4), ("dp", "cp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    key = make_flex_key(mask, mesh, "cp", overlap_degree=1)
+    q, k, v, _, _ = random_inputs(jax.random.key(6), mask, 2, 1, 8, jnp.float32)
+
+    @jax.jit
+    def fwd(q_, k_, v_):
+        o, l = magi_attention(dispatch(q_, key), dispatch(k_, key), dispatch(v_, key), key)
+        return undispatch(o, key), undispatch(l, key)
+    out, lse = fwd(q, k, v)
+    assert_matches_reference(dict(out=out, lse=lse), q, k, v, mask)
