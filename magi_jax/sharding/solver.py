@@ -45,6 +45,8 @@ _AUTO_CHUNKS_PER_RANK = (8, 16, 32, 64)
 _AUTO_TARGET = 1.01
 # Upper bound on the swap-refinement iterations (each one strictly lowers the objective).
 _MAX_SWAPS_PER_RANK = 64
+# Candidate swaps the communication pass may score, per chunk (bounds planning time).
+_COMM_EVALS_PER_CHUNK = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,9 +368,12 @@ def _refine_comm(assign: np.ndarray, area: np.ndarray, mask: AttnMask, chunk_siz
             after += int(((nr > 0) & ~own2).sum())
         return after - before
 
+    budget = _COMM_EVALS_PER_CHUNK * n            # deterministic bound on the work
     for _ in range(rounds):
         improved = False
         for x in range(n):
+            if budget <= 0:
+                break
             rx = owner[x]
             partners = np.argsort(-need[:, x], kind="stable")[:2]
             for ry in partners.tolist():
@@ -382,6 +387,7 @@ def _refine_comm(assign: np.ndarray, area: np.ndarray, mask: AttnMask, chunk_siz
                     continue
                 ys = ys[np.argsort(-need[rx, ys], kind="stable")[:4]]
                 scores = [delta(x, y) for y in ys.tolist()]
+                budget -= len(scores)
                 k = int(np.argmin(scores))
                 if scores[k] >= 0:
                     continue
