@@ -60,8 +60,8 @@ def _parse(argv):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--modes", default="fwd+bwd,fwd")
     p.add_argument("--impls", default="single,magi,ring,allgather,ulysses")
-    p.add_argument("--cp", type=int, default=None, help="ranks (default: every device; "
-                   "smoke: 4)")
+    p.add_argument("--cp", type=int, default=None,
+                   help="ranks (default: every device; --smoke makes 8 CPU devices)")
     p.add_argument("--backend", default="auto", choices=("auto", "xla", "pallas"),
                    help="per-rank FFA of every strategy (auto: pallas on sm90)")
     p.add_argument("--budget-s", type=float, default=None,
@@ -245,7 +245,7 @@ class Setup:
 
 def run(a):
     devices = jax.devices()
-    cp = a.cp or (4 if a.smoke else len(devices))
+    cp = a.cp or len(devices)
     if cp > len(devices):
         raise SystemExit(f"--cp {cp} needs {cp} devices; this host has {len(devices)}")
     mesh = jax.make_mesh((cp,), ("cp",), devices=devices[:cp],
