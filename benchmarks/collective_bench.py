@@ -1,0 +1,371 @@
+"""Collective benchmark: the native group collectives (NVSHMEM FFI) against XLA's collectives
+and a peer copy, on 2 GPUs with one process per GPU (issue 5, PERF.md target C1).
+
+Every rank sends ``size`` bytes (bf16 rows of ``--row-kib`` KiB) to the other rank:
+  native_cast / native_reduce   magi_jax.native through group_cast / group_reduce (reduce:
+                                bf16 in, float32 sums out)
+  xla_cast / xla_reduce         the same group_cast / group_reduce with the ppermute transport
+  ppermute, all_to_all          jax.lax on the raw rows
+  ragged_all_to_all             jax.lax.ragged_all_to_all (small sizes only: ~2.6 GB/s)
+  peer_copy                     torch: one tensor copied GPU0 -> GPU1 (copy engine), one process
+GB/s = bytes sent per rank / time per operation; each time is the best of ``--reps`` runs of
+``K`` back-to-back operations inside one jitted program (so launch gaps count, host sync not).
+Then ``magi_attention`` forward+backward with ``comm_backend="native"`` vs the XLA transport.
+
+    python benchmarks/collective_bench.py                       # launches everything
+    python benchmarks/collective_bench.py --sizes 1,16,256 --no-e2e
+
+Writes ``benchmarks/results/collective_<date>_<device>.{json,md}`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OPS = ("native_cast", "xla_cast", "ppermute", "all_to_all", "ragged_all_to_all",
+       "native_reduce", "xla_reduce")
+
+
+def _args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", default="launch", choices=("launch", "worker", "peer"))
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--sizes", default="1,4,16,64,256,512", help="MiB per rank")
+    ap.add_argument("--row-kib", type=int, default=8, help="row size (a KV token: 2·Hkv·D·2 B)")
+    ap.add_argument("--ragged-max-mib", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-e2e", action="store_true")
+    ap.add_argument("--e2e-tokens", type=int, default=32768)
+    ap.add_argument("--budget-s", type=float, default=200.0, help="stop starting new rows after")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    return ap.parse_args(argv)
+
+
+def _k_for(mib: float) -> int:
+    return 20 if mib <= 4 else (10 if mib <= 64 else 5)
+
+
+# ---- peer copy (one process, both GPUs) -----------------------------------------------------
+
+def peer_copy(args) -> dict:
+    try:
+        import torch
+    except ImportError:
+        return {"error": "torch not installed"}
+    if torch.cuda.device_count() < 2:
+        return {"error": "fewer than 2 GPUs"}
+    res = {}
+    for mib in (float(s) for s in args.sizes.split(",")):
+        n = int(mib * 2**20)
+        a = torch.empty(n, dtype=torch.uint8, device="cuda:0")
+        b = torch.empty(n, dtype=torch.uint8, device="cuda:1")
+        b.copy_(a)
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        k, best = _k_for(mib), float("inf")
+        for _ in range(args.reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.device(0):
+                s.record()
+                for _ in range(k):
+                    b.copy_(a, non_blocking=True)
+                e.record()
+                e.synchronize()
+            best = min(best, s.elapsed_time(e) / 1e3 / k)
+        res[str(mib)] = {"s": best, "GBps": n / best / 1e9}
+        del a, b
+    return res
+
+
+# ---- 2-process worker -----------------------------------------------------------------------
+
+def worker(args):
+    import numpy as np
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=2, process_id=args.rank)
+    from magi_jax import native
+    from magi_jax.sharding.collectives import (CastArrays, CastSpec, CastTable, group_cast,
+                                               group_reduce)
+    t_start = time.time()
+    sizes = [float(s) for s in args.sizes.split(",")]
+    feat = args.row_kib * 1024 // 2
+    native.initialize(int(max(sizes) * 2**20) + (16 << 20))
+    mesh = jax.make_mesh((2,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
+    g = lambda a: jax.make_array_from_callback(a.shape, NamedSharding(mesh, P("cp")),
+                                               lambda i: a[i])
+    me = args.rank
+
+    def timed(body, *arrays, k):
+        """Best time of one op: ``body(*local arrays)`` k times in one program, each call
+        ordered after the previous one by an optimization barrier over its whole output (no
+        data pass between them, nothing for XLA to fuse, slice or drop)."""
+        def prog(*xs):
+            xs = [x[0] for x in xs]
+            out = None
+            for _ in range(k):
+                if out is not None:
+                    xs, out = jax.lax.optimization_barrier((xs, out))
+                out = body(*xs)
+            return out[None]
+        f = jax.jit(jax.shard_map(prog, mesh=mesh, in_specs=(P("cp"),) * len(arrays),
+                                  out_specs=P("cp"), check_vma=False))
+        jax.block_until_ready(f(*arrays))
+        best = float("inf")
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            jax.block_until_ready(f(*arrays))
+            best = min(best, (time.perf_counter() - t) / k)
+        return best
+
+    rows = {}
+    for mib in sizes:
+        if time.time() - t_start > args.budget_s:
+            print(f"budget reached before {mib} MiB", flush=True)
+            break
+        t = max(1, int(mib * 2**20) // (feat * 2))
+        nbytes = t * feat * 2
+        x = np.ones((2, t, feat), np.float32).astype(jnp.bfloat16)
+        table = CastTable(np.tile(np.arange(t, dtype=np.int32), (2, 1, 1)),
+                          np.tile(np.arange(t, dtype=np.int32), (2, 1)), (1,), (t,))
+        send, recv = g(table.send_index), g(table.recv_index)
+        xg = g(x)
+        xg2 = g(np.ones((2, 2, t, feat), np.float32).astype(jnp.bfloat16))
+        k = _k_for(mib)
+        spec_n = CastSpec("cp", 2, (1,), (t,), "native")
+        spec_x = CastSpec("cp", 2, (1,), (t,), "ppermute")
+        row = {"bytes": nbytes, "rows": t}
+        ops = {
+            "native_cast": (lambda x_, s_, r_: group_cast(x_, CastArrays(s_, r_), spec_n),
+                            (xg, send, recv)),
+            "xla_cast": (lambda x_, s_, r_: group_cast(x_, CastArrays(s_, r_), spec_x),
+                         (xg, send, recv)),
+            "ppermute": (lambda x_: jax.lax.ppermute(x_, "cp", [(0, 1), (1, 0)]), (xg,)),
+            "all_to_all": (lambda x2_: jax.lax.all_to_all(x2_, "cp", 0, 0), (xg2,)),
+            "native_reduce": (lambda x_, s_, r_: group_reduce(x_, CastArrays(s_, r_), spec_n, t),
+                              (xg, send, recv)),
+            "xla_reduce": (lambda x_, s_, r_: group_reduce(x_, CastArrays(s_, r_), spec_x, t),
+                           (xg, send, recv)),
+        }
+        if mib <= args.ragged_max_mib:
+            def ragged(x_):
+                r = jax.lax.axis_index("cp")
+                to_peer = jnp.where(jnp.arange(2) == 1 - r, t, 0).astype(jnp.int32)
+                zeros = jnp.zeros(2, jnp.int32)
+                return jax.lax.ragged_all_to_all(x_, jnp.zeros_like(x_), zeros, to_peer,
+                                                 zeros, to_peer, axis_name="cp")
+            ops["ragged_all_to_all"] = (ragged, (xg,))
+        for name in OPS:
+            if name not in ops:
+                continue
+            body, arrays = ops[name]
+            try:
+                s = timed(body, *arrays, k=k)
+                row[name] = {"s": s, "GBps": nbytes / s / 1e9}
+            except Exception as e:  # noqa: BLE001 - a row that fails is reported, not fatal
+                row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            if me == 0:
+                print(f"{mib:6.0f} MiB {name:18s} {row[name]}", flush=True)
+        # Correctness of what was timed: the native cast delivered the peer's rows.
+        chk = jax.jit(jax.shard_map(
+            lambda x_, s_, r_: group_cast(x_[0] * (1 + jax.lax.axis_index("cp")).astype(
+                x_.dtype), CastArrays(s_[0], r_[0]), spec_n)[None],
+            mesh=mesh, in_specs=(P("cp"),) * 3, out_specs=P("cp"), check_vma=False))
+        got = np.asarray(chk(xg, send, recv).addressable_shards[0].data, np.float32)
+        row["native_cast_check"] = bool(np.all(got == float(2 - me)))
+        rows[str(mib)] = row
+        del xg, xg2, x
+    result = {"sizes": rows}
+    if not args.no_e2e and time.time() - t_start < args.budget_s:
+        result["e2e"] = e2e(args, mesh, me)
+    if me == 0:
+        print(json.dumps(result), flush=True)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "_worker0.json").write_text(json.dumps(result))
+
+
+def e2e(args, mesh, me):
+    """magi_attention forward+backward, doc-causal, native vs the XLA transport."""
+    import numpy as np
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from magi_jax.mask import AttnMask
+    from magi_jax.sharding import dispatch, magi_attention, make_flex_key, undispatch
+
+    docs = (7040, 5376, 4352, 2560, 2816, 768, 1024, 512, 1792, 6528)
+    total = args.e2e_tokens
+    lens = [max(128, d * total // 32768) for d in docs]
+    lens[-1] += total - sum(lens)
+    mask = AttnMask.varlen(np.cumsum([0] + lens), causal=True)
+    H, D = 16, 128
+    rep = NamedSharding(mesh, P())
+    rng = np.random.default_rng(0)
+    q, k, v = (jax.make_array_from_callback(
+        (total, H, D), rep, lambda i, a=rng.standard_normal((total, H, D)).astype(np.float32):
+        a[i]).astype(jnp.bfloat16) for _ in range(3))
+    out = {"tokens": total, "heads": H, "head_dim": D, "mask": "doc_causal (PERF docs)"}
+    flops = 4 * mask.area * H * D * 3.5
+    for ffa in ("pallas", "xla"):
+        for backend in ("native", "ppermute"):
+            name = f"{ffa}/{backend}"
+            try:
+                key = make_flex_key(mask, mesh, "cp", comm_backend=backend, ffa_backend=ffa)
+
+                def loss(q_, k_, v_, key=key):
+                    o, _ = magi_attention(dispatch(q_, key), dispatch(k_, key),
+                                          dispatch(v_, key), key)
+                    return undispatch(o, key).astype(jnp.float32).sum()
+                f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+                jax.block_until_ready(f(q, k, v))
+                best = float("inf")
+                for _ in range(args.reps):
+                    t = time.perf_counter()
+                    jax.block_until_ready(f(q, k, v))
+                    best = min(best, time.perf_counter() - t)
+                out[name] = {"s": best, "TFLOPs_per_gpu": flops / best / 2 / 1e12,
+                             "overlap_degree": key.overlap_degree}
+            except Exception as e:  # noqa: BLE001
+                out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            if me == 0:
+                print(f"e2e {name}: {out[name]}", flush=True)
+    return out
+
+
+# ---- launcher -------------------------------------------------------------------------------
+
+def _versions():
+    v = {"python": platform.python_version()}
+    for mod in ("jax", "jaxlib", "numpy", "torch"):
+        try:
+            v[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            pass
+    try:
+        import nvidia.nvshmem  # noqa: F401
+        from importlib.metadata import version
+        v["nvshmem"] = version("nvidia-nvshmem-cu13")
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        v["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
+                                   "--format=csv,noheader"], capture_output=True, text=True,
+                                  timeout=30).stdout.strip().splitlines()
+    except Exception:  # noqa: BLE001
+        pass
+    return v
+
+
+def launch(args):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", NVSHMEM_DISABLE_NVLS="1",
+               NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="lo", NCCL_NVLS_ENABLE="0",
+               XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    base = [sys.executable, str(Path(__file__).resolve())]
+    passthru = ["--sizes", args.sizes, "--row-kib", str(args.row_kib), "--reps", str(args.reps),
+                "--ragged-max-mib", str(args.ragged_max_mib), "--out", args.out,
+                "--budget-s", str(args.budget_s), "--e2e-tokens", str(args.e2e_tokens)]
+    if args.no_e2e:
+        passthru.append("--no-e2e")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    print("peer copy (torch) ...", flush=True)
+    pc = subprocess.run(base + ["--mode", "peer"] + passthru, env=env, capture_output=True,
+                        text=True, timeout=300)
+    try:
+        peer = json.loads(pc.stdout.strip().splitlines()[-1])
+    except Exception:  # noqa: BLE001
+        peer = {"error": pc.stderr[-2000:]}
+    print("peer copy:", peer, flush=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(2):
+        procs.append(subprocess.Popen(
+            base + ["--mode", "worker", "--rank", str(r), "--port", str(port)] + passthru,
+            env=dict(env, CUDA_VISIBLE_DEVICES=str(r)),
+            stdout=None if r == 0 else open(Path(args.out) / "_worker1.log", "w"),
+            stderr=subprocess.STDOUT if r else None))
+    for p in procs:
+        try:
+            p.wait(timeout=args.budget_s + 300)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    log1 = Path(args.out) / "_worker1.log"
+    if procs[1].returncode:
+        print("rank 1 failed:\n" + log1.read_text()[-4000:], flush=True)
+    log1.unlink(missing_ok=True)
+    res_path = Path(args.out) / "_worker0.json"
+    result = json.loads(res_path.read_text()) if res_path.exists() else {"error": "no result"}
+    res_path.unlink(missing_ok=True)
+    for mib, row in result.get("sizes", {}).items():
+        if mib in peer and "GBps" in peer[mib]:
+            row["peer_copy"] = peer[mib]
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    versions = _versions()
+    dev = (versions.get("gpu") or ["unknown"])[0].split(",")[0].replace(" ", "_")
+    meta = {"date": stamp.isoformat(timespec="seconds"), "device": versions.get("gpu"),
+            "versions": versions, "row_bytes": args.row_kib * 1024,
+            "method": __doc__.split("\n\n")[1] if "\n\n" in __doc__ else ""}
+    out = {"meta": meta, **result}
+    name = f"collective_{stamp:%Y%m%d_%H%M}_{dev}"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"{name}.json").write_text(json.dumps(out, indent=1))
+    (Path(args.out) / f"{name}.md").write_text(markdown(out))
+    print(markdown(out))
+
+
+def markdown(res) -> str:
+    m = res["meta"]
+    lines = [f"# Collective benchmark {m['date']}", "", f"Device: {m['device']}; "
+             f"versions: {m['versions']}; rows of {m['row_bytes']} B (bf16).", "",
+             "GB/s = bytes sent per rank / time per op (best of reps, ops back to back).", ""]
+    cols = ["native_cast", "native_reduce", "xla_cast", "xla_reduce", "ppermute", "all_to_all",
+            "ragged_all_to_all", "peer_copy"]
+    lines.append("| MiB/rank | " + " | ".join(cols) + " | native cast µs |")
+    lines.append("|---" * (len(cols) + 2) + "|")
+    for mib, row in res.get("sizes", {}).items():
+        cells = []
+        for c in cols:
+            v = row.get(c)
+            cells.append("" if v is None else (f"{v['GBps']:.1f}" if "GBps" in v else "error"))
+        us = row.get("native_cast", {}).get("s")
+        lines.append(f"| {float(mib):g} | " + " | ".join(cells) +
+                     f" | {us * 1e6:.1f} |" if us else " | |")
+    if "e2e" in res:
+        e = res["e2e"]
+        lines += ["", f"magi_attention fwd+bwd, {e.get('mask')}, {e.get('tokens')} tokens, "
+                  f"H {e.get('heads')}, D {e.get('head_dim')}, 2 GPUs:", "",
+                  "| FFA / transport | ms | TFLOP/s per GPU |", "|---|---|---|"]
+        for k, v in e.items():
+            if isinstance(v, dict):
+                lines.append(f"| {k} | " + (f"{v['s'] * 1e3:.2f} | {v['TFLOPs_per_gpu']:.1f} |"
+                                            if "s" in v else f"{v['error'][:120]} | |"))
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    args = _args()
+    if args.mode == "peer":
+        print(json.dumps(peer_copy(args)))
+    elif args.mode == "worker":
+        worker(args)
+    else:
+        launch(args)
+
+
+if __name__ == "__main__":
+    main()

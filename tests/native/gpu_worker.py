@@ -1,0 +1,125 @@
+"""One process of the 2-process GPU test of the native transport (test_native_gpu.py).
+
+Usage: python -m tests.native.gpu_worker RANK NPROCS PORT  (CUDA_VISIBLE_DEVICES = RANK).
+Prints ``PASS <rank>`` when every check held; raises otherwise."""
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def _global(x, mesh, spec):
+    """Host array every process holds in full -> global array with ``spec``."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
+
+
+def _local(a):
+    return np.asarray(a.addressable_shards[0].data)
+
+
+def main(rank, nprocs, port):
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nprocs, process_id=rank)
+    from magi_jax import native
+    from magi_jax.mask import AttnMask
+    from magi_jax.sharding import dispatch, magi_attention, make_flex_key, undispatch
+    from magi_jax.sharding.collectives import (CastArrays, CastSpec, cast_model, group_cast,
+                                               group_reduce, reduce_model)
+    from tests.sharding.test_collectives import _random_table
+
+    assert native.available("cuda"), native.unavailable_reason("cuda")
+    native.initialize(256 << 20)
+    mesh = jax.make_mesh((nprocs,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
+    assert native.auto_reason(mesh, "cp") is None, native.auto_reason(mesh, "cp")
+
+    def run(op, x, table, num_rows, transport):
+        spec = CastSpec("cp", nprocs, table.shifts, table.widths, transport)
+
+        def body(x_, send, recv):
+            t = CastArrays(send[0], recv[0])
+            if op == "cast":
+                return group_cast(x_[0], t, spec)[None]
+            if op == "reduce":
+                return group_reduce(x_[0], t, spec, num_rows)[None]
+            _, vjp = jax.vjp(lambda a: group_cast(a, t, spec),
+                             jnp.zeros((num_rows,) + x_.shape[2:], x_.dtype))
+            return vjp(x_[0])[0][None]
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 3, out_specs=P("cp"),
+                                  check_vma=False))
+        g = lambda a: _global(a, mesh, P("cp"))
+        return _local(f(g(x), g(table.send_index), g(table.recv_index)))
+
+    rng = np.random.default_rng(0)
+    checks = 0
+    # Random tables of several layouts back to back (epochs, acks and flags reused), bf16/f32,
+    # small rows and KV-sized rows; each collective run twice.
+    for chunk, per_rank, feat, dtype in [(3, 2, (2, 4), np.float32), (64, 8, (4, 128), "bf16"),
+                                         (256, 16, (2, 8, 128), "bf16"), (5, 3, (3,), np.float32),
+                                         (128, 4, (2, 64), np.float16)]:
+        dt = jnp.bfloat16 if dtype == "bf16" else dtype
+        table, t_loc = _random_table(rng, nprocs, chunk, per_rank, 1)
+        native.check_table(table)
+        x = rng.standard_normal((nprocs, t_loc) + feat).astype(dt)
+        want = cast_model(x, table)[rank]
+        for _ in range(2):
+            np.testing.assert_array_equal(run("cast", x, table, t_loc, "native"), want)
+        y = rng.standard_normal((nprocs, table.buffer_len) + feat).astype(dt)
+        want_r = reduce_model(y.astype(np.float64), table, t_loc)[rank]
+        tol = 1e-5 if dt == np.float32 else 2e-2
+        for _ in range(2):
+            got = run("reduce", y, table, t_loc, "native")
+            assert got.dtype == np.float32
+            np.testing.assert_allclose(got, want_r, rtol=tol, atol=tol)
+        np.testing.assert_allclose(run("cast_vjp", y, table, t_loc, "native").astype(np.float64),
+                                   want_r, rtol=tol, atol=tol)
+        np.testing.assert_allclose(run("reduce", y, table, t_loc, "native"),
+                                   run("reduce", y, table, t_loc, "ppermute"), rtol=tol, atol=tol)
+        checks += 1
+    print(f"rank {rank}: {checks} table layouts OK", flush=True)
+
+    # magi_attention forward + backward: native vs the XLA transport (same plan, same math
+    # apart from the order of float32 sums), and vs a dense float64 reference on the host.
+    lens = [700, 300, 1100, 64, 500, 1408]
+    mask = AttnMask.varlen(np.cumsum([0] + lens), causal=True)
+    T, H, D = int(sum(lens)), 4, 64
+    key_n = make_flex_key(mask, mesh, "cp", comm_backend="native", overlap_degree=2)
+    key_x = make_flex_key(mask, mesh, "cp", comm_backend="ppermute", overlap_degree=2)
+    assert any(s.cast is not None and s.cast.transport == "native" for s in key_n.stages)
+    qkv = rng.standard_normal((3, T, H, D)).astype(np.float32)
+    do = rng.standard_normal((T, H, D)).astype(np.float32)
+    rep = lambda a: _global(a, mesh, P())
+
+    def grads(key):
+        def loss(q, k, v):
+            o, _ = magi_attention(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)
+            return (undispatch(o, key) * rep(do)).sum(), undispatch(o, key)
+        (l, o), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+            *(rep(a) for a in qkv))
+        return [_local(o)] + [_local(x) for x in g]
+
+    res_n, res_x = grads(key_n), grads(key_x)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), res_n, res_x):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4, err_msg=name)
+    dense = mask.to_dense()
+    q, k, v = (a.astype(np.float64) for a in qkv)
+    s = np.einsum("thd,shd->hts", q, k) / np.sqrt(D)
+    s = np.where(dense[None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("hts,shd->thd", p, v)
+    np.testing.assert_allclose(res_n[0], out, rtol=2e-3, atol=2e-3, err_msg="out vs float64")
+    dv = np.einsum("hts,thd->shd", p, do.astype(np.float64))
+    np.testing.assert_allclose(res_n[3], dv, rtol=2e-3, atol=2e-3, err_msg="dv vs float64")
+    print(f"rank {rank}: magi_attention fwd+bwd native == xla transport == float64 reference",
+          flush=True)
+    print(f"PASS {rank}", flush=True)
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    print(f"rank {sys.argv[1]} done in {time.time() - t0:.1f}s", flush=True)
