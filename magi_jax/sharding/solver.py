@@ -12,8 +12,9 @@ Algorithms (``algorithm=``):
 - ``"magi"`` (default): two starts — ``"greedy"`` and a communication-aware greedy (a chunk
   goes to the rank that already holds most of the keys it sees, among those where it fits
   under the mean load) — each followed by a pairwise-swap refinement that moves area from the
-  most loaded rank to another until no swap lowers the maximum; the affinity start is kept
-  when it balances as well. Then a communication pass swaps chunks between ranks when that
+  most loaded rank to another until no swap lowers the maximum (for the affinity start,
+  among the good swaps the one that keeps chunks near the keys they see); the affinity start
+  is kept when it balances as well. Then a communication pass swaps chunks between ranks when that
   lowers the remote-KV volume (chunk-level proxy) without raising the maximum area. The chunk
   count per rank is chosen automatically (8, 16, 32 or 64 chunks per rank; the fewest that
   reach max/mean ≤ 1.01).
@@ -271,16 +272,30 @@ def _greedy_affinity(n: int, cp: int, area: np.ndarray, mask: AttnMask,
     return np.array(assign, np.int64)
 
 
-def _refine_swaps(assign: np.ndarray, area: np.ndarray) -> np.ndarray:
+def _refine_swaps(assign: np.ndarray, area: np.ndarray, locality=None) -> np.ndarray:
     """Pairwise swaps between the most loaded rank and any other rank, each one strictly
     lowering the larger of the two loads below the current maximum; stops at a local optimum.
     Keeps the number of chunks per rank. For every (other rank, chunk of the top rank) only
     the two chunks nearest to the ideal exchange are tried (sorted search), so an iteration
-    costs O(cp·m·log m)."""
+    costs O(cp·m·log m).
+
+    ``locality = (indptr, key_chunks)`` (the CSR of which key chunks each chunk's rows see)
+    makes the choice communication-aware: among the swaps that achieve at least half of the
+    best possible reduction, the one whose chunks land where most of the keys they see
+    already are (owned or already needed) wins."""
     assign = assign.copy()
     cp, m = assign.shape
+    n = assign.size
     loads = area[assign].sum(axis=1)
-    ranks = np.arange(cp)[:, None]
+    if locality is not None:
+        indptr, kc = locality
+        owner = np.empty(n, np.int64)
+        owner[assign.reshape(-1)] = np.repeat(np.arange(cp), m)
+        slot = np.empty(n, np.int64)
+        slot[assign.reshape(-1)] = np.tile(np.arange(m), cp)
+        need = np.zeros((cp, n), np.int64)
+        np.add.at(need, (owner[np.repeat(np.arange(n), np.diff(indptr))], kc), 1)
+        seg = np.repeat(np.arange(n), np.diff(indptr))          # chunk of each CSR entry
     for _ in range(_MAX_SWAPS_PER_RANK * cp):
         top = int(np.argmax(loads))
         gap = loads[top] - loads                                # [cp]
@@ -298,9 +313,32 @@ def _refine_swaps(assign: np.ndarray, area: np.ndarray) -> np.ndarray:
         ok[top] = False
         if not ok.any():
             break
-        flat = np.where(ok, new_max, np.iinfo(np.int64).max).reshape(-1)
-        r, i, t = np.unravel_index(int(np.argmin(flat)), d.shape)
+        big = np.iinfo(np.int64).max
+        if locality is None:
+            flat = np.where(ok, new_max, big).reshape(-1)
+            r, i, t = np.unravel_index(int(np.argmin(flat)), d.shape)
+        else:
+            best = new_max[ok].min()
+            good = ok & (new_max <= best + (loads[top] - best) // 2)
+            hold = (need > 0) | (owner[None, :] == np.arange(cp)[:, None])     # [cp, n]
+            # Keys of chunk y already held by the top rank; keys of x held by each rank.
+            top_has = np.bincount(seg, weights=hold[top, kc], minlength=n)
+            y = np.take_along_axis(assign[:, None, :].repeat(m, 1),
+                                   np.take_along_axis(order[:, None, :].repeat(m, 1), j, 2), 2)
+            xs = assign[top]
+            r_has = np.stack([hold[:, kc[indptr[x]:indptr[x + 1]]].sum(1) for x in xs], 1)
+            gain = top_has[y] + r_has[:, :, None]
+            score = np.where(good, gain * 2.0 ** 40 - new_max / max(loads[top], 1), -np.inf)
+            r, i, t = np.unravel_index(int(np.argmax(score)), d.shape)
         jj = order[r, j[r, i, t]]
+        if locality is not None:
+            x, y_ = int(assign[top, i]), int(assign[r, jj])
+            sx, sy = kc[indptr[x]:indptr[x + 1]], kc[indptr[y_]:indptr[y_ + 1]]
+            np.add.at(need[top], sx, -1)
+            np.add.at(need[r], sx, 1)
+            np.add.at(need[r], sy, -1)
+            np.add.at(need[top], sy, 1)
+            owner[x], owner[y_] = r, top
         assign[top, i], assign[r, jj] = assign[r, jj], assign[top, i]
         loads[top] -= d[r, i, t]
         loads[r] += d[r, i, t]
@@ -476,7 +514,9 @@ def _solve(mask: AttnMask, cp: int, chunk_size: int, algorithm: str) -> Dispatch
     if algorithm in ("magi", "balance"):
         assign = _refine_swaps(_greedy(n, cp, area), area)
         if algorithm == "magi":
-            alt = _refine_swaps(_greedy_affinity(n, cp, area, mask, chunk_size), area)
+            alt = _greedy_affinity(n, cp, area, mask, chunk_size)
+            indptr, kc = _chunk_kv_extents(mask, chunk_size, n)
+            alt = _refine_swaps(alt, area, None if len(kc) > n * n // 4 else (indptr, kc))
             # Keep the affinity start when it balances as well (within 0.5% of the max).
             if area[alt].sum(1).max() <= area[assign].sum(1).max() * 1.005:
                 assign = alt
