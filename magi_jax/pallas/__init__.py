@@ -77,6 +77,8 @@ class _Config:
     dq_num_stages: int = 2
     dkv_num_stages: int = 2
     fused_acc: bool = True
+    fma_softmax: bool = False
+    head_major: bool = False
 
 
 def _pad_rows(x, multiple):
@@ -93,7 +95,8 @@ def _forward(q, k, v, plan: KernelPlanArrays, cfg: _Config):
     kp, vp = _pad_rows(k, FWD_BLOCK_K), _pad_rows(v, FWD_BLOCK_K)
     out, lse_bht = ffa_forward(qp, kp, vp, plan.q_order, plan.q_offsets, plan.q_items,
                                FwdConfig(cfg.scale, cfg.softcap, num_stages=cfg.num_stages,
-                                         fused_acc=cfg.fused_acc, interpret=cfg.interpret))
+                                         fused_acc=cfg.fused_acc, fma_softmax=cfg.fma_softmax,
+                                         head_major=cfg.head_major, interpret=cfg.interpret))
     return out[:, :tq], lse_bht[:, :, :tq]
 
 
@@ -124,6 +127,7 @@ def _ffa_bwd(cfg, res, cts):
     args = (pad_q(q), pad_k(k), pad_k(v), pad_q(dout.astype(q.dtype)), pad_stat(lse2),
             pad_stat(delta))
     bcfg = lambda stages: BwdConfig(cfg.scale, cfg.softcap, num_stages=stages,
+                                    fma_softmax=cfg.fma_softmax, head_major=cfg.head_major,
                                     interpret=cfg.interpret)
     dq = ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items, bcfg(cfg.dq_num_stages))
     dk, dv = ffa_dkv(*args, plan.k_order, plan.k_offsets, plan.k_items,
@@ -136,7 +140,8 @@ _ffa.defvjp(_ffa_fwd, _ffa_bwd)
 
 def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap: float = 0.0,
                interpret: bool = False, num_stages: int = 2, dq_num_stages: int = 2,
-               dkv_num_stages: int = 2, fused_acc: bool = True):
+               dkv_num_stages: int = 2, fused_acc: bool = True, fma_softmax: bool = False,
+               head_major: bool = False):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
     q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64 or 128); ``plan`` from
@@ -147,9 +152,12 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
     Tuning (results do not depend on it beyond rounding): ``num_stages`` (forward),
     ``dq_num_stages``, ``dkv_num_stages``: shared-memory slots of the producer rings (with
     D = 128 only the dK/dV kernel fits 3); ``fused_acc``: the forward lets wgmma accumulate
-    into the rescaled output registers."""
+    into the rescaled output registers; ``fma_softmax``: the softmax scale applied inside
+    ``exp2`` (one FMA per score); ``head_major``: launch order (see
+    :func:`magi_jax.pallas.common.launch_grid`). The last two are not measured on a GPU yet."""
     cfg = _Config(float(softmax_scale), float(softcap), bool(interpret), int(num_stages),
-                  int(dq_num_stages), int(dkv_num_stages), bool(fused_acc))
+                  int(dq_num_stages), int(dkv_num_stages), bool(fused_acc),
+                  bool(fma_softmax), bool(head_major))
     plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     if q.ndim == 3:
         out, lse = _ffa(q[None], k[None], v[None], plan, cfg)

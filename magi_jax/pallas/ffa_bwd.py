@@ -20,7 +20,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import LOG2E, mma_lhs, smem, tile_predicate
+from magi_jax.pallas.common import LOG2E, launch_grid, mma_lhs, smem, tile_predicate
 from magi_jax.pallas.plan import DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["BwdConfig", "ffa_dq", "ffa_dkv"]
@@ -38,15 +38,26 @@ class BwdConfig:
     scale: float
     softcap: float
     num_stages: int = 2
+    fma_softmax: bool = False   # see FwdConfig
+    head_major: bool = False    # see magi_jax.pallas.common.launch_grid
     interpret: bool = False
 
 
 def _log2_scores(s, cfg: BwdConfig):
-    """Raw ``q·k`` -> scores in the log2 domain, and ``1 − tanh²`` for the softcap chain."""
+    """Raw ``q·k`` -> (scores, scale still to apply in the exponent or None, ``1 − tanh²``
+    for the softcap chain or None); scores in the log2 domain once scaled."""
     if cfg.softcap:
         t = jnp.tanh(s * (cfg.scale / cfg.softcap))
-        return t * (cfg.softcap * LOG2E), 1.0 - t * t
-    return s * (cfg.scale * LOG2E), None
+        return t * (cfg.softcap * LOG2E), None, 1.0 - t * t
+    if cfg.fma_softmax:
+        return s, cfg.scale * LOG2E, None
+    return s * (cfg.scale * LOG2E), None, None
+
+
+def _exp2_minus(s, c, stat, dim):
+    """``exp2(s·c − stat)`` with the row/column statistic broadcast along ``dim``."""
+    b = lax.broadcast_in_dim(stat, s.shape, [dim])
+    return jnp.exp2(s - b if c is None else s * c - b)
 
 
 def _params(cfg):
@@ -112,14 +123,14 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
                     s, dp = pl.run_scoped(qk_dov, plgpu.ACC((bq, bk), jnp.float32),
                                           plgpu.ACC((bq, bk), jnp.float32))
                     plgpu.barrier_arrive(v_free.at[slot])
-                    s, dcap = _log2_scores(s, cfg)
+                    s, c, dcap = _log2_scores(s, cfg)
 
                     def masked():
                         keep = tile_predicate(geom, row0, ktile * bk, (bq, bk), _LAYOUT)
                         return jnp.where(keep, s, -jnp.inf)
 
                     s = lax.cond(full != 0, lambda: s, masked)
-                    p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [0]))
+                    p = _exp2_minus(s, c, lse2, 0)
                     ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
                     if dcap is not None:
                         ds = ds * dcap
@@ -161,7 +172,7 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
         scratch.append(smem((_COMPUTE_WGS, bq, bk), dtype))
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch_types=scratch,
-        grid=(num_tiles, b, hq), grid_names=("tile", "batch", "head"),
+        **dict(zip(("grid", "grid_names"), launch_grid(num_tiles, b, hq, cfg.head_major))),
         num_threads=_COMPUTE_WGS + 1, thread_name="wg", **_params(cfg),
     )(q, k, v, dout, lse2, delta, order, offsets, items)
 
@@ -243,7 +254,7 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
 
                     st, dpt = pl.run_scoped(kq_vdo, plgpu.ACC((bk, bq), jnp.float32),
                                             plgpu.ACC((bk, bq), jnp.float32))
-                    st, dcap = _log2_scores(st, cfg)
+                    st, c, dcap = _log2_scores(st, cfg)
 
                     def masked():
                         keep = tile_predicate(geom, qtile * bq, col0, (bk, bq), _LAYOUT,
@@ -257,7 +268,7 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
                     plgpu.barrier_wait(delta_ready.at[slot])
                     delta = plgpu.load(delta_smem.at[slot], layout=_COL)
                     plgpu.barrier_arrive(delta_free.at[slot])
-                    pt = jnp.exp2(st - lax.broadcast_in_dim(lse2, st.shape, [1]))
+                    pt = _exp2_minus(st, c, lse2, 1)
                     dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
                     if dcap is not None:
                         dst = dst * dcap
@@ -318,6 +329,6 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
     kv = jax.ShapeDtypeStruct(k.shape, dtype)
     return plgpu.kernel(
         kernel, out_type=(kv, kv), scratch_types=scratch,
-        grid=(num_tiles, b, hkv), grid_names=("tile", "batch", "head"),
+        **dict(zip(("grid", "grid_names"), launch_grid(num_tiles, b, hkv, cfg.head_major))),
         num_threads=_COMPUTE_WGS + 1, thread_name="wg", **_params(cfg),
     )(q, k, v, dout, lse2, delta, order, offsets, items)

@@ -19,7 +19,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import LN2, LOG2E, mma_lhs, smem, tile_predicate
+from magi_jax.pallas.common import LN2, LOG2E, launch_grid, mma_lhs, smem, tile_predicate
 from magi_jax.pallas.plan import FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["FwdConfig", "ffa_forward"]
@@ -38,6 +38,10 @@ class FwdConfig:
     # Rescale O in registers and let wgmma accumulate into it (pl.run_state). GPU interpret
     # mode cannot run that, so there P·V lands in a fresh accumulator that is then added.
     fused_acc: bool = True
+    # Scale inside the exponent, exp2(s·c − m), one FMA per score (instead of scaling the
+    # scores first); and the launch order of :func:`launch_grid`. Both unmeasured knobs.
+    fma_softmax: bool = False
+    head_major: bool = False
     interpret: bool = False
 
     def __post_init__(self):
@@ -108,8 +112,11 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
 
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
+                exp_scale = None   # the scale still to apply inside exp2
                 if softcap:
                     s = jnp.tanh(s * s2_scale) * (softcap * LOG2E)
+                elif cfg.fma_softmax:
+                    exp_scale = s2_scale
                 else:
                     s = s * s2_scale
 
@@ -118,11 +125,13 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
                     return jnp.where(keep, s, -jnp.inf)
 
                 s = lax.cond(full != 0, lambda: s, masked)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
+                row_max = s.max(axis=1)
+                m_new = jnp.maximum(m_i, row_max if exp_scale is None else row_max * exp_scale)
                 # Rows with no cell yet keep m = -inf; use 0 there so exp2 gives 0, not NaN.
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 alpha = jnp.exp2(m_i - m_use)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
+                p = jnp.exp2(s - m_b if exp_scale is None else s * exp_scale - m_b)
                 fused = cfg.fused_acc and not cfg.interpret
                 p16 = p.astype(dtype)
                 l_i = l_i * alpha + p.sum(axis=1)
@@ -212,8 +221,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
         kernel,
         out_type=out_shape,
         scratch_types=scratch,
-        grid=(num_tiles, b, hq),
-        grid_names=("tile", "batch", "head"),
+        **dict(zip(("grid", "grid_names"), launch_grid(num_tiles, b, hq, cfg.head_major))),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
