@@ -29,6 +29,7 @@ __all__ = ["flex_flash_attention_pallas", "ffa_pallas", "supported", "device_sup
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+_MAX_GRID_TILES = 65535   # tiles sit on a grid dimension limited to 2**16 - 1 blocks
 
 
 def device_supported() -> tuple[bool, str]:
@@ -61,6 +62,12 @@ def supported(q, k, v, mask=None, *, check_device: bool = True) -> tuple[bool, s
                        "(D = 256 does not fit the shared-memory plan yet)")
     if q.shape[-2] % k.shape[-2]:
         return False, f"Hq={q.shape[-2]} is not a multiple of Hkv={k.shape[-2]}"
+    tq, tk = q.shape[-3], k.shape[-3]
+    if not tq or not tk:
+        return False, f"empty sequence (Tq={tq}, Tk={tk})"
+    if max(-(-tq // FWD_BLOCK_Q), -(-tk // DKV_BLOCK_K)) > _MAX_GRID_TILES:
+        return False, (f"Tq={tq}/Tk={tk} give more than {_MAX_GRID_TILES} tiles of 128 tokens "
+                       "(a CUDA grid dimension); split the work (context parallelism)")
     if check_device:
         ok, why = device_supported()
         if not ok:

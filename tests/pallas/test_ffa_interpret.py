@@ -92,6 +92,11 @@ def test_supported_reasons():
     assert not ok and "multiple" in why
     assert supported(x(jnp.bfloat16), x(jnp.bfloat16), x(jnp.bfloat16), mask,
                      check_device=False) == (True, "")
+    e = jnp.zeros((0, 2, 64), jnp.bfloat16)
+    assert supported(e, x(jnp.bfloat16), x(jnp.bfloat16), check_device=False)[1].startswith(
+        "empty sequence")
+    big = jax.ShapeDtypeStruct((128 * 65536, 2, 64), jnp.bfloat16)
+    assert "tiles" in supported(big, big, big, check_device=False)[1]
     if jax.devices()[0].platform == "cpu":
         ok, why = supported(x(jnp.bfloat16), x(jnp.bfloat16), x(jnp.bfloat16), mask)
         assert not ok and "cpu" in why
