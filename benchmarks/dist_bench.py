@@ -6,7 +6,12 @@ On a 2-GPU box (one process drives both GPUs; about 5 minutes, never more than ~
 
     python3 benchmarks/dist_bench.py --out $OUT
 
-CPU smoke test (tiny sizes on host devices, xla FFA; checks the script end to end):
+A second pass for what the budget skipped (each pass writes its own files), e.g.
+
+    python3 benchmarks/dist_bench.py --out $OUT --heads 64:8 --masks doc_causal,causal
+    python3 benchmarks/dist_bench.py --out $OUT --masks shared_question,block_causal
+
+CPU smoke test (tiny sizes on 8 host devices, xla FFA; checks the script end to end):
 
     python3 benchmarks/dist_bench.py --smoke --out /tmp/dist_smoke
 
@@ -266,7 +271,7 @@ def run(a):
     if magi_ffa != backend:
         meta["note"] = (f"magi_attention has no {backend!r} per-rank FFA yet "
                         f"(ffa_backends {key_mod.FFA_BACKENDS}); it runs on {magi_ffa!r} "
-                        "while the baselines run on {backend!r}: not a like-for-like row")
+                        f"while the baselines run on {backend!r}: not a like-for-like row")
     os.makedirs(a.out, exist_ok=True)
     base = os.path.join(a.out, f"dist_{stamp.strftime('%Y%m%d_%H%M')}_"
                         f"{meta['device'].replace(' ', '_')}{a.tag}")
