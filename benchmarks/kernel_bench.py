@@ -1,7 +1,7 @@
 """Kernel benchmark: FFA (pallas, xla) against cuDNN, tokamax and dense XLA over the mask zoo.
 
 TFLOP/s are counted from the mask area: ``4·area·Hq·D·B`` forward, 3.5× that for
-forward+backward (PERF.md). Writes ``benchmarks/results/kernel_<date>_<device>.{json,md}``.
+forward+backward (PERF.md), 2.5× for the backward alone (``--modes bwd``). Writes ``benchmarks/results/kernel_<date>_<device>.{json,md}``.
 
     PYTHONPATH=. python benchmarks/kernel_bench.py --lengths 16384 --masks full,causal
     PYTHONPATH=. python benchmarks/kernel_bench.py --preset acceptance
@@ -168,13 +168,20 @@ def run_case(impl, name, total, batch, heads, kv_heads, head_dim, dtype, modes):
             fn = jax.jit(f)
             args = (q, k, v)
             fl = flops
-        else:
+        elif mode == "bwd":       # the backward alone, from saved residuals: 2.5x fwd FLOPs
+            _, vjp_fn = jax.vjp(jax.jit(f), q, k, v)
+            fn = jax.jit(lambda vf, do: vf(do))
+            args = (vjp_fn, do)
+            fl = 2.5 * flops
+        elif mode == "fwd+bwd":
             def fb(q, k, v, do):
                 out, vjp = jax.vjp(f, q, k, v)
                 return vjp(do)
             fn = jax.jit(fb)
             args = (q, k, v, do)
             fl = 3.5 * flops
+        else:
+            raise ValueError(f"mode {mode!r}: fwd, bwd or fwd+bwd")
         t = bench(fn, args)
         rows.append(dict(impl=impl, mask=name, length=total, batch=batch, heads=heads,
                          kv_heads=kv_heads, head_dim=head_dim, dtype=jnp.dtype(dtype).name,
