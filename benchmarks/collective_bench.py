@@ -45,7 +45,11 @@ def _args(argv=None):
     ap.add_argument("--row-kib", type=int, default=8, help="row size (a KV token: 2·Hkv·D·2 B)")
     ap.add_argument("--ragged-max-mib", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--send-blocks-sweep", default="32,128",
+                    help="extra native_cast rows at the largest size with these send blocks")
     ap.add_argument("--no-e2e", action="store_true")
+    ap.add_argument("--skip-native", action="store_true",
+                    help="XLA rows only (a dry run of the script on CPUs)")
     ap.add_argument("--e2e-tokens", type=int, default=32768)
     ap.add_argument("--budget-s", type=float, default=200.0, help="stop starting new rows after")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -103,7 +107,8 @@ def worker(args):
     t_start = time.time()
     sizes = [float(s) for s in args.sizes.split(",")]
     feat = args.row_kib * 1024 // 2
-    native.initialize(int(max(sizes) * 2**20) + (16 << 20))
+    if not args.skip_native:
+        native.initialize(int(max(sizes) * 2**20) + (16 << 20))
     mesh = jax.make_mesh((2,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
     g = lambda a: jax.make_array_from_callback(a.shape, NamedSharding(mesh, P("cp")),
                                                lambda i: a[i])
@@ -160,6 +165,15 @@ def worker(args):
             "xla_reduce": (lambda x_, s_, r_: group_reduce(x_, CastArrays(s_, r_), spec_x, t),
                            (xg, send, recv)),
         }
+        for sb in (int(b) for b in args.send_blocks_sweep.split(",") if b) if mib == max(
+                sizes) else ():
+            def cast_sb(x_, s_, r_, sb=sb):
+                old, native._SEND_BLOCKS = native._SEND_BLOCKS, sb
+                try:
+                    return group_cast(x_, CastArrays(s_, r_), spec_n)
+                finally:
+                    native._SEND_BLOCKS = old
+            ops[f"native_cast_sb{sb}"] = (cast_sb, (xg, send, recv))
         if mib <= args.ragged_max_mib:
             def ragged(x_):
                 r = jax.lax.axis_index("cp")
@@ -168,8 +182,8 @@ def worker(args):
                 return jax.lax.ragged_all_to_all(x_, jnp.zeros_like(x_), zeros, to_peer,
                                                  zeros, to_peer, axis_name="cp")
             ops["ragged_all_to_all"] = (ragged, (xg,))
-        for name in OPS:
-            if name not in ops:
+        for name in OPS + tuple(n for n in ops if n.startswith("native_cast_sb")):
+            if name not in ops or (args.skip_native and name.startswith("native")):
                 continue
             body, arrays = ops[name]
             try:
@@ -179,6 +193,9 @@ def worker(args):
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             if me == 0:
                 print(f"{mib:6.0f} MiB {name:18s} {row[name]}", flush=True)
+        rows[str(mib)] = row
+        if args.skip_native:
+            continue
         # Correctness of what was timed: the native cast delivered the peer's rows.
         chk = jax.jit(jax.shard_map(
             lambda x_, s_, r_: group_cast(x_[0] * (1 + jax.lax.axis_index("cp")).astype(
@@ -186,7 +203,6 @@ def worker(args):
             mesh=mesh, in_specs=(P("cp"),) * 3, out_specs=P("cp"), check_vma=False))
         got = np.asarray(chk(xg, send, recv).addressable_shards[0].data, np.float32)
         row["native_cast_check"] = bool(np.all(got == float(2 - me)))
-        rows[str(mib)] = row
         del xg, xg2, x
     result = {"sizes": rows}
     if not args.no_e2e and time.time() - t_start < args.budget_s:
@@ -220,21 +236,25 @@ def e2e(args, mesh, me):
     out = {"tokens": total, "heads": H, "head_dim": D, "mask": "doc_causal (PERF docs)"}
     flops = 4 * mask.area * H * D * 3.5
     for ffa in ("pallas", "xla"):
+        if ffa == "xla" and all("s" in out.get(f"pallas/{b}", {}) for b in ("native", "ppermute")):
+            break   # the portable FFA only when the Mosaic GPU one did not run
         for backend in ("native", "ppermute"):
+            if args.skip_native and (backend == "native" or ffa == "pallas"):
+                continue
             name = f"{ffa}/{backend}"
             try:
                 key = make_flex_key(mask, mesh, "cp", comm_backend=backend, ffa_backend=ffa)
 
-                def loss(q_, k_, v_, key=key):
-                    o, _ = magi_attention(dispatch(q_, key), dispatch(k_, key),
-                                          dispatch(v_, key), key)
-                    return undispatch(o, key).astype(jnp.float32).sum()
+                def loss(q_, k_, v_, key_):
+                    o, _ = magi_attention(dispatch(q_, key_), dispatch(k_, key_),
+                                          dispatch(v_, key_), key_)
+                    return undispatch(o, key_).astype(jnp.float32).sum()
                 f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-                jax.block_until_ready(f(q, k, v))
+                jax.block_until_ready(f(q, k, v, key))
                 best = float("inf")
                 for _ in range(args.reps):
                     t = time.perf_counter()
-                    jax.block_until_ready(f(q, k, v))
+                    jax.block_until_ready(f(q, k, v, key))
                     best = min(best, time.perf_counter() - t)
                 out[name] = {"s": best, "TFLOPs_per_gpu": flops / best / 2 / 1e12,
                              "overlap_degree": key.overlap_degree}
@@ -277,9 +297,12 @@ def launch(args):
     base = [sys.executable, str(Path(__file__).resolve())]
     passthru = ["--sizes", args.sizes, "--row-kib", str(args.row_kib), "--reps", str(args.reps),
                 "--ragged-max-mib", str(args.ragged_max_mib), "--out", args.out,
-                "--budget-s", str(args.budget_s), "--e2e-tokens", str(args.e2e_tokens)]
+                "--budget-s", str(args.budget_s), "--e2e-tokens", str(args.e2e_tokens),
+                "--send-blocks-sweep", args.send_blocks_sweep]
     if args.no_e2e:
         passthru.append("--no-e2e")
+    if args.skip_native:
+        passthru.append("--skip-native")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     print("peer copy (torch) ...", flush=True)
     pc = subprocess.run(base + ["--mode", "peer"] + passthru, env=env, capture_output=True,
@@ -344,7 +367,7 @@ def markdown(res) -> str:
             cells.append("" if v is None else (f"{v['GBps']:.1f}" if "GBps" in v else "error"))
         us = row.get("native_cast", {}).get("s")
         lines.append(f"| {float(mib):g} | " + " | ".join(cells) +
-                     f" | {us * 1e6:.1f} |" if us else " | |")
+                     (f" | {us * 1e6:.1f} |" if us else " | |"))
     if "e2e" in res:
         e = res["e2e"]
         lines += ["", f"magi_attention fwd+bwd, {e.get('mask')}, {e.get('tokens')} tokens, "

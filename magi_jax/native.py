@@ -42,7 +42,7 @@ import numpy as np
 __all__ = ["available", "unavailable_reason", "group_cast", "group_reduce", "check_table",
            "initialize", "finalize", "staging_bytes", "auto_reason", "DEFAULT_TIMEOUT_S"]
 
-DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_TIMEOUT_S = 60.0
 _LIBS = {"cpu": "_magi_native_cpu.so", "cuda": "_magi_native_cuda.so"}
 _CAST, _REDUCE = "magi_group_cast", "magi_group_reduce"
 # Launch shape of the CUDA kernel: blocks that put (send) and blocks that copy out or sum

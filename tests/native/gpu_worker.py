@@ -51,7 +51,7 @@ def main(rank, nprocs, port):
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 3, out_specs=P("cp"),
                                   check_vma=False))
         g = lambda a: _global(a, mesh, P("cp"))
-        return _local(f(g(x), g(table.send_index), g(table.recv_index)))
+        return _local(f(g(x), g(table.send_index), g(table.recv_index)))[0]
 
     rng = np.random.default_rng(0)
     checks = 0
@@ -93,12 +93,15 @@ def main(rank, nprocs, port):
     do = rng.standard_normal((T, H, D)).astype(np.float32)
     rep = lambda a: _global(a, mesh, P())
 
+    def loss(q, k, v, do_, key):
+        o, _ = magi_attention(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)
+        o = undispatch(o, key)
+        return (o * do_).sum(), o
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
     def grads(key):
-        def loss(q, k, v):
-            o, _ = magi_attention(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)
-            return (undispatch(o, key) * rep(do)).sum(), undispatch(o, key)
-        (l, o), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
-            *(rep(a) for a in qkv))
+        (_, o), g = step(*(rep(a) for a in qkv), rep(do), key)
         return [_local(o)] + [_local(x) for x in g]
 
     res_n, res_x = grads(key_n), grads(key_x)
