@@ -244,7 +244,7 @@ def _greedy_affinity(n: int, cp: int, area: np.ndarray, mask: AttnMask,
     fetch less; the swap pass then restores the balance the tie-break gave up."""
     m = n // cp
     indptr, kc = _chunk_kv_extents(mask, chunk_size, n)
-    if len(kc) > n * n // 4:            # dense: every rank needs nearly everything anyway
+    if not _local_enough(kc, n):        # dense: every rank needs nearly everything anyway
         return _greedy(n, cp, area)
     order = np.lexsort((np.arange(n), -area))
     target = area.sum() / cp
@@ -350,8 +350,16 @@ def _row_searchsorted(b: np.ndarray, x: np.ndarray) -> np.ndarray:
     return (b[:, None, :] < x[:, :, None]).sum(-1)
 
 
+def _local_enough(kc: np.ndarray, n: int) -> bool:
+    """Whether chunks see few enough key chunks (on average at most a quarter of them, and at
+    most 128) for the communication-aware passes to be worth their cost."""
+    return len(kc) <= min(n * n // 4, 128 * n)
+
+
+@functools.lru_cache(maxsize=16)
 def _chunk_kv_extents(mask: AttnMask, chunk_size: int, n: int):
-    """Per chunk, the key chunks its rows see, as a CSR (indptr, key-chunk ids)."""
+    """Per chunk, the key chunks its rows see, as a CSR (indptr, key-chunk ids); cached (the
+    communication-aware passes of one solve share it)."""
     s, chunk, a, b, k0, k1 = slice_chunk_pairs(mask.shapes, chunk_size)
     owner, kc = ranges_repeat(k0 // chunk_size, (k1 - 1) // chunk_size + 1)
     pairs = np.unique(chunk[owner] * n + kc)
@@ -371,7 +379,7 @@ def _refine_comm(assign: np.ndarray, area: np.ndarray, mask: AttnMask, chunk_siz
     cp, m = assign.shape
     n = assign.size
     indptr, kc = _chunk_kv_extents(mask, chunk_size, n)
-    if len(kc) > n * n // 4:   # dense masks (every chunk sees most chunks): little to gain
+    if not _local_enough(kc, n):   # dense masks (every chunk sees most chunks): little to gain
         return assign
     assign = assign.copy()
     owner = np.empty(n, np.int64)
@@ -516,7 +524,7 @@ def _solve(mask: AttnMask, cp: int, chunk_size: int, algorithm: str) -> Dispatch
         if algorithm == "magi":
             alt = _greedy_affinity(n, cp, area, mask, chunk_size)
             indptr, kc = _chunk_kv_extents(mask, chunk_size, n)
-            alt = _refine_swaps(alt, area, None if len(kc) > n * n // 4 else (indptr, kc))
+            alt = _refine_swaps(alt, area, (indptr, kc) if _local_enough(kc, n) else None)
             # Keep the affinity start when it balances as well (within 0.5% of the max).
             if area[alt].sum(1).max() <= area[assign].sum(1).max() * 1.005:
                 assign = alt
