@@ -18,7 +18,7 @@ t0=$(date +%s)
   && cmake --build build/native && cp build/native/_magi_native_*.so magi_jax/; } > "$OUT/build.log" 2>&1
 echo "build rc=$? in $(( $(date +%s) - t0 ))s"; tail -3 "$OUT/build.log"; ls -la magi_jax/*.so
 t0=$(date +%s)
-timeout 170 $PY -m pytest -q -p no:cacheprovider tests/native/test_native_gpu.py -x 2>&1 | tee "$OUT/gpu_test.log" | tail -40
+timeout 110 $PY -m pytest -q -p no:cacheprovider tests/native/test_native_gpu.py -x 2>&1 | tee "$OUT/gpu_test.log" | tail -40
 echo "gpu test rc=${PIPESTATUS[0]} in $(( $(date +%s) - t0 ))s"
-timeout 280 $PY benchmarks/collective_bench.py --out "$OUT" --budget-s 140 "$@" 2>&1 | grep -v "^[WI][0-9]\{4\} " | tee "$OUT/bench.log" | tail -60
+timeout 190 $PY benchmarks/collective_bench.py --out "$OUT" --budget-s 90 "$@" 2>&1 | grep -v "^[WI][0-9]\{4\} " | tee "$OUT/bench.log" | tail -60
 echo "bench rc=${PIPESTATUS[0]}"

@@ -57,8 +57,8 @@ def main(rank, nprocs, port):
     checks = 0
     # Random tables of several layouts back to back (epochs, acks and flags reused), bf16/f32,
     # small rows and KV-sized rows; each collective run twice.
-    for chunk, per_rank, feat, dtype in [(3, 2, (2, 4), np.float32), (64, 8, (4, 128), "bf16"),
-                                         (256, 16, (2, 8, 128), "bf16"), (5, 3, (3,), np.float32),
+    for chunk, per_rank, feat, dtype in [(3, 2, (2, 4), np.float32),
+                                         (256, 16, (2, 8, 128), "bf16"),
                                          (128, 4, (2, 64), np.float16)]:
         dt = jnp.bfloat16 if dtype == "bf16" else dtype
         table, t_loc = _random_table(rng, nprocs, chunk, per_rank, 1)
@@ -83,7 +83,7 @@ def main(rank, nprocs, port):
 
     # magi_attention forward + backward: native vs the XLA transport (same plan, same math
     # apart from the order of float32 sums), and vs a dense float64 reference on the host.
-    lens = [700, 300, 1100, 64, 500, 1408]
+    lens = [300, 200, 500, 64, 300, 664]
     mask = AttnMask.varlen(np.cumsum([0] + lens), causal=True)
     T, H, D = int(sum(lens)), 4, 64
     key_n = make_flex_key(mask, mesh, "cp", comm_backend="native", overlap_degree=2)

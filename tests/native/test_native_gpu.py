@@ -56,7 +56,7 @@ def test_two_processes_cast_reduce_and_attention():
     outs = []
     for p in procs:
         try:
-            outs.append(p.communicate(timeout=400)[0])
+            outs.append(p.communicate(timeout=300)[0])
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
