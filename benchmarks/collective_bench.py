@@ -143,12 +143,12 @@ def worker(args):
             break
         t = max(1, int(mib * 2**20) // (feat * 2))
         nbytes = t * feat * 2
-        x = np.ones((2, t, feat), np.float32).astype(jnp.bfloat16)
+        x = np.ones((2, t, feat), jnp.bfloat16)
         table = CastTable(np.tile(np.arange(t, dtype=np.int32), (2, 1, 1)),
                           np.tile(np.arange(t, dtype=np.int32), (2, 1)), (1,), (t,))
         send, recv = g(table.send_index), g(table.recv_index)
         xg = g(x)
-        xg2 = g(np.ones((2, 2, t, feat), np.float32).astype(jnp.bfloat16))
+        xg2 = g(np.ones((2, 2, t, feat), jnp.bfloat16))
         k = _k_for(mib)
         spec_n = CastSpec("cp", 2, (1,), (t,), "native")
         spec_x = CastSpec("cp", 2, (1,), (t,), "ppermute")
