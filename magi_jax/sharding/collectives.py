@@ -45,6 +45,9 @@ __all__ = ["CastTable", "CastArrays", "CastSpec", "TRANSPORTS", "build_cast_tabl
            "choose_transport", "group_cast", "group_reduce", "cast_model", "reduce_model"]
 
 TRANSPORTS = ("ppermute", "all_to_all", "native")
+# Mean piece length from which cast tables are written run by run (slice writes) rather
+# than token by token (fancy indexing): same tables, no token-sized temporaries.
+_RUN_WRITE_MIN = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +139,23 @@ def build_cast_table(meta: DispatchMeta, remote: list[np.ndarray], buffer_len: i
     s_len = max(int(block_len.max(initial=0)), 1)
     send = np.full((cp, len(shifts), s_len), -1, np.int32)
     recv = np.full((cp, max(int(buffer_len), 1)), -1, np.int32)
-    pi, g = ranges_repeat(g0, g1)
-    step = g - g0[pi]
-    pos = off_block[pi] + step
-    send[src[pi], slot[pi], pos] = meta.chunk_slot[g // c] * c + g % c
-    recv[dst[pi], off_b[pi] + step] = slot[pi] * s_len + pos
+    # Every piece lies inside one chunk, so it is one run on both sides: consecutive local
+    # rows of the owner into consecutive block positions, consecutive block entries into
+    # consecutive buffer rows.
+    first_row = meta.chunk_slot[g0 // c] * c + g0 % c
+    first_entry = slot * s_len + off_block
+    if len(length) and length.sum() >= _RUN_WRITE_MIN * len(length):
+        # Long runs: slice writes (no token-sized temporaries).
+        for k in range(len(length)):
+            n_k = int(length[k])
+            send[src[k], slot[k], off_block[k]:off_block[k] + n_k] = np.arange(
+                first_row[k], first_row[k] + n_k)
+            recv[dst[k], off_b[k]:off_b[k] + n_k] = np.arange(first_entry[k],
+                                                               first_entry[k] + n_k)
+    else:
+        pi, step = ranges_repeat(np.zeros_like(length), length)
+        send[src[pi], slot[pi], off_block[pi] + step] = first_row[pi] + step
+        recv[dst[pi], off_b[pi] + step] = first_entry[pi] + step
     return CastTable(send, recv, tuple(int(s) for s in shifts), tuple(int(w) for w in widths))
 
 

@@ -94,3 +94,20 @@ def test_cached_and_errors():
         D.build_dist_plan(ZOO["causal"], meta, 1, 8, 8)
     with pytest.raises(ValueError, match="overlap_degree=-1"):
         D.build_dist_plan(ZOO["causal"], meta, -1, 8, 8)
+
+
+@pytest.mark.parametrize("name", ["causal", "doc_causal", "shared_question"])
+def test_cast_tables_same_by_runs_and_by_tokens(name, monkeypatch):
+    from magi_jax.sharding import collectives
+    mask = ZOO[name]
+    meta = S.solve_dispatch(mask, 4, 4)
+    views = D.rank_views(mask, meta, 2)
+    tables = []
+    for threshold in (0, 1 << 30):          # always slice writes / always token writes
+        monkeypatch.setattr(collectives, "_RUN_WRITE_MIN", threshold)
+        tables.append([collectives.build_cast_table(
+            meta, [v.remote[v.remote[:, 3] == s] for v in views], 40) for s in range(2)])
+    for a, b in zip(*tables):
+        np.testing.assert_array_equal(a.send_index, b.send_index)
+        np.testing.assert_array_equal(a.recv_index, b.recv_index)
+        assert a.shifts == b.shifts and a.widths == b.widths
