@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     t_solve = time.perf_counter() - t0
     bq, bk = default_block_sizes(meta.local_len, meta.local_len)
     t0 = time.perf_counter()
-    degree = (default_overlap_degree(mask, meta, bq, bk) if args.overlap_degree is None
+    degree = (default_overlap_degree(mask, meta) if args.overlap_degree is None
               else args.overlap_degree)
     t_degree = time.perf_counter() - t0
     t0 = time.perf_counter()

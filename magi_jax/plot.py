@@ -27,14 +27,14 @@ _MAX_CELL_IMAGE = 2048
 _MAX_LABELS = 40
 
 
-def _pyplot():
+def _figure(figsize, dpi):
+    """A figure that is not registered with pyplot: nothing to close, no GUI backend needed,
+    and Jupyter still shows it when a cell returns it."""
     try:
-        import matplotlib
+        from matplotlib.figure import Figure
     except ImportError as e:
         raise ImportError("magi_jax.plot needs matplotlib: pip install 'magi-jax[plot]'") from e
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-    return plt
+    return Figure(figsize=figsize, dpi=dpi)
 
 
 def _fmt_tokens(n: int) -> str:
@@ -56,11 +56,11 @@ def plot_mask(mask: AttnMask, path=None, *, title: str | None = None, ax=None,
     """Draws ``mask`` (queries down, keys across, like the dense matrix) and writes a PNG to
     ``path`` (when given). Each slice is filled in its type's colour and outlined with its
     rectangle; slices are numbered when there are few. Returns the matplotlib figure."""
-    plt = _pyplot()
     from matplotlib.patches import Patch, Polygon, Rectangle
     own = ax is None
     if own:
-        fig, ax = plt.subplots(figsize=figsize, dpi=dpi)
+        fig = _figure(figsize, dpi)
+        ax = fig.add_subplot()
     else:
         fig = ax.figure
     tq, tk = mask.total_q, mask.total_k
@@ -113,7 +113,6 @@ def plot_mask(mask: AttnMask, path=None, *, title: str | None = None, ax=None,
         fig.tight_layout()
         if path is not None:
             fig.savefig(path, dpi=dpi)
-            plt.close(fig)
     return fig
 
 
@@ -141,14 +140,13 @@ def plot_plan(plan, path=None, *, mask: AttnMask | None = None, title: str | Non
     and the remote stages, against the mean, (3) per remote stage, KV tokens moved from every
     rank to every rank. Writes a PNG of ``figsize × dpi`` pixels to ``path`` (when given) and
     returns the figure."""
-    plt = _pyplot()
     from matplotlib import colormaps
     meta = plan.meta
     cp, c = meta.cp, meta.chunk_size
     remote_stages = [s for s in plan.stages if s.cast is not None]
     n_mat = max(len(remote_stages), 1)
     n_cols = max(n_mat + 1, 4)          # bottom row: a summary, then one matrix per stage
-    fig = plt.figure(figsize=figsize, dpi=dpi)
+    fig = _figure(figsize, dpi)
     grid = fig.add_gridspec(3, n_cols, height_ratios=[1.1, 1.0, 1.35], hspace=0.55,
                             wspace=0.3, left=0.07, right=0.95, top=0.9, bottom=0.06,
                             width_ratios=[1.5] + [1] * (n_cols - 1))
@@ -267,7 +265,6 @@ def plot_plan(plan, path=None, *, mask: AttnMask | None = None, title: str | Non
                  fontsize=11)
     if path is not None:
         fig.savefig(path, dpi=dpi)
-        plt.close(fig)
     return fig
 
 
