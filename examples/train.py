@@ -15,9 +15,9 @@ Before training, the step-0 loss and gradients of the context-parallel model are
 against the same model on one device (``flex_flash_attention`` over natural-order tokens).
 
 Multi-process (one process per GPU, or per host): pass ``--distributed`` to call
-``jax.distributed.initialize()`` first (it reads the cluster from the environment, e.g. SLURM,
-or from ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``); every process
-runs this same script and plans the same key.
+``jax.distributed.initialize()`` first (it finds the cluster by itself under SLURM, Open MPI
+or Kubernetes; elsewhere give ``--coordinator host:port --num-processes N --process-id i``);
+every process runs this same script, plans the same key and feeds the same batch.
 """
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ def parse_args(argv=None):
                     help="skip the step-0 comparison with the single-device model")
     ap.add_argument("--distributed", action="store_true",
                     help="call jax.distributed.initialize() (multi-process / multi-host)")
+    ap.add_argument("--coordinator", default=None,
+                    help="with --distributed: host:port of process 0 (auto-detected on SLURM, "
+                         "Open MPI, Kubernetes; or JAX_COORDINATOR_ADDRESS)")
+    ap.add_argument("--num-processes", type=int, default=None)
+    ap.add_argument("--process-id", type=int, default=None)
     ap.add_argument("--json", default="", help="write the loss curve and throughput here")
     return ap.parse_args(argv)
 
@@ -144,7 +149,7 @@ def make_batch(cu, vocab, max_period, rng):
 
 def main(args):
     if args.distributed:
-        jax.distributed.initialize()
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     lead = jax.process_index() == 0
     say = print if lead else (lambda *a, **k: None)
     devices = jax.devices()
