@@ -75,8 +75,9 @@ def _parse(argv):
     p.add_argument("--magi-ffa-fallback", action="store_true",
                    help="run magi on the xla FFA when magi_attention has no per-rank FFA of "
                    "the baselines' backend (slow on GPU; by default such rows are skipped)")
-    p.add_argument("--min-time-s", type=float, default=0.3,
-                   help="time each measurement over at least this long (>= 2 calls)")
+    p.add_argument("--min-time-s", type=float, default=None,
+                   help="time each measurement over at least this long (default 0.3; >= 2 "
+                   "calls; smoke: one call)")
     p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
     p.add_argument("--tag", default="")
     p.add_argument("--no-plot", action="store_true")
@@ -84,6 +85,7 @@ def _parse(argv):
     a.lengths = a.lengths or ("2048" if a.smoke else "131072,262144")
     a.heads = a.heads or ("8:2" if a.smoke else "16:16,64:8")
     a.head_dim = a.head_dim or (32 if a.smoke else 128)
+    a.min_time_s = a.min_time_s if a.min_time_s is not None else (0.0 if a.smoke else 0.3)
     a.budget_s = a.budget_s if a.budget_s is not None else (1e9 if a.smoke else 285.0)
     return a
 
@@ -155,12 +157,12 @@ def work_list(a):
     return [w for *_, w in sorted(items)]
 
 
-def bench_call(fn, args, min_time_s):
-    """Median seconds per call (after one warm-up call), over >= 2 timed calls."""
+def bench_call(fn, args, min_time_s, min_calls=2):
+    """Median seconds per call (after one warm-up call), over >= ``min_calls`` timed calls."""
     jax.block_until_ready(fn(*args))
     ts = []
     t_start = time.perf_counter()
-    while len(ts) < 2 or (sum(ts) < min_time_s and len(ts) < 10):
+    while len(ts) < min_calls or (sum(ts) < min_time_s and len(ts) < 10):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t0)
@@ -326,7 +328,7 @@ def run(a):
             t0 = time.perf_counter()
             compiled = fn.lower(*args).compile()
             compile_s = time.perf_counter() - t0
-            t = bench_call(compiled, args, a.min_time_s)
+            t = bench_call(compiled, args, a.min_time_s, 1 if a.smoke else 2)
             if impl == "single":
                 f_rank = 4.0 * float(s.areas[0]) * hq * a.head_dim * mult
                 tflops = f_rank / t / 1e12
