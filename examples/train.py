@@ -237,7 +237,8 @@ def check_step0(params, graphdef, batch, key, mask, cp_loss, say, rtol=2e-4):
     """Loss and gradients of the context-parallel model equal the single-device model's."""
     dev0 = jax.local_devices()[0]
     tokens, labels, weights = (jax.device_put(x, dev0) for x in batch)
-    params_1 = jax.device_put(params, dev0)
+    # This process's copy of the (replicated) parameters, on one of its own devices.
+    params_1 = jax.tree.map(lambda a: jax.device_put(a.addressable_data(0), dev0), params)
 
     @jax.jit
     def single(params, tokens, labels, weights):
