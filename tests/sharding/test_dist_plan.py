@@ -111,3 +111,18 @@ def test_cast_tables_same_by_runs_and_by_tokens(name, monkeypatch):
         np.testing.assert_array_equal(a.send_index, b.send_index)
         np.testing.assert_array_equal(a.recv_index, b.recv_index)
         assert a.shifts == b.shifts and a.widths == b.widths
+
+
+def test_split_areas_and_default_overlap_degree():
+    from magi_jax.sharding.key import default_overlap_degree
+    mask = AttnMask.causal(4096)
+    meta = S.solve_dispatch(mask, 4)
+    host, remote, tokens = D.split_areas(mask, meta)
+    assert (host + remote).sum() == mask.area
+    np.testing.assert_array_equal(host + remote, meta.rank_area())
+    np.testing.assert_array_equal(tokens, S.remote_kv_tokens(mask, meta))
+    # No remote KV -> degree 0; a long causal sequence on many ranks -> overlap pays.
+    docs = AttnMask.varlen([0, 1024, 2048, 3072, 4096], causal=True)
+    assert default_overlap_degree(docs, S.solve_dispatch(docs, 4, 1024, "contiguous")) == 0
+    big = AttnMask.causal(1 << 20)
+    assert default_overlap_degree(big, S.solve_dispatch(big, 64)) >= 1
