@@ -279,18 +279,18 @@ def run(a):
                         f"{meta['device'].replace(' ', '_')}{a.tag}")
     work = work_list(a)
     rows = []
-    try:
-        from tqdm import tqdm
-        it = tqdm(work, file=sys.stderr, dynamic_ncols=True)
-    except ImportError:
-        it = work
+    it = work
+    if sys.stderr.isatty():            # a progress bar on a terminal, plain lines in a log
+        try:
+            from tqdm import tqdm
+            it = tqdm(work, file=sys.stderr, dynamic_ncols=True)
+        except ImportError:
+            pass
     setups, inputs = {}, {}
     for n_done, (name, total, hq, hkv, mode, impl) in enumerate(it):
         label = f"{name} {total // 1024}k {hq}:{hkv} {mode} {impl}"
         if hasattr(it, "set_description"):
             it.set_description(label)
-        else:
-            print(f"[{n_done + 1}/{len(work)}] {label}", file=sys.stderr, flush=True)
         mask = make_mask(name, total)
         row = dict(mask=name, length=total, heads=hq, kv_heads=hkv, mode=mode, impl=impl,
                    area=int(mask.area))
@@ -342,6 +342,11 @@ def run(a):
         rows.append(row)
         _derive(rows)
         _write(base, meta, rows, plot=False)
+        if not hasattr(it, "set_description"):
+            res = (f"{row['ms']:.2f} ms, {row['tflops_per_gpu']:.4g} TFLOP/s/GPU, compile "
+                   f"{row['compile_s']:.0f}s" if "ms" in row else f"ERROR {row['error']}")
+            print(f"[{n_done + 1}/{len(work)} {time.perf_counter() - _T_START:.0f}s] {label}: "
+                  f"{res}", file=sys.stderr, flush=True)
     meta["wall_s"] = round(time.perf_counter() - _T_START, 1)
     _derive(rows)
     table = _write(base, meta, rows, plot=not a.no_plot)
