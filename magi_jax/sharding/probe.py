@@ -26,7 +26,7 @@ from magi_jax.sharding.collectives import group_cast, group_reduce
 from magi_jax.sharding.ffa_backends import get_backend
 from magi_jax.sharding.key import MagiKey
 
-__all__ = ["overlap_probe", "time_ms"]
+__all__ = ["overlap_probe", "time_ms", "measure_overlap"]
 
 
 def _remote_stages(key):
@@ -121,3 +121,26 @@ def time_ms(fn, *args, warmup: int = 2, iters: int = 10) -> float:
         times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     return times[len(times) // 2]
+
+
+def measure_overlap(key: MagiKey, q, k, v, *, backward: bool = False, iters: int = 10,
+                    **attention_kwargs) -> dict:
+    """Timings (ms) of ``comm`` alone, ``compute`` alone and ``both``, the communication they
+    hide (``hidden_ms = comm + compute − both``, clipped at 0; ``hidden_fraction`` of comm),
+    and the per-device TFLOP/s of ``both`` counted on the most loaded rank's area
+    (``4·area·Hq·D``, ×3.5 with the backward; PERF.md) — the figure to compare with
+    single-device FFA on the same per-device work."""
+    fns = overlap_probe(key, q, k, v, backward=backward, **attention_kwargs)
+    bufs = fns["comm"](k, v)
+    comm = time_ms(fns["comm"], k, v, iters=iters)
+    compute = time_ms(fns["compute"], q, k, v, bufs, iters=iters)
+    both = time_ms(fns["both"], q, k, v, iters=iters)
+    hidden = max(0.0, comm + compute - both)
+    batch = q.shape[0] if q.ndim == 4 else 1
+    area = int(key.plan.meta.rank_area().max())
+    flops = 4.0 * area * q.shape[-2] * q.shape[-1] * batch * (3.5 if backward else 1.0)
+    return dict(comm_ms=comm, compute_ms=compute, both_ms=both, hidden_ms=hidden,
+                hidden_fraction=hidden / comm if comm else 0.0,
+                tflops_per_device=flops / (both * 1e-3) / 1e12, max_rank_area=area,
+                remote_kv_max=int(key.plan.remote_tokens.max()),
+                overlap_degree=key.overlap_degree, backward=backward)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from magi_jax.sharding import dispatch, make_flex_key
-from magi_jax.sharding.probe import overlap_probe, time_ms
+from magi_jax.sharding.probe import measure_overlap, overlap_probe, time_ms
 from magi_jax.testing import random_inputs
 from tests.sharding.masks import ZOO
 
@@ -23,3 +23,6 @@ def test_comm_then_compute_equals_both():
     for a, b in zip(fns["compute"](q, k, v, bufs), fns["both"](q, k, v)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
     assert time_ms(fns["both"], q, k, v, warmup=1, iters=2) > 0
+    m = measure_overlap(key, q, k, v, iters=2)
+    assert m["both_ms"] > 0 and m["comm_ms"] > 0 and m["tflops_per_device"] > 0
+    assert m["max_rank_area"] == key.plan.meta.rank_area().max()
