@@ -221,3 +221,34 @@ def test_local_ffa_pallas_backward_matches_autodiff():
     for g, w in zip(got, want):
         assert g.dtype == w.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def _dense_of(shapes, tq, tk):
+    """Cells of canonical shapes as a dense count matrix (counts > 1 would be overlaps)."""
+    out = np.zeros((tq, tk), np.int64)
+    for s in np.nonzero(shapes.nonempty)[0]:
+        for q in range(int(shapes.q0[s]), int(shapes.q1[s])):
+            out[q, int(shapes.lo(np.int64(q), s)):int(shapes.hi(np.int64(q), s)) + 1] += 1
+    return out
+
+
+@pytest.mark.parametrize("name", ["doc_causal", "block_causal"])
+def test_sub_shapes_are_the_dense_sub_masks(name):
+    """Each ring step's local shapes are exactly the global mask restricted to the rank's
+    query positions and the travelling block's key positions (padding sees nothing)."""
+    from benchmarks.baselines.common import sub_shapes
+    mask = MASKS[name]
+    cp = 4
+    lay = make_layout(mask, _mesh(cp))
+    dense = np.zeros((lay.padded_total,) * 2, np.int64)
+    dense[:T, :T] = mask.to_dense()
+    pos = lay.meta.positions
+    c = lay.meta.chunk_size
+    offsets = np.arange(lay.meta.chunks_per_rank) * c
+    for r in range(cp):
+        for s in range(cp):
+            src = (r - s) % cp
+            got = _dense_of(sub_shapes(lay, [r], lay.meta.rank_chunks[src], offsets),
+                            lay.local_len, lay.local_len)
+            np.testing.assert_array_equal(got, dense[np.ix_(pos[r], pos[src])],
+                                          err_msg=f"rank {r} step {s}")
