@@ -6,10 +6,12 @@ On a 2-GPU box (one process drives both GPUs; about 5 minutes, never more than ~
 
     python3 benchmarks/dist_bench.py --out $OUT
 
-A second pass for what the budget skipped (each pass writes its own files), e.g.
+Further passes fill what the budget skipped: ``--resume`` carries over the cases a previous
+result file measured completely (each pass writes a new file holding everything so far):
 
-    python3 benchmarks/dist_bench.py --out $OUT --heads 64:8 --masks doc_causal,causal
-    python3 benchmarks/dist_bench.py --out $OUT --masks shared_question,block_causal
+    python3 benchmarks/dist_bench.py --out $OUT --resume benchmarks/results/dist_<...>.json
+
+or pick cases directly, e.g. ``--heads 64:8 --masks doc_causal,causal --modes fwd+bwd``.
 
 CPU smoke test (tiny sizes on 8 host devices, xla FFA; checks the script end to end):
 
@@ -81,6 +83,9 @@ def _parse(argv):
     p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
     p.add_argument("--tag", default="")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--resume", default=None, metavar="JSON",
+                   help="a previous dist_*.json: cases it measured completely (every impl "
+                   "asked for) are carried over, not re-run; chain runs to fill the matrix")
     a = p.parse_args(argv)
     a.lengths = a.lengths or ("2048" if a.smoke else "131072,262144")
     a.heads = a.heads or ("8:2" if a.smoke else "16:16,64:8")
@@ -114,9 +119,11 @@ from magi_jax.sharding.dist_plan import build_dist_plan  # noqa: E402
 
 IMPLS = ("single", "magi", "ring", "allgather", "ulysses")
 FWD_BWD = 3.5                      # PERF.md: fwd+bwd FLOPs = 3.5 x forward
-# Guess of a call's speed and of a compile, for the budget only (H200, pallas FFA).
+# Guess of a call's speed and of a measurement's fixed cost (planning, compile, warm-up), for
+# the budget only. The first 2 x H200 run measured 5-10 s per measurement (compile 3-8 s);
+# the fixed cost is then learnt from the run itself.
 _EST_TFLOPS = 250e12
-_EST_COMPILE_S = 25.0
+_EST_OVERHEAD_S = 12.0
 
 
 def versions():
@@ -158,7 +165,8 @@ def work_list(a):
 
 
 def bench_call(fn, args, min_time_s, min_calls=2):
-    """Median seconds per call (after one warm-up call), over >= ``min_calls`` timed calls."""
+    """Median seconds per call (after one warm-up call), over >= ``min_calls`` timed calls;
+    and the number of calls made."""
     jax.block_until_ready(fn(*args))
     ts = []
     t_start = time.perf_counter()
@@ -168,7 +176,7 @@ def bench_call(fn, args, min_time_s, min_calls=2):
         ts.append(time.perf_counter() - t0)
         if time.perf_counter() - t_start > 60:
             break
-    return statistics.median(ts)
+    return statistics.median(ts), len(ts) + 1
 
 
 def random_qkv(n, hq, hkv, d, dtype, sharding, seed=0):
@@ -277,8 +285,14 @@ def run(a):
     os.makedirs(a.out, exist_ok=True)
     base = os.path.join(a.out, f"dist_{stamp.strftime('%Y%m%d_%H%M')}_"
                         f"{meta['device'].replace(' ', '_')}{a.tag}")
+    if os.path.exists(base + ".json"):        # a run in the same minute: keep both
+        base += stamp.strftime("_%S")
     work = work_list(a)
     rows = []
+    if a.resume:
+        carried, work = _resume(a.resume, work)
+        rows += carried
+        meta["resumed_from"] = dict(file=os.path.basename(a.resume), rows=len(carried))
     it = work
     if sys.stderr.isatty():            # a progress bar on a terminal, plain lines in a log
         try:
@@ -287,6 +301,7 @@ def run(a):
         except ImportError:
             pass
     setups, inputs = {}, {}
+    overhead = _EST_OVERHEAD_S
     for n_done, (name, total, hq, hkv, mode, impl) in enumerate(it):
         label = f"{name} {total // 1024}k {hq}:{hkv} {mode} {impl}"
         if hasattr(it, "set_description"):
@@ -296,7 +311,7 @@ def run(a):
                    area=int(mask.area))
         mult = FWD_BWD if mode == "fwd+bwd" else 1.0
         flops = 4.0 * mask.area * hq * a.head_dim * mult
-        est = _EST_COMPILE_S * (not a.smoke) + 4 * flops / cp / _EST_TFLOPS
+        est = overhead * (not a.smoke) + 4 * flops / cp / _EST_TFLOPS
         elapsed = time.perf_counter() - _T_START
         if impl == "magi" and magi_ffa != backend and not a.magi_ffa_fallback:
             rows.append(dict(row, skipped=f"magi_attention has no {backend} per-rank FFA "
@@ -306,6 +321,7 @@ def run(a):
             rows.append(dict(row, skipped=f"time budget: {elapsed:.0f}s spent, ~{est:.0f}s "
                                           f"more expected, budget {a.budget_s:.0f}s"))
             continue
+        t_meas = time.perf_counter()
         try:
             skey = (name, total, hq, hkv, impl)
             if skey not in setups:
@@ -328,12 +344,15 @@ def run(a):
             t0 = time.perf_counter()
             compiled = fn.lower(*args).compile()
             compile_s = time.perf_counter() - t0
-            t = bench_call(compiled, args, a.min_time_s, 1 if a.smoke else 2)
+            t, calls = bench_call(compiled, args, a.min_time_s, 1 if a.smoke else 2)
             if impl == "single":
                 f_rank = 4.0 * float(s.areas[0]) * hq * a.head_dim * mult
                 tflops = f_rank / t / 1e12
             else:
                 tflops = flops / cp / t / 1e12
+            # Fixed cost of this measurement beyond its timed calls, learnt (with margin).
+            spent = time.perf_counter() - t_meas
+            overhead = max(0.8 * overhead, 1.3 * (spent - calls * t))
             row.update(ms=t * 1e3, tflops_per_gpu=tflops, compile_s=compile_s,
                        imbalance=s.imbalance, max_rank_area=int(np.max(s.areas)), **s.info)
         except Exception as e:  # keep the sweep going; record the failure
@@ -353,6 +372,24 @@ def run(a):
     print(table)
     print(f"results: {base}.json / .md" + ("" if a.no_plot else " / .png"), file=sys.stderr)
     return rows
+
+
+def _resume(path, work):
+    """Rows of ``path`` for the cases it measured completely, and the work left."""
+    with open(path) as f:
+        old = json.load(f)
+    case = lambda r: (r["mask"], r["length"], r["heads"], r["kv_heads"], r["mode"])
+    done = {}
+    for r in old["rows"]:
+        if "ms" in r:
+            r.setdefault("run", old["meta"]["date"])
+            done.setdefault(case(r), {})[r["impl"]] = r
+    wanted = {}
+    for w in work:
+        wanted.setdefault(w[:5], []).append(w[5])
+    complete = {c for c, impls in wanted.items() if all(i in done.get(c, {}) for i in impls)}
+    carried = [done[c][i] for c, impls in wanted.items() if c in complete for i in impls]
+    return carried, [w for w in work if w[:5] not in complete]
 
 
 def _derive(rows):
@@ -394,6 +431,10 @@ def markdown(meta, rows) -> str:
              "per rank (forward).", ""]
     if meta.get("note"):
         lines += [f"**Note:** {meta['note']}", ""]
+    if meta.get("resumed_from"):
+        rf = meta["resumed_from"]
+        lines += [f"{rf['rows']} rows (whole cases) carried over from `{rf['file']}` (their "
+                  "run date is in the JSON's `run` field).", ""]
     lines += ["| mask | tokens | Hq:Hkv | mode | impl | ms | TFLOP/s/GPU | vs single | "
               "vs ring | imbalance | compute ms | exposed ms | kv recv | compile s |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -418,10 +459,13 @@ def markdown(meta, rows) -> str:
             vs, vr = r.get("vs_single"), r.get("vs_ring")
             ok1 = vs is not None and vs >= 0.9
             ok2 = vr is not None and vr >= 1.3
+            # Issue 7 asks >= 1.3x ring on document-causal; causal is balanced by zigzag.
+            ring_check = ("PASS" if ok2 else "FAIL") + " ≥ 1.3" if r["mask"] == "doc_causal" \
+                else "no target: zigzag balances causal"
             lines.append(f"- {r['mask']} {r['length']} {r['heads']}:{r['kv_heads']}: "
                          f"magi {r['tflops_per_gpu']:.4g} TFLOP/s/GPU, "
                          f"{_fmt(vs, '.2f')}× single ({'PASS' if ok1 else 'FAIL'} ≥ 0.9), "
-                         f"{_fmt(vr, '.2f')}× ring ({'PASS' if ok2 else 'FAIL'} ≥ 1.3); "
+                         f"{_fmt(vr, '.2f')}× ring ({ring_check}); "
                          f"imbalance {r['imbalance']:.3f}, exposed "
                          f"{_fmt(r.get('exposed_ms'), '.1f')} ms of {r['ms']:.1f}")
     if meta.get("wall_s") is not None:

@@ -35,3 +35,20 @@ def test_derived_ratios_and_d1_lines():
     rows[2]["ms"] = 12.0
     db._derive(rows)
     assert "(FAIL ≥ 1.3)" in db.markdown(meta, rows)
+
+
+def test_resume_carries_complete_cases_only(tmp_path):
+    a = db._parse(["--masks", "doc_causal,causal", "--lengths", "1024", "--heads", "16:16",
+                   "--modes", "fwd+bwd", "--impls", "single,magi,ring"])
+    work = db.work_list(a)
+    assert len(work) == 6
+    old = [_row(i, 1.0, 10, 1.0) for i in ("single", "magi", "ring")]      # doc_causal done
+    old += [_row("single", 1.0, 10, 1.0, mask="causal"),                   # causal partial
+            dict(_row("magi", 1.0, 10, 1.0, mask="causal"), ms=None)]
+    del old[-1]["ms"]
+    path = tmp_path / "prev.json"
+    path.write_text(db.json.dumps(dict(meta=dict(date="yesterday"), rows=old)))
+    carried, left = db._resume(str(path), work)
+    assert [r["impl"] for r in carried] == ["single", "magi", "ring"]
+    assert all(r["mask"] == "doc_causal" and r["run"] == "yesterday" for r in carried)
+    assert [w[0] for w in left] == ["causal"] * 3
