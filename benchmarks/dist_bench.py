@@ -30,7 +30,10 @@ What is measured, per (mask, length, heads, mode):
   * the breakdown that says why a strategy falls short: ``imbalance`` (max/mean rank area),
     ``compute_ms`` (its heaviest rank's area at the single-GPU rate), ``exposed_ms`` (the
     rest: communication not hidden, merges, imbalance of per-rank overheads), and
-    ``kv_recv`` (KV tokens each rank receives in the forward).
+    ``kv_recv`` (KV tokens each rank receives in the forward);
+  * ``magi_nocomm``: magi's stages and merge with the remote KV buffers filled locally (a
+    timing probe, its numbers are not attention): magi − magi_nocomm is magi's exposed
+    communication, magi_nocomm − single its stage/merge overhead.
 
 Writes ``<out>/dist_<date>_<device>.{json,md,png}``.
 """
@@ -66,7 +69,10 @@ def _parse(argv):
     p.add_argument("--head-dim", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--modes", default="fwd+bwd,fwd")
-    p.add_argument("--impls", default="single,magi,ring,allgather,ulysses")
+    p.add_argument("--impls", default="single,magi,ring,allgather,ulysses,magi_nocomm",
+                   help="magi_nocomm: magi's stages and merge with every remote KV buffer "
+                   "filled locally (no communication) — splits magi's gap to single into "
+                   "stage/merge overhead and exposed communication")
     p.add_argument("--cp", type=int, default=None,
                    help="ranks (default: every device; --smoke makes 8 CPU devices)")
     p.add_argument("--backend", default="auto", choices=("auto", "xla", "pallas"),
@@ -117,7 +123,7 @@ from magi_jax.sharding import key as key_mod  # noqa: E402
 from magi_jax.sharding import magi_attention, make_flex_key  # noqa: E402
 from magi_jax.sharding.dist_plan import build_dist_plan  # noqa: E402
 
-IMPLS = ("single", "magi", "ring", "allgather", "ulysses")
+IMPLS = ("single", "magi", "ring", "allgather", "ulysses", "magi_nocomm")
 FWD_BWD = 3.5                      # PERF.md: fwd+bwd FLOPs = 3.5 x forward
 # Guess of a call's speed and of a measurement's fixed cost (planning, compile, warm-up), for
 # the budget only. The first 2 x H200 run measured 5-10 s per measurement (compile 3-8 s);
@@ -201,6 +207,38 @@ def _fwd_and_fb(attn):
     return jax.jit(fwd), jax.jit(fb)
 
 
+def magi_nocomm_attention(q, k, v, key):
+    """magi_attention's per-rank stages and merge, with each remote KV buffer filled from
+    local rows instead of the group-cast: its compute and overheads without communication."""
+    from magi_jax.sharding.attention import merge_partials
+    from magi_jax.sharding.ffa_backends import get_backend
+    ffa = get_backend(key.ffa_backend).call
+    scale = q.shape[-1] ** -0.5
+    spec = P(key.cp_axis)
+
+    def body(q, k, v, stage_arrays):
+        outs, lses = [], []
+        for stage, (ffa_arrays, _) in zip(key.stages, stage_arrays):
+            ffa_arrays = jax.tree.map(lambda x: x[0], ffa_arrays)
+            kk, vv = k, v
+            if stage.cast is not None:
+                n = stage.kv_len - (k.shape[0] if stage.combined else 0)
+                rows = jnp.arange(n) % k.shape[0]
+                kb, vb = jnp.take(k, rows, axis=0), jnp.take(v, rows, axis=0)
+                kk = jnp.concatenate([k, kb]) if stage.combined else kb
+                vv = jnp.concatenate([v, vb]) if stage.combined else vb
+            o, l = ffa(q, kk, vv, ffa_arrays, softmax_scale=scale, softcap=0.0,
+                       block_q=key.block_q, block_k=key.block_k)
+            outs.append(o)
+            lses.append(l)
+        return merge_partials(outs, lses, q.dtype)
+
+    specs = jax.tree.map(lambda _: spec, key.stage_arrays)
+    fn = jax.shard_map(body, mesh=key.mesh, in_specs=(spec, spec, spec, specs),
+                       out_specs=(spec, spec), check_vma=False)
+    return fn(q, k, v, key.stage_arrays)
+
+
 class Setup:
     """One implementation on one case: jitted fns, plan, input sizes, host figures."""
 
@@ -208,11 +246,12 @@ class Setup:
         self.impl = impl
         self.info = {}
         self.devices = None
-        if impl in ("magi", "single"):
+        if impl in ("magi", "single", "magi_nocomm"):
             key = make_flex_key(mask, mesh, "cp", ffa_backend=magi_ffa)
             meta = key.plan.meta
-            if impl == "magi":
-                self.fns = _fwd_and_fb(lambda q, k, v, kk: magi_attention(q, k, v, kk))
+            if impl in ("magi", "magi_nocomm"):
+                attn = magi_attention if impl == "magi" else magi_nocomm_attention
+                self.fns = _fwd_and_fb(lambda q, k, v, kk: attn(q, k, v, kk))
                 self.plan, self.n = key, key.padded_total
                 self.areas = meta.rank_area()
                 self.info.update(overlap_degree=key.overlap_degree, ffa=magi_ffa,
@@ -313,7 +352,7 @@ def run(a):
         flops = 4.0 * mask.area * hq * a.head_dim * mult
         est = overhead * (not a.smoke) + 4 * flops / cp / _EST_TFLOPS
         elapsed = time.perf_counter() - _T_START
-        if impl == "magi" and magi_ffa != backend and not a.magi_ffa_fallback:
+        if impl.startswith("magi") and magi_ffa != backend and not a.magi_ffa_fallback:
             rows.append(dict(row, skipped=f"magi_attention has no {backend} per-rank FFA "
                              "yet (--magi-ffa-fallback runs it on xla)"))
             continue
@@ -411,6 +450,11 @@ def _derive(rows):
                 r["exposed_ms"] = r["ms"] - r["compute_ms"]
             if ring and "ms" in ring:
                 r["vs_ring"] = ring["ms"] / r["ms"]
+        magi, nocomm = g.get("magi"), g.get("magi_nocomm")
+        if magi and nocomm and "ms" in magi and "ms" in nocomm:
+            magi["comm_exposed_ms"] = magi["ms"] - nocomm["ms"]
+            if single and "ms" in single:
+                magi["stage_overhead_ms"] = nocomm["ms"] - single["ms"]
 
 
 def _fmt(x, spec):
@@ -467,7 +511,10 @@ def markdown(meta, rows) -> str:
                          f"{_fmt(vs, '.2f')}× single ({'PASS' if ok1 else 'FAIL'} ≥ 0.9), "
                          f"{_fmt(vr, '.2f')}× ring ({ring_check}); "
                          f"imbalance {r['imbalance']:.3f}, exposed "
-                         f"{_fmt(r.get('exposed_ms'), '.1f')} ms of {r['ms']:.1f}")
+                         f"{_fmt(r.get('exposed_ms'), '.1f')} ms of {r['ms']:.1f}"
+                         + (f" = {r['stage_overhead_ms']:.1f} stages/merge (magi_nocomm − "
+                            f"single) + {r['comm_exposed_ms']:.1f} communication (magi − "
+                            "magi_nocomm)" if "stage_overhead_ms" in r else ""))
     if meta.get("wall_s") is not None:
         lines += ["", f"Wall time of the run: {meta['wall_s']} s."]
     return "\n".join(lines) + "\n"

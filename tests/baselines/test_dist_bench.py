@@ -6,8 +6,8 @@ from benchmarks import dist_bench as db
 def test_work_list_puts_d1_first():
     a = db._parse([])
     work = db.work_list(a)
-    assert len(work) == 4 * 2 * 2 * 2 * 5             # masks x lengths x heads x modes x impls
-    first = work[:20]
+    assert len(work) == 4 * 2 * 2 * 2 * 6             # masks x lengths x heads x modes x impls
+    first = work[:24]
     assert {w[0] for w in first} == {"doc_causal", "causal"}
     assert {w[4] for w in first} == {"fwd+bwd"} and {w[2] for w in first} == {16}
     assert first[0] == ("doc_causal", 131072, 16, 16, "fwd+bwd", "single")
@@ -21,7 +21,8 @@ def _row(impl, ms, area, tflops, mask="doc_causal", mode="fwd+bwd"):
 
 def test_derived_ratios_and_d1_lines():
     rows = [_row("single", 10.0, 1000, 400.0), _row("magi", 11.0, 1000, 380.0),
-            _row("ring", 16.0, 1200, 250.0), _row("ulysses", 30.0, 500, 140.0)]
+            _row("ring", 16.0, 1200, 250.0), _row("ulysses", 30.0, 500, 140.0),
+            _row("magi_nocomm", 10.25, 1000, 390.0)]
     db._derive(rows)
     magi, ring, uly = rows[1], rows[2], rows[3]
     assert abs(magi["vs_single"] - 0.95) < 1e-12 and abs(magi["vs_ring"] - 16 / 11) < 1e-12
@@ -32,6 +33,9 @@ def test_derived_ratios_and_d1_lines():
                 ffa_backend_reason="r", magi_ffa_backend="pallas", flops="f")
     md = db.markdown(meta, rows)
     assert "0.95× single (PASS ≥ 0.9), 1.45× ring (PASS ≥ 1.3)" in md
+    assert abs(magi["comm_exposed_ms"] - 0.75) < 1e-12
+    assert abs(magi["stage_overhead_ms"] - 0.25) < 1e-12
+    assert "0.2 stages/merge (magi_nocomm − single) + 0.8 communication" in md
     rows[2]["ms"] = 12.0
     db._derive(rows)
     assert "(FAIL ≥ 1.3)" in db.markdown(meta, rows)
