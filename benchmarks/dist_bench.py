@@ -13,7 +13,9 @@ result file measured completely (each pass writes a new file holding everything 
 
 or pick cases directly, e.g. ``--heads 64:8 --masks doc_causal,causal --modes fwd+bwd``.
 
-CPU smoke test (tiny sizes on 8 host devices, xla FFA; checks the script end to end):
+CPU smoke test (tiny sizes on 8 host devices, xla FFA, one untimed-quality call per
+measurement; checks the script end to end — ~10 min on a 2-core box, the ring on the xla FFA
+being the slow part; narrow it with e.g. ``--masks doc_causal --cp 4``):
 
     python3 benchmarks/dist_bench.py --smoke --out /tmp/dist_smoke
 
@@ -170,10 +172,11 @@ def work_list(a):
     return [w for *_, w in sorted(items)]
 
 
-def bench_call(fn, args, min_time_s, min_calls=2):
+def bench_call(fn, args, min_time_s, min_calls=2, warmup=True):
     """Median seconds per call (after one warm-up call), over >= ``min_calls`` timed calls;
     and the number of calls made."""
-    jax.block_until_ready(fn(*args))
+    if warmup:
+        jax.block_until_ready(fn(*args))
     ts = []
     t_start = time.perf_counter()
     while len(ts) < min_calls or (sum(ts) < min_time_s and len(ts) < 10):
@@ -182,7 +185,7 @@ def bench_call(fn, args, min_time_s, min_calls=2):
         ts.append(time.perf_counter() - t0)
         if time.perf_counter() - t_start > 60:
             break
-    return statistics.median(ts), len(ts) + 1
+    return statistics.median(ts), len(ts) + warmup
 
 
 def random_qkv(n, hq, hkv, d, dtype, sharding, seed=0):
@@ -383,7 +386,8 @@ def run(a):
             t0 = time.perf_counter()
             compiled = fn.lower(*args).compile()
             compile_s = time.perf_counter() - t0
-            t, calls = bench_call(compiled, args, a.min_time_s, 1 if a.smoke else 2)
+            t, calls = bench_call(compiled, args, a.min_time_s, 1 if a.smoke else 2,
+                                  warmup=not a.smoke)
             if impl == "single":
                 f_rank = 4.0 * float(s.areas[0]) * hq * a.head_dim * mult
                 tflops = f_rank / t / 1e12
