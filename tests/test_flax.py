@@ -189,3 +189,15 @@ def test_errors_name_the_mistake():
     z = jax.device_put(jnp.zeros((key4.padded_total, 4, 8)), NamedSharding(other, P("cp")))
     with pytest.raises(ValueError, match="not the key's mesh"):
         make_attention_fn(key4)(z, z, z)
+
+
+def test_adapter_local_inside_user_shard_map():
+    key = _key(4)
+    fn = make_attention_fn(key, local=True)
+    q = _x((T, 4, 8), 5)
+    k, v = _x((T, 2, 8), 6), _x((T, 2, 8), 7)
+    body = jax.shard_map(lambda q, k, v: fn(q, k, v), mesh=key.mesh, in_specs=(P("cp"),) * 3,
+                         out_specs=P("cp"), check_vma=False)
+    run = jax.jit(lambda q, k, v: mj.undispatch(
+        body(*(mj.dispatch(x, key) for x in (q, k, v))), key))
+    np.testing.assert_allclose(run(q, k, v), mj.flex_flash_attention(q, k, v, MASK)[0], **TOL)
