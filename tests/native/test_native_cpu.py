@@ -165,3 +165,16 @@ def test_auto_picks_xla_on_cpu_and_says_why():
     key = make_flex_key(ZOO["causal"], _mesh(2), "cp", overlap_degree=1)
     assert all(s.cast.transport != "native" for s in key.stages if s.cast is not None)
     assert "cpu" in native.auto_reason(_mesh(2), "cp")
+
+
+def test_staging_that_does_not_fit_says_how_much_to_reserve(monkeypatch):
+    # The GPU path sizes NVSHMEM's symmetric staging from the plan; a cast that needs more
+    # than was reserved is refused at trace time with the number to pass to initialize().
+    monkeypatch.setitem(native._nv, "initialized", True)
+    monkeypatch.setitem(native._nv, "bytes", 1 << 20)
+    send = np.zeros((3, 1000), np.int32)                       # 3 slots x 1000 rows
+    need = native.staging_bytes(3, 1000, (2, 128), jnp.bfloat16)
+    assert need == 3 * 1000 * 2 * 128 * 2
+    with pytest.raises(ValueError, match=f"initialize\\(symmetric_bytes={need}\\)"):
+        native._ensure_staging(send, (2, 128), jnp.bfloat16)
+    native._ensure_staging(np.zeros((1, 10), np.int32), (2, 128), jnp.bfloat16)  # fits
