@@ -223,7 +223,7 @@ def main(args):
     say(f"loss:    {history[0]:.4f} -> {history[-1]:.4f} (mean of first {k} steps {first:.4f}, "
         f"last {k} {last:.4f}; uniform guess ln {args.vocab} = {np.log(args.vocab):.4f})")
     say(f"speed:   {rate:,.0f} tokens/s (median over steps 1..{args.steps - 1}, "
-        f"{n} devices)")
+        f"{n} device{'s' if n > 1 else ''})")
     if args.json and lead:
         import json
         with open(args.json, "w") as f:
