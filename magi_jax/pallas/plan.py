@@ -20,20 +20,16 @@ from typing import NamedTuple
 import numpy as np
 
 from magi_jax.mask import AttnMask, SliceShapes
-from magi_jax.tiling import tile_items
+from magi_jax.tiling import EMPTY_ITEM as _EMPTY_ITEM, ITEM_FIELDS, tile_items
 
 __all__ = ["ITEM_FIELDS", "NUM_FIELDS", "WorkList", "KernelPlan", "KernelPlanArrays",
            "build_work_list", "build_kernel_plan", "kernel_plan_for_mask",
            "stack_kernel_plans", "FWD_BLOCK_Q", "FWD_BLOCK_K", "DKV_BLOCK_Q", "DKV_BLOCK_K"]
 
-# Columns of an item: the tile on the other side (k-tile for q-owned lists, q-tile for
-# k-owned ones), the slice's canonical geometry (q ∈ [q0,q1), k ∈ [k0,k1),
-# dlo <= k - q <= dhi) and the full flag.
-ITEM_FIELDS = ("other_tile", "q0", "q1", "k0", "k1", "dlo", "dhi", "full")
+# Items have the columns of magi_jax.tiling.ITEM_FIELDS (the tile on the other side, the
+# slice's canonical geometry, the full flag); padding items are tiling.EMPTY_ITEM.
 NUM_FIELDS = len(ITEM_FIELDS)
 _I32 = np.iinfo(np.int32)
-# An item without cells (padding): empty row range.
-_EMPTY_ITEM = np.array([0, 0, 0, 0, 0, 0, -1, 0], np.int32)
 
 # Tile sizes the kernels are built for. Forward and dQ: a program owns 128 query rows (two
 # consumer warpgroups of 64) and steps over 128 keys. dK/dV: a program owns 128 keys (two
