@@ -5,10 +5,12 @@ group-cast; every remote stage runs FFA on its fetched KV buffer; the partial ``
 are merged in float32. With ``overlap_degree = 0`` all remote KV is fetched first and one FFA
 call covers ``concat(local KV, remote KV)``. Backward is autodiff of these pieces: FFA's own
 VJP, the merge, and ``group_cast``'s adjoint ``group_reduce``, which sums the partial dK/dV
-of fetched KV (float32) back onto their owners. With ``backward_refetch=True`` on the key,
-each remote stage is rematerialised in the backward (its KV buffer re-fetched rather than
-kept, so memory stays at local KV plus the stage in flight) at the price of re-running that
-stage's FFA forward; by default the buffers are kept as residuals.
+of fetched KV (float32) back onto their owners. By default (``backward_refetch=True`` on the
+key) every remote stage is a custom VJP whose backward re-fetches the stage's KV (group-cast
+again) rather than keeping it, runs the FFA backward from the saved ``(out, lse)`` and
+group-reduces dK/dV — memory stays at local KV plus the stage in flight, and no FFA forward
+is re-run (backends without a split VJP, or batched inputs, fall back to rematerialising the
+stage). ``backward_refetch=False`` keeps the buffers as residuals instead.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from magi_jax.sharding.collectives import group_cast
+from magi_jax.sharding.collectives import _cast, _reduce, group_cast
 from magi_jax.sharding.ffa_backends import get_backend
 from magi_jax.sharding.key import MagiKey, _check_key
 
@@ -69,17 +71,71 @@ def _stage_ffa(q, k_local, v_local, kv_local, ffa_arrays, cast_arrays, stage, ke
                block_q=key.block_q, block_k=key.block_k)
 
 
+def _fetch(kv, cast_arrays, stage, hkv):
+    """A stage's K and V: the cast buffer (after the local KV for a combined stage)."""
+    buf = _cast(kv, cast_arrays, stage.cast)
+    kk, vv = buf[:, :hkv], buf[:, hkv:]
+    if stage.combined:
+        kk = jnp.concatenate([kv[:, :hkv], kk])
+        vv = jnp.concatenate([kv[:, hkv:], vv])
+    return kk, vv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _refetch_stage(q, kv, ffa_arrays, cast_arrays, stage, cfg):
+    """A remote stage whose backward re-fetches its KV (group-cast again) instead of keeping
+    it, and then group-reduces the partial dK/dV (float32) onto the owners; the FFA forward
+    is not re-run (the backend's split VJP keeps out and lse)."""
+    return _refetch_fwd(q, kv, ffa_arrays, cast_arrays, stage, cfg)[0]
+
+
+def _refetch_fwd(q, kv, ffa_arrays, cast_arrays, stage, cfg):
+    backend, hkv, kw = cfg[0], cfg[1], dict(cfg[2])
+    kk, vv = _fetch(kv, cast_arrays, stage, hkv)
+    (out, lse), saved = get_backend(backend).split_fwd(q, kk, vv, ffa_arrays, **kw)
+    return (out, lse), (q, kv, ffa_arrays, cast_arrays, saved)
+
+
+def _refetch_bwd(stage, cfg, res, cts):
+    backend, hkv, kw = cfg[0], cfg[1], dict(cfg[2])
+    q, kv, ffa_arrays, cast_arrays, saved = res
+    kk, vv = _fetch(kv, cast_arrays, stage, hkv)                     # the re-fetch
+    dq, dk, dv = get_backend(backend).split_bwd(saved, q, kk, vv, ffa_arrays, cts, **kw)
+    dbuf = jnp.concatenate([dk, dv], axis=-2)
+    t_loc = kv.shape[0]
+    dlocal = None
+    if stage.combined:
+        dlocal, dbuf = dbuf[:t_loc], dbuf[t_loc:]
+    dkv = _reduce(dbuf, cast_arrays, stage.cast, t_loc)
+    if dlocal is not None:
+        dkv = dkv + dlocal.astype(dkv.dtype)
+    none = lambda tree: jax.tree.map(lambda _: None, tree)
+    return dq, dkv.astype(kv.dtype), none(ffa_arrays), none(cast_arrays)
+
+
+_refetch_stage.defvjp(_refetch_fwd, _refetch_bwd)
+
+
 def _local(q, k, v, stage_arrays, key: MagiKey, scale: float, softcap: float):
     """One rank: q/k/v ``[(B,) local_len, H, D]``, ``stage_arrays`` this rank's plan arrays."""
     kv = jnp.concatenate([k, v], axis=-2)         # one collective carries K and V
     outs, lses = [], []
+    backend = get_backend(key.ffa_backend)
     for stage, (ffa_arrays, cast_arrays) in zip(key.stages, stage_arrays):
+        if (stage.cast is not None and key.backward_refetch and q.ndim == 3
+                and backend.split_fwd is not None):
+            cfg = (key.ffa_backend, k.shape[-2],
+                   (("softmax_scale", scale), ("softcap", softcap),
+                    ("block_q", key.block_q), ("block_k", key.block_k)))
+            o, l = _refetch_stage(q, kv, ffa_arrays, cast_arrays, stage, cfg)
+            outs.append(o)
+            lses.append(l)
+            continue
         fn = functools.partial(_stage_ffa, stage=stage, key=key, scale=scale,
                                softcap=softcap)
         if stage.cast is not None and key.backward_refetch:
-            # Re-fetch the remote KV in the backward instead of keeping every stage's buffer
-            # (costs re-running the stage's FFA forward: the FFA contract has no entry that
-            # takes saved (out, lse) without its inputs).
+            # Backends without a split VJP (or batched inputs): re-fetch by rematerialising
+            # the stage, which also re-runs its FFA forward.
             fn = jax.checkpoint(
                 fn, policy=jax.checkpoint_policies.save_any_names_but_these(_REMOTE_KV))
         o, l = fn(q, k, v, kv, ffa_arrays, cast_arrays)

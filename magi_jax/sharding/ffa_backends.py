@@ -23,33 +23,80 @@ __all__ = ["FFABackend", "FFA_BACKENDS", "get_backend"]
 
 @dataclasses.dataclass(frozen=True)
 class FFABackend:
+    """``split_fwd``/``split_bwd`` (optional) split the FFA VJP so that K and V need not be
+    kept between forward and backward (context parallelism re-fetches remote KV instead):
+    ``split_fwd(q, k, v, plan, **cfg) -> ((out, lse), saved)`` and
+    ``split_bwd(saved, q, k, v, plan, (dout, dlse), **cfg) -> (dq, dk, dv)``, for
+    ``[T, H, D]`` inputs; ``cfg`` = ``softmax_scale, softcap, block_q, block_k``."""
+
     name: str
     build: Callable       # (shapes, total_q, total_k, block_q, block_k) -> plan arrays
     stack: Callable       # [plan arrays per rank] -> stacked plan arrays
     call: Callable        # (q, k, v, plan, *, softmax_scale, softcap, block_q, block_k)
+    split_fwd: Callable | None = None
+    split_bwd: Callable | None = None
 
 
 def _xla() -> FFABackend:
+    # The split VJP uses xla_ffa's own custom-VJP rules (residuals q, k, v, plan, out, lse),
+    # so the arithmetic is exactly that of xla_ffa; tests/sharding checks it end to end.
+    from magi_jax import xla_ffa as X
+
+    def cfg(softmax_scale, softcap, block_q, block_k):
+        return X._Config(float(softmax_scale), float(softcap), int(block_q), int(block_k))
+
+    def split_fwd(q, k, v, plan, **kw):
+        (out, lse), _ = X._ffa_fwd(q, k, v, plan, cfg(**kw))
+        return (out, lse), (out, lse)
+
+    def split_bwd(saved, q, k, v, plan, cts, **kw):
+        out, lse = saved
+        return X._ffa_bwd(cfg(**kw), (q, k, v, plan, out, lse), cts)[:3]
+
     return FFABackend(
         "xla",
         build=lambda sh, tq, tk, bq, bk: build_xla_plan(sh, tq, tk, bq, bk).arrays(),
         stack=stack_plans,
-        call=xla_ffa)
+        call=xla_ffa,
+        split_fwd=split_fwd, split_bwd=split_bwd)
 
 
-def _pallas() -> FFABackend:
+def _pallas(interpret: bool = False) -> FFABackend:
+    import jax.numpy as jnp
+
+    from magi_jax import pallas as P
     from magi_jax.pallas import ffa_pallas
-    from magi_jax.pallas.plan import build_kernel_plan, stack_kernel_plans
+    from magi_jax.pallas.plan import KernelPlanArrays, build_kernel_plan, stack_kernel_plans
+
+    # Split VJP over the kernels' own custom-VJP rules (residuals q, k, v, plan, out, lse_bht,
+    # with a leading batch axis); same arithmetic as ffa_pallas.
+    def cfg(softmax_scale, softcap, block_q, block_k):
+        return P._Config(float(softmax_scale), float(softcap), interpret)
+
+    def as_plan(plan):
+        return KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
+
+    def split_fwd(q, k, v, plan, **kw):
+        (out, lse), res = P._ffa_fwd(q[None], k[None], v[None], as_plan(plan), cfg(**kw))
+        return (out[0], lse[0]), (res[4], res[5])
+
+    def split_bwd(saved, q, k, v, plan, cts, **kw):
+        out, lse_bht = saved
+        dout, dlse = cts
+        dq, dk, dv, _ = P._ffa_bwd(cfg(**kw), (q[None], k[None], v[None], as_plan(plan), out,
+                                               lse_bht), (dout[None], dlse[None]))
+        return dq[0], dk[0], dv[0]
 
     def call(q, k, v, plan, *, softmax_scale, softcap, block_q, block_k):
         del block_q, block_k            # the kernels tile with their own block sizes
-        return ffa_pallas(q, k, v, plan, softmax_scale=softmax_scale, softcap=softcap)
+        return ffa_pallas(q, k, v, plan, softmax_scale=softmax_scale, softcap=softcap,
+                          interpret=interpret)
 
     return FFABackend(
-        "pallas",
+        "pallas_interpret" if interpret else "pallas",
         build=lambda sh, tq, tk, bq, bk: build_kernel_plan(sh, tq, tk).arrays(),
         stack=stack_kernel_plans,
-        call=call)
+        call=call, split_fwd=split_fwd, split_bwd=split_bwd)
 
 
 _FACTORIES = {"xla": _xla, "pallas": _pallas}

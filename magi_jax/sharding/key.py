@@ -139,7 +139,7 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
                   comm_backend: str = "auto", dispatch_algorithm: str = "magi",
                   dispatch_from: MagiKey | None = None, block_q: int | None = None,
                   block_k: int | None = None, ffa_backend: str = "xla",
-                  backward_refetch: bool = False) -> MagiKey:
+                  backward_refetch: bool = True) -> MagiKey:
     """Plans context-parallel attention of ``mask`` over ``mesh``'s ``cp_axis``.
 
     Args:
@@ -161,8 +161,10 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
       block_q, block_k: FFA tile sizes (default 128, smaller for short local lengths).
       ffa_backend: per-rank FFA implementation: ``"xla"`` (portable) or ``"pallas"`` (Mosaic
         GPU kernels: Hopper, bf16/fp16, D 64/128).
-      backward_refetch: re-fetch each remote stage's KV in the backward instead of keeping
-        it (less memory, one more FFA forward per remote stage).
+      backward_refetch: the backward re-fetches each remote stage's KV (one more group-cast
+        per stage) instead of keeping every stage's buffer from the forward (memory: local
+        KV plus the stage in flight; DESIGN.md §2.5). ``False`` keeps the buffers (less
+        communication, more memory).
 
     Returns a :class:`MagiKey`; cached by (mask fingerprint, mesh, options).
     """
