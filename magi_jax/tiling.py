@@ -20,7 +20,8 @@ import numpy as np
 
 from magi_jax.mask import SliceShapes
 
-__all__ = ["TileItems", "tile_items", "LanePlan", "lane_plan", "ITEM_FIELDS", "EMPTY_ITEM"]
+__all__ = ["TileItems", "tile_items", "LanePlan", "lane_plan", "pack_lanes", "unpack_lanes",
+           "choose_lane_len", "ITEM_FIELDS", "EMPTY_ITEM"]
 
 # Columns of one packed work item (int32): the tile on the other side (k-tile for a q-lane,
 # q-tile for a k-lane), the slice's canonical geometry, and whether the tile is full.
@@ -117,21 +118,24 @@ class LanePlan:
         return LanePlan(lane_tile, items)
 
 
-def _choose_lane_len(counts: np.ndarray) -> int:
-    """Lane length L minimising the padded work ``V(L)·L`` plus a per-lane cost (the lane's
-    state and its merge), over powers of two."""
-    counts = counts[counts > 0]
-    if not len(counts):
+def choose_lane_len(counts_per_plan: list[np.ndarray]) -> int:
+    """Lane length L (a power of two) minimising the padded work of the heaviest plan,
+    ``max_p V_p(L)·(L + c)`` with ``V_p(L)`` the lanes plan ``p`` needs and ``c`` a per-lane
+    cost (the lane's state and its merge). ``counts_per_plan``: items per owned tile, one
+    array per plan (one plan, or one per rank when plans are stacked)."""
+    counts_per_plan = [c[c > 0] for c in counts_per_plan]
+    longest = max((int(c.max()) for c in counts_per_plan if len(c)), default=0)
+    if not longest:
         return 1
     best, best_cost = 1, None
     per_lane = 2.0
     length = 1
     while True:
-        lanes = int(np.sum(-(-counts // length)))
+        lanes = max(int(np.sum(-(-c // length))) for c in counts_per_plan)
         cost = lanes * (length + per_lane)
         if best_cost is None or cost < best_cost:
             best, best_cost = length, cost
-        if length >= counts.max():
+        if length >= longest:
             break
         length *= 2
     return best
@@ -152,8 +156,20 @@ def lane_plan(items: TileItems, shapes: SliceShapes, by: str,
         raise ValueError(f"by={by!r}: use 'q' or 'k'")
     own, other = own[order], other[order]
     s = items.slice_id[order]
+    lo_clip, hi_clip = -_I32_MAX, _I32_MAX
+    rows = np.stack([
+        other, shapes.q0[s], shapes.q1[s], shapes.k0[s], shapes.k1[s],
+        np.clip(shapes.dlo[s], lo_clip, hi_clip), np.clip(shapes.dhi[s], lo_clip, hi_clip),
+        items.full[order].astype(np.int64)], axis=-1).astype(np.int32)
+    return pack_lanes(own, rows, num_tiles, lane_len)
+
+
+def pack_lanes(own: np.ndarray, rows: np.ndarray, num_tiles: int,
+               lane_len: int | None = None) -> LanePlan:
+    """Packs item ``rows`` (int32 ``[W, 8]``, grouped by owned tile ``own``, in visiting
+    order) into lanes of ``lane_len`` items (chosen when ``None``)."""
     counts = np.bincount(own, minlength=num_tiles)
-    length = _choose_lane_len(counts) if lane_len is None else int(lane_len)
+    length = choose_lane_len([counts]) if lane_len is None else int(lane_len)
     # Position of every item inside its tile's run, then lane = (tile's first lane + pos // L).
     run_start = np.cumsum(counts) - counts
     pos = np.arange(len(own)) - run_start[own]
@@ -163,11 +179,15 @@ def lane_plan(items: TileItems, shapes: SliceShapes, by: str,
     slot = pos % length
     num_lanes = max(int(lanes_per_tile.sum()), 1)
     packed = np.broadcast_to(EMPTY_ITEM, (num_lanes, length, len(EMPTY_ITEM))).copy()
-    lo_clip, hi_clip = -_I32_MAX, _I32_MAX
-    packed[lane, slot] = np.stack([
-        other, shapes.q0[s], shapes.q1[s], shapes.k0[s], shapes.k1[s],
-        np.clip(shapes.dlo[s], lo_clip, hi_clip), np.clip(shapes.dhi[s], lo_clip, hi_clip),
-        items.full[order].astype(np.int64)], axis=-1).astype(np.int32)
+    packed[lane, slot] = rows
     lane_tile = np.zeros((num_lanes,), np.int32)
     lane_tile[lane] = own
     return LanePlan(lane_tile, packed)
+
+
+def unpack_lanes(plan: LanePlan) -> tuple[np.ndarray, np.ndarray]:
+    """The real items of a lane plan as ``(own tile [W], rows [W, 8])``, in visiting order."""
+    q0, q1 = ITEM_FIELDS.index("q0"), ITEM_FIELDS.index("q1")
+    real = plan.items[..., q1] > plan.items[..., q0]
+    lanes, slots = np.nonzero(real)          # row-major: lane by lane, slot by slot
+    return plan.lane_tile[lanes].astype(np.int64), plan.items[lanes, slots]

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from magi_jax.mask import AttnMask, SliceShapes
-from magi_jax.tiling import LanePlan, lane_plan, tile_items
+from magi_jax.tiling import (EMPTY_ITEM, LanePlan, choose_lane_len, lane_plan, pack_lanes,
+                             tile_items, unpack_lanes)
 
 __all__ = ["FFAPlanArrays", "XlaFFAPlan", "build_xla_plan", "plan_for_mask", "xla_ffa",
            "default_block_sizes", "stack_plans"]
@@ -88,14 +89,25 @@ def plan_for_mask(mask: AttnMask, block_q: int, block_k: int) -> XlaFFAPlan:
 
 
 def stack_plans(plans: list[FFAPlanArrays]) -> FFAPlanArrays:
-    """Stacks several plans (e.g. one per rank) along a new leading axis, padding each to the
-    largest lane count and lane length."""
+    """Stacks several plans (e.g. one per rank) along a new leading axis.
+
+    The plans' items are re-packed with one lane length chosen for all of them, so that one
+    plan's long rows do not pad every other plan's lanes (padding the lane count and the lane
+    length to their maxima separately can multiply the work and the memory of the stack)."""
     def stack(tiles, items):
-        v = max(i.shape[0] for i in items)
-        l = max(i.shape[1] for i in items)
-        padded = [LanePlan(np.asarray(t), np.asarray(i)).pad_to(v, l)
-                  for t, i in zip(tiles, items)]
-        return (np.stack([p.lane_tile for p in padded]), np.stack([p.items for p in padded]))
+        unpacked = [unpack_lanes(LanePlan(np.asarray(t), np.asarray(i)))
+                    for t, i in zip(tiles, items)]
+        length = choose_lane_len([np.bincount(own) for own, _ in unpacked])
+        packed = [pack_lanes(own, rows, int(own.max(initial=-1)) + 1, length)
+                  for own, rows in unpacked]
+        num_lanes = max(p.num_lanes for p in packed)
+        out_items = np.broadcast_to(EMPTY_ITEM, (len(packed), num_lanes, length,
+                                                 len(EMPTY_ITEM))).copy()
+        out_tiles = np.zeros((len(packed), num_lanes), np.int32)
+        for r, p in enumerate(packed):
+            out_items[r, :p.num_lanes] = p.items
+            out_tiles[r, :p.num_lanes] = p.lane_tile
+        return out_tiles, out_items
     qt, qi = stack([p.q_lane_tile for p in plans], [p.q_items for p in plans])
     kt, ki = stack([p.k_lane_tile for p in plans], [p.k_items for p in plans])
     return FFAPlanArrays(qt, qi, kt, ki)

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from magi_jax.mask import AttnMask
-from magi_jax.tiling import EMPTY_ITEM, ITEM_FIELDS, lane_plan, tile_items
+from magi_jax.tiling import EMPTY_ITEM, ITEM_FIELDS, LanePlan, lane_plan, tile_items
 from tests.strategies import slice_masks
 
 
@@ -103,3 +103,26 @@ def test_cost_follows_area_32k_document_mask(block):
     boundary = touched.sum() - full.sum()
     assert len(items) <= m.area / block**2 + boundary
     assert len(items) < 0.15 * nt * nt
+
+
+def test_stacked_plans_share_one_lane_length():
+    """Stacking re-packs every plan with one lane length: a plan with a few very long rows
+    next to a plan of many short rows stays small, and every item survives."""
+    from magi_jax.tiling import unpack_lanes
+    from magi_jax.xla_ffa import build_xla_plan, stack_plans
+    masks = [AttnMask.from_ranges([[496, 512]], [[0, 512]], "full", total_q=512),
+             AttnMask.varlen(np.arange(0, 513, 16))]
+    plans = [build_xla_plan(m.shapes, m.total_q, m.total_k, 16, 16).arrays() for m in masks]
+    stacked = stack_plans(plans)
+    for field in ("q", "k"):
+        tiles, items = getattr(stacked, f"{field}_lane_tile"), getattr(stacked, f"{field}_items")
+        naive = (max(getattr(p, f"{field}_items").shape[0] for p in plans)
+                 * max(getattr(p, f"{field}_items").shape[1] for p in plans))
+        assert items.shape[1] * items.shape[2] <= naive
+        if field == "q":       # the long rows are q rows here
+            assert items.shape[1] * items.shape[2] < naive / 2
+        for r, p in enumerate(plans):
+            want = unpack_lanes(LanePlan(getattr(p, f"{field}_lane_tile"), getattr(p, f"{field}_items")))
+            got = unpack_lanes(LanePlan(tiles[r], items[r]))
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(got[1], want[1])
