@@ -28,6 +28,7 @@ from magi_jax.tiling import (EMPTY_ITEM, LanePlan, choose_lane_len, lane_plan, p
                              tile_items, unpack_lanes)
 
 __all__ = ["FFAPlanArrays", "XlaFFAPlan", "build_xla_plan", "plan_for_mask", "xla_ffa",
+           "xla_ffa_forward", "xla_ffa_backward",
            "default_block_sizes", "stack_plans"]
 
 _DEFAULT_BLOCK = 128
@@ -333,6 +334,24 @@ def xla_ffa(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: floa
     if q.ndim == 4:
         return _batched(q, k, v, plan, cfg)
     return _ffa_jit(q, k, v, plan, cfg)
+
+
+def xla_ffa_forward(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: float,
+                    block_q: int, block_k: int):
+    """The forward of :func:`xla_ffa` alone (3-D inputs, not differentiable): ``(out, lse)``.
+    With :func:`xla_ffa_backward`, for callers that keep only ``(out, lse)`` between the two
+    passes (context-parallel stages that re-fetch KV, ring attention)."""
+    cfg = _Config(float(softmax_scale), float(softcap), int(block_q), int(block_k))
+    return _forward(q, k, v, plan, cfg)
+
+
+def xla_ffa_backward(q, k, v, out, lse, dout, dlse, plan: FFAPlanArrays, *,
+                     softmax_scale: float, softcap: float, block_q: int, block_k: int):
+    """``(dq, dk, dv)`` of :func:`xla_ffa` from the forward's ``(out, lse)`` and the
+    cotangents ``(dout, dlse)`` (3-D inputs); the tiles are recomputed, nothing else is
+    needed from the forward."""
+    cfg = _Config(float(softmax_scale), float(softcap), int(block_q), int(block_k))
+    return _backward(q, k, v, out, lse, dout, dlse, plan, cfg)
 
 
 def _batched(q, k, v, plan, cfg):

@@ -92,9 +92,10 @@ class LocalFFA:
     def backward(self, q, k, v, out, lse, dout, dlse, plan, *, scale: float, softcap: float):
         """FFA backward of one KV block given the merged ``(out, lse)``: ``(dq, dk, dv)``."""
         if self.backend == "xla":
-            from magi_jax import xla_ffa as xf
-            cfg = xf._Config(float(scale), float(softcap), self.block_q, self.block_k)
-            return xf._backward(q, k, v, out, lse, dout, dlse, plan, cfg)
+            from magi_jax.xla_ffa import xla_ffa_backward
+            return xla_ffa_backward(q, k, v, out, lse, dout, dlse, plan, softmax_scale=scale,
+                                    softcap=softcap, block_q=self.block_q,
+                                    block_k=self.block_k)
         import magi_jax.pallas as pf
         from magi_jax.pallas.plan import KernelPlanArrays
         cfg = pf._Config(float(scale), float(softcap), self.interpret)

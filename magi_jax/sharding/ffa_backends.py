@@ -38,20 +38,17 @@ class FFABackend:
 
 
 def _xla() -> FFABackend:
-    # The split VJP uses xla_ffa's own custom-VJP rules (residuals q, k, v, plan, out, lse),
-    # so the arithmetic is exactly that of xla_ffa; tests/sharding checks it end to end.
+    # The split VJP is xla_ffa's own forward and backward (xla_ffa_forward/_backward), so the
+    # arithmetic is exactly that of xla_ffa; tests/sharding checks it end to end.
     from magi_jax import xla_ffa as X
 
-    def cfg(softmax_scale, softcap, block_q, block_k):
-        return X._Config(float(softmax_scale), float(softcap), int(block_q), int(block_k))
-
     def split_fwd(q, k, v, plan, **kw):
-        (out, lse), _ = X._ffa_fwd(q, k, v, plan, cfg(**kw))
+        out, lse = X.xla_ffa_forward(q, k, v, plan, **kw)
         return (out, lse), (out, lse)
 
     def split_bwd(saved, q, k, v, plan, cts, **kw):
         out, lse = saved
-        return X._ffa_bwd(cfg(**kw), (q, k, v, plan, out, lse), cts)[:3]
+        return X.xla_ffa_backward(q, k, v, out, lse, *cts, plan, **kw)
 
     return FFABackend(
         "xla",
