@@ -69,8 +69,9 @@ struct Room {
 };
 
 using RoomKey = std::pair<int64_t, int64_t>;  // (call_id, cp group)
-std::mutex g_mu;
-std::map<RoomKey, Room> g_rooms;
+// Never destroyed: the detached watchdog may still touch them while the process exits.
+std::mutex& g_mu = *new std::mutex;
+std::map<RoomKey, Room>& g_rooms = *new std::map<RoomKey, Room>;
 
 std::string TimeoutMessage(const Room& room, int64_t cp) {
   return "magi_jax native " + room.op + " (CPU): rendezvous timed out after " +
