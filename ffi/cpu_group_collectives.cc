@@ -24,6 +24,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <tuple>
 #include <string>
 #include <utility>
 #include <vector>
@@ -68,10 +69,16 @@ struct Room {
   std::string op;
 };
 
-using RoomKey = std::pair<int64_t, int64_t>;  // (call_id, cp group)
+// A call site (call_id) can run several times in one program (inlined twice, rematerialised,
+// in a loop): each device numbers its own executions of a call site, and the n-th execution
+// of every device of the group meets the n-th of the others.
+using RoomKey = std::tuple<int64_t, int64_t, int64_t>;  // (call_id, cp group, execution)
 // Never destroyed: the detached watchdog may still touch them while the process exits.
 std::mutex& g_mu = *new std::mutex;
 std::map<RoomKey, Room>& g_rooms = *new std::map<RoomKey, Room>;
+// (call_id, cp group, rank) -> executions of that call site so far by that device.
+std::map<std::tuple<int64_t, int64_t, int64_t>, int64_t>& g_executions =
+    *new std::map<std::tuple<int64_t, int64_t, int64_t>, int64_t>;
 
 std::string TimeoutMessage(const Room& room, int64_t cp) {
   return "magi_jax native " + room.op + " (CPU): rendezvous timed out after " +
@@ -122,12 +129,14 @@ void Watchdog() {
 
 // Joins the room of (call_id, group). Returns the whole group when this device is the last
 // to arrive (the caller then does the work and completes every promise), else nothing.
-std::optional<std::vector<Member>> Arrive(RoomKey key, int64_t rank, int64_t cp,
+std::optional<std::vector<Member>> Arrive(int64_t call_id, int64_t group, int64_t rank,
+                                          int64_t cp,
                                           int64_t timeout_ms, const char* op,
                                           Member me, std::string* err) {
   static std::once_flag watchdog;
   std::call_once(watchdog, [] { std::thread(Watchdog).detach(); });
   std::lock_guard<std::mutex> lock(g_mu);
+  const RoomKey key{call_id, group, g_executions[{call_id, group, rank}]++};
   Room& room = g_rooms[key];
   if (room.members.empty()) {
     room.members.resize(cp);
@@ -360,7 +369,7 @@ ffi::Future CastImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> send, ffi::Buffer<f
   }
   ffi::Future future(me.promise);
   std::string err;
-  auto group = Arrive({call_id, w->group}, w->rank, cp, timeout_ms, "group_cast",
+  auto group = Arrive(call_id, w->group, w->rank, cp, timeout_ms, "group_cast",
                       std::move(me), &err);
   if (!err.empty()) return Failed(ffi::Error::InvalidArgument(err));
   if (group) {
@@ -409,7 +418,7 @@ ffi::Future ReduceImpl(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> send,
   }
   ffi::Future future(me.promise);
   std::string err;
-  auto group = Arrive({call_id, w->group}, w->rank, cp, timeout_ms, "group_reduce",
+  auto group = Arrive(call_id, w->group, w->rank, cp, timeout_ms, "group_reduce",
                       std::move(me), &err);
   if (!err.empty()) return Failed(ffi::Error::InvalidArgument(err));
   if (group) {

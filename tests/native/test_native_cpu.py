@@ -178,3 +178,23 @@ def test_staging_that_does_not_fit_says_how_much_to_reserve(monkeypatch):
     with pytest.raises(ValueError, match=f"initialize\\(symmetric_bytes={need}\\)"):
         native._ensure_staging(send, (2, 128), jnp.bfloat16)
     native._ensure_staging(np.zeros((1, 10), np.int32), (2, 128), jnp.bfloat16)  # fits
+
+
+def test_one_call_site_run_twice_in_one_program():
+    # A jitted cast traced once and called on two different inputs: both executions carry
+    # the same call site; each device's n-th execution must meet the others' n-th.
+    t = _hand_table()
+    spec = CastSpec("cp", 4, t.shifts, t.widths, "native")
+    inner = jax.jit(lambda a, s, r: group_cast(a, CastArrays(s, r), spec))
+
+    def body(x, y, send, recv):
+        s, r = send[0], recv[0]
+        return jnp.stack([inner(x[0], s, r), inner(y[0], s, r)])[None]
+    f = jax.jit(jax.shard_map(body, mesh=_mesh(4), in_specs=(P("cp"),) * 4, out_specs=P("cp"),
+                              check_vma=False))
+    rng = np.random.default_rng(7)
+    x, y = (rng.standard_normal((4, 2, 3)).astype(np.float32) for _ in range(2))
+    for _ in range(3):
+        got = np.asarray(f(x, y, t.send_index, t.recv_index))
+        np.testing.assert_array_equal(got[:, 0], cast_model(x, t))
+        np.testing.assert_array_equal(got[:, 1], cast_model(y, t))
