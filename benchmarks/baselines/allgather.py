@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from benchmarks.baselines.common import Layout, LocalFFA, area, shard_stacked, sub_shapes
+from benchmarks.baselines.common import (BaselinePlan, Layout, LocalFFA, area, shard_stacked,
+                                        sub_shapes)
 
 __all__ = ["AllGatherPlan", "make_allgather_plan", "allgather_attention",
            "allgather_attention_local"]
@@ -30,24 +31,9 @@ class _AGStatic:
 
 
 @jax.tree_util.register_pytree_node_class
-class AllGatherPlan:
+class AllGatherPlan(BaselinePlan):
     """Every rank's FFA plan of its queries against the gathered KV (dispatched order),
     stacked ``[cp, ...]``."""
-
-    def __init__(self, static: _AGStatic, ffa_plan):
-        self.static = static
-        self.ffa_plan = ffa_plan
-
-    def tree_flatten(self):
-        return (self.ffa_plan,), self.static
-
-    @classmethod
-    def tree_unflatten(cls, static, children):
-        return cls(static, *children)
-
-    @property
-    def layout(self) -> Layout:
-        return self.static.layout
 
 
 def make_allgather_plan(layout: Layout, ffa: LocalFFA) -> AllGatherPlan:
@@ -103,6 +89,6 @@ def allgather_attention(q, k, v, plan: AllGatherPlan, *, softmax_scale=None,
                                          softcap=softcap)
 
     fn = jax.shard_map(body, mesh=st.mesh,
-                       in_specs=(spec, spec, spec, jax.tree.map(lambda _: spec, plan.ffa_plan)),
+                       in_specs=(spec, spec, spec, jax.tree.map(lambda _: spec, plan.arrays)),
                        out_specs=(spec, spec), check_vma=False)
-    return fn(q, k, v, plan.ffa_plan)
+    return fn(q, k, v, plan.arrays)

@@ -107,6 +107,27 @@ class LocalFFA:
 
 # ---- layout ---------------------------------------------------------------------------------
 
+class BaselinePlan:
+    """A baseline's plan: hashable host-static half (``static``, with a ``layout``) and the
+    stacked device plan arrays (``arrays``, the pytree leaves). Subclasses only register
+    themselves as pytrees and document their arrays."""
+
+    def __init__(self, static, arrays):
+        self.static = static
+        self.arrays = arrays
+
+    def tree_flatten(self):
+        return (self.arrays,), self.static
+
+    @classmethod
+    def tree_unflatten(cls, static, children):
+        return cls(static, *children)
+
+    @property
+    def layout(self) -> "Layout":
+        return self.static.layout
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Layout:
     """The zigzag layout of one mask on one mesh axis: ``meta`` (dispatch), ``order``

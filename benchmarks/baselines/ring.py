@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchmarks.baselines.common import Layout, LocalFFA, area, sub_shapes
+from benchmarks.baselines.common import BaselinePlan, Layout, LocalFFA, area, sub_shapes
 from magi_jax.sharding.attention import merge_partials
 
 __all__ = ["RingPlan", "make_ring_plan", "ring_attention", "ring_attention_local"]
@@ -41,25 +41,10 @@ class _RingStatic:
 
 
 @jax.tree_util.register_pytree_node_class
-class RingPlan:
-    """``steps``: the FFA plans of every (step ``s``, rank ``r``) — rank ``r``'s sub-mask
+class RingPlan(BaselinePlan):
+    """``arrays``: the FFA plans of every (step ``s``, rank ``r``) — rank ``r``'s sub-mask
     against the block of rank ``r − s`` — stacked ``[cp_steps, cp, ...]`` (padded to the
     largest), sharded over ranks. Host figures: ``step_area [cp_steps, cp]``."""
-
-    def __init__(self, static: _RingStatic, steps):
-        self.static = static
-        self.steps = steps
-
-    def tree_flatten(self):
-        return (self.steps,), self.static
-
-    @classmethod
-    def tree_unflatten(cls, static, children):
-        return cls(static, *children)
-
-    @property
-    def layout(self) -> Layout:
-        return self.static.layout
 
     @property
     def step_area(self) -> np.ndarray:
@@ -177,7 +162,7 @@ def ring_attention(q, k, v, plan: RingPlan, *, softmax_scale=None, softcap: floa
         return ring_attention_local(q, k, v, steps, st, softmax_scale=softmax_scale,
                                     softcap=softcap)
 
-    step_specs = jax.tree.map(lambda _: P(None, st.axis), plan.steps)
+    step_specs = jax.tree.map(lambda _: P(None, st.axis), plan.arrays)
     fn = jax.shard_map(body, mesh=st.mesh, in_specs=(spec, spec, spec, step_specs),
                        out_specs=(spec, spec), check_vma=False)
-    return fn(q, k, v, plan.steps)
+    return fn(q, k, v, plan.arrays)

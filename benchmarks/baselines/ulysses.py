@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from benchmarks.baselines.common import Layout, LocalFFA, area, replicate, sub_shapes
+from benchmarks.baselines.common import BaselinePlan, Layout, LocalFFA, area, replicate, sub_shapes
 
 __all__ = ["UlyssesPlan", "make_ulysses_plan", "ulysses_attention", "ulysses_attention_local",
            "kv_repeat"]
@@ -35,23 +35,8 @@ class _UlyssesStatic:
 
 
 @jax.tree_util.register_pytree_node_class
-class UlyssesPlan:
+class UlyssesPlan(BaselinePlan):
     """One FFA plan of the whole mask in dispatched order (the same on every rank)."""
-
-    def __init__(self, static: _UlyssesStatic, ffa_plan):
-        self.static = static
-        self.ffa_plan = ffa_plan
-
-    def tree_flatten(self):
-        return (self.ffa_plan,), self.static
-
-    @classmethod
-    def tree_unflatten(cls, static, children):
-        return cls(static, *children)
-
-    @property
-    def layout(self) -> Layout:
-        return self.static.layout
 
 
 def make_ulysses_plan(layout: Layout, ffa: LocalFFA) -> UlyssesPlan:
@@ -111,6 +96,6 @@ def ulysses_attention(q, k, v, plan: UlyssesPlan, *, softmax_scale=None, softcap
                                        softcap=softcap)
 
     fn = jax.shard_map(body, mesh=st.mesh,
-                       in_specs=(spec, spec, spec, jax.tree.map(lambda _: P(), plan.ffa_plan)),
+                       in_specs=(spec, spec, spec, jax.tree.map(lambda _: P(), plan.arrays)),
                        out_specs=(spec, spec), check_vma=False)
-    return fn(q, k, v, plan.ffa_plan)
+    return fn(q, k, v, plan.arrays)

@@ -65,7 +65,7 @@ def _plan_sizes(p: FFAPlanArrays):
 
 
 def _arrays_of(plan):
-    return plan.steps if hasattr(plan, "steps") else plan.ffa_plan
+    return plan.arrays
 
 
 def _with_arrays(plan, arrays):
