@@ -161,10 +161,9 @@ def build_cast_table(meta: DispatchMeta, remote: list[np.ndarray], buffer_len: i
 
 # ---- NumPy models (the meaning of the tables; used by tests) ---------------------------------
 
-def cast_model(x: np.ndarray, table: CastTable) -> np.ndarray:
-    """``x [cp, T, ...]`` (every rank's input) -> ``[cp, B, ...]``, by the table semantics."""
-    cp, n, s = table.send_index.shape
-    out = np.zeros((cp, table.buffer_len) + x.shape[2:], x.dtype)
+def _moves(table: CastTable):
+    """Every real move of a cast: ``(dst rank, dst buffer row, src rank, src row)``."""
+    cp, _, s = table.send_index.shape
     for r in range(cp):
         for b, e in enumerate(table.recv_index[r]):
             if e < 0:
@@ -173,23 +172,22 @@ def cast_model(x: np.ndarray, table: CastTable) -> np.ndarray:
             src = (r - table.shifts[j]) % cp
             row = table.send_index[src, j, p]
             if row >= 0:
-                out[r, b] = x[src, row]
+                yield r, b, src, row
+
+
+def cast_model(x: np.ndarray, table: CastTable) -> np.ndarray:
+    """``x [cp, T, ...]`` (every rank's input) -> ``[cp, B, ...]``, by the table semantics."""
+    out = np.zeros((table.cp, table.buffer_len) + x.shape[2:], x.dtype)
+    for r, b, src, row in _moves(table):
+        out[r, b] = x[src, row]
     return out
 
 
 def reduce_model(y: np.ndarray, table: CastTable, num_rows: int) -> np.ndarray:
     """Adjoint of :func:`cast_model`: ``y [cp, B, ...]`` -> ``[cp, num_rows, ...]`` float64."""
-    cp, n, s = table.send_index.shape
-    out = np.zeros((cp, num_rows) + y.shape[2:], np.float64)
-    for r in range(cp):
-        for b, e in enumerate(table.recv_index[r]):
-            if e < 0:
-                continue
-            j, p = divmod(int(e), s)
-            src = (r - table.shifts[j]) % cp
-            row = table.send_index[src, j, p]
-            if row >= 0:
-                out[src, row] += y[r, b]
+    out = np.zeros((table.cp, num_rows) + y.shape[2:], np.float64)
+    for r, b, src, row in _moves(table):
+        out[src, row] += y[r, b]
     return out
 
 
