@@ -1,0 +1,135 @@
+"""Does communication overlap compute in ``magi_attention``? (DESIGN.md §7, issue 4.)
+
+For each case, three separately jitted programs over the mesh (``magi_jax.sharding.probe``):
+``comm`` alone (the group-casts; with the backward also the group-reduces), ``compute`` alone
+(FFA stages and merge on pre-fetched KV) and ``both`` (``magi_attention`` itself), each the
+median of ``--iters`` blocked calls after warm-up. ``hidden = comm + compute − both`` is the
+communication that overlapped.
+
+    python3 benchmarks/overlap_bench.py --out $OUT           # 2 GPUs, ~2 minutes
+
+Cases: masks × lengths × overlap degrees × backward re-fetch × {fwd, fwd+bwd}, bf16,
+Hq = Hkv = 16, D = 128, pallas FFA per rank when supported. Writes
+``<out>/overlap_<date>_<device>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from benchmarks.dist_bench import versions  # noqa: E402
+from benchmarks.kernel_bench import make_mask  # noqa: E402
+from benchmarks.baselines.common import pick_backend  # noqa: E402
+from magi_jax.sharding import make_flex_key  # noqa: E402
+from magi_jax.sharding.probe import measure_overlap  # noqa: E402
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--masks", default="doc_causal,causal")
+    p.add_argument("--lengths", default="131072")
+    p.add_argument("--degrees", default="0,1,2")
+    p.add_argument("--refetch", default="1,0", help="backward_refetch values, e.g. 1,0")
+    p.add_argument("--modes", default="fwd,fwd+bwd")
+    p.add_argument("--comm", default="auto", help="comm_backend of the keys")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--budget-s", type=float, default=240.0)
+    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
+    return p.parse_args(argv)
+
+
+def markdown(meta, rows) -> str:
+    lines = [f"# Overlap probe {meta['date']}", "",
+             f"{meta['num_devices']} × {meta['device']}; {meta['versions']}; H={meta['heads']}, "
+             f"D={meta['head_dim']}, bf16, ffa {meta['ffa_backend']}, comm {meta['comm']}.", "",
+             "`comm`: group collectives alone; `compute`: FFA stages + merge on pre-fetched KV; "
+             "`both`: magi_attention; `hidden` = comm + compute − both (≥ 0); TFLOP/s per GPU "
+             "of `both` on the most loaded rank's area.", "",
+             "| mask | tokens | mode | degree | refetch | comm ms | compute ms | both ms | "
+             "hidden ms | hidden % | TFLOP/s/GPU | remote KV max |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = (f"| {r['mask']} | {r['length']} | {r['mode']} | {r['degree']} | "
+                f"{r['refetch']} |")
+        if "error" in r or "skipped" in r:
+            lines.append(f"{head} {r.get('error') or r.get('skipped')} |||||||")
+            continue
+        lines.append(f"{head} {r['comm_ms']:.2f} | {r['compute_ms']:.2f} | {r['both_ms']:.2f} "
+                     f"| {r['hidden_ms']:.2f} | {100 * r['hidden_fraction']:.0f} | "
+                     f"{r['tflops_per_device']:.1f} | {r['remote_kv_max']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    a = _parse(argv)
+    t_start = time.perf_counter()
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), ("cp",), devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    dtype = jnp.bfloat16
+    ffa, _ = pick_backend("auto", dtype, a.head_dim)
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    meta = dict(date=stamp.isoformat(timespec="seconds"),
+                device=getattr(devices[0], "device_kind", str(devices[0])),
+                num_devices=len(devices), versions=versions(), heads=a.heads,
+                head_dim=a.head_dim, ffa_backend=ffa, comm=a.comm, argv=sys.argv[1:])
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, f"overlap_{stamp.strftime('%Y%m%d_%H%M')}_"
+                        f"{meta['device'].replace(' ', '_')}")
+    rows = []
+    shard = NamedSharding(mesh, P("cp"))
+    for name in a.masks.split(","):
+        for total in (int(x) for x in a.lengths.split(",")):
+            mask = make_mask(name, total)
+            for degree in (int(x) for x in a.degrees.split(",")):
+                for refetch in (bool(int(x)) for x in a.refetch.split(",")):
+                    for mode in a.modes.split(","):
+                        row = dict(mask=name, length=total, mode=mode, degree=degree,
+                                   refetch=refetch)
+                        rows.append(row)
+                        if refetch is False and mode == "fwd":
+                            row["skipped"] = "re-fetch only changes the backward"
+                            continue
+                        if time.perf_counter() - t_start > a.budget_s:
+                            row["skipped"] = "time budget"
+                            continue
+                        try:
+                            key = make_flex_key(mask, mesh, "cp", overlap_degree=degree,
+                                                ffa_backend=ffa, comm_backend=a.comm,
+                                                backward_refetch=refetch)
+                            n = key.padded_total
+                            ks = jax.random.split(jax.random.key(0), 3)
+                            q, k, v = (jax.device_put(jax.random.normal(
+                                kk, (n, a.heads, a.head_dim), dtype), shard) for kk in ks)
+                            row.update(measure_overlap(key, q, k, v, backward=mode != "fwd",
+                                                       iters=a.iters))
+                        except Exception as e:
+                            traceback.print_exc()
+                            row["error"] = repr(e)[:300]
+                        print(f"[{time.perf_counter() - t_start:.0f}s] {row}", flush=True)
+                        with open(base + ".json", "w") as f:
+                            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    md = markdown(meta, rows)
+    with open(base + ".md", "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
