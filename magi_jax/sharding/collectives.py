@@ -17,8 +17,10 @@ static metadata (:class:`CastSpec`). Seen from one rank ``r`` (under ``shard_map
 
 So ``out[b] = x_src[send_index_src[j, p]]`` with ``recv_index[b] = j·S + p``. Shifts (not
 absolute ranks) index the slots so that one SPMD program serves every rank. ``group_reduce``
-is the exact transpose: rows of the buffer are scattered to their received slot, the blocks go
-back (shift ``-shifts[j]``), and are scatter-added (float32) into the owner's rows.
+is the exact transpose: rows of the buffer go back to their received slot, the blocks go
+back (shift ``-shifts[j]``), and are summed (float32) into the owner's rows. Both directions
+move data by gathers through inverted tables (a scatter of int32 positions), never by a
+scatter of the data itself, while the slots are few.
 
 Transports: ``"ppermute"`` (one ``lax.ppermute`` per slot, sending only its ``width``
 columns; partly overlappable with compute on GPU, PERF.md) and ``"all_to_all"`` (one padded
@@ -193,18 +195,16 @@ def reduce_model(y: np.ndarray, table: CastTable, num_rows: int) -> np.ndarray:
 
 # ---- device code (inside shard_map over spec.axis_name) -------------------------------------
 
+def _perm(spec: CastSpec, shift: int, reverse: bool):
+    sign = -1 if reverse else 1
+    return [(r, (r + sign * shift) % spec.cp) for r in range(spec.cp)]
+
+
 def _exchange(blocks, spec: CastSpec, reverse: bool):
     """``blocks [n_slots, S, ...]``: block ``j`` goes to ``r + shifts[j]`` (``r - shifts[j]``
-    when ``reverse``); returns the received blocks in the same slot layout."""
-    cp, s = spec.cp, blocks.shape[1]
-    if spec.transport == "ppermute":
-        out = []
-        for j, (shift, w) in enumerate(zip(spec.shifts, spec.widths)):
-            sign = -1 if reverse else 1
-            perm = [(r, (r + sign * shift) % cp) for r in range(cp)]
-            got = jax.lax.ppermute(blocks[j, :w], spec.axis_name, perm)
-            out.append(jnp.pad(got, ((0, s - w),) + ((0, 0),) * (blocks.ndim - 2)))
-        return jnp.stack(out)
+    when ``reverse``) in one padded ``all_to_all``; returns the received blocks in the same
+    slot layout."""
+    cp = spec.cp
     me = jax.lax.axis_index(spec.axis_name)
     sign = -1 if reverse else 1
     full = jnp.zeros((cp,) + blocks.shape[1:], blocks.dtype)
@@ -212,6 +212,29 @@ def _exchange(blocks, spec: CastSpec, reverse: bool):
         full = full.at[(me + sign * shift) % cp].set(blocks[j])
     got = jax.lax.all_to_all(full, spec.axis_name, 0, 0)
     return jnp.stack([got[(me - sign * shift) % cp] for shift in spec.shifts])
+
+
+def _packed_entry(recv, spec: CastSpec, s: int):
+    """``recv`` entries ``j·S + p`` re-expressed in the received blocks packed back to back
+    at their widths (``offset_j + p``; ``p < widths[j]`` always); padding -> one past the end."""
+    offsets = np.concatenate([[0], np.cumsum(spec.widths)]).astype(np.int32)
+    j, p = recv // s, recv % s
+    packed = jnp.asarray(offsets[:-1])[jnp.clip(j, 0, len(spec.widths) - 1)] + p
+    return jnp.where(recv < 0, int(offsets[-1]), packed)
+
+
+def _inverse(index, size: int, fill: int):
+    """``inv [size]`` with ``inv[index[i]] = i`` (entries of ``index`` unique or < 0) and
+    ``fill`` elsewhere: a scatter of int32 positions, so that data moves by gathers."""
+    pos = jnp.arange(index.shape[0], dtype=jnp.int32)
+    # Padding entries point past the end, each to its own place: truly unique, then dropped.
+    return jnp.full((size,), fill, jnp.int32).at[jnp.where(index < 0, size + pos, index)].set(
+        pos, mode="drop", unique_indices=True)
+
+
+def _take(x, idx):
+    """Rows ``x[idx]``, zero where ``idx`` is out of range (the padding convention)."""
+    return jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
 
 
 def _cast(x, tables: CastArrays, spec: CastSpec):
@@ -223,27 +246,51 @@ def _cast(x, tables: CastArrays, spec: CastSpec):
         return native.group_cast(x, tables, spec)
     n, s = send.shape
     idx = jnp.where(send < 0, x.shape[0], send)
-    blocks = jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
-    got = _exchange(blocks, spec, reverse=False).reshape((n * s,) + x.shape[1:])
-    ridx = jnp.where(recv < 0, n * s, recv)
-    return jnp.take(got, ridx, axis=0, mode="fill", fill_value=0)
+    if spec.transport == "ppermute":
+        # One ppermute per slot carrying only its real width; received blocks stay packed.
+        got = jnp.concatenate([
+            jax.lax.ppermute(_take(x, idx[j, :w]), spec.axis_name, _perm(spec, shift, False))
+            for j, (shift, w) in enumerate(zip(spec.shifts, spec.widths))])
+        return _take(got, _packed_entry(recv, spec, s))
+    got = _exchange(_take(x, idx), spec, reverse=False).reshape((n * s,) + x.shape[1:])
+    return _take(got, jnp.where(recv < 0, n * s, recv))
+
+
+# Gathers (one per slot, each over all owner rows) replace the float32 scatter-add of the
+# reduce while the slots are few; with many slots the scatter-add does less work.
+_GATHER_MAX_SLOTS = 4
 
 
 def _reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int):
     send, recv = tables
     tail = y.shape[1:]
     acc = jnp.float64 if y.dtype == jnp.float64 else jnp.float32
-    out = jnp.zeros((num_rows,) + tail, acc)
     if not spec.shifts:
-        return out
+        return jnp.zeros((num_rows,) + tail, acc)
     if spec.transport == "native":
         return native.group_reduce(y, tables, spec, num_rows)
     n, s = send.shape
-    ridx = jnp.where(recv < 0, n * s, recv)
-    slots = jnp.zeros((n * s,) + tail, acc).at[ridx].add(y.astype(acc), mode="drop")
-    back = _exchange(slots.reshape((n, s) + tail), spec, reverse=True)
-    idx = jnp.where(send < 0, num_rows, send).reshape(-1)
-    return out.at[idx].add(back.reshape((n * s,) + tail), mode="drop")
+    b = y.shape[0]
+    # Buffer rows back into their slot entries: recv is injective, so a gather by its inverse.
+    inv_recv = _inverse(recv, n * s, b)
+    if spec.transport == "ppermute":
+        back = [jax.lax.ppermute(_take(y, inv_recv[j * s:j * s + w]).astype(acc),
+                                 spec.axis_name, _perm(spec, shift, True))
+                for j, (shift, w) in enumerate(zip(spec.shifts, spec.widths))]
+    else:
+        slots = _take(y, inv_recv).astype(acc).reshape((n, s) + tail)
+        got = _exchange(slots, spec, reverse=True)
+        back = [got[j] for j in range(n)]
+    if n <= _GATHER_MAX_SLOTS:
+        # Within a slot every owner row appears at most once: sum one gather per slot.
+        out = None
+        for j, blk in enumerate(back):
+            part = _take(blk, _inverse(send[j, :blk.shape[0]], num_rows, blk.shape[0]))
+            out = part if out is None else out + part
+        return out
+    idx = jnp.concatenate([jnp.where(send[j, :blk.shape[0]] < 0, num_rows,
+                                     send[j, :blk.shape[0]]) for j, blk in enumerate(back)])
+    return jnp.zeros((num_rows,) + tail, acc).at[idx].add(jnp.concatenate(back), mode="drop")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

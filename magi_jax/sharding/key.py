@@ -30,10 +30,16 @@ __all__ = ["MagiKey", "StageStatic", "make_flex_key", "make_varlen_key", "dispat
 
 COMM_BACKENDS = ("auto", "xla") + TRANSPORTS
 # Cost model of the default overlap degree (H200 figures of PERF.md, bf16, Hq = Hkv = 16,
-# D = 128): seconds per attended cell, per fetched KV token, and per extra stage.
+# D = 128): seconds per attended cell, per fetched KV token, per stage (fixed, and per local
+# token: the stage's merge and the second kernel's tail), and the share of the ideal overlap
+# that XLA achieves. The last three from benchmarks/results/overlap_20261130_0800 (2 H200s,
+# doc-causal 128k: +0.35 ms of compute per extra stage on 65k local tokens; 30-50 % of the
+# communication hidden).
 _SEC_PER_CELL = 4 * 16 * 128 / 400e12
 _SEC_PER_TOKEN = 2 * 16 * 128 * 2 / 250e9
 _SEC_PER_STAGE = 30e-6
+_SEC_PER_STAGE_TOKEN = 5e-9
+_OVERLAP_EFFICIENCY = 0.5
 _MAX_DEGREE = 4
 
 
@@ -110,16 +116,20 @@ class MagiKey:
 def default_overlap_degree(mask: AttnMask, meta: DispatchMeta) -> int:
     """Overlap degree minimising a simple per-rank pipeline model: stage 0 computes the host
     area while remote stage 0 arrives; each later stage computes its share while the next
-    arrives; every stage costs a fixed overhead. Degree 0 fetches everything, then computes.
+    arrives — of which ideal overlap only a measured share is realised; every stage costs a
+    fixed overhead plus one per local token. Degree 0 fetches everything, then computes.
     Needs no kernel plan (areas from the clipped slices)."""
     host, rem, tokens = (x.astype(np.float64) for x in split_areas(mask, meta))
     if not tokens.any():
         return 0
     host, rem, comm = host * _SEC_PER_CELL, rem * _SEC_PER_CELL, tokens * _SEC_PER_TOKEN
-    best, best_t = 0, float(np.max(comm + host + rem)) + _SEC_PER_STAGE
+    stage = _SEC_PER_STAGE + _SEC_PER_STAGE_TOKEN * meta.padded_total / meta.cp
+    serial = comm + host + rem
+    best, best_t = 0, float(np.max(serial)) + stage
     for k in range(1, _MAX_DEGREE + 1):
         c, r = comm / k, rem / k
-        t = np.maximum(c, host) + (k - 1) * np.maximum(c, r) + r + (k + 1) * _SEC_PER_STAGE
+        ideal = np.maximum(c, host) + (k - 1) * np.maximum(c, r) + r
+        t = serial - _OVERLAP_EFFICIENCY * (serial - ideal) + (k + 1) * stage
         if float(t.max()) < best_t * 0.98:
             best, best_t = k, float(t.max())
     return best

@@ -107,6 +107,23 @@ def test_random_tables_match_numpy_model(seed, cp, transport):
                                atol=1e-6)
 
 
+@pytest.mark.parametrize("transport", ["ppermute", "all_to_all"])
+@pytest.mark.parametrize("gather_max_slots", [0, 64])
+def test_reduce_by_gathers_and_by_scatter_add_agree(monkeypatch, transport, gather_max_slots):
+    """The reduce sums per-slot gathers while slots are few, else one scatter-add: force each
+    path on a table where every rank talks to every other (7 slots, shared rows)."""
+    from magi_jax.sharding import collectives
+    monkeypatch.setattr(collectives, "_GATHER_MAX_SLOTS", gather_max_slots)
+    _runner.cache_clear()
+    rng = np.random.default_rng(7)
+    table, t_loc = _random_table(rng, 8, 3, 2, 1)
+    assert len(table.shifts) > 4
+    y = rng.standard_normal((8, table.buffer_len, 2, 4)).astype(np.float32)
+    np.testing.assert_allclose(_run("reduce", y, table, t_loc, transport),
+                               reduce_model(y, table, t_loc), rtol=1e-6, atol=1e-6)
+    _runner.cache_clear()
+
+
 def test_reduce_sums_in_float32():
     # Rank 0's row 0 is fetched by ranks 1, 2, 3; their bf16 partials are summed in float32:
     # 3 · (1 + 2^-7) = 3.0234375 is exact in float32, but not in bfloat16 (-> 3.03125).
