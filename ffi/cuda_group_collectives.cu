@@ -3,25 +3,36 @@
 // One process per GPU; rank r of the cp axis is NVSHMEM PE r. Tables of rank r as in
 // magi_jax/sharding/collectives.py: send [n, S] (local row or -1), recv [B] (j*S + p or -1).
 //
-// One kernel per collective, two kinds of blocks:
-//  * send blocks walk the chunks of their slots (R consecutive slot positions p of one
-//    slot j) and write each real row straight into the peer's symmetric staging buffer at
-//    position j*S + p (through the NVLink mapping from nvshmem_ptr; nvshmem puts where the
-//    peer is not mapped), then raise that chunk's flag on the peer (NVSHMEM signal, value =
-//    this call's epoch).
-//  * receive blocks wait for the flags of the rows they need and
-//      cast:   copy staging[recv[b]] into out[b] (x's dtype), zeros for padding rows;
+// One kernel per collective, two kinds of blocks. The rows of slot j travel through a
+// symmetric staging region at position j*S + p, in one of two data paths (`mode`):
+//  * push: send blocks store their rows straight into the PEER's staging (16-byte stores
+//    through the NVLink mapping from nvshmem_ptr; nvshmem puts where the peer is not mapped);
+//    receive blocks copy from their OWN staging into XLA's output.
+//  * pull: send blocks gather their rows into their OWN staging (local HBM); receive blocks
+//    load from the PEER's staging (nvshmem_ptr, 16-byte loads) straight into XLA's output.
+//    Only when every PE is load/store reachable (NVSHMEM_TEAM_SHARED = all PEs).
+// Either way the data crosses the link once and is copied once locally; a send block works
+// through chunks (R consecutive slot positions of one slot), all its threads copying
+// 16-byte units, then raises that chunk's flag on the receiving PE (NVSHMEM signal, value =
+// this call's epoch). Receive blocks wait for the flag of each chunk they need and
+//      cast:   copy the staged row into out[b] (x's dtype), zeros for padding rows;
 //      reduce: sum, in float32 and in slot order, the staged rows of every slot that holds
 //              a row t of this rank (inv[t, j] = p) into out[t] (+ acc[t]).
 // Direction: a cast sends slot j to r + shift_j; a reduce sends slot j back to r - shift_j.
 //
-// Reuse of the staging buffer: the last receive block of a call tells every peer "I have
-// read my staging for epoch e" (ack, value e); a send block writes to a peer only once that
-// peer has acknowledged epoch e - 1. Epochs count the native collectives of this process;
-// every process of an SPMD program runs the same sequence, so they agree without talking.
-// No host synchronisation anywhere: the host only bumps the epoch and launches the kernel on
-// XLA's stream. A wait that exceeds the timeout prints which peer/flag it waited for and
-// traps (the JAX program then fails) instead of hanging.
+// Reuse of staging: the last receive block of a call tells every PE "I have finished
+// reading (my own or a peer's) staging for epoch e" (ack, value e). Calls alternate between
+// the bottom and the top of the staging buffer when both fit; a call whose region does not
+// overlap the previous call's region only waits until every PE acknowledged epoch e - 2
+// (the ack round trip of the previous call is then off the critical path), otherwise until
+// every PE acknowledged e - 1. Epochs and regions are host state that every process of an
+// SPMD program advances identically (same calls, same shapes), so they agree without
+// talking. Flags are shared by all calls: a flag of chunk c reads >= e only after the sender
+// has written chunk c of call e (calls are ordered on the sender's stream), so a receiver of
+// call e that sees a later epoch still finds its rows.
+// No host synchronisation anywhere: the host only picks the region, bumps the epoch and
+// launches the kernel on XLA's stream. A wait that exceeds the timeout prints which
+// peer/flag it waited for and traps (the JAX program then fails) instead of hanging.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -29,6 +40,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -44,11 +56,16 @@ namespace {
 constexpr int kMaxSlots = 64;
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+constexpr int kUnroll = 4;       // 16-byte units in flight per thread in a block copy
+constexpr int kRowsPerWarp = 4;  // at most this many consecutive rows per receiving warp
+constexpr int64_t kRegionAlign = 256;
+enum Mode : int { kPush = 0, kPull = 1 };
 
 // ---- process-wide NVSHMEM context ------------------------------------------------------
 
 struct Context {
   bool ready = false;
+  bool all_mapped = false;  // every PE's symmetric memory is load/store reachable
   int me = 0, npes = 0;
   char* stage = nullptr;  // symmetric staging rows
   size_t stage_bytes = 0;
@@ -57,6 +74,8 @@ struct Context {
   uint64_t* acks = nullptr;  // symmetric [npes]: acks[q] = last epoch q finished reading
   unsigned int* done = nullptr;  // device counter of finished receive blocks
   uint64_t epoch = 0;            // host: native collectives enqueued so far
+  int64_t prev_lo = 0, prev_hi = 0;  // host: staging region [lo, hi) of the previous call
+  bool prev_top = true;              // host: the previous call used the top of staging
 };
 Context g;
 
@@ -70,6 +89,8 @@ struct CollectiveState {
   int widths[kMaxSlots];
   int chunk_base[kMaxSlots + 1];
   int send_blocks = 64, recv_blocks = 64;
+  int mode = kPush;
+  bool double_buffer = true;
   int64_t timeout_ns = 0;
 };
 ffi::TypeId CollectiveState::id = XLA_FFI_UNKNOWN_TYPE_ID;
@@ -77,16 +98,18 @@ XLA_FFI_TypeInfo g_state_info = ffi::MakeTypeInfo<CollectiveState>();
 
 // What one kernel launch needs (passed by value).
 struct Plan {
-  int me, cp, n;
+  int me, cp, n, mode;
   int64_t S, R, row_bytes;
   int send_to[kMaxSlots];    // PE that slot j's rows are written to
-  int recv_from[kMaxSlots];  // PE that slot j's rows come from (for messages)
+  int recv_from[kMaxSlots];  // PE that slot j's rows come from
   int chunk_base[kMaxSlots + 1];
   int widths[kMaxSlots];
   int send_blocks;
   uint64_t epoch;
+  uint64_t ack_wait;  // every PE must have acknowledged this epoch before we write staging
   int64_t timeout_ns;
-  char* stage;
+  char* stage;        // symmetric base (the same address on every PE)
+  int64_t stage_off;  // this call's region inside it
   uint64_t* flags;
   uint64_t* acks;
   unsigned int* done;
@@ -99,6 +122,10 @@ __device__ __forceinline__ uint64_t NowNs() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+
+// Acquire side of a flag: after a flag was seen, later loads see what the writer released
+// (at system scope: the writer is another GPU).
+__device__ __forceinline__ void AcquireSys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 __device__ void WaitAtLeast(const uint64_t* p, uint64_t want, int64_t timeout_ns,
                             const char* what, int peer, int index) {
@@ -116,30 +143,67 @@ __device__ void WaitAtLeast(const uint64_t* p, uint64_t want, int64_t timeout_ns
   }
 }
 
-// Copies `bytes` from src to dst with one warp (16-byte accesses when aligned).
+__device__ __forceinline__ bool Aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+// Copies `bytes` from src to dst with one warp (16-byte accesses when aligned). src is
+// staging written by this or another GPU during the kernel: loads bypass L1 (ld.global.cg).
 __device__ __forceinline__ void WarpCopy(char* dst, const char* src, int64_t bytes, int lane) {
-  if ((bytes & 15) == 0 && ((reinterpret_cast<uintptr_t>(dst) |
-                             reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
+  if ((bytes & 15) == 0 && Aligned16(dst) && Aligned16(src)) {
     const int4* s = reinterpret_cast<const int4*>(src);
     int4* d = reinterpret_cast<int4*>(dst);
     int64_t n = bytes >> 4;
     int64_t i = lane;
     for (; i + 96 < n; i += 128) {  // 4 loads in flight per lane
-      int4 a = s[i], b = s[i + 32], c = s[i + 64], e = s[i + 96];
+      int4 a = __ldcg(s + i), b = __ldcg(s + i + 32), c = __ldcg(s + i + 64),
+           e = __ldcg(s + i + 96);
       d[i] = a; d[i + 32] = b; d[i + 64] = c; d[i + 96] = e;
     }
-    for (; i < n; i += 32) d[i] = s[i];
+    for (; i < n; i += 32) d[i] = __ldcg(s + i);
   } else {
-    for (int64_t i = lane; i < bytes; i += 32) dst[i] = src[i];
+    volatile const char* s = src;
+    for (int64_t i = lane; i < bytes; i += 32) dst[i] = s[i];
   }
 }
 
 __device__ __forceinline__ void WarpZero(char* dst, int64_t bytes, int lane) {
-  if ((bytes & 15) == 0 && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+  if ((bytes & 15) == 0 && Aligned16(dst)) {
     int4 z = make_int4(0, 0, 0, 0);
     for (int64_t i = lane; i < (bytes >> 4); i += 32) reinterpret_cast<int4*>(dst)[i] = z;
   } else {
     for (int64_t i = lane; i < bytes; i += 32) dst[i] = 0;
+  }
+}
+
+// All threads of the block: rows src_of[pos0 + r] (r < m; -1 = skip) of `data` -> rows
+// pos0 + r of `dst`, in 16-byte units, kUnroll loads in flight per thread. Needs row_bytes,
+// data and dst 16-byte aligned.
+__device__ __forceinline__ void BlockCopyRows(char* dst, const char* data, const int32_t* src_of,
+                                              int64_t pos0, int64_t m, int64_t row_bytes) {
+  const uint32_t units = static_cast<uint32_t>(row_bytes >> 4);
+  const uint32_t total = static_cast<uint32_t>(m) * units;
+  for (uint32_t base = threadIdx.x; base < total; base += kUnroll * kThreads) {
+    int4 v[kUnroll];
+    int64_t off[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const uint32_t i = base + k * kThreads;
+      off[k] = -1;
+      v[k] = make_int4(0, 0, 0, 0);
+      if (i < total) {
+        const uint32_t r = i / units, u = i - r * units;
+        const int32_t row = src_of[pos0 + r];
+        if (row >= 0) {
+          v[k] = __ldg(reinterpret_cast<const int4*>(data + row * row_bytes) + u);
+          off[k] = (pos0 + r) * row_bytes + static_cast<int64_t>(u) * 16;
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      if (off[k] >= 0) *reinterpret_cast<int4*>(dst + off[k]) = v[k];
+    }
   }
 }
 
@@ -153,33 +217,51 @@ __device__ __forceinline__ int SlotOfChunk(const Plan& P, int c) {
 // `src_of[j*S + p]` is the local row to send from `data` (-1: nothing).
 __device__ void SendChunks(const Plan& P, const char* data, const int32_t* src_of) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __shared__ char* remote;
+  __shared__ char* dst_region;  // this chunk's destination region (peer's or own staging)
+  if (threadIdx.x == 0) {
+    // Every PE must have finished reading the staging this call overwrites: in push mode
+    // the peer reads its own staging, in pull mode the peers read ours. Waiting for all PEs
+    // covers both, and tables whose senders change from call to call.
+    for (int q = 0; q < P.cp; ++q) {
+      WaitAtLeast(P.acks + q, P.ack_wait, P.timeout_ns, "acknowledgement", q, 0);
+    }
+  }
+  __syncthreads();
   for (int c = blockIdx.x; c < P.chunk_base[P.n]; c += P.send_blocks) {
     const int j = SlotOfChunk(P, c);
     const int peer = P.send_to[j];
     const int64_t p0 = static_cast<int64_t>(c - P.chunk_base[j]) * P.R;
     const int64_t p1 = min(static_cast<int64_t>(P.widths[j]), p0 + P.R);
     if (threadIdx.x == 0) {
-      // The peer must have read its staging for the previous call before we overwrite it.
-      WaitAtLeast(P.acks + peer, P.epoch - 1, P.timeout_ns, "acknowledgement", peer, 0);
-      remote = static_cast<char*>(nvshmem_ptr(P.stage, peer));
+      char* base = P.mode == kPull ? P.stage : static_cast<char*>(nvshmem_ptr(P.stage, peer));
+      dst_region = base ? base + P.stage_off : nullptr;
     }
     __syncthreads();
-    for (int64_t p = p0 + warp; p < p1; p += kWarps) {
-      const int32_t row = src_of[j * P.S + p];
-      if (row < 0) continue;
-      const int64_t off = (j * P.S + p) * P.row_bytes;
-      const char* src = data + row * P.row_bytes;
-      if (remote != nullptr) {
-        WarpCopy(remote + off, src, P.row_bytes, lane);
+    char* dst = dst_region;
+    if (dst != nullptr) {
+      if ((P.row_bytes & 15) == 0 && Aligned16(dst) && Aligned16(data)) {
+        BlockCopyRows(dst, data, src_of, j * P.S + p0, p1 - p0, P.row_bytes);
       } else {
-        nvshmemx_putmem_nbi_warp(P.stage + off, src, P.row_bytes, peer);
+        for (int64_t p = p0 + warp; p < p1; p += kWarps) {
+          const int32_t row = src_of[j * P.S + p];
+          if (row < 0) continue;
+          char* d = dst + (j * P.S + p) * P.row_bytes;
+          const char* s = data + row * P.row_bytes;
+          for (int64_t i = lane; i < P.row_bytes; i += 32) d[i] = s[i];
+        }
       }
-    }
-    if (remote == nullptr) {
+    } else {  // push to a peer without a load/store mapping
+      for (int64_t p = p0 + warp; p < p1; p += kWarps) {
+        const int32_t row = src_of[j * P.S + p];
+        if (row < 0) continue;
+        nvshmemx_putmem_nbi_warp(P.stage + P.stage_off + (j * P.S + p) * P.row_bytes,
+                                 data + row * P.row_bytes, P.row_bytes, peer);
+      }
       __syncwarp();
       if (lane == 0) nvshmem_quiet();
     }
+    // Release: every thread's stores (to the peer, or to our staging that the peer will
+    // read) complete at system scope before the flag is raised.
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -190,7 +272,25 @@ __device__ void SendChunks(const Plan& P, const char* data, const int32_t* src_o
   }
 }
 
-// The last receive block to finish tells every peer that this PE's staging is free again.
+// Where receive blocks read slot j's staged rows: our own staging (push) or the sender's
+// (pull), at this call's region.
+__device__ void StagedBases(const Plan& P, const char** base) {
+  if (threadIdx.x < P.n) {
+    const int j = threadIdx.x;
+    const char* b = P.mode == kPull
+                        ? static_cast<const char*>(nvshmem_ptr(P.stage, P.recv_from[j]))
+                        : P.stage;
+    if (b == nullptr) {
+      printf("magi_jax native: PE %d is not load/store reachable from PE %d; the pull mode "
+             "needs NVLink peers (MAGI_NATIVE_CAST_MODE=push)\n", P.recv_from[j], P.me);
+      __trap();
+    }
+    base[j] = b + P.stage_off;
+  }
+  __syncthreads();
+}
+
+// The last receive block to finish tells every PE that this PE is done reading staging.
 __device__ void Acknowledge(const Plan& P, int recv_blocks) {
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -198,7 +298,7 @@ __device__ void Acknowledge(const Plan& P, int recv_blocks) {
     unsigned int prev = atomicAdd(P.done, 1u);
     if (prev == static_cast<unsigned int>(recv_blocks - 1)) {
       *P.done = 0;
-      __threadfence();
+      __threadfence_system();
       for (int q = 0; q < P.cp; ++q) {
         nvshmemx_signal_op(P.acks + P.me, P.epoch, NVSHMEM_SIGNAL_SET, q);
       }
@@ -216,29 +316,41 @@ __device__ void CheckRank(const Plan& P, const int32_t* where) {
 
 __global__ void __launch_bounds__(kThreads)
 CastKernel(Plan P, const char* x, const int32_t* send, const int32_t* recv, const int32_t* where,
-           char* out, int64_t B, int recv_blocks) {
+           char* out, int64_t B, int recv_blocks, int rows_per_warp) {
   CheckRank(P, where);
   if (blockIdx.x < P.send_blocks) {
     SendChunks(P, x, send);
     return;
   }
+  __shared__ const char* staged[kMaxSlots];
+  StagedBases(P, staged);
   const int rb = blockIdx.x - P.send_blocks;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t b = static_cast<int64_t>(rb) * kWarps + warp; b < B;
-       b += static_cast<int64_t>(recv_blocks) * kWarps) {
-    const int32_t e = recv[b];
-    char* dst = out + b * P.row_bytes;
-    if (e < 0) {
-      WarpZero(dst, P.row_bytes, lane);
-      continue;
+  // Each warp takes rows_per_warp consecutive rows at a time: one flag wait and fence per
+  // chunk among them instead of one per row.
+  const int64_t stride = static_cast<int64_t>(recv_blocks) * kWarps * rows_per_warp;
+  for (int64_t b0 = (static_cast<int64_t>(rb) * kWarps + warp) * rows_per_warp; b0 < B;
+       b0 += stride) {
+    int seen = -1;  // chunk whose flag this warp has already acquired
+    const int64_t b1 = min(B, b0 + rows_per_warp);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int32_t e = recv[b];
+      char* dst = out + b * P.row_bytes;
+      if (e < 0) {
+        WarpZero(dst, P.row_bytes, lane);
+        continue;
+      }
+      const int j = e / P.S;
+      const int c = P.chunk_base[j] + static_cast<int>((e % P.S) / P.R);
+      if (c != seen) {
+        if (lane == 0) WaitAtLeast(P.flags + c, P.epoch, P.timeout_ns, "rows of chunk",
+                                   P.recv_from[j], c);
+        __syncwarp();
+        AcquireSys();
+        seen = c;
+      }
+      WarpCopy(dst, staged[j] + static_cast<int64_t>(e) * P.row_bytes, P.row_bytes, lane);
     }
-    const int j = e / P.S;
-    const int c = P.chunk_base[j] + static_cast<int>((e % P.S) / P.R);
-    if (lane == 0) WaitAtLeast(P.flags + c, P.epoch, P.timeout_ns, "rows of chunk",
-                               P.recv_from[j], c);
-    __syncwarp();
-    __threadfence();
-    WarpCopy(dst, P.stage + static_cast<int64_t>(e) * P.row_bytes, P.row_bytes, lane);
   }
   Acknowledge(P, recv_blocks);
 }
@@ -265,9 +377,10 @@ ReduceKernel(Plan P, const char* y, const int32_t* rinv, const int32_t* inv,
     SendChunks(P, y, rinv);
     return;
   }
+  __shared__ const char* staged[kMaxSlots];
+  StagedBases(P, staged);
   const int rb = blockIdx.x - P.send_blocks;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const T* staged = reinterpret_cast<const T*>(P.stage);
   for (int64_t t = static_cast<int64_t>(rb) * kWarps + warp; t < T_rows;
        t += static_cast<int64_t>(recv_blocks) * kWarps) {
     const int32_t* my_inv = inv + t * P.n;
@@ -280,7 +393,7 @@ ReduceKernel(Plan P, const char* y, const int32_t* rinv, const int32_t* inv,
       }
     }
     __syncwarp();
-    __threadfence();
+    AcquireSys();
     float* o = out + t * F;
     const float* a = acc ? acc + t * F : nullptr;
     constexpr int V = 16 / sizeof(T);  // elements per 16-byte load
@@ -292,7 +405,8 @@ ReduceKernel(Plan P, const char* y, const int32_t* rinv, const int32_t* inv,
         for (int j = 0; j < P.n; ++j) {
           const int32_t p = my_inv[j];
           if (p < 0) continue;
-          int4 raw = *reinterpret_cast<const int4*>(staged + (j * P.S + p) * F + f);
+          const T* row = reinterpret_cast<const T*>(staged[j]) + (j * P.S + p) * F;
+          int4 raw = __ldcg(reinterpret_cast<const int4*>(row + f));
           const T* v = reinterpret_cast<const T*>(&raw);
 #pragma unroll
           for (int k = 0; k < V; ++k) s[k] += ToF32<T>(v[k]);
@@ -307,7 +421,9 @@ ReduceKernel(Plan P, const char* y, const int32_t* rinv, const int32_t* inv,
         float s = a ? a[f] : 0.f;
         for (int j = 0; j < P.n; ++j) {
           const int32_t p = my_inv[j];
-          if (p >= 0) s += ToF32<T>(staged[(j * P.S + p) * F + f]);
+          if (p < 0) continue;
+          const T* row = reinterpret_cast<const T*>(staged[j]) + (j * P.S + p) * F;
+          s += ToF32<T>(row[f]);
         }
         o[f] = s;
       }
@@ -321,9 +437,9 @@ ReduceKernel(Plan P, const char* y, const int32_t* rinv, const int32_t* inv,
 ffi::ErrorOr<std::unique_ptr<CollectiveState>> Instantiate(
     int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
     ffi::Span<const int64_t> widths, int64_t slot_len, int64_t rows_per_chunk,
-    int64_t send_blocks, int64_t recv_blocks) {
+    int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer) {
   if (!g.ready) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, 
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
         "magi_jax native: NVSHMEM is not initialized (magi_jax.native.initialize)");
   }
   if (cp != g.npes) {
@@ -334,6 +450,13 @@ ffi::ErrorOr<std::unique_ptr<CollectiveState>> Instantiate(
   if (shifts.size() != widths.size() || shifts.size() > kMaxSlots) {
     return ffi::Error::InvalidArgument("magi_jax native: at most 64 slots, one width each");
   }
+  if (mode != kPush && mode != kPull) {
+    return ffi::Error::InvalidArgument("magi_jax native: mode is 0 (push) or 1 (pull), got " +
+                                       std::to_string(mode));
+  }
+  if (send_blocks < 1 || recv_blocks < 1) {
+    return ffi::Error::InvalidArgument("magi_jax native: send_blocks and recv_blocks >= 1");
+  }
   auto st = std::make_unique<CollectiveState>();
   st->cp = static_cast<int>(cp);
   st->n = static_cast<int>(shifts.size());
@@ -341,6 +464,10 @@ ffi::ErrorOr<std::unique_ptr<CollectiveState>> Instantiate(
   st->rows_per_chunk = rows_per_chunk < 1 ? 1 : rows_per_chunk;
   st->send_blocks = static_cast<int>(send_blocks);
   st->recv_blocks = static_cast<int>(recv_blocks);
+  // Pull needs a load/store path to every PE; elsewhere the push path (with nvshmem puts
+  // where there is no mapping) moves the same rows.
+  st->mode = (mode == kPull && g.all_mapped) ? kPull : kPush;
+  st->double_buffer = double_buffer;
   st->timeout_ns = timeout_ms * 1000000;
   st->chunk_base[0] = 0;
   for (int j = 0; j < st->n; ++j) {
@@ -356,11 +483,19 @@ ffi::ErrorOr<std::unique_ptr<CollectiveState>> Instantiate(
   return ffi::ErrorOr<std::unique_ptr<CollectiveState>>(std::move(st));
 }
 
+int64_t RegionBytes(const CollectiveState& st, int64_t row_bytes) {
+  const int64_t need = static_cast<int64_t>(st.n) * st.slot_len * row_bytes;
+  return (need + kRegionAlign - 1) / kRegionAlign * kRegionAlign;
+}
+
+// Picks this call's staging region and the epoch every PE must have acknowledged before it
+// is overwritten; advances the host state (identically on every process).
 Plan MakePlan(const CollectiveState& st, bool reverse, int64_t row_bytes) {
   Plan P;
   P.me = g.me;
   P.cp = st.cp;
   P.n = st.n;
+  P.mode = st.mode;
   P.S = st.slot_len;
   P.R = st.rows_per_chunk;
   P.row_bytes = row_bytes;
@@ -372,10 +507,28 @@ Plan MakePlan(const CollectiveState& st, bool reverse, int64_t row_bytes) {
   }
   for (int j = 0; j <= st.n; ++j) P.chunk_base[j] = st.chunk_base[j];
   for (int j = 0; j < st.n; ++j) P.widths[j] = st.widths[j];
-  P.send_blocks = st.send_blocks;
+  const int chunks = st.chunk_base[st.n];
+  P.send_blocks = std::max(1, std::min(st.send_blocks, chunks));
   P.epoch = ++g.epoch;
+  // Region: alternate bottom / top; if it does not overlap the previous call's region, the
+  // previous call's readers may still be busy (wait for e - 2 only), else wait for e - 1.
+  const int64_t need = RegionBytes(st, row_bytes);
+  const int64_t cap = static_cast<int64_t>(g.stage_bytes) / kRegionAlign * kRegionAlign;
+  int64_t lo = 0;
+  bool top = false;
+  if (st.double_buffer && !g.prev_top && need <= cap) {
+    lo = cap - need;
+    top = true;
+  }
+  const bool disjoint = need == 0 || lo >= g.prev_hi || lo + need <= g.prev_lo;
+  const uint64_t back = (st.double_buffer && disjoint) ? 2 : 1;
+  P.ack_wait = P.epoch > back ? P.epoch - back : 0;
+  g.prev_lo = lo;
+  g.prev_hi = lo + need;
+  g.prev_top = top;
   P.timeout_ns = st.timeout_ns;
   P.stage = g.stage;
+  P.stage_off = lo;
   P.flags = g.flags;
   P.acks = g.acks;
   P.done = g.done;
@@ -394,7 +547,7 @@ ffi::Error LaunchError(const char* op) {
 ffi::Error CheckStage(const CollectiveState& st, int64_t row_bytes) {
   const size_t need = static_cast<size_t>(st.n) * st.slot_len * row_bytes;
   if (need > g.stage_bytes) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted, 
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
         "magi_jax native: the collective stages " + std::to_string(need) + " bytes but only " +
         std::to_string(g.stage_bytes) + " were reserved (magi_jax.native.initialize)");
   }
@@ -408,16 +561,28 @@ int64_t RowBytes(const ffi::AnyBuffer& a) {
   return per_row * static_cast<int64_t>(ffi::ByteWidth(a.element_type()));
 }
 
+// Receive blocks: no more than one warp per row needs.
+int RecvBlocks(const CollectiveState& st, int64_t rows) {
+  const int64_t need = std::max<int64_t>(1, (rows + kWarps - 1) / kWarps);
+  return static_cast<int>(std::min<int64_t>(st.recv_blocks, need));
+}
+
 ffi::Error CastExecute(cudaStream_t stream, CollectiveState* st, ffi::AnyBuffer x,
                        ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
                        ffi::Buffer<ffi::S32> where, ffi::Result<ffi::AnyBuffer> out) {
   const int64_t row_bytes = RowBytes(x);
   if (auto e = CheckStage(*st, row_bytes); !e.success()) return e;
   const int64_t B = static_cast<int64_t>(recv.element_count());
+  const int recv_blocks = RecvBlocks(*st, B);
+  // Group rows per warp only when every warp has several (small casts: all warps busy).
+  const int64_t warps = static_cast<int64_t>(recv_blocks) * kWarps;
+  const int rows_per_warp =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kRowsPerWarp, B / warps)));
   Plan P = MakePlan(*st, /*reverse=*/false, row_bytes);
-  CastKernel<<<st->send_blocks + st->recv_blocks, kThreads, 0, stream>>>(
+  CastKernel<<<P.send_blocks + recv_blocks, kThreads, 0, stream>>>(
       P, static_cast<const char*>(x.untyped_data()), send.typed_data(), recv.typed_data(),
-      where.typed_data(), static_cast<char*>(out->untyped_data()), B, st->recv_blocks);
+      where.typed_data(), static_cast<char*>(out->untyped_data()), B, recv_blocks,
+      rows_per_warp);
   return LaunchError("group_cast");
 }
 
@@ -426,6 +591,10 @@ ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::AnyBuffe
                          ffi::Buffer<ffi::S32> where, ffi::AnyBuffer acc,
                          ffi::Buffer<ffi::S32> inv, ffi::Buffer<ffi::S32> rinv,
                          ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  const ffi::DataType dt = y.element_type();
+  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16 && dt != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("magi_jax native group_reduce takes bf16, f16, f32");
+  }
   const int64_t row_bytes = RowBytes(y);
   if (auto e = CheckStage(*st, row_bytes); !e.success()) return e;
   auto odims = out->dimensions();
@@ -433,28 +602,26 @@ ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::AnyBuffe
   const int64_t F = T_rows ? static_cast<int64_t>(out->element_count()) / T_rows : 0;
   const float* acc_ptr = acc.element_count() ? static_cast<const float*>(acc.untyped_data())
                                              : nullptr;
+  const int recv_blocks = RecvBlocks(*st, T_rows);
   Plan P = MakePlan(*st, /*reverse=*/true, row_bytes);
-  const int grid = st->send_blocks + st->recv_blocks;
+  const int grid = P.send_blocks + recv_blocks;
   const char* yp = static_cast<const char*>(y.untyped_data());
-  switch (y.element_type()) {
+  switch (dt) {
     case ffi::DataType::BF16:
       ReduceKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
           P, yp, rinv.typed_data(), inv.typed_data(), where.typed_data(), acc_ptr,
-          out->typed_data(), T_rows, F, st->recv_blocks);
+          out->typed_data(), T_rows, F, recv_blocks);
       break;
     case ffi::DataType::F16:
       ReduceKernel<__half><<<grid, kThreads, 0, stream>>>(
           P, yp, rinv.typed_data(), inv.typed_data(), where.typed_data(), acc_ptr,
-          out->typed_data(), T_rows, F, st->recv_blocks);
-      break;
-    case ffi::DataType::F32:
-      ReduceKernel<float><<<grid, kThreads, 0, stream>>>(
-          P, yp, rinv.typed_data(), inv.typed_data(), where.typed_data(), acc_ptr,
-          out->typed_data(), T_rows, F, st->recv_blocks);
+          out->typed_data(), T_rows, F, recv_blocks);
       break;
     default:
-      --g.epoch;  // nothing was launched
-      return ffi::Error::InvalidArgument("magi_jax native group_reduce takes bf16, f16, f32");
+      ReduceKernel<float><<<grid, kThreads, 0, stream>>>(
+          P, yp, rinv.typed_data(), inv.typed_data(), where.typed_data(), acc_ptr,
+          out->typed_data(), T_rows, F, recv_blocks);
+      break;
   }
   return LaunchError("group_reduce");
 }
@@ -473,7 +640,9 @@ ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::AnyBuffe
       .Attr<int64_t>("slot_len")                   \
       .Attr<int64_t>("rows_per_chunk")             \
       .Attr<int64_t>("send_blocks")                \
-      .Attr<int64_t>("recv_blocks")
+      .Attr<int64_t>("recv_blocks")                \
+      .Attr<int64_t>("mode")                       \
+      .Attr<bool>("double_buffer")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCudaInstantiate, Instantiate,
                               MAGI_INSTANTIATE_BINDING);
@@ -482,9 +651,10 @@ namespace {
 ffi::ErrorOr<std::unique_ptr<CollectiveState>> InstantiateReduce(
     int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
     ffi::Span<const int64_t> widths, int64_t slot_len, int64_t rows_per_chunk,
-    int64_t send_blocks, int64_t recv_blocks, bool /*accumulate*/) {
+    int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer,
+    bool /*accumulate*/) {
   return Instantiate(cp, shifts, call_id, timeout_ms, widths, slot_len, rows_per_chunk,
-                     send_blocks, recv_blocks);
+                     send_blocks, recv_blocks, mode, double_buffer);
 }
 }  // namespace
 
@@ -569,11 +739,19 @@ int magi_nv_init(const char* uid, int rank, int npes, size_t stage_bytes, size_t
       cudaMemset(g.done, 0, sizeof(unsigned int)) != cudaSuccess) {
     return Fail(err, err_len, "cudaMalloc failed", 4);
   }
+  // Every PE in NVSHMEM_TEAM_SHARED is reachable with loads and stores (nvshmem_ptr).
+  g.all_mapped = nvshmem_team_n_pes(NVSHMEM_TEAM_SHARED) == npes;
+  g.epoch = 0;
+  g.prev_lo = g.prev_hi = 0;
+  g.prev_top = true;
   cudaDeviceSynchronize();
   nvshmem_barrier_all();
   g.ready = true;
   return 0;
 }
+
+// 1 when every PE is load/store reachable (the pull mode can run), 0 if not, -1 before init.
+int magi_nv_all_mapped() { return g.ready ? (g.all_mapped ? 1 : 0) : -1; }
 
 int magi_nv_finalize() {
   if (!g.ready) return 0;

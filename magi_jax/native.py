@@ -6,11 +6,14 @@ Two shared libraries, built by the package build (``CMakeLists.txt``):
   rendezvous, publish their buffers and each pulls what its tables say (DESIGN.md §8). It
   exists so that the FFI path runs in CI; it is not a fast path.
 - ``_magi_native_cuda.so`` — CUDA handlers over NVSHMEM, one process per GPU. One kernel per
-  collective: some blocks put their rows straight into the peers' symmetric staging buffer
+  collective: some blocks move their rows chunk by chunk through a symmetric staging buffer
   and raise a flag per chunk (NVSHMEM signal), the others wait for the flags of the rows they
-  need and copy them into XLA's output (cast) or sum them in float32 (reduce). Stream-ordered,
-  no host synchronisation; reuse of the staging buffer is guarded by per-peer
-  acknowledgements, so back-to-back calls need no barrier.
+  need and copy them into XLA's output (cast) or sum them in float32 (reduce). Two data paths
+  (:class:`CudaTuning`): ``push`` (stores into the peer's staging over NVLink, local copy
+  out) and ``pull`` (local gather into our staging, the peer loads it over NVLink straight
+  into its output). Stream-ordered, no host synchronisation; calls alternate between two
+  staging regions and reuse is guarded by per-PE acknowledgements, so back-to-back calls need
+  no barrier.
 
 Semantics (both platforms) are those of ``cast_model`` / ``reduce_model`` in
 :mod:`magi_jax.sharding.collectives`, for tables that satisfy :func:`check_table` (every real
@@ -25,14 +28,17 @@ reserve. :func:`available` / :func:`unavailable_reason` say whether a platform c
 
 Limits today: on GPU the cp axis must be the mesh's only axis of size > 1, over all processes
 in process order (:func:`check_mesh`); up to 64 slots per cast; reduce input bf16/f16/f32.
-Measured on two H200s (``benchmarks/results/collective_notes.md``): cast 305 GB/s at
-256 MiB per rank (ppermute 270, peer copy 386), reduce 0.93x the cast.
+Measured on two H200s (``benchmarks/results/collective_notes.md``), before the chunking and
+staging changes of :class:`CudaTuning`: cast 305 GB/s at 256 MiB per rank (ppermute 270, peer
+copy 386), reduce 0.93x the cast.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
+import dataclasses
 import functools
 import itertools
 import math
@@ -45,18 +51,77 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["available", "unavailable_reason", "group_cast", "group_reduce", "check_table",
-           "initialize", "finalize", "staging_bytes", "auto_reason", "DEFAULT_TIMEOUT_S"]
+           "initialize", "finalize", "staging_bytes", "auto_reason", "DEFAULT_TIMEOUT_S",
+           "CudaTuning", "tuning", "cuda_tuning"]
 
 DEFAULT_TIMEOUT_S = 60.0
 _LIBS = {"cpu": "_magi_native_cpu.so", "cuda": "_magi_native_cuda.so"}
 _CAST, _REDUCE = "magi_group_cast", "magi_group_reduce"
-# Launch shape of the CUDA kernel: blocks that put (send) and blocks that copy out or sum
-# (receive); the rest of the GPU stays free for overlapping compute.
-_SEND_BLOCKS, _RECV_BLOCKS = 64, 64
-_CHUNKS_PER_SEND_BLOCK = 4
 _FLAG_CAPACITY = 1 << 16
 _DEFAULT_SYMMETRIC_BYTES = 1 << 30
 _call_ids = itertools.count(1)
+_MODES = {"push": 0, "pull": 1}   # CudaTuning.mode -> the handlers' `mode` attribute
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaTuning:
+    """How the CUDA kernels move rows. Performance only: every setting gives the same result.
+
+    ``mode``: ``"push"`` (send blocks store into the peer's staging over NVLink, receive blocks
+    copy their own staging out) or ``"pull"`` (send blocks gather into their own staging,
+    receive blocks load the peer's staging over NVLink into the output; falls back to push
+    when a PE is not load/store reachable). ``send_blocks`` / ``recv_blocks``: upper bounds on
+    the blocks of 512 threads of each kind (small collectives launch fewer); the rest of the GPU
+    stays free for overlapping compute. ``chunk_kib``: bytes behind one arrival flag (smaller:
+    finer overlap of arrival and copy-out, more flags and fences). ``double_buffer``: alternate
+    between two staging regions (when both fit) so a call does not wait for the peers to have
+    read the previous call's rows.
+
+    Defaults come from ``MAGI_NATIVE_CAST_MODE``, ``MAGI_NATIVE_SEND_BLOCKS``,
+    ``MAGI_NATIVE_RECV_BLOCKS``, ``MAGI_NATIVE_CHUNK_KIB``, ``MAGI_NATIVE_DOUBLE_BUFFER``
+    (read at import); :func:`tuning` changes them for the collectives traced inside it.
+    """
+
+    mode: str = "push"
+    send_blocks: int = 64
+    recv_blocks: int = 64
+    chunk_kib: int = 256
+    double_buffer: bool = True
+
+    def __post_init__(self):
+        if self.mode not in _MODES:
+            raise ValueError(f"CudaTuning.mode={self.mode!r} is not one of {tuple(_MODES)}")
+        for name in ("send_blocks", "recv_blocks", "chunk_kib"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"CudaTuning.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def _tuning_from_env() -> CudaTuning:
+    env = os.environ.get
+    return CudaTuning(mode=env("MAGI_NATIVE_CAST_MODE", "push"),
+                      send_blocks=int(env("MAGI_NATIVE_SEND_BLOCKS", "64")),
+                      recv_blocks=int(env("MAGI_NATIVE_RECV_BLOCKS", "64")),
+                      chunk_kib=int(env("MAGI_NATIVE_CHUNK_KIB", "256")),
+                      double_buffer=env("MAGI_NATIVE_DOUBLE_BUFFER", "1") not in ("0", "false"))
+
+
+_tuning = [_tuning_from_env()]
+
+
+def cuda_tuning() -> CudaTuning:
+    """The :class:`CudaTuning` that native collectives traced now would use."""
+    return _tuning[-1]
+
+
+@contextlib.contextmanager
+def tuning(**changes):
+    """Collectives traced inside ``with native.tuning(mode="pull", chunk_kib=128): ...`` use
+    those settings (for benchmarks; a jitted function keeps what it was traced with)."""
+    _tuning.append(dataclasses.replace(_tuning[-1], **changes))
+    try:
+        yield _tuning[-1]
+    finally:
+        _tuning.pop()
 
 
 class NativeUnavailable(RuntimeError):
@@ -247,7 +312,8 @@ def initialize(symmetric_bytes: int = _DEFAULT_SYMMETRIC_BYTES) -> None:
     collectives) and reserves ``symmetric_bytes`` of staging per GPU. Call after
     ``jax.distributed.initialize``; leave GPU memory free for it (e.g.
     ``XLA_PYTHON_CLIENT_MEM_FRACTION``). Called lazily by the first native collective with
-    max(its need, 1 GiB)."""
+    max(twice its need, 1 GiB): calls alternate between two regions of the staging when both
+    fit (:class:`CudaTuning`), else they reuse one and wait for the peers to have read it."""
     if _nv["initialized"]:
         if symmetric_bytes > _nv["bytes"]:
             raise ValueError(f"NVSHMEM is already initialized with {_nv['bytes']} bytes of "
@@ -328,22 +394,29 @@ def _common_attrs(spec, timeout_s):
                                                 else timeout_s))))
 
 
-def _cuda_attrs(spec, n_rows_per_slot):
+def _cuda_attrs(spec, n_rows_per_slot, row_bytes):
+    t = cuda_tuning()
     total = max(1, sum(spec.widths))
-    rows_per_chunk = max(1, -(-total // (_SEND_BLOCKS * _CHUNKS_PER_SEND_BLOCK)))
+    # Chunks of ~chunk_kib, but at least one per send block when the cast is small, and no
+    # more than there are flags.
+    chunk_rows = max(1, t.chunk_kib * 1024 // max(1, row_bytes))
+    rows_per_chunk = max(1, min(chunk_rows, -(-total // t.send_blocks)),
+                         -(-total // (_FLAG_CAPACITY - len(spec.widths))))
     chunks = sum(-(-w // rows_per_chunk) for w in spec.widths)
     if chunks > _FLAG_CAPACITY:
         raise ValueError(f"native collective needs {chunks} flags (> {_FLAG_CAPACITY})")
     return dict(widths=np.asarray(spec.widths, np.int64), slot_len=np.int64(n_rows_per_slot),
-                rows_per_chunk=np.int64(rows_per_chunk), send_blocks=np.int64(_SEND_BLOCKS),
-                recv_blocks=np.int64(_RECV_BLOCKS))
+                rows_per_chunk=np.int64(rows_per_chunk), send_blocks=np.int64(t.send_blocks),
+                recv_blocks=np.int64(t.recv_blocks), mode=np.int64(_MODES[t.mode]),
+                double_buffer=bool(t.double_buffer))
 
 
 def _ensure_staging(send, row_shape, dtype):
     n, s = send.shape
     need = staging_bytes(n, s, row_shape, dtype)
     if not _nv["initialized"]:
-        initialize(max(need, _DEFAULT_SYMMETRIC_BYTES))
+        # Twice the need: room for two calls' regions (CudaTuning.double_buffer).
+        initialize(max(2 * need, _DEFAULT_SYMMETRIC_BYTES))
     if need > _nv["bytes"]:
         raise ValueError(
             f"this native collective stages {need / 2**20:.1f} MiB per GPU ({n} "
@@ -364,7 +437,8 @@ def group_cast(x, tables, spec, *, timeout_s: float | None = None):
     x2 = x.reshape(x.shape[0], -1) if x.ndim != 2 else x
     if plat == "cuda":
         _ensure_staging(send, x.shape[1:], x.dtype)
-        attrs.update(_cuda_attrs(spec, send.shape[1]))
+        attrs.update(_cuda_attrs(spec, send.shape[1],
+                                 math.prod(x.shape[1:]) * np.dtype(x.dtype).itemsize))
     out2 = jax.ShapeDtypeStruct((recv.shape[0], math.prod(x.shape[1:])), x.dtype)
     got = jax.ffi.ffi_call(_CAST, out2)(x2, send, recv, _where(spec.axis_name), **attrs)
     return got.reshape(out.shape)
@@ -392,7 +466,7 @@ def group_reduce(y, tables, spec, num_rows: int, *, acc=None, timeout_s: float |
     where = _where(spec.axis_name)
     if plat == "cuda":
         _ensure_staging(send, y.shape[1:], y.dtype)
-        attrs.update(_cuda_attrs(spec, send.shape[1]))
+        attrs.update(_cuda_attrs(spec, send.shape[1], feat * np.dtype(y.dtype).itemsize))
         n, s = send.shape
         # inv[row, j] = p with send[j, p] = row (the owner's slot position of each row);
         # rinv[j*S + p] = b with recv[b] = j*S + p (the buffer row that answers it).
