@@ -86,6 +86,8 @@ class _Config:
     fused_acc: bool = True
     fma_softmax: bool = False
     head_major: bool = False
+    smem_items: bool = False
+    k_wait_under_pv: bool = False
 
 
 def _pad_rows(x, multiple):
@@ -103,7 +105,9 @@ def _forward(q, k, v, plan: KernelPlanArrays, cfg: _Config):
     out, lse_bht = ffa_forward(qp, kp, vp, plan.q_order, plan.q_offsets, plan.q_items,
                                FwdConfig(cfg.scale, cfg.softcap, num_stages=cfg.num_stages,
                                          fused_acc=cfg.fused_acc, fma_softmax=cfg.fma_softmax,
-                                         head_major=cfg.head_major, interpret=cfg.interpret))
+                                         head_major=cfg.head_major, smem_items=cfg.smem_items,
+                                         k_wait_under_pv=cfg.k_wait_under_pv,
+                                         interpret=cfg.interpret))
     return out[:, :tq], lse_bht[:, :, :tq]
 
 
@@ -148,7 +152,8 @@ _ffa.defvjp(_ffa_fwd, _ffa_bwd)
 def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap: float = 0.0,
                interpret: bool = False, num_stages: int = 2, dq_num_stages: int = 2,
                dkv_num_stages: int = 2, fused_acc: bool = True, fma_softmax: bool = False,
-               head_major: bool = False):
+               head_major: bool = False, smem_items: bool = False,
+               k_wait_under_pv: bool = False):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
     q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64 or 128); ``plan`` from
@@ -161,10 +166,15 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
     D = 128 only the dK/dV kernel fits 3); ``fused_acc``: the forward lets wgmma accumulate
     into the rescaled output registers; ``fma_softmax``: the softmax scale applied inside
     ``exp2`` (one FMA per score); ``head_major``: launch order (see
-    :func:`magi_jax.pallas.common.launch_grid`). The last two are not measured on a GPU yet."""
+    :func:`magi_jax.pallas.common.launch_grid`); forward only: ``smem_items``: the producer
+    warpgroup copies each work item's fields into a shared-memory ring beside its K tile, so
+    the consumers do no global loads per item; ``k_wait_under_pv``: the consumers wait for
+    the next K tile underneath the P·V wgmma rather than at the top of the step. The last
+    four are not measured on a GPU yet."""
     cfg = _Config(float(softmax_scale), float(softcap), bool(interpret), int(num_stages),
                   int(dq_num_stages), int(dkv_num_stages), bool(fused_acc),
-                  bool(fma_softmax), bool(head_major))
+                  bool(fma_softmax), bool(head_major), bool(smem_items),
+                  bool(k_wait_under_pv))
     plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     if q.ndim == 3:
         out, lse = _ffa(q[None], k[None], v[None], plan, cfg)

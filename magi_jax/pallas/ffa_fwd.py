@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from magi_jax.pallas.common import LN2, LOG2E, launch_grid, mma_lhs, smem, tile_predicate
-from magi_jax.pallas.plan import FWD_BLOCK_K, FWD_BLOCK_Q
+from magi_jax.pallas.plan import FWD_BLOCK_K, FWD_BLOCK_Q, NUM_FIELDS
 
 __all__ = ["FwdConfig", "ffa_forward"]
 
@@ -42,6 +42,13 @@ class FwdConfig:
     # scores first); and the launch order of :func:`launch_grid`. Both unmeasured knobs.
     fma_softmax: bool = False
     head_major: bool = False
+    # The producer also copies each item's int32 fields (TMA, 32 bytes) into a per-slot
+    # shared-memory ring that completes on the K slot's barrier, so the consumers read them
+    # from shared memory instead of global memory. Unmeasured knob.
+    smem_items: bool = False
+    # Wait for the next item's K tile underneath the P·V wgmma of this one (as jax's
+    # attention_mgpu does) instead of at the top of the next step. Unmeasured knob.
+    k_wait_under_pv: bool = False
     interpret: bool = False
 
     def __post_init__(self):
@@ -61,6 +68,8 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
     num_tiles = tq // FWD_BLOCK_Q
     assert tq % FWD_BLOCK_Q == 0 and tk % FWD_BLOCK_K == 0, (tq, tk)
     assert order.shape == (num_tiles,), (order.shape, num_tiles)
+    if cfg.smem_items and items.shape[0] == 0:   # a TMA source needs at least one row
+        items = jnp.zeros((1, NUM_FIELDS), jnp.int32)
     dtype = q.dtype
     bq, bk, stages = _WG_ROWS, FWD_BLOCK_K, cfg.num_stages
     softcap = cfg.softcap
@@ -69,7 +78,10 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
 
     def kernel(q_ref, k_ref, v_ref, order_ref, off_ref, items_ref, out_ref, lse_ref,
                q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free,
-               schedule, *p_stage):
+               schedule, *extra):
+        extra = list(extra)
+        item_smem = extra.pop(0) if cfg.smem_items else None
+        p_stage = extra.pop(0) if cfg.interpret else None
         wg = lax.axis_index("wg")
         tile = order_ref[lax.axis_index("tile")]
         batch = lax.axis_index("batch")
@@ -80,6 +92,14 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
         def schedule_barrier():
             plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(schedule)
+
+        def item_fields(i, slot):
+            """The item's (k-tile, 6 geometry fields, full flag). From the shared-memory ring
+            only once the slot's K barrier has been passed, and before K's release (the
+            producer refills both after it)."""
+            if item_smem is not None:
+                return tuple(item_smem[slot, 0, f] for f in range(NUM_FIELDS))
+            return tuple(items_ref[first + i, f] for f in range(NUM_FIELDS))
 
         @pl.when(wg < _COMPUTE_WGS)
         def consumer():
@@ -94,16 +114,27 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
             m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
             l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
             acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), layout)
+            if cfg.k_wait_under_pv:
+                pl.when(num_items > 0)(lambda: plgpu.barrier_wait(k_ready.at[0]))
             pl.when(wg == 1)(schedule_barrier)
+
+            def wait_next_k(i):
+                nxt = i + 1
+
+                @pl.when(nxt < num_items)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
 
             def step(i, carry):
                 acc, m_i, l_i = carry
                 slot = lax.rem(i, jnp.int32(stages))
-                it = first + i
-                ktile = items_ref[it, 0]
-                geom = tuple(items_ref[it, f] for f in range(1, 7))
-                full = items_ref[it, 7]
-                plgpu.barrier_wait(k_ready.at[slot])
+                if item_smem is None:
+                    fields = item_fields(i, slot)
+                if not cfg.k_wait_under_pv:
+                    plgpu.barrier_wait(k_ready.at[slot])
+                if item_smem is not None:
+                    fields = item_fields(i, slot)
+                ktile, geom, full = fields[0], fields[1:7], fields[7]
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].T)
@@ -143,12 +174,16 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
                 if fused:
                     def pv_into(acc_ref):
                         plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        if cfg.k_wait_under_pv:
+                            wait_next_k(i)
 
                     acc = pl.run_state(pv_into)(plgpu.ACC.init(acc))
                 else:
                     def pv(acc_ref):
                         mma_lhs(acc_ref, p16, v_smem.at[slot],
-                                p_stage[0].at[wg] if p_stage else None)
+                                None if p_stage is None else p_stage.at[wg])
+                        if cfg.k_wait_under_pv:
+                            wait_next_k(i)
                         return acc_ref[...]
 
                     o = pl.run_scoped(pv, plgpu.ACC((bq, d), jnp.float32))
@@ -185,6 +220,9 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
                 def _():
                     plgpu.barrier_wait(k_free.at[slot])
 
+                if item_smem is not None:
+                    plgpu.copy_gmem_to_smem(items_ref.at[pl.ds(first + i, 1)],
+                                            item_smem.at[slot], k_ready.at[slot])
                 plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_ready.at[slot])
 
                 @pl.when(i >= stages)
@@ -209,12 +247,15 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
         smem((stages, bk, d), dtype),
         plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),
         plgpu.Barrier(num_barriers=_COMPUTE_WGS),
-        plgpu.Barrier(num_barriers=stages),
+        # K slots: one arrival per copy that lands in the slot (K, and the item's fields).
+        plgpu.Barrier(num_arrivals=2 if cfg.smem_items else 1, num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
     ]
+    if cfg.smem_items:
+        scratch.append(plgpu.SMEM((stages, 1, NUM_FIELDS), jnp.int32))
     if cfg.interpret:
         scratch.append(smem((_COMPUTE_WGS, bq, bk), dtype))
     return plgpu.kernel(
@@ -224,6 +265,9 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
         **dict(zip(("grid", "grid_names"), launch_grid(num_tiles, b, hq, cfg.head_major))),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # The row reductions of the WGMMA layout stay inside a warp, so they need none of the
+        # cross-warp reduction scratch Mosaic GPU reserves by default (2 KiB); without it
+        # num_stages=3 fits at D = 128.
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
     )(q, k, v, order, offsets, items)

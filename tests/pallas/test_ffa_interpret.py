@@ -139,3 +139,46 @@ def test_stacked_per_rank_plans():
                             softmax_scale=0.125, interpret=True)
         np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
         np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
+
+
+def _forward_only(mask, dtype, hq, hkv, d, seed, **tuning):
+    q, k, v, _, _ = random_inputs(jax.random.key(seed), mask, hq, hkv, d, dtype)
+    out, lse = flex_flash_attention_pallas(q, k, v, mask, interpret=True, **tuning)
+    assert_matches_reference(dict(out=out, lse=lse), q, k, v, mask)
+    return np.asarray(out, np.float32), np.asarray(lse)
+
+
+# The forward's pipeline knobs, each in at least one set, over 2 and 3 slots (3 fit D = 128
+# only without the reduction scratch). Forward only: the backward kernels ignore them.
+_FWD_KNOBS = [dict(smem_items=True, k_wait_under_pv=True),
+              dict(smem_items=True, num_stages=3, fma_softmax=True)]
+
+
+# Like IRREGULAR, but q-tiles walk 10 and 6 items (several per k-tile): more than the slots
+# of the K/V ring, so every slot is refilled and its barriers change phase.
+WIDE = AttnMask.from_ranges([[0, 100], [100, 190], [100, 190]], [[0, 500], [0, 60], [60, 640]],
+                            ["causal", "full", "inv_causal"], 200, 640)
+
+
+@pytest.mark.parametrize("tuning", _FWD_KNOBS, ids=lambda t: "+".join(t))
+def test_forward_pipeline_knobs(tuning):
+    """Non-square slices, rows covered by several slices, empty rows (WIDE), a whole empty
+    q-tile (EMPTY_TILES); D = 128."""
+    _, lse = _forward_only(WIDE, jnp.bfloat16, 1, 1, 128, 5, **tuning)
+    assert np.isneginf(lse[190:]).all()
+    out, _ = _forward_only(EMPTY_TILES, jnp.float16, 1, 1, 128, 6, **tuning)
+    assert (out[128:256] == 0).all()
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_knobs_lower_for_sm90(d):
+    """Every forward knob lowers to a Mosaic GPU kernel for CUDA on this host (layout
+    inference and the shared-memory budget are checked there, no GPU needed); 3 slots fit
+    D = 128."""
+    mask = WIDE
+    plan = kernel_plan_for_mask(mask).arrays()
+    q = jax.ShapeDtypeStruct((mask.total_q, 2, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((mask.total_k, 1, d), jnp.bfloat16)
+    for tuning in [{}, *_FWD_KNOBS]:
+        f = jax.jit(lambda q, k, v: ffa_pallas(q, k, v, plan, softmax_scale=0.1, **tuning))
+        f.trace(q, kv, kv).lower(lowering_platforms=("cuda",))
