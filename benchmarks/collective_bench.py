@@ -10,10 +10,15 @@ Every rank sends ``size`` bytes (bf16 rows of ``--row-kib`` KiB) to the other ra
   peer_copy                     torch: one tensor copied GPU0 -> GPU1 (copy engine), one process
 GB/s = bytes sent per rank / time per operation; each time is the best of ``--reps`` runs of
 ``K`` back-to-back operations inside one jitted program (so launch gaps count, host sync not).
+The native rows get a different input per operation and every output of the chain is checked
+against the peer's rows (column ``ok``), so a race between back-to-back calls shows.
+At ``--variant-sizes`` the native cast (and reduce, ``--reduce-variants``) is also timed with
+other ``magi_jax.native.CudaTuning`` settings: ``--variants`` is a comma-separated list of
+``MODE[:field=value...]``, e.g. ``pull``, ``push:double_buffer=0``, ``pull:chunk_kib=1024``.
 Then ``magi_attention`` forward+backward with ``comm_backend="native"`` vs the XLA transport.
 
     python benchmarks/collective_bench.py                       # launches everything
-    python benchmarks/collective_bench.py --sizes 1,16,256 --no-e2e
+    python benchmarks/collective_bench.py --sizes 1,16,256 --no-e2e --variants pull
 
 Writes ``benchmarks/results/collective_<date>_<device>.{json,md}`` (or ``--out``).
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -34,6 +40,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OPS = ("native_cast", "xla_cast", "ppermute", "all_to_all", "ragged_all_to_all",
        "native_reduce", "xla_reduce")
+# CudaTuning variants against the default (push, 64 + 64 blocks, 256 KiB chunks, double
+# buffered): the other data path, no double buffering (1 MiB latency), chunk sizes, grids.
+DEFAULT_VARIANTS = ("pull,push:double_buffer=0,pull:double_buffer=0,push:chunk_kib=64,"
+                    "push:chunk_kib=1024,pull:chunk_kib=1024,push:send_blocks=32,"
+                    "push:send_blocks=128,push:recv_blocks=128,pull:recv_blocks=128,"
+                    "pull:send_blocks=16")
+
+
+def parse_variant(spec: str) -> dict:
+    """``"pull:chunk_kib=1024:double_buffer=0"`` -> CudaTuning changes."""
+    mode, *fields = spec.split(":")
+    out = {"mode": mode}
+    for f in fields:
+        k, v = f.split("=")
+        out[k] = bool(int(v)) if k == "double_buffer" else int(v)
+    return out
 
 
 def _args(argv=None):
@@ -45,8 +67,13 @@ def _args(argv=None):
     ap.add_argument("--row-kib", type=int, default=8, help="row size (a KV token: 2·Hkv·D·2 B)")
     ap.add_argument("--ragged-max-mib", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--send-blocks-sweep", default="32,128",
-                    help="extra native_cast rows at the largest size with these send blocks")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS,
+                    help="native CudaTuning variants timed at --variant-sizes (see above)")
+    ap.add_argument("--reduce-variants", default="pull",
+                    help="variants (of --variants syntax) also timed for native_reduce")
+    ap.add_argument("--variant-sizes", default="1,256", help="MiB per rank")
+    ap.add_argument("--send-blocks-sweep", default="",
+                    help="extra variants push:send_blocks=N (old flag)")
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--skip-native", action="store_true",
                     help="XLA rows only (a dry run of the script on CPUs)")
@@ -100,44 +127,93 @@ def worker(args):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=2, process_id=args.rank)
+    if args.port:
+        jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=2,
+                                   process_id=args.rank)
+    # else: one process over 2 local devices (a CPU dry run of the worker:
+    # XLA_FLAGS=--xla_force_host_platform_device_count=2 ... --mode worker --no-e2e)
     from magi_jax import native
     from magi_jax.sharding.collectives import (CastArrays, CastSpec, CastTable, group_cast,
                                                group_reduce)
     t_start = time.time()
     sizes = [float(s) for s in args.sizes.split(",")]
+    variant_sizes = {float(s) for s in args.variant_sizes.split(",") if s}
+    variants = [v for v in args.variants.split(",") if v]
+    variants += [f"push:send_blocks={b}" for b in args.send_blocks_sweep.split(",") if b]
+    reduce_variants = {v for v in args.reduce_variants.split(",") if v}
+    for v in variants:
+        native.CudaTuning(**parse_variant(v))   # bad variants fail here, not mid-run
+    failures = []
     feat = args.row_kib * 1024 // 2
-    if not args.skip_native:
-        native.initialize(int(max(sizes) * 2**20) + (16 << 20))
+    if not args.skip_native and jax.default_backend() == "gpu":
+        # Twice the largest cast: room for two staging regions (double buffering).
+        native.initialize(2 * int(max(sizes) * 2**20) + (16 << 20))
     mesh = jax.make_mesh((2,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
     g = lambda a: jax.make_array_from_callback(a.shape, NamedSharding(mesh, P("cp")),
                                                lambda i: a[i])
     me = args.rank
 
-    def timed(body, *arrays, k):
+    def timed(body, arrays, k, per_op=None):
         """Best time of one op: ``body(*local arrays)`` k times in one program, each call
         ordered after the previous one by an optimization barrier over its whole output (no
-        data pass between them, nothing for XLA to fuse, slice or drop)."""
+        data pass between them, nothing for XLA to fuse, slice or drop). ``per_op``: k tuples
+        of arrays, one per operation, instead of ``arrays`` for all. Returns (seconds, the
+        outputs of the last run)."""
+        groups = list(per_op) if per_op is not None else [tuple(arrays)] * k
+        n = len(groups[0])
+        flat = [a for grp in groups for a in grp] if per_op is not None else list(arrays)
+
         def prog(*xs):
             xs = [x[0] for x in xs]
             outs = []
-            for _ in range(k):
+            for i in range(k):
+                xi = xs[i * n:(i + 1) * n] if per_op is not None else xs
                 if outs:
-                    xs, _ = jax.lax.optimization_barrier((xs, outs[-1]))
-                outs.append(body(*xs))
+                    xi, _ = jax.lax.optimization_barrier((xi, outs[-1]))
+                outs.append(body(*xi))
             # Every output is returned: none of the k operations can be dropped as dead code.
             return tuple(o[None] for o in outs)
-        f = jax.jit(jax.shard_map(prog, mesh=mesh, in_specs=(P("cp"),) * len(arrays),
+        f = jax.jit(jax.shard_map(prog, mesh=mesh, in_specs=(P("cp"),) * len(flat),
                                   out_specs=(P("cp"),) * k, check_vma=False))
-        jax.block_until_ready(f(*arrays))
+        r = f(*flat)
+        jax.block_until_ready(r)
         best = float("inf")
         for _ in range(args.reps):
+            del r
             t = time.perf_counter()
-            r = f(*arrays)
+            r = f(*flat)
             jax.block_until_ready(r)
             best = min(best, (time.perf_counter() - t) / k)
-            del r
-        return best
+        return best, r
+
+    def pattern(r, i, rows, xp=np):
+        """Input rows ``rows`` of rank ``r`` for operation ``i``: small integers plus 0.5 on
+        odd features, exact in bf16 (and in the float32 sums of the reduce)."""
+        v = (rows[:, None] * 5 + 3 * r + 17 * i) % 97 + 1 + 0.5 * (xp.arange(feat)[None, :] % 2)
+        return v.astype(xp.float32)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def _make_x(t, i):
+        def gen(i_):
+            r = jax.lax.axis_index("cp")
+            return pattern(r, i_, jnp.arange(t), jnp).astype(jnp.bfloat16)[None]
+        return jax.shard_map(gen, mesh=mesh, in_specs=P(), out_specs=P("cp"),
+                             check_vma=False)(i)
+
+    def make_x(t, i):
+        return _make_x(t, jnp.int32(i))
+
+    def check(outs, t):
+        """Every output of the chain holds the peer's rows of its own input (sampled rows
+        when large: first, last and a stride)."""
+        rows = np.arange(t) if t <= 8192 else np.unique(np.concatenate(
+            [np.arange(64), np.arange(t - 64, t), np.arange(0, t, max(1, t // 4096))]))
+        for i, o in enumerate(outs):
+            got = o.addressable_shards[0].data[0]
+            got = np.asarray(got if t <= 8192 else got[jnp.asarray(rows)], np.float32)
+            if not np.array_equal(got, pattern(1 - me, i, rows)):
+                return False
+        return True
 
     rows = {}
     for mib in sizes:
@@ -146,37 +222,42 @@ def worker(args):
             break
         t = max(1, int(mib * 2**20) // (feat * 2))
         nbytes = t * feat * 2
-        x = np.ones((2, t, feat), jnp.bfloat16)
+        k = _k_for(mib)
+        # Distinct bf16-exact inputs per operation of a chain, made on the device: op i of
+        # rank r sends pattern(r, i); the peer must receive exactly those rows.
         table = CastTable(np.tile(np.arange(t, dtype=np.int32), (2, 1, 1)),
                           np.tile(np.arange(t, dtype=np.int32), (2, 1)), (1,), (t,))
         send, recv = g(table.send_index), g(table.recv_index)
-        xg = g(x)
+        xgs = [make_x(t, i) for i in range(k)]
+        xg = xgs[0]
         xg2 = g(np.ones((2, 2, t, feat), jnp.bfloat16))
-        k = _k_for(mib)
         spec_n = CastSpec("cp", 2, (1,), (t,), "native")
         spec_x = CastSpec("cp", 2, (1,), (t,), "ppermute")
         row = {"bytes": nbytes, "rows": t}
+        native_in = [(x_, send, recv) for x_ in xgs]
         ops = {
             "native_cast": (lambda x_, s_, r_: group_cast(x_, CastArrays(s_, r_), spec_n),
-                            (xg, send, recv)),
+                            native_in),
             "xla_cast": (lambda x_, s_, r_: group_cast(x_, CastArrays(s_, r_), spec_x),
                          (xg, send, recv)),
             "ppermute": (lambda x_: jax.lax.ppermute(x_, "cp", [(0, 1), (1, 0)]), (xg,)),
             "all_to_all": (lambda x2_: jax.lax.all_to_all(x2_, "cp", 0, 0), (xg2,)),
             "native_reduce": (lambda x_, s_, r_: group_reduce(x_, CastArrays(s_, r_), spec_n, t),
-                              (xg, send, recv)),
+                              native_in),
             "xla_reduce": (lambda x_, s_, r_: group_reduce(x_, CastArrays(s_, r_), spec_x, t),
                            (xg, send, recv)),
         }
-        for sb in (int(b) for b in args.send_blocks_sweep.split(",") if b) if mib == max(
-                sizes) else ():
-            def cast_sb(x_, s_, r_, sb=sb):
-                old, native._SEND_BLOCKS = native._SEND_BLOCKS, sb
-                try:
-                    return group_cast(x_, CastArrays(s_, r_), spec_n)
-                finally:
-                    native._SEND_BLOCKS = old
-            ops[f"native_cast_sb{sb}"] = (cast_sb, (xg, send, recv))
+        if mib in variant_sizes and not args.skip_native:
+            for spec in variants:
+                for op, fn in (("cast", group_cast), ("reduce", group_reduce)):
+                    if op == "reduce" and spec not in reduce_variants:
+                        continue
+                    def body(x_, s_, r_, tv=parse_variant(spec), fn=fn, op=op):
+                        with native.tuning(**tv):
+                            if op == "cast":
+                                return fn(x_, CastArrays(s_, r_), spec_n)
+                            return fn(x_, CastArrays(s_, r_), spec_n, t)
+                    ops[f"native_{op}[{spec}]"] = (body, native_in)
         if mib <= args.ragged_max_mib:
             def ragged(x_):
                 r = jax.lax.axis_index("cp")
@@ -185,35 +266,43 @@ def worker(args):
                 return jax.lax.ragged_all_to_all(x_, jnp.zeros_like(x_), zeros, to_peer,
                                                  zeros, to_peer, axis_name="cp")
             ops["ragged_all_to_all"] = (ragged, (xg,))
-        for name in OPS + tuple(n for n in ops if n.startswith("native_cast_sb")):
+        for name in OPS + tuple(n for n in ops if "[" in n):
             if name not in ops or (args.skip_native and name.startswith("native")):
+                continue
+            if time.time() - t_start > args.budget_s + 60:
+                row[name] = {"error": "skipped: over budget"}
                 continue
             body, arrays = ops[name]
             try:
-                s = timed(body, *arrays, k=k)
-                row[name] = {"s": s, "GBps": nbytes / s / 1e9}
+                if name.startswith("native"):
+                    s_, outs = timed(body, None, k, per_op=arrays)
+                    ok = check(outs, t)
+                    row[name] = {"s": s_, "GBps": nbytes / s_ / 1e9, "ok": ok}
+                    if not ok:
+                        failures.append(f"{mib} MiB {name}")
+                        print(f"rank {me}: CHECK FAILED {mib} MiB {name}", flush=True)
+                else:
+                    s_, outs = timed(body, arrays, k)
+                    row[name] = {"s": s_, "GBps": nbytes / s_ / 1e9}
+                del outs
             except Exception as e:  # noqa: BLE001 - a row that fails is reported, not fatal
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             if me == 0:
-                print(f"{mib:6.0f} MiB {name:18s} {row[name]}", flush=True)
+                print(f"{mib:6.0f} MiB {name:34s} {row[name]}", flush=True)
         rows[str(mib)] = row
-        if args.skip_native:
-            continue
-        # Correctness of what was timed: the native cast delivered the peer's rows.
-        chk = jax.jit(jax.shard_map(
-            lambda x_, s_, r_: group_cast(x_[0] * (1 + jax.lax.axis_index("cp")).astype(
-                x_.dtype), CastArrays(s_[0], r_[0]), spec_n)[None],
-            mesh=mesh, in_specs=(P("cp"),) * 3, out_specs=P("cp"), check_vma=False))
-        got = np.asarray(chk(xg, send, recv).addressable_shards[0].data, np.float32)
-        row["native_cast_check"] = bool(np.all(got == float(2 - me)))
-        del xg, xg2, x
+        del xg, xg2, xgs, ops, native_in
     result = {"sizes": rows}
     if not args.no_e2e and time.time() - t_start < args.budget_s + 20:
         result["e2e"] = e2e(args, mesh, me)
+    result["check_failures"] = failures
     if me == 0:
         print(json.dumps(result), flush=True)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "_worker0.json").write_text(json.dumps(result))
+    if failures:
+        print(f"rank {me}: {len(failures)} native rows delivered wrong data: {failures}",
+              flush=True)
+        sys.exit(3)
 
 
 def e2e(args, mesh, me):
@@ -301,7 +390,9 @@ def launch(args):
     passthru = ["--sizes", args.sizes, "--row-kib", str(args.row_kib), "--reps", str(args.reps),
                 "--ragged-max-mib", str(args.ragged_max_mib), "--out", args.out,
                 "--budget-s", str(args.budget_s), "--e2e-tokens", str(args.e2e_tokens),
-                "--send-blocks-sweep", args.send_blocks_sweep]
+                "--send-blocks-sweep", args.send_blocks_sweep, "--variants", args.variants,
+                "--reduce-variants", args.reduce_variants, "--variant-sizes",
+                args.variant_sizes]
     if args.no_e2e:
         passthru.append("--no-e2e")
     if args.skip_native:
@@ -332,7 +423,8 @@ def launch(args):
             p.kill()
     log1 = Path(args.out) / "_worker1.log"
     if procs[1].returncode:
-        print("rank 1 failed:\n" + log1.read_text()[-4000:], flush=True)
+        print(f"rank 1 exited with {procs[1].returncode}:\n" + log1.read_text()[-4000:],
+              flush=True)
     log1.unlink(missing_ok=True)
     res_path = Path(args.out) / "_worker0.json"
     result = json.loads(res_path.read_text()) if res_path.exists() else {"error": "no result"}
@@ -361,16 +453,31 @@ def markdown(res) -> str:
              "GB/s = bytes sent per rank / time per op (best of reps, ops back to back).", ""]
     cols = ["native_cast", "native_reduce", "xla_cast", "xla_reduce", "ppermute", "all_to_all",
             "ragged_all_to_all", "peer_copy"]
-    lines.append("| MiB/rank | " + " | ".join(cols) + " | native cast µs |")
-    lines.append("|---" * (len(cols) + 2) + "|")
+    lines.append("| MiB/rank | " + " | ".join(cols) + " | native cast µs | native ok |")
+    lines.append("|---" * (len(cols) + 3) + "|")
     for mib, row in res.get("sizes", {}).items():
         cells = []
         for c in cols:
             v = row.get(c)
             cells.append("" if v is None else (f"{v['GBps']:.1f}" if "GBps" in v else "error"))
         us = row.get("native_cast", {}).get("s")
+        oks = [v.get("ok") for n, v in row.items() if n.startswith("native")
+               and isinstance(v, dict) and "ok" in v]
         lines.append(f"| {float(mib):g} | " + " | ".join(cells) +
-                     (f" | {us * 1e6:.1f} |" if us else " | |"))
+                     (f" | {us * 1e6:.1f} |" if us else " | |") +
+                     (" all |" if oks and all(oks) else (" **NO** |" if oks else " |")))
+    var = [(mib, n, v) for mib, row in res.get("sizes", {}).items() for n, v in row.items()
+           if n.startswith("native") and isinstance(v, dict)]
+    if var:
+        lines += ["", "Native transport, CudaTuning variants (default: push, 64 send + 64 "
+                  "receive blocks, 256 KiB chunks, double buffered):", "",
+                  "| MiB/rank | row | GB/s | µs per op | ok |", "|---|---|---|---|---|"]
+        for mib, n, v in var:
+            lines.append(f"| {float(mib):g} | {n} | " +
+                         (f"{v['GBps']:.1f} | {v['s'] * 1e6:.1f} | {v.get('ok')} |"
+                          if "s" in v else f"{v.get('error', '')[:100]} | | |"))
+    if res.get("check_failures"):
+        lines += ["", f"**Wrong data delivered:** {res['check_failures']}"]
     if "e2e" in res:
         e = res["e2e"]
         lines += ["", f"magi_attention fwd+bwd, {e.get('mask')}, {e.get('tokens')} tokens, "
