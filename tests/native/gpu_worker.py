@@ -81,6 +81,56 @@ def main(rank, nprocs, port):
         checks += 1
     print(f"rank {rank}: {checks} table layouts OK", flush=True)
 
+    # Every data path / staging / grid variant of the CUDA kernels on one layout (tiny chunks
+    # and few blocks: several chunks per send block, several rows per receiving warp), then
+    # a chain of back-to-back collectives of mixed variants in one program (staging regions
+    # alternate, flags and acknowledgements reused across data paths).
+    variants = [dict(mode="pull"), dict(mode="push", double_buffer=False),
+                dict(mode="pull", double_buffer=False),
+                dict(mode="push", chunk_kib=1, send_blocks=3, recv_blocks=2),
+                dict(mode="pull", chunk_kib=1, send_blocks=3, recv_blocks=2)]
+    table, t_loc = _random_table(rng, nprocs, 256, 16, 1)
+    native.check_table(table)
+    x = rng.standard_normal((nprocs, t_loc, 2, 8, 64)).astype(jnp.bfloat16)
+    y = rng.standard_normal((nprocs, table.buffer_len, 2, 8, 64)).astype(jnp.bfloat16)
+    want = cast_model(x, table)[rank]
+    want_r = reduce_model(y.astype(np.float64), table, t_loc)[rank]
+    for tv in variants:
+        with native.tuning(**tv):
+            np.testing.assert_array_equal(run("cast", x, table, t_loc, "native"), want,
+                                          err_msg=str(tv))
+            np.testing.assert_allclose(run("reduce", y, table, t_loc, "native"), want_r,
+                                       rtol=2e-2, atol=2e-2, err_msg=str(tv))
+    spec = CastSpec("cp", nprocs, table.shifts, table.widths, "native")
+
+    def chain(x_, y_, send, recv):
+        t = CastArrays(send[0], recv[0])
+        outs = []
+        for i, tv in enumerate(variants + [{}] + variants[::-1]):
+            with native.tuning(**tv):
+                if i % 2:
+                    outs.append(group_reduce(y_[0] * (i + 1), t, spec, t_loc)[None])
+                else:
+                    outs.append(group_cast(x_[0] * (i + 1), t, spec).astype(jnp.float32)[None])
+        return tuple(outs)
+    n_ops = 2 * len(variants) + 1
+    f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(P("cp"),) * 4,
+                              out_specs=(P("cp"),) * n_ops, check_vma=False))
+    g = lambda a: _global(a, mesh, P("cp"))
+    outs = f(g(x), g(y), g(table.send_index), g(table.recv_index))
+    for i, o in enumerate(outs):
+        got = _local(o)[0]
+        if i % 2:
+            want_i = reduce_model((y * (i + 1)).astype(np.float64), table, t_loc)[rank]
+            np.testing.assert_allclose(got, want_i, rtol=3e-2, atol=3e-2 * (i + 1),
+                                       err_msg=f"chain op {i}")
+        else:
+            want_i = cast_model((x * (i + 1)).astype(np.float32), table)[rank]
+            np.testing.assert_allclose(got, want_i, rtol=1e-2, atol=1e-2,
+                                       err_msg=f"chain op {i}")
+    print(f"rank {rank}: {len(variants)} CUDA tuning variants and a mixed chain of {n_ops} "
+          "collectives OK", flush=True)
+
     # magi_attention forward + backward: native vs the XLA transport (same plan, same math
     # apart from the order of float32 sums), and vs a dense float64 reference on the host.
     lens = [300, 200, 500, 64, 300, 664]

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from magi_jax import native
 from magi_jax.sharding import make_flex_key
 from magi_jax.sharding.collectives import (CastArrays, CastSpec, CastTable, build_cast_table,
-                                           cast_model, group_cast, reduce_model)
+                                           cast_model, group_cast, group_reduce, reduce_model)
 from tests.sharding.masks import ZOO
 from tests.sharding.test_attention import _check, _mesh
 from tests.sharding.test_collectives import _meta, _random_table, _run
@@ -198,3 +198,60 @@ def test_one_call_site_run_twice_in_one_program():
         got = np.asarray(f(x, y, t.send_index, t.recv_index))
         np.testing.assert_array_equal(got[:, 0], cast_model(x, t))
         np.testing.assert_array_equal(got[:, 1], cast_model(y, t))
+
+
+def test_cuda_tuning_and_chunk_plan():
+    """The CUDA launch plan (pure Python, checked here because no GPU runs in CI): chunks of
+    ~chunk_kib, at least one per send block for small casts, never more than the flags."""
+    with pytest.raises(ValueError, match="mode"):
+        native.CudaTuning(mode="sideways")
+    with pytest.raises(ValueError, match="send_blocks"):
+        native.CudaTuning(send_blocks=0)
+    default = native.cuda_tuning()
+    big = CastSpec("cp", 2, (1,), (32768,), "native")           # 256 MiB of 8 KiB rows
+    a = native._cuda_attrs(big, 32768, 8192)
+    assert int(a["rows_per_chunk"]) * 8192 == default.chunk_kib * 1024
+    with native.tuning(mode="pull", chunk_kib=1024, double_buffer=False) as t:
+        assert native.cuda_tuning() is t
+        b = native._cuda_attrs(big, 32768, 8192)
+    assert native.cuda_tuning() == default
+    assert int(b["mode"]) == 1 and b["double_buffer"] is False
+    assert int(b["rows_per_chunk"]) == 128
+    small = CastSpec("cp", 2, (1, 3), (100, 28), "native")      # 1 MiB: spread over blocks
+    c = native._cuda_attrs(small, 100, 8192)
+    assert int(c["rows_per_chunk"]) == -(-128 // default.send_blocks)
+    huge = CastSpec("cp", 2, (1,), (10**7,), "native")
+    d = native._cuda_attrs(huge, 10**7, 16)
+    assert -(-10**7 // int(d["rows_per_chunk"])) <= native._FLAG_CAPACITY
+
+
+def test_chain_of_mixed_tuning_matches_model():
+    """Back-to-back casts and reduces traced under different CudaTuning settings in one
+    program (on CPU the settings do not apply; the GPU worker runs the same chain)."""
+    cp = 4
+    mesh = _mesh(cp)
+    rng = np.random.default_rng(5)
+    table, t_loc = _random_table(rng, cp, 3, 2, 1)
+    spec = CastSpec("cp", cp, table.shifts, table.widths, "native")
+    x = rng.standard_normal((cp, t_loc, 2, 4)).astype(np.float32)
+    y = rng.standard_normal((cp, table.buffer_len, 2, 4)).astype(np.float32)
+
+    def chain(x_, y_, send, recv):
+        t = CastArrays(send[0], recv[0])
+        outs = []
+        for i, mode in enumerate(("push", "pull", "pull", "push")):
+            with native.tuning(mode=mode, double_buffer=bool(i % 3)):
+                if i % 2:
+                    outs.append(group_reduce(y_[0] * (i + 1), t, spec, t_loc)[None])
+                else:
+                    outs.append(group_cast(x_[0] * (i + 1), t, spec)[None])
+        return tuple(outs)
+    f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(P("cp"),) * 4,
+                              out_specs=(P("cp"),) * 4, check_vma=False))
+    outs = f(x, y, table.send_index, table.recv_index)
+    for i, o in enumerate(outs):
+        if i % 2:
+            want = reduce_model(y * (i + 1), table, t_loc)
+            np.testing.assert_allclose(np.asarray(o), want, rtol=1e-5, atol=1e-5)
+        else:
+            np.testing.assert_array_equal(np.asarray(o), cast_model(x * (i + 1), table))
