@@ -3,19 +3,20 @@
 Per rank (DESIGN.md §3): stage 0 runs FFA on the local KV while remote stage 0 is
 group-cast; every remote stage runs FFA on its fetched KV buffer; the partial ``(out, lse)``
 are merged in float32. With ``overlap_degree = 0`` all remote KV is fetched first and one FFA
-call covers ``concat(local KV, remote KV)``. Backward is autodiff of these pieces: FFA's own
-VJP, the merge, and ``group_cast``'s adjoint ``group_reduce``, which sums the partial dK/dV
-of fetched KV (float32) back onto their owners. By default (``backward_refetch=True`` on the
-key) every remote stage is a custom VJP whose backward re-fetches the stage's KV (group-cast
-again) rather than keeping it, runs the FFA backward from the saved ``(out, lse)`` and
-group-reduces dK/dV — memory stays at local KV plus the stage in flight, and no FFA forward
-is re-run (backends without a split VJP, or batched inputs, fall back to rematerialising the
-stage). ``backward_refetch=False`` keeps the buffers as residuals instead.
+call covers ``concat(local KV, remote KV)``. The backward is one custom VJP per rank: every
+stage's FFA backward runs against the merged ``(out, lse)`` (no backward through the merge;
+only the final output and lse are kept), remote stages first, and ``group_cast``'s adjoint
+``group_reduce`` sums their partial dK/dV (float32) back onto the owners. By default
+(``backward_refetch=True`` on the key) the backward re-fetches each remote stage's KV
+(group-cast again) rather than keeping it — memory stays at local KV plus the stage in
+flight; ``backward_refetch=False`` keeps the buffers instead. Batched inputs take autodiff
+through the stages and the merge (remote stages rematerialised when re-fetching).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,61 +82,115 @@ def _fetch(kv, cast_arrays, stage, hkv):
     return kk, vv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _refetch_stage(q, kv, ffa_arrays, cast_arrays, stage, cfg):
-    """A remote stage whose backward re-fetches its KV (group-cast again) instead of keeping
-    it, and then group-reduces the partial dK/dV (float32) onto the owners; the FFA forward
-    is not re-run (the backend's split VJP keeps out and lse)."""
-    return _refetch_fwd(q, kv, ffa_arrays, cast_arrays, stage, cfg)[0]
+class _StagesCfg(NamedTuple):
+    """Static configuration of one rank's stages (hashable: a custom-VJP static argument)."""
+
+    backend: str
+    hkv: int
+    kw: tuple                  # (("softmax_scale", s), ("softcap", c), ("block_q", ..), ..)
+    stages: tuple
+    refetch: bool
 
 
-def _refetch_fwd(q, kv, ffa_arrays, cast_arrays, stage, cfg):
-    backend, hkv, kw = cfg[0], cfg[1], dict(cfg[2])
-    kk, vv = _fetch(kv, cast_arrays, stage, hkv)
-    (out, lse), saved = get_backend(backend).split_fwd(q, kk, vv, ffa_arrays, **kw)
-    return (out, lse), (q, kv, ffa_arrays, cast_arrays, saved)
+def stages_forward(q, kv, stage_arrays, cfg: _StagesCfg, fetch):
+    """Every stage's FFA (``fetch(i)`` gives remote stage ``i``'s K, V) and the float32 merge
+    -> ``(out, lse)``, plus the KV each remote stage used (for a backward that keeps it)."""
+    be, kw, hkv = get_backend(cfg.backend), dict(cfg.kw), cfg.hkv
+    outs, lses, used = [], [], []
+    for i, (stage, (ffa_arrays, _)) in enumerate(zip(cfg.stages, stage_arrays)):
+        kk, vv = (kv[:, :hkv], kv[:, hkv:]) if stage.cast is None else fetch(i)
+        (o, l), _ = be.split_fwd(q, kk, vv, ffa_arrays, **kw)
+        outs.append(o)
+        lses.append(l)
+        used.append(None if stage.cast is None else (kk, vv))
+    out, lse = merge_partials(outs, lses, q.dtype)
+    return (out, lse), used
 
 
-def _refetch_bwd(stage, cfg, res, cts):
-    backend, hkv, kw = cfg[0], cfg[1], dict(cfg[2])
-    q, kv, ffa_arrays, cast_arrays, saved = res
-    kk, vv = _fetch(kv, cast_arrays, stage, hkv)                     # the re-fetch
-    dq, dk, dv = get_backend(backend).split_bwd(saved, q, kk, vv, ffa_arrays, cts, **kw)
-    dbuf = jnp.concatenate([dk, dv], axis=-2)
+def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, send_back):
+    """The backward of :func:`stages_forward` without differentiating the merge: each stage's
+    FFA backward runs against the *merged* ``(out, lse)`` — its probabilities are then the
+    final softmax's, restricted to the stage's keys, so the stages' dQ and dK/dV partials sum
+    to the exact gradients (and the lse cotangent enters every stage's delta alike). Remote
+    stages go first so their ``send_back(i, dkv_rows)`` (the group-reduce) can overlap the
+    host stage's backward. Returns ``dq`` and the local ``dkv`` (float32)."""
+    be, kw, hkv = get_backend(cfg.backend), dict(cfg.kw), cfg.hkv
+    saved = be.saved_from(out, lse)
     t_loc = kv.shape[0]
-    dlocal = None
-    if stage.combined:
-        dlocal, dbuf = dbuf[:t_loc], dbuf[t_loc:]
-    dkv = _reduce(dbuf, cast_arrays, stage.cast, t_loc)
-    if dlocal is not None:
-        dkv = dkv + dlocal.astype(dkv.dtype)
-    none = lambda tree: jax.tree.map(lambda _: None, tree)
-    return dq, dkv.astype(kv.dtype), none(ffa_arrays), none(cast_arrays)
+    acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    dq, dkv = None, None
+    order = sorted(range(len(cfg.stages)), key=lambda i: cfg.stages[i].cast is None)
+    for i in order:
+        stage, (ffa_arrays, _) = cfg.stages[i], stage_arrays[i]
+        kk, vv = (kv[:, :hkv], kv[:, hkv:]) if stage.cast is None else fetch(i)
+        dq_i, dk_i, dv_i = be.split_bwd(saved, q, kk, vv, ffa_arrays, cts, **kw)
+        dq = dq_i.astype(acc) if dq is None else dq + dq_i.astype(acc)
+        rows = jnp.concatenate([dk_i, dv_i], axis=-2)
+        if stage.cast is None:
+            part = rows.astype(acc)
+        else:
+            part = None
+            if stage.combined:
+                part, rows = rows[:t_loc].astype(acc), rows[t_loc:]
+            sent = send_back(i, rows)
+            part = sent if part is None else part + sent
+        dkv = part if dkv is None else dkv + part
+    return dq, dkv
 
 
-_refetch_stage.defvjp(_refetch_fwd, _refetch_bwd)
+def _rank_fetch(kv, stage_arrays, cfg):
+    return lambda i: _fetch(kv, stage_arrays[i][1], cfg.stages[i], cfg.hkv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _rank_stages(q, kv, stage_arrays, cfg: _StagesCfg):
+    """One rank's stages and merge. Backward (DESIGN.md §2.5): re-fetch each remote stage's
+    KV (``cfg.refetch``; else keep the forward's buffers), FFA backward per stage from the
+    merged ``(out, lse)``, partial dK/dV group-reduced (float32) onto the owners."""
+    return stages_forward(q, kv, stage_arrays, cfg, _rank_fetch(kv, stage_arrays, cfg))[0]
+
+
+def _rank_stages_fwd(q, kv, stage_arrays, cfg):
+    (out, lse), used = stages_forward(q, kv, stage_arrays, cfg,
+                                      _rank_fetch(kv, stage_arrays, cfg))
+    kept = None if cfg.refetch else used
+    return (out, lse), (q, kv, stage_arrays, out, lse, kept)
+
+
+def _rank_stages_bwd(cfg, res, cts):
+    q, kv, stage_arrays, out, lse, kept = res
+    fetch = _rank_fetch(kv, stage_arrays, cfg) if kept is None else kept.__getitem__
+
+    def send_back(i, rows):
+        return _reduce(rows, stage_arrays[i][1], cfg.stages[i].cast, kv.shape[0])
+
+    dq, dkv = stages_backward(q, kv, stage_arrays, cfg, out, lse, cts, fetch, send_back)
+    return (dq.astype(q.dtype), dkv.astype(kv.dtype),
+            jax.tree.map(lambda _: None, stage_arrays))
+
+
+_rank_stages.defvjp(_rank_stages_fwd, _rank_stages_bwd)
+
+
+def stages_cfg(key: MagiKey, hkv: int, scale: float, softcap: float) -> _StagesCfg:
+    kw = (("softmax_scale", scale), ("softcap", softcap), ("block_q", key.block_q),
+          ("block_k", key.block_k))
+    return _StagesCfg(key.ffa_backend, hkv, kw, tuple(key.stages), key.backward_refetch)
 
 
 def _local(q, k, v, stage_arrays, key: MagiKey, scale: float, softcap: float):
     """One rank: q/k/v ``[(B,) local_len, H, D]``, ``stage_arrays`` this rank's plan arrays."""
     kv = jnp.concatenate([k, v], axis=-2)         # one collective carries K and V
+    if q.ndim == 3 and get_backend(key.ffa_backend).split_fwd is not None:
+        return _rank_stages(q, kv, tuple(stage_arrays),
+                            stages_cfg(key, k.shape[-2], scale, softcap))
+    # Batched inputs: autodiff through the stages and the merge; with backward_refetch the
+    # remote stages are rematerialised (which also re-runs their FFA forward).
     outs, lses = [], []
-    backend = get_backend(key.ffa_backend)
     for stage, (ffa_arrays, cast_arrays) in zip(key.stages, stage_arrays):
-        if (stage.cast is not None and key.backward_refetch and q.ndim == 3
-                and backend.split_fwd is not None):
-            cfg = (key.ffa_backend, k.shape[-2],
-                   (("softmax_scale", scale), ("softcap", softcap),
-                    ("block_q", key.block_q), ("block_k", key.block_k)))
-            o, l = _refetch_stage(q, kv, ffa_arrays, cast_arrays, stage, cfg)
-            outs.append(o)
-            lses.append(l)
-            continue
         fn = functools.partial(_stage_ffa, stage=stage, key=key, scale=scale,
                                softcap=softcap)
         if stage.cast is not None and key.backward_refetch:
-            # Backends without a split VJP (or batched inputs): re-fetch by rematerialising
-            # the stage, which also re-runs its FFA forward.
             fn = jax.checkpoint(
                 fn, policy=jax.checkpoint_policies.save_any_names_but_these(_REMOTE_KV))
         o, l = fn(q, k, v, kv, ffa_arrays, cast_arrays)

@@ -27,7 +27,9 @@ class FFABackend:
     kept between forward and backward (context parallelism re-fetches remote KV instead):
     ``split_fwd(q, k, v, plan, **cfg) -> ((out, lse), saved)`` and
     ``split_bwd(saved, q, k, v, plan, (dout, dlse), **cfg) -> (dq, dk, dv)``, for
-    ``[T, H, D]`` inputs; ``cfg`` = ``softmax_scale, softcap, block_q, block_k``."""
+    ``[T, H, D]`` inputs; ``cfg`` = ``softmax_scale, softcap, block_q, block_k``.
+    ``saved_from(out, lse)`` builds ``saved`` from any ``(out [T, H, D], lse [T, H])`` — the
+    merged result of several calls, whose backward each call can then run on its own."""
 
     name: str
     build: Callable       # (shapes, total_q, total_k, block_q, block_k) -> plan arrays
@@ -35,6 +37,7 @@ class FFABackend:
     call: Callable        # (q, k, v, plan, *, softmax_scale, softcap, block_q, block_k)
     split_fwd: Callable | None = None
     split_bwd: Callable | None = None
+    saved_from: Callable | None = None
 
 
 def _xla() -> FFABackend:
@@ -55,7 +58,7 @@ def _xla() -> FFABackend:
         build=lambda sh, tq, tk, bq, bk: build_xla_plan(sh, tq, tk, bq, bk).arrays(),
         stack=stack_plans,
         call=xla_ffa,
-        split_fwd=split_fwd, split_bwd=split_bwd)
+        split_fwd=split_fwd, split_bwd=split_bwd, saved_from=lambda out, lse: (out, lse))
 
 
 def _pallas(interpret: bool = False) -> FFABackend:
@@ -84,6 +87,9 @@ def _pallas(interpret: bool = False) -> FFABackend:
                                                lse_bht), (dout[None], dlse[None]))
         return dq[0], dk[0], dv[0]
 
+    def saved_from(out, lse):
+        return out[None], jnp.swapaxes(lse[None], 1, 2)
+
     def call(q, k, v, plan, *, softmax_scale, softcap, block_q, block_k):
         del block_q, block_k            # the kernels tile with their own block sizes
         return ffa_pallas(q, k, v, plan, softmax_scale=softmax_scale, softcap=softcap,
@@ -93,7 +99,7 @@ def _pallas(interpret: bool = False) -> FFABackend:
         "pallas_interpret" if interpret else "pallas",
         build=lambda sh, tq, tk, bq, bk: build_kernel_plan(sh, tq, tk).arrays(),
         stack=stack_kernel_plans,
-        call=call, split_fwd=split_fwd, split_bwd=split_bwd)
+        call=call, split_fwd=split_fwd, split_bwd=split_bwd, saved_from=saved_from)
 
 
 _FACTORIES = {"xla": _xla, "pallas": _pallas}

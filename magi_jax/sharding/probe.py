@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from magi_jax.sharding.attention import magi_attention, merge_partials
+from magi_jax.sharding.attention import (magi_attention, stages_backward, stages_cfg,
+                                         stages_forward)
 from magi_jax.sharding.collectives import group_cast, group_reduce
-from magi_jax.sharding.ffa_backends import get_backend
 from magi_jax.sharding.key import MagiKey
 
 __all__ = ["overlap_probe", "time_ms", "measure_overlap"]
@@ -41,7 +41,6 @@ def overlap_probe(key: MagiKey, q, k, v, *, softmax_scale: float | None = None,
     spec = P(key.cp_axis)
     arr_specs = jax.tree.map(lambda _: spec, key.stage_arrays)
     remote = _remote_stages(key)
-    ffa = get_backend(key.ffa_backend).call
     hkv = k.shape[-2]
 
     def mine(arrays):
@@ -58,29 +57,33 @@ def overlap_probe(key: MagiKey, q, k, v, *, softmax_scale: float | None = None,
                for b, i in zip(bufs, remote)]
         return bufs + tuple(r.astype(kv.dtype) for r in red)
 
-    def stage_compute(q, k, v, bufs, arrays):
-        outs, lses = [], []
-        it = iter(bufs)
-        for st, (ffa_arrays, _) in zip(key.stages, arrays):
-            if st.cast is None:
-                kk, vv = k, v
-            else:
-                buf = next(it)
-                kk, vv = buf[:, :hkv], buf[:, hkv:]
-                if st.combined:
-                    kk, vv = jnp.concatenate([k, kk]), jnp.concatenate([v, vv])
-            o, l = ffa(q, kk, vv, ffa_arrays, softmax_scale=scale, softcap=float(softcap),
-                       block_q=key.block_q, block_k=key.block_k)
-            outs.append(o)
-            lses.append(l)
-        return merge_partials(outs, lses, q.dtype)
+    cfg = stages_cfg(key, hkv, scale, float(softcap))
 
     def compute_body(q, k, v, bufs, arrays):
-        arrays = mine(arrays)
+        # magi_attention's own forward and backward code, with the remote KV given.
+        arrays = tuple(mine(arrays))
+        kv = jnp.concatenate([k, v], axis=-2)
+        given = dict(zip(remote, bufs))
+
+        def fetch(i):
+            kk, vv = given[i][:, :hkv], given[i][:, hkv:]
+            if cfg.stages[i].combined:
+                kk, vv = jnp.concatenate([k, kk]), jnp.concatenate([v, vv])
+            return kk, vv
+
+        (out, lse), _ = stages_forward(q, kv, arrays, cfg, fetch)
         if not backward:
-            return stage_compute(q, k, v, bufs, arrays)
-        (out, lse), vjp = jax.vjp(lambda *a: stage_compute(*a, arrays), q, k, v, bufs)
-        return vjp((out, jnp.zeros_like(lse)))
+            return out, lse
+        dbufs = {}
+
+        def send_back(i, rows):
+            dbufs[i] = rows
+            return jnp.zeros((kv.shape[0],) + rows.shape[1:], jnp.float32)
+
+        dq, dkv = stages_backward(q, kv, arrays, cfg, out, lse, (out, jnp.zeros_like(lse)),
+                                  fetch, send_back)
+        return (dq.astype(q.dtype), dkv[:, :hkv].astype(k.dtype), dkv[:, hkv:].astype(v.dtype),
+                tuple(dbufs[i] for i in remote))
 
     num_out = len(remote) * (2 if backward else 1)
     comm = jax.jit(jax.shard_map(comm_body, mesh=key.mesh, in_specs=(spec, spec, arr_specs),
