@@ -88,6 +88,7 @@ class _Config:
     head_major: bool = False
     smem_items: bool = False
     k_wait_under_pv: bool = False
+    persistent: int = 0
 
 
 def _pad_rows(x, multiple):
@@ -107,7 +108,7 @@ def _forward(q, k, v, plan: KernelPlanArrays, cfg: _Config):
                                          fused_acc=cfg.fused_acc, fma_softmax=cfg.fma_softmax,
                                          head_major=cfg.head_major, smem_items=cfg.smem_items,
                                          k_wait_under_pv=cfg.k_wait_under_pv,
-                                         interpret=cfg.interpret))
+                                         persistent=cfg.persistent, interpret=cfg.interpret))
     return out[:, :tq], lse_bht[:, :, :tq]
 
 
@@ -153,7 +154,7 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
                interpret: bool = False, num_stages: int = 2, dq_num_stages: int = 2,
                dkv_num_stages: int = 2, fused_acc: bool = True, fma_softmax: bool = False,
                head_major: bool = False, smem_items: bool = False,
-               k_wait_under_pv: bool = False):
+               k_wait_under_pv: bool = False, persistent: int = 0):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
     q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64 or 128); ``plan`` from
@@ -169,12 +170,14 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
     :func:`magi_jax.pallas.common.launch_grid`); forward only: ``smem_items``: the producer
     warpgroup copies each work item's fields into a shared-memory ring beside its K tile, so
     the consumers do no global loads per item; ``k_wait_under_pv``: the consumers wait for
-    the next K tile underneath the P·V wgmma rather than at the top of the step. The last
-    four are not measured on a GPU yet."""
+    the next K tile underneath the P·V wgmma rather than at the top of the step;
+    ``persistent``: 0 (one program per q-tile and head) or the number of programs (the SM
+    count) that walk the (q-tile, batch, head) units in launch order, the K/V pipeline running
+    on across units. The last five are not measured on a GPU yet."""
     cfg = _Config(float(softmax_scale), float(softcap), bool(interpret), int(num_stages),
                   int(dq_num_stages), int(dkv_num_stages), bool(fused_acc),
                   bool(fma_softmax), bool(head_major), bool(smem_items),
-                  bool(k_wait_under_pv))
+                  bool(k_wait_under_pv), int(persistent))
     plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     if q.ndim == 3:
         out, lse = _ffa(q[None], k[None], v[None], plan, cfg)

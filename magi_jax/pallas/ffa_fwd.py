@@ -49,11 +49,19 @@ class FwdConfig:
     # Wait for the next item's K tile underneath the P·V wgmma of this one (as jax's
     # attention_mgpu does) instead of at the top of the next step. Unmeasured knob.
     k_wait_under_pv: bool = False
+    # 0: one program per (q-tile, batch, head). N > 0: N programs (the SM count, 132 on an
+    # H200), program p walking units p, p + N, ... of the launch order of :func:`launch_grid`
+    # (heaviest tile first); the K/V ring runs on across units, so the producer streams the
+    # next unit's first tiles while the consumers finish the last one. Unmeasured knob.
+    persistent: int = 0
     interpret: bool = False
 
     def __post_init__(self):
         if self.num_stages < 1:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+        if self.persistent < 0:
+            raise ValueError(f"persistent={self.persistent} must be >= 0 (0: off, else the "
+                             "number of programs, e.g. the SM count)")
         if self.softcap < 0:
             raise ValueError(f"softcap={self.softcap} must be >= 0")
 
@@ -73,6 +81,10 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
     dtype = q.dtype
     bq, bk, stages = _WG_ROWS, FWD_BLOCK_K, cfg.num_stages
     softcap = cfg.softcap
+    # A unit is one (q-tile, batch, head); persistent programs walk units in launch order.
+    num_units = num_tiles * b * hq
+    persistent = cfg.persistent > 0
+    num_progs = min(cfg.persistent, num_units)
     # Scores are kept in the log2 domain: s2 = S·log2(e), so exp2 needs one FMA.
     s2_scale = cfg.scale * LOG2E if not softcap else cfg.scale / softcap
 
@@ -83,159 +95,202 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
         item_smem = extra.pop(0) if cfg.smem_items else None
         p_stage = extra.pop(0) if cfg.interpret else None
         wg = lax.axis_index("wg")
-        tile = order_ref[lax.axis_index("tile")]
-        batch = lax.axis_index("batch")
-        head = lax.axis_index("head")
-        first = off_ref[tile]
-        num_items = off_ref[tile + 1] - first
 
         def schedule_barrier():
             plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(schedule)
 
-        def item_fields(i, slot):
-            """The item's (k-tile, 6 geometry fields, full flag). From the shared-memory ring
-            only once the slot's K barrier has been passed, and before K's release (the
-            producer refills both after it)."""
-            if item_smem is not None:
-                return tuple(item_smem[slot, 0, f] for f in range(NUM_FIELDS))
-            return tuple(items_ref[first + i, f] for f in range(NUM_FIELDS))
+        def slot_of(g):
+            return lax.rem(g, jnp.int32(stages))
+
+        def unit_coords(u):
+            """(q-tile, batch, head) of the ``u``-th unit of the launch order."""
+            if cfg.head_major:
+                rank, rest = lax.rem(u, jnp.int32(num_tiles)), lax.div(u, jnp.int32(num_tiles))
+                batch, head = lax.rem(rest, jnp.int32(b)), lax.div(rest, jnp.int32(b))
+            else:
+                head, rest = lax.rem(u, jnp.int32(hq)), lax.div(u, jnp.int32(hq))
+                batch, rank = lax.rem(rest, jnp.int32(b)), lax.div(rest, jnp.int32(b))
+            return order_ref[rank], batch, head
+
+        def for_units(body):
+            """Runs ``body(tile, batch, head, base) -> base`` over this program's units;
+            ``base`` counts the items walked before, so the ring's slots and barrier phases
+            carry on across units. Returns the program's item count."""
+            if not persistent:
+                # base: a Python 0 (a captured array constant does not lower inside loops).
+                return body(order_ref[lax.axis_index("tile")], lax.axis_index("batch"),
+                            lax.axis_index("head"), 0)
+            prog = lax.axis_index("prog")
+            my_units = lax.div(num_units - prog + num_progs - 1, jnp.int32(num_progs))
+            return lax.fori_loop(
+                0, my_units,
+                lambda j, base: body(*unit_coords(prog + j * num_progs), base), jnp.int32(0))
 
         @pl.when(wg < _COMPUTE_WGS)
         def consumer():
             plgpu.set_max_registers(232, action="increase")
-            row0 = tile * FWD_BLOCK_Q + wg * bq
             my_q = q_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, bq), head], my_q,
-                                    q_ready.at[wg])
-            plgpu.barrier_wait(q_ready.at[wg])
             layout = plgpu.Layout.WGMMA
             row_layout = plgpu.Layout.WGMMA.reduce(1)
-            m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
-            l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
-            acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), layout)
-            if cfg.k_wait_under_pv:
-                pl.when(num_items > 0)(lambda: plgpu.barrier_wait(k_ready.at[0]))
-            pl.when(wg == 1)(schedule_barrier)
 
-            def wait_next_k(i):
-                nxt = i + 1
+            def unit(tile, batch, head, base):
+                first = off_ref[tile]
+                num_items = off_ref[tile + 1] - first
+                row0 = tile * FWD_BLOCK_Q + wg * bq
+                plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, bq), head], my_q,
+                                        q_ready.at[wg])
+                plgpu.barrier_wait(q_ready.at[wg])
+                m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
+                l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
+                acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), layout)
+                if cfg.k_wait_under_pv:
+                    pl.when(num_items > 0)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(base)]))
+                pl.when(wg == 1)(schedule_barrier)
 
-                @pl.when(nxt < num_items)
-                def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
+                def item_fields(i, slot):
+                    """The item's (k-tile, 6 geometry fields, full flag). From the ring only
+                    once the slot's K barrier has been passed, and before K's release (the
+                    producer refills both after it)."""
+                    if item_smem is not None:
+                        return tuple(item_smem[slot, 0, f] for f in range(NUM_FIELDS))
+                    return tuple(items_ref[first + i, f] for f in range(NUM_FIELDS))
 
-            def step(i, carry):
-                acc, m_i, l_i = carry
-                slot = lax.rem(i, jnp.int32(stages))
-                if item_smem is None:
-                    fields = item_fields(i, slot)
-                if not cfg.k_wait_under_pv:
-                    plgpu.barrier_wait(k_ready.at[slot])
-                if item_smem is not None:
-                    fields = item_fields(i, slot)
-                ktile, geom, full = fields[0], fields[1:7], fields[7]
+                def wait_next_k(i):
+                    nxt = i + 1
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].T)
-                    schedule_barrier()
-                    return acc_ref[...]
+                    @pl.when(nxt < num_items)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[slot_of(base + nxt)])
 
-                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
-                exp_scale = None   # the scale still to apply inside exp2
-                if softcap:
-                    s = jnp.tanh(s * s2_scale) * (softcap * LOG2E)
-                elif cfg.fma_softmax:
-                    exp_scale = s2_scale
-                else:
-                    s = s * s2_scale
+                def step(i, carry):
+                    acc, m_i, l_i = carry
+                    slot = slot_of(base + i)
+                    if item_smem is None:
+                        fields = item_fields(i, slot)
+                    if not cfg.k_wait_under_pv:
+                        plgpu.barrier_wait(k_ready.at[slot])
+                    if item_smem is not None:
+                        fields = item_fields(i, slot)
+                    ktile, geom, full = fields[0], fields[1:7], fields[7]
 
-                def masked():
-                    keep = tile_predicate(geom, row0, ktile * bk, (bq, bk), layout)
-                    return jnp.where(keep, s, -jnp.inf)
-
-                s = lax.cond(full != 0, lambda: s, masked)
-                row_max = s.max(axis=1)
-                m_new = jnp.maximum(m_i, row_max if exp_scale is None else row_max * exp_scale)
-                # Rows with no cell yet keep m = -inf; use 0 there so exp2 gives 0, not NaN.
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                alpha = jnp.exp2(m_i - m_use)
-                m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
-                p = jnp.exp2(s - m_b if exp_scale is None else s * exp_scale - m_b)
-                fused = cfg.fused_acc and not cfg.interpret
-                p16 = p.astype(dtype)
-                l_i = l_i * alpha + p.sum(axis=1)
-                if fused:
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    acc, l_i, p16 = lax.optimization_barrier((acc, l_i, p16))
-                plgpu.barrier_wait(v_ready.at[slot])
-                schedule_barrier()
-                if fused:
-                    def pv_into(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                        if cfg.k_wait_under_pv:
-                            wait_next_k(i)
-
-                    acc = pl.run_state(pv_into)(plgpu.ACC.init(acc))
-                else:
-                    def pv(acc_ref):
-                        mma_lhs(acc_ref, p16, v_smem.at[slot],
-                                None if p_stage is None else p_stage.at[wg])
-                        if cfg.k_wait_under_pv:
-                            wait_next_k(i)
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].T)
+                        schedule_barrier()
                         return acc_ref[...]
 
-                    o = pl.run_scoped(pv, plgpu.ACC((bq, d), jnp.float32))
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l_i
+                    s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    exp_scale = None   # the scale still to apply inside exp2
+                    if softcap:
+                        s = jnp.tanh(s * s2_scale) * (softcap * LOG2E)
+                    elif cfg.fma_softmax:
+                        exp_scale = s2_scale
+                    else:
+                        s = s * s2_scale
 
-            acc, m_i, l_i = lax.fori_loop(0, num_items, step, (acc, m_i, l_i))
-            pl.when(wg == 0)(schedule_barrier)
-            seen = l_i > 0
-            inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
-            acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-            lse = jnp.where(seen, (m_i + jnp.log2(jnp.where(seen, l_i, 1.0))) * LN2,
-                            -jnp.inf)
-            my_q[...] = acc.astype(dtype)
-            lse_smem[wg] = lse
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_q, out_ref.at[batch, pl.ds(row0, bq), head])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(row0, bq)])
+                    def masked():
+                        keep = tile_predicate(geom, row0, ktile * bk, (bq, bk), layout)
+                        return jnp.where(keep, s, -jnp.inf)
+
+                    s = lax.cond(full != 0, lambda: s, masked)
+                    row_max = s.max(axis=1)
+                    m_new = jnp.maximum(m_i,
+                                        row_max if exp_scale is None else row_max * exp_scale)
+                    # Rows with no cell yet keep m = -inf; use 0 there so exp2 gives 0, not NaN.
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                    alpha = jnp.exp2(m_i - m_use)
+                    m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
+                    p = jnp.exp2(s - m_b if exp_scale is None else s * exp_scale - m_b)
+                    fused = cfg.fused_acc and not cfg.interpret
+                    p16 = p.astype(dtype)
+                    l_i = l_i * alpha + p.sum(axis=1)
+                    if fused:
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                        acc, l_i, p16 = lax.optimization_barrier((acc, l_i, p16))
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    schedule_barrier()
+                    if fused:
+                        def pv_into(acc_ref):
+                            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                            if cfg.k_wait_under_pv:
+                                wait_next_k(i)
+
+                        acc = pl.run_state(pv_into)(plgpu.ACC.init(acc))
+                    else:
+                        def pv(acc_ref):
+                            mma_lhs(acc_ref, p16, v_smem.at[slot],
+                                    None if p_stage is None else p_stage.at[wg])
+                            if cfg.k_wait_under_pv:
+                                wait_next_k(i)
+                            return acc_ref[...]
+
+                        o = pl.run_scoped(pv, plgpu.ACC((bq, d), jnp.float32))
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m_new, l_i
+
+                acc, m_i, l_i = lax.fori_loop(0, num_items, step, (acc, m_i, l_i))
+                pl.when(wg == 0)(schedule_barrier)
+                seen = l_i > 0
+                inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
+                acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+                lse = jnp.where(seen, (m_i + jnp.log2(jnp.where(seen, l_i, 1.0))) * LN2,
+                                -jnp.inf)
+                my_q[...] = acc.astype(dtype)
+                lse_smem[wg] = lse
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(my_q, out_ref.at[batch, pl.ds(row0, bq), head])
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                                        lse_ref.at[batch, head, pl.ds(row0, bq)])
+                if persistent:
+                    # The next unit's Q lands in my_q: let the stores read it out first.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                return base + num_items
+
+            for_units(unit)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == _COMPUTE_WGS)
         def producer():
             plgpu.set_max_registers(40, action="decrease")
-            kv_head = lax.div(head, jnp.int32(group))
 
-            @pl.loop(0, num_items)
-            def _(i):
-                slot = lax.rem(i, jnp.int32(stages))
-                ktile = items_ref[first + i, 0]
-                src = (batch, pl.ds(ktile * bk, bk), kv_head)
+            def unit(tile, batch, head, base):
+                first = off_ref[tile]
+                num_items = off_ref[tile + 1] - first
+                kv_head = lax.div(head, jnp.int32(group))
 
-                @pl.when(i >= stages)
-                def _():
-                    plgpu.barrier_wait(k_free.at[slot])
+                @pl.loop(0, num_items)
+                def _(i):
+                    g = base + i
+                    slot = slot_of(g)
+                    ktile = items_ref[first + i, 0]
+                    src = (batch, pl.ds(ktile * bk, bk), kv_head)
 
-                if item_smem is not None:
-                    plgpu.copy_gmem_to_smem(items_ref.at[pl.ds(first + i, 1)],
-                                            item_smem.at[slot], k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_ready.at[slot])
+                    @pl.when(g >= stages)
+                    def _():
+                        plgpu.barrier_wait(k_free.at[slot])
 
-                @pl.when(i >= stages)
-                def _():
-                    plgpu.barrier_wait(v_free.at[slot])
+                    if item_smem is not None:
+                        plgpu.copy_gmem_to_smem(items_ref.at[pl.ds(first + i, 1)],
+                                                item_smem.at[slot], k_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_ready.at[slot])
 
-                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_ready.at[slot])
+                    @pl.when(g >= stages)
+                    def _():
+                        plgpu.barrier_wait(v_free.at[slot])
+
+                    plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_ready.at[slot])
+
+                return base + num_items
+
+            total = for_units(unit)
 
             # Drain: observe the release of the last slots, so every barrier phase is seen
             # before the shared memory is given back.
-            @pl.loop(lax.max(num_items - stages, jnp.int32(0)), num_items)
-            def _(i):
-                slot = lax.rem(i, jnp.int32(stages))
+            @pl.loop(lax.max(total - stages, jnp.int32(0)), total)
+            def _(g):
+                slot = slot_of(g)
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
 
@@ -262,7 +317,8 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
         kernel,
         out_type=out_shape,
         scratch_types=scratch,
-        **dict(zip(("grid", "grid_names"), launch_grid(num_tiles, b, hq, cfg.head_major))),
+        **(dict(grid=(num_progs,), grid_names=("prog",)) if persistent else
+           dict(zip(("grid", "grid_names"), launch_grid(num_tiles, b, hq, cfg.head_major)))),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
         # The row reductions of the WGMMA layout stay inside a warp, so they need none of the

@@ -141,8 +141,8 @@ def test_stacked_per_rank_plans():
         np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
 
 
-def _forward_only(mask, dtype, hq, hkv, d, seed, **tuning):
-    q, k, v, _, _ = random_inputs(jax.random.key(seed), mask, hq, hkv, d, dtype)
+def _forward_only(mask, dtype, hq, hkv, d, seed, batch=None, **tuning):
+    q, k, v, _, _ = random_inputs(jax.random.key(seed), mask, hq, hkv, d, dtype, batch)
     out, lse = flex_flash_attention_pallas(q, k, v, mask, interpret=True, **tuning)
     assert_matches_reference(dict(out=out, lse=lse), q, k, v, mask)
     return np.asarray(out, np.float32), np.asarray(lse)
@@ -151,7 +151,7 @@ def _forward_only(mask, dtype, hq, hkv, d, seed, **tuning):
 # The forward's pipeline knobs, each in at least one set, over 2 and 3 slots (3 fit D = 128
 # only without the reduction scratch). Forward only: the backward kernels ignore them.
 _FWD_KNOBS = [dict(smem_items=True, k_wait_under_pv=True),
-              dict(smem_items=True, num_stages=3, fma_softmax=True)]
+              dict(smem_items=True, num_stages=3, fma_softmax=True, persistent=1)]
 
 
 # Like IRREGULAR, but q-tiles walk 10 and 6 items (several per k-tile): more than the slots
@@ -168,6 +168,15 @@ def test_forward_pipeline_knobs(tuning):
     assert np.isneginf(lse[190:]).all()
     out, _ = _forward_only(EMPTY_TILES, jnp.float16, 1, 1, 128, 6, **tuning)
     assert (out[128:256] == 0).all()
+
+
+@pytest.mark.parametrize("head_major", [False, True])
+def test_forward_persistent_units(head_major):
+    """Persistent programs: 8 units (2 q-tiles x batch 2 x 2 heads) over 3 programs, in
+    either launch order; the K/V ring and its barriers carry on across units."""
+    out, lse = _forward_only(WIDE, jnp.bfloat16, 2, 1, 64, 7, batch=2, persistent=3,
+                             head_major=head_major, k_wait_under_pv=True)
+    assert np.isneginf(lse[:, 190:]).all() and (out[:, 190:] == 0).all()
 
 
 @pytest.mark.parametrize("d", [64, 128])
