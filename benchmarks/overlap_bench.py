@@ -35,7 +35,7 @@ from benchmarks.dist_bench import versions  # noqa: E402
 from benchmarks.kernel_bench import make_mask  # noqa: E402
 from benchmarks.baselines.common import pick_backend  # noqa: E402
 from magi_jax.sharding import make_flex_key  # noqa: E402
-from magi_jax.sharding.probe import measure_overlap  # noqa: E402
+from magi_jax.sharding.probe import measure_overlap, overlap_probe  # noqa: E402
 
 
 def _parse(argv):
@@ -50,8 +50,35 @@ def _parse(argv):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=240.0)
+    p.add_argument("--schedule", action="store_true",
+                   help="also write the order in which XLA scheduled the collectives and the "
+                        "FFA kernels of magi_attention (<out>/overlap_..._schedule.txt)")
     p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
     return p.parse_args(argv)
+
+
+_SCHEDULE_OPS = ("collective-permute", "all-to-all", "custom-call", "all-gather",
+                 "reduce-scatter")
+
+
+def schedule(key, q, k, v, backward: bool) -> list[str]:
+    """The entry computation of the compiled ``magi_attention`` (forward, or its VJP) in
+    XLA's schedule order, kept to collectives and custom calls (the FFA kernels): shows
+    whether a collective's start and done bracket a kernel, i.e. whether overlap is possible."""
+    fns = overlap_probe(key, q, k, v, backward=backward)
+    text = fns["both"].lower(q, k, v).compile().as_text()
+    lines, entry = [], False
+    for line in text.splitlines():
+        entry = entry or line.startswith("ENTRY")
+        if entry and "=" in line and any(op in line for op in _SCHEDULE_OPS):
+            lhs, rhs = line.strip().split("=", 1)
+            op = rhs.split("(", 1)[0].split()[-1]
+            target = rhs.split('custom_call_target="', 1)[1].split('"')[0] if (
+                "custom_call_target" in rhs) else ""
+            lines.append(f"{lhs.strip()} = {op} {target}".rstrip())
+        if entry and line.startswith("}"):
+            break
+    return lines
 
 
 def markdown(meta, rows) -> str:
@@ -92,7 +119,7 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     base = os.path.join(a.out, f"overlap_{stamp.strftime('%Y%m%d_%H%M')}_"
                         f"{meta['device'].replace(' ', '_')}")
-    rows = []
+    rows, sched = [], []
     shard = NamedSharding(mesh, P("cp"))
     for name in a.masks.split(","):
         for total in (int(x) for x in a.lengths.split(",")):
@@ -119,12 +146,19 @@ def main(argv=None):
                                 kk, (n, a.heads, a.head_dim), dtype), shard) for kk in ks)
                             row.update(measure_overlap(key, q, k, v, backward=mode != "fwd",
                                                        iters=a.iters))
+                            if a.schedule:
+                                sched.append(f"## {name} {total} {mode} degree {degree} "
+                                             f"refetch {refetch}")
+                                sched += schedule(key, q, k, v, mode != "fwd")
                         except Exception as e:
                             traceback.print_exc()
                             row["error"] = repr(e)[:300]
                         print(f"[{time.perf_counter() - t_start:.0f}s] {row}", flush=True)
                         with open(base + ".json", "w") as f:
                             json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    if sched:
+        with open(base + "_schedule.txt", "w") as f:
+            f.write("\n".join(sched) + "\n")
     md = markdown(meta, rows)
     with open(base + ".md", "w") as f:
         f.write(md)
