@@ -27,9 +27,12 @@
 // (the ack round trip of the previous call is then off the critical path), otherwise until
 // every PE acknowledged e - 1. Epochs and regions are host state that every process of an
 // SPMD program advances identically (same calls, same shapes), so they agree without
-// talking. Flags are shared by all calls: a flag of chunk c reads >= e only after the sender
-// has written chunk c of call e (calls are ordered on the sender's stream), so a receiver of
-// call e that sees a later epoch still finds its rows.
+// talking. Each region has its own bank of flags. A receiver in call e waits for flag c >= e;
+// the only writes of a value >= e to that flag before it finishes call e are call e's own:
+// the next call that uses the same bank waits for this receiver's ack of e (the next call in
+// the same region does, being not disjoint; the one after waits for e anyway). Senders
+// raise flags only for chunks that hold a real row, i.e. ones the receiver waits for, so no
+// flag write of an old call can land late over a newer value.
 // No host synchronisation anywhere: the host only picks the region, bumps the epoch and
 // launches the kernel on XLA's stream. A wait that exceeds the timeout prints which
 // peer/flag it waited for and traps (the JAX program then fails) instead of hanging.
@@ -69,8 +72,8 @@ struct Context {
   int me = 0, npes = 0;
   char* stage = nullptr;  // symmetric staging rows
   size_t stage_bytes = 0;
-  uint64_t* flags = nullptr;  // symmetric [n_flags]: chunk arrival, value = epoch
-  size_t n_flags = 0;
+  uint64_t* flags = nullptr;  // symmetric [2][n_flags / 2]: chunk arrival, value = epoch;
+  size_t n_flags = 0;         // bank 0 for calls at the bottom of staging, bank 1 at the top
   uint64_t* acks = nullptr;  // symmetric [npes]: acks[q] = last epoch q finished reading
   unsigned int* done = nullptr;  // device counter of finished receive blocks
   uint64_t epoch = 0;            // host: native collectives enqueued so far
@@ -110,7 +113,7 @@ struct Plan {
   int64_t timeout_ns;
   char* stage;        // symmetric base (the same address on every PE)
   int64_t stage_off;  // this call's region inside it
-  uint64_t* flags;
+  uint64_t* flags;    // this call's bank of flags (one bank per staging region)
   uint64_t* acks;
   unsigned int* done;
 };
@@ -232,6 +235,14 @@ __device__ void SendChunks(const Plan& P, const char* data, const int32_t* src_o
     const int peer = P.send_to[j];
     const int64_t p0 = static_cast<int64_t>(c - P.chunk_base[j]) * P.R;
     const int64_t p1 = min(static_cast<int64_t>(P.widths[j]), p0 + P.R);
+    // A chunk with no real row (padding of a slot that is wider on another rank) is neither
+    // written nor flagged: every flag raised is then one the receiver waits for within this
+    // call, so no flag write of this call can land after the receiver moved on.
+    bool any = false;
+    for (int64_t p = p0 + threadIdx.x; p < p1 && !any; p += kThreads) {
+      any = src_of[j * P.S + p] >= 0;
+    }
+    if (!__syncthreads_or(any)) continue;
     if (threadIdx.x == 0) {
       char* base = P.mode == kPull ? P.stage : static_cast<char*>(nvshmem_ptr(P.stage, peer));
       dst_region = base ? base + P.stage_off : nullptr;
@@ -477,7 +488,7 @@ ffi::ErrorOr<std::unique_ptr<CollectiveState>> Instantiate(
         st->chunk_base[j] + static_cast<int>((widths[j] + st->rows_per_chunk - 1) /
                                              st->rows_per_chunk);
   }
-  if (static_cast<size_t>(st->chunk_base[st->n]) > g.n_flags) {
+  if (static_cast<size_t>(st->chunk_base[st->n]) > g.n_flags / 2) {
     return ffi::Error::InvalidArgument("magi_jax native: more chunks than flags");
   }
   return ffi::ErrorOr<std::unique_ptr<CollectiveState>>(std::move(st));
@@ -529,7 +540,9 @@ Plan MakePlan(const CollectiveState& st, bool reverse, int64_t row_bytes) {
   P.timeout_ns = st.timeout_ns;
   P.stage = g.stage;
   P.stage_off = lo;
-  P.flags = g.flags;
+  // The two regions have their own flags: a later call in the other region (which may run
+  // while this one is still being received) never writes a flag this call waits for.
+  P.flags = g.flags + (top ? g.n_flags / 2 : 0);
   P.acks = g.acks;
   P.done = g.done;
   return P;

@@ -398,13 +398,14 @@ def _cuda_attrs(spec, n_rows_per_slot, row_bytes):
     t = cuda_tuning()
     total = max(1, sum(spec.widths))
     # Chunks of ~chunk_kib, but at least one per send block when the cast is small, and no
-    # more than there are flags.
+    # more than one bank of flags holds (the kernels use a bank per staging region).
+    bank = _FLAG_CAPACITY // 2
     chunk_rows = max(1, t.chunk_kib * 1024 // max(1, row_bytes))
     rows_per_chunk = max(1, min(chunk_rows, -(-total // t.send_blocks)),
-                         -(-total // (_FLAG_CAPACITY - len(spec.widths))))
+                         -(-total // (bank - len(spec.widths))))
     chunks = sum(-(-w // rows_per_chunk) for w in spec.widths)
-    if chunks > _FLAG_CAPACITY:
-        raise ValueError(f"native collective needs {chunks} flags (> {_FLAG_CAPACITY})")
+    if chunks > bank:
+        raise ValueError(f"native collective needs {chunks} flags (> {bank})")
     return dict(widths=np.asarray(spec.widths, np.int64), slot_len=np.int64(n_rows_per_slot),
                 rows_per_chunk=np.int64(rows_per_chunk), send_blocks=np.int64(t.send_blocks),
                 recv_blocks=np.int64(t.recv_blocks), mode=np.int64(_MODES[t.mode]),
