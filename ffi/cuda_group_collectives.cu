@@ -221,20 +221,25 @@ __device__ __forceinline__ int SlotOfChunk(const Plan& P, int c) {
 __device__ void SendChunks(const Plan& P, const char* data, const int32_t* src_of) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __shared__ char* dst_region;  // this chunk's destination region (peer's or own staging)
-  if (threadIdx.x == 0) {
-    // Every PE must have finished reading the staging this call overwrites: in push mode
-    // the peer reads its own staging, in pull mode the peers read ours. Waiting for all PEs
-    // covers both, and tables whose senders change from call to call.
-    for (int q = 0; q < P.cp; ++q) {
-      WaitAtLeast(P.acks + q, P.ack_wait, P.timeout_ns, "acknowledgement", q, 0);
-    }
-  }
-  __syncthreads();
+  bool first = true;
   for (int c = blockIdx.x; c < P.chunk_base[P.n]; c += P.send_blocks) {
     const int j = SlotOfChunk(P, c);
     const int peer = P.send_to[j];
     const int64_t p0 = static_cast<int64_t>(c - P.chunk_base[j]) * P.R;
     const int64_t p1 = min(static_cast<int64_t>(P.widths[j]), p0 + P.R);
+    if (threadIdx.x == 0) {
+      if (first) {
+        // Every PE must have finished reading the staging this call overwrites: in push
+        // mode the peer reads its own staging, in pull mode the peers read ours. Waiting
+        // for all PEs covers both, and tables whose senders change from call to call.
+        for (int q = 0; q < P.cp; ++q) {
+          WaitAtLeast(P.acks + q, P.ack_wait, P.timeout_ns, "acknowledgement", q, 0);
+        }
+      }
+      char* base = P.mode == kPull ? P.stage : static_cast<char*>(nvshmem_ptr(P.stage, peer));
+      dst_region = base ? base + P.stage_off : nullptr;
+    }
+    first = false;
     // A chunk with no real row (padding of a slot that is wider on another rank) is neither
     // written nor flagged: every flag raised is then one the receiver waits for within this
     // call, so no flag write of this call can land after the receiver moved on.
@@ -242,12 +247,8 @@ __device__ void SendChunks(const Plan& P, const char* data, const int32_t* src_o
     for (int64_t p = p0 + threadIdx.x; p < p1 && !any; p += kThreads) {
       any = src_of[j * P.S + p] >= 0;
     }
+    // This barrier also publishes dst_region and orders every store below after the wait.
     if (!__syncthreads_or(any)) continue;
-    if (threadIdx.x == 0) {
-      char* base = P.mode == kPull ? P.stage : static_cast<char*>(nvshmem_ptr(P.stage, peer));
-      dst_region = base ? base + P.stage_off : nullptr;
-    }
-    __syncthreads();
     char* dst = dst_region;
     if (dst != nullptr) {
       if ((P.row_bytes & 15) == 0 && Aligned16(dst) && Aligned16(data)) {
