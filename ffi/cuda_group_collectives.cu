@@ -60,6 +60,7 @@ constexpr int kMaxSlots = 64;
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 4;       // 16-byte units in flight per thread in a block copy
+constexpr int kWarpUnroll = 8;   // 16-byte units in flight per lane in a warp copy
 constexpr int kRowsPerWarp = 4;  // at most this many consecutive rows per receiving warp
 constexpr int64_t kRegionAlign = 256;
 enum Mode : int { kPush = 0, kPull = 1 };
@@ -150,20 +151,26 @@ __device__ __forceinline__ bool Aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
-// Copies `bytes` from src to dst with one warp (16-byte accesses when aligned). src is
-// staging written by this or another GPU during the kernel: loads bypass L1 (ld.global.cg).
+// Copies `bytes` from src to dst with one warp (16-byte accesses when aligned), up to
+// kWarpUnroll loads in flight per lane: a row of up to 4 KiB is one round trip (in pull mode
+// the loads cross NVLink). src is staging written by this or another GPU during the kernel:
+// loads bypass L1 (ld.global.cg).
 __device__ __forceinline__ void WarpCopy(char* dst, const char* src, int64_t bytes, int lane) {
   if ((bytes & 15) == 0 && Aligned16(dst) && Aligned16(src)) {
     const int4* s = reinterpret_cast<const int4*>(src);
     int4* d = reinterpret_cast<int4*>(dst);
-    int64_t n = bytes >> 4;
-    int64_t i = lane;
-    for (; i + 96 < n; i += 128) {  // 4 loads in flight per lane
-      int4 a = __ldcg(s + i), b = __ldcg(s + i + 32), c = __ldcg(s + i + 64),
-           e = __ldcg(s + i + 96);
-      d[i] = a; d[i + 32] = b; d[i + 64] = c; d[i + 96] = e;
+    const int64_t n = bytes >> 4;
+    for (int64_t i = lane; i < n; i += kWarpUnroll * 32) {
+      int4 v[kWarpUnroll];
+#pragma unroll
+      for (int k = 0; k < kWarpUnroll; ++k) {
+        if (i + k * 32 < n) v[k] = __ldcg(s + i + k * 32);
+      }
+#pragma unroll
+      for (int k = 0; k < kWarpUnroll; ++k) {
+        if (i + k * 32 < n) d[i + k * 32] = v[k];
+      }
     }
-    for (; i < n; i += 32) d[i] = __ldcg(s + i);
   } else {
     volatile const char* s = src;
     for (int64_t i = lane; i < bytes; i += 32) dst[i] = s[i];
@@ -318,8 +325,9 @@ __device__ void Acknowledge(const Plan& P, int recv_blocks) {
   }
 }
 
+// Checked by the last block (a receiving one, which waits anyway), off the senders' path.
 __device__ void CheckRank(const Plan& P, const int32_t* where) {
-  if (blockIdx.x == 0 && threadIdx.x == 0 && where[0] != P.me) {
+  if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0 && where[0] != P.me) {
     printf("magi_jax native: this process is NVSHMEM PE %d but rank %d of the cp axis; "
            "the native transport needs rank r on process r\n", P.me, where[0]);
     __trap();
@@ -410,22 +418,45 @@ ReduceKernel(Plan P, const char* y, const int32_t* rinv, const int32_t* inv,
     const float* a = acc ? acc + t * F : nullptr;
     constexpr int V = 16 / sizeof(T);  // elements per 16-byte load
     if (F % V == 0) {
-      for (int64_t f = static_cast<int64_t>(lane) * V; f < F; f += 32 * V) {
-        float s[V];
+      // kUnroll 16-byte loads per slot in flight per lane (in pull mode they cross NVLink).
+      for (int64_t f0 = static_cast<int64_t>(lane) * V; f0 < F; f0 += 32 * V * kUnroll) {
+        float s[kUnroll][V];
 #pragma unroll
-        for (int k = 0; k < V; ++k) s[k] = a ? a[f + k] : 0.f;
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t f = f0 + u * 32 * V;
+#pragma unroll
+          for (int k = 0; k < V; k += 4) {
+            const float4 a4 = (a && f < F) ? *reinterpret_cast<const float4*>(a + f + k)
+                                           : make_float4(0.f, 0.f, 0.f, 0.f);
+            s[u][k] = a4.x; s[u][k + 1] = a4.y; s[u][k + 2] = a4.z; s[u][k + 3] = a4.w;
+          }
+        }
         for (int j = 0; j < P.n; ++j) {
           const int32_t p = my_inv[j];
           if (p < 0) continue;
           const T* row = reinterpret_cast<const T*>(staged[j]) + (j * P.S + p) * F;
-          int4 raw = __ldcg(reinterpret_cast<const int4*>(row + f));
-          const T* v = reinterpret_cast<const T*>(&raw);
+          int4 raw[kUnroll];
 #pragma unroll
-          for (int k = 0; k < V; ++k) s[k] += ToF32<T>(v[k]);
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t f = f0 + u * 32 * V;
+            raw[u] = f < F ? __ldcg(reinterpret_cast<const int4*>(row + f)) : make_int4(0, 0, 0, 0);
+          }
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const T* v = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+            for (int k = 0; k < V; ++k) s[u][k] += ToF32<T>(v[k]);
+          }
         }
 #pragma unroll
-        for (int k = 0; k < V; k += 4) {
-          *reinterpret_cast<float4*>(o + f + k) = make_float4(s[k], s[k + 1], s[k + 2], s[k + 3]);
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t f = f0 + u * 32 * V;
+          if (f >= F) continue;
+#pragma unroll
+          for (int k = 0; k < V; k += 4) {
+            *reinterpret_cast<float4*>(o + f + k) =
+                make_float4(s[u][k], s[u][k + 1], s[u][k + 2], s[u][k + 3]);
+          }
         }
       }
     } else {
