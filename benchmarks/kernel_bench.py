@@ -34,13 +34,26 @@ PERF_DOCS = (7040, 5376, 4352, 2560, 2816, 768, 1024, 512, 1792, 6528)
 ZOO = ("full", "causal", "doc_causal", "doc_full", "swa_causal_1024", "swa_causal_4096",
        "block_causal", "shared_question", "prefix_lm", "causal_blockwise")
 IMPLS = ("ffa_pallas", "ffa_xla", "cudnn", "tokamax", "xla_dense")
-# (mask, length, impls or None for --impls).
+# The forward knobs of the pallas kernel (kernel_notes.md, "Knobs in the code"): the forward
+# alone over each pipeline knob on top of the previous ones; the two knobs that also change
+# the backward kernels, fwd+bwd at full/causal 16k. persistent=132: one program per H200 SM.
+_PV = "ffa_pallas:k_wait_under_pv=1"
+_SI = _PV + ":smem_items=1"
+_ALL = _SI + ":num_stages=3:persistent=132:fma_softmax=1:head_major=1"
+_FWD_KNOB_IMPLS = ("ffa_pallas", _SI, _SI + ":num_stages=3", _SI + ":persistent=132",
+                   _SI + ":fma_softmax=1:head_major=1", _ALL)
+_BWD_KNOB_IMPLS = ("ffa_pallas", "ffa_pallas:head_major=1:fma_softmax=1:dkv_num_stages=3")
+# (mask, length, impls or None for --impls[, modes instead of --modes]).
 PRESETS = {
     # The acceptance lines of issue 3: full/causal 16k (B=2) and doc-causal 32k against the
     # anchors; every other zoo mask at 16k for FFA itself (ratio to its causal rate).
     "acceptance": [("full", 16384, None), ("causal", 16384, None), ("doc_causal", 32768, None)]
                   + [(m, 16384, ("ffa_pallas",)) for m in ZOO if m not in ("full", "causal")],
     "smoke": [("causal", 4096, None), ("doc_causal", 4096, None)],
+    "knobs": [(m, t, ("cudnn",) * (m != "doc_causal") + _FWD_KNOB_IMPLS, ("fwd",))
+              for m, t in (("full", 16384), ("causal", 16384), ("doc_causal", 16384),
+                           ("doc_causal", 32768))]
+             + [(m, 16384, _BWD_KNOB_IMPLS, ("fwd+bwd",)) for m in ("full", "causal")],
 }
 
 
@@ -228,7 +241,8 @@ def main(argv=None):
     modes = a.modes.split(",")
     dtype = jnp.dtype(a.dtype)
     kvh = a.kv_heads or a.heads
-    work = [(i, m, t) for m, t, only in cases for i in (only or impls)]
+    work = [(i, m, t, tuple(c[3]) if len(c) > 3 else modes)
+            for c in cases for m, t, only in [c[:3]] for i in (only or impls)]
     try:
         from tqdm import tqdm
         it = tqdm(work, file=sys.stderr)
@@ -251,12 +265,13 @@ def main(argv=None):
         with open(base + ".md", "w") as f:
             f.write(markdown(rows, meta))
 
-    for impl, name, total in it:
+    for impl, name, total, case_modes in it:
         if hasattr(it, "set_description"):
             it.set_description(f"{impl} {name} {total}")
         batch = max(1, a.tokens_per_batch // total)
         try:
-            rows += run_case(impl, name, total, batch, a.heads, kvh, a.head_dim, dtype, modes)
+            rows += run_case(impl, name, total, batch, a.heads, kvh, a.head_dim, dtype,
+                             case_modes)
         except NotImplementedError as e:
             rows.append(dict(impl=impl, mask=name, length=total, mode="-", skipped=str(e)))
         except Exception as e:  # keep the sweep going; record the failure

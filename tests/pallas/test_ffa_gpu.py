@@ -34,9 +34,11 @@ ZOO = {
 }
 
 
-def _check(mask, dtype=jnp.bfloat16, hq=4, hkv=4, d=128, batch=None, softcap=0.0, seed=0):
+def _check(mask, dtype=jnp.bfloat16, hq=4, hkv=4, d=128, batch=None, softcap=0.0, seed=0,
+           **tuning):
     q, k, v, dout, dlse = random_inputs(jax.random.key(seed), mask, hq, hkv, d, dtype, batch)
-    fn = lambda a, b, c: pallas.flex_flash_attention_pallas(a, b, c, mask, softcap=softcap)
+    fn = lambda a, b, c: pallas.flex_flash_attention_pallas(a, b, c, mask, softcap=softcap,
+                                                            **tuning)
     (out, lse), vjp = jax.vjp(fn, q, k, v)
     dq, dk, dv = vjp((dout, dlse))
     res = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
@@ -52,6 +54,13 @@ def test_zoo_bf16(name):
                                            (jnp.float16, 64, (8, 2)), (jnp.bfloat16, 128, (8, 1))])
 def test_dtypes_head_dims_gqa(dtype, d, heads):
     _check(ZOO["doc_causal"], dtype, hq=heads[0], hkv=heads[1], d=d)
+
+
+@pytest.mark.parametrize("mask_name", ["causal", "doc_causal"])
+def test_forward_knobs_all_on(mask_name):
+    """The unmeasured forward knobs together (they also run under the backward's VJP)."""
+    _check(ZOO[mask_name], hq=4, hkv=2, batch=2, smem_items=True, k_wait_under_pv=True,
+           num_stages=3, persistent=132, fma_softmax=True, head_major=True)
 
 
 def test_softcap_batch():
