@@ -211,30 +211,46 @@ def _fwd_and_fb(attn):
 
 
 def magi_nocomm_attention(q, k, v, key):
-    """magi_attention's per-rank stages and merge, with each remote KV buffer filled from
-    local rows instead of the group-cast: its compute and overheads without communication."""
-    from magi_jax.sharding.attention import merge_partials
-    from magi_jax.sharding.ffa_backends import get_backend
-    ffa = get_backend(key.ffa_backend).call
-    scale = q.shape[-1] ** -0.5
+    """magi_attention's per-rank stages, merge and backward (the same code), with each remote
+    KV buffer filled from local rows instead of the group-cast and the partial dK/dV of
+    remote stages dropped instead of group-reduced: its compute and overheads without
+    communication."""
+    from magi_jax.sharding.attention import stages_backward, stages_cfg, stages_forward
+    cfg = stages_cfg(key, q.shape[-1] ** -0.5, 0.0)
     spec = P(key.cp_axis)
 
+    def local_fetch(k, v):
+        def fetch(i):
+            stage = cfg.stages[i]
+            n = stage.kv_len - (k.shape[0] if stage.combined else 0)
+            rows = jnp.arange(n) % k.shape[0]
+            kb, vb = jnp.take(k, rows, axis=0), jnp.take(v, rows, axis=0)
+            if stage.combined:
+                return jnp.concatenate([k, kb]), jnp.concatenate([v, vb])
+            return kb, vb
+        return fetch
+
+    @jax.custom_vjp
+    def rank(q, k, v, arrays):
+        return stages_forward(q, (k, v), arrays, cfg, local_fetch(k, v))[0]
+
+    def rank_fwd(q, k, v, arrays):
+        (out, lse), _ = stages_forward(q, (k, v), arrays, cfg, local_fetch(k, v))
+        return (out, lse), (q, k, v, arrays, out, lse)
+
+    def rank_bwd(res, cts):
+        q, k, v, arrays, out, lse = res
+        drop = lambda i, rows: jax.tree.map(
+            lambda r: jnp.zeros((k.shape[0],) + r.shape[1:], jnp.float32), rows)
+        dq, (dk, dv) = stages_backward(q, (k, v), arrays, cfg, out, lse, cts,
+                                       local_fetch(k, v), drop)
+        return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+                jax.tree.map(lambda _: None, arrays))
+
+    rank.defvjp(rank_fwd, rank_bwd)
+
     def body(q, k, v, stage_arrays):
-        outs, lses = [], []
-        for stage, (ffa_arrays, _) in zip(key.stages, stage_arrays):
-            ffa_arrays = jax.tree.map(lambda x: x[0], ffa_arrays)
-            kk, vv = k, v
-            if stage.cast is not None:
-                n = stage.kv_len - (k.shape[0] if stage.combined else 0)
-                rows = jnp.arange(n) % k.shape[0]
-                kb, vb = jnp.take(k, rows, axis=0), jnp.take(v, rows, axis=0)
-                kk = jnp.concatenate([k, kb]) if stage.combined else kb
-                vv = jnp.concatenate([v, vb]) if stage.combined else vb
-            o, l = ffa(q, kk, vv, ffa_arrays, softmax_scale=scale, softcap=0.0,
-                       block_q=key.block_q, block_k=key.block_k)
-            outs.append(o)
-            lses.append(l)
-        return merge_partials(outs, lses, q.dtype)
+        return rank(q, k, v, tuple(jax.tree.map(lambda x: x[0], stage_arrays)))
 
     specs = jax.tree.map(lambda _: spec, key.stage_arrays)
     fn = jax.shard_map(body, mesh=key.mesh, in_specs=(spec, spec, spec, specs),

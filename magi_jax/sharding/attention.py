@@ -50,18 +50,16 @@ def merge_partials(outs, lses, dtype):
     return out.astype(dtype), merged_lse.astype(lses[0].dtype)
 
 
-def _stage_ffa(q, k_local, v_local, kv_local, ffa_arrays, cast_arrays, stage, key, scale,
-               softcap):
+def _stage_ffa(q, k_local, v_local, ffa_arrays, cast_arrays, stage, key, scale, softcap):
     ffa = get_backend(key.ffa_backend).call
-    hkv = k_local.shape[-2]
     seq = q.ndim - 3                                   # 1 with a leading batch axis
     if stage.cast is None:
         kk, vv = k_local, v_local
     else:
         # The cast moves rows of its first axis: put the sequence first for batched inputs.
-        buf = group_cast(jnp.moveaxis(kv_local, seq, 0), cast_arrays, stage.cast)
-        buf = jnp.moveaxis(buf, 0, seq)
-        kk, vv = buf[..., :hkv, :], buf[..., hkv:, :]
+        kk, vv = group_cast((jnp.moveaxis(k_local, seq, 0), jnp.moveaxis(v_local, seq, 0)),
+                            cast_arrays, stage.cast)
+        kk, vv = jnp.moveaxis(kk, 0, seq), jnp.moveaxis(vv, 0, seq)
         if stage.combined:
             kk = jnp.concatenate([k_local, kk], axis=seq)
             vv = jnp.concatenate([v_local, vv], axis=seq)
@@ -72,33 +70,36 @@ def _stage_ffa(q, k_local, v_local, kv_local, ffa_arrays, cast_arrays, stage, ke
                block_q=key.block_q, block_k=key.block_k)
 
 
-def _fetch(kv, cast_arrays, stage, hkv):
-    """A stage's K and V: the cast buffer (after the local KV for a combined stage)."""
-    buf = _cast(kv, cast_arrays, stage.cast)
-    kk, vv = buf[:, :hkv], buf[:, hkv:]
+def _fetch(kv, cast_arrays, stage):
+    """A stage's K and V: the cast buffers (after the local ``kv = (k, v)`` for a combined
+    stage)."""
+    kk, vv = _cast(kv, cast_arrays, stage.cast)
     if stage.combined:
-        kk = jnp.concatenate([kv[:, :hkv], kk])
-        vv = jnp.concatenate([kv[:, hkv:], vv])
+        kk, vv = jnp.concatenate([kv[0], kk]), jnp.concatenate([kv[1], vv])
     return kk, vv
+
+
+def _add(a, b):
+    return b if a is None else jax.tree.map(jnp.add, a, b)
 
 
 class _StagesCfg(NamedTuple):
     """Static configuration of one rank's stages (hashable: a custom-VJP static argument)."""
 
     backend: str
-    hkv: int
     kw: tuple                  # (("softmax_scale", s), ("softcap", c), ("block_q", ..), ..)
     stages: tuple
     refetch: bool
 
 
 def stages_forward(q, kv, stage_arrays, cfg: _StagesCfg, fetch):
-    """Every stage's FFA (``fetch(i)`` gives remote stage ``i``'s K, V) and the float32 merge
-    -> ``(out, lse)``, plus the KV each remote stage used (for a backward that keeps it)."""
-    be, kw, hkv = get_backend(cfg.backend), dict(cfg.kw), cfg.hkv
+    """Every stage's FFA on the local ``kv = (k, v)`` or on ``fetch(i)`` (remote stage
+    ``i``'s K, V) and the float32 merge -> ``(out, lse)``, plus the KV each remote stage used
+    (for a backward that keeps it)."""
+    be, kw = get_backend(cfg.backend), dict(cfg.kw)
     outs, lses, used = [], [], []
     for i, (stage, (ffa_arrays, _)) in enumerate(zip(cfg.stages, stage_arrays)):
-        kk, vv = (kv[:, :hkv], kv[:, hkv:]) if stage.cast is None else fetch(i)
+        kk, vv = kv if stage.cast is None else fetch(i)
         (o, l), _ = be.split_fwd(q, kk, vv, ffa_arrays, **kw)
         outs.append(o)
         lses.append(l)
@@ -113,33 +114,32 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
     final softmax's, restricted to the stage's keys, so the stages' dQ and dK/dV partials sum
     to the exact gradients (and the lse cotangent enters every stage's delta alike). Remote
     stages go first so their ``send_back(i, dkv_rows)`` (the group-reduce) can overlap the
-    host stage's backward. Returns ``dq`` and the local ``dkv`` (float32)."""
-    be, kw, hkv = get_backend(cfg.backend), dict(cfg.kw), cfg.hkv
+    host stage's backward. Returns ``dq`` and the local ``(dk, dv)`` (float32)."""
+    be, kw = get_backend(cfg.backend), dict(cfg.kw)
     saved = be.saved_from(out, lse)
-    t_loc = kv.shape[0]
+    t_loc = kv[0].shape[0]
     acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    up = lambda tree: jax.tree.map(lambda a: a.astype(acc), tree)
     dq, dkv = None, None
     order = sorted(range(len(cfg.stages)), key=lambda i: cfg.stages[i].cast is None)
     for i in order:
         stage, (ffa_arrays, _) = cfg.stages[i], stage_arrays[i]
-        kk, vv = (kv[:, :hkv], kv[:, hkv:]) if stage.cast is None else fetch(i)
+        kk, vv = kv if stage.cast is None else fetch(i)
         dq_i, dk_i, dv_i = be.split_bwd(saved, q, kk, vv, ffa_arrays, cts, **kw)
-        dq = dq_i.astype(acc) if dq is None else dq + dq_i.astype(acc)
-        rows = jnp.concatenate([dk_i, dv_i], axis=-2)
+        dq = _add(dq, dq_i.astype(acc))
+        rows = (dk_i, dv_i)
         if stage.cast is None:
-            part = rows.astype(acc)
-        else:
-            part = None
-            if stage.combined:
-                part, rows = rows[:t_loc].astype(acc), rows[t_loc:]
-            sent = send_back(i, rows)
-            part = sent if part is None else part + sent
-        dkv = part if dkv is None else dkv + part
+            dkv = _add(dkv, up(rows))
+            continue
+        if stage.combined:
+            dkv = _add(dkv, up((dk_i[:t_loc], dv_i[:t_loc])))
+            rows = (dk_i[t_loc:], dv_i[t_loc:])
+        dkv = _add(dkv, send_back(i, rows))
     return dq, dkv
 
 
 def _rank_fetch(kv, stage_arrays, cfg):
-    return lambda i: _fetch(kv, stage_arrays[i][1], cfg.stages[i], cfg.hkv)
+    return lambda i: _fetch(kv, stage_arrays[i][1], cfg.stages[i])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -162,28 +162,26 @@ def _rank_stages_bwd(cfg, res, cts):
     fetch = _rank_fetch(kv, stage_arrays, cfg) if kept is None else kept.__getitem__
 
     def send_back(i, rows):
-        return _reduce(rows, stage_arrays[i][1], cfg.stages[i].cast, kv.shape[0])
+        return _reduce(rows, stage_arrays[i][1], cfg.stages[i].cast, kv[0].shape[0])
 
     dq, dkv = stages_backward(q, kv, stage_arrays, cfg, out, lse, cts, fetch, send_back)
-    return (dq.astype(q.dtype), dkv.astype(kv.dtype),
+    return (dq.astype(q.dtype), jax.tree.map(lambda d, x: d.astype(x.dtype), dkv, kv),
             jax.tree.map(lambda _: None, stage_arrays))
 
 
 _rank_stages.defvjp(_rank_stages_fwd, _rank_stages_bwd)
 
 
-def stages_cfg(key: MagiKey, hkv: int, scale: float, softcap: float) -> _StagesCfg:
+def stages_cfg(key: MagiKey, scale: float, softcap: float) -> _StagesCfg:
     kw = (("softmax_scale", scale), ("softcap", softcap), ("block_q", key.block_q),
           ("block_k", key.block_k))
-    return _StagesCfg(key.ffa_backend, hkv, kw, tuple(key.stages), key.backward_refetch)
+    return _StagesCfg(key.ffa_backend, kw, tuple(key.stages), key.backward_refetch)
 
 
 def _local(q, k, v, stage_arrays, key: MagiKey, scale: float, softcap: float):
     """One rank: q/k/v ``[(B,) local_len, H, D]``, ``stage_arrays`` this rank's plan arrays."""
-    kv = jnp.concatenate([k, v], axis=-2)         # one collective carries K and V
     if q.ndim == 3 and get_backend(key.ffa_backend).split_fwd is not None:
-        return _rank_stages(q, kv, tuple(stage_arrays),
-                            stages_cfg(key, k.shape[-2], scale, softcap))
+        return _rank_stages(q, (k, v), tuple(stage_arrays), stages_cfg(key, scale, softcap))
     # Batched inputs: autodiff through the stages and the merge; with backward_refetch the
     # remote stages are rematerialised (which also re-runs their FFA forward).
     outs, lses = [], []
@@ -193,7 +191,7 @@ def _local(q, k, v, stage_arrays, key: MagiKey, scale: float, softcap: float):
         if stage.cast is not None and key.backward_refetch:
             fn = jax.checkpoint(
                 fn, policy=jax.checkpoint_policies.save_any_names_but_these(_REMOTE_KV))
-        o, l = fn(q, k, v, kv, ffa_arrays, cast_arrays)
+        o, l = fn(q, k, v, ffa_arrays, cast_arrays)
         outs.append(o)
         lses.append(l)
     return merge_partials(outs, lses, q.dtype)

@@ -237,23 +237,44 @@ def _take(x, idx):
     return jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
 
 
+def _native(fn, leaves, *args):
+    """The native transport on several arrays at once: their rows side by side."""
+    if len(leaves) == 1:
+        return [fn(leaves[0], *args)]
+    flat = [x.reshape(x.shape[0], -1) for x in leaves]
+    if len({x.dtype for x in flat}) > 1:
+        raise TypeError("the native transport moves arrays of one dtype at a time; got "
+                        f"{[str(x.dtype) for x in flat]}")
+    got = fn(jnp.concatenate(flat, axis=1), *args)
+    cuts = np.cumsum([x.shape[1] for x in flat])[:-1]
+    return [g.reshape((g.shape[0],) + x.shape[1:])
+            for g, x in zip(jnp.split(got, cuts, axis=1), leaves)]
+
+
 def _cast(x, tables: CastArrays, spec: CastSpec):
+    """``x``: an array ``[T, ...]`` or a pytree of them (e.g. ``(k, v)``: one collective
+    carries all, with no concatenated copy)."""
+    leaves, tree = jax.tree.flatten(x)
     send, recv = tables
     buf = recv.shape[0]
     if not spec.shifts:
-        return jnp.zeros((buf,) + x.shape[1:], x.dtype)
+        return tree.unflatten([jnp.zeros((buf,) + a.shape[1:], a.dtype) for a in leaves])
     if spec.transport == "native":
-        return native.group_cast(x, tables, spec)
+        return tree.unflatten(_native(native.group_cast, leaves, tables, spec))
     n, s = send.shape
-    idx = jnp.where(send < 0, x.shape[0], send)
+    idx = jnp.where(send < 0, leaves[0].shape[0], send)
     if spec.transport == "ppermute":
         # One ppermute per slot carrying only its real width; received blocks stay packed.
-        got = jnp.concatenate([
-            jax.lax.ppermute(_take(x, idx[j, :w]), spec.axis_name, _perm(spec, shift, False))
-            for j, (shift, w) in enumerate(zip(spec.shifts, spec.widths))])
-        return _take(got, _packed_entry(recv, spec, s))
-    got = _exchange(_take(x, idx), spec, reverse=False).reshape((n * s,) + x.shape[1:])
-    return _take(got, jnp.where(recv < 0, n * s, recv))
+        blocks = [jax.lax.ppermute(tuple(_take(a, idx[j, :w]) for a in leaves),
+                                   spec.axis_name, _perm(spec, shift, False))
+                  for j, (shift, w) in enumerate(zip(spec.shifts, spec.widths))]
+        entry = _packed_entry(recv, spec, s)
+        return tree.unflatten([_take(jnp.concatenate([blk[i] for blk in blocks]), entry)
+                               for i in range(len(leaves))])
+    entry = jnp.where(recv < 0, n * s, recv)
+    return tree.unflatten([
+        _take(_exchange(_take(a, idx), spec, reverse=False).reshape((n * s,) + a.shape[1:]),
+              entry) for a in leaves])
 
 
 # Gathers (one per slot, each over all owner rows) replace the float32 scatter-add of the
@@ -261,53 +282,69 @@ def _cast(x, tables: CastArrays, spec: CastSpec):
 _GATHER_MAX_SLOTS = 4
 
 
+def _acc_dtype(dtype):
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
 def _reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int):
+    """``y``: an array ``[B, ...]`` or a pytree of them; sums in float32 (float64 for
+    float64) -> the same structure of ``[num_rows, ...]``."""
+    leaves, tree = jax.tree.flatten(y)
     send, recv = tables
-    tail = y.shape[1:]
-    acc = jnp.float64 if y.dtype == jnp.float64 else jnp.float32
     if not spec.shifts:
-        return jnp.zeros((num_rows,) + tail, acc)
+        return tree.unflatten([jnp.zeros((num_rows,) + a.shape[1:], _acc_dtype(a.dtype))
+                               for a in leaves])
     if spec.transport == "native":
-        return native.group_reduce(y, tables, spec, num_rows)
+        return tree.unflatten(_native(native.group_reduce, leaves, tables, spec, num_rows))
     n, s = send.shape
-    b = y.shape[0]
+    b = leaves[0].shape[0]
     # Buffer rows back into their slot entries: recv is injective, so a gather by its inverse.
     inv_recv = _inverse(recv, n * s, b)
     if spec.transport == "ppermute":
-        back = [jax.lax.ppermute(_take(y, inv_recv[j * s:j * s + w]).astype(acc),
-                                 spec.axis_name, _perm(spec, shift, True))
-                for j, (shift, w) in enumerate(zip(spec.shifts, spec.widths))]
+        back = [jax.lax.ppermute(
+            tuple(_take(a, inv_recv[j * s:j * s + w]).astype(_acc_dtype(a.dtype))
+                  for a in leaves), spec.axis_name, _perm(spec, shift, True))
+            for j, (shift, w) in enumerate(zip(spec.shifts, spec.widths))]
     else:
-        slots = _take(y, inv_recv).astype(acc).reshape((n, s) + tail)
-        got = _exchange(slots, spec, reverse=True)
-        back = [got[j] for j in range(n)]
+        got = [_exchange(_take(a, inv_recv).astype(_acc_dtype(a.dtype)).reshape(
+            (n, s) + a.shape[1:]), spec, reverse=True) for a in leaves]
+        back = [tuple(g[j] for g in got) for j in range(n)]
+    widths = [blk[0].shape[0] for blk in back]
     if n <= _GATHER_MAX_SLOTS:
         # Within a slot every owner row appears at most once: sum one gather per slot.
-        out = None
-        for j, blk in enumerate(back):
-            part = _take(blk, _inverse(send[j, :blk.shape[0]], num_rows, blk.shape[0]))
-            out = part if out is None else out + part
-        return out
-    idx = jnp.concatenate([jnp.where(send[j, :blk.shape[0]] < 0, num_rows,
-                                     send[j, :blk.shape[0]]) for j, blk in enumerate(back)])
-    return jnp.zeros((num_rows,) + tail, acc).at[idx].add(jnp.concatenate(back), mode="drop")
+        invs = [_inverse(send[j, :w], num_rows, w) for j, w in enumerate(widths)]
+        return tree.unflatten([sum(_take(blk[i], inv) for blk, inv in zip(back, invs))
+                               for i in range(len(leaves))])
+    idx = jnp.concatenate([jnp.where(send[j, :w] < 0, num_rows, send[j, :w])
+                           for j, w in enumerate(widths)])
+    return tree.unflatten([
+        jnp.zeros((num_rows,) + a.shape[1:], _acc_dtype(a.dtype)).at[idx].add(
+            jnp.concatenate([blk[i] for blk in back]), mode="drop")
+        for i, a in enumerate(leaves)])
+
+
+def _carrier(x):
+    """Zero-size stand-ins remembering each leaf's rows and dtype for a backward."""
+    return jax.tree.map(lambda a: jnp.zeros((a.shape[0], 0), a.dtype), x)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def group_cast(x, tables: CastArrays, spec: CastSpec):
-    """Rows of the local ``x [T, ...]`` to the ranks that need them -> ``[B, ...]`` (x's
-    dtype). Call inside ``shard_map`` over ``spec.axis_name``. Its VJP is
-    :func:`group_reduce` (float32 sums, cast back to x's dtype)."""
+    """Rows of the local ``x [T, ...]`` (or of every array of a pytree, e.g. ``(k, v)``) to
+    the ranks that need them -> ``[B, ...]`` (x's dtype). Call inside ``shard_map`` over
+    ``spec.axis_name``. Its VJP is :func:`group_reduce` (float32 sums, cast back to x's
+    dtype)."""
     return _cast(x, tables, spec)
 
 
 def _cast_fwd(x, tables, spec):
-    return _cast(x, tables, spec), (tables, jnp.zeros((x.shape[0], 0), x.dtype))
+    return _cast(x, tables, spec), (tables, _carrier(x))
 
 
 def _cast_bwd(spec, res, ct):
     tables, carrier = res
-    dx = _reduce(ct, tables, spec, carrier.shape[0]).astype(carrier.dtype)
+    rows = jax.tree.leaves(carrier)[0].shape[0]
+    dx = jax.tree.map(lambda d, c: d.astype(c.dtype), _reduce(ct, tables, spec, rows), carrier)
     return dx, jax.tree.map(lambda _: None, tables)
 
 
@@ -316,19 +353,21 @@ group_cast.defvjp(_cast_fwd, _cast_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def group_reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int):
-    """Adjoint of :func:`group_cast`: buffer rows ``y [B, ...]`` summed (float32; float64 for
-    float64 input) into their owners' rows -> ``[num_rows, ...]``. Its VJP is
-    :func:`group_cast`."""
+    """Adjoint of :func:`group_cast`: buffer rows ``y [B, ...]`` (or a pytree of such
+    arrays) summed (float32; float64 for float64 input) into their owners' rows ->
+    ``[num_rows, ...]``. Its VJP is :func:`group_cast`."""
     return _reduce(y, tables, spec, num_rows)
 
 
 def _reduce_fwd(y, tables, spec, num_rows):
-    return _reduce(y, tables, spec, num_rows), (tables, jnp.zeros((0,), y.dtype))
+    return _reduce(y, tables, spec, num_rows), (tables, _carrier(y))
 
 
 def _reduce_bwd(spec, num_rows, res, ct):
     tables, carrier = res
-    return _cast(ct, tables, spec).astype(carrier.dtype), jax.tree.map(lambda _: None, tables)
+    back = _cast(ct, tables, spec)
+    return (jax.tree.map(lambda d, c: d.astype(c.dtype), back, carrier),
+            jax.tree.map(lambda _: None, tables))
 
 
 group_reduce.defvjp(_reduce_fwd, _reduce_bwd)

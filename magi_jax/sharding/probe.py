@@ -41,32 +41,30 @@ def overlap_probe(key: MagiKey, q, k, v, *, softmax_scale: float | None = None,
     spec = P(key.cp_axis)
     arr_specs = jax.tree.map(lambda _: spec, key.stage_arrays)
     remote = _remote_stages(key)
-    hkv = k.shape[-2]
 
     def mine(arrays):
         return jax.tree.map(lambda a: a[0], arrays)
 
     def comm_body(k, v, arrays):
         arrays = mine(arrays)
-        kv = jnp.concatenate([k, v], axis=-2)
-        bufs = tuple(group_cast(kv, arrays[i][1], key.stages[i].cast) for i in remote)
+        bufs = tuple(group_cast((k, v), arrays[i][1], key.stages[i].cast) for i in remote)
         if not backward:
             return bufs
         # The backward's communication: the same casts, then reduces of same-sized buffers.
-        red = [group_reduce(b, arrays[i][1], key.stages[i].cast, kv.shape[0])
+        red = [group_reduce(b, arrays[i][1], key.stages[i].cast, k.shape[0])
                for b, i in zip(bufs, remote)]
-        return bufs + tuple(r.astype(kv.dtype) for r in red)
+        return bufs + tuple(jax.tree.map(lambda r: r.astype(k.dtype), x) for x in red)
 
-    cfg = stages_cfg(key, hkv, scale, float(softcap))
+    cfg = stages_cfg(key, scale, float(softcap))
 
     def compute_body(q, k, v, bufs, arrays):
         # magi_attention's own forward and backward code, with the remote KV given.
         arrays = tuple(mine(arrays))
-        kv = jnp.concatenate([k, v], axis=-2)
+        kv = (k, v)
         given = dict(zip(remote, bufs))
 
         def fetch(i):
-            kk, vv = given[i][:, :hkv], given[i][:, hkv:]
+            kk, vv = given[i]
             if cfg.stages[i].combined:
                 kk, vv = jnp.concatenate([k, kk]), jnp.concatenate([v, vv])
             return kk, vv
@@ -78,11 +76,12 @@ def overlap_probe(key: MagiKey, q, k, v, *, softmax_scale: float | None = None,
 
         def send_back(i, rows):
             dbufs[i] = rows
-            return jnp.zeros((kv.shape[0],) + rows.shape[1:], jnp.float32)
+            return jax.tree.map(lambda r: jnp.zeros((k.shape[0],) + r.shape[1:], jnp.float32),
+                                rows)
 
-        dq, dkv = stages_backward(q, kv, arrays, cfg, out, lse, (out, jnp.zeros_like(lse)),
-                                  fetch, send_back)
-        return (dq.astype(q.dtype), dkv[:, :hkv].astype(k.dtype), dkv[:, hkv:].astype(v.dtype),
+        dq, (dk, dv) = stages_backward(q, kv, arrays, cfg, out, lse,
+                                       (out, jnp.zeros_like(lse)), fetch, send_back)
+        return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
                 tuple(dbufs[i] for i in remote))
 
     num_out = len(remote) * (2 if backward else 1)

@@ -124,6 +124,32 @@ def test_reduce_by_gathers_and_by_scatter_add_agree(monkeypatch, transport, gath
     _runner.cache_clear()
 
 
+@pytest.mark.parametrize("transport", ["ppermute", "all_to_all"])
+def test_pytrees_move_like_their_leaves(transport):
+    """``(k, v)`` pairs (different tails and dtypes) move in one call, leaf by leaf as alone."""
+    rng = np.random.default_rng(3)
+    table, t_loc = _random_table(rng, 4, 3, 2, 1)
+    spec = CastSpec("cp", 4, table.shifts, table.widths, transport)
+    a = rng.standard_normal((4, t_loc, 2, 4)).astype(np.float32)
+    b = rng.standard_normal((4, t_loc, 3)).astype(np.float16)
+
+    def body(a, b, send, recv):
+        tables = CastArrays(send[0], recv[0])
+        got = group_cast((a[0], b[0]), tables, spec)
+        red = group_reduce(got, tables, spec, t_loc)
+        return tuple(x[None] for x in (*got, *red))
+
+    fn = jax.jit(jax.shard_map(body, mesh=_mesh(4), in_specs=(P("cp"),) * 4,
+                               out_specs=P("cp"), check_vma=False))
+    ga, gb, ra, rb = fn(a, b, table.send_index, table.recv_index)
+    np.testing.assert_array_equal(ga, cast_model(a, table))
+    np.testing.assert_array_equal(gb, cast_model(b, table))
+    assert ra.dtype == rb.dtype == np.float32
+    np.testing.assert_allclose(ra, reduce_model(cast_model(a, table), table, t_loc), rtol=1e-6)
+    np.testing.assert_allclose(rb, reduce_model(cast_model(b, table).astype(np.float32), table,
+                                                t_loc), rtol=1e-3)
+
+
 def test_reduce_sums_in_float32():
     # Rank 0's row 0 is fetched by ranks 1, 2, 3; their bf16 partials are summed in float32:
     # 3 · (1 + 2^-7) = 3.0234375 is exact in float32, but not in bfloat16 (-> 3.03125).
