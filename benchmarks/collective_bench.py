@@ -297,6 +297,7 @@ def worker(args):
     if not args.no_e2e and time.time() - t_start < args.budget_s + 20:
         result["e2e"] = e2e(args, mesh, me)
     result["check_failures"] = failures
+    result["native_default"] = repr(native.cuda_tuning())
     if me == 0:
         print(json.dumps(result), flush=True)
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -471,8 +472,8 @@ def markdown(res) -> str:
     var = [(mib, n, v) for mib, row in res.get("sizes", {}).items() for n, v in row.items()
            if n.startswith("native") and isinstance(v, dict)]
     if var:
-        lines += ["", "Native transport, CudaTuning variants (default: push, 64 send + 64 "
-                  "receive blocks, 256 KiB chunks, double buffered):", "",
+        lines += ["", "Native transport, CudaTuning variants (unmarked rows: "
+                  f"{res.get('native_default')}):", "",
                   "| MiB/rank | row | GB/s | µs per op | ok |", "|---|---|---|---|---|"]
         for mib, n, v in var:
             lines.append(f"| {float(mib):g} | {n} | " +

@@ -97,12 +97,13 @@ class CudaTuning:
 
 
 def _tuning_from_env() -> CudaTuning:
-    env = os.environ.get
-    return CudaTuning(mode=env("MAGI_NATIVE_CAST_MODE", "push"),
-                      send_blocks=int(env("MAGI_NATIVE_SEND_BLOCKS", "64")),
-                      recv_blocks=int(env("MAGI_NATIVE_RECV_BLOCKS", "64")),
-                      chunk_kib=int(env("MAGI_NATIVE_CHUNK_KIB", "256")),
-                      double_buffer=env("MAGI_NATIVE_DOUBLE_BUFFER", "1") not in ("0", "false"))
+    env, d = os.environ.get, CudaTuning()   # the defaults live in one place: the class
+    return CudaTuning(mode=env("MAGI_NATIVE_CAST_MODE", d.mode),
+                      send_blocks=int(env("MAGI_NATIVE_SEND_BLOCKS", d.send_blocks)),
+                      recv_blocks=int(env("MAGI_NATIVE_RECV_BLOCKS", d.recv_blocks)),
+                      chunk_kib=int(env("MAGI_NATIVE_CHUNK_KIB", d.chunk_kib)),
+                      double_buffer=env("MAGI_NATIVE_DOUBLE_BUFFER", str(int(d.double_buffer)))
+                      not in ("0", "false"))
 
 
 _tuning = [_tuning_from_env()]
