@@ -84,8 +84,8 @@ class _Config:
     dq_num_stages: int = 2
     dkv_num_stages: int = 2
     fused_acc: bool = True
-    fma_softmax: bool = False
-    head_major: bool = False
+    fma_softmax: bool = True
+    head_major: bool = True
     smem_items: bool = False
     k_wait_under_pv: bool = False
     persistent: int = 0
@@ -152,8 +152,8 @@ _ffa.defvjp(_ffa_fwd, _ffa_bwd)
 
 def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap: float = 0.0,
                interpret: bool = False, num_stages: int = 2, dq_num_stages: int = 2,
-               dkv_num_stages: int = 2, fused_acc: bool = True, fma_softmax: bool = False,
-               head_major: bool = False, smem_items: bool = False,
+               dkv_num_stages: int = 2, fused_acc: bool = True, fma_softmax: bool = True,
+               head_major: bool = True, smem_items: bool = False,
                k_wait_under_pv: bool = False, persistent: int = 0):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
