@@ -44,7 +44,7 @@ OPS = ("native_cast", "xla_cast", "ppermute", "all_to_all", "ragged_all_to_all",
 # double buffered): the other data path, no double buffering (1 MiB latency), chunk sizes,
 # and the split of blocks between sending and receiving (a block of the kernels takes a whole
 # SM: keep send + receive <= 132 on an H200 so that every block is resident at once).
-DEFAULT_VARIANTS = ("pull,push:double_buffer=0,pull:double_buffer=0,push:chunk_kib=64,"
+DEFAULT_VARIANTS = ("pull,push:double_buffer=1,pull:double_buffer=1,push:chunk_kib=64,"
                     "push:chunk_kib=1024,pull:chunk_kib=1024,push:send_blocks=32,"
                     "push:send_blocks=96:recv_blocks=32,push:recv_blocks=32,"
                     "pull:send_blocks=32:recv_blocks=96,pull:send_blocks=16:recv_blocks=112")

@@ -85,8 +85,8 @@ def main(rank, nprocs, port):
     # and few blocks: several chunks per send block, several rows per receiving warp), then
     # a chain of back-to-back collectives of mixed variants in one program (staging regions
     # alternate, flags and acknowledgements reused across data paths).
-    variants = [dict(mode="pull"), dict(mode="push", double_buffer=False),
-                dict(mode="pull", double_buffer=False),
+    variants = [dict(mode="pull"), dict(mode="push", double_buffer=True),
+                dict(mode="pull", double_buffer=True),
                 dict(mode="push", chunk_kib=1, send_blocks=3, recv_blocks=2),
                 dict(mode="pull", chunk_kib=1, send_blocks=3, recv_blocks=2)]
     table, t_loc = _random_table(rng, nprocs, 256, 16, 1)
