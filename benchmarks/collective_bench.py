@@ -314,6 +314,7 @@ def e2e(args, mesh, me):
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
+    from magi_jax import native
     from magi_jax.mask import AttnMask
     from magi_jax.sharding import dispatch, magi_attention, make_flex_key, undispatch
 
@@ -333,19 +334,24 @@ def e2e(args, mesh, me):
     for ffa in ("pallas", "xla"):
         if ffa == "xla" and all("s" in out.get(f"pallas/{b}", {}) for b in ("native", "ppermute")):
             break   # the portable FFA only when the Mosaic GPU one did not run
-        for backend in ("native", "ppermute"):
-            if args.skip_native and (backend == "native" or ffa == "pallas"):
+        # native@stream1: the native collectives on XLA's explicit GPU stream 1 (CudaTuning).
+        for backend in ("native", "native@stream1", "ppermute"):
+            if args.skip_native and (backend.startswith("native") or ffa == "pallas"):
+                continue
+            if backend == "native@stream1" and ffa != "pallas":
                 continue
             name = f"{ffa}/{backend}"
+            comm, _, stream = backend.partition("@stream")
             try:
-                key = make_flex_key(mask, mesh, "cp", comm_backend=backend, ffa_backend=ffa)
+                key = make_flex_key(mask, mesh, "cp", comm_backend=comm, ffa_backend=ffa)
 
                 def loss(q_, k_, v_, key_):
                     o, _ = magi_attention(dispatch(q_, key_), dispatch(k_, key_),
                                           dispatch(v_, key_), key_)
                     return undispatch(o, key_).astype(jnp.float32).sum()
                 f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-                jax.block_until_ready(f(q, k, v, key))
+                with native.tuning(stream=int(stream or 0)):        # traced on first call
+                    jax.block_until_ready(f(q, k, v, key))
                 best = float("inf")
                 for _ in range(args.reps):
                     t = time.perf_counter()

@@ -75,7 +75,10 @@ class CudaTuning:
     stays free for overlapping compute. ``chunk_kib``: bytes behind one arrival flag (smaller:
     finer overlap of arrival and copy-out, more flags and fences). ``double_buffer``: alternate
     between two staging regions (when both fit) so a call does not wait for the peers to have
-    read the previous call's rows.
+    read the previous call's rows. ``stream``: 0 runs the collective on XLA's compute stream
+    (serialised with the attention kernels); ``n > 0`` places it on XLA's explicit GPU stream
+    ``n`` (``compute_on("gpu_stream:n")``, an async call XLA joins before the consumers) so
+    it can run beside the kernels (DESIGN.md §7; not yet measured).
 
     Defaults come from ``MAGI_NATIVE_CAST_MODE``, ``MAGI_NATIVE_SEND_BLOCKS``,
     ``MAGI_NATIVE_RECV_BLOCKS``, ``MAGI_NATIVE_CHUNK_KIB``, ``MAGI_NATIVE_DOUBLE_BUFFER``
@@ -89,6 +92,7 @@ class CudaTuning:
     # One staging region: on 2 H200s (collective_20261130_0849) a second region measured no
     # gain (256 MiB: 311.8 GB/s with it, 318.7 without; 1 MiB: 31.9 vs 30.6 us).
     double_buffer: bool = False
+    stream: int = 0
 
     def __post_init__(self):
         if self.mode not in _MODES:
@@ -96,6 +100,9 @@ class CudaTuning:
         for name in ("send_blocks", "recv_blocks", "chunk_kib"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"CudaTuning.{name} must be >= 1, got {getattr(self, name)}")
+        if int(self.stream) < 0:
+            raise ValueError(f"CudaTuning.stream must be >= 0 (0: XLA's compute stream), got "
+                             f"{self.stream}")
 
 
 def _tuning_from_env() -> CudaTuning:
@@ -105,7 +112,8 @@ def _tuning_from_env() -> CudaTuning:
                       recv_blocks=int(env("MAGI_NATIVE_RECV_BLOCKS", d.recv_blocks)),
                       chunk_kib=int(env("MAGI_NATIVE_CHUNK_KIB", d.chunk_kib)),
                       double_buffer=env("MAGI_NATIVE_DOUBLE_BUFFER", str(int(d.double_buffer)))
-                      not in ("0", "false"))
+                      not in ("0", "false"),
+                      stream=int(env("MAGI_NATIVE_STREAM", d.stream)))
 
 
 _tuning = [_tuning_from_env()]
@@ -415,6 +423,16 @@ def _cuda_attrs(spec, n_rows_per_slot, row_bytes):
                 double_buffer=bool(t.double_buffer))
 
 
+def _on_stream(plat, call):
+    """``call`` on the explicit XLA GPU stream of :attr:`CudaTuning.stream` (when > 0)."""
+    n = cuda_tuning().stream
+    if plat != "cuda" or not n:
+        return call
+    from jax.experimental.compute_on import compute_on
+    return compute_on(compute_type=f"gpu_stream:{int(n)}",
+                      out_memory_spaces=jax.memory.Space.Device)(call)
+
+
 def _ensure_staging(send, row_shape, dtype):
     n, s = send.shape
     need = staging_bytes(n, s, row_shape, dtype)
@@ -444,7 +462,8 @@ def group_cast(x, tables, spec, *, timeout_s: float | None = None):
         attrs.update(_cuda_attrs(spec, send.shape[1],
                                  math.prod(x.shape[1:]) * np.dtype(x.dtype).itemsize))
     out2 = jax.ShapeDtypeStruct((recv.shape[0], math.prod(x.shape[1:])), x.dtype)
-    got = jax.ffi.ffi_call(_CAST, out2)(x2, send, recv, _where(spec.axis_name), **attrs)
+    got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(_CAST, out2)(*a, **attrs))(
+        x2, send, recv, _where(spec.axis_name))
     return got.reshape(out.shape)
 
 
@@ -481,7 +500,8 @@ def group_reduce(y, tables, spec, num_rows: int, *, acc=None, timeout_s: float |
         ridx = jnp.where(recv < 0, n * s, recv)
         rinv = jnp.full((n * s + 1,), -1, jnp.int32).at[ridx].set(
             jnp.arange(recv.shape[0], dtype=jnp.int32))[:n * s]
-        got = jax.ffi.ffi_call(_REDUCE, out2)(y2, send, recv, where, acc2, inv, rinv, **attrs)
+        got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(_REDUCE, out2)(*a, **attrs))(
+            y2, send, recv, where, acc2, inv, rinv)
     else:
         got = jax.ffi.ffi_call(_REDUCE, out2)(y2, send, recv, where, acc2, **attrs)
     return got.reshape((num_rows,) + y.shape[1:])

@@ -207,6 +207,13 @@ def test_cuda_tuning_and_chunk_plan():
         native.CudaTuning(mode="sideways")
     with pytest.raises(ValueError, match="send_blocks"):
         native.CudaTuning(send_blocks=0)
+    with pytest.raises(ValueError, match="stream"):
+        native.CudaTuning(stream=-1)
+    call = lambda x: x + 1
+    with native.tuning(stream=2):
+        assert native._on_stream("cpu", call) is call          # the stream is a CUDA placement
+        assert native._on_stream("cuda", call) is not call
+    assert native._on_stream("cuda", call) is call             # default: the compute stream
     default = native.cuda_tuning()
     big = CastSpec("cp", 2, (1,), (32768,), "native")           # 256 MiB of 8 KiB rows
     a = native._cuda_attrs(big, 32768, 8192)
