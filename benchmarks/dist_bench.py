@@ -82,6 +82,8 @@ def _parse(argv):
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no measurement expected to end after this many seconds from "
                    "the script's start (default 285; smoke: unlimited)")
+    p.add_argument("--overlap-degree", type=int, default=None,
+                   help="magi's overlap degree (default: the key's cost model)")
     p.add_argument("--magi-ffa-fallback", action="store_true",
                    help="run magi on the xla FFA when magi_attention has no per-rank FFA of "
                    "the baselines' backend (slow on GPU; by default such rows are skipped)")
@@ -261,12 +263,12 @@ def magi_nocomm_attention(q, k, v, key):
 class Setup:
     """One implementation on one case: jitted fns, plan, input sizes, host figures."""
 
-    def __init__(self, impl, mask, mesh, cp, ffa, magi_ffa, hq, hkv):
+    def __init__(self, impl, mask, mesh, cp, ffa, magi_ffa, hq, hkv, degree=None):
         self.impl = impl
         self.info = {}
         self.devices = None
         if impl in ("magi", "single", "magi_nocomm"):
-            key = make_flex_key(mask, mesh, "cp", ffa_backend=magi_ffa)
+            key = make_flex_key(mask, mesh, "cp", ffa_backend=magi_ffa, overlap_degree=degree)
             meta = key.plan.meta
             if impl in ("magi", "magi_nocomm"):
                 attn = magi_attention if impl == "magi" else magi_nocomm_attention
@@ -383,7 +385,8 @@ def run(a):
         try:
             skey = (name, total, hq, hkv, impl)
             if skey not in setups:
-                setups[skey] = Setup(impl, mask, mesh, cp, ffa, magi_ffa, hq, hkv)
+                setups[skey] = Setup(impl, mask, mesh, cp, ffa, magi_ffa, hq, hkv,
+                                     a.overlap_degree)
             s = setups[skey]
             ikey = (impl == "single", s.n, getattr(s, "nk", s.n), hq, hkv)
             if ikey not in inputs:
