@@ -38,10 +38,9 @@ IMPLS = ("ffa_pallas", "ffa_xla", "cudnn", "tokamax", "xla_dense")
 # alone over each pipeline knob on top of the previous ones; the two knobs that also change
 # the backward kernels, fwd+bwd at full/causal 16k. persistent=132: one program per H200 SM.
 _PV = "ffa_pallas:k_wait_under_pv=1"
-_SI = _PV + ":smem_items=1"
-_ALL = _SI + ":num_stages=3:persistent=132:fma_softmax=1:head_major=1"
-_FWD_KNOB_IMPLS = ("ffa_pallas", _SI, _SI + ":num_stages=3", _SI + ":persistent=132",
-                   _SI + ":fma_softmax=1:head_major=1", _ALL)
+_ALL = _PV + ":num_stages=3:persistent=132:fma_softmax=1:head_major=1"
+_FWD_KNOB_IMPLS = ("ffa_pallas", _PV, _PV + ":num_stages=3", _PV + ":persistent=132",
+                   _PV + ":fma_softmax=1:head_major=1", _ALL)
 _BWD_KNOB_IMPLS = ("ffa_pallas", "ffa_pallas:head_major=1:fma_softmax=1:dkv_num_stages=3")
 # (mask, length, impls or None for --impls[, modes instead of --modes]).
 PRESETS = {

@@ -86,7 +86,6 @@ class _Config:
     fused_acc: bool = True
     fma_softmax: bool = True
     head_major: bool = True
-    smem_items: bool = False
     k_wait_under_pv: bool = False
     persistent: int = 0
 
@@ -106,7 +105,7 @@ def _forward(q, k, v, plan: KernelPlanArrays, cfg: _Config):
     out, lse_bht = ffa_forward(qp, kp, vp, plan.q_order, plan.q_offsets, plan.q_items,
                                FwdConfig(cfg.scale, cfg.softcap, num_stages=cfg.num_stages,
                                          fused_acc=cfg.fused_acc, fma_softmax=cfg.fma_softmax,
-                                         head_major=cfg.head_major, smem_items=cfg.smem_items,
+                                         head_major=cfg.head_major,
                                          k_wait_under_pv=cfg.k_wait_under_pv,
                                          persistent=cfg.persistent, interpret=cfg.interpret))
     return out[:, :tq], lse_bht[:, :, :tq]
@@ -153,8 +152,8 @@ _ffa.defvjp(_ffa_fwd, _ffa_bwd)
 def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap: float = 0.0,
                interpret: bool = False, num_stages: int = 2, dq_num_stages: int = 2,
                dkv_num_stages: int = 2, fused_acc: bool = True, fma_softmax: bool = True,
-               head_major: bool = True, smem_items: bool = False,
-               k_wait_under_pv: bool = False, persistent: int = 0):
+               head_major: bool = True, k_wait_under_pv: bool = False,
+               persistent: int = 0):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
     q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64 or 128); ``plan`` from
@@ -167,17 +166,16 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
     D = 128 only the dK/dV kernel fits 3); ``fused_acc``: the forward lets wgmma accumulate
     into the rescaled output registers; ``fma_softmax``: the softmax scale applied inside
     ``exp2`` (one FMA per score); ``head_major``: launch order (see
-    :func:`magi_jax.pallas.common.launch_grid`); forward only: ``smem_items``: the producer
-    warpgroup copies each work item's fields into a shared-memory ring beside its K tile, so
-    the consumers do no global loads per item; ``k_wait_under_pv``: the consumers wait for
-    the next K tile underneath the P·V wgmma rather than at the top of the step;
-    ``persistent``: 0 (one program per q-tile and head) or the number of programs (the SM
-    count) that walk the (q-tile, batch, head) units in launch order, the K/V pipeline running
-    on across units. The last five are not measured on a GPU yet."""
+    :func:`magi_jax.pallas.common.launch_grid`); forward only: ``k_wait_under_pv``: the
+    consumers wait for the next K tile underneath the P·V wgmma rather than at the top of the
+    step; ``persistent``: 0 (one program per q-tile and head) or the number of programs (the
+    SM count) that walk the (q-tile, batch, head) units in launch order, the K/V pipeline
+    running on across units. Forward ``num_stages=3`` and ``persistent`` are not measured on a
+    GPU yet."""
     cfg = _Config(float(softmax_scale), float(softcap), bool(interpret), int(num_stages),
                   int(dq_num_stages), int(dkv_num_stages), bool(fused_acc),
-                  bool(fma_softmax), bool(head_major), bool(smem_items),
-                  bool(k_wait_under_pv), int(persistent))
+                  bool(fma_softmax), bool(head_major), bool(k_wait_under_pv),
+                  int(persistent))
     plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     if q.ndim == 3:
         out, lse = _ffa(q[None], k[None], v[None], plan, cfg)

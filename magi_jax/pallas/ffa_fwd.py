@@ -42,10 +42,6 @@ class FwdConfig:
     # scores first); and the launch order of :func:`launch_grid`. Both unmeasured knobs.
     fma_softmax: bool = False
     head_major: bool = False
-    # The producer also copies each item's int32 fields (TMA, 32 bytes) into a per-slot
-    # shared-memory ring that completes on the K slot's barrier, so the consumers read them
-    # from shared memory instead of global memory. Unmeasured knob.
-    smem_items: bool = False
     # Wait for the next item's K tile underneath the P·V wgmma of this one (as jax's
     # attention_mgpu does) instead of at the top of the next step. Unmeasured knob.
     k_wait_under_pv: bool = False
@@ -76,8 +72,6 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
     num_tiles = tq // FWD_BLOCK_Q
     assert tq % FWD_BLOCK_Q == 0 and tk % FWD_BLOCK_K == 0, (tq, tk)
     assert order.shape == (num_tiles,), (order.shape, num_tiles)
-    if cfg.smem_items and items.shape[0] == 0:   # a TMA source needs at least one row
-        items = jnp.zeros((1, NUM_FIELDS), jnp.int32)
     dtype = q.dtype
     bq, bk, stages = _WG_ROWS, FWD_BLOCK_K, cfg.num_stages
     softcap = cfg.softcap
@@ -90,10 +84,8 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
 
     def kernel(q_ref, k_ref, v_ref, order_ref, off_ref, items_ref, out_ref, lse_ref,
                q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free,
-               schedule, *extra):
-        extra = list(extra)
-        item_smem = extra.pop(0) if cfg.smem_items else None
-        p_stage = extra.pop(0) if cfg.interpret else None
+               schedule, *interpret_scratch):
+        p_stage = interpret_scratch[0] if cfg.interpret else None
         wg = lax.axis_index("wg")
 
         def schedule_barrier():
@@ -148,14 +140,6 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
                     pl.when(num_items > 0)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(base)]))
                 pl.when(wg == 1)(schedule_barrier)
 
-                def item_fields(i, slot):
-                    """The item's (k-tile, 6 geometry fields, full flag). From the ring only
-                    once the slot's K barrier has been passed, and before K's release (the
-                    producer refills both after it)."""
-                    if item_smem is not None:
-                        return tuple(item_smem[slot, 0, f] for f in range(NUM_FIELDS))
-                    return tuple(items_ref[first + i, f] for f in range(NUM_FIELDS))
-
                 def wait_next_k(i):
                     nxt = i + 1
 
@@ -166,12 +150,10 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
                 def step(i, carry):
                     acc, m_i, l_i = carry
                     slot = slot_of(base + i)
-                    if item_smem is None:
-                        fields = item_fields(i, slot)
+                    # The item's (k-tile, 6 geometry fields, full flag).
+                    fields = tuple(items_ref[first + i, f] for f in range(NUM_FIELDS))
                     if not cfg.k_wait_under_pv:
                         plgpu.barrier_wait(k_ready.at[slot])
-                    if item_smem is not None:
-                        fields = item_fields(i, slot)
                     ktile, geom, full = fields[0], fields[1:7], fields[7]
 
                     def qk(acc_ref):
@@ -271,9 +253,6 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
                     def _():
                         plgpu.barrier_wait(k_free.at[slot])
 
-                    if item_smem is not None:
-                        plgpu.copy_gmem_to_smem(items_ref.at[pl.ds(first + i, 1)],
-                                                item_smem.at[slot], k_ready.at[slot])
                     plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_ready.at[slot])
 
                     @pl.when(g >= stages)
@@ -302,15 +281,12 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
         smem((stages, bk, d), dtype),
         plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),
         plgpu.Barrier(num_barriers=_COMPUTE_WGS),
-        # K slots: one arrival per copy that lands in the slot (K, and the item's fields).
-        plgpu.Barrier(num_arrivals=2 if cfg.smem_items else 1, num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
     ]
-    if cfg.smem_items:
-        scratch.append(plgpu.SMEM((stages, 1, NUM_FIELDS), jnp.int32))
     if cfg.interpret:
         scratch.append(smem((_COMPUTE_WGS, bq, bk), dtype))
     return plgpu.kernel(

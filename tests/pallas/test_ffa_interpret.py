@@ -150,8 +150,8 @@ def _forward_only(mask, dtype, hq, hkv, d, seed, batch=None, **tuning):
 
 # The forward's pipeline knobs, each in at least one set, over 2 and 3 slots (3 fit D = 128
 # only without the reduction scratch). Forward only: the backward kernels ignore them.
-_FWD_KNOBS = [dict(smem_items=True, k_wait_under_pv=True),
-              dict(smem_items=True, num_stages=3, fma_softmax=True, persistent=1)]
+_FWD_KNOBS = [dict(k_wait_under_pv=True),
+              dict(num_stages=3, fma_softmax=True, persistent=1)]
 
 
 # Like IRREGULAR, but q-tiles walk 10 and 6 items (several per k-tile): more than the slots
