@@ -51,6 +51,40 @@ def test_pallas_split_vjp_matches_ffa_pallas_in_interpret_mode():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.slow
+def test_pallas_stage_backwards_from_the_merged_result_in_interpret_mode():
+    """CP's backward runs each stage's pallas backward against the merged (out, lse)
+    (``saved_from``): the two stages' gradients must sum to the VJP of one pallas call over
+    all keys (Mosaic GPU interpret mode, single device)."""
+    from magi_jax.pallas import ffa_pallas
+    from magi_jax.sharding.attention import merge_partials
+    from magi_jax.sharding.ffa_backends import _pallas
+    mask = AttnMask.from_ranges([[0, 128], [0, 128]], [[0, 128], [128, 256]],
+                                ["full", "causal"], 128, 256)
+    be = _pallas(interpret=True)
+    kw = dict(softmax_scale=0.125, softcap=0.0, block_q=0, block_k=0)
+    q, k, v, dout, dlse = random_inputs(jax.random.key(2), mask, 2, 1, 64, jnp.bfloat16)
+    parts = [AttnMask.from_ranges([[0, 128]], [[0, 128]], ["full"], 128, 128),
+             AttnMask.from_ranges([[0, 128]], [[0, 128]], ["causal"], 128, 128)]
+    halves = [(k[:128], v[:128]), (k[128:], v[128:])]
+    plans = [be.build(m.shapes, 128, 128, 0, 0) for m in parts]
+    outs = [be.split_fwd(q, kk, vv, p, **kw)[0] for (kk, vv), p in zip(halves, plans)]
+    out, lse = merge_partials([o for o, _ in outs], [l for _, l in outs], q.dtype)
+    saved = be.saved_from(out, lse)
+    grads = [be.split_bwd(saved, q, kk, vv, p, (dout, dlse), **kw)
+             for (kk, vv), p in zip(halves, plans)]
+    dq = grads[0][0].astype(jnp.float32) + grads[1][0].astype(jnp.float32)
+    dk = jnp.concatenate([grads[0][1], grads[1][1]])
+    dv = jnp.concatenate([grads[0][2], grads[1][2]])
+    plan = be.build(mask.shapes, 128, 256, 0, 0)
+    (out1, lse1), vjp = jax.vjp(lambda a, b, c: ffa_pallas(a, b, c, plan, softmax_scale=0.125,
+                                                           interpret=True), q, k, v)
+    want = (out1, lse1, *vjp((dout, dlse)))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, atol=2e-2 * max(1.0, np.abs(b).max()), err_msg=name)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("degree", [0, 2])
 def test_pallas_cp_matches_reference(degree):
