@@ -148,8 +148,11 @@ def worker(args):
     failures = []
     feat = args.row_kib * 1024 // 2
     if not args.skip_native and jax.default_backend() == "gpu":
-        # Twice the largest cast: room for two staging regions (double buffering).
-        native.initialize(2 * int(max(sizes) * 2**20) + (16 << 20))
+        # Twice the largest cast (room for two staging regions: double buffering), and at
+        # least what the end-to-end attention stages: a rank fetches at most the other half
+        # of the tokens, 8 KiB of K and V each (H 16, D 128, bf16), in up to two regions.
+        e2e_bytes = 0 if args.no_e2e else args.e2e_tokens // 2 * 8192 * 2
+        native.initialize(max(2 * int(max(sizes) * 2**20), e2e_bytes) + (16 << 20))
     mesh = jax.make_mesh((2,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
     g = lambda a: jax.make_array_from_callback(a.shape, NamedSharding(mesh, P("cp")),
                                                lambda i: a[i])

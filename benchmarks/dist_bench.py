@@ -215,8 +215,8 @@ def _fwd_and_fb(attn):
 def magi_nocomm_attention(q, k, v, key):
     """magi_attention's per-rank stages, merge and backward (the same code), with each remote
     KV buffer filled from local rows instead of the group-cast and the partial dK/dV of
-    remote stages dropped instead of group-reduced: its compute and overheads without
-    communication."""
+    remote stages added onto local rows instead of group-reduced: its compute and overheads
+    without communication."""
     from magi_jax.sharding.attention import stages_backward, stages_cfg, stages_forward
     cfg = stages_cfg(key, q.shape[-1] ** -0.5, 0.0)
     spec = P(key.cp_axis)
@@ -242,10 +242,14 @@ def magi_nocomm_attention(q, k, v, key):
 
     def rank_bwd(res, cts):
         q, k, v, arrays, out, lse = res
-        drop = lambda i, rows: jax.tree.map(
-            lambda r: jnp.zeros((k.shape[0],) + r.shape[1:], jnp.float32), rows)
+        # The remote stages' dK/dV stay on the rank (gathered onto local rows, as the
+        # reduce's own gathers would) rather than being dropped: a dropped kernel output
+        # lets XLA remove the kernel, and the probe would time less work than magi does.
+        keep = lambda i, rows: jax.tree.map(
+            lambda r: jnp.take(r, jnp.arange(k.shape[0]) % r.shape[0], axis=0).astype(
+                jnp.float32), rows)
         dq, (dk, dv) = stages_backward(q, (k, v), arrays, cfg, out, lse, cts,
-                                       local_fetch(k, v), drop)
+                                       local_fetch(k, v), keep)
         return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
                 jax.tree.map(lambda _: None, arrays))
 
