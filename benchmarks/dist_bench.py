@@ -33,9 +33,10 @@ What is measured, per (mask, length, heads, mode):
     ``compute_ms`` (its heaviest rank's area at the single-GPU rate), ``exposed_ms`` (the
     rest: communication not hidden, merges, imbalance of per-rank overheads), and
     ``kv_recv`` (KV tokens each rank receives in the forward);
-  * ``magi_nocomm``: magi's stages and merge with the remote KV buffers filled locally (a
-    timing probe, its numbers are not attention): magi − magi_nocomm is magi's exposed
-    communication, magi_nocomm − single its stage/merge overhead.
+  * ``magi_nocomm`` (``magi_jax.sharding.probe.nocomm_attention``): magi's stages, merge
+    and backward with the remote KV buffers filled locally (a timing probe, its numbers are
+    not attention): magi − magi_nocomm is magi's exposed communication, magi_nocomm − single
+    its stage/merge overhead.
 
 Writes ``<out>/dist_<date>_<device>.{json,md,png}``.
 """
@@ -126,6 +127,7 @@ from benchmarks.kernel_bench import make_mask  # noqa: E402
 from magi_jax.sharding import key as key_mod  # noqa: E402
 from magi_jax.sharding import magi_attention, make_flex_key  # noqa: E402
 from magi_jax.sharding.dist_plan import build_dist_plan  # noqa: E402
+from magi_jax.sharding.probe import nocomm_attention  # noqa: E402
 
 IMPLS = ("single", "magi", "ring", "allgather", "ulysses", "magi_nocomm")
 FWD_BWD = 3.5                      # PERF.md: fwd+bwd FLOPs = 3.5 x forward
@@ -212,58 +214,6 @@ def _fwd_and_fb(attn):
     return jax.jit(fwd), jax.jit(fb)
 
 
-def magi_nocomm_attention(q, k, v, key):
-    """magi_attention's per-rank stages, merge and backward (the same code), with each remote
-    KV buffer filled from local rows instead of the group-cast and the partial dK/dV of
-    remote stages added onto local rows instead of group-reduced: its compute and overheads
-    without communication."""
-    from magi_jax.sharding.attention import stages_backward, stages_cfg, stages_forward
-    cfg = stages_cfg(key, q.shape[-1] ** -0.5, 0.0)
-    spec = P(key.cp_axis)
-
-    def local_fetch(k, v):
-        def fetch(i):
-            stage = cfg.stages[i]
-            n = stage.kv_len - (k.shape[0] if stage.combined else 0)
-            rows = jnp.arange(n) % k.shape[0]
-            kb, vb = jnp.take(k, rows, axis=0), jnp.take(v, rows, axis=0)
-            if stage.combined:
-                return jnp.concatenate([k, kb]), jnp.concatenate([v, vb])
-            return kb, vb
-        return fetch
-
-    @jax.custom_vjp
-    def rank(q, k, v, arrays):
-        return stages_forward(q, (k, v), arrays, cfg, local_fetch(k, v))[0]
-
-    def rank_fwd(q, k, v, arrays):
-        (out, lse), _ = stages_forward(q, (k, v), arrays, cfg, local_fetch(k, v))
-        return (out, lse), (q, k, v, arrays, out, lse)
-
-    def rank_bwd(res, cts):
-        q, k, v, arrays, out, lse = res
-        # The remote stages' dK/dV stay on the rank (gathered onto local rows, as the
-        # reduce's own gathers would) rather than being dropped: a dropped kernel output
-        # lets XLA remove the kernel, and the probe would time less work than magi does.
-        keep = lambda i, rows: jax.tree.map(
-            lambda r: jnp.take(r, jnp.arange(k.shape[0]) % r.shape[0], axis=0).astype(
-                jnp.float32), rows)
-        dq, (dk, dv) = stages_backward(q, (k, v), arrays, cfg, out, lse, cts,
-                                       local_fetch(k, v), keep)
-        return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-                jax.tree.map(lambda _: None, arrays))
-
-    rank.defvjp(rank_fwd, rank_bwd)
-
-    def body(q, k, v, stage_arrays):
-        return rank(q, k, v, tuple(jax.tree.map(lambda x: x[0], stage_arrays)))
-
-    specs = jax.tree.map(lambda _: spec, key.stage_arrays)
-    fn = jax.shard_map(body, mesh=key.mesh, in_specs=(spec, spec, spec, specs),
-                       out_specs=(spec, spec), check_vma=False)
-    return fn(q, k, v, key.stage_arrays)
-
-
 class Setup:
     """One implementation on one case: jitted fns, plan, input sizes, host figures."""
 
@@ -275,7 +225,7 @@ class Setup:
             key = make_flex_key(mask, mesh, "cp", ffa_backend=magi_ffa, overlap_degree=degree)
             meta = key.plan.meta
             if impl in ("magi", "magi_nocomm"):
-                attn = magi_attention if impl == "magi" else magi_nocomm_attention
+                attn = magi_attention if impl == "magi" else nocomm_attention
                 self.fns = _fwd_and_fb(lambda q, k, v, kk: attn(q, k, v, kk))
                 self.plan, self.n = key, key.padded_total
                 self.areas = meta.rank_area()

@@ -26,7 +26,7 @@ from magi_jax.sharding.attention import (magi_attention, stages_backward, stages
 from magi_jax.sharding.collectives import group_cast, group_reduce
 from magi_jax.sharding.key import MagiKey
 
-__all__ = ["overlap_probe", "time_ms", "measure_overlap"]
+__all__ = ["overlap_probe", "nocomm_attention", "time_ms", "measure_overlap"]
 
 
 def _remote_stages(key):
@@ -110,6 +110,61 @@ def overlap_probe(key: MagiKey, q, k, v, *, softmax_scale: float | None = None,
                                                  key.stage_arrays),
         "both": both,
     }
+
+
+def nocomm_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
+                     softcap: float = 0.0):
+    """A timing probe, not attention: ``magi_attention``'s own per-rank stages, merge and
+    backward with every remote KV buffer filled from local rows instead of the group-cast,
+    and the remote stages' partial dK/dV gathered onto local rows instead of group-reduced.
+    ``magi − nocomm`` is magi's exposed communication; ``nocomm −`` single-device FFA on the
+    same work, its stage and merge overhead. Same arguments and shapes as ``magi_attention``
+    (``[padded_total, H, D]``)."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    cfg = stages_cfg(key, scale, float(softcap))
+    spec = P(key.cp_axis)
+
+    def local_fetch(k, v):
+        def fetch(i):
+            stage = cfg.stages[i]
+            n = stage.kv_len - (k.shape[0] if stage.combined else 0)
+            rows = jnp.arange(n) % k.shape[0]
+            kb, vb = jnp.take(k, rows, axis=0), jnp.take(v, rows, axis=0)
+            if stage.combined:
+                return jnp.concatenate([k, kb]), jnp.concatenate([v, vb])
+            return kb, vb
+        return fetch
+
+    @jax.custom_vjp
+    def rank(q, k, v, arrays):
+        return stages_forward(q, (k, v), arrays, cfg, local_fetch(k, v))[0]
+
+    def rank_fwd(q, k, v, arrays):
+        (out, lse), _ = stages_forward(q, (k, v), arrays, cfg, local_fetch(k, v))
+        return (out, lse), (q, k, v, arrays, out, lse)
+
+    def rank_bwd(res, cts):
+        q, k, v, arrays, out, lse = res
+        # The remote stages' dK/dV stay on the rank (gathered onto local rows, as the
+        # reduce's own gathers would) rather than being dropped: a dropped kernel output
+        # lets XLA remove the kernel, and the probe would time less work than magi does.
+        keep = lambda i, rows: jax.tree.map(
+            lambda r: jnp.take(r, jnp.arange(k.shape[0]) % r.shape[0], axis=0).astype(
+                jnp.float32), rows)
+        dq, (dk, dv) = stages_backward(q, (k, v), arrays, cfg, out, lse, cts,
+                                       local_fetch(k, v), keep)
+        return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+                jax.tree.map(lambda _: None, arrays))
+
+    rank.defvjp(rank_fwd, rank_bwd)
+
+    def body(q, k, v, stage_arrays):
+        return rank(q, k, v, tuple(jax.tree.map(lambda x: x[0], stage_arrays)))
+
+    specs = jax.tree.map(lambda _: spec, key.stage_arrays)
+    fn = jax.shard_map(body, mesh=key.mesh, in_specs=(spec, spec, spec, specs),
+                       out_specs=(spec, spec), check_vma=False)
+    return fn(q, k, v, key.stage_arrays)
 
 
 def time_ms(fn, *args, warmup: int = 2, iters: int = 10) -> float:
