@@ -138,38 +138,46 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
     return dq, dkv
 
 
-def _rank_fetch(kv, stage_arrays, cfg):
+def group_fetch(kv, stage_arrays, cfg):
+    """``fetch(i)`` of :func:`rank_stages`: remote stage ``i``'s KV by group-cast."""
     return lambda i: _fetch(kv, stage_arrays[i][1], cfg.stages[i])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _rank_stages(q, kv, stage_arrays, cfg: _StagesCfg):
-    """One rank's stages and merge. Backward (DESIGN.md §2.5): re-fetch each remote stage's
-    KV (``cfg.refetch``; else keep the forward's buffers), FFA backward per stage from the
-    merged ``(out, lse)``, partial dK/dV group-reduced (float32) onto the owners."""
-    return stages_forward(q, kv, stage_arrays, cfg, _rank_fetch(kv, stage_arrays, cfg))[0]
+def group_send_back(kv, stage_arrays, cfg):
+    """``send_back(i, rows)`` of :func:`rank_stages`: group-reduce onto the owners."""
+    return lambda i, rows: _reduce(rows, stage_arrays[i][1], cfg.stages[i].cast,
+                                   kv[0].shape[0])
 
 
-def _rank_stages_fwd(q, kv, stage_arrays, cfg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def rank_stages(q, kv, stage_arrays, cfg: _StagesCfg, fetcher=group_fetch,
+                sender=group_send_back):
+    """One rank's stages and merge -> ``(out, lse)``. Backward (DESIGN.md §2.5): re-fetch
+    each remote stage's KV (``cfg.refetch``; else keep the forward's buffers), FFA backward
+    per stage from the merged ``(out, lse)``, partial dK/dV sent back to the owners.
+    ``fetcher`` / ``sender`` (static) make the ``fetch`` / ``send_back`` of
+    :func:`stages_forward` / :func:`stages_backward` from ``(kv, stage_arrays, cfg)``: the
+    group collectives here; the timing probe swaps in local stand-ins."""
+    return stages_forward(q, kv, stage_arrays, cfg, fetcher(kv, stage_arrays, cfg))[0]
+
+
+def _rank_stages_fwd(q, kv, stage_arrays, cfg, fetcher, sender):
     (out, lse), used = stages_forward(q, kv, stage_arrays, cfg,
-                                      _rank_fetch(kv, stage_arrays, cfg))
+                                      fetcher(kv, stage_arrays, cfg))
     kept = None if cfg.refetch else used
     return (out, lse), (q, kv, stage_arrays, out, lse, kept)
 
 
-def _rank_stages_bwd(cfg, res, cts):
+def _rank_stages_bwd(cfg, fetcher, sender, res, cts):
     q, kv, stage_arrays, out, lse, kept = res
-    fetch = _rank_fetch(kv, stage_arrays, cfg) if kept is None else kept.__getitem__
-
-    def send_back(i, rows):
-        return _reduce(rows, stage_arrays[i][1], cfg.stages[i].cast, kv[0].shape[0])
-
-    dq, dkv = stages_backward(q, kv, stage_arrays, cfg, out, lse, cts, fetch, send_back)
+    fetch = fetcher(kv, stage_arrays, cfg) if kept is None else kept.__getitem__
+    dq, dkv = stages_backward(q, kv, stage_arrays, cfg, out, lse, cts, fetch,
+                              sender(kv, stage_arrays, cfg))
     return (dq.astype(q.dtype), jax.tree.map(lambda d, x: d.astype(x.dtype), dkv, kv),
             jax.tree.map(lambda _: None, stage_arrays))
 
 
-_rank_stages.defvjp(_rank_stages_fwd, _rank_stages_bwd)
+rank_stages.defvjp(_rank_stages_fwd, _rank_stages_bwd)
 
 
 def stages_cfg(key: MagiKey, scale: float, softcap: float) -> _StagesCfg:
@@ -181,7 +189,7 @@ def stages_cfg(key: MagiKey, scale: float, softcap: float) -> _StagesCfg:
 def _local(q, k, v, stage_arrays, key: MagiKey, scale: float, softcap: float):
     """One rank: q/k/v ``[(B,) local_len, H, D]``, ``stage_arrays`` this rank's plan arrays."""
     if q.ndim == 3 and get_backend(key.ffa_backend).split_fwd is not None:
-        return _rank_stages(q, (k, v), tuple(stage_arrays), stages_cfg(key, scale, softcap))
+        return rank_stages(q, (k, v), tuple(stage_arrays), stages_cfg(key, scale, softcap))
     # Batched inputs: autodiff through the stages and the merge; with backward_refetch the
     # remote stages are rematerialised (which also re-runs their FFA forward).
     outs, lses = [], []

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from magi_jax.sharding.attention import (magi_attention, stages_backward, stages_cfg,
-                                         stages_forward)
+from magi_jax.sharding.attention import (magi_attention, rank_stages, stages_backward,
+                                         stages_cfg, stages_forward)
 from magi_jax.sharding.collectives import group_cast, group_reduce
 from magi_jax.sharding.key import MagiKey
 
@@ -112,6 +112,31 @@ def overlap_probe(key: MagiKey, q, k, v, *, softmax_scale: float | None = None,
     }
 
 
+def _local_fetch(kv, stage_arrays, cfg):
+    """Remote stage ``i``'s KV buffer filled from local rows (no group-cast)."""
+    k, v = kv
+
+    def fetch(i):
+        stage = cfg.stages[i]
+        n = stage.kv_len - (k.shape[0] if stage.combined else 0)
+        rows = jnp.arange(n) % k.shape[0]
+        kb, vb = jnp.take(k, rows, axis=0), jnp.take(v, rows, axis=0)
+        if stage.combined:
+            return jnp.concatenate([k, kb]), jnp.concatenate([v, vb])
+        return kb, vb
+    return fetch
+
+
+def _local_send_back(kv, stage_arrays, cfg):
+    """A remote stage's dK/dV gathered onto local rows (no group-reduce). Kept rather than
+    dropped: a dropped kernel output lets XLA remove the kernel, and the probe would time
+    less work than magi does."""
+    t_loc = kv[0].shape[0]
+    return lambda i, rows: jax.tree.map(
+        lambda r: jnp.take(r, jnp.arange(t_loc) % r.shape[0], axis=0).astype(jnp.float32),
+        rows)
+
+
 def nocomm_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
                      softcap: float = 0.0):
     """A timing probe, not attention: ``magi_attention``'s own per-rank stages, merge and
@@ -124,42 +149,9 @@ def nocomm_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = Non
     cfg = stages_cfg(key, scale, float(softcap))
     spec = P(key.cp_axis)
 
-    def local_fetch(k, v):
-        def fetch(i):
-            stage = cfg.stages[i]
-            n = stage.kv_len - (k.shape[0] if stage.combined else 0)
-            rows = jnp.arange(n) % k.shape[0]
-            kb, vb = jnp.take(k, rows, axis=0), jnp.take(v, rows, axis=0)
-            if stage.combined:
-                return jnp.concatenate([k, kb]), jnp.concatenate([v, vb])
-            return kb, vb
-        return fetch
-
-    @jax.custom_vjp
-    def rank(q, k, v, arrays):
-        return stages_forward(q, (k, v), arrays, cfg, local_fetch(k, v))[0]
-
-    def rank_fwd(q, k, v, arrays):
-        (out, lse), _ = stages_forward(q, (k, v), arrays, cfg, local_fetch(k, v))
-        return (out, lse), (q, k, v, arrays, out, lse)
-
-    def rank_bwd(res, cts):
-        q, k, v, arrays, out, lse = res
-        # The remote stages' dK/dV stay on the rank (gathered onto local rows, as the
-        # reduce's own gathers would) rather than being dropped: a dropped kernel output
-        # lets XLA remove the kernel, and the probe would time less work than magi does.
-        keep = lambda i, rows: jax.tree.map(
-            lambda r: jnp.take(r, jnp.arange(k.shape[0]) % r.shape[0], axis=0).astype(
-                jnp.float32), rows)
-        dq, (dk, dv) = stages_backward(q, (k, v), arrays, cfg, out, lse, cts,
-                                       local_fetch(k, v), keep)
-        return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-                jax.tree.map(lambda _: None, arrays))
-
-    rank.defvjp(rank_fwd, rank_bwd)
-
     def body(q, k, v, stage_arrays):
-        return rank(q, k, v, tuple(jax.tree.map(lambda x: x[0], stage_arrays)))
+        return rank_stages(q, (k, v), tuple(jax.tree.map(lambda x: x[0], stage_arrays)), cfg,
+                           _local_fetch, _local_send_back)
 
     specs = jax.tree.map(lambda _: spec, key.stage_arrays)
     fn = jax.shard_map(body, mesh=key.mesh, in_specs=(spec, spec, spec, specs),
