@@ -19,13 +19,15 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import LN2, LOG2E, launch_grid, mma_lhs, smem, tile_predicate
+from magi_jax.pallas.common import (LN2, LOG2E, launch_grid, mma_lhs, smem, snake_units,
+                                    tile_major_coords, tile_predicate)
 from magi_jax.pallas.plan import FWD_BLOCK_K, FWD_BLOCK_Q, NUM_FIELDS
 
 __all__ = ["FwdConfig", "ffa_forward"]
 
 _COMPUTE_WGS = 2
 _WG_ROWS = FWD_BLOCK_Q // _COMPUTE_WGS
+_SMEM_BYTES = 227 * 1024   # shared memory one sm90 block may use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +47,12 @@ class FwdConfig:
     # Wait for the next item's K tile underneath the P·V wgmma of this one (as jax's
     # attention_mgpu does) instead of at the top of the next step. Unmeasured knob.
     k_wait_under_pv: bool = False
-    # 0: one program per (q-tile, batch, head). N > 0: N programs (the SM count, 132 on an
-    # H200), program p walking units p, p + N, ... of the launch order of :func:`launch_grid`
-    # (heaviest tile first); the K/V ring runs on across units, so the producer streams the
-    # next unit's first tiles while the consumers finish the last one. Unmeasured knob.
+    # 0: one program per (q-tile, batch, head), in the order of :func:`launch_grid`. N > 0:
+    # N programs (the SM count, 132 on an H200) walk the (q-tile, batch, head) units in the
+    # schedule of :func:`snake_units` over the tile-major order. Across units the K/V ring
+    # runs on, each consumer loads its next Q as soon as the last Q·Kᵀ of the current unit
+    # is done, and outputs leave through their own buffer, so a unit's prologue and
+    # epilogue hide under its neighbours' work (what short rows need).
     persistent: int = 0
     interpret: bool = False
 
@@ -75,18 +79,30 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
     dtype = q.dtype
     bq, bk, stages = _WG_ROWS, FWD_BLOCK_K, cfg.num_stages
     softcap = cfg.softcap
-    # A unit is one (q-tile, batch, head); persistent programs walk units in launch order.
+    # A unit is one (q-tile, batch, head); persistent programs walk them in snake_units order.
     num_units = num_tiles * b * hq
     persistent = cfg.persistent > 0
     num_progs = min(cfg.persistent, num_units)
+    itemsize = jnp.dtype(dtype).itemsize
+    smem_bytes = (_COMPUTE_WGS * bq * d * (2 if persistent else 1) + 2 * stages * bk * d) \
+        * itemsize + _COMPUTE_WGS * bq * 4
+    if smem_bytes > _SMEM_BYTES:
+        raise ValueError(f"the forward kernel with num_stages={stages}, persistent="
+                         f"{cfg.persistent} and D={d} needs {smem_bytes} bytes of shared memory "
+                         f"(> {_SMEM_BYTES}); lower num_stages (persistent needs an output "
+                         "buffer of its own)")
     # Scores are kept in the log2 domain: s2 = S·log2(e), so exp2 needs one FMA.
     s2_scale = cfg.scale * LOG2E if not softcap else cfg.scale / softcap
 
     def kernel(q_ref, k_ref, v_ref, order_ref, off_ref, items_ref, out_ref, lse_ref,
                q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free,
-               schedule, *interpret_scratch):
-        p_stage = interpret_scratch[0] if cfg.interpret else None
+               schedule, *extra_scratch):
+        extra = list(extra_scratch)
+        o_smem = extra.pop(0) if persistent else q_smem
+        p_stage = extra.pop(0) if cfg.interpret else None
         wg = lax.axis_index("wg")
+        if persistent:
+            num_mine, unit_of = snake_units(lax.axis_index("prog"), num_units, num_progs)
 
         def schedule_barrier():
             plgpu.barrier_arrive(schedule)
@@ -95,29 +111,22 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
         def slot_of(g):
             return lax.rem(g, jnp.int32(stages))
 
-        def unit_coords(u):
-            """(q-tile, batch, head) of the ``u``-th unit of the launch order."""
-            if cfg.head_major:
-                rank, rest = lax.rem(u, jnp.int32(num_tiles)), lax.div(u, jnp.int32(num_tiles))
-                batch, head = lax.rem(rest, jnp.int32(b)), lax.div(rest, jnp.int32(b))
-            else:
-                head, rest = lax.rem(u, jnp.int32(hq)), lax.div(u, jnp.int32(hq))
-                batch, rank = lax.rem(rest, jnp.int32(b)), lax.div(rest, jnp.int32(b))
-            return order_ref[rank], batch, head
+        def coords(j):
+            """(q-tile, batch, head) of this program's ``j``-th unit."""
+            if not persistent:
+                return (order_ref[lax.axis_index("tile")], lax.axis_index("batch"),
+                        lax.axis_index("head"))
+            return tile_major_coords(unit_of(j), b, hq, order_ref)
 
         def for_units(body):
-            """Runs ``body(tile, batch, head, base) -> base`` over this program's units;
+            """Runs ``body(j, tile, batch, head, base) -> base`` over this program's units;
             ``base`` counts the items walked before, so the ring's slots and barrier phases
             carry on across units. Returns the program's item count."""
             if not persistent:
                 # base: a Python 0 (a captured array constant does not lower inside loops).
-                return body(order_ref[lax.axis_index("tile")], lax.axis_index("batch"),
-                            lax.axis_index("head"), 0)
-            prog = lax.axis_index("prog")
-            my_units = lax.div(num_units - prog + num_progs - 1, jnp.int32(num_progs))
-            return lax.fori_loop(
-                0, my_units,
-                lambda j, base: body(*unit_coords(prog + j * num_progs), base), jnp.int32(0))
+                return body(0, *coords(0), 0)
+            return lax.fori_loop(0, num_mine, lambda j, base: body(j, *coords(j), base),
+                                 jnp.int32(0))
 
         @pl.when(wg < _COMPUTE_WGS)
         def consumer():
@@ -126,12 +135,28 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
             layout = plgpu.Layout.WGMMA
             row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-            def unit(tile, batch, head, base):
+            my_o = o_smem.at[wg]
+
+            def load_q(j):
+                tile, batch, head = coords(j)
+                plgpu.copy_gmem_to_smem(
+                    q_ref.at[batch, pl.ds(tile * FWD_BLOCK_Q + wg * bq, bq), head], my_q,
+                    q_ready.at[wg])
+
+            def prefetch_q(j, when):
+                """Loads the next unit's Q (persistent mode) once this one's is read."""
+                if persistent:
+                    pl.when(when & (j + 1 < num_mine))(lambda: load_q(j + 1))
+
+            if persistent:
+                pl.when(num_mine > 0)(lambda: load_q(0))
+
+            def unit(j, tile, batch, head, base):
                 first = off_ref[tile]
                 num_items = off_ref[tile + 1] - first
                 row0 = tile * FWD_BLOCK_Q + wg * bq
-                plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, bq), head], my_q,
-                                        q_ready.at[wg])
+                if not persistent:
+                    load_q(j)
                 plgpu.barrier_wait(q_ready.at[wg])
                 m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
                 l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
@@ -163,6 +188,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
 
                     s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
+                    prefetch_q(j, i == num_items - 1)
                     exp_scale = None   # the scale still to apply inside exp2
                     if softcap:
                         s = jnp.tanh(s * s2_scale) * (softcap * LOG2E)
@@ -213,21 +239,22 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
                     return acc, m_new, l_i
 
                 acc, m_i, l_i = lax.fori_loop(0, num_items, step, (acc, m_i, l_i))
+                prefetch_q(j, num_items == 0)
                 pl.when(wg == 0)(schedule_barrier)
                 seen = l_i > 0
                 inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
                 acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
                 lse = jnp.where(seen, (m_i + jnp.log2(jnp.where(seen, l_i, 1.0))) * LN2,
                                 -jnp.inf)
-                my_q[...] = acc.astype(dtype)
+                if persistent:
+                    # The previous unit's stores must have read my_o and lse_smem out.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                my_o[...] = acc.astype(dtype)
                 lse_smem[wg] = lse
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(my_q, out_ref.at[batch, pl.ds(row0, bq), head])
+                plgpu.copy_smem_to_gmem(my_o, out_ref.at[batch, pl.ds(row0, bq), head])
                 plgpu.copy_smem_to_gmem(lse_smem.at[wg],
                                         lse_ref.at[batch, head, pl.ds(row0, bq)])
-                if persistent:
-                    # The next unit's Q lands in my_q: let the stores read it out first.
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 return base + num_items
 
             for_units(unit)
@@ -237,7 +264,8 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
         def producer():
             plgpu.set_max_registers(40, action="decrease")
 
-            def unit(tile, batch, head, base):
+            def unit(j, tile, batch, head, base):
+                del j
                 first = off_ref[tile]
                 num_items = off_ref[tile + 1] - first
                 kv_head = lax.div(head, jnp.int32(group))
@@ -287,6 +315,8 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
     ]
+    if persistent:
+        scratch.append(smem((_COMPUTE_WGS, bq, d), dtype))
     if cfg.interpret:
         scratch.append(smem((_COMPUTE_WGS, bq, bk), dtype))
     return plgpu.kernel(

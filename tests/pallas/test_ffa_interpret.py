@@ -151,7 +151,8 @@ def _forward_only(mask, dtype, hq, hkv, d, seed, batch=None, **tuning):
 # The forward's pipeline knobs, each in at least one set, over 2 and 3 slots (3 fit D = 128
 # only without the reduction scratch). Forward only: the backward kernels ignore them.
 _FWD_KNOBS = [dict(k_wait_under_pv=True),
-              dict(num_stages=3, fma_softmax=True, persistent=1)]
+              dict(num_stages=3, fma_softmax=True),
+              dict(persistent=1, k_wait_under_pv=True)]
 
 
 # Like IRREGULAR, but q-tiles walk 10 and 6 items (several per k-tile): more than the slots
@@ -170,13 +171,28 @@ def test_forward_pipeline_knobs(tuning):
     assert (out[128:256] == 0).all()
 
 
-@pytest.mark.parametrize("head_major", [False, True])
-def test_forward_persistent_units(head_major):
-    """Persistent programs: 8 units (2 q-tiles x batch 2 x 2 heads) over 3 programs, in
-    either launch order; the K/V ring and its barriers carry on across units."""
-    out, lse = _forward_only(WIDE, jnp.bfloat16, 2, 1, 64, 7, batch=2, persistent=3,
-                             head_major=head_major, k_wait_under_pv=True)
+@pytest.mark.parametrize("programs", [3, 5])
+def test_forward_persistent_units(programs):
+    """Persistent programs: 8 units (2 q-tiles x batch 2 x 2 heads) over 3 or 5 programs
+    (some own more units than others); the K/V ring and its barriers carry on across units,
+    the next unit's Q is loaded under the current one and outputs leave through their own
+    buffer."""
+    out, lse = _forward_only(WIDE, jnp.bfloat16, 2, 1, 64, 7, batch=2, persistent=programs,
+                             k_wait_under_pv=programs == 3)
     assert np.isneginf(lse[:, 190:]).all() and (out[:, 190:] == 0).all()
+    # A whole q-tile without items: its units prefetch the next Q at their end.
+    out, _ = _forward_only(EMPTY_TILES, jnp.float16, 2, 2, 64, 8, batch=2, persistent=programs)
+    assert (out[:, 128:256] == 0).all()
+
+
+def test_forward_shared_memory_budget_error():
+    q = jax.ShapeDtypeStruct((WIDE.total_q, 1, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((WIDE.total_k, 1, 128), jnp.bfloat16)
+    plan = kernel_plan_for_mask(WIDE).arrays()
+    f = jax.jit(lambda q, k, v: ffa_pallas(q, k, v, plan, softmax_scale=0.1, num_stages=3,
+                                           persistent=132))
+    with pytest.raises(ValueError, match="num_stages=3, persistent=132 and D=128 needs"):
+        f.trace(q, kv, kv).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("d", [64, 128])
