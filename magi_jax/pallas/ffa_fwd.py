@@ -19,8 +19,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (LN2, LOG2E, launch_grid, mma_lhs, smem, snake_units,
-                                    tile_major_coords, tile_predicate)
+from magi_jax.pallas.common import LN2, LOG2E, launch_grid, mma_lhs, smem, tile_predicate
 from magi_jax.pallas.plan import FWD_BLOCK_K, FWD_BLOCK_Q, NUM_FIELDS
 
 __all__ = ["FwdConfig", "ffa_forward"]
@@ -48,11 +47,11 @@ class FwdConfig:
     # attention_mgpu does) instead of at the top of the next step. Unmeasured knob.
     k_wait_under_pv: bool = False
     # 0: one program per (q-tile, batch, head), in the order of :func:`launch_grid`. N > 0:
-    # N programs (the SM count, 132 on an H200) walk the (q-tile, batch, head) units in the
-    # schedule of :func:`snake_units` over the tile-major order. Across units the K/V ring
-    # runs on, each consumer loads its next Q as soon as the last Q·Kᵀ of the current unit
-    # is done, and outputs leave through their own buffer, so a unit's prologue and
-    # epilogue hide under its neighbours' work (what short rows need).
+    # N programs (the SM count, 132 on an H200) walk the (q-tile, batch, head) units of a
+    # host schedule (:func:`magi_jax.pallas.plan.persistent_schedule`). Across units the
+    # K/V ring runs on, each consumer loads its next Q as soon as the last Q·Kᵀ of the
+    # current unit is done, and outputs leave through their own buffer, so a unit's
+    # prologue and epilogue hide under its neighbours' work (what short rows need).
     persistent: int = 0
     interpret: bool = False
 
@@ -66,10 +65,12 @@ class FwdConfig:
             raise ValueError(f"softcap={self.softcap} must be >= 0")
 
 
-def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
+def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
     """q ``[B, Tq, Hq, D]``, k/v ``[B, Tk, Hkv, D]`` (Tq, Tk multiples of 128; bf16/fp16),
-    plan arrays of the forward work list. Returns ``out [B, Tq, Hq, D]`` and
-    ``lse [B, Hq, Tq]`` float32 (natural log; ``-inf`` for rows that see no key)."""
+    plan arrays of the forward work list; with ``cfg.persistent``, ``schedule`` is the
+    ``(offsets, units)`` pair of :func:`magi_jax.pallas.plan.persistent_schedule` for
+    ``B·Hq`` groups. Returns ``out [B, Tq, Hq, D]`` and ``lse [B, Hq, Tq]`` float32 (natural
+    log; ``-inf`` for rows that see no key)."""
     b, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
     group = hq // hkv
@@ -79,10 +80,15 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
     dtype = q.dtype
     bq, bk, stages = _WG_ROWS, FWD_BLOCK_K, cfg.num_stages
     softcap = cfg.softcap
-    # A unit is one (q-tile, batch, head); persistent programs walk them in snake_units order.
+    # A unit is one (q-tile, batch, head); persistent programs walk those of their schedule.
     num_units = num_tiles * b * hq
     persistent = cfg.persistent > 0
     num_progs = min(cfg.persistent, num_units)
+    if persistent and (len(schedule) != 2 or schedule[0].shape != (num_progs + 1,)
+                       or schedule[1].shape != (num_units,)):
+        raise ValueError(f"persistent={cfg.persistent} needs the (offsets [{num_progs + 1}], "
+                         f"units [{num_units}]) of persistent_schedule; got "
+                         f"{[getattr(a, 'shape', a) for a in schedule]}")
     itemsize = jnp.dtype(dtype).itemsize
     smem_bytes = (_COMPUTE_WGS * bq * d * (2 if persistent else 1) + 2 * stages * bk * d) \
         * itemsize + _COMPUTE_WGS * bq * 4
@@ -94,15 +100,18 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
     # Scores are kept in the log2 domain: s2 = S·log2(e), so exp2 needs one FMA.
     s2_scale = cfg.scale * LOG2E if not softcap else cfg.scale / softcap
 
-    def kernel(q_ref, k_ref, v_ref, order_ref, off_ref, items_ref, out_ref, lse_ref,
-               q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free,
-               schedule, *extra_scratch):
-        extra = list(extra_scratch)
+    def kernel(*refs):
+        q_ref, k_ref, v_ref, order_ref, off_ref, items_ref, *refs = refs
+        sched_off_ref, sched_ref = (refs.pop(0), refs.pop(0)) if persistent else (None, None)
+        (out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready,
+         k_free, v_free, schedule, *extra) = refs
         o_smem = extra.pop(0) if persistent else q_smem
         p_stage = extra.pop(0) if cfg.interpret else None
         wg = lax.axis_index("wg")
         if persistent:
-            num_mine, unit_of = snake_units(lax.axis_index("prog"), num_units, num_progs)
+            prog = lax.axis_index("prog")
+            first_unit = sched_off_ref[prog]
+            num_mine = sched_off_ref[prog + 1] - first_unit
 
         def schedule_barrier():
             plgpu.barrier_arrive(schedule)
@@ -116,7 +125,10 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
             if not persistent:
                 return (order_ref[lax.axis_index("tile")], lax.axis_index("batch"),
                         lax.axis_index("head"))
-            return tile_major_coords(unit_of(j), b, hq, order_ref)
+            # Units are numbered in the head-major launch order: u = (head·B + batch)·N + r.
+            u = sched_ref[first_unit + j]
+            rank, rest = lax.rem(u, jnp.int32(num_tiles)), lax.div(u, jnp.int32(num_tiles))
+            return order_ref[rank], lax.rem(rest, jnp.int32(b)), lax.div(rest, jnp.int32(b))
 
         def for_units(body):
             """Runs ``body(j, tile, batch, head, base) -> base`` over this program's units;
@@ -332,4 +344,4 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig):
         # num_stages=3 fits at D = 128.
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
-    )(q, k, v, order, offsets, items)
+    )(q, k, v, order, offsets, items, *(schedule if persistent else ()))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 from typing import NamedTuple
 
 import numpy as np
@@ -24,7 +25,8 @@ from magi_jax.tiling import EMPTY_ITEM as _EMPTY_ITEM, ITEM_FIELDS, tile_items
 
 __all__ = ["ITEM_FIELDS", "NUM_FIELDS", "WorkList", "KernelPlan", "KernelPlanArrays",
            "build_work_list", "build_kernel_plan", "kernel_plan_for_mask",
-           "stack_kernel_plans", "FWD_BLOCK_Q", "FWD_BLOCK_K", "DKV_BLOCK_Q", "DKV_BLOCK_K"]
+           "stack_kernel_plans", "persistent_schedule", "FWD_BLOCK_Q", "FWD_BLOCK_K",
+           "DKV_BLOCK_Q", "DKV_BLOCK_K"]
 
 # Items have the columns of magi_jax.tiling.ITEM_FIELDS (the tile on the other side, the
 # slice's canonical geometry, the full flag); padding items are tiling.EMPTY_ITEM.
@@ -159,3 +161,45 @@ def stack_kernel_plans(plans: list[KernelPlanArrays]) -> KernelPlanArrays:
     padded = [p.pad_to(len(p.q_order), wq, len(p.k_order), wk)
               for p in plans]
     return KernelPlanArrays(*(np.stack(parts) for parts in zip(*padded)))
+
+
+# What a unit costs a persistent program beyond its items, in items: the epilogue and the
+# softmax tail that the next unit's prefetched loads do not hide.
+UNIT_OVERHEAD_ITEMS = 1.0
+
+
+def persistent_schedule(work: WorkList, groups: int, num_progs: int,
+                        overhead: float = UNIT_OVERHEAD_ITEMS) -> tuple[np.ndarray, np.ndarray]:
+    """Which units each program of a persistent kernel walks, fixed on the host.
+
+    Units are numbered in the launch order of the head-major grid: ``u = g * N + r`` for
+    group ``g`` (a (head, batch) pair) and rank ``r`` of ``work.order`` (heaviest first), so
+    unit ``u`` owns tile ``work.order[u % N]``. They are handed out in that order, each to the
+    program that would be free first (list scheduling with a unit costing its item count plus
+    ``overhead``): the schedule the hardware follows for a grid of one program per unit, so
+    programs running together still share one head's K/V through L2, now fixed in advance so
+    a program can load its next unit while it finishes the current one.
+
+    Returns ``(offsets [P + 1], units [U])`` int32, ``P = min(num_progs, U)``: program ``p``
+    walks ``units[offsets[p]:offsets[p + 1]]`` in order."""
+    if num_progs < 1 or groups < 1:
+        raise ValueError(f"num_progs={num_progs} and groups={groups} must be >= 1")
+    return _schedule(work.counts()[work.order].astype(np.float64).tobytes(), groups,
+                     num_progs, float(overhead))
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(costs_bytes: bytes, groups: int, num_progs: int, overhead: float):
+    costs = np.frombuffer(costs_bytes, np.float64) + overhead
+    n = len(costs)
+    num_units = n * groups
+    progs = min(num_progs, num_units)
+    owner = np.empty(num_units, np.int64)
+    free = [(0.0, p) for p in range(progs)]
+    for u in range(num_units):
+        t, p = heapq.heappop(free)
+        owner[u] = p
+        heapq.heappush(free, (t + costs[u % n], p))
+    units = np.argsort(owner, kind="stable").astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=progs))])
+    return offsets.astype(np.int32), units

@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 
 from magi_jax.mask import AttnMask
 from magi_jax.pallas.plan import (ITEM_FIELDS, NUM_FIELDS, build_kernel_plan, build_work_list,
-                                  kernel_plan_for_mask)
+                                  kernel_plan_for_mask, persistent_schedule)
 from tests.strategies import slice_masks
 
 
@@ -127,3 +127,40 @@ def test_stack_kernel_plans():
     np.testing.assert_array_equal(st.q_items[1, :len(b.q_items)], b.q_items)
     with pytest.raises(ValueError, match="same local Tq"):
         stack_kernel_plans([a, kernel_plan_for_mask(AttnMask.causal(100)).arrays()])
+
+
+def _schedule_loads(work, groups, progs, overhead):
+    offsets, units = persistent_schedule(work, groups, progs, overhead)
+    counts = work.counts()[work.order]
+    n = len(counts)
+    assert offsets[0] == 0 and offsets[-1] == n * groups and np.all(np.diff(offsets) >= 0)
+    assert sorted(units.tolist()) == list(range(n * groups))   # every unit exactly once
+    loads = [sum(counts[u % n] + overhead for u in units[a:b])
+             for a, b in zip(offsets[:-1], offsets[1:])]
+    for a, b in zip(offsets[:-1], offsets[1:]):   # each program walks launch order
+        assert np.all(np.diff(units[a:b]) > 0)
+    return offsets, units, np.array(loads)
+
+
+def test_persistent_schedule_hand_checked():
+    """Tiles of 3, 1 and 2 items (launch order: 3, 2, 1) over one group and two programs:
+    program 0 takes the 3-item tile; program 1 the 2-item tile, then the 1-item tile."""
+    work = build_work_list(AttnMask.from_ranges(
+        [[0, 128], [128, 256], [256, 384]], [[0, 384], [0, 128], [0, 256]],
+        ["full", "full", "full"], 384, 384).shapes, 384, 384, 128, 128, "q")
+    assert work.counts().tolist() == [3, 1, 2] and work.order.tolist() == [0, 2, 1]
+    offsets, units, loads = _schedule_loads(work, 1, 2, 0.0)
+    assert offsets.tolist() == [0, 1, 3] and units.tolist() == [0, 1, 2]
+    assert loads.tolist() == [3, 3]
+    # More programs than units: one unit each.
+    offsets, units, _ = _schedule_loads(work, 2, 10, 1.0)
+    assert offsets.tolist() == list(range(7)) and units.tolist() == list(range(6))
+
+
+@given(slice_masks(), st.integers(1, 4), st.integers(1, 9))
+def test_persistent_schedule_balanced(mask, groups, progs):
+    """List scheduling: no program ends later than the mean load plus one unit."""
+    work = kernel_plan_for_mask(mask).fwd
+    _, _, loads = _schedule_loads(work, groups, progs, 1.0)
+    heaviest = work.counts().max() + 1.0
+    assert loads.max() <= loads.sum() / len(loads) + heaviest + 1e-9
