@@ -88,6 +88,7 @@ class _Config:
     head_major: bool = True
     k_wait_under_pv: bool = False
     persistent: int = 0
+    bwd_persistent: int = 0
 
 
 def _pad_rows(x, multiple):
@@ -139,7 +140,7 @@ def _ffa_bwd(cfg, res, cts):
             pad_stat(delta))
     bcfg = lambda stages: BwdConfig(cfg.scale, cfg.softcap, num_stages=stages,
                                     fma_softmax=cfg.fma_softmax, head_major=cfg.head_major,
-                                    interpret=cfg.interpret)
+                                    persistent=cfg.bwd_persistent, interpret=cfg.interpret)
     dq = ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items, bcfg(cfg.dq_num_stages))
     dk, dv = ffa_dkv(*args, plan.k_order, plan.k_offsets, plan.k_items,
                      bcfg(cfg.dkv_num_stages))
@@ -153,7 +154,7 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
                interpret: bool = False, num_stages: int = 2, dq_num_stages: int = 2,
                dkv_num_stages: int = 2, fused_acc: bool = True, fma_softmax: bool = True,
                head_major: bool = True, k_wait_under_pv: bool = False,
-               persistent: int = 0):
+               persistent: int = 0, bwd_persistent: int = 0):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
     q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64 or 128); ``plan`` from
@@ -170,12 +171,17 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
     consumers wait for the next K tile underneath the P·V wgmma rather than at the top of the
     step; ``persistent``: 0 (one program per q-tile and head) or the number of programs (the
     SM count) that walk the (q-tile, batch, head) units in launch order, the K/V pipeline
-    running on across units. Forward ``num_stages=3`` and ``persistent`` are not measured on a
-    GPU yet."""
+    running on across units; backward only: ``bwd_persistent``: the same for the dQ and dK/dV
+    kernels: 0, or the number of programs that walk their units (dQ: q-tile, batch, query
+    head; dK/dV: k-tile, batch, key head) in a static schedule like the forward's, each loading
+    its next unit's inputs under the current unit's last matmuls and storing through output
+    buffers of its own (with D = 128 that leaves room for ``dq_num_stages`` <= 2 and
+    ``dkv_num_stages`` <= 3). Forward ``num_stages=3``, ``persistent`` and ``bwd_persistent``
+    are not measured on a GPU yet."""
     cfg = _Config(float(softmax_scale), float(softcap), bool(interpret), int(num_stages),
                   int(dq_num_stages), int(dkv_num_stages), bool(fused_acc),
                   bool(fma_softmax), bool(head_major), bool(k_wait_under_pv),
-                  int(persistent))
+                  int(persistent), int(bwd_persistent))
     plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     if q.ndim == 3:
         out, lse = _ffa(q[None], k[None], v[None], plan, cfg)

@@ -8,11 +8,17 @@
 * dK/dV: one program per (k-tile of 128 keys, batch, key head) walks the query tiles of
   64 rows that see it, for every query head of the GQA group, so ``dK``/``dV`` of a key head
   are summed in float32 registers and written once (no atomics, no second reduction).
+
+Persistent mode (``BwdConfig.persistent = N``): N programs walk these units in a static
+schedule instead (the host's :func:`~magi_jax.pallas.plan.persistent_schedule`, or
+:func:`~magi_jax.pallas.common.snake_units`), so one unit's prologue (its own inputs) and
+epilogue (the output store) hide under its neighbours' work.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.experimental.pallas as pl
@@ -20,7 +26,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import LOG2E, launch_grid, mma_lhs, smem, tile_predicate
+from magi_jax.pallas.common import (LOG2E, launch_grid, mma_lhs, smem, snake_units,
+                                    tile_major_coords, tile_predicate)
 from magi_jax.pallas.plan import DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["BwdConfig", "ffa_dq", "ffa_dkv"]
@@ -29,6 +36,12 @@ _COMPUTE_WGS = 2
 _LAYOUT = plgpu.Layout.WGMMA
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 _COL = plgpu.Layout.WGMMA.reduce(0)
+# Shared memory of one sm90 block (the opt-in maximum) and Mosaic GPU's accounting of it:
+# every scratch buffer starts on a 1 KiB boundary, a barrier takes 8 bytes. The backward
+# kernels have no reductions, so no reduction scratch is added.
+_SMEM_BYTES = 227 * 1024
+_SMEM_ALIGN = 1024
+_BARRIER_BYTES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +52,24 @@ class BwdConfig:
     softcap: float
     num_stages: int = 2
     fma_softmax: bool = False   # see FwdConfig
-    head_major: bool = False    # see magi_jax.pallas.common.launch_grid
+    head_major: bool = False    # see magi_jax.pallas.common.launch_grid (persistent: unused)
+    # 0: one program per unit — (q-tile, batch, query head) for dQ, (k-tile, batch, key
+    # head) for dK/dV — in the order of launch_grid. N > 0: min(N, units) programs (the SM
+    # count, 132 on an H200) walk the units of a static schedule (the kernels' ``schedule``
+    # argument, else snake_units). Across units the producer's ring runs on (one drain at
+    # the end), each consumer loads its next unit's own inputs (dQ: Q, dO, lse, delta;
+    # dK/dV: its K, V) as soon as the last wgmma pair that reads them is done, and outputs
+    # leave through buffers of their own, so the store of one unit overlaps the next.
+    # Unmeasured knob.
+    persistent: int = 0
     interpret: bool = False
+
+    def __post_init__(self):
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+        if self.persistent < 0:
+            raise ValueError(f"persistent={self.persistent} must be >= 0 (0: off, else the "
+                             "number of programs, e.g. the SM count)")
 
 
 def _log2_scores(s, cfg: BwdConfig):
@@ -65,10 +94,120 @@ def _params(cfg):
                 interpret=plgpu.InterpretGPUParams() if cfg.interpret else None)
 
 
-def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
+def _grid(cfg: BwdConfig, num_tiles: int, batch: int, heads: int):
+    """``(grid, grid_names, num_progs, num_units)``; ``num_progs`` is 0 when not persistent."""
+    num_units = num_tiles * batch * heads
+    if cfg.persistent:
+        num_progs = min(cfg.persistent, num_units)
+        return (num_progs,), ("prog",), num_progs, num_units
+    return (*launch_grid(num_tiles, batch, heads, cfg.head_major), 0, num_units)
+
+
+def _smem_bytes(scratch) -> int:
+    """Shared memory of ``scratch`` as Mosaic GPU allocates it."""
+    total = 0
+    for s in scratch:
+        if isinstance(s, plgpu.Barrier):
+            total += _BARRIER_BYTES * math.prod(s.num_barriers)
+        else:
+            size = math.prod(s.shape) * jnp.dtype(s.dtype).itemsize
+            total += -(-size // _SMEM_ALIGN) * _SMEM_ALIGN
+    return total
+
+
+def _check_smem(name: str, scratch, out_scratch, cfg: BwdConfig, d: int, dtype,
+                stages_knob: str):
+    """Raises ``ValueError`` when the scratch buffers, barriers and the persistent mode's
+    output buffers ``out_scratch`` do not fit one block."""
+    total = _smem_bytes(scratch) + _smem_bytes(out_scratch)
+    if total > _SMEM_BYTES:
+        fix = f"lower {stages_knob}"
+        if out_scratch and _smem_bytes(scratch) <= _SMEM_BYTES:
+            fix += " or turn bwd_persistent off (its output buffers take " \
+                   f"{_smem_bytes(out_scratch)} bytes)"
+        raise ValueError(
+            f"the {name} kernel with {stages_knob}={cfg.num_stages}, persistent="
+            f"{cfg.persistent}, D={d} and {jnp.dtype(dtype).name} needs {total} bytes of "
+            f"shared memory (> {_SMEM_BYTES} on sm90); {fix}")
+
+
+def _stream(num_steps, stages, start_of, streams, view, base=None):
+    """Producer loop: step ``i`` copies, for every ``(gmem, smem, ready, free)`` stream, the
+    block starting at ``start_of(i)`` into slot ``g % stages`` (``g = base + i``, the ring's
+    running step count; ``base=None``: the ring's only walk, ``g = i``) once the consumers
+    freed it. With ``base=None`` it then drains the ring (:func:`_drain`); otherwise the
+    caller drains once after its last walk."""
+    @pl.loop(0, num_steps)
+    def _(i):
+        g = i if base is None else base + i
+        slot = lax.rem(g, jnp.int32(stages))
+        start = start_of(i)
+        for gmem, buf, ready, free in streams:
+            @pl.when(g >= stages)
+            def _():
+                plgpu.barrier_wait(free.at[slot])
+
+            plgpu.copy_gmem_to_smem(view(gmem, start), buf.at[slot], ready.at[slot])
+
+    if base is None:
+        _drain(num_steps, stages, streams)
+
+
+def _drain(total, stages, streams):
+    """Waits for the last slots of a ring of ``total`` steps to be freed, so every barrier
+    phase is observed before the shared memory is given back."""
+    @pl.loop(lax.max(total - stages, jnp.int32(0)), total)
+    def _(i):
+        slot = lax.rem(i, jnp.int32(stages))
+        for _, _, _, free in streams:
+            plgpu.barrier_wait(free.at[slot])
+
+
+def _check_schedule(schedule, num_progs: int, num_units: int):
+    if schedule and (len(schedule) != 2 or schedule[0].shape != (num_progs + 1,)
+                     or schedule[1].shape != (num_units,)):
+        raise ValueError(f"a persistent schedule for {num_progs} programs is (offsets "
+                         f"[{num_progs + 1}], units [{num_units}]) of persistent_schedule; "
+                         f"got {[getattr(a, 'shape', a) for a in schedule]}")
+
+
+def _my_units(schedule_refs, num_progs: int, num_tiles: int, batch: int, heads: int,
+              order_ref):
+    """``(num_mine, coords)`` of this persistent program: how many units it walks, and
+    ``coords(j)``, the (tile, batch, head) of its ``j``-th. With ``schedule_refs`` (the
+    ``(offsets, units)`` of :func:`magi_jax.pallas.plan.persistent_schedule`, units numbered
+    ``(head·B + batch)·N + rank``) the host's list; else :func:`snake_units` over the
+    tile-major order."""
+    prog = lax.axis_index("prog")
+    if not schedule_refs:
+        num_mine, unit_of = snake_units(prog, num_tiles * batch * heads, num_progs)
+        return num_mine, lambda j: tile_major_coords(unit_of(j), batch, heads, order_ref)
+    off_ref, units_ref = schedule_refs
+    first_unit = off_ref[prog]
+
+    def coords(j):
+        u = units_ref[first_unit + j]
+        rank, rest = lax.rem(u, jnp.int32(num_tiles)), lax.div(u, jnp.int32(num_tiles))
+        return order_ref[rank], lax.rem(rest, jnp.int32(batch)), lax.div(rest, jnp.int32(batch))
+
+    return off_ref[prog + 1] - first_unit, coords
+
+
+def _walk_units(num_mine, work_of, body):
+    """Persistent programs: ``body(j, work_of(j), base) -> base`` over this program's units
+    ``j < num_mine``, ``base`` counting the ring steps of the units before (so slots and
+    barrier phases carry on). Returns the program's total ring steps."""
+    return lax.fori_loop(0, num_mine, lambda j, base: body(j, work_of(j), base),
+                         jnp.int32(0))
+
+
+def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, schedule=()):
     """dQ. q/dout ``[B, Tq, Hq, D]``, k/v ``[B, Tk, Hkv, D]``; ``lse2 [B, Hq, Tq]`` float32
     is the lse times log2(e) with ``+inf`` on rows that see no key (so P = 0 there);
-    ``delta [B, Hq, Tq]`` float32; the forward work list. Returns dq like q."""
+    ``delta [B, Hq, Tq]`` float32; the forward work list. With ``cfg.persistent``,
+    ``schedule`` may be the ``(offsets, units)`` of
+    :func:`magi_jax.pallas.plan.persistent_schedule` for ``B·Hq`` groups (else the programs
+    follow :func:`~magi_jax.pallas.common.snake_units`). Returns dq like q."""
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
@@ -76,86 +215,158 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
     assert order.shape == (num_tiles,)
     dtype = q.dtype
     bq, bk, stages = FWD_BLOCK_Q // _COMPUTE_WGS, FWD_BLOCK_K, cfg.num_stages
+    persistent = cfg.persistent > 0
+    grid, grid_names, num_progs, num_units = _grid(cfg, num_tiles, b, hq)
+    schedule = tuple(schedule) if persistent else ()
+    _check_schedule(schedule, num_progs, num_units)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
-               dq_ref, q_smem, do_smem, stat_smem, k_smem, v_smem, in_ready, k_ready,
-               v_ready, k_free, v_free, *stage):
+               *refs):
+        sched_refs, refs = refs[:len(schedule)], refs[len(schedule):]
+        (dq_ref, q_smem, do_smem, stat_smem, k_smem, v_smem, in_ready, k_ready, v_ready,
+         k_free, v_free, *extra) = refs
+        dq_smem = extra[0] if persistent else None
+        stage = extra[1:] if persistent else extra
         wg = lax.axis_index("wg")
-        tile = order_ref[lax.axis_index("tile")]
-        batch = lax.axis_index("batch")
-        head = lax.axis_index("head")
-        first = off_ref[tile]
-        num_items = off_ref[tile + 1] - first
+        if persistent:
+            num_mine, coords = _my_units(sched_refs, num_progs, num_tiles, b, hq, order_ref)
+
+            def work_of(j):
+                tile, batch, head = coords(j)
+                first = off_ref[tile]
+                return tile, batch, head, first, off_ref[tile + 1] - first
+        else:
+            tile = order_ref[lax.axis_index("tile")]
+            batch = lax.axis_index("batch")
+            head = lax.axis_index("head")
+            first = off_ref[tile]
+            num_items = off_ref[tile + 1] - first
+            only_unit = (tile, batch, head, first, num_items)
 
         @pl.when(wg < _COMPUTE_WGS)
         def consumer():
             plgpu.set_max_registers(232, action="increase")
-            row0 = tile * FWD_BLOCK_Q + wg * bq
-            rows = pl.ds(row0, bq)
             my_q, my_do = q_smem.at[wg], do_smem.at[wg]
             ready = in_ready.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], my_q, ready)
-            plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], my_do, ready)
-            plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], stat_smem.at[wg, 0], ready)
-            plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], stat_smem.at[wg, 1],
-                                    ready)
-            plgpu.barrier_wait(ready)
-            lse2 = plgpu.load(stat_smem.at[wg, 0], layout=_ROW)
-            delta = plgpu.load(stat_smem.at[wg, 1], layout=_ROW)
             my_stage = stage[0].at[wg] if stage else None
 
-            def run(dq_acc):
-                def step(i, carry):
-                    slot = lax.rem(i, jnp.int32(stages))
-                    it = first + i
-                    ktile = items_ref[it, 0]
-                    geom = tuple(items_ref[it, f] for f in range(1, 7))
-                    full = items_ref[it, 7]
-                    plgpu.barrier_wait(k_ready.at[slot])
-                    plgpu.barrier_wait(v_ready.at[slot])
+            def load_inputs(rows, batch, head):
+                plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], my_q, ready)
+                plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], my_do, ready)
+                plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], stat_smem.at[wg, 0],
+                                        ready)
+                plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], stat_smem.at[wg, 1],
+                                        ready)
 
-                    # S = Q·Kᵀ and dP = dO·Vᵀ issued back to back, one wait for both.
-                    def qk_dov(s_ref, dp_ref):
-                        plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
-                        plgpu.wgmma(dp_ref, my_do, v_smem.at[slot].T)
-                        return s_ref[...], dp_ref[...]
+            def load_unit(j):
+                tile, batch, head = coords(j)
+                load_inputs(pl.ds(tile * FWD_BLOCK_Q + wg * bq, bq), batch, head)
 
-                    s, dp = pl.run_scoped(qk_dov, plgpu.ACC((bq, bk), jnp.float32),
-                                          plgpu.ACC((bq, bk), jnp.float32))
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    s, c, dcap = _log2_scores(s, cfg)
+            def prefetch(j, when):
+                """Loads unit ``j + 1``'s inputs where ``when`` says unit ``j`` is done with
+                them (Q, dO in shared memory; lse, delta are in registers by then)."""
+                @pl.when(when & (j + 1 < num_mine))
+                def _():
+                    # lse/delta were read by generic loads; the TMA writes through the async
+                    # proxy, so fence the two before it overwrites them.
+                    plgpu.commit_smem()
+                    load_unit(j + 1)
 
-                    def masked():
-                        keep = tile_predicate(geom, row0, ktile * bk, (bq, bk), _LAYOUT)
-                        return jnp.where(keep, s, -jnp.inf)
+            def unit(j, work, base):
+                tile, batch, head, first, num_items = work
+                row0 = tile * FWD_BLOCK_Q + wg * bq
+                rows = pl.ds(row0, bq)
+                if not persistent:
+                    load_inputs(rows, batch, head)
+                plgpu.barrier_wait(ready)
+                lse2 = plgpu.load(stat_smem.at[wg, 0], layout=_ROW)
+                delta = plgpu.load(stat_smem.at[wg, 1], layout=_ROW)
+                if persistent:   # a unit without items is done with its inputs here
+                    prefetch(j, num_items == 0)
 
-                    s = lax.cond(full != 0, lambda: s, masked)
-                    p = _exp2_minus(s, c, lse2, 0)
-                    ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-                    if dcap is not None:
-                        ds = ds * dcap
-                    mma_lhs(dq_acc, ds.astype(dtype), k_smem.at[slot], my_stage)
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    return carry
+                def run(dq_acc):
+                    def step(i, carry):
+                        slot = lax.rem(i if base is None else base + i, jnp.int32(stages))
+                        it = first + i
+                        ktile = items_ref[it, 0]
+                        geom = tuple(items_ref[it, f] for f in range(1, 7))
+                        full = items_ref[it, 7]
+                        plgpu.barrier_wait(k_ready.at[slot])
+                        plgpu.barrier_wait(v_ready.at[slot])
 
-                lax.fori_loop(0, num_items, step, 0)
-                return dq_acc[...]
+                        # S = Q·Kᵀ and dP = dO·Vᵀ issued back to back, one wait for both.
+                        def qk_dov(s_ref, dp_ref):
+                            plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
+                            plgpu.wgmma(dp_ref, my_do, v_smem.at[slot].T)
+                            return s_ref[...], dp_ref[...]
 
-            dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
-            my_q[...] = (dq * cfg.scale).astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_q, dq_ref.at[batch, rows, head])
-            plgpu.wait_smem_to_gmem(0)
+                        s, dp = pl.run_scoped(qk_dov, plgpu.ACC((bq, bk), jnp.float32),
+                                              plgpu.ACC((bq, bk), jnp.float32))
+                        plgpu.barrier_arrive(v_free.at[slot])
+                        if persistent:   # Q, dO are read only by qk_dov, now complete
+                            prefetch(j, i == num_items - 1)
+                        s, c, dcap = _log2_scores(s, cfg)
+
+                        def masked():
+                            keep = tile_predicate(geom, row0, ktile * bk, (bq, bk), _LAYOUT)
+                            return jnp.where(keep, s, -jnp.inf)
+
+                        s = lax.cond(full != 0, lambda: s, masked)
+                        p = _exp2_minus(s, c, lse2, 0)
+                        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+                        if dcap is not None:
+                            ds = ds * dcap
+                        mma_lhs(dq_acc, ds.astype(dtype), k_smem.at[slot], my_stage)
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        return carry
+
+                    lax.fori_loop(0, num_items, step, 0)
+                    return dq_acc[...]
+
+                dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
+                if persistent:
+                    # Own output buffer: only the previous unit's store must have read it.
+                    out = dq_smem.at[wg]
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                else:
+                    out = my_q
+                out[...] = (dq * cfg.scale).astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out, dq_ref.at[batch, rows, head])
+                if not persistent:
+                    plgpu.wait_smem_to_gmem(0)
+                    return None
+                return base + num_items
+
+            if persistent:
+                pl.when(num_mine > 0)(lambda: load_unit(0))
+                _walk_units(num_mine, work_of, unit)
+                plgpu.wait_smem_to_gmem(0)
+            else:
+                unit(0, only_unit, None)
 
         @pl.when(wg == _COMPUTE_WGS)
         def producer():
             plgpu.set_max_registers(40, action="decrease")
-            kv_head = lax.div(head, jnp.int32(group))
-            _stream(num_items, stages, lambda i: items_ref[first + i, 0] * bk,
-                    [(k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)],
-                    lambda ref, start: ref.at[batch, pl.ds(start, bk), kv_head])
+            streams = [(k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)]
 
+            def unit(j, work, base):
+                del j
+                tile, batch, head, first, num_items = work
+                kv_head = lax.div(head, jnp.int32(group))
+                _stream(num_items, stages, lambda i: items_ref[first + i, 0] * bk, streams,
+                        lambda ref, start: ref.at[batch, pl.ds(start, bk), kv_head], base)
+                return None if base is None else base + num_items
+
+            if persistent:
+                _drain(_walk_units(num_mine, work_of, unit), stages, streams)
+            else:
+                unit(0, only_unit, None)
+
+    # Shared memory at D = 128, bf16, 2 stages: Q, dO 2 x 16 KiB each, lse/delta 1 KiB, the
+    # K/V ring 2 x 32 KiB per stage: 193 KiB (3 stages: 257 KiB, too much); persistent adds
+    # the dQ output buffer, 32 KiB: 225 KiB of the 227.
     scratch = [
         smem((_COMPUTE_WGS, bq, d), dtype),
         smem((_COMPUTE_WGS, bq, d), dtype),
@@ -168,40 +379,22 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
     ]
+    out_scratch = [smem((_COMPUTE_WGS, bq, d), dtype)] if persistent else []
+    _check_smem("dQ", scratch, out_scratch, cfg, d, dtype, "dq_num_stages")
+    scratch += out_scratch
     if cfg.interpret:
         scratch.append(smem((_COMPUTE_WGS, bq, bk), dtype))
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch_types=scratch,
-        **dict(zip(("grid", "grid_names"), launch_grid(num_tiles, b, hq, cfg.head_major))),
+        grid=grid, grid_names=grid_names,
         num_threads=_COMPUTE_WGS + 1, thread_name="wg", **_params(cfg),
-    )(q, k, v, dout, lse2, delta, order, offsets, items)
+    )(q, k, v, dout, lse2, delta, order, offsets, items, *schedule)
 
 
-def _stream(num_steps, stages, start_of, streams, view):
-    """Producer loop: step ``i`` copies, for every ``(gmem, smem, ready, free)`` stream, the
-    block starting at ``start_of(i)`` into slot ``i % stages`` once the consumers freed it;
-    then waits for the last slots to be freed (so every barrier phase is observed)."""
-    @pl.loop(0, num_steps)
-    def _(i):
-        slot = lax.rem(i, jnp.int32(stages))
-        start = start_of(i)
-        for gmem, buf, ready, free in streams:
-            @pl.when(i >= stages)
-            def _():
-                plgpu.barrier_wait(free.at[slot])
-
-            plgpu.copy_gmem_to_smem(view(gmem, start), buf.at[slot], ready.at[slot])
-
-    @pl.loop(lax.max(num_steps - stages, jnp.int32(0)), num_steps)
-    def _(i):
-        slot = lax.rem(i, jnp.int32(stages))
-        for _, _, _, free in streams:
-            plgpu.barrier_wait(free.at[slot])
-
-
-def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
+def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, schedule=()):
     """dK, dV. Same inputs as :func:`ffa_dq` but the dK/dV work list (k-tiles of 128 keys,
-    q-steps of 64 rows). Returns ``(dk, dv)`` like k."""
+    q-steps of 64 rows) and a ``schedule`` for ``B·Hkv`` groups. Returns ``(dk, dv)`` like
+    k."""
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1:3]
     group = hq // hkv
@@ -209,108 +402,176 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
     assert order.shape == (num_tiles,)
     dtype = q.dtype
     bq, bk, stages = DKV_BLOCK_Q, DKV_BLOCK_K // _COMPUTE_WGS, cfg.num_stages
+    persistent = cfg.persistent > 0
+    grid, grid_names, num_progs, num_units = _grid(cfg, num_tiles, b, hkv)
+    schedule = tuple(schedule) if persistent else ()
+    _check_schedule(schedule, num_progs, num_units)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
-               dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-               kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free, do_free, lse_free,
-               delta_free, *stage):
+               *refs):
+        sched_refs, refs = refs[:len(schedule)], refs[len(schedule):]
+        (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready,
+         q_ready, do_ready, lse_ready, delta_ready, q_free, do_free, lse_free, delta_free,
+         *extra) = refs
+        dk_smem, dv_smem = extra[:2] if persistent else (None, None)
+        stage = extra[2:] if persistent else extra
         wg = lax.axis_index("wg")
-        tile = order_ref[lax.axis_index("tile")]
-        batch = lax.axis_index("batch")
-        kv_head = lax.axis_index("head")
-        first = off_ref[tile]
-        num_items = off_ref[tile + 1] - first
-        num_steps = num_items * group
+        if persistent:
+            num_mine, coords = _my_units(sched_refs, num_progs, num_tiles, b, hkv, order_ref)
 
-        def step_item(i):   # step i: query head (i // num_items) of the group, item i % n
+            def work_of(j):
+                tile, batch, kv_head = coords(j)
+                first = off_ref[tile]
+                num_items = off_ref[tile + 1] - first
+                return tile, batch, kv_head, first, num_items, num_items * group
+        else:
+            tile = order_ref[lax.axis_index("tile")]
+            batch = lax.axis_index("batch")
+            kv_head = lax.axis_index("head")
+            first = off_ref[tile]
+            num_items = off_ref[tile + 1] - first
+            num_steps = num_items * group
+            only_unit = (tile, batch, kv_head, first, num_items, num_steps)
+
+        def step_item(work, i):   # step i: query head (i // num_items) of the group, item i % n
+            _, _, kv_head, first, num_items, _ = work
             return first + lax.rem(i, num_items), kv_head * group + lax.div(i, num_items)
 
         @pl.when(wg < _COMPUTE_WGS)
         def consumer():
             plgpu.set_max_registers(232, action="increase")
-            col0 = tile * DKV_BLOCK_K + wg * bk
-            cols = pl.ds(col0, bk)
             my_k, my_v = k_smem.at[wg], v_smem.at[wg]
-            plgpu.copy_gmem_to_smem(k_ref.at[batch, cols, kv_head], my_k, kv_ready.at[wg])
-            plgpu.copy_gmem_to_smem(v_ref.at[batch, cols, kv_head], my_v, kv_ready.at[wg])
-            plgpu.barrier_wait(kv_ready.at[wg])
             stages_ = (stage[0].at[wg, 0], stage[0].at[wg, 1]) if stage else (None, None)
 
-            def run(dk_acc, dv_acc):
-                def step(i, carry):
-                    slot = lax.rem(i, jnp.int32(stages))
-                    it, _ = step_item(i)
-                    qtile = items_ref[it, 0]
-                    geom = tuple(items_ref[it, f] for f in range(1, 7))
-                    full = items_ref[it, 7]
-                    plgpu.barrier_wait(q_ready.at[slot])
-                    plgpu.barrier_wait(do_ready.at[slot])
+            def load_kv(cols, batch, kv_head):
+                plgpu.copy_gmem_to_smem(k_ref.at[batch, cols, kv_head], my_k, kv_ready.at[wg])
+                plgpu.copy_gmem_to_smem(v_ref.at[batch, cols, kv_head], my_v, kv_ready.at[wg])
 
-                    # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ issued back to back, one wait for both.
-                    def kq_vdo(s_ref, dp_ref):
-                        plgpu.wgmma(s_ref, my_k, q_smem.at[slot].T)
-                        plgpu.wgmma(dp_ref, my_v, do_smem.at[slot].T)
-                        return s_ref[...], dp_ref[...]
+            def load_unit(j):
+                tile, batch, kv_head = coords(j)
+                load_kv(pl.ds(tile * DKV_BLOCK_K + wg * bk, bk), batch, kv_head)
 
-                    st, dpt = pl.run_scoped(kq_vdo, plgpu.ACC((bk, bq), jnp.float32),
-                                            plgpu.ACC((bk, bq), jnp.float32))
-                    st, c, dcap = _log2_scores(st, cfg)
+            def prefetch(j, when):
+                """Loads unit ``j + 1``'s K/V where ``when`` says unit ``j`` is done with
+                them."""
+                pl.when(when & (j + 1 < num_mine))(lambda: load_unit(j + 1))
 
-                    def masked():
-                        keep = tile_predicate(geom, qtile * bq, col0, (bk, bq), _LAYOUT,
-                                              transposed=True)
-                        return jnp.where(keep, st, -jnp.inf)
+            def unit(j, work, base):
+                tile, batch, kv_head, _, _, num_steps = work
+                col0 = tile * DKV_BLOCK_K + wg * bk
+                cols = pl.ds(col0, bk)
+                if not persistent:
+                    load_kv(cols, batch, kv_head)
+                plgpu.barrier_wait(kv_ready.at[wg])
+                if persistent:   # a unit without steps is done with its K/V here
+                    prefetch(j, num_steps == 0)
 
-                    st = lax.cond(full != 0, lambda: st, masked)
-                    plgpu.barrier_wait(lse_ready.at[slot])
-                    lse2 = plgpu.load(lse_smem.at[slot], layout=_COL)
-                    plgpu.barrier_arrive(lse_free.at[slot])
-                    plgpu.barrier_wait(delta_ready.at[slot])
-                    delta = plgpu.load(delta_smem.at[slot], layout=_COL)
-                    plgpu.barrier_arrive(delta_free.at[slot])
-                    pt = _exp2_minus(st, c, lse2, 1)
-                    dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-                    if dcap is not None:
-                        dst = dst * dcap
-                    # dV += Pᵀ·dO and dK += dSᵀ·Q, both in flight before the one wait.
-                    mma_lhs(dv_acc, pt.astype(dtype), do_smem.at[slot], stages_[0])
-                    mma_lhs(dk_acc, dst.astype(dtype), q_smem.at[slot], stages_[1])
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(do_free.at[slot])
-                    plgpu.barrier_arrive(q_free.at[slot])
-                    return carry
+                def run(dk_acc, dv_acc):
+                    def step(i, carry):
+                        slot = lax.rem(i if base is None else base + i, jnp.int32(stages))
+                        it, _ = step_item(work, i)
+                        qtile = items_ref[it, 0]
+                        geom = tuple(items_ref[it, f] for f in range(1, 7))
+                        full = items_ref[it, 7]
+                        plgpu.barrier_wait(q_ready.at[slot])
+                        plgpu.barrier_wait(do_ready.at[slot])
 
-                lax.fori_loop(0, num_steps, step, 0)
-                return dk_acc[...], dv_acc[...]
+                        # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ issued back to back, one wait for both.
+                        def kq_vdo(s_ref, dp_ref):
+                            plgpu.wgmma(s_ref, my_k, q_smem.at[slot].T)
+                            plgpu.wgmma(dp_ref, my_v, do_smem.at[slot].T)
+                            return s_ref[...], dp_ref[...]
 
-            dk, dv = pl.run_scoped(run, plgpu.ACC((bk, d), jnp.float32),
-                                   plgpu.ACC((bk, d), jnp.float32))
-            my_k[...] = (dk * cfg.scale).astype(dtype)
-            my_v[...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_k, dk_ref.at[batch, cols, kv_head])
-            plgpu.copy_smem_to_gmem(my_v, dv_ref.at[batch, cols, kv_head])
-            plgpu.wait_smem_to_gmem(0)
+                        st, dpt = pl.run_scoped(kq_vdo, plgpu.ACC((bk, bq), jnp.float32),
+                                                plgpu.ACC((bk, bq), jnp.float32))
+                        if persistent:   # K, V are read only by kq_vdo, now complete
+                            prefetch(j, i == num_steps - 1)
+                        st, c, dcap = _log2_scores(st, cfg)
+
+                        def masked():
+                            keep = tile_predicate(geom, qtile * bq, col0, (bk, bq), _LAYOUT,
+                                                  transposed=True)
+                            return jnp.where(keep, st, -jnp.inf)
+
+                        st = lax.cond(full != 0, lambda: st, masked)
+                        plgpu.barrier_wait(lse_ready.at[slot])
+                        lse2 = plgpu.load(lse_smem.at[slot], layout=_COL)
+                        plgpu.barrier_arrive(lse_free.at[slot])
+                        plgpu.barrier_wait(delta_ready.at[slot])
+                        delta = plgpu.load(delta_smem.at[slot], layout=_COL)
+                        plgpu.barrier_arrive(delta_free.at[slot])
+                        pt = _exp2_minus(st, c, lse2, 1)
+                        dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+                        if dcap is not None:
+                            dst = dst * dcap
+                        # dV += Pᵀ·dO and dK += dSᵀ·Q, both in flight before the one wait.
+                        mma_lhs(dv_acc, pt.astype(dtype), do_smem.at[slot], stages_[0])
+                        mma_lhs(dk_acc, dst.astype(dtype), q_smem.at[slot], stages_[1])
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(do_free.at[slot])
+                        plgpu.barrier_arrive(q_free.at[slot])
+                        return carry
+
+                    lax.fori_loop(0, num_steps, step, 0)
+                    return dk_acc[...], dv_acc[...]
+
+                dk, dv = pl.run_scoped(run, plgpu.ACC((bk, d), jnp.float32),
+                                       plgpu.ACC((bk, d), jnp.float32))
+                if persistent:
+                    # Own output buffers: only the previous unit's stores must have read them.
+                    out_k, out_v = dk_smem.at[wg], dv_smem.at[wg]
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                else:
+                    out_k, out_v = my_k, my_v
+                out_k[...] = (dk * cfg.scale).astype(dtype)
+                out_v[...] = dv.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_k, dk_ref.at[batch, cols, kv_head])
+                plgpu.copy_smem_to_gmem(out_v, dv_ref.at[batch, cols, kv_head])
+                if not persistent:
+                    plgpu.wait_smem_to_gmem(0)
+                    return None
+                return base + num_steps
+
+            if persistent:
+                pl.when(num_mine > 0)(lambda: load_unit(0))
+                _walk_units(num_mine, work_of, unit)
+                plgpu.wait_smem_to_gmem(0)
+            else:
+                unit(0, only_unit, None)
 
         @pl.when(wg == _COMPUTE_WGS)
         def producer():
             plgpu.set_max_registers(40, action="decrease")
+            streams = [(q_ref, q_smem, q_ready, q_free), (do_ref, do_smem, do_ready, do_free),
+                       (lse_ref, lse_smem, lse_ready, lse_free),
+                       (delta_ref, delta_smem, delta_ready, delta_free)]
 
-            def start_of(i):
-                it, head = step_item(i)
-                return items_ref[it, 0] * bq, head
+            def unit(j, work, base):
+                del j
+                batch, num_steps = work[1], work[5]
 
-            def view(ref, start):
-                row, head = start
-                if ref.ndim == 4:
-                    return ref.at[batch, pl.ds(row, bq), head]
-                return ref.at[batch, head, pl.ds(row, bq)]
+                def start_of(i):
+                    it, head = step_item(work, i)
+                    return items_ref[it, 0] * bq, head
 
-            _stream(num_steps, stages, start_of,
-                    [(q_ref, q_smem, q_ready, q_free), (do_ref, do_smem, do_ready, do_free),
-                     (lse_ref, lse_smem, lse_ready, lse_free),
-                     (delta_ref, delta_smem, delta_ready, delta_free)], view)
+                def view(ref, start):
+                    row, head = start
+                    if ref.ndim == 4:
+                        return ref.at[batch, pl.ds(row, bq), head]
+                    return ref.at[batch, head, pl.ds(row, bq)]
 
+                _stream(num_steps, stages, start_of, streams, view, base)
+                return None if base is None else base + num_steps
+
+            if persistent:
+                _drain(_walk_units(num_mine, work_of, unit), stages, streams)
+            else:
+                unit(0, only_unit, None)
+
+    # Shared memory at D = 128, bf16: K, V 2 x 16 KiB each, the Q/dO ring 2 x 16 KiB per
+    # stage, lse/delta 1 KiB each: 130 KiB with 2 stages, 162 KiB with 3; persistent adds
+    # the dK and dV output buffers, 64 KiB: 194 KiB, and 226 KiB (of 227) with 3 stages.
     per_stage = lambda n=1: plgpu.Barrier(num_arrivals=n, num_barriers=stages)
     scratch = [
         smem((_COMPUTE_WGS, bk, d), dtype),
@@ -324,11 +585,13 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
         per_stage(_COMPUTE_WGS), per_stage(_COMPUTE_WGS), per_stage(_COMPUTE_WGS),
         per_stage(_COMPUTE_WGS),
     ]
+    out_scratch = [smem((_COMPUTE_WGS, bk, d), dtype) for _ in range(2 if persistent else 0)]
+    _check_smem("dK/dV", scratch, out_scratch, cfg, d, dtype, "dkv_num_stages")
+    scratch += out_scratch
     if cfg.interpret:
         scratch.append(smem((_COMPUTE_WGS, 2, bk, bq), dtype))
     kv = jax.ShapeDtypeStruct(k.shape, dtype)
     return plgpu.kernel(
-        kernel, out_type=(kv, kv), scratch_types=scratch,
-        **dict(zip(("grid", "grid_names"), launch_grid(num_tiles, b, hkv, cfg.head_major))),
+        kernel, out_type=(kv, kv), scratch_types=scratch, grid=grid, grid_names=grid_names,
         num_threads=_COMPUTE_WGS + 1, thread_name="wg", **_params(cfg),
-    )(q, k, v, dout, lse2, delta, order, offsets, items)
+    )(q, k, v, dout, lse2, delta, order, offsets, items, *schedule)

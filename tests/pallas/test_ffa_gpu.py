@@ -63,6 +63,13 @@ def test_forward_knobs_all_on(mask_name):
            fma_softmax=True, head_major=True)
 
 
+@pytest.mark.parametrize("mask_name", ["doc_causal", "swa_causal", "empty_rows"])
+def test_backward_persistent(mask_name):
+    """bwd_persistent: the dQ and dK/dV kernels walk their units in 132 programs (one per
+    H200 SM), dK/dV with 3 slots (its largest shared-memory plan, 226 KiB at D = 128)."""
+    _check(ZOO[mask_name], hq=4, hkv=2, batch=2, bwd_persistent=132, dkv_num_stages=3)
+
+
 def test_softcap_batch():
     _check(ZOO["shared_question"], jnp.bfloat16, hq=4, hkv=2, softcap=20.0, batch=2)
 

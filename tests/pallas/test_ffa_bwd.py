@@ -1,0 +1,159 @@
+"""The backward kernels' persistent mode (``bwd_persistent``) in Mosaic GPU interpret mode on
+the CPU (tiny shapes): against the float64 reference by DESIGN.md §6, bit for bit against one
+program per unit, free of races by the interpreter's race detector, and lowered for sm90."""
+
+import contextlib
+import functools
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from magi_jax.mask import AttnMask
+from magi_jax.pallas import ffa_pallas, flex_flash_attention_pallas, kernel_plan_for_mask
+from magi_jax.pallas.common import smem
+from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq
+from magi_jax.testing import assert_matches_reference, random_inputs
+
+# Units without work in both kernels: q-tile [128, 256) sees no key (dQ) and k-tile
+# [128, 256) is seen by no query (dK/dV); rows [100, 128) and [330, 384) see nothing; q-tile
+# [256, 384) walks two key tiles and k-tile [0, 128) four query steps per head.
+HOLES = AttnMask.from_ranges([[0, 100], [256, 330], [256, 330]],
+                             [[0, 128], [256, 384], [0, 60]],
+                             ["causal", "inv_causal", "full"], 384, 384)
+# GQA (Hq = 4, Hkv = 2), batch 2: 24 dQ units and 12 dK/dV units.
+_SHAPE = dict(hq=4, hkv=2, d=64, batch=2)
+
+
+def _inputs(seed=8):
+    return random_inputs(jax.random.key(seed), HOLES, _SHAPE["hq"], _SHAPE["hkv"],
+                         _SHAPE["d"], jnp.bfloat16, _SHAPE["batch"])
+
+
+def _grads(**tuning):
+    q, k, v, dout, dlse = _inputs()
+    f = lambda a, b, c: flex_flash_attention_pallas(a, b, c, HOLES, interpret=True, **tuning)
+    _, vjp = jax.vjp(f, q, k, v)
+    return dict(zip(("dq", "dk", "dv"), vjp((dout, dlse))))
+
+
+@functools.lru_cache(maxsize=1)
+def _plain_grads():
+    return {n: np.asarray(x, np.float32) for n, x in _grads().items()}
+
+
+# Programs owning several units, counts that do not divide the units (24 and 12), and rings
+# of 1-3 slots whose phases carry on across units.
+_PERSISTENT = [dict(bwd_persistent=1), dict(bwd_persistent=2, dkv_num_stages=3),
+               dict(bwd_persistent=3, dq_num_stages=1)]
+
+
+@pytest.mark.parametrize("tuning", _PERSISTENT,
+                         ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items()))
+def test_persistent_backward_matches_reference_and_plain(tuning):
+    got = _grads(**tuning)
+    q, k, v, dout, dlse = _inputs()
+    assert_matches_reference(got, q, k, v, HOLES, dout, dlse)
+    got = {n: np.asarray(x, np.float32) for n, x in got.items()}
+    for name, plain in _plain_grads().items():
+        np.testing.assert_array_equal(got[name], plain, err_msg=name)
+    assert (got["dq"][:, 100:256] == 0).all() and (got["dq"][:, 330:] == 0).all()
+    assert (got["dk"][:, 128:256] == 0).all() and (got["dv"][:, 128:256] == 0).all()
+
+
+def _racy_store(x):
+    """A kernel that overwrites a buffer its TMA store may still be reading."""
+    def kernel(x_ref, o_ref, buf, ready):
+        plgpu.copy_gmem_to_smem(x_ref, buf, ready)
+        plgpu.barrier_wait(ready)
+        plgpu.copy_smem_to_gmem(buf, o_ref)
+        buf[...] = jnp.zeros(buf.shape, buf.dtype)   # no wait_smem_to_gmem first
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        scratch_types=[smem(x.shape, x.dtype), plgpu.Barrier()],
+                        interpret=plgpu.InterpretGPUParams(detect_races=True))(x)
+
+
+def test_persistent_kernels_race_free_and_equal_to_plain(capfd):
+    """The kernels themselves (no forward): the snake schedule (no host schedule given)
+    walked by 2 programs under the interpreter's happens-before race detector — which sees
+    a buffer reused before a TMA store read it out, a TMA load into a buffer a wgmma or a
+    generic load still reads, and a missing proxy fence — gives exactly the plain kernels'
+    dQ, dK, dV."""
+    _racy_store(jnp.ones((64, 64), jnp.bfloat16)).block_until_ready()
+    assert "RACE DETECTED" in capfd.readouterr().out, "the race detector is not reporting"
+
+    plan = kernel_plan_for_mask(HOLES).arrays()
+    q, k, v, dout, _ = _inputs()
+    b, t, hq = q.shape[:3]
+    ks = jax.random.split(jax.random.key(9), 2)
+    # lse·log2(e) of plausible size (P stays below 1) and +inf rows (P = 0), like the real ones.
+    lse2 = jax.random.uniform(ks[0], (b, hq, t), jnp.float32, 6.0, 9.0).at[:, :, 100:128].set(
+        jnp.inf)
+    delta = jax.random.normal(ks[1], (b, hq, t), jnp.float32)
+
+    def run(persistent, races):
+        cfg = BwdConfig(0.125, 0.0, persistent=persistent, interpret=True)
+        ctx = (plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True))
+               if races else contextlib.nullcontext())
+        with ctx:
+            dq = ffa_dq(q, k, v, dout, lse2, delta, *plan[:3], cfg)
+            dk, dv = ffa_dkv(q, k, v, dout, lse2, delta, *plan[3:], cfg)
+            out = [np.asarray(x, np.float32) for x in (dq, dk, dv)]
+        return out, capfd.readouterr().out
+
+    persistent, report = run(2, races=True)
+    assert "RACE DETECTED" not in report, report[:2000]
+    plain, _ = run(0, races=False)
+    for name, x, y in zip(("dq", "dk", "dv"), persistent, plain):
+        assert not np.isnan(x).any(), name
+        np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+def test_shared_memory_budget_and_config_errors():
+    """Persistent mode's output buffers must fit the 227 KiB of an sm90 block: at D = 128
+    dQ takes 2 stages and dK/dV 3; more is refused on the host, naming the knob."""
+    mask = AttnMask.causal(256)
+    plan = kernel_plan_for_mask(mask).arrays()
+    q = jax.ShapeDtypeStruct((256, 2, 128), jnp.bfloat16)
+
+    def trace_grad(**tuning):
+        loss = lambda a, b, c: ffa_pallas(a, b, c, plan, softmax_scale=0.1, **tuning)[0].astype(
+            jnp.float32).sum()
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q)
+
+    with pytest.raises(ValueError, match="dQ kernel with dq_num_stages=3, persistent=4"):
+        trace_grad(bwd_persistent=4, dq_num_stages=3)
+    with pytest.raises(ValueError, match="dkv_num_stages=4.*turn bwd_persistent off"):
+        trace_grad(bwd_persistent=4, dkv_num_stages=4)
+    with pytest.raises(ValueError, match="persistent=-1"):
+        BwdConfig(0.1, 0.0, persistent=-1)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_lowers_for_sm90(d):
+    """The backward kernels, one program per unit and persistent (host schedule; at D = 128
+    the largest shared-memory plans: dQ 225 KiB, dK/dV with 3 stages 226 KiB), lower to
+    Mosaic GPU kernels for CUDA on this host (layout inference and Mosaic GPU's own
+    shared-memory check run there, no GPU needed)."""
+    mask = HOLES
+    plan = kernel_plan_for_mask(mask).arrays()
+    q = jax.ShapeDtypeStruct((2, mask.total_q, 4, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, mask.total_k, 2, d), jnp.bfloat16)
+    for tuning in [{}, dict(bwd_persistent=132), dict(bwd_persistent=5, dkv_num_stages=3),
+                   dict(bwd_persistent=3, softcap=2.0, fma_softmax=False, head_major=False)]:
+        def loss(q_, k_, v_):
+            out, lse = ffa_pallas(q_, k_, v_, plan, softmax_scale=0.1, **tuning)
+            return out.astype(jnp.float32).sum() + lse.sum()
+
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+            lowering_platforms=("cuda",))
+    # The snake schedule (no host schedule given) lowers too.
+    stat = jax.ShapeDtypeStruct((2, 4, mask.total_q), jnp.float32)
+    cfg = BwdConfig(0.1, 0.0, persistent=7)
+    for kernel, lists in ((ffa_dq, plan[:3]), (ffa_dkv, plan[3:])):
+        jax.jit(lambda *a, kernel=kernel: kernel(*a, cfg)).trace(
+            q, kv, kv, q, stat, stat, *lists).lower(lowering_platforms=("cuda",))
