@@ -38,9 +38,13 @@ IMPLS = ("ffa_pallas", "ffa_xla", "cudnn", "tokamax", "xla_dense")
 # alone over each pipeline knob on top of the previous ones; the two knobs that also change
 # the backward kernels, fwd+bwd at full/causal 16k. persistent=132: one program per H200 SM.
 _PV = "ffa_pallas:k_wait_under_pv=1"
-_ALL = _PV + ":num_stages=3:persistent=132:fma_softmax=1:head_major=1"
 _FWD_KNOB_IMPLS = ("ffa_pallas", _PV, _PV + ":num_stages=3", _PV + ":persistent=132",
-                   _PV + ":fma_softmax=1:head_major=1", _ALL)
+                   _PV + ":fma_softmax=1:head_major=1")
+# Persistent kernels (one program per H200 SM) against one program per tile, forward and
+# backward separately.
+_PERSISTENT_IMPLS = ("ffa_pallas", "ffa_pallas:persistent=132",
+                     "ffa_pallas:bwd_persistent=132",
+                     "ffa_pallas:persistent=132:bwd_persistent=132")
 _BWD_KNOB_IMPLS = ("ffa_pallas", "ffa_pallas:head_major=1:fma_softmax=1:dkv_num_stages=3")
 # (mask, length, impls or None for --impls[, modes instead of --modes]).
 PRESETS = {
@@ -53,6 +57,10 @@ PRESETS = {
               for m, t in (("full", 16384), ("causal", 16384), ("doc_causal", 16384),
                            ("doc_causal", 32768))]
              + [(m, 16384, _BWD_KNOB_IMPLS, ("fwd+bwd",)) for m in ("full", "causal")],
+    "persistent": [(m, t, _PERSISTENT_IMPLS)
+                   for m, t in (("full", 16384), ("causal", 16384), ("doc_causal", 32768),
+                                ("doc_causal", 16384), ("swa_causal_1024", 16384),
+                                ("prefix_lm", 16384))],
 }
 
 

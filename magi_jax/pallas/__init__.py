@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from magi_jax.pallas.common import LOG2E
 from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq
 from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward
 from magi_jax.pallas.plan import (DKV_BLOCK_K, FWD_BLOCK_K, FWD_BLOCK_Q, KernelPlanArrays,
-                                  kernel_plan_for_mask)
+                                  WorkList, kernel_plan_for_mask, persistent_schedule)
 
 __all__ = ["flex_flash_attention_pallas", "ffa_pallas", "supported", "device_supported",
            "KernelPlanArrays", "kernel_plan_for_mask", "SUPPORTED_HEAD_DIMS",
@@ -99,7 +101,33 @@ def _pad_rows(x, multiple):
     return jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
 
 
-def _forward(q, k, v, plan: KernelPlanArrays, cfg: _Config):
+class _Schedules(NamedTuple):
+    """Host schedules of the persistent kernels: ``(offsets, units)`` of
+    :func:`~magi_jax.pallas.plan.persistent_schedule`, or ``()`` where a kernel is not
+    persistent."""
+
+    fwd: tuple
+    dq: tuple
+    dkv: tuple
+
+
+def _schedules(plan: KernelPlanArrays, cfg: _Config, batch: int, hq: int,
+               hkv: int) -> _Schedules:
+    if not (cfg.persistent or cfg.bwd_persistent):
+        return _Schedules((), (), ())
+    if not all(isinstance(a, np.ndarray) for a in plan):
+        raise ValueError(f"persistent={cfg.persistent}, bwd_persistent={cfg.bwd_persistent}: "
+                         "the persistent kernels schedule their units on the host, so the plan "
+                         "must be NumPy arrays (not traced or device arrays); pass 0 here")
+    fwd_list = WorkList(plan.q_order, plan.q_offsets, plan.q_items)
+    dkv_list = WorkList(plan.k_order, plan.k_offsets, plan.k_items)
+    sched = lambda work, groups, n: persistent_schedule(work, groups, n) if n else ()
+    return _Schedules(sched(fwd_list, batch * hq, cfg.persistent),
+                      sched(fwd_list, batch * hq, cfg.bwd_persistent),
+                      sched(dkv_list, batch * hkv, cfg.bwd_persistent))
+
+
+def _forward(q, k, v, plan: KernelPlanArrays, sched: _Schedules, cfg: _Config):
     tq = q.shape[1]
     qp = _pad_rows(q, FWD_BLOCK_Q)
     kp, vp = _pad_rows(k, FWD_BLOCK_K), _pad_rows(v, FWD_BLOCK_K)
@@ -108,23 +136,24 @@ def _forward(q, k, v, plan: KernelPlanArrays, cfg: _Config):
                                          fused_acc=cfg.fused_acc, fma_softmax=cfg.fma_softmax,
                                          head_major=cfg.head_major,
                                          k_wait_under_pv=cfg.k_wait_under_pv,
-                                         persistent=cfg.persistent, interpret=cfg.interpret))
+                                         persistent=cfg.persistent, interpret=cfg.interpret),
+                               sched.fwd)
     return out[:, :tq], lse_bht[:, :, :tq]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _ffa(q, k, v, plan, cfg):
-    out, lse_bht = _forward(q, k, v, plan, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ffa(q, k, v, plan, sched, cfg):
+    out, lse_bht = _forward(q, k, v, plan, sched, cfg)
     return out, jnp.swapaxes(lse_bht, 1, 2)
 
 
-def _ffa_fwd(q, k, v, plan, cfg):
-    out, lse_bht = _forward(q, k, v, plan, cfg)
-    return (out, jnp.swapaxes(lse_bht, 1, 2)), (q, k, v, plan, out, lse_bht)
+def _ffa_fwd(q, k, v, plan, sched, cfg):
+    out, lse_bht = _forward(q, k, v, plan, sched, cfg)
+    return (out, jnp.swapaxes(lse_bht, 1, 2)), (q, k, v, plan, sched, out, lse_bht)
 
 
 def _ffa_bwd(cfg, res, cts):
-    q, k, v, plan, out, lse_bht = res
+    q, k, v, plan, sched, out, lse_bht = res
     dout, dlse = cts
     tq, tk = q.shape[1], k.shape[1]
     finite = jnp.isfinite(lse_bht)
@@ -141,10 +170,11 @@ def _ffa_bwd(cfg, res, cts):
     bcfg = lambda stages: BwdConfig(cfg.scale, cfg.softcap, num_stages=stages,
                                     fma_softmax=cfg.fma_softmax, head_major=cfg.head_major,
                                     persistent=cfg.bwd_persistent, interpret=cfg.interpret)
-    dq = ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items, bcfg(cfg.dq_num_stages))
+    dq = ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items, bcfg(cfg.dq_num_stages),
+                sched.dq)
     dk, dv = ffa_dkv(*args, plan.k_order, plan.k_offsets, plan.k_items,
-                     bcfg(cfg.dkv_num_stages))
-    return dq[:, :tq], dk[:, :tk], dv[:, :tk], None
+                     bcfg(cfg.dkv_num_stages), sched.dkv)
+    return dq[:, :tq], dk[:, :tk], dv[:, :tk], None, None
 
 
 _ffa.defvjp(_ffa_fwd, _ffa_bwd)
@@ -170,23 +200,25 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
     :func:`magi_jax.pallas.common.launch_grid`); forward only: ``k_wait_under_pv``: the
     consumers wait for the next K tile underneath the P·V wgmma rather than at the top of the
     step; ``persistent``: 0 (one program per q-tile and head) or the number of programs (the
-    SM count) that walk the (q-tile, batch, head) units in launch order, the K/V pipeline
-    running on across units; backward only: ``bwd_persistent``: the same for the dQ and dK/dV
-    kernels: 0, or the number of programs that walk their units (dQ: q-tile, batch, query
-    head; dK/dV: k-tile, batch, key head) in a static schedule like the forward's, each loading
-    its next unit's inputs under the current unit's last matmuls and storing through output
-    buffers of its own (with D = 128 that leaves room for ``dq_num_stages`` <= 2 and
-    ``dkv_num_stages`` <= 3). Forward ``num_stages=3``, ``persistent`` and ``bwd_persistent``
-    are not measured on a GPU yet."""
+    SM count) that walk the (q-tile, batch, head) units of a host schedule
+    (:func:`~magi_jax.pallas.plan.persistent_schedule`), the K/V pipeline running on across
+    units and each unit's Q loaded under the previous unit's last matmuls, so the plan must be
+    NumPy arrays here; backward only: ``bwd_persistent``: the same for the dQ and dK/dV
+    kernels (dQ units: q-tile, batch, query head; dK/dV: k-tile, batch, key head), storing
+    through output buffers of their own (with D = 128 that leaves room for
+    ``dq_num_stages`` <= 2 and ``dkv_num_stages`` <= 3)."""
     cfg = _Config(float(softmax_scale), float(softcap), bool(interpret), int(num_stages),
                   int(dq_num_stages), int(dkv_num_stages), bool(fused_acc),
                   bool(fma_softmax), bool(head_major), bool(k_wait_under_pv),
                   int(persistent), int(bwd_persistent))
+    batched = q.ndim == 4
+    sched = _schedules(plan, cfg, q.shape[0] if batched else 1, q.shape[-2], k.shape[-2])
+    sched = jax.tree.map(lambda a: jnp.asarray(a, jnp.int32), sched)
     plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
-    if q.ndim == 3:
-        out, lse = _ffa(q[None], k[None], v[None], plan, cfg)
+    if not batched:
+        out, lse = _ffa(q[None], k[None], v[None], plan, sched, cfg)
         return out[0], lse[0]
-    return _ffa(q, k, v, plan, cfg)
+    return _ffa(q, k, v, plan, sched, cfg)
 
 
 def flex_flash_attention_pallas(q, k, v, mask, *, softmax_scale: float | None = None,

@@ -8,8 +8,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["LOG2E", "LN2", "smem", "mma_lhs", "tile_predicate", "launch_grid", "snake_units",
-           "tile_major_coords"]
+__all__ = ["LOG2E", "LN2", "smem", "mma_lhs", "tile_predicate", "launch_grid",
+           "scheduled_units"]
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -53,29 +53,19 @@ def launch_grid(num_tiles: int, batch: int, heads: int, head_major: bool):
     return (num_tiles, batch, heads), ("tile", "batch", "head")
 
 
-def tile_major_coords(u, batch: int, heads: int, order_ref):
-    """(tile, batch, head) of unit ``u`` of the tile-major order: every (batch, head) of the
-    heaviest tile first (heads fastest), then the next tile of ``order_ref``. Costs fall
-    monotonically along this order, which is what :func:`snake_units` balances."""
-    head, rest = lax.rem(u, jnp.int32(heads)), lax.div(u, jnp.int32(heads))
-    b, rank = lax.rem(rest, jnp.int32(batch)), lax.div(rest, jnp.int32(batch))
-    return order_ref[rank], b, head
 
+def scheduled_units(schedule_refs, num_tiles: int, batch: int, order_ref):
+    """``(num_mine, coords)`` of a persistent program: how many units it walks, and
+    ``coords(j)``, the (tile, batch, head) of its ``j``-th, from the ``(offsets, units)`` of
+    :func:`magi_jax.pallas.plan.persistent_schedule` (units numbered in the head-major launch
+    order, ``(head·B + batch)·N + rank`` with ``rank`` a position of ``order_ref``)."""
+    prog = lax.axis_index("prog")
+    off_ref, units_ref = schedule_refs
+    first_unit = off_ref[prog]
 
-def snake_units(prog, num_units: int, num_progs: int):
-    """Static schedule of a persistent kernel: ``num_progs`` programs take the units of a
-    heaviest-first order in rounds of ``num_progs``, program ``p`` taking position ``p`` of
-    the even rounds and ``num_progs - 1 - p`` of the odd ones (heavy and light units pair up;
-    within 1-4 % of the longest-processing-time bound on the zoo's work lists).
+    def coords(j):
+        u = units_ref[first_unit + j]
+        rank, rest = lax.rem(u, jnp.int32(num_tiles)), lax.div(u, jnp.int32(num_tiles))
+        return order_ref[rank], lax.rem(rest, jnp.int32(batch)), lax.div(rest, jnp.int32(batch))
 
-    Returns ``(count, unit_of)``: how many units program ``prog`` owns, and ``unit_of(j)``,
-    the index of its ``j``-th unit (``j < count``)."""
-    n = jnp.int32(num_progs)
-    full_rounds, rem = divmod(num_units, num_progs)
-
-    def pos(j):
-        return jnp.where(lax.rem(j, jnp.int32(2)) == 0, prog, n - 1 - prog)
-
-    last = pos(jnp.int32(full_rounds))
-    count = jnp.int32(full_rounds) + jnp.where(last < rem, 1, 0).astype(jnp.int32)
-    return count, lambda j: j * n + pos(j)
+    return off_ref[prog + 1] - first_unit, coords

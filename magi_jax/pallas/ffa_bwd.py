@@ -10,9 +10,9 @@
   are summed in float32 registers and written once (no atomics, no second reduction).
 
 Persistent mode (``BwdConfig.persistent = N``): N programs walk these units in a static
-schedule instead (the host's :func:`~magi_jax.pallas.plan.persistent_schedule`, or
-:func:`~magi_jax.pallas.common.snake_units`), so one unit's prologue (its own inputs) and
-epilogue (the output store) hide under its neighbours' work.
+schedule instead (the host's :func:`~magi_jax.pallas.plan.persistent_schedule`), so one
+unit's prologue (its own inputs) and epilogue (the output store) hide under its neighbours'
+work.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (LOG2E, launch_grid, mma_lhs, smem, snake_units,
-                                    tile_major_coords, tile_predicate)
+from magi_jax.pallas.common import (LOG2E, launch_grid, mma_lhs, scheduled_units, smem,
+                                    tile_predicate)
 from magi_jax.pallas.plan import DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["BwdConfig", "ffa_dq", "ffa_dkv"]
@@ -55,8 +55,8 @@ class BwdConfig:
     head_major: bool = False    # see magi_jax.pallas.common.launch_grid (persistent: unused)
     # 0: one program per unit — (q-tile, batch, query head) for dQ, (k-tile, batch, key
     # head) for dK/dV — in the order of launch_grid. N > 0: min(N, units) programs (the SM
-    # count, 132 on an H200) walk the units of a static schedule (the kernels' ``schedule``
-    # argument, else snake_units). Across units the producer's ring runs on (one drain at
+    # count, 132 on an H200) walk the units of the host schedule the kernels take as their
+    # ``schedule`` argument. Across units the producer's ring runs on (one drain at
     # the end), each consumer loads its next unit's own inputs (dQ: Q, dO, lse, delta;
     # dK/dV: its K, V) as soon as the last wgmma pair that reads them is done, and outputs
     # leave through buffers of their own, so the store of one unit overlaps the next.
@@ -164,33 +164,11 @@ def _drain(total, stages, streams):
 
 
 def _check_schedule(schedule, num_progs: int, num_units: int):
-    if schedule and (len(schedule) != 2 or schedule[0].shape != (num_progs + 1,)
-                     or schedule[1].shape != (num_units,)):
+    if (len(schedule) != 2 or schedule[0].shape != (num_progs + 1,)
+            or schedule[1].shape != (num_units,)):
         raise ValueError(f"a persistent schedule for {num_progs} programs is (offsets "
                          f"[{num_progs + 1}], units [{num_units}]) of persistent_schedule; "
                          f"got {[getattr(a, 'shape', a) for a in schedule]}")
-
-
-def _my_units(schedule_refs, num_progs: int, num_tiles: int, batch: int, heads: int,
-              order_ref):
-    """``(num_mine, coords)`` of this persistent program: how many units it walks, and
-    ``coords(j)``, the (tile, batch, head) of its ``j``-th. With ``schedule_refs`` (the
-    ``(offsets, units)`` of :func:`magi_jax.pallas.plan.persistent_schedule`, units numbered
-    ``(head·B + batch)·N + rank``) the host's list; else :func:`snake_units` over the
-    tile-major order."""
-    prog = lax.axis_index("prog")
-    if not schedule_refs:
-        num_mine, unit_of = snake_units(prog, num_tiles * batch * heads, num_progs)
-        return num_mine, lambda j: tile_major_coords(unit_of(j), batch, heads, order_ref)
-    off_ref, units_ref = schedule_refs
-    first_unit = off_ref[prog]
-
-    def coords(j):
-        u = units_ref[first_unit + j]
-        rank, rest = lax.rem(u, jnp.int32(num_tiles)), lax.div(u, jnp.int32(num_tiles))
-        return order_ref[rank], lax.rem(rest, jnp.int32(batch)), lax.div(rest, jnp.int32(batch))
-
-    return off_ref[prog + 1] - first_unit, coords
 
 
 def _walk_units(num_mine, work_of, body):
@@ -205,9 +183,9 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
     """dQ. q/dout ``[B, Tq, Hq, D]``, k/v ``[B, Tk, Hkv, D]``; ``lse2 [B, Hq, Tq]`` float32
     is the lse times log2(e) with ``+inf`` on rows that see no key (so P = 0 there);
     ``delta [B, Hq, Tq]`` float32; the forward work list. With ``cfg.persistent``,
-    ``schedule`` may be the ``(offsets, units)`` of
-    :func:`magi_jax.pallas.plan.persistent_schedule` for ``B·Hq`` groups (else the programs
-    follow :func:`~magi_jax.pallas.common.snake_units`). Returns dq like q."""
+    ``schedule`` is the ``(offsets, units)`` of
+    :func:`magi_jax.pallas.plan.persistent_schedule` for ``B·Hq`` groups. Returns dq like
+    q."""
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
@@ -218,7 +196,8 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
     persistent = cfg.persistent > 0
     grid, grid_names, num_progs, num_units = _grid(cfg, num_tiles, b, hq)
     schedule = tuple(schedule) if persistent else ()
-    _check_schedule(schedule, num_progs, num_units)
+    if persistent:
+        _check_schedule(schedule, num_progs, num_units)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
                *refs):
@@ -229,7 +208,7 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
         stage = extra[1:] if persistent else extra
         wg = lax.axis_index("wg")
         if persistent:
-            num_mine, coords = _my_units(sched_refs, num_progs, num_tiles, b, hq, order_ref)
+            num_mine, coords = scheduled_units(sched_refs, num_tiles, b, order_ref)
 
             def work_of(j):
                 tile, batch, head = coords(j)
@@ -405,7 +384,8 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
     persistent = cfg.persistent > 0
     grid, grid_names, num_progs, num_units = _grid(cfg, num_tiles, b, hkv)
     schedule = tuple(schedule) if persistent else ()
-    _check_schedule(schedule, num_progs, num_units)
+    if persistent:
+        _check_schedule(schedule, num_progs, num_units)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
                *refs):
@@ -417,7 +397,7 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
         stage = extra[2:] if persistent else extra
         wg = lax.axis_index("wg")
         if persistent:
-            num_mine, coords = _my_units(sched_refs, num_progs, num_tiles, b, hkv, order_ref)
+            num_mine, coords = scheduled_units(sched_refs, num_tiles, b, order_ref)
 
             def work_of(j):
                 tile, batch, kv_head = coords(j)

@@ -19,7 +19,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import LN2, LOG2E, launch_grid, mma_lhs, smem, tile_predicate
+from magi_jax.pallas.common import (LN2, LOG2E, launch_grid, mma_lhs, scheduled_units, smem,
+                                    tile_predicate)
 from magi_jax.pallas.plan import FWD_BLOCK_K, FWD_BLOCK_Q, NUM_FIELDS
 
 __all__ = ["FwdConfig", "ffa_forward"]
@@ -109,9 +110,8 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
         p_stage = extra.pop(0) if cfg.interpret else None
         wg = lax.axis_index("wg")
         if persistent:
-            prog = lax.axis_index("prog")
-            first_unit = sched_off_ref[prog]
-            num_mine = sched_off_ref[prog + 1] - first_unit
+            num_mine, unit_coords = scheduled_units((sched_off_ref, sched_ref), num_tiles, b,
+                                                    order_ref)
 
         def schedule_barrier():
             plgpu.barrier_arrive(schedule)
@@ -125,10 +125,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
             if not persistent:
                 return (order_ref[lax.axis_index("tile")], lax.axis_index("batch"),
                         lax.axis_index("head"))
-            # Units are numbered in the head-major launch order: u = (head·B + batch)·N + r.
-            u = sched_ref[first_unit + j]
-            rank, rest = lax.rem(u, jnp.int32(num_tiles)), lax.div(u, jnp.int32(num_tiles))
-            return order_ref[rank], lax.rem(rest, jnp.int32(b)), lax.div(rest, jnp.int32(b))
+            return unit_coords(j)
 
         def for_units(body):
             """Runs ``body(j, tile, batch, head, base) -> base`` over this program's units;

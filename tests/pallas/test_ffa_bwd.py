@@ -15,6 +15,7 @@ from magi_jax.mask import AttnMask
 from magi_jax.pallas import ffa_pallas, flex_flash_attention_pallas, kernel_plan_for_mask
 from magi_jax.pallas.common import smem
 from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq
+from magi_jax.pallas.plan import WorkList, persistent_schedule
 from magi_jax.testing import assert_matches_reference, random_inputs
 
 # Units without work in both kernels: q-tile [128, 256) sees no key (dQ) and k-tile
@@ -78,8 +79,7 @@ def _racy_store(x):
 
 
 def test_persistent_kernels_race_free_and_equal_to_plain(capfd):
-    """The kernels themselves (no forward): the snake schedule (no host schedule given)
-    walked by 2 programs under the interpreter's happens-before race detector — which sees
+    """The kernels themselves (no forward): host schedules walked by 2 programs under the interpreter's happens-before race detector — which sees
     a buffer reused before a TMA store read it out, a TMA load into a buffer a wgmma or a
     generic load still reads, and a missing proxy fence — gives exactly the plain kernels'
     dQ, dK, dV."""
@@ -97,11 +97,14 @@ def test_persistent_kernels_race_free_and_equal_to_plain(capfd):
 
     def run(persistent, races):
         cfg = BwdConfig(0.125, 0.0, persistent=persistent, interpret=True)
+        sched = lambda lst, heads: (persistent_schedule(WorkList(*lst), b * heads, persistent)
+                                    if persistent else ())
         ctx = (plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True))
                if races else contextlib.nullcontext())
         with ctx:
-            dq = ffa_dq(q, k, v, dout, lse2, delta, *plan[:3], cfg)
-            dk, dv = ffa_dkv(q, k, v, dout, lse2, delta, *plan[3:], cfg)
+            dq = ffa_dq(q, k, v, dout, lse2, delta, *plan[:3], cfg, sched(plan[:3], hq))
+            dk, dv = ffa_dkv(q, k, v, dout, lse2, delta, *plan[3:], cfg,
+                             sched(plan[3:], k.shape[2]))
             out = [np.asarray(x, np.float32) for x in (dq, dk, dv)]
         return out, capfd.readouterr().out
 
@@ -151,9 +154,3 @@ def test_backward_lowers_for_sm90(d):
 
         jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
             lowering_platforms=("cuda",))
-    # The snake schedule (no host schedule given) lowers too.
-    stat = jax.ShapeDtypeStruct((2, 4, mask.total_q), jnp.float32)
-    cfg = BwdConfig(0.1, 0.0, persistent=7)
-    for kernel, lists in ((ffa_dq, plan[:3]), (ffa_dkv, plan[3:])):
-        jax.jit(lambda *a, kernel=kernel: kernel(*a, cfg)).trace(
-            q, kv, kv, q, stat, stat, *lists).lower(lowering_platforms=("cuda",))
