@@ -40,9 +40,9 @@ IMPLS = ("ffa_pallas", "ffa_xla", "cudnn", "tokamax", "xla_dense")
 _PV = "ffa_pallas:k_wait_under_pv=1"
 _FWD_KNOB_IMPLS = ("ffa_pallas", _PV, _PV + ":num_stages=3", _PV + ":persistent=132",
                    _PV + ":fma_softmax=1:head_major=1")
-# Persistent kernels (one program per H200 SM) against one program per tile, forward and
-# backward separately.
-_PERSISTENT_IMPLS = ("ffa_pallas", "ffa_pallas:persistent=132",
+# Persistent kernels (one program per H200 SM; the forward's default on a GPU) against one
+# program per tile, forward and backward separately.
+_PERSISTENT_IMPLS = ("ffa_pallas:persistent=0", "ffa_pallas:persistent=132",
                      "ffa_pallas:bwd_persistent=132",
                      "ffa_pallas:persistent=132:bwd_persistent=132")
 _BWD_KNOB_IMPLS = ("ffa_pallas", "ffa_pallas:head_major=1:fma_softmax=1:dkv_num_stages=3")

@@ -180,11 +180,19 @@ def _ffa_bwd(cfg, res, cts):
 _ffa.defvjp(_ffa_fwd, _ffa_bwd)
 
 
+def _default_programs(plan: KernelPlanArrays, interpret: bool) -> int:
+    """Programs of the persistent forward by default: one per SM of the default GPU, when
+    the plan is on the host (the schedule is built there); 0 otherwise."""
+    if interpret or not all(isinstance(a, np.ndarray) for a in plan):
+        return 0
+    return int(getattr(jax.devices()[0], "core_count", 0) or 0)
+
+
 def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap: float = 0.0,
                interpret: bool = False, num_stages: int = 2, dq_num_stages: int = 2,
                dkv_num_stages: int = 2, fused_acc: bool = True, fma_softmax: bool = True,
                head_major: bool = True, k_wait_under_pv: bool = False,
-               persistent: int = 0, bwd_persistent: int = 0):
+               persistent: int | None = None, bwd_persistent: int = 0):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
     q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64 or 128); ``plan`` from
@@ -203,10 +211,15 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
     SM count) that walk the (q-tile, batch, head) units of a host schedule
     (:func:`~magi_jax.pallas.plan.persistent_schedule`), the K/V pipeline running on across
     units and each unit's Q loaded under the previous unit's last matmuls, so the plan must be
-    NumPy arrays here; backward only: ``bwd_persistent``: the same for the dQ and dK/dV
+    NumPy arrays here; ``None`` (default): the SM count of the default GPU when the plan is
+    NumPy arrays, the kernels run on a GPU and ``num_stages`` <= 2 (its output buffer takes
+    the shared memory of a third slot), else 0 (measured on an H200, 2026-11-30:
+    +5-8 % forward on short rows, even on full and causal); backward only: ``bwd_persistent``: the same for the dQ and dK/dV
     kernels (dQ units: q-tile, batch, query head; dK/dV: k-tile, batch, key head), storing
     through output buffers of their own (with D = 128 that leaves room for
     ``dq_num_stages`` <= 2 and ``dkv_num_stages`` <= 3)."""
+    if persistent is None:
+        persistent = _default_programs(plan, interpret) if num_stages <= 2 else 0
     cfg = _Config(float(softmax_scale), float(softcap), bool(interpret), int(num_stages),
                   int(dq_num_stages), int(dkv_num_stages), bool(fused_acc),
                   bool(fma_softmax), bool(head_major), bool(k_wait_under_pv),

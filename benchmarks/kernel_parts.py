@@ -1,0 +1,114 @@
+"""Where the FFA pallas time goes: the forward, the delta preprocess, the dQ kernel and the
+dK/dV kernel timed one at a time, each with one program per unit and persistent.
+
+    PYTHONPATH=. python benchmarks/kernel_parts.py --masks causal,swa_causal_1024 --out DIR
+
+Same inputs and timing as ``kernel_bench.py`` (bf16, Hq = Hkv = 16, D = 128,
+B = 32768 / length). TFLOP/s of a part from its matmuls: forward and dQ 4·area·H·D·B (two
+matmuls each), dK/dV 1.5× that (three); the delta preprocess has no TFLOP/s.
+Writes ``kernel_parts_<stamp>_<device>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from kernel_bench import bench, make_mask, versions  # noqa: E402
+
+from magi_jax.pallas import kernel_plan_for_mask  # noqa: E402
+from magi_jax.pallas.common import LOG2E  # noqa: E402
+from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq  # noqa: E402
+from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward  # noqa: E402
+from magi_jax.pallas.plan import WorkList, persistent_schedule  # noqa: E402
+
+
+def parts(name, total, heads, d, programs):
+    """Rows of (part, programs, ms, TFLOP/s) for one mask."""
+    mask = make_mask(name, total)
+    batch = max(1, 32768 // total)
+    plan = kernel_plan_for_mask(mask)
+    ks = jax.random.split(jax.random.key(0), 5)
+    shape = (batch, total, heads, d)
+    q, k, v, do = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in ks[:4])
+    scale = d ** -0.5
+    fwd_lists = tuple(jnp.asarray(a) for a in plan.fwd)
+    dkv_lists = tuple(jnp.asarray(a) for a in plan.dkv)
+    flops = 4.0 * mask.area * heads * d * batch
+    rows = []
+    for progs in (0, programs):
+        def sched(work):
+            if not progs:
+                return ()
+            return tuple(jnp.asarray(a) for a in persistent_schedule(work, batch * heads,
+                                                                      progs))
+        fcfg = FwdConfig(scale, 0.0, fma_softmax=True, head_major=True, persistent=progs)
+        fwd = jax.jit(lambda q, k, v: ffa_forward(q, k, v, *fwd_lists, fcfg, sched(plan.fwd)))
+        out, lse = fwd(q, k, v)
+        rows.append(dict(part="forward", programs=progs, ms=bench(fwd, (q, k, v)) * 1e3,
+                         flops=flops))
+        lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)
+        prep = jax.jit(lambda out, do: jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32),
+                                                  do.astype(jnp.float32)))
+        delta = prep(out, do)
+        if not progs:
+            rows.append(dict(part="delta", programs=0, ms=bench(prep, (out, do)) * 1e3,
+                             flops=0.0))
+        bcfg = BwdConfig(scale, 0.0, fma_softmax=True, head_major=True, persistent=progs)
+        dq = jax.jit(lambda *a: ffa_dq(*a, *fwd_lists, bcfg, sched(plan.fwd)))
+        dkv = jax.jit(lambda *a: ffa_dkv(*a, *dkv_lists, bcfg, sched(plan.dkv)))
+        args = (q, k, v, do, lse2, delta)
+        rows.append(dict(part="dq", programs=progs, ms=bench(dq, args) * 1e3, flops=flops))
+        rows.append(dict(part="dkv", programs=progs, ms=bench(dkv, args) * 1e3,
+                         flops=1.5 * flops))
+    for r in rows:
+        r.update(mask=name, length=total, tflops=r["flops"] / r["ms"] * 1e-9 if r["flops"]
+                 else None)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--masks", default="full,causal,doc_causal,swa_causal_1024")
+    p.add_argument("--lengths", default="16384")
+    p.add_argument("--programs", type=int, default=0,
+                   help="persistent programs (default: the GPU's SM count)")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    a = p.parse_args(argv)
+    dev = jax.devices()[0]
+    programs = a.programs or int(getattr(dev, "core_count", 0) or 132)
+    rows = []
+    for t in a.lengths.split(","):
+        for m in a.masks.split(","):
+            rows += parts(m, int(t), 16, 128, programs)
+            print(json.dumps(rows[-1]), flush=True)
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                device=getattr(dev, "device_kind", str(dev)), versions=versions(),
+                programs=programs, core_count=getattr(dev, "core_count", None))
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
+    base = os.path.join(a.out, f"kernel_parts_{stamp}_{meta['device'].replace(' ', '_')}")
+    os.makedirs(a.out, exist_ok=True)
+    with open(base + ".json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    lines = [f"# FFA pallas parts {meta['date']} on {meta['device']}", "",
+             f"versions: {meta['versions']}; persistent programs: {programs} (core_count "
+             f"{meta['core_count']}); bf16, Hq = Hkv = 16, D = 128, B = 32768 / length", "",
+             "| mask | length | part | programs | ms | TFLOP/s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        tf = f"{r['tflops']:.1f}" if r["tflops"] else "-"
+        lines.append(f"| {r['mask']} | {r['length']} | {r['part']} | {r['programs']} | "
+                     f"{r['ms']:.3f} | {tf} |")
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
