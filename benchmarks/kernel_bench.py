@@ -159,53 +159,82 @@ def attention_fn(impl: str, mask: AttnMask, name: str):
 
 
 def bench(fn, args, n=5, reps=5):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    out = fn(*args)
-    jax.block_until_ready(out)
-    ts = []
+    return bench_interleaved([(fn, args)], n, reps)[0]
+
+
+def bench_interleaved(entries, n=5, reps=5):
+    """Median seconds per call of each ``(fn, args)``: two warm-up calls each, then ``reps``
+    rounds in which every entry runs ``n`` blocked calls in turn, so slow drifts of the GPU
+    (clocks, temperature) fall on all entries alike and their ratios stay fair."""
+    for fn, args in entries:
+        for _ in range(2):
+            jax.block_until_ready(fn(*args))
+    ts = [[] for _ in entries]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / n)
-    return statistics.median(ts)
+        for (fn, args), t in zip(entries, ts):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            t.append((time.perf_counter() - t0) / n)
+    return [statistics.median(t) for t in ts]
 
 
-def run_case(impl, name, total, batch, heads, kv_heads, head_dim, dtype, modes):
-    mask = make_mask(name, total)
-    f = attention_fn(impl, mask, name)
+def case_inputs(total, batch, heads, kv_heads, head_dim, dtype):
     ks = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(ks[0], (batch, total, heads, head_dim), dtype)
     k = jax.random.normal(ks[1], (batch, total, kv_heads, head_dim), dtype)
     v = jax.random.normal(ks[2], (batch, total, kv_heads, head_dim), dtype)
     do = jax.random.normal(ks[3], (batch, total, heads, head_dim), dtype)
+    return q, k, v, do
+
+
+def mode_fn(f, mode, inputs, flops):
+    """``(jitted fn, args, FLOPs)`` of one mode of attention ``f``."""
+    q, k, v, do = inputs
+    if mode == "fwd":
+        return jax.jit(f), (q, k, v), flops
+    if mode == "bwd":       # the backward alone, from saved residuals: 2.5x fwd FLOPs
+        _, vjp_fn = jax.vjp(jax.jit(f), q, k, v)
+        return jax.jit(lambda vf, do: vf(do)), (vjp_fn, do), 2.5 * flops
+    if mode == "fwd+bwd":
+        def fb(q, k, v, do):
+            out, vjp = jax.vjp(f, q, k, v)
+            return vjp(do)
+        return jax.jit(fb), (q, k, v, do), 3.5 * flops
+    raise ValueError(f"mode {mode!r}: fwd, bwd or fwd+bwd")
+
+
+def run_group(impls, name, total, batch, heads, kv_heads, head_dim, dtype, modes):
+    """Rows of every impl on one case, the impls of each mode timed in alternating rounds
+    (:func:`bench_interleaved`); an impl that is not implemented or fails gets a row saying
+    so and the others go on."""
+    mask = make_mask(name, total)
+    inputs = case_inputs(total, batch, heads, kv_heads, head_dim, dtype)
     flops = 4.0 * mask.area * heads * head_dim * batch
-    rows = []
+    base = dict(mask=name, length=total, batch=batch, heads=heads, kv_heads=kv_heads,
+                head_dim=head_dim, dtype=jnp.dtype(dtype).name, area=mask.area)
+    rows, fns = [], {}
+    for impl in impls:
+        try:
+            fns[impl] = attention_fn(impl, mask, name)
+        except NotImplementedError as e:
+            rows.append(dict(impl=impl, mask=name, length=total, mode="-", skipped=str(e)))
     for mode in modes:
-        if mode == "fwd":
-            fn = jax.jit(f)
-            args = (q, k, v)
-            fl = flops
-        elif mode == "bwd":       # the backward alone, from saved residuals: 2.5x fwd FLOPs
-            _, vjp_fn = jax.vjp(jax.jit(f), q, k, v)
-            fn = jax.jit(lambda vf, do: vf(do))
-            args = (vjp_fn, do)
-            fl = 2.5 * flops
-        elif mode == "fwd+bwd":
-            def fb(q, k, v, do):
-                out, vjp = jax.vjp(f, q, k, v)
-                return vjp(do)
-            fn = jax.jit(fb)
-            args = (q, k, v, do)
-            fl = 3.5 * flops
-        else:
-            raise ValueError(f"mode {mode!r}: fwd, bwd or fwd+bwd")
-        t = bench(fn, args)
-        rows.append(dict(impl=impl, mask=name, length=total, batch=batch, heads=heads,
-                         kv_heads=kv_heads, head_dim=head_dim, dtype=jnp.dtype(dtype).name,
-                         mode=mode, ms=t * 1e3, tflops=fl / t / 1e12, area=mask.area))
+        entries = []
+        for impl, f in fns.items():
+            try:
+                fn, args, fl = mode_fn(f, mode, inputs, flops)
+                for _ in range(2):   # compile and warm up here, so a failure names its impl
+                    jax.block_until_ready(fn(*args))
+                entries.append((impl, fn, args, fl))
+            except Exception as e:  # keep the sweep going; record the failure
+                traceback.print_exc()
+                rows.append(dict(impl=impl, mask=name, length=total, mode=mode,
+                                 error=repr(e)[:300]))
+        times = bench_interleaved([(fn, args) for _, fn, args, _ in entries])
+        for (impl, _, _, fl), t in zip(entries, times):
+            rows.append(dict(base, impl=impl, mode=mode, ms=t * 1e3, tflops=fl / t / 1e12))
     return rows
 
 
@@ -248,8 +277,8 @@ def main(argv=None):
     modes = a.modes.split(",")
     dtype = jnp.dtype(a.dtype)
     kvh = a.kv_heads or a.heads
-    work = [(i, m, t, tuple(c[3]) if len(c) > 3 else modes)
-            for c in cases for m, t, only in [c[:3]] for i in (only or impls)]
+    work = [(tuple(only or impls), m, t, tuple(c[3]) if len(c) > 3 else modes)
+            for c in cases for m, t, only in [c[:3]]]
     try:
         from tqdm import tqdm
         it = tqdm(work, file=sys.stderr)
@@ -272,19 +301,12 @@ def main(argv=None):
         with open(base + ".md", "w") as f:
             f.write(markdown(rows, meta))
 
-    for impl, name, total, case_modes in it:
+    for case_impls, name, total, case_modes in it:
         if hasattr(it, "set_description"):
-            it.set_description(f"{impl} {name} {total}")
+            it.set_description(f"{name} {total}")
         batch = max(1, a.tokens_per_batch // total)
-        try:
-            rows += run_case(impl, name, total, batch, a.heads, kvh, a.head_dim, dtype,
-                             case_modes)
-        except NotImplementedError as e:
-            rows.append(dict(impl=impl, mask=name, length=total, mode="-", skipped=str(e)))
-        except Exception as e:  # keep the sweep going; record the failure
-            traceback.print_exc()
-            rows.append(dict(impl=impl, mask=name, length=total, mode="-",
-                             error=repr(e)[:300]))
+        rows += run_group(case_impls, name, total, batch, a.heads, kvh, a.head_dim, dtype,
+                          case_modes)
         save()
     save()
     print(markdown(rows, meta))
