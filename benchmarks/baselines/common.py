@@ -100,8 +100,9 @@ class LocalFFA:
         from magi_jax.pallas.plan import KernelPlanArrays
         cfg = pf._Config(float(scale), float(softcap), self.interpret)
         plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
-        res = (q[None], k[None], v[None], plan, out[None], jnp.swapaxes(lse, 0, 1)[None])
-        dq, dk, dv, _ = pf._ffa_bwd(cfg, res, (dout[None], dlse[None]))
+        res = (q[None], k[None], v[None], plan, pf.NO_SCHEDULES, out[None],
+               jnp.swapaxes(lse, 0, 1)[None])
+        dq, dk, dv, _, _ = pf._ffa_bwd(cfg, res, (dout[None], dlse[None]))
         return dq[0], dk[0], dv[0]
 
 

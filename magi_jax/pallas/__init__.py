@@ -111,10 +111,14 @@ class _Schedules(NamedTuple):
     dkv: tuple
 
 
+# For callers of the custom-VJP rules below with traced plans (context parallelism).
+NO_SCHEDULES = _Schedules((), (), ())
+
+
 def _schedules(plan: KernelPlanArrays, cfg: _Config, batch: int, hq: int,
                hkv: int) -> _Schedules:
     if not (cfg.persistent or cfg.bwd_persistent):
-        return _Schedules((), (), ())
+        return NO_SCHEDULES
     if not all(isinstance(a, np.ndarray) for a in plan):
         raise ValueError(f"persistent={cfg.persistent}, bwd_persistent={cfg.bwd_persistent}: "
                          "the persistent kernels schedule their units on the host, so the plan "

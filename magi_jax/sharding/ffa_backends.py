@@ -68,8 +68,9 @@ def _pallas(interpret: bool = False) -> FFABackend:
     from magi_jax.pallas import ffa_pallas
     from magi_jax.pallas.plan import KernelPlanArrays, build_kernel_plan, stack_kernel_plans
 
-    # Split VJP over the kernels' own custom-VJP rules (residuals q, k, v, plan, out, lse_bht,
-    # with a leading batch axis); same arithmetic as ffa_pallas.
+    # Split VJP over the kernels' own custom-VJP rules (residuals q, k, v, plan, schedules,
+    # out, lse_bht, with a leading batch axis; no persistent schedules: the plans are traced
+    # here); same arithmetic as ffa_pallas.
     def cfg(softmax_scale, softcap, block_q, block_k):
         return P._Config(float(softmax_scale), float(softcap), interpret)
 
@@ -77,14 +78,16 @@ def _pallas(interpret: bool = False) -> FFABackend:
         return KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
 
     def split_fwd(q, k, v, plan, **kw):
-        (out, lse), res = P._ffa_fwd(q[None], k[None], v[None], as_plan(plan), cfg(**kw))
-        return (out[0], lse[0]), (res[4], res[5])
+        (out, lse), res = P._ffa_fwd(q[None], k[None], v[None], as_plan(plan), P.NO_SCHEDULES,
+                                     cfg(**kw))
+        return (out[0], lse[0]), (res[5], res[6])
 
     def split_bwd(saved, q, k, v, plan, cts, **kw):
         out, lse_bht = saved
         dout, dlse = cts
-        dq, dk, dv, _ = P._ffa_bwd(cfg(**kw), (q[None], k[None], v[None], as_plan(plan), out,
-                                               lse_bht), (dout[None], dlse[None]))
+        dq, dk, dv, _, _ = P._ffa_bwd(cfg(**kw), (q[None], k[None], v[None], as_plan(plan),
+                                                  P.NO_SCHEDULES, out, lse_bht),
+                                      (dout[None], dlse[None]))
         return dq[0], dk[0], dv[0]
 
     def saved_from(out, lse):
