@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["LOG2E", "LN2", "smem", "mma_lhs", "tile_predicate", "launch_grid",
-           "scheduled_units"]
+           "scheduled_units", "check_pipeline"]
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -69,3 +69,12 @@ def scheduled_units(schedule_refs, num_tiles: int, batch: int, order_ref):
         return order_ref[rank], lax.rem(rest, jnp.int32(batch)), lax.div(rest, jnp.int32(batch))
 
     return off_ref[prog + 1] - first_unit, coords
+
+
+def check_pipeline(num_stages: int, persistent: int):
+    """The knobs every kernel config shares: ring slots and persistent programs."""
+    if num_stages < 1:
+        raise ValueError(f"num_stages={num_stages} must be >= 1")
+    if persistent < 0:
+        raise ValueError(f"persistent={persistent} must be >= 0 (0: off, else the number of "
+                         "programs, e.g. the SM count)")

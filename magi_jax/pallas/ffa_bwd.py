@@ -26,8 +26,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (LOG2E, launch_grid, mma_lhs, scheduled_units, smem,
-                                    tile_predicate)
+from magi_jax.pallas.common import (LOG2E, check_pipeline, launch_grid, mma_lhs,
+                                    scheduled_units, smem, tile_predicate)
 from magi_jax.pallas.plan import DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["BwdConfig", "ffa_dq", "ffa_dkv"]
@@ -60,16 +60,12 @@ class BwdConfig:
     # the end), each consumer loads its next unit's own inputs (dQ: Q, dO, lse, delta;
     # dK/dV: its K, V) as soon as the last wgmma pair that reads them is done, and outputs
     # leave through buffers of their own, so the store of one unit overlaps the next.
-    # Unmeasured knob.
+    # Measured slower than one program per unit on the H200 (kernel_notes.md), so off.
     persistent: int = 0
     interpret: bool = False
 
     def __post_init__(self):
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
-        if self.persistent < 0:
-            raise ValueError(f"persistent={self.persistent} must be >= 0 (0: off, else the "
-                             "number of programs, e.g. the SM count)")
+        check_pipeline(self.num_stages, self.persistent)
 
 
 def _log2_scores(s, cfg: BwdConfig):

@@ -19,8 +19,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (LN2, LOG2E, launch_grid, mma_lhs, scheduled_units, smem,
-                                    tile_predicate)
+from magi_jax.pallas.common import (LN2, LOG2E, check_pipeline, launch_grid, mma_lhs,
+                                    scheduled_units, smem, tile_predicate)
 from magi_jax.pallas.plan import FWD_BLOCK_K, FWD_BLOCK_Q, NUM_FIELDS
 
 __all__ = ["FwdConfig", "ffa_forward"]
@@ -57,11 +57,7 @@ class FwdConfig:
     interpret: bool = False
 
     def __post_init__(self):
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
-        if self.persistent < 0:
-            raise ValueError(f"persistent={self.persistent} must be >= 0 (0: off, else the "
-                             "number of programs, e.g. the SM count)")
+        check_pipeline(self.num_stages, self.persistent)
         if self.softcap < 0:
             raise ValueError(f"softcap={self.softcap} must be >= 0")
 
