@@ -207,3 +207,23 @@ def test_forward_knobs_lower_for_sm90(d):
     for tuning in [{}, *_FWD_KNOBS]:
         f = jax.jit(lambda q, k, v: ffa_pallas(q, k, v, plan, softmax_scale=0.1, **tuning))
         f.trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+
+
+def test_default_persistent_programs(monkeypatch):
+    """``persistent=None``: one program per SM of the GPU when the plan is on the host and
+    the kernels run there; none in interpret mode or with traced (per-rank) plans."""
+    import magi_jax.pallas as P
+
+    class _Gpu:
+        core_count = 132
+
+    plan = kernel_plan_for_mask(WIDE).arrays()
+    monkeypatch.setattr(jax, "devices", lambda *a: [_Gpu()])
+    assert P._default_programs(plan, interpret=False) == 132
+    assert P._default_programs(plan, interpret=True) == 0
+    traced = []
+    jax.jit(lambda o: traced.append(P._default_programs(plan._replace(q_order=o), False)))(
+        plan.q_order)
+    assert traced == [0]
+    monkeypatch.setattr(jax, "devices", lambda *a: [object()])   # no core count: off
+    assert P._default_programs(plan, interpret=False) == 0
