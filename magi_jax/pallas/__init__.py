@@ -217,9 +217,9 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
     units and each unit's Q loaded under the previous unit's last matmuls, so the plan must be
     NumPy arrays here; ``None`` (default): the SM count of the default GPU when the plan is
     NumPy arrays, the kernels run on a GPU and ``num_stages`` <= 2 (its output buffer takes
-    the shared memory of a third slot), else 0 (measured on an H200, 2026-11-30:
-    +5-8 % forward on short rows, even on full and causal); backward only: ``bwd_persistent``: the same for the dQ and dK/dV
-    kernels (dQ units: q-tile, batch, query head; dK/dV: k-tile, batch, key head), storing
+    the shared memory of a third slot), else 0 (measured on an H200, 2026-11-30: +5-8 %
+    forward on short rows, even on full and causal); backward only: ``bwd_persistent``: the
+    same for the dQ and dK/dV kernels (dQ units: q-tile, batch, query head; dK/dV: k-tile, batch, key head), storing
     through output buffers of their own (with D = 128 that leaves room for
     ``dq_num_stages`` <= 2 and ``dkv_num_stages`` <= 3); measured 7-15 % slower than one
     program per unit on the H200 (2026-11-30), so 0 by default."""

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["LOG2E", "LN2", "smem", "mma_lhs", "tile_predicate", "launch_grid",
-           "scheduled_units", "check_pipeline"]
+           "scheduled_units", "check_pipeline", "check_schedule"]
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -78,3 +78,12 @@ def check_pipeline(num_stages: int, persistent: int):
     if persistent < 0:
         raise ValueError(f"persistent={persistent} must be >= 0 (0: off, else the number of "
                          "programs, e.g. the SM count)")
+
+
+def check_schedule(schedule, num_progs: int, num_units: int):
+    """The ``(offsets, units)`` of a persistent kernel's host schedule fit its grid."""
+    if (len(schedule) != 2 or schedule[0].shape != (num_progs + 1,)
+            or schedule[1].shape != (num_units,)):
+        raise ValueError(f"a persistent schedule for {num_progs} programs is (offsets "
+                         f"[{num_progs + 1}], units [{num_units}]) of persistent_schedule; "
+                         f"got {[getattr(a, 'shape', a) for a in schedule]}")

@@ -26,8 +26,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (LOG2E, check_pipeline, launch_grid, mma_lhs,
-                                    scheduled_units, smem, tile_predicate)
+from magi_jax.pallas.common import (LOG2E, check_pipeline, check_schedule, launch_grid,
+                                    mma_lhs, scheduled_units, smem, tile_predicate)
 from magi_jax.pallas.plan import DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["BwdConfig", "ffa_dq", "ffa_dkv"]
@@ -159,14 +159,6 @@ def _drain(total, stages, streams):
             plgpu.barrier_wait(free.at[slot])
 
 
-def _check_schedule(schedule, num_progs: int, num_units: int):
-    if (len(schedule) != 2 or schedule[0].shape != (num_progs + 1,)
-            or schedule[1].shape != (num_units,)):
-        raise ValueError(f"a persistent schedule for {num_progs} programs is (offsets "
-                         f"[{num_progs + 1}], units [{num_units}]) of persistent_schedule; "
-                         f"got {[getattr(a, 'shape', a) for a in schedule]}")
-
-
 def _walk_units(num_mine, work_of, body):
     """Persistent programs: ``body(j, work_of(j), base) -> base`` over this program's units
     ``j < num_mine``, ``base`` counting the ring steps of the units before (so slots and
@@ -193,7 +185,7 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
     grid, grid_names, num_progs, num_units = _grid(cfg, num_tiles, b, hq)
     schedule = tuple(schedule) if persistent else ()
     if persistent:
-        _check_schedule(schedule, num_progs, num_units)
+        check_schedule(schedule, num_progs, num_units)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
                *refs):
@@ -381,7 +373,7 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
     grid, grid_names, num_progs, num_units = _grid(cfg, num_tiles, b, hkv)
     schedule = tuple(schedule) if persistent else ()
     if persistent:
-        _check_schedule(schedule, num_progs, num_units)
+        check_schedule(schedule, num_progs, num_units)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
                *refs):

@@ -19,8 +19,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (LN2, LOG2E, check_pipeline, launch_grid, mma_lhs,
-                                    scheduled_units, smem, tile_predicate)
+from magi_jax.pallas.common import (LN2, LOG2E, check_pipeline, check_schedule, launch_grid,
+                                    mma_lhs, scheduled_units, smem, tile_predicate)
 from magi_jax.pallas.plan import FWD_BLOCK_K, FWD_BLOCK_Q, NUM_FIELDS
 
 __all__ = ["FwdConfig", "ffa_forward"]
@@ -45,7 +45,7 @@ class FwdConfig:
     fma_softmax: bool = False
     head_major: bool = False
     # Wait for the next item's K tile underneath the P·V wgmma of this one (as jax's
-    # attention_mgpu does) instead of at the top of the next step. Unmeasured knob.
+    # attention_mgpu does) instead of at the top of the next step. Measured within noise.
     k_wait_under_pv: bool = False
     # 0: one program per (q-tile, batch, head), in the order of :func:`launch_grid`. N > 0:
     # N programs (the SM count, 132 on an H200) walk the (q-tile, batch, head) units of a
@@ -81,11 +81,8 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
     num_units = num_tiles * b * hq
     persistent = cfg.persistent > 0
     num_progs = min(cfg.persistent, num_units)
-    if persistent and (len(schedule) != 2 or schedule[0].shape != (num_progs + 1,)
-                       or schedule[1].shape != (num_units,)):
-        raise ValueError(f"persistent={cfg.persistent} needs the (offsets [{num_progs + 1}], "
-                         f"units [{num_units}]) of persistent_schedule; got "
-                         f"{[getattr(a, 'shape', a) for a in schedule]}")
+    if persistent:
+        check_schedule(schedule, num_progs, num_units)
     itemsize = jnp.dtype(dtype).itemsize
     smem_bytes = (_COMPUTE_WGS * bq * d * (2 if persistent else 1) + 2 * stages * bk * d) \
         * itemsize + _COMPUTE_WGS * bq * 4
