@@ -58,7 +58,7 @@ def test_dtypes_head_dims_gqa(dtype, d, heads):
 
 @pytest.mark.parametrize("mask_name", ["causal", "doc_causal"])
 def test_forward_knobs_all_on(mask_name):
-    """The unmeasured forward knobs together (they also run under the backward's VJP)."""
+    """The forward knobs together (they also run under the backward's VJP)."""
     _check(ZOO[mask_name], hq=4, hkv=2, batch=2, k_wait_under_pv=True, persistent=132,
            fma_softmax=True, head_major=True)
 
