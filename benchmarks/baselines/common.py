@@ -96,14 +96,9 @@ class LocalFFA:
             return xla_ffa_backward(q, k, v, out, lse, dout, dlse, plan, softmax_scale=scale,
                                     softcap=softcap, block_q=self.block_q,
                                     block_k=self.block_k)
-        import magi_jax.pallas as pf
-        from magi_jax.pallas.plan import KernelPlanArrays
-        cfg = pf._Config(float(scale), float(softcap), self.interpret)
-        plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
-        res = (q[None], k[None], v[None], plan, pf.NO_SCHEDULES, out[None],
-               jnp.swapaxes(lse, 0, 1)[None])
-        dq, dk, dv, _, _ = pf._ffa_bwd(cfg, res, (dout[None], dlse[None]))
-        return dq[0], dk[0], dv[0]
+        from magi_jax.pallas import ffa_pallas_backward
+        return ffa_pallas_backward(q, k, v, plan, out, lse, dout, dlse, softmax_scale=scale,
+                                   softcap=softcap, interpret=self.interpret)
 
 
 # ---- layout ---------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward
 from magi_jax.pallas.plan import (DKV_BLOCK_K, FWD_BLOCK_K, FWD_BLOCK_Q, KernelPlanArrays,
                                   WorkList, kernel_plan_for_mask, persistent_schedule)
 
-__all__ = ["flex_flash_attention_pallas", "ffa_pallas", "supported", "device_supported",
+__all__ = ["flex_flash_attention_pallas", "ffa_pallas", "ffa_pallas_backward", "supported",
+           "device_supported",
            "KernelPlanArrays", "kernel_plan_for_mask", "SUPPORTED_HEAD_DIMS",
            "SUPPORTED_DTYPES"]
 
@@ -111,14 +112,13 @@ class _Schedules(NamedTuple):
     dkv: tuple
 
 
-# For callers of the custom-VJP rules below with traced plans (context parallelism).
-NO_SCHEDULES = _Schedules((), (), ())
+_NO_SCHEDULES = _Schedules((), (), ())
 
 
 def _schedules(plan: KernelPlanArrays, cfg: _Config, batch: int, hq: int,
                hkv: int) -> _Schedules:
     if not (cfg.persistent or cfg.bwd_persistent):
-        return NO_SCHEDULES
+        return _NO_SCHEDULES
     if not all(isinstance(a, np.ndarray) for a in plan):
         raise ValueError(f"persistent={cfg.persistent}, bwd_persistent={cfg.bwd_persistent}: "
                          "the persistent kernels schedule their units on the host, so the plan "
@@ -237,6 +237,22 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
         out, lse = _ffa(q[None], k[None], v[None], plan, sched, cfg)
         return out[0], lse[0]
     return _ffa(q, k, v, plan, sched, cfg)
+
+
+def ffa_pallas_backward(q, k, v, plan: KernelPlanArrays, out, lse, dout, dlse, *,
+                        softmax_scale: float, softcap: float = 0.0, interpret: bool = False):
+    """The backward of :func:`ffa_pallas` from a forward's ``(out, lse)``, which may be the
+    merged result of several calls (context parallelism runs each stage's backward against
+    the merged output). Shapes as :func:`ffa_pallas`: q/out/dout ``[(B,) Tq, Hq, D]``, k/v
+    ``[(B,) Tk, Hkv, D]``, lse/dlse ``[(B,) Tq, Hq]`` float32. Returns ``(dq, dk, dv)``. The
+    kernels run one program per unit (the plan may be traced)."""
+    cfg = _Config(float(softmax_scale), float(softcap), bool(interpret))
+    plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
+    lift = (lambda x: x) if q.ndim == 4 else (lambda x: x[None])
+    res = (lift(q), lift(k), lift(v), plan, _NO_SCHEDULES, lift(out),
+           jnp.swapaxes(lift(lse), 1, 2))
+    dq, dk, dv, _, _ = _ffa_bwd(cfg, res, (lift(dout), lift(dlse)))
+    return (dq, dk, dv) if q.ndim == 4 else (dq[0], dk[0], dv[0])
 
 
 def flex_flash_attention_pallas(q, k, v, mask, *, softmax_scale: float | None = None,

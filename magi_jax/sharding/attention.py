@@ -116,7 +116,6 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
     stages go first so their ``send_back(i, dkv_rows)`` (the group-reduce) can overlap the
     host stage's backward. Returns ``dq`` and the local ``(dk, dv)`` (float32)."""
     be, kw = get_backend(cfg.backend), dict(cfg.kw)
-    saved = be.saved_from(out, lse)
     t_loc = kv[0].shape[0]
     acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     up = lambda tree: jax.tree.map(lambda a: a.astype(acc), tree)
@@ -125,7 +124,7 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
     for i in order:
         stage, (ffa_arrays, _) = cfg.stages[i], stage_arrays[i]
         kk, vv = kv if stage.cast is None else fetch(i)
-        dq_i, dk_i, dv_i = be.split_bwd(saved, q, kk, vv, ffa_arrays, cts, **kw)
+        dq_i, dk_i, dv_i = be.split_bwd((out, lse), q, kk, vv, ffa_arrays, cts, **kw)
         dq = _add(dq, dq_i.astype(acc))
         rows = (dk_i, dv_i)
         if stage.cast is None:

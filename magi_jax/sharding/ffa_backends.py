@@ -27,8 +27,8 @@ class FFABackend:
     kept between forward and backward (context parallelism re-fetches remote KV instead):
     ``split_fwd(q, k, v, plan, **cfg) -> ((out, lse), saved)`` and
     ``split_bwd(saved, q, k, v, plan, (dout, dlse), **cfg) -> (dq, dk, dv)``, for
-    ``[T, H, D]`` inputs; ``cfg`` = ``softmax_scale, softcap, block_q, block_k``.
-    ``saved_from(out, lse)`` builds ``saved`` from any ``(out [T, H, D], lse [T, H])`` — the
+    ``[T, H, D]`` inputs; ``cfg`` = ``softmax_scale, softcap, block_q, block_k``. ``saved``
+    is ``(out [T, H, D], lse [T, H])``, and ``split_bwd`` takes any such pair — also the
     merged result of several calls, whose backward each call can then run on its own."""
 
     name: str
@@ -37,7 +37,6 @@ class FFABackend:
     call: Callable        # (q, k, v, plan, *, softmax_scale, softcap, block_q, block_k)
     split_fwd: Callable | None = None
     split_bwd: Callable | None = None
-    saved_from: Callable | None = None
 
 
 def _xla() -> FFABackend:
@@ -58,40 +57,25 @@ def _xla() -> FFABackend:
         build=lambda sh, tq, tk, bq, bk: build_xla_plan(sh, tq, tk, bq, bk).arrays(),
         stack=stack_plans,
         call=xla_ffa,
-        split_fwd=split_fwd, split_bwd=split_bwd, saved_from=lambda out, lse: (out, lse))
+        split_fwd=split_fwd, split_bwd=split_bwd)
 
 
 def _pallas(interpret: bool = False) -> FFABackend:
-    import jax.numpy as jnp
+    from magi_jax.pallas import ffa_pallas, ffa_pallas_backward
+    from magi_jax.pallas.plan import build_kernel_plan, stack_kernel_plans
 
-    from magi_jax import pallas as P
-    from magi_jax.pallas import ffa_pallas
-    from magi_jax.pallas.plan import KernelPlanArrays, build_kernel_plan, stack_kernel_plans
+    # Split VJP: the forward saves its (out, lse); each stage's backward runs against the
+    # merged (out, lse). Plans are traced here, so the kernels run one program per unit.
+    def split_fwd(q, k, v, plan, *, softmax_scale, softcap, block_q, block_k):
+        del block_q, block_k
+        out, lse = ffa_pallas(q, k, v, plan, softmax_scale=softmax_scale, softcap=softcap,
+                              interpret=interpret, persistent=0)
+        return (out, lse), (out, lse)
 
-    # Split VJP over the kernels' own custom-VJP rules (residuals q, k, v, plan, schedules,
-    # out, lse_bht, with a leading batch axis; no persistent schedules: the plans are traced
-    # here); same arithmetic as ffa_pallas.
-    def cfg(softmax_scale, softcap, block_q, block_k):
-        return P._Config(float(softmax_scale), float(softcap), interpret)
-
-    def as_plan(plan):
-        return KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
-
-    def split_fwd(q, k, v, plan, **kw):
-        (out, lse), res = P._ffa_fwd(q[None], k[None], v[None], as_plan(plan), P.NO_SCHEDULES,
-                                     cfg(**kw))
-        return (out[0], lse[0]), (res[5], res[6])
-
-    def split_bwd(saved, q, k, v, plan, cts, **kw):
-        out, lse_bht = saved
-        dout, dlse = cts
-        dq, dk, dv, _, _ = P._ffa_bwd(cfg(**kw), (q[None], k[None], v[None], as_plan(plan),
-                                                  P.NO_SCHEDULES, out, lse_bht),
-                                      (dout[None], dlse[None]))
-        return dq[0], dk[0], dv[0]
-
-    def saved_from(out, lse):
-        return out[None], jnp.swapaxes(lse[None], 1, 2)
+    def split_bwd(saved, q, k, v, plan, cts, *, softmax_scale, softcap, block_q, block_k):
+        del block_q, block_k
+        return ffa_pallas_backward(q, k, v, plan, *saved, *cts, softmax_scale=softmax_scale,
+                                   softcap=softcap, interpret=interpret)
 
     def call(q, k, v, plan, *, softmax_scale, softcap, block_q, block_k):
         del block_q, block_k            # the kernels tile with their own block sizes
@@ -102,7 +86,7 @@ def _pallas(interpret: bool = False) -> FFABackend:
         "pallas_interpret" if interpret else "pallas",
         build=lambda sh, tq, tk, bq, bk: build_kernel_plan(sh, tq, tk).arrays(),
         stack=stack_kernel_plans,
-        call=call, split_fwd=split_fwd, split_bwd=split_bwd, saved_from=saved_from)
+        call=call, split_fwd=split_fwd, split_bwd=split_bwd)
 
 
 _FACTORIES = {"xla": _xla, "pallas": _pallas}

@@ -227,3 +227,20 @@ def test_default_persistent_programs(monkeypatch):
     assert traced == [0]
     monkeypatch.setattr(jax, "devices", lambda *a: [object()])   # no core count: off
     assert P._default_programs(plan, interpret=False) == 0
+
+
+def test_backward_entry_point_equals_the_vjp():
+    """``ffa_pallas_backward`` from the forward's own (out, lse) is the VJP of
+    ``ffa_pallas``, bit for bit (batched; CP uses it unbatched, tests/sharding)."""
+    from magi_jax.pallas import ffa_pallas_backward
+    plan = kernel_plan_for_mask(IRREGULAR).arrays()
+    q, k, v, dout, dlse = random_inputs(jax.random.key(11), IRREGULAR, 2, 1, 64,
+                                        jnp.bfloat16, 2)
+    f = lambda a, b, c: ffa_pallas(a, b, c, plan, softmax_scale=0.125, interpret=True)
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    want = vjp((dout, dlse))
+    got = ffa_pallas_backward(q, k, v, plan, out, lse, dout, dlse, softmax_scale=0.125,
+                              interpret=True)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=name)

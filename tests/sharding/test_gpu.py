@@ -54,8 +54,9 @@ def test_pallas_split_vjp_matches_ffa_pallas_in_interpret_mode():
 @pytest.mark.slow
 def test_pallas_stage_backwards_from_the_merged_result_in_interpret_mode():
     """CP's backward runs each stage's pallas backward against the merged (out, lse)
-    (``saved_from``): the two stages' gradients must sum to the VJP of one pallas call over
-    all keys (Mosaic GPU interpret mode, single device)."""
+    (``split_bwd`` over :func:`~magi_jax.pallas.ffa_pallas_backward`): the two stages'
+    gradients must sum to the VJP of one pallas call over all keys (Mosaic GPU interpret
+    mode, single device)."""
     from magi_jax.pallas import ffa_pallas
     from magi_jax.sharding.attention import merge_partials
     from magi_jax.sharding.ffa_backends import _pallas
@@ -70,8 +71,7 @@ def test_pallas_stage_backwards_from_the_merged_result_in_interpret_mode():
     plans = [be.build(m.shapes, 128, 128, 0, 0) for m in parts]
     outs = [be.split_fwd(q, kk, vv, p, **kw)[0] for (kk, vv), p in zip(halves, plans)]
     out, lse = merge_partials([o for o, _ in outs], [l for _, l in outs], q.dtype)
-    saved = be.saved_from(out, lse)
-    grads = [be.split_bwd(saved, q, kk, vv, p, (dout, dlse), **kw)
+    grads = [be.split_bwd((out, lse), q, kk, vv, p, (dout, dlse), **kw)
              for (kk, vv), p in zip(halves, plans)]
     dq = grads[0][0].astype(jnp.float32) + grads[1][0].astype(jnp.float32)
     dk = jnp.concatenate([grads[0][1], grads[1][1]])
