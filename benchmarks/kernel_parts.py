@@ -29,7 +29,7 @@ from magi_jax.pallas import kernel_plan_for_mask  # noqa: E402
 from magi_jax.pallas.common import LOG2E  # noqa: E402
 from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq  # noqa: E402
 from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward  # noqa: E402
-from magi_jax.pallas.plan import WorkList, persistent_schedule  # noqa: E402
+from magi_jax.pallas.plan import persistent_schedule  # noqa: E402
 
 
 def parts(name, total, heads, d, programs):
