@@ -115,11 +115,16 @@ class _Schedules(NamedTuple):
 _NO_SCHEDULES = _Schedules((), (), ())
 
 
+def _on_host(plan: KernelPlanArrays) -> bool:
+    """Whether the plan is NumPy arrays (persistent schedules are built from it there)."""
+    return all(isinstance(a, np.ndarray) for a in plan)
+
+
 def _schedules(plan: KernelPlanArrays, cfg: _Config, batch: int, hq: int,
                hkv: int) -> _Schedules:
     if not (cfg.persistent or cfg.bwd_persistent):
         return _NO_SCHEDULES
-    if not all(isinstance(a, np.ndarray) for a in plan):
+    if not _on_host(plan):
         raise ValueError(f"persistent={cfg.persistent}, bwd_persistent={cfg.bwd_persistent}: "
                          "the persistent kernels schedule their units on the host, so the plan "
                          "must be NumPy arrays (not traced or device arrays); pass 0 here")
@@ -187,7 +192,7 @@ _ffa.defvjp(_ffa_fwd, _ffa_bwd)
 def _default_programs(plan: KernelPlanArrays, interpret: bool) -> int:
     """Programs of the persistent forward by default: one per SM of the default GPU, when
     the plan is on the host (the schedule is built there); 0 otherwise."""
-    if interpret or not all(isinstance(a, np.ndarray) for a in plan):
+    if interpret or not _on_host(plan):
         return 0
     return int(getattr(jax.devices()[0], "core_count", 0) or 0)
 
@@ -219,8 +224,8 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
     NumPy arrays, the kernels run on a GPU and ``num_stages`` <= 2 (its output buffer takes
     the shared memory of a third slot), else 0 (measured on an H200, 2026-11-30: +5-8 %
     forward on short rows, even on full and causal); backward only: ``bwd_persistent``: the
-    same for the dQ and dK/dV kernels (dQ units: q-tile, batch, query head; dK/dV: k-tile, batch, key head), storing
-    through output buffers of their own (with D = 128 that leaves room for
+    same for the dQ and dK/dV kernels (dQ units: q-tile, batch, query head; dK/dV: k-tile,
+    batch, key head), storing through output buffers of their own (with D = 128 that leaves room for
     ``dq_num_stages`` <= 2 and ``dkv_num_stages`` <= 3); measured 7-15 % slower than one
     program per unit on the H200 (2026-11-30), so 0 by default."""
     if persistent is None:

@@ -53,7 +53,6 @@ def launch_grid(num_tiles: int, batch: int, heads: int, head_major: bool):
     return (num_tiles, batch, heads), ("tile", "batch", "head")
 
 
-
 def scheduled_units(schedule_refs, num_tiles: int, batch: int, order_ref):
     """``(num_mine, coords)`` of a persistent program: how many units it walks, and
     ``coords(j)``, the (tile, batch, head) of its ``j``-th, from the ``(offsets, units)`` of
