@@ -14,6 +14,7 @@ Writes ``kernel_parts_<stamp>_<device>.{json,md}``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -21,6 +22,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from kernel_bench import bench, make_mask, versions  # noqa: E402
@@ -29,14 +31,25 @@ from magi_jax.pallas import kernel_plan_for_mask  # noqa: E402
 from magi_jax.pallas.common import LOG2E  # noqa: E402
 from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq  # noqa: E402
 from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward  # noqa: E402
-from magi_jax.pallas.plan import persistent_schedule  # noqa: E402
+from magi_jax.pallas.plan import BAND, GENERAL, persistent_schedule  # noqa: E402
 
 
-def parts(name, total, heads, d, programs):
-    """Rows of (part, programs, ms, TFLOP/s) for one mask."""
+def general_kinds(work):
+    """``work`` with its band items demoted to general ones (the six-comparison predicate),
+    to time what the band predicate saves."""
+    items = work.items.copy()
+    items[:, -1] = np.where(items[:, -1] == BAND, GENERAL, items[:, -1])
+    return work._replace(items=items)
+
+
+def parts(name, total, heads, d, programs, bands=True, stages=2):
+    """Rows of (part, programs, ms, TFLOP/s) for one mask; ``bands=False``: band items
+    treated as general; ``stages``: ring slots of the backward kernels."""
     mask = make_mask(name, total)
     batch = max(1, 32768 // total)
     plan = kernel_plan_for_mask(mask)
+    if not bands:
+        plan = dataclasses.replace(plan, fwd=general_kinds(plan.fwd), dkv=general_kinds(plan.dkv))
     ks = jax.random.split(jax.random.key(0), 5)
     shape = (batch, total, heads, d)
     q, k, v, do = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in ks[:4])
@@ -63,7 +76,8 @@ def parts(name, total, heads, d, programs):
         if not progs:
             rows.append(dict(part="delta", programs=0, ms=bench(prep, (out, do)) * 1e3,
                              flops=0.0))
-        bcfg = BwdConfig(scale, 0.0, fma_softmax=True, head_major=True, persistent=progs)
+        bcfg = BwdConfig(scale, 0.0, num_stages=stages, fma_softmax=True, head_major=True,
+                         persistent=progs)
         dq = jax.jit(lambda *a: ffa_dq(*a, *fwd_lists, bcfg, sched(plan.fwd)))
         dkv = jax.jit(lambda *a: ffa_dkv(*a, *dkv_lists, bcfg, sched(plan.dkv)))
         args = (q, k, v, do, lse2, delta)
@@ -72,7 +86,7 @@ def parts(name, total, heads, d, programs):
         rows.append(dict(part="dkv", programs=progs, ms=bench(dkv, args) * 1e3,
                          flops=2.0 * flops))
     for r in rows:
-        r.update(mask=name, length=total, tflops=r["flops"] / r["ms"] * 1e-9 if r["flops"]
+        r.update(mask=name, length=total, bands=bands, bwd_stages=stages, tflops=r["flops"] / r["ms"] * 1e-9 if r["flops"]
                  else None)
     return rows
 
@@ -83,6 +97,10 @@ def main(argv=None):
     p.add_argument("--lengths", default="16384")
     p.add_argument("--programs", type=int, default=0,
                    help="persistent programs (default: the GPU's SM count)")
+    p.add_argument("--band-ab", action="store_true",
+                   help="also time every part with band items treated as general ones")
+    p.add_argument("--bwd-stages", default="2", help="ring slots of the backward kernels, "
+                   "comma-separated (each a separate set of rows)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = p.parse_args(argv)
     dev = jax.devices()[0]
@@ -90,8 +108,10 @@ def main(argv=None):
     rows = []
     for t in a.lengths.split(","):
         for m in a.masks.split(","):
-            rows += parts(m, int(t), 16, 128, programs)
-            print(json.dumps(rows[-1]), flush=True)
+            for bands in (True, False) if a.band_ab else (True,):
+                for stages in (int(x) for x in a.bwd_stages.split(",")):
+                    rows += parts(m, int(t), 16, 128, programs, bands, stages)
+                    print(json.dumps(rows[-1]), flush=True)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=getattr(dev, "device_kind", str(dev)), versions=versions(),
                 programs=programs, core_count=getattr(dev, "core_count", None))
@@ -110,11 +130,15 @@ def write(base, rows, meta):
              f"(core_count {meta['core_count']}); bf16, Hq = Hkv = 16, D = 128, "
              "B = 32768 / length; TFLOP/s from the matmuls each part runs (forward 2, dQ 3, "
              "dK/dV 4 per tile pair)", "",
-             "| mask | length | part | programs | ms | TFLOP/s |", "|---|---|---|---|---|---|"]
+             "band predicate: no = band items run the general one; bwd stages: ring slots of "
+             "dQ and dK/dV", "",
+             "| mask | length | part | programs | band predicate | bwd stages | ms | TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tf = f"{r['tflops']:.1f}" if r["tflops"] else "-"
         lines.append(f"| {r['mask']} | {r['length']} | {r['part']} | {r['programs']} | "
-                     f"{r['ms']:.3f} | {tf} |")
+                     f"{'yes' if r['bands'] else 'no'} | {r['bwd_stages']} | {r['ms']:.3f} | "
+                     f"{tf} |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -8,11 +8,16 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["LOG2E", "LN2", "smem", "mma_lhs", "tile_predicate", "launch_grid",
-           "scheduled_units", "check_pipeline", "check_schedule"]
+from magi_jax.pallas.plan import BAND, FULL, GENERAL
+
+__all__ = ["LOG2E", "LN2", "smem", "mma_lhs", "tile_predicate", "mask_scores",
+           "launch_grid", "scheduled_units", "check_pipeline", "check_schedule"]
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+# Diagonal bounds are clamped to this before the tile offset is subtracted (no int32
+# overflow; a tile spans far fewer diagonals).
+_DIAG_CLAMP = 1 << 30
 
 
 def smem(shape, dtype):
@@ -40,6 +45,28 @@ def tile_predicate(item, row0, col0, shape, layout, transposed=False):
     q0, q1, k0, k1, dlo, dhi = item
     d = c - r
     return (r >= q0) & (r < q1) & (c >= k0) & (c < k1) & (d >= dlo) & (d <= dhi)
+
+
+def mask_scores(s, item, kind, row0, col0, layout, transposed=False):
+    """``s`` with the cells outside the item's slice set to ``-inf``, by the item's ``kind``
+    (:data:`~magi_jax.pallas.plan.GENERAL`, ``FULL``, ``BAND``); arguments as
+    :func:`tile_predicate`."""
+    def general():
+        return jnp.where(tile_predicate(item, row0, col0, s.shape, layout, transposed), s,
+                         -jnp.inf)
+
+    def band():
+        # d = c − r = (col0 − row0) + (ic − ir): compare ic − ir with the shifted bounds.
+        q_axis, k_axis = (1, 0) if transposed else (0, 1)
+        t = (plgpu.broadcasted_iota(jnp.int32, s.shape, k_axis, layout=layout)
+             - plgpu.broadcasted_iota(jnp.int32, s.shape, q_axis, layout=layout))
+        off = col0 - row0
+        lo = lax.max(item[4], jnp.int32(-_DIAG_CLAMP)) - off
+        hi = lax.min(item[5], jnp.int32(_DIAG_CLAMP)) - off
+        return jnp.where((t >= lo) & (t <= hi), s, -jnp.inf)
+
+    branches = {GENERAL: general, FULL: lambda: s, BAND: band}
+    return lax.switch(kind, [branches[i] for i in range(len(branches))])
 
 
 def launch_grid(num_tiles: int, batch: int, heads: int, head_major: bool):

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from magi_jax.pallas.common import (LOG2E, check_pipeline, check_schedule, launch_grid,
-                                    mma_lhs, scheduled_units, smem, tile_predicate)
+                                    mask_scores, mma_lhs, scheduled_units, smem)
 from magi_jax.pallas.plan import DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["BwdConfig", "ffa_dq", "ffa_dkv"]
@@ -257,7 +257,7 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
                         it = first + i
                         ktile = items_ref[it, 0]
                         geom = tuple(items_ref[it, f] for f in range(1, 7))
-                        full = items_ref[it, 7]
+                        kind = items_ref[it, 7]
                         plgpu.barrier_wait(k_ready.at[slot])
                         plgpu.barrier_wait(v_ready.at[slot])
 
@@ -274,11 +274,7 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
                             prefetch(j, i == num_items - 1)
                         s, c, dcap = _log2_scores(s, cfg)
 
-                        def masked():
-                            keep = tile_predicate(geom, row0, ktile * bk, (bq, bk), _LAYOUT)
-                            return jnp.where(keep, s, -jnp.inf)
-
-                        s = lax.cond(full != 0, lambda: s, masked)
+                        s = mask_scores(s, geom, kind, row0, ktile * bk, _LAYOUT)
                         p = _exp2_minus(s, c, lse2, 0)
                         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
                         if dcap is not None:
@@ -440,7 +436,7 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                         it, _ = step_item(work, i)
                         qtile = items_ref[it, 0]
                         geom = tuple(items_ref[it, f] for f in range(1, 7))
-                        full = items_ref[it, 7]
+                        kind = items_ref[it, 7]
                         plgpu.barrier_wait(q_ready.at[slot])
                         plgpu.barrier_wait(do_ready.at[slot])
 
@@ -456,12 +452,8 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                             prefetch(j, i == num_steps - 1)
                         st, c, dcap = _log2_scores(st, cfg)
 
-                        def masked():
-                            keep = tile_predicate(geom, qtile * bq, col0, (bk, bq), _LAYOUT,
-                                                  transposed=True)
-                            return jnp.where(keep, st, -jnp.inf)
-
-                        st = lax.cond(full != 0, lambda: st, masked)
+                        st = mask_scores(st, geom, kind, qtile * bq, col0, _LAYOUT,
+                                         transposed=True)
                         plgpu.barrier_wait(lse_ready.at[slot])
                         lse2 = plgpu.load(lse_smem.at[slot], layout=_COL)
                         plgpu.barrier_arrive(lse_free.at[slot])

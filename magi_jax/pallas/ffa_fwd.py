@@ -6,7 +6,8 @@ tiles of the program's work items through a ring of shared-memory slots with TMA
 consumer warpgroups (64 query rows each) run ``wgmma`` for ``S = Q·Kᵀ`` and ``O += P·V``
 with the online softmax in float32 between them, ping-ponging on a schedule barrier so one
 warpgroup's softmax overlaps the other's matmuls. The mask predicate is evaluated only on
-boundary items (``full == 0``), from the slice geometry the item carries.
+boundary items, from the slice geometry the item carries (two comparisons per cell where
+only the diagonal bounds cut the tile, :func:`~magi_jax.pallas.common.mask_scores`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from magi_jax.pallas.common import (LN2, LOG2E, check_pipeline, check_schedule, launch_grid,
-                                    mma_lhs, scheduled_units, smem, tile_predicate)
+                                    mask_scores, mma_lhs, scheduled_units, smem)
 from magi_jax.pallas.plan import FWD_BLOCK_K, FWD_BLOCK_Q, NUM_FIELDS
 
 __all__ = ["FwdConfig", "ffa_forward"]
@@ -177,11 +178,11 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                 def step(i, carry):
                     acc, m_i, l_i = carry
                     slot = slot_of(base + i)
-                    # The item's (k-tile, 6 geometry fields, full flag).
+                    # The item's (k-tile, 6 geometry fields, mask kind).
                     fields = tuple(items_ref[first + i, f] for f in range(NUM_FIELDS))
                     if not cfg.k_wait_under_pv:
                         plgpu.barrier_wait(k_ready.at[slot])
-                    ktile, geom, full = fields[0], fields[1:7], fields[7]
+                    ktile, geom, kind = fields[0], fields[1:7], fields[7]
 
                     def qk(acc_ref):
                         plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].T)
@@ -199,11 +200,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     else:
                         s = s * s2_scale
 
-                    def masked():
-                        keep = tile_predicate(geom, row0, ktile * bk, (bq, bk), layout)
-                        return jnp.where(keep, s, -jnp.inf)
-
-                    s = lax.cond(full != 0, lambda: s, masked)
+                    s = mask_scores(s, geom, kind, row0, ktile * bk, layout)
                     row_max = s.max(axis=1)
                     m_new = jnp.maximum(m_i,
                                         row_max if exp_scale is None else row_max * exp_scale)

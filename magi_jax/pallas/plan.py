@@ -3,8 +3,9 @@
 The kernels own one output tile per program (DESIGN.md §2.2): the forward and dQ programs
 own a q-tile and walk the key tiles it sees; the dK/dV programs own a k-tile and walk the
 query tiles that see it. A :class:`WorkList` stores these runs in CSR form over the tiles,
-with every item carrying the slice geometry needed for its in-kernel predicate and whether
-it is *full* (no predicate needed). Programs are launched heaviest tile first (``order``),
+with every item carrying the slice geometry needed for its in-kernel predicate and its mask
+kind (:data:`FULL`: no predicate; :data:`BAND`: only the diagonal bounds cut the tile;
+:data:`GENERAL`). Programs are launched heaviest tile first (``order``),
 so a few long rows start early instead of finishing last.
 
 All arrays are int32 of shapes fixed by the plan; :meth:`KernelPlanArrays.pad_to` pads them
@@ -26,7 +27,7 @@ from magi_jax.tiling import EMPTY_ITEM as _EMPTY_ITEM, ITEM_FIELDS, tile_items
 __all__ = ["ITEM_FIELDS", "NUM_FIELDS", "WorkList", "KernelPlan", "KernelPlanArrays",
            "build_work_list", "build_kernel_plan", "kernel_plan_for_mask",
            "stack_kernel_plans", "persistent_schedule", "FWD_BLOCK_Q", "FWD_BLOCK_K",
-           "DKV_BLOCK_Q", "DKV_BLOCK_K"]
+           "DKV_BLOCK_Q", "DKV_BLOCK_K", "GENERAL", "FULL", "BAND"]
 
 # Items have the columns of magi_jax.tiling.ITEM_FIELDS (the tile on the other side, the
 # slice's canonical geometry, the full flag); padding items are tiling.EMPTY_ITEM.
@@ -38,6 +39,12 @@ _I32 = np.iinfo(np.int32)
 # warpgroups of 64) and steps over 64 query rows.
 FWD_BLOCK_Q, FWD_BLOCK_K = 128, 128
 DKV_BLOCK_Q, DKV_BLOCK_K = 64, 128
+
+# The last item field (``full`` in ITEM_FIELDS) holds the item's mask kind: every cell of the
+# tile in the slice (FULL, no predicate), only the slice's diagonal bounds cut the tile (BAND:
+# it lies inside the slice's query and key ranges; two comparisons per cell), or any bound
+# may cut it (GENERAL: six comparisons per cell).
+GENERAL, FULL, BAND = 0, 1, 2
 
 
 class WorkList(NamedTuple):
@@ -112,8 +119,13 @@ def build_work_list(shapes: SliceShapes, total_q: int, total_k: int, block_q: in
         raise ValueError(f"{offsets[-1]} work items do not fit int32 offsets; use a smaller "
                          "problem per call (e.g. context parallelism)")
     clip = lambda x: np.clip(x, -_I32.max, _I32.max)
+    # A boundary tile inside the slice's query and key ranges is cut only by the diagonals.
+    q_tile, k_tile = (own, other) if by == "q" else (other, own)
+    inside = ((shapes.q0[s] <= q_tile * block_q) & ((q_tile + 1) * block_q <= shapes.q1[s])
+              & (shapes.k0[s] <= k_tile * block_k) & ((k_tile + 1) * block_k <= shapes.k1[s]))
+    kind = np.where(full, FULL, np.where(inside, BAND, GENERAL))
     items = np.stack([other, shapes.q0[s], shapes.q1[s], shapes.k0[s], shapes.k1[s],
-                      clip(shapes.dlo[s]), clip(shapes.dhi[s]), full.astype(np.int64)],
+                      clip(shapes.dlo[s]), clip(shapes.dhi[s]), kind],
                      axis=-1).astype(np.int32).reshape(-1, NUM_FIELDS)
     # Heaviest first; ties by tile index so the order is deterministic.
     launch = np.lexsort((np.arange(num), -counts)).astype(np.int32)

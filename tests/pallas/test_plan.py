@@ -1,13 +1,14 @@
 """Work lists of the pallas kernels: hand-checked cases and properties (every unmasked cell
-visited exactly once, no empty tile visited, full flags exact, heaviest tile first)."""
+visited exactly once, no empty tile visited, mask kinds exact, heaviest tile first)."""
 
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
 from magi_jax.mask import AttnMask
-from magi_jax.pallas.plan import (ITEM_FIELDS, NUM_FIELDS, build_kernel_plan, build_work_list,
-                                  kernel_plan_for_mask, persistent_schedule)
+from magi_jax.pallas.plan import (BAND, FULL, GENERAL, ITEM_FIELDS, NUM_FIELDS,
+                                  build_kernel_plan, build_work_list, kernel_plan_for_mask,
+                                  persistent_schedule)
 from tests.strategies import slice_masks
 
 
@@ -16,14 +17,18 @@ def _cells(items, by, block_q, block_k, owner, total_q, total_k):
     count = np.zeros((total_q, total_k), np.int64)
     per_item = []
     for it in items:
-        other, q0, q1, k0, k1, dlo, dhi, full = (int(x) for x in it)
+        other, q0, q1, k0, k1, dlo, dhi, kind = (int(x) for x in it)
         qt, kt = (owner, other) if by == "q" else (other, owner)
         r = np.arange(qt * block_q, (qt + 1) * block_q)[:, None]
         c = np.arange(kt * block_k, (kt + 1) * block_k)[None, :]
         keep = ((r >= q0) & (r < q1) & (c >= k0) & (c < k1) & (c - r >= dlo) & (c - r <= dhi)
                 & (r < total_q) & (c < total_k))
-        if full:   # full: the whole tile is inside the slice (and inside the sequences)
+        assert kind in (GENERAL, FULL, BAND)
+        if kind == FULL:   # the whole tile is inside the slice (and inside the sequences)
             assert keep.all(), f"item {it} flagged full but holds masked cells"
+        elif kind == BAND:   # the diagonal bounds alone give the predicate
+            assert not keep.all(), f"item {it} is full but flagged band"
+            np.testing.assert_array_equal(keep, (c - r >= dlo) & (c - r <= dhi), str(it))
         rr, cc = np.nonzero(keep)
         np.add.at(count, (rr + qt * block_q, cc + kt * block_k), 1)
         per_item.append(keep.sum())
@@ -58,11 +63,12 @@ def test_causal_hand_checked():
     np.testing.assert_array_equal(wl.offsets, [0, 1, 3])
     np.testing.assert_array_equal(wl.order, [1, 0])           # the heavier tile first
     np.testing.assert_array_equal(wl.items[:, 0], [0, 0, 1])  # k-tiles
-    np.testing.assert_array_equal(wl.items[:, 7], [0, 1, 0])  # only (1, 0) is full
+    # Only (1, 0) is full; the diagonal tiles are cut by the diagonal bound alone.
+    np.testing.assert_array_equal(wl.items[:, 7], [BAND, FULL, BAND])
     kl = build_work_list(AttnMask.causal(256).shapes, 256, 256, 64, 128, "k")
     np.testing.assert_array_equal(kl.offsets, [0, 4, 6])       # k-tile 0 seen by 4 q-tiles
     np.testing.assert_array_equal(kl.items[:, 0], [0, 1, 2, 3, 2, 3])
-    np.testing.assert_array_equal(kl.items[:, 7], [0, 0, 1, 1, 0, 0])  # diagonal tiles masked
+    np.testing.assert_array_equal(kl.items[:, 7], [BAND, BAND, FULL, FULL, BAND, BAND])
 
 
 def test_two_slices_share_a_tile():
