@@ -14,9 +14,8 @@ The native rows get a different input per operation and every output of the chai
 against the peer's rows (column ``ok``), so a race between back-to-back calls shows.
 At ``--variant-sizes`` the native cast (and reduce, ``--reduce-variants``) is also timed with
 other ``magi_jax.native.CudaTuning`` settings: ``--variants`` is a comma-separated list of
-``MODE[:field=value...]``, e.g. ``pull``, ``push:double_buffer=0``, ``ce:chunk_kib=16384``.
-Then ``magi_attention`` forward+backward with ``comm_backend="native"`` (push, push on XLA's
-stream 1, ce) vs the XLA transport.
+``MODE[:field=value...]``, e.g. ``pull``, ``push:double_buffer=0``, ``pull:chunk_kib=1024``.
+Then ``magi_attention`` forward+backward with ``comm_backend="native"`` vs the XLA transport.
 
     python benchmarks/collective_bench.py                       # launches everything
     python benchmarks/collective_bench.py --sizes 1,16,256 --no-e2e --variants pull
@@ -42,16 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 OPS = ("native_cast", "xla_cast", "ppermute", "all_to_all", "ragged_all_to_all",
        "native_reduce", "xla_reduce")
 # CudaTuning variants against the default (push, 64 send + 64 receive blocks, 256 KiB chunks,
-# one staging region): the other data paths, double buffering, chunk sizes, and the split of
+# one staging region): the other data path, double buffering, chunk sizes, and the split of
 # blocks between sending and receiving (a block of the kernels takes a whole SM: keep send +
-# receive <= 132 on an H200 so that every block is resident at once). The copy-engine path
-# (ce; 4 MiB per transfer by default): transfer sizes, two side streams, and fewer blocks (in
-# ce the blocks only gather and copy out locally, so few may keep up with the link).
-# The ce variants come first: rows past --budget-s are skipped.
-DEFAULT_VARIANTS = ("ce,ce:chunk_kib=1024,ce:chunk_kib=16384,ce:ce_streams=2,"
-                    "ce:chunk_kib=1024:ce_streams=2,ce:double_buffer=1,"
-                    "ce:send_blocks=16:recv_blocks=16,ce:send_blocks=32:recv_blocks=32,"
-                    "pull,push:double_buffer=1,pull:double_buffer=1,push:chunk_kib=64,"
+# receive <= 132 on an H200 so that every block is resident at once).
+DEFAULT_VARIANTS = ("pull,push:double_buffer=1,pull:double_buffer=1,push:chunk_kib=64,"
                     "push:chunk_kib=1024,pull:chunk_kib=1024,push:send_blocks=32,"
                     "push:send_blocks=96:recv_blocks=32,push:recv_blocks=32,"
                     "pull:send_blocks=32:recv_blocks=96,pull:send_blocks=16:recv_blocks=112")
@@ -78,7 +71,7 @@ def _args(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--variants", default=DEFAULT_VARIANTS,
                     help="native CudaTuning variants timed at --variant-sizes (see above)")
-    ap.add_argument("--reduce-variants", default="pull,ce,ce:ce_streams=2",
+    ap.add_argument("--reduce-variants", default="pull",
                     help="variants (of --variants syntax) also timed for native_reduce")
     ap.add_argument("--variant-sizes", default="1,256", help="MiB per rank")
     ap.add_argument("--send-blocks-sweep", default="",
@@ -159,10 +152,7 @@ def worker(args):
         # least what the end-to-end attention stages: a rank fetches at most the other half
         # of the tokens, 8 KiB of K and V each (H 16, D 128, bf16), in up to two regions.
         e2e_bytes = 0 if args.no_e2e else args.e2e_tokens // 2 * 8192 * 2
-        # (One ce region stages the sent rows too: it fits where two push regions do.)
         native.initialize(max(2 * int(max(sizes) * 2**20), e2e_bytes) + (16 << 20))
-        if args.rank == 0 and not native.copy_engine_ready():
-            print("NOTE: the copy engines are not usable here; ce rows run as push", flush=True)
     mesh = jax.make_mesh((2,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
     g = lambda a: jax.make_array_from_callback(a.shape, NamedSharding(mesh, P("cp")),
                                                lambda i: a[i])
@@ -311,7 +301,6 @@ def worker(args):
         result["e2e"] = e2e(args, mesh, me)
     result["check_failures"] = failures
     result["native_default"] = repr(native.cuda_tuning())
-    result["copy_engine_ready"] = native.copy_engine_ready()
     if me == 0:
         print(json.dumps(result), flush=True)
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -348,16 +337,14 @@ def e2e(args, mesh, me):
     for ffa in ("pallas", "xla"):
         if ffa == "xla" and all("s" in out.get(f"pallas/{b}", {}) for b in ("native", "ppermute")):
             break   # the portable FFA only when the Mosaic GPU one did not run
-        # native@stream1: the native collectives on XLA's explicit GPU stream 1; native@ce:
-        # on the copy engines (CudaTuning).
-        for backend in ("native", "native@stream1", "native@ce", "ppermute"):
+        # native@stream1: the native collectives on XLA's explicit GPU stream 1 (CudaTuning).
+        for backend in ("native", "native@stream1", "ppermute"):
             if args.skip_native and (backend.startswith("native") or ffa == "pallas"):
                 continue
-            if "@" in backend and ffa != "pallas":
+            if backend == "native@stream1" and ffa != "pallas":
                 continue
             name = f"{ffa}/{backend}"
-            comm, _, variant = backend.partition("@")
-            tv = {"stream1": dict(stream=1), "ce": dict(mode="ce")}.get(variant, {})
+            comm, _, stream = backend.partition("@stream")
             try:
                 key = make_flex_key(mask, mesh, "cp", comm_backend=comm, ffa_backend=ffa)
 
@@ -366,7 +353,7 @@ def e2e(args, mesh, me):
                                           dispatch(v_, key_), key_)
                     return undispatch(o, key_).astype(jnp.float32).sum()
                 f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-                with native.tuning(**tv):                          # traced on first call
+                with native.tuning(stream=int(stream or 0)):        # traced on first call
                     jax.block_until_ready(f(q, k, v, key))
                 best = float("inf")
                 for _ in range(args.reps):

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # The issue-5 GPU run in one go (2 GPUs, e.g. nvidia-h200-x2), ~5 minutes: build the
-# CUDA/NVSHMEM library with CMake, run the 2-process GPU test (every CudaTuning data path:
-# push, pull, ce), then the collective benchmark (the native variants at 1 and 256 MiB, ce
-# first, the XLA baselines, end to end with push and ce) and a summary against the issue's
-# targets. Logs and results go to ${OUT:-/tmp/magi_native_gpu}.
-# Usage: bash benchmarks/collective_gpu_run.sh [bench args]
+# CUDA/NVSHMEM library with CMake, run the 2-process GPU test (every CudaTuning data path),
+# then the collective benchmark (all native variants at 1 and 256 MiB, the XLA baselines,
+# end to end) and a summary against the issue's targets. Logs and results go to
+# ${OUT:-/tmp/magi_native_gpu}. Usage: bash benchmarks/collective_gpu_run.sh [bench args]
 # (later flags win, e.g. --sizes 1,256 --budget-s 60 --variants pull --no-e2e).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,8 +41,7 @@ sizes = res.get("sizes", {})
 def rows(mib, op):
     r = sizes.get(f"{float(mib)}", {})
     return {n: v for n, v in r.items() if (n == op or n.startswith(op + "[")) and "s" in v}
-print(f"summary of {files[-1].name}; check failures: {res.get('check_failures')}; "
-      f"copy engines ready (ce rows really use them): {res.get('copy_engine_ready')}")
+print(f"summary of {files[-1].name}; check failures: {res.get('check_failures')}")
 c256, c1 = rows(256, "native_cast"), rows(1, "native_cast")
 peer = sizes.get("256.0", {}).get("peer_copy", {}).get("GBps")
 for n, v in sorted(c256.items(), key=lambda kv: -kv[1]["GBps"]):

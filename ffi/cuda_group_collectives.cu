@@ -4,25 +4,17 @@
 // magi_jax/sharding/collectives.py: send [n, S] (local row or -1), recv [B] (j*S + p or -1).
 //
 // One kernel per collective, two kinds of blocks. The rows of slot j travel through a
-// symmetric staging region at position j*S + p, in one of three data paths (`mode`):
+// symmetric staging region at position j*S + p, in one of two data paths (`mode`):
 //  * push: send blocks store their rows straight into the PEER's staging (16-byte stores
 //    through the NVLink mapping from nvshmem_ptr; nvshmem puts where the peer is not mapped);
 //    receive blocks copy from their OWN staging into XLA's output.
 //  * pull: send blocks gather their rows into their OWN staging (local HBM); receive blocks
 //    load from the PEER's staging (nvshmem_ptr, 16-byte loads) straight into XLA's output.
 //    Only when every PE is load/store reachable (NVSHMEM_TEAM_SHARED = all PEs).
-//  * ce (copy engine): send blocks gather their rows into a packed send area of their OWN
-//    staging (local HBM) and raise a local "packed" flag per chunk; the GPU's copy engines
-//    move each packed chunk to the PEER's staging (cudaMemcpyAsync to nvshmem_ptr on side
-//    streams, after a stream wait on the packed flag) and raise its arrival flag there (a
-//    stream-ordered write, cuStreamWriteValue64); receive blocks copy out as in push. The
-//    link is then driven by copy engines, not SMs. See "The copy-engine path" below.
-// Every way the data crosses the link once; it is copied once locally in push and pull,
-// twice in ce (gather, copy-out). In push/pull a send block works through chunks (R
-// consecutive slot positions of one slot), all its threads copying 16-byte units, then
-// raises that chunk's flag on the receiving PE (NVSHMEM signal, value = this call's
-// epoch); in ce the copy engine raises it. Receive blocks wait for the flag of each chunk
-// they need and
+// Either way the data crosses the link once and is copied once locally; a send block works
+// through chunks (R consecutive slot positions of one slot), all its threads copying
+// 16-byte units, then raises that chunk's flag on the receiving PE (NVSHMEM signal, value =
+// this call's epoch). Receive blocks wait for the flag of each chunk they need and
 //      cast:   copy the staged row into out[b] (x's dtype), zeros for padding rows;
 //      reduce: sum, in float32 and in slot order, the staged rows of every slot that holds
 //              a row t of this rank (inv[t, j] = p) into out[t] (+ acc[t]).
@@ -40,40 +32,13 @@
 // the next call that uses the same bank waits for this receiver's ack of e (the next call in
 // the same region does, being not disjoint; the one after waits for e anyway). Senders
 // raise flags only for chunks that hold a real row, i.e. ones the receiver waits for, so no
-// flag write of an old call can land late over a newer value (ce raises all, see below).
+// flag write of an old call can land late over a newer value.
 // No host synchronisation anywhere: the host only picks the region, bumps the epoch and
-// launches the kernel on XLA's stream (ce: and enqueues the copies on side streams). A
-// wait that exceeds the timeout prints which peer/flag it waited for and traps (the JAX
-// program then fails) instead of hanging.
-//
-// The copy-engine path (mode ce). The host must know how many bytes each copy moves, but
-// the tables are device buffers. It therefore moves the STATIC capacity: slot j's first
-// widths[j] positions (widths is an attribute, the plan's maximum over ranks, checked
-// <= slot_len at instantiation), chunk by chunk; padding positions carry stale bytes that
-// no receiver reads. Copy sizes thus depend only on attributes and shapes, which the host
-// checks against the staging before enqueueing anything, so no table content can make a
-// copy overrun; a table entry out of range traps in the kernel with a message. A call's
-// region is twice the push one: [received rows | packed send rows], same layout in both.
-// Pipeline: the send blocks split every chunk into one piece per block, so all of them
-// gather chunk c (at HBM speed, well ahead of the link) before chunk c + 1; the block that
-// completes a chunk's last piece raises packed[c] = epoch. Side stream k (chunks round
-// robin over ce_streams streams; with two, one chunk's copy can start while the other
-// stream still waits or writes its flag) waits for packed[c] (cuStreamWaitValue64), copies
-// the chunk, then writes the epoch into the peer's arrival flag of chunk c. The side streams
-// fork from XLA's stream before the kernel (an event, so the copies can run while it does)
-// and XLA's stream joins them after it (events): the next op on that stream, e.g. the next
-// collective's gather into the same send area, runs after every copy of this call.
-// Invariants as above, with one change: every chunk is copied and flagged (padding ones
-// too), so the acknowledging block first waits for ALL flags of the call; an ack of epoch e
-// thus means every copy of call e to that PE has landed, i.e. its sender no longer reads
-// its send area either. Send blocks wait for the acknowledgements before gathering, as in
-// push/pull, and a copy starts only after its chunk's packed flag, so every write into our
-// or a peer's staging follows them.
+// launches the kernel on XLA's stream. A wait that exceeds the timeout prints which
+// peer/flag it waited for and traps (the JAX program then fails) instead of hanging.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda.h>  // types and flags of the stream memory operations (no libcuda link)
-#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -84,7 +49,6 @@
 #include <cstring>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -99,8 +63,7 @@ constexpr int kUnroll = 4;       // 16-byte units in flight per thread in a bloc
 constexpr int kWarpUnroll = 8;   // 16-byte units in flight per lane in a warp copy
 constexpr int kRowsPerWarp = 4;  // at most this many consecutive rows per receiving warp
 constexpr int64_t kRegionAlign = 256;
-constexpr int kMaxCeStreams = 2;
-enum Mode : int { kPush = 0, kPull = 1, kCe = 2 };
+enum Mode : int { kPush = 0, kPull = 1 };
 
 // ---- process-wide NVSHMEM context ------------------------------------------------------
 
@@ -114,17 +77,6 @@ struct Context {
   size_t n_flags = 0;         // bank 0 for calls at the bottom of staging, bank 1 at the top
   uint64_t* acks = nullptr;  // symmetric [npes]: acks[q] = last epoch q finished reading
   unsigned int* done = nullptr;  // device counter of finished receive blocks
-  // Copy-engine path (mode ce); usable when every PE is mapped and the device has 64-bit
-  // stream memory operations (their entry points come from the runtime: no libcuda link).
-  bool ce_ready = false;
-  uint64_t* packed = nullptr;      // device [n_flags / 2]: chunk gathered, value = epoch
-  unsigned int* pieces = nullptr;  // device [n_flags / 2]: gathered pieces of each chunk
-  std::vector<char*> peer_stage;   // nvshmem_ptr(stage, q) in this process
-  std::vector<uint64_t*> peer_flags;
-  cudaStream_t ce_streams[kMaxCeStreams] = {};
-  cudaEvent_t ce_fork = nullptr, ce_join[kMaxCeStreams] = {};
-  PFN_cuStreamWaitValue64_v11070 wait_value = nullptr;
-  PFN_cuStreamWriteValue64_v11070 write_value = nullptr;
   uint64_t epoch = 0;            // host: native collectives enqueued so far
   int64_t prev_lo = 0, prev_hi = 0;  // host: staging region [lo, hi) of the previous call
   bool prev_top = true;              // host: the previous call used the top of staging
@@ -142,7 +94,6 @@ struct CollectiveState {
   int chunk_base[kMaxSlots + 1];
   int send_blocks = 64, recv_blocks = 64;
   int mode = kPush;
-  int ce_streams = 1;
   bool double_buffer = true;
   int64_t timeout_ns = 0;
 };
@@ -159,12 +110,6 @@ struct Plan {
   int widths[kMaxSlots];
   int send_blocks;
   int64_t src_rows;  // rows of the input the send table indexes (bounds check)
-  // ce: packed send rows at stage + stage_off + send_off; chunk c is gathered in
-  // pieces_per_chunk pieces of piece_rows positions.
-  int64_t send_off, piece_rows;
-  int pieces_per_chunk;
-  uint64_t* packed;
-  unsigned int* pieces;
   uint64_t epoch;
   uint64_t ack_wait;  // every PE must have acknowledged this epoch before we write staging
   int64_t timeout_ns;
@@ -286,27 +231,7 @@ __device__ void CheckRows(const Plan& P, const int32_t* src_of, int64_t pos0, in
   }
 }
 
-// All threads of the block: rows src_of[pos0 + r] (r < m; -1 = skip) of `data` -> rows
-// pos0 + r of `dst` (staging).
-__device__ void StageRows(const Plan& P, char* dst, const char* data, const int32_t* src_of,
-                          int64_t pos0, int64_t m) {
-  CheckRows(P, src_of, pos0, m);
-  if ((P.row_bytes & 15) == 0 && Aligned16(dst) && Aligned16(data)) {
-    BlockCopyRows(dst, data, src_of, pos0, m, P.row_bytes);
-    return;
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t r = warp; r < m; r += kWarps) {
-    const int32_t row = src_of[pos0 + r];
-    if (row < 0) continue;
-    char* d = dst + (pos0 + r) * P.row_bytes;
-    const char* s = data + row * P.row_bytes;
-    for (int64_t i = lane; i < P.row_bytes; i += 32) d[i] = s[i];
-  }
-}
-
-// Host and device: the slot that chunk c belongs to.
-__host__ __device__ __forceinline__ int SlotOfChunk(const Plan& P, int c) {
+__device__ __forceinline__ int SlotOfChunk(const Plan& P, int c) {
   int j = 0;
   while (j + 1 < P.n && P.chunk_base[j + 1] <= c) ++j;
   return j;
@@ -346,10 +271,20 @@ __device__ void SendChunks(const Plan& P, const char* data, const int32_t* src_o
     // This barrier also publishes dst_region and orders every store below after the wait.
     if (!__syncthreads_or(any)) continue;
     char* dst = dst_region;
+    CheckRows(P, src_of, j * P.S + p0, p1 - p0);
     if (dst != nullptr) {
-      StageRows(P, dst, data, src_of, j * P.S + p0, p1 - p0);
+      if ((P.row_bytes & 15) == 0 && Aligned16(dst) && Aligned16(data)) {
+        BlockCopyRows(dst, data, src_of, j * P.S + p0, p1 - p0, P.row_bytes);
+      } else {
+        for (int64_t p = p0 + warp; p < p1; p += kWarps) {
+          const int32_t row = src_of[j * P.S + p];
+          if (row < 0) continue;
+          char* d = dst + (j * P.S + p) * P.row_bytes;
+          const char* s = data + row * P.row_bytes;
+          for (int64_t i = lane; i < P.row_bytes; i += 32) d[i] = s[i];
+        }
+      }
     } else {  // push to a peer without a load/store mapping
-      CheckRows(P, src_of, j * P.S + p0, p1 - p0);
       for (int64_t p = p0 + warp; p < p1; p += kWarps) {
         const int32_t row = src_of[j * P.S + p];
         if (row < 0) continue;
@@ -371,53 +306,8 @@ __device__ void SendChunks(const Plan& P, const char* data, const int32_t* src_o
   }
 }
 
-// Send blocks of the ce path: gather every chunk (padding positions included, see the top)
-// into the packed send area, one piece per block per chunk, chunks in order; the block that
-// completes a chunk raises packed[c] = epoch for the copy engine (LaunchCall).
-__device__ void GatherChunks(const Plan& P, const char* data, const int32_t* src_of) {
-  char* send_area = P.stage + P.stage_off + P.send_off;
-  const int pieces = P.chunk_base[P.n] * P.pieces_per_chunk;
-  // As in SendChunks: the peers may still read our staging (a pull call) or, in their copy
-  // into it, be about to write it; and every copy of ours follows a packed flag, so it
-  // follows the acknowledgements too.
-  if (threadIdx.x == 0) {
-    for (int q = 0; q < P.cp; ++q) {
-      WaitAtLeast(P.acks + q, P.ack_wait, P.timeout_ns, "acknowledgement", q, 0);
-    }
-  }
-  __syncthreads();
-  for (int i = blockIdx.x; i < pieces; i += P.send_blocks) {
-    const int c = i / P.pieces_per_chunk;
-    const int j = SlotOfChunk(P, c);
-    const int64_t c0 = static_cast<int64_t>(c - P.chunk_base[j]) * P.R;
-    const int64_t c1 = min(static_cast<int64_t>(P.widths[j]), c0 + P.R);
-    const int64_t p0 = min(c1, c0 + (i % P.pieces_per_chunk) * P.piece_rows);
-    const int64_t p1 = min(c1, p0 + P.piece_rows);
-    StageRows(P, send_area, data, src_of, j * P.S + p0, p1 - p0);
-    __syncthreads();  // every thread's rows are written
-    if (threadIdx.x == 0) {
-      // Fence at system scope: the copy engine reads these rows once the flag is up.
-      __threadfence_system();
-      if (atomicAdd(P.pieces + c, 1u) == static_cast<unsigned int>(P.pieces_per_chunk - 1)) {
-        P.pieces[c] = 0;  // for the next call (stream-ordered after this kernel)
-        __threadfence_system();
-        *reinterpret_cast<volatile uint64_t*>(P.packed + c) = P.epoch;
-      }
-    }
-  }
-}
-
-__device__ __forceinline__ void SendBlocks(const Plan& P, const char* data,
-                                           const int32_t* src_of) {
-  if (P.mode == kCe) {
-    GatherChunks(P, data, src_of);
-  } else {
-    SendChunks(P, data, src_of);
-  }
-}
-
-// Where receive blocks read slot j's staged rows: our own staging (push, ce) or the
-// sender's (pull), at this call's region.
+// Where receive blocks read slot j's staged rows: our own staging (push) or the sender's
+// (pull), at this call's region.
 __device__ void StagedBases(const Plan& P, const char** base) {
   if (threadIdx.x < P.n) {
     const int j = threadIdx.x;
@@ -442,15 +332,6 @@ __device__ void Acknowledge(const Plan& P, int recv_blocks) {
     unsigned int prev = atomicAdd(P.done, 1u);
     if (prev == static_cast<unsigned int>(recv_blocks - 1)) {
       *P.done = 0;
-      // ce copies every chunk, also ones no row of ours needs: the ack must mean that all
-      // of them landed (their senders then no longer read their send areas, and no copy of
-      // this call can land after a later one).
-      if (P.mode == kCe) {
-        for (int c = 0; c < P.chunk_base[P.n]; ++c) {
-          WaitAtLeast(P.flags + c, P.epoch, P.timeout_ns, "rows of chunk",
-                      P.recv_from[SlotOfChunk(P, c)], c);
-        }
-      }
       __threadfence_system();
       for (int q = 0; q < P.cp; ++q) {
         nvshmemx_signal_op(P.acks + P.me, P.epoch, NVSHMEM_SIGNAL_SET, q);
@@ -473,7 +354,7 @@ CastKernel(Plan P, const char* x, const int32_t* send, const int32_t* recv, cons
            char* out, int64_t B, int recv_blocks, int rows_per_warp) {
   CheckRank(P, where);
   if (blockIdx.x < P.send_blocks) {
-    SendBlocks(P, x, send);
+    SendChunks(P, x, send);
     return;
   }
   __shared__ const char* staged[kMaxSlots];
@@ -533,7 +414,7 @@ ReduceKernel(Plan P, const char* y, const int32_t* rinv, const int32_t* inv,
              int recv_blocks) {
   CheckRank(P, where);
   if (blockIdx.x < P.send_blocks) {
-    SendBlocks(P, y, rinv);
+    SendChunks(P, y, rinv);
     return;
   }
   __shared__ const char* staged[kMaxSlots];
@@ -619,8 +500,7 @@ ReduceKernel(Plan P, const char* y, const int32_t* rinv, const int32_t* inv,
 ffi::ErrorOr<std::unique_ptr<CollectiveState>> Instantiate(
     int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
     ffi::Span<const int64_t> widths, int64_t slot_len, int64_t rows_per_chunk,
-    int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer,
-    int64_t ce_streams) {
+    int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer) {
   if (!g.ready) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
         "magi_jax native: NVSHMEM is not initialized (magi_jax.native.initialize)");
@@ -633,18 +513,14 @@ ffi::ErrorOr<std::unique_ptr<CollectiveState>> Instantiate(
   if (shifts.size() != widths.size() || shifts.size() > kMaxSlots) {
     return ffi::Error::InvalidArgument("magi_jax native: at most 64 slots, one width each");
   }
-  if (mode != kPush && mode != kPull && mode != kCe) {
-    return ffi::Error::InvalidArgument(
-        "magi_jax native: mode is 0 (push), 1 (pull) or 2 (ce), got " + std::to_string(mode));
+  if (mode != kPush && mode != kPull) {
+    return ffi::Error::InvalidArgument("magi_jax native: mode is 0 (push) or 1 (pull), got " +
+                                       std::to_string(mode));
   }
   if (send_blocks < 1 || recv_blocks < 1) {
     return ffi::Error::InvalidArgument("magi_jax native: send_blocks and recv_blocks >= 1");
   }
-  if (ce_streams < 1 || ce_streams > kMaxCeStreams) {
-    return ffi::Error::InvalidArgument("magi_jax native: ce_streams is 1 or 2, got " +
-                                       std::to_string(ce_streams));
-  }
-  // Chunks (and, in ce, copy sizes) come from the widths: each must fit in its slot.
+  // Chunks come from the widths: each must fit in its slot.
   for (size_t j = 0; j < widths.size(); ++j) {
     if (widths[j] < 0 || widths[j] > slot_len) {
       return ffi::Error::InvalidArgument(
@@ -660,12 +536,9 @@ ffi::ErrorOr<std::unique_ptr<CollectiveState>> Instantiate(
   st->rows_per_chunk = rows_per_chunk < 1 ? 1 : rows_per_chunk;
   st->send_blocks = static_cast<int>(send_blocks);
   st->recv_blocks = static_cast<int>(recv_blocks);
-  // Pull needs a load/store path to every PE, ce that and stream memory operations;
-  // elsewhere the push path (with nvshmem puts where there is no mapping) moves the same
-  // rows.
-  st->mode = (mode == kPull && g.all_mapped) || (mode == kCe && g.ce_ready)
-                 ? static_cast<int>(mode) : kPush;
-  st->ce_streams = static_cast<int>(ce_streams);
+  // Pull needs a load/store path to every PE; elsewhere the push path (with nvshmem puts
+  // where there is no mapping) moves the same rows.
+  st->mode = (mode == kPull && g.all_mapped) ? kPull : kPush;
   st->double_buffer = double_buffer;
   st->timeout_ns = timeout_ms * 1000000;
   st->chunk_base[0] = 0;
@@ -682,15 +555,9 @@ ffi::ErrorOr<std::unique_ptr<CollectiveState>> Instantiate(
   return ffi::ErrorOr<std::unique_ptr<CollectiveState>>(std::move(st));
 }
 
-// Bytes of one slot-position layout (n slots x S rows), rounded up to kRegionAlign.
-int64_t LayoutBytes(const CollectiveState& st, int64_t row_bytes) {
+int64_t RegionBytes(const CollectiveState& st, int64_t row_bytes) {
   const int64_t need = static_cast<int64_t>(st.n) * st.slot_len * row_bytes;
   return (need + kRegionAlign - 1) / kRegionAlign * kRegionAlign;
-}
-
-// A call's staging region: the received rows, and in ce the packed send rows after them.
-int64_t RegionBytes(const CollectiveState& st, int64_t row_bytes) {
-  return (st.mode == kCe ? 2 : 1) * LayoutBytes(st, row_bytes);
 }
 
 // Picks this call's staging region and the epoch every PE must have acknowledged before it
@@ -713,16 +580,8 @@ Plan MakePlan(const CollectiveState& st, bool reverse, int64_t row_bytes, int64_
   for (int j = 0; j <= st.n; ++j) P.chunk_base[j] = st.chunk_base[j];
   for (int j = 0; j < st.n; ++j) P.widths[j] = st.widths[j];
   const int chunks = st.chunk_base[st.n];
+  P.send_blocks = std::max(1, std::min(st.send_blocks, chunks));
   P.src_rows = src_rows;
-  P.send_off = LayoutBytes(st, row_bytes);
-  // ce: every send block takes one piece of each chunk (pieces of >= 1 row).
-  const int64_t ppc = std::max<int64_t>(1, std::min<int64_t>(st.send_blocks, P.R));
-  P.piece_rows = (P.R + ppc - 1) / ppc;
-  P.pieces_per_chunk = static_cast<int>((P.R + P.piece_rows - 1) / P.piece_rows);
-  P.packed = g.packed;
-  P.pieces = g.pieces;
-  const int units = st.mode == kCe ? chunks * P.pieces_per_chunk : chunks;
-  P.send_blocks = std::max(1, std::min(st.send_blocks, units));
   P.epoch = ++g.epoch;
   // Region: alternate bottom / top; if it does not overlap the previous call's region, the
   // previous call's readers may still be busy (wait for e - 2 only), else wait for e - 1.
@@ -771,73 +630,8 @@ ffi::Error CheckSendTable(const CollectiveState& st, const ffi::Buffer<ffi::S32>
   return ffi::Error::Success();
 }
 
-// Launches a call's kernel (`launch`, on XLA's stream) and, in ce, its copy-engine side
-// (see the top): the side streams fork from XLA's stream before the kernel, so that they
-// run while it does; per chunk, a side stream waits for packed[c], copies the chunk to the
-// receiving PE's staging and writes the epoch into that PE's arrival flag of chunk c;
-// XLA's stream then joins every side stream. Nothing here waits on the host.
-template <typename Launch>
-ffi::Error LaunchCall(const Plan& P, const CollectiveState& st, cudaStream_t stream,
-                      const char* op, Launch launch) {
-  if (P.mode != kCe) {
-    launch();
-    return LaunchError(op);
-  }
-  std::string failed;
-  auto rt = [&](cudaError_t e, const char* what) {  // keeps the first failure
-    if (e != cudaSuccess && failed.empty()) {
-      failed = std::string(what) + ": " + cudaGetErrorString(e);
-    }
-  };
-  auto drv = [&](CUresult e, const char* what) {
-    if (e != CUDA_SUCCESS && failed.empty()) {
-      failed = std::string(what) + " failed (CUresult " + std::to_string(e) + ")";
-    }
-  };
-  const int chunks = P.chunk_base[P.n];
-  const int n_streams = std::min(st.ce_streams, std::max(1, chunks));
-  rt(cudaEventRecord(g.ce_fork, stream), "cudaEventRecord");
-  launch();
-  rt(cudaGetLastError(), "kernel launch");
-  for (int k = 0; k < n_streams; ++k) {
-    rt(cudaStreamWaitEvent(g.ce_streams[k], g.ce_fork, 0), "cudaStreamWaitEvent");
-  }
-  const ptrdiff_t bank = P.flags - g.flags;
-  for (int c = 0; c < chunks; ++c) {
-    cudaStream_t s = g.ce_streams[c % n_streams];
-    const int j = SlotOfChunk(P, c);
-    const int peer = P.send_to[j];
-    const int64_t p0 = static_cast<int64_t>(c - P.chunk_base[j]) * P.R;
-    const int64_t p1 = std::min<int64_t>(P.widths[j], p0 + P.R);
-    const int64_t off = P.stage_off + (j * P.S + p0) * P.row_bytes;
-    drv(g.wait_value(reinterpret_cast<CUstream>(s),
-                     reinterpret_cast<CUdeviceptr>(P.packed + c), P.epoch,
-                     CU_STREAM_WAIT_VALUE_GEQ),
-        "cuStreamWaitValue64");
-    rt(cudaMemcpyAsync(g.peer_stage[peer] + off, P.stage + P.send_off + off,
-                       (p1 - p0) * P.row_bytes, cudaMemcpyDeviceToDevice, s),
-       "cudaMemcpyAsync to the peer's staging");
-    // The default write has a memory barrier: the chunk is visible before the flag.
-    drv(g.write_value(reinterpret_cast<CUstream>(s),
-                      reinterpret_cast<CUdeviceptr>(g.peer_flags[peer] + bank + c), P.epoch,
-                      CU_STREAM_WRITE_VALUE_DEFAULT),
-        "cuStreamWriteValue64 to the peer's flag");
-  }
-  for (int k = 0; k < n_streams; ++k) {
-    rt(cudaEventRecord(g.ce_join[k], g.ce_streams[k]), "cudaEventRecord");
-    rt(cudaStreamWaitEvent(stream, g.ce_join[k], 0), "cudaStreamWaitEvent");
-  }
-  if (!failed.empty()) {
-    return ffi::Error::Internal(std::string("magi_jax native ") + op + " (mode ce): " + failed +
-                                "; MAGI_NATIVE_CAST_MODE=push avoids the copy engines");
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error CheckStage(const CollectiveState& st, int64_t row_bytes) {
-  // The bytes the call touches (ce: the packed send rows start at LayoutBytes).
-  const size_t rows = static_cast<size_t>(st.n) * st.slot_len * row_bytes;
-  const size_t need = st.mode == kCe ? LayoutBytes(st, row_bytes) + rows : rows;
+  const size_t need = static_cast<size_t>(st.n) * st.slot_len * row_bytes;
   if (need > g.stage_bytes) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
         "magi_jax native: the collective stages " + std::to_string(need) + " bytes but only " +
@@ -872,12 +666,11 @@ ffi::Error CastExecute(cudaStream_t stream, CollectiveState* st, ffi::AnyBuffer 
   const int rows_per_warp =
       static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kRowsPerWarp, B / warps)));
   Plan P = MakePlan(*st, /*reverse=*/false, row_bytes, x.dimensions()[0]);
-  return LaunchCall(P, *st, stream, "group_cast", [&] {
-    CastKernel<<<P.send_blocks + recv_blocks, kThreads, 0, stream>>>(
-        P, static_cast<const char*>(x.untyped_data()), send.typed_data(), recv.typed_data(),
-        where.typed_data(), static_cast<char*>(out->untyped_data()), B, recv_blocks,
-        rows_per_warp);
-  });
+  CastKernel<<<P.send_blocks + recv_blocks, kThreads, 0, stream>>>(
+      P, static_cast<const char*>(x.untyped_data()), send.typed_data(), recv.typed_data(),
+      where.typed_data(), static_cast<char*>(out->untyped_data()), B, recv_blocks,
+      rows_per_warp);
+  return LaunchError("group_cast");
 }
 
 ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::AnyBuffer y,
@@ -902,96 +695,24 @@ ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::AnyBuffe
   Plan P = MakePlan(*st, /*reverse=*/true, row_bytes, y.dimensions()[0]);
   const int grid = P.send_blocks + recv_blocks;
   const char* yp = static_cast<const char*>(y.untyped_data());
-  return LaunchCall(P, *st, stream, "group_reduce", [&] {
-    switch (dt) {
-      case ffi::DataType::BF16:
-        ReduceKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
-            P, yp, rinv.typed_data(), inv.typed_data(), where.typed_data(), acc_ptr,
-            out->typed_data(), T_rows, F, recv_blocks);
-        break;
-      case ffi::DataType::F16:
-        ReduceKernel<__half><<<grid, kThreads, 0, stream>>>(
-            P, yp, rinv.typed_data(), inv.typed_data(), where.typed_data(), acc_ptr,
-            out->typed_data(), T_rows, F, recv_blocks);
-        break;
-      default:
-        ReduceKernel<float><<<grid, kThreads, 0, stream>>>(
-            P, yp, rinv.typed_data(), inv.typed_data(), where.typed_data(), acc_ptr,
-            out->typed_data(), T_rows, F, recv_blocks);
-        break;
-    }
-  });
-}
-
-// ---- set-up of the copy-engine path (magi_nv_init) -----------------------------------
-
-template <typename F>
-F DriverEntry(const char* name) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) !=
-          cudaSuccess ||
-      found != cudaDriverEntryPointSuccess) {
-    return nullptr;
+  switch (dt) {
+    case ffi::DataType::BF16:
+      ReduceKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
+          P, yp, rinv.typed_data(), inv.typed_data(), where.typed_data(), acc_ptr,
+          out->typed_data(), T_rows, F, recv_blocks);
+      break;
+    case ffi::DataType::F16:
+      ReduceKernel<__half><<<grid, kThreads, 0, stream>>>(
+          P, yp, rinv.typed_data(), inv.typed_data(), where.typed_data(), acc_ptr,
+          out->typed_data(), T_rows, F, recv_blocks);
+      break;
+    default:
+      ReduceKernel<float><<<grid, kThreads, 0, stream>>>(
+          P, yp, rinv.typed_data(), inv.typed_data(), where.typed_data(), acc_ptr,
+          out->typed_data(), T_rows, F, recv_blocks);
+      break;
   }
-  return reinterpret_cast<F>(fn);
-}
-
-// What the ce mode needs: every PE's staging and flags mapped into this process, 64-bit
-// stream memory operations, side streams and events, packed flags and piece counters.
-// Returns false (the ce mode then runs as push) when something is missing.
-bool SetUpCopyEngine(int dev, size_t n_chunks) {
-  if (!g.all_mapped) return false;
-  auto device_get = DriverEntry<PFN_cuDeviceGet_v2000>("cuDeviceGet");
-  auto get_attribute = DriverEntry<PFN_cuDeviceGetAttribute_v2000>("cuDeviceGetAttribute");
-  g.wait_value = DriverEntry<PFN_cuStreamWaitValue64_v11070>("cuStreamWaitValue64");
-  g.write_value = DriverEntry<PFN_cuStreamWriteValue64_v11070>("cuStreamWriteValue64");
-  CUdevice cu_dev = 0;
-  int memops = 0;
-  if (!device_get || !get_attribute || !g.wait_value || !g.write_value ||
-      device_get(&cu_dev, dev) != CUDA_SUCCESS ||
-      get_attribute(&memops, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, cu_dev) !=
-          CUDA_SUCCESS ||
-      !memops) {
-    return false;
-  }
-  g.peer_stage.assign(g.npes, nullptr);
-  g.peer_flags.assign(g.npes, nullptr);
-  for (int q = 0; q < g.npes; ++q) {
-    g.peer_stage[q] = static_cast<char*>(nvshmem_ptr(g.stage, q));
-    g.peer_flags[q] = static_cast<uint64_t*>(nvshmem_ptr(g.flags, q));
-    if (!g.peer_stage[q] || !g.peer_flags[q]) return false;
-  }
-  if (cudaMalloc(&g.packed, n_chunks * sizeof(uint64_t)) != cudaSuccess ||
-      cudaMemset(g.packed, 0, n_chunks * sizeof(uint64_t)) != cudaSuccess ||
-      cudaMalloc(&g.pieces, n_chunks * sizeof(unsigned int)) != cudaSuccess ||
-      cudaMemset(g.pieces, 0, n_chunks * sizeof(unsigned int)) != cudaSuccess ||
-      cudaEventCreateWithFlags(&g.ce_fork, cudaEventDisableTiming) != cudaSuccess) {
-    return false;
-  }
-  for (int k = 0; k < kMaxCeStreams; ++k) {
-    if (cudaStreamCreateWithFlags(&g.ce_streams[k], cudaStreamNonBlocking) != cudaSuccess ||
-        cudaEventCreateWithFlags(&g.ce_join[k], cudaEventDisableTiming) != cudaSuccess) {
-      return false;
-    }
-  }
-  return true;
-}
-
-void ReleaseCopyEngine() {
-  g.ce_ready = false;
-  for (int k = 0; k < kMaxCeStreams; ++k) {
-    if (g.ce_join[k]) cudaEventDestroy(g.ce_join[k]);
-    if (g.ce_streams[k]) cudaStreamDestroy(g.ce_streams[k]);
-    g.ce_join[k] = nullptr;
-    g.ce_streams[k] = nullptr;
-  }
-  if (g.ce_fork) cudaEventDestroy(g.ce_fork);
-  cudaFree(g.packed);
-  cudaFree(g.pieces);
-  g.ce_fork = nullptr;
-  g.packed = nullptr;
-  g.pieces = nullptr;
+  return LaunchError("group_reduce");
 }
 
 }  // namespace
@@ -1010,8 +731,7 @@ void ReleaseCopyEngine() {
       .Attr<int64_t>("send_blocks")                \
       .Attr<int64_t>("recv_blocks")                \
       .Attr<int64_t>("mode")                       \
-      .Attr<bool>("double_buffer")                 \
-      .Attr<int64_t>("ce_streams")
+      .Attr<bool>("double_buffer")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCudaInstantiate, Instantiate,
                               MAGI_INSTANTIATE_BINDING);
@@ -1021,9 +741,9 @@ ffi::ErrorOr<std::unique_ptr<CollectiveState>> InstantiateReduce(
     int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
     ffi::Span<const int64_t> widths, int64_t slot_len, int64_t rows_per_chunk,
     int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer,
-    int64_t ce_streams, bool /*accumulate*/) {
+    bool /*accumulate*/) {
   return Instantiate(cp, shifts, call_id, timeout_ms, widths, slot_len, rows_per_chunk,
-                     send_blocks, recv_blocks, mode, double_buffer, ce_streams);
+                     send_blocks, recv_blocks, mode, double_buffer);
 }
 }  // namespace
 
@@ -1110,8 +830,6 @@ int magi_nv_init(const char* uid, int rank, int npes, size_t stage_bytes, size_t
   }
   // Every PE in NVSHMEM_TEAM_SHARED is reachable with loads and stores (nvshmem_ptr).
   g.all_mapped = nvshmem_team_n_pes(NVSHMEM_TEAM_SHARED) == npes;
-  g.ce_ready = SetUpCopyEngine(dev, n_flags / 2);
-  if (!g.ce_ready) ReleaseCopyEngine();
   g.epoch = 0;
   g.prev_lo = g.prev_hi = 0;
   g.prev_top = true;
@@ -1124,9 +842,6 @@ int magi_nv_init(const char* uid, int rank, int npes, size_t stage_bytes, size_t
 // 1 when every PE is load/store reachable (the pull mode can run), 0 if not, -1 before init.
 int magi_nv_all_mapped() { return g.ready ? (g.all_mapped ? 1 : 0) : -1; }
 
-// 1 when the ce mode runs on the copy engines, 0 if it falls back to push, -1 before init.
-int magi_nv_copy_engine() { return g.ready ? (g.ce_ready ? 1 : 0) : -1; }
-
 int magi_nv_finalize() {
   if (!g.ready) return 0;
   g.ready = false;
@@ -1136,7 +851,6 @@ int magi_nv_finalize() {
   nvshmem_free(g.flags);
   nvshmem_free(g.acks);
   cudaFree(g.done);
-  ReleaseCopyEngine();
   nvshmem_finalize();
   return 0;
 }

@@ -8,13 +8,12 @@ Two shared libraries, built by the package build (``CMakeLists.txt``):
 - ``_magi_native_cuda.so`` — CUDA handlers over NVSHMEM, one process per GPU. One kernel per
   collective: some blocks move their rows chunk by chunk through a symmetric staging buffer
   and raise a flag per chunk (NVSHMEM signal), the others wait for the flags of the rows they
-  need and copy them into XLA's output (cast) or sum them in float32 (reduce). Three data
-  paths (:class:`CudaTuning`): ``push`` (stores into the peer's staging over NVLink, local
-  copy out), ``pull`` (local gather into our staging, the peer loads it over NVLink straight
-  into its output) and ``ce`` (local gather into our staging, the GPU's copy engines move it
-  to the peer's staging, local copy out: the link takes no SMs). Stream-ordered, no host
-  synchronisation; calls alternate between two staging regions and reuse is guarded by
-  per-PE acknowledgements, so back-to-back calls need no barrier.
+  need and copy them into XLA's output (cast) or sum them in float32 (reduce). Two data paths
+  (:class:`CudaTuning`): ``push`` (stores into the peer's staging over NVLink, local copy
+  out) and ``pull`` (local gather into our staging, the peer loads it over NVLink straight
+  into its output). Stream-ordered, no host synchronisation; calls alternate between two
+  staging regions and reuse is guarded by per-PE acknowledgements, so back-to-back calls need
+  no barrier.
 
 Semantics (both platforms) are those of ``cast_model`` / ``reduce_model`` in
 :mod:`magi_jax.sharding.collectives`, for tables that satisfy :func:`check_table` (every real
@@ -31,7 +30,7 @@ Limits today: on GPU the cp axis must be the mesh's only axis of size > 1, over 
 in process order (:func:`check_mesh`); up to 64 slots per cast; reduce input bf16/f16/f32.
 Measured on two H200s (``benchmarks/results/collective_notes.md``), before the chunking and
 staging changes of :class:`CudaTuning`: cast 305 GB/s at 256 MiB per rank (ppermute 270, peer
-copy 386), reduce 0.93x the cast. The ``ce`` path is not measured yet.
+copy 386), reduce 0.93x the cast.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ import numpy as np
 
 __all__ = ["available", "unavailable_reason", "group_cast", "group_reduce", "check_table",
            "initialize", "finalize", "staging_bytes", "auto_reason", "DEFAULT_TIMEOUT_S",
-           "CudaTuning", "tuning", "cuda_tuning", "copy_engine_ready"]
+           "CudaTuning", "tuning", "cuda_tuning"]
 
 DEFAULT_TIMEOUT_S = 60.0
 _LIBS = {"cpu": "_magi_native_cpu.so", "cuda": "_magi_native_cuda.so"}
@@ -61,11 +60,7 @@ _CAST, _REDUCE = "magi_group_cast", "magi_group_reduce"
 _FLAG_CAPACITY = 1 << 16
 _DEFAULT_SYMMETRIC_BYTES = 1 << 30
 _call_ids = itertools.count(1)
-_MODES = {"push": 0, "pull": 1, "ce": 2}   # CudaTuning.mode -> the handlers' `mode` attribute
-# Default bytes behind one arrival flag: SM paths flag often (finer overlap of arrival and
-# copy-out); a copy-engine transfer costs a few microseconds to start, so ce moves more.
-_DEFAULT_CHUNK_KIB = {"push": 256, "pull": 256, "ce": 4096}
-_REGION_ALIGN = 256   # kRegionAlign of ffi/cuda_group_collectives.cu
+_MODES = {"push": 0, "pull": 1}   # CudaTuning.mode -> the handlers' `mode` attribute
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,20 +68,12 @@ class CudaTuning:
     """How the CUDA kernels move rows. Performance only: every setting gives the same result.
 
     ``mode``: ``"push"`` (send blocks store into the peer's staging over NVLink, receive blocks
-    copy their own staging out), ``"pull"`` (send blocks gather into their own staging,
+    copy their own staging out) or ``"pull"`` (send blocks gather into their own staging,
     receive blocks load the peer's staging over NVLink into the output; falls back to push
-    when a PE is not load/store reachable) or ``"ce"`` (send blocks gather into a send area of
-    their own staging, chunk by chunk; the copy engines copy each chunk to the peer's staging
-    from side streams and raise its flag there; receive blocks copy out as in push. The
-    transfer takes no SMs; each call stages twice the rows of push. Falls back to push when a
-    PE is not load/store reachable or the GPU lacks 64-bit stream memory operations:
-    :func:`copy_engine_ready`). ``send_blocks`` / ``recv_blocks``: upper bounds on the blocks
-    of 512 threads of each kind (small collectives launch fewer); the rest of the GPU stays
-    free for overlapping compute. ``chunk_kib``: bytes behind one arrival flag, and in ``ce``
-    the bytes of one copy-engine transfer (smaller: finer overlap of gather, transfer and
-    copy-out; more flags, fences and transfers); ``None``: 256 for push/pull, 4096 for ce.
-    ``ce_streams``: side streams the ce transfers alternate between (1 or 2; two let one
-    transfer start while the other's flag is written). ``double_buffer``: alternate
+    when a PE is not load/store reachable). ``send_blocks`` / ``recv_blocks``: upper bounds on
+    the blocks of 512 threads of each kind (small collectives launch fewer); the rest of the GPU
+    stays free for overlapping compute. ``chunk_kib``: bytes behind one arrival flag (smaller:
+    finer overlap of arrival and copy-out, more flags and fences). ``double_buffer``: alternate
     between two staging regions (when both fit) so a call does not wait for the peers to have
     read the previous call's rows. ``stream``: 0 runs the collective on XLA's compute stream
     (serialised with the attention kernels); ``n > 0`` places it on XLA's explicit GPU stream
@@ -94,16 +81,14 @@ class CudaTuning:
     it can run beside the kernels (DESIGN.md §7; not yet measured).
 
     Defaults come from ``MAGI_NATIVE_CAST_MODE``, ``MAGI_NATIVE_SEND_BLOCKS``,
-    ``MAGI_NATIVE_RECV_BLOCKS``, ``MAGI_NATIVE_CHUNK_KIB``, ``MAGI_NATIVE_CE_STREAMS``,
-    ``MAGI_NATIVE_DOUBLE_BUFFER`` (read at import); :func:`tuning` changes them for the
-    collectives traced inside it.
+    ``MAGI_NATIVE_RECV_BLOCKS``, ``MAGI_NATIVE_CHUNK_KIB``, ``MAGI_NATIVE_DOUBLE_BUFFER``
+    (read at import); :func:`tuning` changes them for the collectives traced inside it.
     """
 
     mode: str = "push"
     send_blocks: int = 64
     recv_blocks: int = 64
-    chunk_kib: int | None = None
-    ce_streams: int = 1
+    chunk_kib: int = 256
     # One staging region: on 2 H200s (collective_20261130_0849) a second region measured no
     # gain (256 MiB: 311.8 GB/s with it, 318.7 without; 1 MiB: 31.9 vs 30.6 us).
     double_buffer: bool = False
@@ -113,19 +98,11 @@ class CudaTuning:
         if self.mode not in _MODES:
             raise ValueError(f"CudaTuning.mode={self.mode!r} is not one of {tuple(_MODES)}")
         for name in ("send_blocks", "recv_blocks", "chunk_kib"):
-            value = getattr(self, name)
-            if value is not None and int(value) < 1:
-                raise ValueError(f"CudaTuning.{name} must be >= 1, got {value}")
-        if int(self.ce_streams) not in (1, 2):
-            raise ValueError(f"CudaTuning.ce_streams must be 1 or 2, got {self.ce_streams}")
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"CudaTuning.{name} must be >= 1, got {getattr(self, name)}")
         if int(self.stream) < 0:
             raise ValueError(f"CudaTuning.stream must be >= 0 (0: XLA's compute stream), got "
                              f"{self.stream}")
-
-    @property
-    def chunk_bytes(self) -> int:
-        """Bytes behind one arrival flag: ``chunk_kib``, or the mode's default."""
-        return 1024 * int(self.chunk_kib or _DEFAULT_CHUNK_KIB[self.mode])
 
 
 def _tuning_from_env() -> CudaTuning:
@@ -133,8 +110,7 @@ def _tuning_from_env() -> CudaTuning:
     return CudaTuning(mode=env("MAGI_NATIVE_CAST_MODE", d.mode),
                       send_blocks=int(env("MAGI_NATIVE_SEND_BLOCKS", d.send_blocks)),
                       recv_blocks=int(env("MAGI_NATIVE_RECV_BLOCKS", d.recv_blocks)),
-                      chunk_kib=int(env("MAGI_NATIVE_CHUNK_KIB", 0)) or d.chunk_kib,
-                      ce_streams=int(env("MAGI_NATIVE_CE_STREAMS", d.ce_streams)),
+                      chunk_kib=int(env("MAGI_NATIVE_CHUNK_KIB", d.chunk_kib)),
                       double_buffer=env("MAGI_NATIVE_DOUBLE_BUFFER", str(int(d.double_buffer)))
                       not in ("0", "false"),
                       stream=int(env("MAGI_NATIVE_STREAM", d.stream)))
@@ -240,7 +216,6 @@ def _load(platform: str):
                                      ctypes.c_size_t, ctypes.c_size_t, ctypes.c_char_p,
                                      ctypes.c_int]
         lib.magi_nv_finalize.restype = ctypes.c_int
-        lib.magi_nv_copy_engine.restype = ctypes.c_int
     return lib
 
 
@@ -390,13 +365,6 @@ def initialize(symmetric_bytes: int = _DEFAULT_SYMMETRIC_BYTES) -> None:
     atexit.register(finalize)
 
 
-def copy_engine_ready() -> bool:
-    """Whether ``CudaTuning(mode="ce")`` runs on the copy engines here (NVSHMEM initialized,
-    every PE load/store reachable, 64-bit stream memory operations); if not, it runs as
-    ``push``."""
-    return _nv["initialized"] and _load("cuda").magi_nv_copy_engine() == 1
-
-
 def finalize() -> None:
     """Frees the symmetric buffers and leaves NVSHMEM (registered at exit)."""
     if _nv["initialized"]:
@@ -404,14 +372,10 @@ def finalize() -> None:
         _load("cuda").magi_nv_finalize()
 
 
-def staging_bytes(n_slots: int, slot_len: int, row_shape, dtype, mode: str = "push") -> int:
+def staging_bytes(n_slots: int, slot_len: int, row_shape, dtype) -> int:
     """Symmetric staging bytes one collective needs: every position of the received blocks
-    (``n_slots · S`` rows of ``row_shape`` and ``dtype``); in ``mode="ce"`` also as many for
-    the packed rows it sends (after the received ones, at a 256-byte boundary)."""
-    rows = n_slots * slot_len * math.prod(row_shape) * np.dtype(dtype).itemsize
-    if mode == "ce":
-        return -(-rows // _REGION_ALIGN) * _REGION_ALIGN + rows
-    return rows
+    (``n_slots · S`` rows of ``row_shape`` and ``dtype``)."""
+    return n_slots * slot_len * math.prod(row_shape) * np.dtype(dtype).itemsize
 
 
 # ---- the collectives (inside shard_map) -----------------------------------------------------
@@ -444,22 +408,19 @@ def _common_attrs(spec, timeout_s):
 def _cuda_attrs(spec, n_rows_per_slot, row_bytes):
     t = cuda_tuning()
     total = max(1, sum(spec.widths))
-    # Chunks of ~chunk_bytes, and no more than one bank of flags holds (the kernels use a bank
-    # per staging region). On the SM paths a block sends whole chunks, so a small cast gets
-    # at least one chunk per send block; in ce every send block gathers a piece of each
-    # chunk, and each chunk is one copy-engine transfer: no splitting.
+    # Chunks of ~chunk_kib, but at least one per send block when the cast is small, and no
+    # more than one bank of flags holds (the kernels use a bank per staging region).
     bank = _FLAG_CAPACITY // 2
-    chunk_rows = max(1, t.chunk_bytes // max(1, row_bytes))
-    if t.mode != "ce":
-        chunk_rows = min(chunk_rows, -(-total // t.send_blocks))
-    rows_per_chunk = max(1, chunk_rows, -(-total // (bank - len(spec.widths))))
+    chunk_rows = max(1, t.chunk_kib * 1024 // max(1, row_bytes))
+    rows_per_chunk = max(1, min(chunk_rows, -(-total // t.send_blocks)),
+                         -(-total // (bank - len(spec.widths))))
     chunks = sum(-(-w // rows_per_chunk) for w in spec.widths)
     if chunks > bank:
         raise ValueError(f"native collective needs {chunks} flags (> {bank})")
     return dict(widths=np.asarray(spec.widths, np.int64), slot_len=np.int64(n_rows_per_slot),
                 rows_per_chunk=np.int64(rows_per_chunk), send_blocks=np.int64(t.send_blocks),
                 recv_blocks=np.int64(t.recv_blocks), mode=np.int64(_MODES[t.mode]),
-                double_buffer=bool(t.double_buffer), ce_streams=np.int64(t.ce_streams))
+                double_buffer=bool(t.double_buffer))
 
 
 def _on_stream(plat, call):
@@ -474,16 +435,14 @@ def _on_stream(plat, call):
 
 def _ensure_staging(send, row_shape, dtype):
     n, s = send.shape
-    t = cuda_tuning()
-    need = staging_bytes(n, s, row_shape, dtype, t.mode)
+    need = staging_bytes(n, s, row_shape, dtype)
     if not _nv["initialized"]:
         # With CudaTuning.double_buffer, room for two calls' regions.
-        initialize(max((1 + bool(t.double_buffer)) * need, _DEFAULT_SYMMETRIC_BYTES))
+        initialize(max((1 + bool(_tuning[-1].double_buffer)) * need, _DEFAULT_SYMMETRIC_BYTES))
     if need > _nv["bytes"]:
-        sent = " and as many rows it sends (mode 'ce')" if t.mode == "ce" else ""
         raise ValueError(
             f"this native collective stages {need / 2**20:.1f} MiB per GPU ({n} "
-            f"slots x {s} rows of {row_shape} {np.dtype(dtype).name}{sent}) but only "
+            f"slots x {s} rows of {row_shape} {np.dtype(dtype).name}) but only "
             f"{_nv['bytes'] / 2**20:.1f} MiB of NVSHMEM symmetric memory were reserved; call "
             f"magi_jax.native.initialize(symmetric_bytes={need}) (or more) before the first "
             "native collective, or use more overlap stages (smaller casts)")

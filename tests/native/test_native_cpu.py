@@ -209,8 +209,6 @@ def test_cuda_tuning_and_chunk_plan():
         native.CudaTuning(send_blocks=0)
     with pytest.raises(ValueError, match="stream"):
         native.CudaTuning(stream=-1)
-    with pytest.raises(ValueError, match="ce_streams"):
-        native.CudaTuning(mode="ce", ce_streams=3)
     with pytest.raises(ValueError, match="chunk_kib"):
         native.CudaTuning(chunk_kib=0)
     call = lambda x: x + 1
@@ -221,7 +219,7 @@ def test_cuda_tuning_and_chunk_plan():
     default = native.cuda_tuning()
     big = CastSpec("cp", 2, (1,), (32768,), "native")           # 256 MiB of 8 KiB rows
     a = native._cuda_attrs(big, 32768, 8192)
-    assert int(a["rows_per_chunk"]) * 8192 == default.chunk_bytes
+    assert int(a["rows_per_chunk"]) * 8192 == default.chunk_kib * 1024
     with native.tuning(mode="pull", chunk_kib=1024, double_buffer=False) as t:
         assert native.cuda_tuning() is t
         b = native._cuda_attrs(big, 32768, 8192)
@@ -234,22 +232,6 @@ def test_cuda_tuning_and_chunk_plan():
     huge = CastSpec("cp", 2, (1,), (10**7,), "native")
     d = native._cuda_attrs(huge, 10**7, 16)
     assert -(-10**7 // int(d["rows_per_chunk"])) <= native._FLAG_CAPACITY // 2
-    # ce: one copy-engine transfer per chunk of 4 MiB by default, never split for small casts.
-    with native.tuning(mode="ce", chunk_kib=None, ce_streams=2):
-        e = native._cuda_attrs(big, 32768, 8192)
-        f = native._cuda_attrs(small, 100, 8192)
-        g = native._cuda_attrs(huge, 10**7, 16)
-    assert int(e["mode"]) == 2 and int(e["ce_streams"]) == 2
-    assert int(e["rows_per_chunk"]) * 8192 == 4096 * 1024
-    assert int(f["rows_per_chunk"]) == 512                      # one chunk per slot
-    assert -(-10**7 // int(g["rows_per_chunk"])) <= native._FLAG_CAPACITY // 2
-
-
-def test_ce_stages_received_and_sent_rows():
-    # ce stages the rows it sends after the received ones (at a 256-byte boundary).
-    rows = native.staging_bytes(3, 1000, (2, 3), jnp.bfloat16)
-    assert rows == 3 * 1000 * 2 * 3 * 2
-    assert native.staging_bytes(3, 1000, (2, 3), jnp.bfloat16, "ce") == 36096 + rows
 
 
 def test_chain_of_mixed_tuning_matches_model():
@@ -266,7 +248,7 @@ def test_chain_of_mixed_tuning_matches_model():
     def chain(x_, y_, send, recv):
         t = CastArrays(send[0], recv[0])
         outs = []
-        for i, mode in enumerate(("push", "pull", "ce", "pull", "ce", "push")):
+        for i, mode in enumerate(("push", "pull", "pull", "push")):
             with native.tuning(mode=mode, double_buffer=bool(i % 3)):
                 if i % 2:
                     outs.append(group_reduce(y_[0] * (i + 1), t, spec, t_loc)[None])
@@ -274,7 +256,7 @@ def test_chain_of_mixed_tuning_matches_model():
                     outs.append(group_cast(x_[0] * (i + 1), t, spec)[None])
         return tuple(outs)
     f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(P("cp"),) * 4,
-                              out_specs=(P("cp"),) * 6, check_vma=False))
+                              out_specs=(P("cp"),) * 4, check_vma=False))
     outs = f(x, y, table.send_index, table.recv_index)
     for i, o in enumerate(outs):
         if i % 2:
