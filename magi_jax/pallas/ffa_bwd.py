@@ -167,6 +167,20 @@ def _walk_units(num_mine, work_of, body):
                          jnp.int32(0))
 
 
+def _walk_items(num, step, peel_last: bool):
+    """``step(i, 0)`` for ``i < num``; with ``peel_last`` the last step runs after the loop as
+    ``step(num - 1, 0, last=True)`` (the persistent kernels prefetch the next unit there), so
+    the loop body carries no branch for it."""
+    if not peel_last:
+        lax.fori_loop(0, num, step, 0)
+        return
+    lax.fori_loop(0, num - 1, step, 0)
+
+    @pl.when(num > 0)
+    def _():
+        step(num - 1, 0, last=True)
+
+
 def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, schedule=()):
     """dQ. q/dout ``[B, Tq, Hq, D]``, k/v ``[B, Tk, Hkv, D]``; ``lse2 [B, Hq, Tq]`` float32
     is the lse times log2(e) with ``+inf`` on rows that see no key (so P = 0 there);
@@ -229,10 +243,10 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
                 tile, batch, head = coords(j)
                 load_inputs(pl.ds(tile * FWD_BLOCK_Q + wg * bq, bq), batch, head)
 
-            def prefetch(j, when):
+            def prefetch(j, when=True):
                 """Loads unit ``j + 1``'s inputs where ``when`` says unit ``j`` is done with
                 them (Q, dO in shared memory; lse, delta are in registers by then)."""
-                @pl.when(when & (j + 1 < num_mine))
+                @pl.when(jnp.logical_and(when, j + 1 < num_mine))
                 def _():
                     # lse/delta were read by generic loads; the TMA writes through the async
                     # proxy, so fence the two before it overwrites them.
@@ -252,7 +266,7 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
                     prefetch(j, num_items == 0)
 
                 def run(dq_acc):
-                    def step(i, carry):
+                    def step(i, carry, last=False):
                         slot = lax.rem(i if base is None else base + i, jnp.int32(stages))
                         it = first + i
                         ktile = items_ref[it, 0]
@@ -270,11 +284,14 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
                         s, dp = pl.run_scoped(qk_dov, plgpu.ACC((bq, bk), jnp.float32),
                                               plgpu.ACC((bq, bk), jnp.float32))
                         plgpu.barrier_arrive(v_free.at[slot])
-                        if persistent:   # Q, dO are read only by qk_dov, now complete
-                            prefetch(j, i == num_items - 1)
+                        if last:   # Q, dO are read only by qk_dov, now complete
+                            prefetch(j)
                         s, c, dcap = _log2_scores(s, cfg)
 
-                        s = mask_scores(s, geom, kind, row0, ktile * bk, _LAYOUT)
+                        # The band predicate made this kernel slower on the H200 (SWA
+                        # 1024 at 16k: 1.10 vs 0.96 ms, kernel_parts 12:18), unlike the
+                        # forward and dK/dV: the general one here.
+                        s = mask_scores(s, geom, kind, row0, ktile * bk, _LAYOUT, bands=False)
                         p = _exp2_minus(s, c, lse2, 0)
                         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
                         if dcap is not None:
@@ -284,7 +301,7 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
                         plgpu.barrier_arrive(k_free.at[slot])
                         return carry
 
-                    lax.fori_loop(0, num_items, step, 0)
+                    _walk_items(num_items, step, persistent)
                     return dq_acc[...]
 
                 dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
@@ -415,10 +432,10 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                 tile, batch, kv_head = coords(j)
                 load_kv(pl.ds(tile * DKV_BLOCK_K + wg * bk, bk), batch, kv_head)
 
-            def prefetch(j, when):
+            def prefetch(j, when=True):
                 """Loads unit ``j + 1``'s K/V where ``when`` says unit ``j`` is done with
                 them."""
-                pl.when(when & (j + 1 < num_mine))(lambda: load_unit(j + 1))
+                pl.when(jnp.logical_and(when, j + 1 < num_mine))(lambda: load_unit(j + 1))
 
             def unit(j, work, base):
                 tile, batch, kv_head, _, _, num_steps = work
@@ -431,7 +448,7 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                     prefetch(j, num_steps == 0)
 
                 def run(dk_acc, dv_acc):
-                    def step(i, carry):
+                    def step(i, carry, last=False):
                         slot = lax.rem(i if base is None else base + i, jnp.int32(stages))
                         it, _ = step_item(work, i)
                         qtile = items_ref[it, 0]
@@ -448,8 +465,8 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
 
                         st, dpt = pl.run_scoped(kq_vdo, plgpu.ACC((bk, bq), jnp.float32),
                                                 plgpu.ACC((bk, bq), jnp.float32))
-                        if persistent:   # K, V are read only by kq_vdo, now complete
-                            prefetch(j, i == num_steps - 1)
+                        if last:   # K, V are read only by kq_vdo, now complete
+                            prefetch(j)
                         st, c, dcap = _log2_scores(st, cfg)
 
                         st = mask_scores(st, geom, kind, qtile * bq, col0, _LAYOUT,
@@ -472,7 +489,7 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                         plgpu.barrier_arrive(q_free.at[slot])
                         return carry
 
-                    lax.fori_loop(0, num_steps, step, 0)
+                    _walk_items(num_steps, step, persistent)
                     return dk_acc[...], dv_acc[...]
 
                 dk, dv = pl.run_scoped(run, plgpu.ACC((bk, d), jnp.float32),
