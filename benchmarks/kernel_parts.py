@@ -42,9 +42,9 @@ def general_kinds(work):
     return work._replace(items=items)
 
 
-def parts(name, total, heads, d, programs, bands=True, stages=2):
+def parts(name, total, heads, d, programs, bands=True, stages=2, registers=(232, 40)):
     """Rows of (part, programs, ms, TFLOP/s) for one mask; ``bands=False``: band items
-    treated as general; ``stages``: ring slots of the backward kernels."""
+    treated as general; ``stages``, ``registers``: of the backward kernels (BwdConfig)."""
     mask = make_mask(name, total)
     batch = max(1, 32768 // total)
     plan = kernel_plan_for_mask(mask)
@@ -77,7 +77,7 @@ def parts(name, total, heads, d, programs, bands=True, stages=2):
             rows.append(dict(part="delta", programs=0, ms=bench(prep, (out, do)) * 1e3,
                              flops=0.0))
         bcfg = BwdConfig(scale, 0.0, num_stages=stages, fma_softmax=True, head_major=True,
-                         persistent=progs)
+                         persistent=progs, registers=registers)
         dq = jax.jit(lambda *a: ffa_dq(*a, *fwd_lists, bcfg, sched(plan.fwd)))
         dkv = jax.jit(lambda *a: ffa_dkv(*a, *dkv_lists, bcfg, sched(plan.dkv)))
         args = (q, k, v, do, lse2, delta)
@@ -86,7 +86,8 @@ def parts(name, total, heads, d, programs, bands=True, stages=2):
         rows.append(dict(part="dkv", programs=progs, ms=bench(dkv, args) * 1e3,
                          flops=2.0 * flops))
     for r in rows:
-        r.update(mask=name, length=total, bands=bands, bwd_stages=stages, tflops=r["flops"] / r["ms"] * 1e-9 if r["flops"]
+        r.update(mask=name, length=total, bands=bands, bwd_stages=stages,
+                 bwd_registers=list(registers), tflops=r["flops"] / r["ms"] * 1e-9 if r["flops"]
                  else None)
     return rows
 
@@ -101,6 +102,9 @@ def main(argv=None):
                    help="also time every part with band items treated as general ones")
     p.add_argument("--bwd-stages", default="2", help="ring slots of the backward kernels, "
                    "comma-separated (each a separate set of rows)")
+    p.add_argument("--bwd-registers", default="232/40",
+                   help="consumer/producer registers of the backward kernels, comma-separated "
+                   "pairs (each a separate set of rows)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = p.parse_args(argv)
     dev = jax.devices()[0]
@@ -110,8 +114,10 @@ def main(argv=None):
         for m in a.masks.split(","):
             for bands in (True, False) if a.band_ab else (True,):
                 for stages in (int(x) for x in a.bwd_stages.split(",")):
-                    rows += parts(m, int(t), 16, 128, programs, bands, stages)
-                    print(json.dumps(rows[-1]), flush=True)
+                    for regs in a.bwd_registers.split(","):
+                        registers = tuple(int(x) for x in regs.split("/"))
+                        rows += parts(m, int(t), 16, 128, programs, bands, stages, registers)
+                        print(json.dumps(rows[-1]), flush=True)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=getattr(dev, "device_kind", str(dev)), versions=versions(),
                 programs=programs, core_count=getattr(dev, "core_count", None))
@@ -130,15 +136,15 @@ def write(base, rows, meta):
              f"(core_count {meta['core_count']}); bf16, Hq = Hkv = 16, D = 128, "
              "B = 32768 / length; TFLOP/s from the matmuls each part runs (forward 2, dQ 3, "
              "dK/dV 4 per tile pair)", "",
-             "band predicate: no = band items run the general one; bwd stages: ring slots of "
-             "dQ and dK/dV", "",
-             "| mask | length | part | programs | band predicate | bwd stages | ms | TFLOP/s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "band predicate: no = band items run the general one; bwd stages / registers: "
+             "ring slots and consumer/producer registers of dQ and dK/dV", "",
+             "| mask | length | part | programs | band predicate | bwd stages | bwd registers "
+             "| ms | TFLOP/s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tf = f"{r['tflops']:.1f}" if r["tflops"] else "-"
         lines.append(f"| {r['mask']} | {r['length']} | {r['part']} | {r['programs']} | "
-                     f"{'yes' if r['bands'] else 'no'} | {r['bwd_stages']} | {r['ms']:.3f} | "
-                     f"{tf} |")
+                     f"{'yes' if r['bands'] else 'no'} | {r['bwd_stages']} | "
+                     f"{'/'.join(map(str, r['bwd_registers']))} | {r['ms']:.3f} | {tf} |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

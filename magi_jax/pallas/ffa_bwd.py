@@ -62,10 +62,19 @@ class BwdConfig:
     # leave through buffers of their own, so the store of one unit overlaps the next.
     # Measured slower than one program per unit on the H200 (kernel_notes.md), so off.
     persistent: int = 0
+    # Registers per thread of a consumer and of the producer warpgroup after the split
+    # (setmaxnreg; multiples of 8, 2·consumer + producer <= 504 for 3 warpgroups).
+    registers: tuple[int, int] = (232, 40)
     interpret: bool = False
 
     def __post_init__(self):
         check_pipeline(self.num_stages, self.persistent)
+        consumer, producer = self.registers
+        if (consumer % 8 or producer % 8 or not 24 <= producer <= consumer <= 256
+                or 2 * consumer + producer > 504):
+            raise ValueError(f"registers={self.registers}: need multiples of 8 with "
+                             "24 <= producer <= consumer <= 256 and 2·consumer + producer "
+                             "<= 504")
 
 
 def _log2_scores(s, cfg: BwdConfig):
@@ -226,7 +235,7 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
 
         @pl.when(wg < _COMPUTE_WGS)
         def consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(cfg.registers[0], action="increase")
             my_q, my_do = q_smem.at[wg], do_smem.at[wg]
             ready = in_ready.at[wg]
             my_stage = stage[0].at[wg] if stage else None
@@ -328,7 +337,7 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
 
         @pl.when(wg == _COMPUTE_WGS)
         def producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(cfg.registers[1], action="decrease")
             streams = [(k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)]
 
             def unit(j, work, base):
@@ -420,7 +429,7 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
 
         @pl.when(wg < _COMPUTE_WGS)
         def consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(cfg.registers[0], action="increase")
             my_k, my_v = k_smem.at[wg], v_smem.at[wg]
             stages_ = (stage[0].at[wg, 0], stage[0].at[wg, 1]) if stage else (None, None)
 
@@ -519,7 +528,7 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
 
         @pl.when(wg == _COMPUTE_WGS)
         def producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(cfg.registers[1], action="decrease")
             streams = [(q_ref, q_smem, q_ready, q_free), (do_ref, do_smem, do_ready, do_free),
                        (lse_ref, lse_smem, lse_ready, lse_free),
                        (delta_ref, delta_smem, delta_ready, delta_free)]
