@@ -47,10 +47,10 @@ def tile_predicate(item, row0, col0, shape, layout, transposed=False):
     return (r >= q0) & (r < q1) & (c >= k0) & (c < k1) & (d >= dlo) & (d <= dhi)
 
 
-def mask_scores(s, item, kind, row0, col0, layout, transposed=False):
+def mask_scores(s, item, kind, row0, col0, layout, transposed=False, bands=True):
     """``s`` with the cells outside the item's slice set to ``-inf``, by the item's ``kind``
     (:data:`~magi_jax.pallas.plan.GENERAL`, ``FULL``, ``BAND``); arguments as
-    :func:`tile_predicate`."""
+    :func:`tile_predicate`. ``bands=False``: band items take the general predicate too."""
     def general():
         return jnp.where(tile_predicate(item, row0, col0, s.shape, layout, transposed), s,
                          -jnp.inf)
@@ -65,6 +65,8 @@ def mask_scores(s, item, kind, row0, col0, layout, transposed=False):
         hi = lax.min(item[5], jnp.int32(_DIAG_CLAMP)) - off
         return jnp.where((t >= lo) & (t <= hi), s, -jnp.inf)
 
+    if not bands:
+        return lax.cond(kind == FULL, lambda: s, general)
     branches = {GENERAL: general, FULL: lambda: s, BAND: band}
     return lax.switch(kind, [branches[i] for i in range(len(branches))])
 

@@ -28,7 +28,7 @@ from jax import lax
 
 from magi_jax.pallas.common import (LOG2E, check_pipeline, check_schedule, launch_grid,
                                     mask_scores, mma_lhs, scheduled_units, smem)
-from magi_jax.pallas.plan import DKV_BLOCK_K, DKV_BLOCK_Q, FULL, FWD_BLOCK_K, FWD_BLOCK_Q
+from magi_jax.pallas.plan import DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["BwdConfig", "ffa_dq", "ffa_dkv"]
 
@@ -284,47 +284,27 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
                         plgpu.barrier_wait(k_ready.at[slot])
                         plgpu.barrier_wait(v_ready.at[slot])
 
-                        def issue_qk(s_ref):
+                        # S = Q·Kᵀ and dP = dO·Vᵀ issued back to back, one wait for both.
+                        def qk_dov(s_ref, dp_ref):
                             plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
-
-                        def issue_dov(dp_ref):
                             plgpu.wgmma(dp_ref, my_do, v_smem.at[slot].T)
-
-                        def both(s_ref, dp_ref):   # issued back to back, one wait for both
-                            issue_qk(s_ref)
-                            issue_dov(dp_ref)
                             return s_ref[...], dp_ref[...]
 
-                        def one(issue):
-                            def body(ref):
-                                issue(ref)
-                                return ref[...]
-                            return pl.run_scoped(body, plgpu.ACC((bq, bk), jnp.float32))
-
-                        def probs(s, masked):
-                            """P from raw scores (``exp2`` against the saved lse) and the
-                            softcap factor, masked by the item's predicate if ``masked``."""
-                            s, c, dcap = _log2_scores(s, cfg)
-                            if masked:
-                                s = mask_scores(s, geom, kind, row0, ktile * bk, _LAYOUT)
-                            return _exp2_minus(s, c, lse2, 0), dcap
-
-                        def full_item():   # S = Q·Kᵀ and dP = dO·Vᵀ together
-                            s, dp = pl.run_scoped(both, plgpu.ACC((bq, bk), jnp.float32),
-                                                  plgpu.ACC((bq, bk), jnp.float32))
-                            return (*probs(s, False), dp)
-
-                        def masked_item():
-                            # S alone, masked, then dP: masking with dP in flight as well
-                            # spilled registers (a masked item cost 2.5 full ones, kernel_parts
-                            # 12:47: SWA 1024 dQ 0.966 ms vs 0.750 with as many full items).
-                            p, dcap = probs(one(issue_qk), True)
-                            return p, dcap, one(issue_dov)
-
-                        p, dcap, dp = lax.cond(kind == FULL, full_item, masked_item)
+                        s, dp = pl.run_scoped(qk_dov, plgpu.ACC((bq, bk), jnp.float32),
+                                              plgpu.ACC((bq, bk), jnp.float32))
                         plgpu.barrier_arrive(v_free.at[slot])
-                        if last:   # Q, dO are read only by the two wgmmas, now complete
+                        if last:   # Q, dO are read only by qk_dov, now complete
                             prefetch(j)
+                        s, c, dcap = _log2_scores(s, cfg)
+
+                        # The band predicate made this kernel slower on the H200 (SWA
+                        # 1024 at 16k: 1.10 vs 0.96 ms, kernel_parts 12:18), unlike the
+                        # forward and dK/dV: the general one here. A masked item still
+                        # costs ~2.5 full ones (SWA 0.97 ms vs 0.75 for aligned full blocks
+                        # with as many items, 12:47); issuing dP after the mask instead of
+                        # beside S was slower again (1.04 ms, 12:52).
+                        s = mask_scores(s, geom, kind, row0, ktile * bk, _LAYOUT, bands=False)
+                        p = _exp2_minus(s, c, lse2, 0)
                         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
                         if dcap is not None:
                             ds = ds * dcap
