@@ -176,20 +176,6 @@ def _walk_units(num_mine, work_of, body):
                          jnp.int32(0))
 
 
-def _walk_items(num, step, peel_last: bool):
-    """``step(i, 0)`` for ``i < num``; with ``peel_last`` the last step runs after the loop as
-    ``step(num - 1, 0, last=True)`` (the persistent kernels prefetch the next unit there), so
-    the loop body carries no branch for it."""
-    if not peel_last:
-        lax.fori_loop(0, num, step, 0)
-        return
-    lax.fori_loop(0, num - 1, step, 0)
-
-    @pl.when(num > 0)
-    def _():
-        step(num - 1, 0, last=True)
-
-
 def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, schedule=()):
     """dQ. q/dout ``[B, Tq, Hq, D]``, k/v ``[B, Tk, Hkv, D]``; ``lse2 [B, Hq, Tq]`` float32
     is the lse times log2(e) with ``+inf`` on rows that see no key (so P = 0 there);
@@ -252,10 +238,10 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
                 tile, batch, head = coords(j)
                 load_inputs(pl.ds(tile * FWD_BLOCK_Q + wg * bq, bq), batch, head)
 
-            def prefetch(j, when=True):
+            def prefetch(j, when):
                 """Loads unit ``j + 1``'s inputs where ``when`` says unit ``j`` is done with
                 them (Q, dO in shared memory; lse, delta are in registers by then)."""
-                @pl.when(jnp.logical_and(when, j + 1 < num_mine))
+                @pl.when(when & (j + 1 < num_mine))
                 def _():
                     # lse/delta were read by generic loads; the TMA writes through the async
                     # proxy, so fence the two before it overwrites them.
@@ -275,7 +261,7 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
                     prefetch(j, num_items == 0)
 
                 def run(dq_acc):
-                    def step(i, carry, last=False):
+                    def step(i, carry):
                         slot = lax.rem(i if base is None else base + i, jnp.int32(stages))
                         it = first + i
                         ktile = items_ref[it, 0]
@@ -293,8 +279,8 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
                         s, dp = pl.run_scoped(qk_dov, plgpu.ACC((bq, bk), jnp.float32),
                                               plgpu.ACC((bq, bk), jnp.float32))
                         plgpu.barrier_arrive(v_free.at[slot])
-                        if last:   # Q, dO are read only by qk_dov, now complete
-                            prefetch(j)
+                        if persistent:   # Q, dO are read only by qk_dov, now complete
+                            prefetch(j, i == num_items - 1)
                         s, c, dcap = _log2_scores(s, cfg)
 
                         # The band predicate made this kernel slower on the H200 (SWA
@@ -313,7 +299,7 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
                         plgpu.barrier_arrive(k_free.at[slot])
                         return carry
 
-                    _walk_items(num_items, step, persistent)
+                    lax.fori_loop(0, num_items, step, 0)
                     return dq_acc[...]
 
                 dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
@@ -444,10 +430,10 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                 tile, batch, kv_head = coords(j)
                 load_kv(pl.ds(tile * DKV_BLOCK_K + wg * bk, bk), batch, kv_head)
 
-            def prefetch(j, when=True):
+            def prefetch(j, when):
                 """Loads unit ``j + 1``'s K/V where ``when`` says unit ``j`` is done with
                 them."""
-                pl.when(jnp.logical_and(when, j + 1 < num_mine))(lambda: load_unit(j + 1))
+                pl.when(when & (j + 1 < num_mine))(lambda: load_unit(j + 1))
 
             def unit(j, work, base):
                 tile, batch, kv_head, _, _, num_steps = work
@@ -460,7 +446,7 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                     prefetch(j, num_steps == 0)
 
                 def run(dk_acc, dv_acc):
-                    def step(i, carry, last=False):
+                    def step(i, carry):
                         slot = lax.rem(i if base is None else base + i, jnp.int32(stages))
                         it, _ = step_item(work, i)
                         qtile = items_ref[it, 0]
@@ -477,8 +463,8 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
 
                         st, dpt = pl.run_scoped(kq_vdo, plgpu.ACC((bk, bq), jnp.float32),
                                                 plgpu.ACC((bk, bq), jnp.float32))
-                        if last:   # K, V are read only by kq_vdo, now complete
-                            prefetch(j)
+                        if persistent:   # K, V are read only by kq_vdo, now complete
+                            prefetch(j, i == num_steps - 1)
                         st, c, dcap = _log2_scores(st, cfg)
 
                         st = mask_scores(st, geom, kind, qtile * bq, col0, _LAYOUT,
@@ -501,7 +487,7 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                         plgpu.barrier_arrive(q_free.at[slot])
                         return carry
 
-                    _walk_items(num_steps, step, persistent)
+                    lax.fori_loop(0, num_steps, step, 0)
                     return dk_acc[...], dv_acc[...]
 
                 dk, dv = pl.run_scoped(run, plgpu.ACC((bk, d), jnp.float32),
