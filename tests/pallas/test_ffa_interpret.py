@@ -12,6 +12,7 @@ import pytest
 from magi_jax.mask import AttnMask
 from magi_jax.pallas import (ffa_pallas, flex_flash_attention_pallas, kernel_plan_for_mask,
                              supported)
+from magi_jax.pallas.plan import BAND
 from magi_jax.testing import assert_matches_reference, random_inputs
 
 # Non-square slices, rows covered by several slices, rows [190, 200) covered by none, and
@@ -56,6 +57,17 @@ def test_empty_tiles_fp16_d128():
 def test_softcap_batch_window():
     mask = AttnMask.varlen([0, 70, 150], causal=True, window=40)
     _run(mask, jnp.bfloat16, hq=1, hkv=1, d=64, batch=2, softcap=4.0, seed=3)
+
+
+def test_band_items():
+    """A band 65 diagonals wide (keys r..r+64 for row r): tiles inside the slice are band
+    items (only the diagonal bounds cut them; both bounds on the diagonal tiles, the upper
+    one alone beside them), tiles past the key range general ones; forward and backward."""
+    mask = AttnMask.from_ranges([[0, 256]], [[0, 320]], ["bi_causal"], 256, 320)
+    plan = kernel_plan_for_mask(mask)
+    for items in (plan.fwd.items, plan.dkv.items):
+        assert (items[:, -1] == BAND).sum() >= 2 and (items[:, -1] != BAND).any()
+    _run(mask, jnp.bfloat16, hq=2, hkv=1, d=64, seed=5)
 
 
 def test_tuning_knobs_keep_results():
