@@ -5,8 +5,8 @@ own a q-tile and walk the key tiles it sees; the dK/dV programs own a k-tile and
 query tiles that see it. A :class:`WorkList` stores these runs in CSR form over the tiles,
 with every item carrying the slice geometry needed for its in-kernel predicate and its mask
 kind (:data:`FULL`: no predicate; :data:`BAND`: only the diagonal bounds cut the tile;
-:data:`GENERAL`). Programs are launched heaviest tile first (``order``),
-so a few long rows start early instead of finishing last.
+:data:`GENERAL`). Programs are launched heaviest tile first (``order``), so a few long rows
+start early instead of finishing last.
 
 All arrays are int32 of shapes fixed by the plan; :meth:`KernelPlanArrays.pad_to` pads them
 (empty tiles, empty items) so the plans of several context-parallel ranks can be stacked.
@@ -30,7 +30,7 @@ __all__ = ["ITEM_FIELDS", "NUM_FIELDS", "WorkList", "KernelPlan", "KernelPlanArr
            "DKV_BLOCK_Q", "DKV_BLOCK_K", "GENERAL", "FULL", "BAND"]
 
 # Items have the columns of magi_jax.tiling.ITEM_FIELDS (the tile on the other side, the
-# slice's canonical geometry, the full flag); padding items are tiling.EMPTY_ITEM.
+# slice's canonical geometry, the mask kind below); padding items are tiling.EMPTY_ITEM.
 NUM_FIELDS = len(ITEM_FIELDS)
 _I32 = np.iinfo(np.int32)
 
