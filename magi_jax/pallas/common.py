@@ -15,10 +15,10 @@ __all__ = ["LOG2E", "LN2", "smem", "mma_lhs", "tile_predicate", "mask_scores",
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-# Diagonal bounds are clamped to this before the tile offset is subtracted (no int32
-# overflow; a tile spans far fewer diagonals).
-_DIAG_CLAMP = 1 << 30
-
+# Diagonal bounds are clamped to +-_DIAG_CLAMP before the tile offset is subtracted: no int32
+# overflow in the bounds or in their difference (<= 2**30), and no change to the predicate,
+# since supported() keeps both sides under 65535 tiles of 128 tokens (< 2**23).
+_DIAG_CLAMP = 1 << 29
 
 def smem(shape, dtype):
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
@@ -36,15 +36,32 @@ def mma_lhs(acc_ref, x, b_ref, stage):
         plgpu.wgmma(acc_ref, stage, b_ref)
 
 
+def _inside(x, lo, n):
+    """``lo <= x < lo + n`` (``n >= 0``) as one unsigned comparison. Six signed comparisons
+    joined by ``&`` compiled to bit-packed predicate vectors on the H200 (the dQ kernel spent
+    about as long masking a tile as computing it); three of these compile to a compare and a
+    select per cell each."""
+    return (x - lo).astype(jnp.uint32) < n.astype(jnp.uint32)
+
+
+def _local_diagonals(item, row0, col0):
+    """The item's diagonal bounds ``dlo <= c − r <= dhi`` as ``(lo, n)`` of
+    :func:`_inside` on the tile-local difference ``ic − ir``."""
+    off = col0 - row0
+    lo = lax.max(item[4], jnp.int32(-_DIAG_CLAMP))
+    hi = lax.min(item[5], jnp.int32(_DIAG_CLAMP))
+    return lo - off, lax.max(hi - lo + 1, jnp.int32(0))
+
+
 def tile_predicate(item, row0, col0, shape, layout, transposed=False):
     """Cells of a tile that belong to the item's slice. The tile's first query row is
     ``row0`` and first key ``col0``; queries run along axis 0 (axis 1 if ``transposed``)."""
     q_axis, k_axis = (1, 0) if transposed else (0, 1)
-    r = row0 + plgpu.broadcasted_iota(jnp.int32, shape, q_axis, layout=layout)
-    c = col0 + plgpu.broadcasted_iota(jnp.int32, shape, k_axis, layout=layout)
-    q0, q1, k0, k1, dlo, dhi = item
-    d = c - r
-    return (r >= q0) & (r < q1) & (c >= k0) & (c < k1) & (d >= dlo) & (d <= dhi)
+    ir = plgpu.broadcasted_iota(jnp.int32, shape, q_axis, layout=layout)
+    ic = plgpu.broadcasted_iota(jnp.int32, shape, k_axis, layout=layout)
+    q0, q1, k0, k1 = item[:4]
+    return (_inside(ir, q0 - row0, q1 - q0) & _inside(ic, k0 - col0, k1 - k0)
+            & _inside(ic - ir, *_local_diagonals(item, row0, col0)))
 
 
 def mask_scores(s, item, kind, row0, col0, layout, transposed=False, bands=True):
@@ -56,14 +73,10 @@ def mask_scores(s, item, kind, row0, col0, layout, transposed=False, bands=True)
                          -jnp.inf)
 
     def band():
-        # d = c − r = (col0 − row0) + (ic − ir): compare ic − ir with the shifted bounds.
         q_axis, k_axis = (1, 0) if transposed else (0, 1)
         t = (plgpu.broadcasted_iota(jnp.int32, s.shape, k_axis, layout=layout)
              - plgpu.broadcasted_iota(jnp.int32, s.shape, q_axis, layout=layout))
-        off = col0 - row0
-        lo = lax.max(item[4], jnp.int32(-_DIAG_CLAMP)) - off
-        hi = lax.min(item[5], jnp.int32(_DIAG_CLAMP)) - off
-        return jnp.where((t >= lo) & (t <= hi), s, -jnp.inf)
+        return jnp.where(_inside(t, *_local_diagonals(item, row0, col0)), s, -jnp.inf)
 
     if not bands:
         return lax.cond(kind == FULL, lambda: s, general)

@@ -283,13 +283,7 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
                             prefetch(j, i == num_items - 1)
                         s, c, dcap = _log2_scores(s, cfg)
 
-                        # The band predicate made this kernel slower on the H200 (SWA
-                        # 1024 at 16k: 1.10 vs 0.96 ms, kernel_parts 12:18), unlike the
-                        # forward and dK/dV: the general one here. A masked item still
-                        # costs ~2.5 full ones (SWA 0.97 ms vs 0.75 for aligned full blocks
-                        # with as many items, 12:47); issuing dP after the mask instead of
-                        # beside S was slower again (1.04 ms, 12:52).
-                        s = mask_scores(s, geom, kind, row0, ktile * bk, _LAYOUT, bands=False)
+                        s = mask_scores(s, geom, kind, row0, ktile * bk, _LAYOUT)
                         p = _exp2_minus(s, c, lse2, 0)
                         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
                         if dcap is not None:
