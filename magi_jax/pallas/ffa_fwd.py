@@ -6,7 +6,7 @@ tiles of the program's work items through a ring of shared-memory slots with TMA
 consumer warpgroups (64 query rows each) run ``wgmma`` for ``S = Q·Kᵀ`` and ``O += P·V``
 with the online softmax in float32 between them, ping-ponging on a schedule barrier so one
 warpgroup's softmax overlaps the other's matmuls. The mask predicate is evaluated only on
-boundary items, from the slice geometry the item carries (two comparisons per cell where
+boundary items, from the slice geometry the item carries (one range check per cell where
 only the diagonal bounds cut the tile, :func:`~magi_jax.pallas.common.mask_scores`).
 """
 

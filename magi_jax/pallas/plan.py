@@ -42,8 +42,8 @@ DKV_BLOCK_Q, DKV_BLOCK_K = 64, 128
 
 # The last item field (``full`` in ITEM_FIELDS) holds the item's mask kind: every cell of the
 # tile in the slice (FULL, no predicate), only the slice's diagonal bounds cut the tile (BAND:
-# it lies inside the slice's query and key ranges; two comparisons per cell), or any bound
-# may cut it (GENERAL: six comparisons per cell).
+# it lies inside the slice's query and key ranges; one range check per cell), or any bound
+# may cut it (GENERAL: three range checks per cell).
 GENERAL, FULL, BAND = 0, 1, 2
 
 
