@@ -52,7 +52,7 @@ class WorkList(NamedTuple):
 
     ``order [N]``: owned tiles, heaviest first (the launch order); ``offsets [N + 1]``: the
     items of tile ``t`` are ``items[offsets[t]:offsets[t + 1]]``; ``items [W, 8]``
-    (:data:`ITEM_FIELDS`), sorted by (owned tile, other tile).
+    (:data:`ITEM_FIELDS`), sorted by (owned tile, FULL items first, other tile).
     """
 
     order: np.ndarray
@@ -111,7 +111,9 @@ def build_work_list(shapes: SliceShapes, total_q: int, total_k: int, block_q: in
     else:
         raise ValueError(f"by={by!r}: use 'q' or 'k'")
     s = ti.slice_id
-    order = np.lexsort((other, own))
+    # FULL items of a tile first (the forward runs them in a loop without predicate code),
+    # then the masked ones; each group by the other tile.
+    order = np.lexsort((other, ~ti.full, own))
     own, other, s, full = own[order], other[order], s[order], ti.full[order]
     counts = np.bincount(own, minlength=num).astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(counts)])

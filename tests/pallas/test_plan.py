@@ -49,7 +49,10 @@ def _check_list(mask, block_q, block_k, by):
     total = np.zeros((mask.total_q, mask.total_k), np.int64)
     for t in range(n):
         its = wl.items[wl.offsets[t]:wl.offsets[t + 1]]
-        assert (np.diff(its[:, 0]) >= 0).all(), "items of a tile sorted by the other tile"
+        masked = its[:, -1] != FULL
+        assert (np.diff(masked.astype(int)) >= 0).all(), "FULL items of a tile come first"
+        for part in (its[~masked], its[masked]):
+            assert (np.diff(part[:, 0]) >= 0).all(), "items sorted by the other tile"
         count, per_item = _cells(its, by, block_q, block_k, t, mask.total_q, mask.total_k)
         assert all(c > 0 for c in per_item), "an empty tile is visited"
         total += count
@@ -67,8 +70,9 @@ def test_causal_hand_checked():
     np.testing.assert_array_equal(wl.items[:, 7], [BAND, FULL, BAND])
     kl = build_work_list(AttnMask.causal(256).shapes, 256, 256, 64, 128, "k")
     np.testing.assert_array_equal(kl.offsets, [0, 4, 6])       # k-tile 0 seen by 4 q-tiles
-    np.testing.assert_array_equal(kl.items[:, 0], [0, 1, 2, 3, 2, 3])
-    np.testing.assert_array_equal(kl.items[:, 7], [BAND, BAND, FULL, FULL, BAND, BAND])
+    # A tile's FULL items first (q-tiles 2, 3 of k-tile 0), then its masked ones.
+    np.testing.assert_array_equal(kl.items[:, 0], [2, 3, 0, 1, 2, 3])
+    np.testing.assert_array_equal(kl.items[:, 7], [FULL, FULL, BAND, BAND, BAND, BAND])
 
 
 def test_two_slices_share_a_tile():
