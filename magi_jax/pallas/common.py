@@ -10,8 +10,9 @@ from jax import lax
 
 from magi_jax.pallas.plan import BAND, FULL, GENERAL
 
-__all__ = ["LOG2E", "LN2", "smem", "mma_lhs", "tile_predicate", "mask_scores",
-           "launch_grid", "scheduled_units", "check_pipeline", "check_schedule"]
+__all__ = ["LOG2E", "LN2", "SMEM_BYTES", "smem", "smem_bytes", "check_smem", "mma_lhs",
+           "tile_predicate", "mask_scores", "launch_grid", "scheduled_units",
+           "check_pipeline", "check_schedule"]
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -20,9 +21,46 @@ LN2 = math.log(2.0)
 # since supported() keeps both sides under 65535 tiles of 128 tokens (< 2**23).
 _DIAG_CLAMP = 1 << 29
 
+# Shared memory of one sm90 block (the opt-in maximum) and Mosaic GPU's accounting of it:
+# every scratch buffer starts on a 1 KiB boundary, a barrier takes 8 bytes. The kernels need
+# no cross-warp reduction scratch (their row reductions stay inside a warp).
+SMEM_BYTES = 227 * 1024
+_SMEM_ALIGN = 1024
+_BARRIER_BYTES = 8
+
+
 def smem(shape, dtype):
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
                                                 plgpu.SwizzleTransform(128)))
+
+
+def smem_bytes(scratch) -> int:
+    """Shared memory of the scratch buffers and barriers ``scratch`` as Mosaic GPU allocates
+    it."""
+    total = 0
+    for buf in scratch:
+        if isinstance(buf, plgpu.Barrier):
+            total += _BARRIER_BYTES * math.prod(buf.num_barriers)
+        else:
+            size = math.prod(buf.shape) * jnp.dtype(buf.dtype).itemsize
+            total += -(-size // _SMEM_ALIGN) * _SMEM_ALIGN
+    return total
+
+
+def check_smem(kernel: str, scratch, out_scratch, *, stages_knob: str, stages: int,
+               persistent_knob: str, persistent: int, d: int, dtype):
+    """Raises ``ValueError`` naming the knobs to turn when ``scratch`` and the persistent
+    mode's output buffers ``out_scratch`` do not fit one sm90 block."""
+    total = smem_bytes(scratch) + smem_bytes(out_scratch)
+    if total <= SMEM_BYTES:
+        return
+    fix = f"lower {stages_knob}"
+    if out_scratch and smem_bytes(scratch) <= SMEM_BYTES:
+        fix += (f" or turn {persistent_knob} off (its output buffers take "
+                f"{smem_bytes(out_scratch)} bytes)")
+    raise ValueError(f"the {kernel} kernel with {stages_knob}={stages}, persistent="
+                     f"{persistent}, D={d} and {jnp.dtype(dtype).name} needs {total} bytes of "
+                     f"shared memory (> {SMEM_BYTES} on sm90); {fix}")
 
 
 def mma_lhs(acc_ref, x, b_ref, stage):

@@ -18,7 +18,6 @@ work.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.experimental.pallas as pl
@@ -26,8 +25,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (LOG2E, check_pipeline, check_schedule, launch_grid,
-                                    mask_scores, mma_lhs, scheduled_units, smem)
+from magi_jax.pallas.common import (LOG2E, check_pipeline, check_schedule, check_smem,
+                                    launch_grid, mask_scores, mma_lhs, scheduled_units, smem)
 from magi_jax.pallas.plan import DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["BwdConfig", "ffa_dq", "ffa_dkv"]
@@ -36,12 +35,6 @@ _COMPUTE_WGS = 2
 _LAYOUT = plgpu.Layout.WGMMA
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 _COL = plgpu.Layout.WGMMA.reduce(0)
-# Shared memory of one sm90 block (the opt-in maximum) and Mosaic GPU's accounting of it:
-# every scratch buffer starts on a 1 KiB boundary, a barrier takes 8 bytes. The backward
-# kernels have no reductions, so no reduction scratch is added.
-_SMEM_BYTES = 227 * 1024
-_SMEM_ALIGN = 1024
-_BARRIER_BYTES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,41 +92,17 @@ def _params(cfg):
                 interpret=plgpu.InterpretGPUParams() if cfg.interpret else None)
 
 
-def _grid(cfg: BwdConfig, num_tiles: int, batch: int, heads: int):
-    """``(grid, grid_names, num_progs, num_units)``; ``num_progs`` is 0 when not persistent."""
+def _grid(cfg: BwdConfig, num_tiles: int, batch: int, heads: int, schedule):
+    """``(grid, grid_names, schedule)`` of a kernel over ``num_tiles · batch · heads`` units:
+    one program per unit, or ``cfg.persistent`` programs walking the host ``schedule``
+    (checked against the grid; ``()`` when not persistent)."""
     num_units = num_tiles * batch * heads
     if cfg.persistent:
         num_progs = min(cfg.persistent, num_units)
-        return (num_progs,), ("prog",), num_progs, num_units
-    return (*launch_grid(num_tiles, batch, heads, cfg.head_major), 0, num_units)
-
-
-def _smem_bytes(scratch) -> int:
-    """Shared memory of ``scratch`` as Mosaic GPU allocates it."""
-    total = 0
-    for s in scratch:
-        if isinstance(s, plgpu.Barrier):
-            total += _BARRIER_BYTES * math.prod(s.num_barriers)
-        else:
-            size = math.prod(s.shape) * jnp.dtype(s.dtype).itemsize
-            total += -(-size // _SMEM_ALIGN) * _SMEM_ALIGN
-    return total
-
-
-def _check_smem(name: str, scratch, out_scratch, cfg: BwdConfig, d: int, dtype,
-                stages_knob: str):
-    """Raises ``ValueError`` when the scratch buffers, barriers and the persistent mode's
-    output buffers ``out_scratch`` do not fit one block."""
-    total = _smem_bytes(scratch) + _smem_bytes(out_scratch)
-    if total > _SMEM_BYTES:
-        fix = f"lower {stages_knob}"
-        if out_scratch and _smem_bytes(scratch) <= _SMEM_BYTES:
-            fix += " or turn bwd_persistent off (its output buffers take " \
-                   f"{_smem_bytes(out_scratch)} bytes)"
-        raise ValueError(
-            f"the {name} kernel with {stages_knob}={cfg.num_stages}, persistent="
-            f"{cfg.persistent}, D={d} and {jnp.dtype(dtype).name} needs {total} bytes of "
-            f"shared memory (> {_SMEM_BYTES} on sm90); {fix}")
+        schedule = tuple(schedule)
+        check_schedule(schedule, num_progs, num_units)
+        return (num_progs,), ("prog",), schedule
+    return (*launch_grid(num_tiles, batch, heads, cfg.head_major), ())
 
 
 def _stream(num_steps, stages, start_of, streams, view, base=None):
@@ -176,6 +145,51 @@ def _walk_units(num_mine, work_of, body):
                          jnp.int32(0))
 
 
+def _item_step(items_ref, it, i, base, stages, ready):
+    """Step ``i`` of a ring walk on item ``it``: its slot, after waiting for the slot's
+    ``ready`` barriers, and the item's (other tile, slice geometry, mask kind)."""
+    slot = lax.rem(i if base is None else base + i, jnp.int32(stages))
+    other, geom, kind = (items_ref[it, 0], tuple(items_ref[it, f] for f in range(1, 7)),
+                         items_ref[it, 7])
+    for barrier in ready:
+        plgpu.barrier_wait(barrier.at[slot])
+    return slot, other, geom, kind
+
+
+def _two_products(a, b, c, e, shape):
+    """``(a·b, c·e)`` in float32 registers: two wgmmas issued back to back, one wait."""
+    def body(ab_ref, ce_ref):
+        plgpu.wgmma(ab_ref, a, b)
+        plgpu.wgmma(ce_ref, c, e)
+        return ab_ref[...], ce_ref[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+
+def _consume_units(num_mine, load_unit, work_of, unit):
+    """A persistent consumer: loads its first unit's inputs, walks its units, and waits for
+    its last stores."""
+    pl.when(num_mine > 0)(lambda: load_unit(0))
+    _walk_units(num_mine, work_of, unit)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _store_outputs(outs, persistent):
+    """Writes a unit's ``(smem buffer, value, gmem destination)`` outputs through shared
+    memory. Persistent: the buffers are the kernel's own, so only the previous unit's stores
+    must have read them and this unit's stores run on under the next unit; otherwise the
+    buffers are the unit's inputs and the stores complete here."""
+    if persistent:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for buf, value, _ in outs:
+        buf[...] = value
+    plgpu.commit_smem()
+    for buf, _, dst in outs:
+        plgpu.copy_smem_to_gmem(buf, dst)
+    if not persistent:
+        plgpu.wait_smem_to_gmem(0)
+
+
 def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, schedule=()):
     """dQ. q/dout ``[B, Tq, Hq, D]``, k/v ``[B, Tk, Hkv, D]``; ``lse2 [B, Hq, Tq]`` float32
     is the lse times log2(e) with ``+inf`` on rows that see no key (so P = 0 there);
@@ -191,10 +205,7 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
     dtype = q.dtype
     bq, bk, stages = FWD_BLOCK_Q // _COMPUTE_WGS, FWD_BLOCK_K, cfg.num_stages
     persistent = cfg.persistent > 0
-    grid, grid_names, num_progs, num_units = _grid(cfg, num_tiles, b, hq)
-    schedule = tuple(schedule) if persistent else ()
-    if persistent:
-        check_schedule(schedule, num_progs, num_units)
+    grid, grid_names, schedule = _grid(cfg, num_tiles, b, hq, schedule)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
                *refs):
@@ -262,24 +273,13 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
 
                 def run(dq_acc):
                     def step(i, carry):
-                        slot = lax.rem(i if base is None else base + i, jnp.int32(stages))
-                        it = first + i
-                        ktile = items_ref[it, 0]
-                        geom = tuple(items_ref[it, f] for f in range(1, 7))
-                        kind = items_ref[it, 7]
-                        plgpu.barrier_wait(k_ready.at[slot])
-                        plgpu.barrier_wait(v_ready.at[slot])
-
-                        # S = Q·Kᵀ and dP = dO·Vᵀ issued back to back, one wait for both.
-                        def qk_dov(s_ref, dp_ref):
-                            plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
-                            plgpu.wgmma(dp_ref, my_do, v_smem.at[slot].T)
-                            return s_ref[...], dp_ref[...]
-
-                        s, dp = pl.run_scoped(qk_dov, plgpu.ACC((bq, bk), jnp.float32),
-                                              plgpu.ACC((bq, bk), jnp.float32))
+                        slot, ktile, geom, kind = _item_step(items_ref, first + i, i, base,
+                                                             stages, (k_ready, v_ready))
+                        # S = Q·Kᵀ and dP = dO·Vᵀ.
+                        s, dp = _two_products(my_q, k_smem.at[slot].T, my_do,
+                                              v_smem.at[slot].T, (bq, bk))
                         plgpu.barrier_arrive(v_free.at[slot])
-                        if persistent:   # Q, dO are read only by qk_dov, now complete
+                        if persistent:   # Q, dO are read only by those two, now complete
                             prefetch(j, i == num_items - 1)
                         s, c, dcap = _log2_scores(s, cfg)
 
@@ -297,24 +297,13 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
                     return dq_acc[...]
 
                 dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
-                if persistent:
-                    # Own output buffer: only the previous unit's store must have read it.
-                    out = dq_smem.at[wg]
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                else:
-                    out = my_q
-                out[...] = (dq * cfg.scale).astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out, dq_ref.at[batch, rows, head])
-                if not persistent:
-                    plgpu.wait_smem_to_gmem(0)
-                    return None
-                return base + num_items
+                out = dq_smem.at[wg] if persistent else my_q
+                _store_outputs([(out, (dq * cfg.scale).astype(dtype),
+                                 dq_ref.at[batch, rows, head])], persistent)
+                return base + num_items if persistent else None
 
             if persistent:
-                pl.when(num_mine > 0)(lambda: load_unit(0))
-                _walk_units(num_mine, work_of, unit)
-                plgpu.wait_smem_to_gmem(0)
+                _consume_units(num_mine, load_unit, work_of, unit)
             else:
                 unit(0, only_unit, None)
 
@@ -352,7 +341,8 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
     ]
     out_scratch = [smem((_COMPUTE_WGS, bq, d), dtype)] if persistent else []
-    _check_smem("dQ", scratch, out_scratch, cfg, d, dtype, "dq_num_stages")
+    check_smem("dQ", scratch, out_scratch, stages_knob="dq_num_stages", stages=stages,
+               persistent_knob="bwd_persistent", persistent=cfg.persistent, d=d, dtype=dtype)
     scratch += out_scratch
     if cfg.interpret:
         scratch.append(smem((_COMPUTE_WGS, bq, bk), dtype))
@@ -375,10 +365,7 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
     dtype = q.dtype
     bq, bk, stages = DKV_BLOCK_Q, DKV_BLOCK_K // _COMPUTE_WGS, cfg.num_stages
     persistent = cfg.persistent > 0
-    grid, grid_names, num_progs, num_units = _grid(cfg, num_tiles, b, hkv)
-    schedule = tuple(schedule) if persistent else ()
-    if persistent:
-        check_schedule(schedule, num_progs, num_units)
+    grid, grid_names, schedule = _grid(cfg, num_tiles, b, hkv, schedule)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
                *refs):
@@ -441,23 +428,13 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
 
                 def run(dk_acc, dv_acc):
                     def step(i, carry):
-                        slot = lax.rem(i if base is None else base + i, jnp.int32(stages))
-                        it, _ = step_item(work, i)
-                        qtile = items_ref[it, 0]
-                        geom = tuple(items_ref[it, f] for f in range(1, 7))
-                        kind = items_ref[it, 7]
-                        plgpu.barrier_wait(q_ready.at[slot])
-                        plgpu.barrier_wait(do_ready.at[slot])
-
-                        # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ issued back to back, one wait for both.
-                        def kq_vdo(s_ref, dp_ref):
-                            plgpu.wgmma(s_ref, my_k, q_smem.at[slot].T)
-                            plgpu.wgmma(dp_ref, my_v, do_smem.at[slot].T)
-                            return s_ref[...], dp_ref[...]
-
-                        st, dpt = pl.run_scoped(kq_vdo, plgpu.ACC((bk, bq), jnp.float32),
-                                                plgpu.ACC((bk, bq), jnp.float32))
-                        if persistent:   # K, V are read only by kq_vdo, now complete
+                        slot, qtile, geom, kind = _item_step(
+                            items_ref, step_item(work, i)[0], i, base, stages,
+                            (q_ready, do_ready))
+                        # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ.
+                        st, dpt = _two_products(my_k, q_smem.at[slot].T, my_v,
+                                                do_smem.at[slot].T, (bk, bq))
+                        if persistent:   # K, V are read only by those two, now complete
                             prefetch(j, i == num_steps - 1)
                         st, c, dcap = _log2_scores(st, cfg)
 
@@ -486,26 +463,15 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
 
                 dk, dv = pl.run_scoped(run, plgpu.ACC((bk, d), jnp.float32),
                                        plgpu.ACC((bk, d), jnp.float32))
-                if persistent:
-                    # Own output buffers: only the previous unit's stores must have read them.
-                    out_k, out_v = dk_smem.at[wg], dv_smem.at[wg]
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                else:
-                    out_k, out_v = my_k, my_v
-                out_k[...] = (dk * cfg.scale).astype(dtype)
-                out_v[...] = dv.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_k, dk_ref.at[batch, cols, kv_head])
-                plgpu.copy_smem_to_gmem(out_v, dv_ref.at[batch, cols, kv_head])
-                if not persistent:
-                    plgpu.wait_smem_to_gmem(0)
-                    return None
-                return base + num_steps
+                out_k, out_v = (dk_smem.at[wg], dv_smem.at[wg]) if persistent else (my_k, my_v)
+                _store_outputs([(out_k, (dk * cfg.scale).astype(dtype),
+                                 dk_ref.at[batch, cols, kv_head]),
+                                (out_v, dv.astype(dtype), dv_ref.at[batch, cols, kv_head])],
+                               persistent)
+                return base + num_steps if persistent else None
 
             if persistent:
-                pl.when(num_mine > 0)(lambda: load_unit(0))
-                _walk_units(num_mine, work_of, unit)
-                plgpu.wait_smem_to_gmem(0)
+                _consume_units(num_mine, load_unit, work_of, unit)
             else:
                 unit(0, only_unit, None)
 
@@ -555,7 +521,8 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
         per_stage(_COMPUTE_WGS),
     ]
     out_scratch = [smem((_COMPUTE_WGS, bk, d), dtype) for _ in range(2 if persistent else 0)]
-    _check_smem("dK/dV", scratch, out_scratch, cfg, d, dtype, "dkv_num_stages")
+    check_smem("dK/dV", scratch, out_scratch, stages_knob="dkv_num_stages", stages=stages,
+               persistent_knob="bwd_persistent", persistent=cfg.persistent, d=d, dtype=dtype)
     scratch += out_scratch
     if cfg.interpret:
         scratch.append(smem((_COMPUTE_WGS, 2, bk, bq), dtype))

@@ -20,15 +20,14 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (LN2, LOG2E, check_pipeline, check_schedule, launch_grid,
-                                    mask_scores, mma_lhs, scheduled_units, smem)
+from magi_jax.pallas.common import (LN2, LOG2E, check_pipeline, check_schedule, check_smem,
+                                    launch_grid, mask_scores, mma_lhs, scheduled_units, smem)
 from magi_jax.pallas.plan import FULL, FWD_BLOCK_K, FWD_BLOCK_Q, NUM_FIELDS
 
 __all__ = ["FwdConfig", "ffa_forward"]
 
 _COMPUTE_WGS = 2
 _WG_ROWS = FWD_BLOCK_Q // _COMPUTE_WGS
-_SMEM_BYTES = 227 * 1024   # shared memory one sm90 block may use
 _KIND = NUM_FIELDS - 1      # the item field of the mask kind
 
 
@@ -85,14 +84,6 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
     num_progs = min(cfg.persistent, num_units)
     if persistent:
         check_schedule(schedule, num_progs, num_units)
-    itemsize = jnp.dtype(dtype).itemsize
-    smem_bytes = (_COMPUTE_WGS * bq * d * (2 if persistent else 1) + 2 * stages * bk * d) \
-        * itemsize + _COMPUTE_WGS * bq * 4
-    if smem_bytes > _SMEM_BYTES:
-        raise ValueError(f"the forward kernel with num_stages={stages}, persistent="
-                         f"{cfg.persistent} and D={d} needs {smem_bytes} bytes of shared memory "
-                         f"(> {_SMEM_BYTES}); lower num_stages (persistent needs an output "
-                         "buffer of its own)")
     # Scores are kept in the log2 domain: s2 = S·log2(e), so exp2 needs one FMA.
     s2_scale = cfg.scale * LOG2E if not softcap else cfg.scale / softcap
     last_item = items.shape[0] - 1
@@ -331,8 +322,11 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
     ]
-    if persistent:
-        scratch.append(smem((_COMPUTE_WGS, bq, d), dtype))
+    # Persistent: each consumer's output leaves through a buffer of its own.
+    out_scratch = [smem((_COMPUTE_WGS, bq, d), dtype)] if persistent else []
+    check_smem("forward", scratch, out_scratch, stages_knob="num_stages", stages=stages,
+               persistent_knob="persistent", persistent=cfg.persistent, d=d, dtype=dtype)
+    scratch += out_scratch
     if cfg.interpret:
         scratch.append(smem((_COMPUTE_WGS, bq, bk), dtype))
     return plgpu.kernel(
