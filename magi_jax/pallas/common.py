@@ -102,10 +102,10 @@ def tile_predicate(item, row0, col0, shape, layout, transposed=False):
             & _inside(ic - ir, *_local_diagonals(item, row0, col0)))
 
 
-def mask_scores(s, item, kind, row0, col0, layout, transposed=False, bands=True):
+def mask_scores(s, item, kind, row0, col0, layout, transposed=False):
     """``s`` with the cells outside the item's slice set to ``-inf``, by the item's ``kind``
     (:data:`~magi_jax.pallas.plan.GENERAL`, ``FULL``, ``BAND``); arguments as
-    :func:`tile_predicate`. ``bands=False``: band items take the general predicate too."""
+    :func:`tile_predicate`."""
     def general():
         return jnp.where(tile_predicate(item, row0, col0, s.shape, layout, transposed), s,
                          -jnp.inf)
@@ -116,8 +116,6 @@ def mask_scores(s, item, kind, row0, col0, layout, transposed=False, bands=True)
              - plgpu.broadcasted_iota(jnp.int32, s.shape, q_axis, layout=layout))
         return jnp.where(_inside(t, *_local_diagonals(item, row0, col0)), s, -jnp.inf)
 
-    if not bands:
-        return lax.cond(kind == FULL, lambda: s, general)
     branches = {GENERAL: general, FULL: lambda: s, BAND: band}
     return lax.switch(kind, [branches[i] for i in range(len(branches))])
 
