@@ -5,6 +5,9 @@ forward+backward (PERF.md), 2.5× for the backward alone (``--modes bwd``). Writ
 
     PYTHONPATH=. python benchmarks/kernel_bench.py --lengths 16384 --masks full,causal
     PYTHONPATH=. python benchmarks/kernel_bench.py --preset acceptance
+    PYTHONPATH=. python benchmarks/kernel_bench.py --judge benchmarks/results/kernel_<...>.json
+
+The markdown ends with the acceptance lines of issue 3 that the run measured.
 """
 
 from __future__ import annotations
@@ -62,6 +65,17 @@ PRESETS = {
                                 ("doc_causal", 16384), ("swa_causal_1024", 16384),
                                 ("prefix_lm", 16384))],
 }
+
+
+# Issue 3's acceptance lines on FFA pallas: (mask, length, mode, against, target), against
+# "cudnn" (a ratio to cuDNN in the same run) or "tflops" (absolute). Every other zoo mask:
+# forward+backward >= 0.8x FFA's own causal rate at the same length.
+ISSUE_LINES = (("full", 16384, "fwd", "cudnn", 0.95), ("full", 16384, "fwd+bwd", "cudnn", 0.85),
+               ("causal", 16384, "fwd", "cudnn", 0.95),
+               ("causal", 16384, "fwd+bwd", "cudnn", 0.85),
+               ("doc_causal", 32768, "fwd", "tflops", 550.0),
+               ("doc_causal", 32768, "fwd+bwd", "tflops", 450.0))
+ZOO_LINE = 0.8
 
 
 def docs_for(total: int) -> list[int]:
@@ -273,7 +287,17 @@ def main(argv=None):
                    help="batch = max(1, this // length) (PERF.md: B=2 at 16k, 1 at 32k)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--tag", default="")
+    p.add_argument("--judge", metavar="JSON", default=None,
+                   help="print the issue's acceptance lines of a results file and exit "
+                        "(no GPU needed)")
     a = p.parse_args(argv)
+    if a.judge:
+        with open(a.judge) as f:
+            checks = issue_lines(json.load(f)["rows"])
+        for c in checks:
+            print(f"{c['line']:32s} {c['target']:22s} {c['value']:9.3f}  "
+                  f"{'holds' if c['holds'] else 'FAILS'}")
+        return checks
     if a.preset:
         cases = PRESETS[a.preset]
     else:
@@ -318,6 +342,34 @@ def main(argv=None):
     return rows
 
 
+def issue_lines(rows):
+    """The acceptance lines that ``rows`` measure: dicts of ``line``, ``target``, ``value``
+    (a ratio, or TFLOP/s for an absolute target) and ``holds``."""
+    rate = {(r["mask"], r["length"], r["mode"], r["impl"]): r["tflops"]
+            for r in rows if "tflops" in r}
+    out = []
+    for mask, length, mode, against, target in ISSUE_LINES:
+        mine = rate.get((mask, length, mode, "ffa_pallas"))
+        if mine is None:
+            continue
+        if against == "tflops":
+            value, want = mine, f">= {target:g} TFLOP/s"
+        elif (mask, length, mode, against) in rate:
+            value, want = mine / rate[(mask, length, mode, against)], f">= {target:g}x {against}"
+        else:
+            continue
+        out.append(dict(line=f"{mask} {length} {mode}", target=want, value=value,
+                        holds=value >= target))
+    for (mask, length, mode, impl), mine in rate.items():
+        causal = rate.get(("causal", length, mode, impl))
+        if (impl == "ffa_pallas" and mode == "fwd+bwd" and mask not in ("full", "causal")
+                and causal):
+            out.append(dict(line=f"{mask} {length} {mode}",
+                            target=f">= {ZOO_LINE:g}x FFA causal", value=mine / causal,
+                            holds=mine / causal >= ZOO_LINE))
+    return out
+
+
 def markdown(rows, meta) -> str:
     lines = [f"# Kernel benchmark {meta['date']} on {meta['device']}", "",
              f"versions: {meta['versions']}; Hq={meta['heads']}, Hkv={meta['kv_heads']}, "
@@ -332,6 +384,12 @@ def markdown(rows, meta) -> str:
             why = r.get("skipped") or r.get("error")
             lines.append(f"| {r['mask']} | {r['length']} | - | {r['impl']} | - | "
                          f"{'skipped' if 'skipped' in r else 'ERROR'}: {why} |")
+    checks = issue_lines(rows)
+    if checks:
+        lines += ["", "Issue 3 acceptance lines measured in this run:", "",
+                  "| line | target | value | holds |", "|---|---|---|---|"]
+        lines += [f"| {c['line']} | {c['target']} | {c['value']:.3f} | "
+                  f"{'yes' if c['holds'] else 'no'} |" for c in checks]
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,53 @@
+"""The kernel benchmark's acceptance check (no timing): which lines a run's rows measure."""
+
+from benchmarks import kernel_bench as kb
+
+
+def _row(mask, length, mode, impl, tflops):
+    return dict(mask=mask, length=length, mode=mode, impl=impl, tflops=tflops, ms=1.0)
+
+
+def test_issue_lines_ratios_absolutes_and_zoo():
+    rows = [_row("full", 16384, "fwd", "ffa_pallas", 570.0),
+            _row("full", 16384, "fwd", "cudnn", 600.0),       # 0.95: holds at the line
+            _row("full", 16384, "fwd+bwd", "ffa_pallas", 400.0),
+            _row("full", 16384, "fwd+bwd", "cudnn", 500.0),   # 0.80 < 0.85
+            _row("causal", 16384, "fwd+bwd", "ffa_pallas", 480.0),
+            _row("doc_causal", 32768, "fwd", "ffa_pallas", 549.6),
+            _row("swa_causal_1024", 16384, "fwd+bwd", "ffa_pallas", 384.0),   # 0.8x causal
+            _row("prefix_lm", 16384, "fwd+bwd", "ffa_pallas", 383.0),
+            _row("prefix_lm", 16384, "fwd+bwd", "tokamax", 10.0),
+            dict(mask="doc_full", length=16384, impl="cudnn", mode="-", skipped="no mask")]
+    got = {c["line"]: (c["target"], round(c["value"], 4), c["holds"])
+           for c in kb.issue_lines(rows)}
+    assert got == {
+        "full 16384 fwd": (">= 0.95x cudnn", 0.95, True),
+        "full 16384 fwd+bwd": (">= 0.85x cudnn", 0.8, False),
+        "doc_causal 32768 fwd": (">= 550 TFLOP/s", 549.6, False),
+        "swa_causal_1024 16384 fwd+bwd": (">= 0.8x FFA causal", 0.8, True),
+        "prefix_lm 16384 fwd+bwd": (">= 0.8x FFA causal", 0.7979, False),
+    }
+    md = kb.markdown(rows, dict(date="d", device="dev", versions={}, heads=16, kv_heads=16,
+                                head_dim=128, dtype="bfloat16", tokens_per_batch=32768,
+                                flops="f"))
+    assert "| full 16384 fwd+bwd | >= 0.85x cudnn | 0.800 | no |" in md
+
+
+def test_issue_lines_skip_what_was_not_measured():
+    # No cuDNN row for the ratio lines, no causal row for the zoo line: nothing to judge.
+    rows = [_row("full", 16384, "fwd", "ffa_pallas", 570.0),
+            _row("block_causal", 8192, "fwd+bwd", "ffa_pallas", 400.0)]
+    assert kb.issue_lines(rows) == []
+    assert "acceptance lines" not in kb.markdown(rows, dict(
+        date="d", device="dev", versions={}, heads=1, kv_heads=1, head_dim=64,
+        dtype="bfloat16", tokens_per_batch=1, flops="f"))
+
+
+def test_judge_reads_a_results_file(tmp_path, capsys):
+    rows = [_row("causal", 16384, "fwd", "ffa_pallas", 560.0),
+            _row("causal", 16384, "fwd", "cudnn", 560.0)]
+    path = tmp_path / "kernel.json"
+    path.write_text(kb.json.dumps(dict(meta={}, rows=rows)))
+    checks = kb.main(["--judge", str(path)])
+    assert [(c["line"], c["holds"]) for c in checks] == [("causal 16384 fwd", True)]
+    assert "causal 16384 fwd" in capsys.readouterr().out
