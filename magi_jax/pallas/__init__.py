@@ -225,9 +225,9 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
     the shared memory of a third slot), else 0 (measured on an H200, 2026-11-30: +5-8 %
     forward on short rows, even on full and causal); backward only: ``bwd_persistent``: the
     same for the dQ and dK/dV kernels (dQ units: q-tile, batch, query head; dK/dV: k-tile,
-    batch, key head), storing through output buffers of their own (with D = 128 that leaves room for
-    ``dq_num_stages`` <= 2 and ``dkv_num_stages`` <= 3); measured 7-15 % slower than one
-    program per unit on the H200 (2026-11-30), so 0 by default."""
+    batch, key head), storing through output buffers of their own (with D = 128 that leaves
+    room for ``dq_num_stages`` <= 2 and ``dkv_num_stages`` <= 3); measured 7-15 % slower than
+    one program per unit on the H200 (2026-11-30), so 0 by default."""
     if persistent is None:
         persistent = _default_programs(plan, interpret) if num_stages <= 2 else 0
     cfg = _Config(float(softmax_scale), float(softcap), bool(interpret), int(num_stages),

@@ -11,7 +11,7 @@ from jax import lax
 from magi_jax.pallas.plan import BAND, FULL, GENERAL
 
 __all__ = ["LOG2E", "LN2", "SMEM_BYTES", "smem", "smem_bytes", "check_smem", "mma_lhs",
-           "tile_predicate", "mask_scores", "launch_grid", "scheduled_units",
+           "tile_predicate", "mask_scores", "launch_grid", "kernel_grid", "scheduled_units",
            "check_pipeline", "check_schedule"]
 
 LOG2E = math.log2(math.e)
@@ -129,6 +129,21 @@ def launch_grid(num_tiles: int, batch: int, heads: int, head_major: bool):
     if head_major:
         return (heads, batch, num_tiles), ("head", "batch", "tile")
     return (num_tiles, batch, heads), ("tile", "batch", "head")
+
+
+def kernel_grid(persistent: int, head_major: bool, num_tiles: int, batch: int, heads: int,
+                schedule):
+    """``(grid, grid_names, schedule)`` of a kernel over ``num_tiles · batch · heads`` units:
+    one program per unit in the order of :func:`launch_grid`, or ``persistent`` programs
+    walking the host ``schedule`` (checked against the grid by :func:`check_schedule`;
+    ``()`` when not persistent)."""
+    num_units = num_tiles * batch * heads
+    if persistent:
+        num_progs = min(persistent, num_units)
+        schedule = tuple(schedule)
+        check_schedule(schedule, num_progs, num_units)
+        return (num_progs,), ("prog",), schedule
+    return (*launch_grid(num_tiles, batch, heads, head_major), ())
 
 
 def scheduled_units(schedule_refs, num_tiles: int, batch: int, order_ref):

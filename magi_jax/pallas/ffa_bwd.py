@@ -25,8 +25,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (LOG2E, check_pipeline, check_schedule, check_smem,
-                                    launch_grid, mask_scores, mma_lhs, scheduled_units, smem)
+from magi_jax.pallas.common import (LOG2E, check_pipeline, check_smem, kernel_grid,
+                                    mask_scores, mma_lhs, scheduled_units, smem)
 from magi_jax.pallas.plan import DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["BwdConfig", "ffa_dq", "ffa_dkv"]
@@ -90,19 +90,6 @@ def _exp2_minus(s, c, stat, dim):
 def _params(cfg):
     return dict(compiler_params=plgpu.CompilerParams(approx_math=True),
                 interpret=plgpu.InterpretGPUParams() if cfg.interpret else None)
-
-
-def _grid(cfg: BwdConfig, num_tiles: int, batch: int, heads: int, schedule):
-    """``(grid, grid_names, schedule)`` of a kernel over ``num_tiles · batch · heads`` units:
-    one program per unit, or ``cfg.persistent`` programs walking the host ``schedule``
-    (checked against the grid; ``()`` when not persistent)."""
-    num_units = num_tiles * batch * heads
-    if cfg.persistent:
-        num_progs = min(cfg.persistent, num_units)
-        schedule = tuple(schedule)
-        check_schedule(schedule, num_progs, num_units)
-        return (num_progs,), ("prog",), schedule
-    return (*launch_grid(num_tiles, batch, heads, cfg.head_major), ())
 
 
 def _stream(num_steps, stages, start_of, streams, view, base=None):
@@ -205,7 +192,8 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
     dtype = q.dtype
     bq, bk, stages = FWD_BLOCK_Q // _COMPUTE_WGS, FWD_BLOCK_K, cfg.num_stages
     persistent = cfg.persistent > 0
-    grid, grid_names, schedule = _grid(cfg, num_tiles, b, hq, schedule)
+    grid, grid_names, schedule = kernel_grid(cfg.persistent, cfg.head_major, num_tiles, b,
+                                             hq, schedule)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
                *refs):
@@ -365,7 +353,8 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
     dtype = q.dtype
     bq, bk, stages = DKV_BLOCK_Q, DKV_BLOCK_K // _COMPUTE_WGS, cfg.num_stages
     persistent = cfg.persistent > 0
-    grid, grid_names, schedule = _grid(cfg, num_tiles, b, hkv, schedule)
+    grid, grid_names, schedule = kernel_grid(cfg.persistent, cfg.head_major, num_tiles, b,
+                                             hkv, schedule)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
                *refs):

@@ -20,8 +20,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (LN2, LOG2E, check_pipeline, check_schedule, check_smem,
-                                    launch_grid, mask_scores, mma_lhs, scheduled_units, smem)
+from magi_jax.pallas.common import (LN2, LOG2E, check_pipeline, check_smem, kernel_grid,
+                                    mask_scores, mma_lhs, scheduled_units, smem)
 from magi_jax.pallas.plan import FULL, FWD_BLOCK_K, FWD_BLOCK_Q, NUM_FIELDS
 
 __all__ = ["FwdConfig", "ffa_forward"]
@@ -79,11 +79,9 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
     bq, bk, stages = _WG_ROWS, FWD_BLOCK_K, cfg.num_stages
     softcap = cfg.softcap
     # A unit is one (q-tile, batch, head); persistent programs walk those of their schedule.
-    num_units = num_tiles * b * hq
     persistent = cfg.persistent > 0
-    num_progs = min(cfg.persistent, num_units)
-    if persistent:
-        check_schedule(schedule, num_progs, num_units)
+    grid, grid_names, schedule = kernel_grid(cfg.persistent, cfg.head_major, num_tiles, b, hq,
+                                             schedule)
     # Scores are kept in the log2 domain: s2 = S·log2(e), so exp2 needs one FMA.
     s2_scale = cfg.scale * LOG2E if not softcap else cfg.scale / softcap
     last_item = items.shape[0] - 1
@@ -333,8 +331,8 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
         kernel,
         out_type=out_shape,
         scratch_types=scratch,
-        **(dict(grid=(num_progs,), grid_names=("prog",)) if persistent else
-           dict(zip(("grid", "grid_names"), launch_grid(num_tiles, b, hq, cfg.head_major)))),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
         # The row reductions of the WGMMA layout stay inside a warp, so they need none of the
@@ -342,4 +340,4 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
         # num_stages=3 fits at D = 128.
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
-    )(q, k, v, order, offsets, items, *(schedule if persistent else ()))
+    )(q, k, v, order, offsets, items, *schedule)
