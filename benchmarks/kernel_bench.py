@@ -38,11 +38,12 @@ ZOO = ("full", "causal", "doc_causal", "doc_full", "swa_causal_1024", "swa_causa
        "block_causal", "shared_question", "prefix_lm", "causal_blockwise")
 IMPLS = ("ffa_pallas", "ffa_xla", "cudnn", "tokamax", "xla_dense")
 # The forward knobs of the pallas kernel (kernel_notes.md, "Knobs in the code"): the forward
-# alone over each pipeline knob on top of the previous ones; the two knobs that also change
-# the backward kernels, fwd+bwd at full/causal 16k. persistent=132: one program per H200 SM.
-_PV = "ffa_pallas:k_wait_under_pv=1"
-_FWD_KNOB_IMPLS = ("ffa_pallas", _PV, _PV + ":num_stages=3", _PV + ":persistent=132",
-                   _PV + ":fma_softmax=1:head_major=1")
+# alone, the default against the loop without the intra-warpgroup overlap (alone and with its
+# own knob), 3 slots (one program per tile) and one program per tile; the two knobs that
+# also change the backward kernels, fwd+bwd at full/causal 16k.
+_BASE = "ffa_pallas:intra_wg_overlap=0"
+_FWD_KNOB_IMPLS = ("ffa_pallas", _BASE, _BASE + ":k_wait_under_pv=1",
+                   "ffa_pallas:num_stages=3:persistent=0", "ffa_pallas:persistent=0")
 # Persistent kernels (one program per H200 SM; the forward's default on a GPU) against one
 # program per tile, forward and backward separately.
 _PERSISTENT_IMPLS = ("ffa_pallas:persistent=0", "ffa_pallas:persistent=132",

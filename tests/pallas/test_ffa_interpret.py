@@ -162,9 +162,13 @@ def _forward_only(mask, dtype, hq, hkv, d, seed, batch=None, **tuning):
 
 # The forward's pipeline knobs, each in at least one set, over 2 and 3 slots (3 fit D = 128
 # only without the reduction scratch). Forward only: the backward kernels ignore them.
-_FWD_KNOBS = [dict(k_wait_under_pv=True),
+# intra_wg_overlap=False: the loop without the intra-warpgroup overlap (k_wait_under_pv
+# applies to it alone).
+_BASE_LOOP = dict(intra_wg_overlap=False, k_wait_under_pv=True)
+_FWD_KNOBS = [_BASE_LOOP,
               dict(num_stages=3, fma_softmax=True),
-              dict(persistent=1, k_wait_under_pv=True)]
+              dict(num_stages=1),
+              dict(persistent=1, **_BASE_LOOP)]
 
 
 # Like IRREGULAR, but q-tiles walk 10 and 6 items (several per k-tile): more than the slots
@@ -190,7 +194,7 @@ def test_forward_persistent_units(programs):
     the next unit's Q is loaded under the current one and outputs leave through their own
     buffer."""
     out, lse = _forward_only(WIDE, jnp.bfloat16, 2, 1, 64, 7, batch=2, persistent=programs,
-                             k_wait_under_pv=programs == 3)
+                             **(_BASE_LOOP if programs == 3 else {}))
     assert np.isneginf(lse[:, 190:]).all() and (out[:, 190:] == 0).all()
     # A whole q-tile without items: its units prefetch the next Q at their end.
     out, _ = _forward_only(EMPTY_TILES, jnp.float16, 2, 2, 64, 8, batch=2, persistent=programs)
