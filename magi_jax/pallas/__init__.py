@@ -191,10 +191,23 @@ def _ffa_bwd(cfg, res, cts):
 _ffa.defvjp(_ffa_fwd, _ffa_bwd)
 
 
+# Persistent programs hide each unit's prologue and epilogue under its neighbours' work,
+# which pays on short rows; on long ones one program per unit was faster. H200, 2026-11-30,
+# same-run A/Bs of the forward (kernel_fwd_overlap_*): persistent +11 % on SWA 1024 16k
+# (~9 items per q-tile), +0.5-3 % on doc-causal 32k (~19); one program per unit +1.5-2 % on
+# causal (~65) and full (128) 16k.
+PERSISTENT_MAX_MEAN_ITEMS = 32
+
+
 def _default_programs(plan: KernelPlanArrays, interpret: bool) -> int:
     """Programs of the persistent forward by default: one per SM of the default GPU, when
-    the plan is on the host (the schedule is built there); 0 otherwise."""
+    the plan is on the host (the schedule is built there) and its q-tiles that see any key
+    walk fewer than :data:`PERSISTENT_MAX_MEAN_ITEMS` items on average; 0 otherwise."""
     if interpret or not _on_host(plan):
+        return 0
+    counts = np.diff(plan.q_offsets)
+    counts = counts[counts > 0]
+    if counts.size and counts.mean() >= PERSISTENT_MAX_MEAN_ITEMS:
         return 0
     return int(getattr(jax.devices()[0], "core_count", 0) or 0)
 
@@ -227,9 +240,10 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
     (:func:`~magi_jax.pallas.plan.persistent_schedule`), the K/V pipeline running on across
     units and each unit's Q loaded under the previous unit's last matmuls, so the plan must be
     NumPy arrays here; ``None`` (default): the SM count of the default GPU when the plan is
-    NumPy arrays, the kernels run on a GPU and ``num_stages`` <= 2 (its output buffer takes
-    the shared memory of a third slot), else 0 (measured on an H200, 2026-11-30: +5-8 %
-    forward on short rows, even on full and causal); backward only: ``bwd_persistent``: the
+    NumPy arrays, its q-tiles are short (:data:`PERSISTENT_MAX_MEAN_ITEMS`), the kernels run
+    on a GPU and ``num_stages`` <= 2 (its output buffer takes the shared memory of a third
+    slot), else 0 (measured on an H200, 2026-11-30: +11 % on SWA 1024, 1.5-2 % slower on
+    full and causal 16k); backward only: ``bwd_persistent``: the
     same for the dQ and dK/dV kernels (dQ units: q-tile, batch, query head; dK/dV: k-tile,
     batch, key head), storing through output buffers of their own (with D = 128 that leaves
     room for ``dq_num_stages`` <= 2 and ``dkv_num_stages`` <= 3); measured 7-15 % slower than

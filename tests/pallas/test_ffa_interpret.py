@@ -227,8 +227,9 @@ def test_forward_knobs_lower_for_sm90(d):
 
 
 def test_default_persistent_programs(monkeypatch):
-    """``persistent=None``: one program per SM of the GPU when the plan is on the host and
-    the kernels run there; none in interpret mode or with traced (per-rank) plans."""
+    """``persistent=None``: one program per SM of the GPU when the plan is on the host, its
+    rows are short and the kernels run there; none in interpret mode, with traced (per-rank)
+    plans or on long rows."""
     import magi_jax.pallas as P
 
     class _Gpu:
@@ -244,6 +245,14 @@ def test_default_persistent_programs(monkeypatch):
     assert traced == [0]
     monkeypatch.setattr(jax, "devices", lambda *a: [object()])   # no core count: off
     assert P._default_programs(plan, interpret=False) == 0
+    # Long rows (full 8k: 64 items per q-tile) run one program per unit; a window of 1024
+    # (at most 9 items per q-tile) runs persistent.
+    monkeypatch.setattr(jax, "devices", lambda *a: [_Gpu()])
+    full = kernel_plan_for_mask(AttnMask.full(8192)).arrays()
+    assert P._default_programs(full, interpret=False) == 0
+    swa = kernel_plan_for_mask(AttnMask.varlen([0, 8192], causal=True, window=1024)).arrays()
+    assert np.diff(swa.q_offsets).max() < P.PERSISTENT_MAX_MEAN_ITEMS
+    assert P._default_programs(swa, interpret=False) == 132
 
 
 def test_backward_entry_point_equals_the_vjp():
