@@ -91,7 +91,8 @@ class _Config:
     head_major: bool = True
     k_wait_under_pv: bool = False
     persistent: int = 0
-    bwd_persistent: int = 0
+    dq_persistent: int = 0
+    dkv_persistent: int = 0
     intra_wg_overlap: bool = True
 
 
@@ -123,18 +124,19 @@ def _on_host(plan: KernelPlanArrays) -> bool:
 
 def _schedules(plan: KernelPlanArrays, cfg: _Config, batch: int, hq: int,
                hkv: int) -> _Schedules:
-    if not (cfg.persistent or cfg.bwd_persistent):
+    if not (cfg.persistent or cfg.dq_persistent or cfg.dkv_persistent):
         return _NO_SCHEDULES
     if not _on_host(plan):
-        raise ValueError(f"persistent={cfg.persistent}, bwd_persistent={cfg.bwd_persistent}: "
-                         "the persistent kernels schedule their units on the host, so the plan "
-                         "must be NumPy arrays (not traced or device arrays); pass 0 here")
+        raise ValueError(f"persistent={cfg.persistent}, bwd_persistent="
+                         f"{cfg.dq_persistent or cfg.dkv_persistent}: the persistent kernels "
+                         "schedule their units on the host, so the plan must be NumPy arrays "
+                         "(not traced or device arrays); pass 0 here")
     fwd_list = WorkList(plan.q_order, plan.q_offsets, plan.q_items)
     dkv_list = WorkList(plan.k_order, plan.k_offsets, plan.k_items)
     sched = lambda work, groups, n: persistent_schedule(work, groups, n) if n else ()
     return _Schedules(sched(fwd_list, batch * hq, cfg.persistent),
-                      sched(fwd_list, batch * hq, cfg.bwd_persistent),
-                      sched(dkv_list, batch * hkv, cfg.bwd_persistent))
+                      sched(fwd_list, batch * hq, cfg.dq_persistent),
+                      sched(dkv_list, batch * hkv, cfg.dkv_persistent))
 
 
 def _forward(q, k, v, plan: KernelPlanArrays, sched: _Schedules, cfg: _Config):
@@ -178,13 +180,14 @@ def _ffa_bwd(cfg, res, cts):
     pad_stat = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -tq % FWD_BLOCK_Q)))
     args = (pad_q(q), pad_k(k), pad_k(v), pad_q(dout.astype(q.dtype)), pad_stat(lse2),
             pad_stat(delta))
-    bcfg = lambda stages: BwdConfig(cfg.scale, cfg.softcap, num_stages=stages,
-                                    fma_softmax=cfg.fma_softmax, head_major=cfg.head_major,
-                                    persistent=cfg.bwd_persistent, interpret=cfg.interpret)
-    dq = ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items, bcfg(cfg.dq_num_stages),
-                sched.dq)
+    bcfg = lambda stages, progs: BwdConfig(cfg.scale, cfg.softcap, num_stages=stages,
+                                           fma_softmax=cfg.fma_softmax,
+                                           head_major=cfg.head_major, persistent=progs,
+                                           interpret=cfg.interpret)
+    dq = ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items,
+                bcfg(cfg.dq_num_stages, cfg.dq_persistent), sched.dq)
     dk, dv = ffa_dkv(*args, plan.k_order, plan.k_offsets, plan.k_items,
-                     bcfg(cfg.dkv_num_stages), sched.dkv)
+                     bcfg(cfg.dkv_num_stages, cfg.dkv_persistent), sched.dkv)
     return dq[:, :tq], dk[:, :tk], dv[:, :tk], None, None
 
 
@@ -193,21 +196,28 @@ _ffa.defvjp(_ffa_fwd, _ffa_bwd)
 
 # Persistent programs hide each unit's prologue and epilogue under its neighbours' work,
 # which pays on short rows; on long ones one program per unit was faster. H200, 2026-11-30,
-# same-run A/Bs of the forward (kernel_fwd_overlap_*): persistent +11 % on SWA 1024 16k
-# (~9 items per q-tile), +0.5-3 % on doc-causal 32k (~19); one program per unit +1.5-2 % on
-# causal (~65) and full (128) 16k.
+# same-run A/Bs: forward (kernel_fwd_overlap_*) persistent +11 % on SWA 1024 16k (~9 items
+# per q-tile), +0.5-3 % on doc-causal 32k (~19); one program per unit +1.5-2 % on causal
+# (~65) and full (128) 16k. dK/dV (kernel_parts_*_1356, _1624; items of half the size):
+# persistent 3-5 % faster on SWA 1024, doc-causal and prefix-LM 16k, 3 % slower on causal.
+# The persistent dQ was slower on every mask, so it is never the default.
 PERSISTENT_MAX_MEAN_ITEMS = 32
+DKV_PERSISTENT_MAX_MEAN_ITEMS = 64
 
 
-def _default_programs(plan: KernelPlanArrays, interpret: bool) -> int:
-    """Programs of the persistent forward by default: one per SM of the default GPU, when
-    the plan is on the host (the schedule is built there) and its q-tiles that see any key
-    walk fewer than :data:`PERSISTENT_MAX_MEAN_ITEMS` items on average; 0 otherwise."""
+def _default_programs(plan: KernelPlanArrays, interpret: bool, kernel: str = "fwd") -> int:
+    """Programs of the persistent forward (``kernel="fwd"``) or dK/dV kernel (``"dkv"``) by
+    default: one per SM of the default GPU when the plan is on the host (the schedule is
+    built there) and its tiles that own any item walk fewer than
+    :data:`PERSISTENT_MAX_MEAN_ITEMS` (dK/dV: :data:`DKV_PERSISTENT_MAX_MEAN_ITEMS`) items on
+    average; 0 otherwise."""
     if interpret or not _on_host(plan):
         return 0
-    counts = np.diff(plan.q_offsets)
+    offsets, limit = ((plan.q_offsets, PERSISTENT_MAX_MEAN_ITEMS) if kernel == "fwd"
+                      else (plan.k_offsets, DKV_PERSISTENT_MAX_MEAN_ITEMS))
+    counts = np.diff(offsets)
     counts = counts[counts > 0]
-    if counts.size and counts.mean() >= PERSISTENT_MAX_MEAN_ITEMS:
+    if counts.size and counts.mean() >= limit:
         return 0
     return int(getattr(jax.devices()[0], "core_count", 0) or 0)
 
@@ -216,7 +226,7 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
                interpret: bool = False, num_stages: int = 2, dq_num_stages: int = 2,
                dkv_num_stages: int = 2, fused_acc: bool = True, fma_softmax: bool = True,
                head_major: bool = True, k_wait_under_pv: bool = False,
-               persistent: int | None = None, bwd_persistent: int = 0,
+               persistent: int | None = None, bwd_persistent: int | None = None,
                intra_wg_overlap: bool = True):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
@@ -246,14 +256,21 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
     full and causal 16k); backward only: ``bwd_persistent``: the
     same for the dQ and dK/dV kernels (dQ units: q-tile, batch, query head; dK/dV: k-tile,
     batch, key head), storing through output buffers of their own (with D = 128 that leaves
-    room for ``dq_num_stages`` <= 2 and ``dkv_num_stages`` <= 3); measured 7-15 % slower than
-    one program per unit on the H200 (2026-11-30), so 0 by default."""
+    room for ``dq_num_stages`` <= 2 and ``dkv_num_stages`` <= 3); ``None`` (default): dQ one
+    program per unit (its persistent mode measured slower on every mask), dK/dV persistent
+    on short k-tiles (:data:`DKV_PERSISTENT_MAX_MEAN_ITEMS`, 3-5 % faster there) when
+    ``dkv_num_stages`` <= 3, like the forward's default."""
     if persistent is None:
         persistent = _default_programs(plan, interpret) if num_stages <= 2 else 0
+    if bwd_persistent is None:
+        dq_persistent = 0
+        dkv_persistent = _default_programs(plan, interpret, "dkv") if dkv_num_stages <= 3 else 0
+    else:
+        dq_persistent = dkv_persistent = int(bwd_persistent)
     cfg = _Config(float(softmax_scale), float(softcap), bool(interpret), int(num_stages),
                   int(dq_num_stages), int(dkv_num_stages), bool(fused_acc),
                   bool(fma_softmax), bool(head_major), bool(k_wait_under_pv),
-                  int(persistent), int(bwd_persistent), bool(intra_wg_overlap))
+                  int(persistent), dq_persistent, dkv_persistent, bool(intra_wg_overlap))
     batched = q.ndim == 4
     sched = _schedules(plan, cfg, q.shape[0] if batched else 1, q.shape[-2], k.shape[-2])
     sched = jax.tree.map(lambda a: jnp.asarray(a, jnp.int32), sched)

@@ -253,6 +253,9 @@ def test_default_persistent_programs(monkeypatch):
     swa = kernel_plan_for_mask(AttnMask.varlen([0, 8192], causal=True, window=1024)).arrays()
     assert np.diff(swa.q_offsets).max() < P.PERSISTENT_MAX_MEAN_ITEMS
     assert P._default_programs(swa, interpret=False) == 132
+    # dK/dV: a k-tile of SWA 1024 meets at most 18 q-steps of 64 rows, one of full 8k 128.
+    assert P._default_programs(swa, interpret=False, kernel="dkv") == 132
+    assert P._default_programs(full, interpret=False, kernel="dkv") == 0
 
 
 def test_backward_entry_point_equals_the_vjp():
