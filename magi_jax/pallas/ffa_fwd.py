@@ -6,9 +6,10 @@ tiles of the program's work items through a ring of shared-memory slots with TMA
 consumer warpgroups (64 query rows each) run ``wgmma`` for ``S = Q·Kᵀ`` and ``O += P·V``
 with the online softmax in float32 between them. Each warpgroup issues an item's Q·Kᵀ
 together with the previous item's P·V, which runs under the item's softmax, and the two
-warpgroups take turns issuing, so one's softmax also overlaps the other's matmuls. The mask predicate is evaluated only on
-boundary items, from the slice geometry the item carries (one range check per cell where
-only the diagonal bounds cut the tile, :func:`~magi_jax.pallas.common.mask_scores`).
+warpgroups take turns issuing, so one's softmax also overlaps the other's matmuls. The mask
+predicate is evaluated only on boundary items, from the slice geometry the item carries (one
+range check per cell where only the diagonal bounds cut the tile,
+:func:`~magi_jax.pallas.common.mask_scores`).
 """
 
 from __future__ import annotations
@@ -268,6 +269,12 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     mma_lhs(o_ref, p_prev, v_smem.at[prev],
                             None if p_stage is None else p_stage.at[wg])
 
+                def pv_last(o_ref, p_last, i):
+                    """The P·V of the unit's last item ``i − 1``, in this warpgroup's turn."""
+                    take_turn()
+                    pv_prev(o_ref, p_last, i)
+                    pass_turn()
+
                 def overlapped(o_ref, carry, i, masked):
                     """Item ``i`` with the P·V of item ``i − 1`` (when ``i > 0``) issued
                     right after its Q·Kᵀ, running under this item's softmax; ``o_ref``
@@ -331,7 +338,8 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
 
                 if cfg.intra_wg_overlap:
                     # Item 0 alone (any kind), then items 1.. with the previous item's P·V
-                    # under each softmax, then the last item's P·V.
+                    # under each softmax, then the last item's P·V. p0 only gives the P of
+                    # the carry its shape before item 0 (it is never multiplied).
                     p0 = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), layout)
 
                     def first_item(i, c):
@@ -350,17 +358,11 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     def last_pv(i, c):
                         acc, m_i, l_i, p_last = c
                         if fused:
-                            def body(o_ref):
-                                take_turn()
-                                pv_prev(o_ref, p_last, i)
-                                pass_turn()
-
-                            acc = pl.run_state(body)(plgpu.ACC.init(acc))
+                            acc = pl.run_state(lambda o_ref: pv_last(o_ref, p_last, i))(
+                                plgpu.ACC.init(acc))
                         else:
                             def body(o_ref):
-                                take_turn()
-                                pv_prev(o_ref, p_last, i)
-                                pass_turn()
+                                pv_last(o_ref, p_last, i)
                                 return o_ref[...]
 
                             acc = acc + pl.run_scoped(body, plgpu.ACC((bq, d), jnp.float32))
