@@ -44,8 +44,8 @@ IMPLS = ("ffa_pallas", "ffa_xla", "cudnn", "tokamax", "xla_dense")
 _BASE = "ffa_pallas:intra_wg_overlap=0"
 _FWD_KNOB_IMPLS = ("ffa_pallas", _BASE, _BASE + ":k_wait_under_pv=1",
                    "ffa_pallas:num_stages=3:persistent=0", "ffa_pallas:persistent=0")
-# Persistent kernels (one program per H200 SM; the forward's default on a GPU) against one
-# program per tile, forward and backward separately.
+# Persistent kernels (one program per H200 SM; by default on a GPU the forward's and the
+# dK/dV kernel's on short rows) against one program per tile, forward and backward separately.
 _PERSISTENT_IMPLS = ("ffa_pallas:persistent=0", "ffa_pallas:persistent=132",
                      "ffa_pallas:bwd_persistent=132",
                      "ffa_pallas:persistent=132:bwd_persistent=132")
