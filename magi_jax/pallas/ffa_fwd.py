@@ -332,9 +332,17 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                 # The plan puts a tile's FULL items first: they run in a loop without the
                 # predicate's code (in a loop with it, full 16k ran 5 % slower), the rest
                 # after.
-                def more_full(c):
-                    it = jnp.minimum(first + c[0], last_item)
-                    return (c[0] < num_items) & (items_ref[it, _KIND] == FULL)
+                def walk(start, carry, step_fn):
+                    """Items ``start..`` through ``step_fn(i, carry, masked)``."""
+                    def more_full(c):
+                        it = jnp.minimum(first + c[0], last_item)
+                        return (c[0] < num_items) & (items_ref[it, _KIND] == FULL)
+
+                    split, *carry = lax.while_loop(
+                        more_full, lambda c: (c[0] + 1, *step_fn(c[0], c[1:], False)),
+                        (start, *carry))
+                    return lax.fori_loop(split, num_items, lambda i, c: step_fn(i, c, True),
+                                         tuple(carry))
 
                 if cfg.intra_wg_overlap:
                     # Item 0 alone (any kind), then items 1.. with the previous item's P·V
@@ -348,12 +356,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
 
                     carry = lax.fori_loop(0, jnp.minimum(num_items, 1), first_item,
                                           (acc, m_i, l_i, p0))
-                    split, *carry = lax.while_loop(
-                        more_full, lambda c: (c[0] + 1, *overlapped_step(c[0], c[1:], False)),
-                        (jnp.minimum(num_items, 1), *carry))
-                    carry = lax.fori_loop(split, num_items,
-                                          lambda i, c: overlapped_step(i, c, True),
-                                          tuple(carry))
+                    carry = walk(jnp.minimum(num_items, 1), carry, overlapped_step)
 
                     def last_pv(i, c):
                         acc, m_i, l_i, p_last = c
@@ -372,11 +375,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     acc, m_i, l_i, _ = lax.fori_loop(num_items, num_items + jnp.minimum(
                         num_items, 1), last_pv, tuple(carry))
                 else:
-                    split, *carry = lax.while_loop(
-                        more_full, lambda c: (c[0] + 1, *step(c[0], c[1:], masked=False)),
-                        (jnp.int32(0), acc, m_i, l_i))
-                    acc, m_i, l_i = lax.fori_loop(
-                        split, num_items, lambda i, c: step(i, c, masked=True), tuple(carry))
+                    acc, m_i, l_i = walk(jnp.int32(0), (acc, m_i, l_i), step)
                 prefetch_q(j, num_items == 0)
                 if not cfg.intra_wg_overlap:
                     pl.when(wg == 0)(schedule_barrier)
