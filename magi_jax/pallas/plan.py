@@ -188,11 +188,14 @@ def persistent_schedule(work: WorkList, groups: int, num_progs: int,
 
     Units are numbered in the launch order of the head-major grid: ``u = g * N + r`` for
     group ``g`` (a (head, batch) pair) and rank ``r`` of ``work.order`` (heaviest first), so
-    unit ``u`` owns tile ``work.order[u % N]``. They are handed out in that order, each to the
+    unit ``u`` owns tile ``work.order[u % N]``. They are handed out one by one, each to the
     program that would be free first (list scheduling with a unit costing its item count plus
-    ``overhead``): the schedule the hardware follows for a grid of one program per unit, so
-    programs running together still share one head's K/V through L2, now fixed in advance so
-    a program can load its next unit while it finishes the current one.
+    ``overhead``): first the units of all groups but the last quarter in that order, so
+    programs running together share one head's K/V through L2; then the units of the last
+    quarter of the groups heaviest first, so the schedule does not end on one group's
+    heaviest tiles (on doc-causal 32k, 16 heads, 132 programs the last program ends 2 % after
+    the mean in head-major order, 0.2 % with the tail sorted). Fixed in advance, a program
+    can load its next unit while it finishes the current one.
 
     Returns ``(offsets [P + 1], units [U])`` int32, ``P = min(num_progs, U)``: program ``p``
     walks ``units[offsets[p]:offsets[p + 1]]`` in order."""
@@ -208,12 +211,15 @@ def _schedule(costs_bytes: bytes, groups: int, num_progs: int, overhead: float):
     n = len(costs)
     num_units = n * groups
     progs = min(num_progs, num_units)
-    owner = np.empty(num_units, np.int64)
+    head = (groups - -(-groups // 4)) * n   # units before the last quarter of the groups
+    tail = np.arange(head, num_units)
+    tail = tail[np.argsort(-costs[tail % n], kind="stable")]
+    mine = [[] for _ in range(progs)]
     free = [(0.0, p) for p in range(progs)]
-    for u in range(num_units):
+    for u in np.concatenate([np.arange(head), tail]).tolist():
         t, p = heapq.heappop(free)
-        owner[u] = p
+        mine[p].append(u)
         heapq.heappush(free, (t + costs[u % n], p))
-    units = np.argsort(owner, kind="stable").astype(np.int32)
-    offsets = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=progs))])
+    units = np.fromiter((u for m in mine for u in m), np.int32, num_units)
+    offsets = np.concatenate([[0], np.cumsum([len(m) for m in mine])])
     return offsets.astype(np.int32), units

@@ -147,8 +147,14 @@ def _schedule_loads(work, groups, progs, overhead):
     assert sorted(units.tolist()) == list(range(n * groups))   # every unit exactly once
     loads = [sum(counts[u % n] + overhead for u in units[a:b])
              for a, b in zip(offsets[:-1], offsets[1:])]
-    for a, b in zip(offsets[:-1], offsets[1:]):   # each program walks launch order
-        assert np.all(np.diff(units[a:b]) > 0)
+    # Each program walks the units of all groups but the last quarter in launch order, then
+    # those of the last quarter heaviest first.
+    head = (groups - -(-groups // 4)) * n
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        mine = units[a:b]
+        early, late = mine[mine < head], mine[mine >= head]
+        assert np.all(np.diff(early) > 0) and np.all(np.diff(counts[late % n]) <= 0)
+        assert np.all(mine[:len(early)] == early)
     return offsets, units, np.array(loads)
 
 
