@@ -15,7 +15,9 @@ against the peer's rows (column ``ok``), so a race between back-to-back calls sh
 At ``--variant-sizes`` the native cast (and reduce, ``--reduce-variants``) is also timed with
 other ``magi_jax.native.CudaTuning`` settings: ``--variants`` is a comma-separated list of
 ``MODE[:field=value...]``, e.g. ``pull``, ``push:double_buffer=0``, ``pull:chunk_kib=1024``.
-Then ``magi_attention`` forward+backward with ``comm_backend="native"`` vs the XLA transport.
+Then ``magi_attention`` forward+backward with ``comm_backend="native"`` vs the XLA transport,
+on dispatched q/k/v (``attn``) and through dispatch and undispatch (``step``); ``--profile``
+adds GPU traces (``benchmarks/gpu_trace.py``) of those and of the 1 and 256 MiB chains.
 
     python benchmarks/collective_bench.py                       # launches everything
     python benchmarks/collective_bench.py --sizes 1,16,256 --no-e2e --variants pull
@@ -38,6 +40,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_trace import trace_summary  # noqa: E402
+# The rows --profile traces (default native tuning and XLA's plain ppermute).
+_PROFILED = ("native_cast", "native_reduce", "ppermute")
 OPS = ("native_cast", "xla_cast", "ppermute", "all_to_all", "ragged_all_to_all",
        "native_reduce", "xla_reduce")
 # CudaTuning variants against the default (push, 64 send + 64 receive blocks, 256 KiB chunks,
@@ -80,6 +86,16 @@ def _args(argv=None):
     ap.add_argument("--skip-native", action="store_true",
                     help="XLA rows only (a dry run of the script on CPUs)")
     ap.add_argument("--e2e-tokens", type=int, default=32768)
+    ap.add_argument("--e2e-backends", default="native,native:stream=1,ppermute",
+                    help="comm_backend[:CudaTuning field=int...] of the end-to-end rows, e.g. "
+                         "native:stream=1:send_blocks=16:recv_blocks=16")
+    ap.add_argument("--e2e-modes", default="attn,step",
+                    help="attn (dispatched q/k/v) and/or step (dispatch, attention, undispatch)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also trace the end-to-end rows and the default native cast / reduce "
+                         "and ppermute at --profile-sizes (benchmarks/gpu_trace.py: kernel "
+                         "time per category, communication under compute, idle GPU time)")
+    ap.add_argument("--profile-sizes", default="1,256", help="MiB per rank")
     ap.add_argument("--budget-s", type=float, default=200.0, help="stop starting new rows after")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     return ap.parse_args(argv)
@@ -138,8 +154,10 @@ def worker(args):
     from magi_jax.sharding.collectives import (CastArrays, CastSpec, CastTable, group_cast,
                                                group_reduce)
     t_start = time.time()
-    sizes = [float(s) for s in args.sizes.split(",")]
+    sizes = [float(s) for s in args.sizes.split(",") if s]
     variant_sizes = {float(s) for s in args.variant_sizes.split(",") if s}
+    profile_sizes = ({float(s) for s in args.profile_sizes.split(",") if s} if args.profile
+                     else set())
     variants = [v for v in args.variants.split(",") if v]
     variants += [f"push:send_blocks={b}" for b in args.send_blocks_sweep.split(",") if b]
     reduce_variants = {v for v in args.reduce_variants.split(",") if v}
@@ -152,7 +170,8 @@ def worker(args):
         # least what the end-to-end attention stages: a rank fetches at most the other half
         # of the tokens, 8 KiB of K and V each (H 16, D 128, bf16), in up to two regions.
         e2e_bytes = 0 if args.no_e2e else args.e2e_tokens // 2 * 8192 * 2
-        native.initialize(max(2 * int(max(sizes) * 2**20), e2e_bytes) + (16 << 20))
+        cast_bytes = 2 * int(max(sizes) * 2**20) if sizes else 0
+        native.initialize(max(cast_bytes, e2e_bytes) + (16 << 20))
     mesh = jax.make_mesh((2,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
     g = lambda a: jax.make_array_from_callback(a.shape, NamedSharding(mesh, P("cp")),
                                                lambda i: a[i])
@@ -189,7 +208,7 @@ def worker(args):
             r = f(*flat)
             jax.block_until_ready(r)
             best = min(best, (time.perf_counter() - t) / k)
-        return best, r
+        return best, r, lambda: f(*flat)
 
     def pattern(r, i, rows, xp=np):
         """Input rows ``rows`` of rank ``r`` for operation ``i``: small integers plus 0.5 on
@@ -280,15 +299,25 @@ def worker(args):
             body, arrays = ops[name]
             try:
                 if name.startswith("native"):
-                    s_, outs = timed(body, None, k, per_op=arrays)
+                    s_, outs, run = timed(body, None, k, per_op=arrays)
                     ok = check(outs, t)
                     row[name] = {"s": s_, "GBps": nbytes / s_ / 1e9, "ok": ok}
                     if not ok:
                         failures.append(f"{mib} MiB {name}")
                         print(f"rank {me}: CHECK FAILED {mib} MiB {name}", flush=True)
                 else:
-                    s_, outs = timed(body, arrays, k)
+                    s_, outs, run = timed(body, arrays, k)
                     row[name] = {"s": s_, "GBps": nbytes / s_ / 1e9}
+                if mib in profile_sizes and name in _PROFILED:
+                    del outs
+                    tr = row[name]["trace"] = trace_summary(run, calls=3)
+                    tr["ops_per_call"] = k
+                    if "gpu_us" in tr:
+                        # GPU time per op of the chain (as CUDA events around it would see
+                        # it, like the peer copy's): no program launch or sync around it.
+                        row[name]["gpu_s"] = tr["gpu_us"] / k / 1e6
+                        row[name]["GBps_gpu"] = nbytes / row[name]["gpu_s"] / 1e9
+                    outs = None
                 del outs
             except Exception as e:  # noqa: BLE001 - a row that fails is reported, not fatal
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -312,7 +341,12 @@ def worker(args):
 
 
 def e2e(args, mesh, me):
-    """magi_attention forward+backward, doc-causal, native vs the XLA transport."""
+    """magi_attention forward+backward, doc-causal, the native transport (in the tunings of
+    ``--e2e-backends``) against the XLA one, two ways: ``attn``, attention alone on
+    dispatched q/k/v (what a training step runs per layer: its activations are dispatched
+    once, at the embedding); ``step``, from replicated q/k/v in natural order through
+    dispatch, attention and undispatch (the gradients of replicated inputs add an all-reduce
+    of dq/dk/dv that both transports pay alike)."""
     import numpy as np
     import jax
     import jax.numpy as jnp
@@ -334,38 +368,52 @@ def e2e(args, mesh, me):
         a[i]).astype(jnp.bfloat16) for _ in range(3))
     out = {"tokens": total, "heads": H, "head_dim": D, "mask": "doc_causal (PERF docs)"}
     flops = 4 * mask.area * H * D * 3.5
+    backends = [b for b in args.e2e_backends.split(",") if b]
     for ffa in ("pallas", "xla"):
-        if ffa == "xla" and all("s" in out.get(f"pallas/{b}", {}) for b in ("native", "ppermute")):
+        if ffa == "xla" and any("s" in v for n, v in out.items()
+                                if n.startswith("pallas") and isinstance(v, dict)):
             break   # the portable FFA only when the Mosaic GPU one did not run
-        # native@stream1: the native collectives on XLA's explicit GPU stream 1 (CudaTuning).
-        for backend in ("native", "native@stream1", "ppermute"):
-            if args.skip_native and (backend.startswith("native") or ffa == "pallas"):
+        for spec in backends:
+            comm, *fields = spec.split(":")
+            tv = {f.split("=")[0]: int(f.split("=")[1]) for f in fields}
+            if args.skip_native and (comm == "native" or ffa == "pallas"):
                 continue
-            if backend == "native@stream1" and ffa != "pallas":
-                continue
-            name = f"{ffa}/{backend}"
-            comm, _, stream = backend.partition("@stream")
             try:
                 key = make_flex_key(mask, mesh, "cp", comm_backend=comm, ffa_backend=ffa)
-
-                def loss(q_, k_, v_, key_):
-                    o, _ = magi_attention(dispatch(q_, key_), dispatch(k_, key_),
-                                          dispatch(v_, key_), key_)
-                    return undispatch(o, key_).astype(jnp.float32).sum()
-                f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-                with native.tuning(stream=int(stream or 0)):        # traced on first call
-                    jax.block_until_ready(f(q, k, v, key))
-                best = float("inf")
-                for _ in range(args.reps):
-                    t = time.perf_counter()
-                    jax.block_until_ready(f(q, k, v, key))
-                    best = min(best, time.perf_counter() - t)
-                out[name] = {"s": best, "TFLOPs_per_gpu": flops / best / 2 / 1e12,
-                             "overlap_degree": key.overlap_degree}
             except Exception as e:  # noqa: BLE001
-                out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            if me == 0:
-                print(f"e2e {name}: {out[name]}", flush=True)
+                out[f"{ffa}/{spec}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                continue
+            qd, kd, vd = (jax.jit(dispatch)(x, key) for x in (q, k, v))
+
+            def attn(q_, k_, v_, key_):
+                return magi_attention(q_, k_, v_, key_)[0].astype(jnp.float32).sum()
+
+            def step(q_, k_, v_, key_):
+                o, _ = magi_attention(dispatch(q_, key_), dispatch(k_, key_),
+                                      dispatch(v_, key_), key_)
+                return undispatch(o, key_).astype(jnp.float32).sum()
+
+            for what, loss, xs in (("attn", attn, (qd, kd, vd)), ("step", step, (q, k, v))):
+                if what not in args.e2e_modes:
+                    continue
+                name = f"{ffa}/{spec}/{what}"
+                try:
+                    f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+                    with native.tuning(**tv):        # traced on the first call
+                        jax.block_until_ready(f(*xs, key))
+                    best = float("inf")
+                    for _ in range(args.reps):
+                        t = time.perf_counter()
+                        jax.block_until_ready(f(*xs, key))
+                        best = min(best, time.perf_counter() - t)
+                    out[name] = {"s": best, "TFLOPs_per_gpu": flops / best / 2 / 1e12,
+                                 "overlap_degree": key.overlap_degree}
+                    if args.profile:
+                        out[name]["trace"] = trace_summary(lambda: f(*xs, key))
+                except Exception as e:  # noqa: BLE001
+                    out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                if me == 0:
+                    print(f"e2e {name}: {out[name]}", flush=True)
     return out
 
 
@@ -402,11 +450,14 @@ def launch(args):
     passthru = ["--sizes", args.sizes, "--row-kib", str(args.row_kib), "--reps", str(args.reps),
                 "--ragged-max-mib", str(args.ragged_max_mib), "--out", args.out,
                 "--budget-s", str(args.budget_s), "--e2e-tokens", str(args.e2e_tokens),
+                "--e2e-backends", args.e2e_backends, "--e2e-modes", args.e2e_modes,
                 "--send-blocks-sweep", args.send_blocks_sweep, "--variants", args.variants,
                 "--reduce-variants", args.reduce_variants, "--variant-sizes",
                 args.variant_sizes]
     if args.no_e2e:
         passthru.append("--no-e2e")
+    if args.profile:
+        passthru += ["--profile", "--profile-sizes", args.profile_sizes]
     if args.skip_native:
         passthru.append("--skip-native")
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -488,13 +539,38 @@ def markdown(res) -> str:
             lines.append(f"| {float(mib):g} | {n} | " +
                          (f"{v['GBps']:.1f} | {v['s'] * 1e6:.1f} | {v.get('ok')} |"
                           if "s" in v else f"{v.get('error', '')[:100]} | | |"))
+    traced = [(f"{float(mib):g} MiB {n}", v["trace"]) for mib, row in res.get("sizes", {}).items()
+              for n, v in row.items() if isinstance(v, dict) and "trace" in v]
+    traced += [(f"e2e {n}", v["trace"]) for n, v in res.get("e2e", {}).items()
+               if isinstance(v, dict) and "trace" in v]
+    if traced:
+        lines += ["", "GPU traces (`benchmarks/gpu_trace.py`), µs per call of the timed program "
+                  "(a chain of ops, or one fwd+bwd step): GPU time from its first kernel to its "
+                  "last, busy time per kernel category, communication running under compute, "
+                  "idle GPU inside the call:",
+                  "", "| row | GPU time (median) | compute | native | nccl | comm under compute "
+                  "| idle inside |", "|---|---|---|---|---|---|---|"]
+        for label, t in traced:
+            b = t.get("busy_us", {})
+            lines.append(f"| {label} | " + (" | ".join(
+                str(x) for x in (t["gpu_us"], b.get("compute", 0), b.get("native", 0),
+                                 b.get("nccl", 0), t["comm_under_compute_us"], t["idle_us"]))
+                if "gpu_us" in t else t.get("error", "")) + " |")
+        gpu = [(mib, n, v) for mib, row in res.get("sizes", {}).items() for n, v in row.items()
+               if isinstance(v, dict) and "gpu_s" in v]
+        if gpu:
+            lines += ["", "The same chains by GPU time per op (the peer copy is timed so too, "
+                      "with CUDA events):", "", "| MiB/rank | row | µs per op | GB/s |",
+                      "|---|---|---|---|"]
+            lines += [f"| {float(mib):g} | {n} | {v['gpu_s'] * 1e6:.1f} | {v['GBps_gpu']:.1f} |"
+                      for mib, n, v in gpu]
     if res.get("check_failures"):
         lines += ["", f"**Wrong data delivered:** {res['check_failures']}"]
     if "e2e" in res:
         e = res["e2e"]
         lines += ["", f"magi_attention fwd+bwd, {e.get('mask')}, {e.get('tokens')} tokens, "
                   f"H {e.get('heads')}, D {e.get('head_dim')}, 2 GPUs:", "",
-                  "| FFA / transport | ms | TFLOP/s per GPU |", "|---|---|---|"]
+                  "| FFA / transport / what | ms | TFLOP/s per GPU |", "|---|---|---|"]
         for k, v in e.items():
             if isinstance(v, dict):
                 lines.append(f"| {k} | " + (f"{v['s'] * 1e3:.2f} | {v['TFLOPs_per_gpu']:.1f} |"

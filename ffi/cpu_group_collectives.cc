@@ -9,7 +9,9 @@
 // instead of hanging.
 //
 // Tables of rank r (see collectives.py): send [n, S] (local row or -1), recv [B] (j*S + p or
-// -1); slot j of rank r goes to rank (r + shifts[j]) % cp.
+// -1); slot j of rank r goes to rank (r + shifts[j]) % cp. One call moves the rows of up to
+// kMaxLeaves arrays with the same rows (e.g. K and V), each into its own output, as below
+// for each of them.
 //   cast:   out_r[b] = x_src[send_src[j, p]],  recv_r[b] = j*S + p,  src = r - shifts[j]
 //   reduce: out_r[row] = acc_r[row] + sum over j (ascending), dst = r + shifts[j], b
 //           (ascending) with recv_dst[b] = j*S + p and send_r[j, p] = row, of y_dst[b]
@@ -46,14 +48,16 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+constexpr size_t kMaxLeaves = 4;
+
 struct Member {
-  const void* data = nullptr;     // x (cast) or y (reduce)
-  const void* acc = nullptr;      // reduce: initial output or nullptr
-  void* out = nullptr;
+  std::vector<const void*> data;  // per leaf: x (cast) or y (reduce)
+  std::vector<const void*> acc;   // reduce, per leaf: initial output or nullptr
+  std::vector<void*> out;         // per leaf
+  std::vector<int64_t> row_bytes;  // per leaf (of data)
   const int32_t* send = nullptr;  // [n, S]
   const int32_t* recv = nullptr;  // [B]
   int64_t rows = 0;               // rows of data
-  int64_t row_bytes = 0;
   int64_t out_rows = 0;
   int64_t n = 0, s = 0, b = 0;
   ffi::DataType dtype = ffi::DataType::INVALID;
@@ -253,34 +257,37 @@ std::string CheckTables(const std::vector<Member>& m, size_t n_shifts) {
   return "";
 }
 
-// out_r[b] = x_src[send_src[j, p]] for recv_r[b] = j*S + p, src = r - shifts[j].
+// out_r[b] = x_src[send_src[j, p]] for recv_r[b] = j*S + p, src = r - shifts[j] (every leaf).
 std::string CastOne(const std::vector<Member>& m, int64_t rank,
                     ffi::Span<const int64_t> shifts) {
   const int64_t cp = m.size();
   const Member& me = m[rank];
-  char* dst = static_cast<char*>(me.out);
-  const int64_t rb = me.row_bytes, slots = me.n * me.s;
+  const int64_t slots = me.n * me.s;
   for (int64_t b = 0; b < me.b; ++b) {
     int32_t e = me.recv[b];
-    char* row_out = dst + b * rb;
-    if (e < 0) {
-      std::memset(row_out, 0, rb);
-      continue;
-    }
+    int32_t row = -1;
+    int64_t src = 0;
     if (e >= slots) {
       return "recv_index[" + std::to_string(b) + "] = " + std::to_string(e) +
              " is outside the " + std::to_string(slots) + " received rows";
     }
-    int64_t j = e / me.s, p = e % me.s;
-    int64_t src = Mod(rank - shifts[j], cp);
-    int32_t row = m[src].send[j * me.s + p];
-    if (row < 0) {
-      std::memset(row_out, 0, rb);
-    } else if (row >= m[src].rows) {
-      return "send_index of rank " + std::to_string(src) + " names row " +
-             std::to_string(row) + " of " + std::to_string(m[src].rows);
-    } else {
-      std::memcpy(row_out, static_cast<const char*>(m[src].data) + row * rb, rb);
+    if (e >= 0) {
+      int64_t j = e / me.s, p = e % me.s;
+      src = Mod(rank - shifts[j], cp);
+      row = m[src].send[j * me.s + p];
+      if (row >= m[src].rows) {
+        return "send_index of rank " + std::to_string(src) + " names row " +
+               std::to_string(row) + " of " + std::to_string(m[src].rows);
+      }
+    }
+    for (size_t l = 0; l < me.out.size(); ++l) {
+      const int64_t rb = me.row_bytes[l];
+      char* row_out = static_cast<char*>(me.out[l]) + b * rb;
+      if (row < 0) {
+        std::memset(row_out, 0, rb);
+      } else {
+        std::memcpy(row_out, static_cast<const char*>(m[src].data[l]) + row * rb, rb);
+      }
     }
   }
   return "";
@@ -293,26 +300,29 @@ std::string ReduceOne(const std::vector<Member>& m, int64_t rank,
                       ffi::Span<const int64_t> shifts) {
   const int64_t cp = m.size();
   const Member& me = m[rank];
-  const int64_t elems = me.row_bytes / static_cast<int64_t>(ffi::ByteWidth(me.dtype));
-  Acc* out = static_cast<Acc*>(me.out);
-  if (me.acc) {
-    std::memcpy(out, me.acc, me.out_rows * elems * sizeof(Acc));
-  } else {
-    std::memset(out, 0, me.out_rows * elems * sizeof(Acc));
-  }
-  for (int64_t j = 0; j < me.n; ++j) {
-    const Member& md = m[Mod(rank + shifts[j], cp)];
-    for (int64_t b = 0; b < md.b; ++b) {
-      int32_t e = md.recv[b];
-      if (e < 0 || e >= me.n * me.s || e / me.s != j) continue;
-      int32_t row = me.send[e];
-      if (row < 0) continue;
-      if (row >= me.out_rows) {
-        return "send_index names row " + std::to_string(row) + " of " +
-               std::to_string(me.out_rows);
+  const int64_t width = static_cast<int64_t>(ffi::ByteWidth(me.dtype));
+  for (size_t l = 0; l < me.out.size(); ++l) {
+    const int64_t elems = me.row_bytes[l] / width;
+    Acc* out = static_cast<Acc*>(me.out[l]);
+    if (me.acc[l]) {
+      std::memcpy(out, me.acc[l], me.out_rows * elems * sizeof(Acc));
+    } else {
+      std::memset(out, 0, me.out_rows * elems * sizeof(Acc));
+    }
+    for (int64_t j = 0; j < me.n; ++j) {
+      const Member& md = m[Mod(rank + shifts[j], cp)];
+      for (int64_t b = 0; b < md.b; ++b) {
+        int32_t e = md.recv[b];
+        if (e < 0 || e >= me.n * me.s || e / me.s != j) continue;
+        int32_t row = me.send[e];
+        if (row < 0) continue;
+        if (row >= me.out_rows) {
+          return "send_index names row " + std::to_string(row) + " of " +
+                 std::to_string(me.out_rows);
+        }
+        AddRow(out + row * elems, static_cast<const char*>(md.data[l]) + b * md.row_bytes[l],
+               md.dtype, elems);
       }
-      AddRow(out + row * elems, static_cast<const char*>(md.data) + b * md.row_bytes,
-             md.dtype, elems);
     }
   }
   return "";
@@ -345,30 +355,80 @@ ffi::Future Failed(ffi::Error error) {
 
 // ---- handlers --------------------------------------------------------------------------
 
-ffi::Future CastImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
-                     ffi::Buffer<ffi::S32> where, ffi::Result<ffi::AnyBuffer> out, int64_t cp,
-                     ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms) {
+// The leaves of a call into `me`: inputs args[0, n), outputs rets[0, n) and, for an
+// accumulating reduce, initial sums args[n, 2n). A cast's output l has input l's dtype and
+// row size; a reduce's is float32 (float64 for float64 input) rows of input l's elements.
+std::string GetLeaves(ffi::RemainingArgs args, ffi::RemainingRets rets, bool reduce,
+                      bool accumulate, int64_t b, Member& me) {
+  const size_t n = rets.size();
+  if (n < 1 || n > kMaxLeaves || args.size() != n * (accumulate ? 2 : 1)) {
+    return "1 to " + std::to_string(kMaxLeaves) + " arrays, one output each" +
+           (accumulate ? " and one initial sum each" : "") + "; got " +
+           std::to_string(args.size()) + " inputs and " + std::to_string(n) + " outputs";
+  }
+  for (size_t l = 0; l < n; ++l) {
+    auto x = args.get<ffi::AnyBuffer>(l);
+    auto o = rets.get<ffi::AnyBuffer>(l);
+    if (x.has_error() || o.has_error()) return "array " + std::to_string(l) + " is not a buffer";
+    const ffi::DataType dt = x->element_type();
+    const int64_t rows = x->dimensions().size() == 0 ? 0 : x->dimensions()[0];
+    const int64_t out_rows = (*o)->dimensions().size() == 0 ? 0 : (*o)->dimensions()[0];
+    const int64_t rb = RowBytes(*x);
+    if (l == 0) {
+      me.dtype = dt;
+      me.rows = rows;
+      me.out_rows = out_rows;
+    }
+    const ffi::DataType want = reduce ? (dt == ffi::DataType::F64 ? ffi::DataType::F64
+                                                                  : ffi::DataType::F32)
+                                      : dt;
+    const int64_t out_rb = reduce ? rb / static_cast<int64_t>(ffi::ByteWidth(dt)) *
+                                        static_cast<int64_t>(ffi::ByteWidth(want))
+                                  : rb;
+    if (rows != me.rows || out_rows != me.out_rows || (reduce && dt != me.dtype) ||
+        (*o)->element_type() != want || RowBytes(**o) != out_rb) {
+      return "array " + std::to_string(l) +
+             (reduce ? " must share the rows and dtype of the others and its output be "
+                       "float32 (float64) rows of its elements"
+                     : " must share the rows of the others and its output its dtype and row "
+                       "size");
+    }
+    if (!reduce && out_rows != b) return "the outputs must have one row per recv_index entry";
+    me.data.push_back(x->untyped_data());
+    me.out.push_back((*o)->untyped_data());
+    me.row_bytes.push_back(rb);
+    const void* acc = nullptr;
+    if (accumulate) {
+      auto a = args.get<ffi::AnyBuffer>(n + l);
+      if (a.has_error() || a->size_bytes() != (*o)->size_bytes()) {
+        return "the initial sums must have the outputs' shapes and dtypes";
+      }
+      acc = a->untyped_data();
+    }
+    me.acc.push_back(acc);
+  }
+  return "";
+}
+
+ffi::Future CastImpl(ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
+                     ffi::Buffer<ffi::S32> where, ffi::RemainingArgs xs, ffi::RemainingRets outs,
+                     int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id,
+                     int64_t timeout_ms) {
   auto w = ReadWhere(where, cp);
   if (w.has_error()) return Failed(w.error());
   auto sdims = send.dimensions();
   if (sdims.size() != 2) return Failed(ffi::Error::InvalidArgument("send_index must be [n, S]"));
   Member me;
-  me.data = x.untyped_data();
-  me.out = out->untyped_data();
   me.send = send.typed_data();
   me.recv = recv.typed_data();
-  me.rows = x.dimensions().size() == 0 ? 0 : x.dimensions()[0];
-  me.row_bytes = RowBytes(x);
   me.n = sdims[0];
   me.s = sdims[1];
   me.b = static_cast<int64_t>(recv.element_count());
-  me.dtype = x.element_type();
-  if (out->element_type() != x.element_type() || RowBytes(*out) != me.row_bytes ||
-      out->dimensions()[0] != me.b) {
-    return Failed(ffi::Error::InvalidArgument("out must be [B, ...] with x's dtype and rows"));
+  std::string err = GetLeaves(xs, outs, /*reduce=*/false, /*accumulate=*/false, me.b, me);
+  if (!err.empty()) {
+    return Failed(ffi::Error::InvalidArgument("magi_jax native group_cast (CPU): " + err));
   }
   ffi::Future future(me.promise);
-  std::string err;
   auto group = Arrive(call_id, w->group, w->rank, cp, timeout_ms, "group_cast",
                       std::move(me), &err);
   if (!err.empty()) return Failed(ffi::Error::InvalidArgument(err));
@@ -379,45 +439,31 @@ ffi::Future CastImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> send, ffi::Buffer<f
   return future;
 }
 
-ffi::Future ReduceImpl(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> send,
-                       ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
-                       ffi::AnyBuffer acc, ffi::Result<ffi::AnyBuffer> out, int64_t cp,
-                       ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
-                       bool accumulate) {
+ffi::Future ReduceImpl(ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
+                       ffi::Buffer<ffi::S32> where, ffi::RemainingArgs ys,
+                       ffi::RemainingRets outs, int64_t cp, ffi::Span<const int64_t> shifts,
+                       int64_t call_id, int64_t timeout_ms, bool accumulate) {
   auto w = ReadWhere(where, cp);
   if (w.has_error()) return Failed(w.error());
   auto sdims = send.dimensions();
   if (sdims.size() != 2) return Failed(ffi::Error::InvalidArgument("send_index must be [n, S]"));
-  ffi::DataType dt = y.element_type();
-  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16 && dt != ffi::DataType::F32 &&
-      dt != ffi::DataType::F64) {
-    return Failed(ffi::Error::InvalidArgument("group_reduce takes bf16, f16, f32 or f64"));
-  }
-  const bool wide = out->element_type() == ffi::DataType::F64;
-  if (out->element_type() != (wide ? ffi::DataType::F64 : ffi::DataType::F32)) {
-    return Failed(ffi::Error::InvalidArgument("group_reduce output must be float32 (float64)"));
-  }
   Member me;
-  me.data = y.untyped_data();
-  me.out = out->untyped_data();
-  me.acc = accumulate ? acc.untyped_data() : nullptr;
   me.send = send.typed_data();
   me.recv = recv.typed_data();
-  me.rows = y.dimensions().size() == 0 ? 0 : y.dimensions()[0];
-  me.row_bytes = RowBytes(y);
-  me.out_rows = out->dimensions()[0];
   me.n = sdims[0];
   me.s = sdims[1];
   me.b = static_cast<int64_t>(recv.element_count());
-  me.dtype = dt;
-  if (me.rows != me.b) {
-    return Failed(ffi::Error::InvalidArgument("y must have one row per recv_index entry"));
+  std::string err = GetLeaves(ys, outs, /*reduce=*/true, accumulate, me.b, me);
+  if (err.empty() && me.dtype != ffi::DataType::BF16 && me.dtype != ffi::DataType::F16 &&
+      me.dtype != ffi::DataType::F32 && me.dtype != ffi::DataType::F64) {
+    err = "takes bf16, f16, f32 or f64";
   }
-  if (accumulate && acc.size_bytes() != out->size_bytes()) {
-    return Failed(ffi::Error::InvalidArgument("acc must have the output's shape and dtype"));
+  if (err.empty() && me.rows != me.b) err = "y must have one row per recv_index entry";
+  if (!err.empty()) {
+    return Failed(ffi::Error::InvalidArgument("magi_jax native group_reduce (CPU): " + err));
   }
+  const bool wide = me.dtype == ffi::DataType::F64;
   ffi::Future future(me.promise);
-  std::string err;
   auto group = Arrive(call_id, w->group, w->rank, cp, timeout_ms, "group_reduce",
                       std::move(me), &err);
   if (!err.empty()) return Failed(ffi::Error::InvalidArgument(err));
@@ -431,26 +477,28 @@ ffi::Future ReduceImpl(ffi::AnyBuffer y, ffi::Buffer<ffi::S32> send,
 
 }  // namespace
 
+// Cast: send, recv, where, then the arrays x_0.. (RemainingArgs); outputs out_0..
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCpu, CastImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
                                   .Attr<int64_t>("cp")
                                   .Attr<ffi::Span<const int64_t>>("shifts")
                                   .Attr<int64_t>("call_id")
                                   .Attr<int64_t>("timeout_ms"));
 
+// Reduce: send, recv, where, then the arrays y_0.. and (accumulate) their initial sums
+// acc_0.. (RemainingArgs); outputs out_0..
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceCpu, ReduceImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
                                   .Attr<int64_t>("cp")
                                   .Attr<ffi::Span<const int64_t>>("shifts")
                                   .Attr<int64_t>("call_id")

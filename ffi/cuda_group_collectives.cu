@@ -3,6 +3,11 @@
 // One process per GPU; rank r of the cp axis is NVSHMEM PE r. Tables of rank r as in
 // magi_jax/sharding/collectives.py: send [n, S] (local row or -1), recv [B] (j*S + p or -1).
 //
+// A collective moves the rows of up to kMaxLeaves arrays with one leading row axis (e.g. K
+// and V) at once: a staged row is the rows of every leaf side by side, gathered from the
+// leaves by the send blocks and split into one output per leaf by the receive blocks, so the
+// arrays are never concatenated in memory.
+//
 // One kernel per collective, two kinds of blocks. The rows of slot j travel through a
 // symmetric staging region at position j*S + p, in one of two data paths (`mode`):
 //  * push: send blocks store their rows straight into the PEER's staging (16-byte stores
@@ -63,6 +68,7 @@ constexpr int kUnroll = 4;       // 16-byte units in flight per thread in a bloc
 constexpr int kWarpUnroll = 8;   // 16-byte units in flight per lane in a warp copy
 constexpr int kRowsPerWarp = 4;  // at most this many consecutive rows per receiving warp
 constexpr int64_t kRegionAlign = 256;
+constexpr int kMaxLeaves = 4;
 enum Mode : int { kPush = 0, kPull = 1 };
 
 // ---- process-wide NVSHMEM context ------------------------------------------------------
@@ -95,6 +101,7 @@ struct CollectiveState {
   int send_blocks = 64, recv_blocks = 64;
   int mode = kPush;
   bool double_buffer = true;
+  bool accumulate = false;  // reduce: add the initial sums passed after the arrays
   int64_t timeout_ns = 0;
 };
 ffi::TypeId CollectiveState::id = XLA_FFI_UNKNOWN_TYPE_ID;
@@ -118,6 +125,18 @@ struct Plan {
   uint64_t* flags;    // this call's bank of flags (one bank per staging region)
   uint64_t* acks;
   unsigned int* done;
+};
+
+// The arrays of one collective (passed by value). A staged row is leaf 0's row, then leaf
+// 1's, ...: leaf l at byte off[l] of it, bytes[l] long; off[n] is the staged row's size.
+struct Leaves {
+  int n;
+  const char* src[kMaxLeaves];   // cast: x_l [T, ...]; reduce: y_l [B, ...]
+  char* dst[kMaxLeaves];         // cast: out_l [B, ...]; reduce: float32 out_l [T, ...]
+  const float* acc[kMaxLeaves];  // reduce: the sums to add to (accumulate) or nullptr
+  int64_t bytes[kMaxLeaves];
+  int64_t off[kMaxLeaves + 1];
+  bool aligned;                  // every leaf's rows 16-byte sized and aligned
 };
 
 // ---- device helpers --------------------------------------------------------------------
@@ -187,11 +206,11 @@ __device__ __forceinline__ void WarpZero(char* dst, int64_t bytes, int lane) {
   }
 }
 
-// All threads of the block: rows src_of[pos0 + r] (r < m; -1 = skip) of `data` -> rows
-// pos0 + r of `dst`, in 16-byte units, kUnroll loads in flight per thread. Needs row_bytes,
-// data and dst 16-byte aligned.
-__device__ __forceinline__ void BlockCopyRows(char* dst, const char* data, const int32_t* src_of,
-                                              int64_t pos0, int64_t m, int64_t row_bytes) {
+// All threads of the block: the rows src_of[pos0 + r] (r < m; -1 = skip) of every leaf,
+// side by side, -> staged rows pos0 + r of `dst`, in 16-byte units, kUnroll loads in flight
+// per thread. Needs L.aligned and dst 16-byte aligned.
+__device__ __forceinline__ void BlockGatherRows(char* dst, const Leaves& L, const int32_t* src_of,
+                                                int64_t pos0, int64_t m, int64_t row_bytes) {
   const uint32_t units = static_cast<uint32_t>(row_bytes >> 4);
   const uint32_t total = static_cast<uint32_t>(m) * units;
   for (uint32_t base = threadIdx.x; base < total; base += kUnroll * kThreads) {
@@ -206,8 +225,12 @@ __device__ __forceinline__ void BlockCopyRows(char* dst, const char* data, const
         const uint32_t r = i / units, u = i - r * units;
         const int32_t row = src_of[pos0 + r];
         if (row >= 0) {
-          v[k] = __ldg(reinterpret_cast<const int4*>(data + row * row_bytes) + u);
-          off[k] = (pos0 + r) * row_bytes + static_cast<int64_t>(u) * 16;
+          const int64_t at = static_cast<int64_t>(u) * 16;   // byte in the staged row
+          int l = 0;
+          while (l + 1 < L.n && at >= L.off[l + 1]) ++l;
+          v[k] = __ldg(reinterpret_cast<const int4*>(L.src[l] + row * L.bytes[l] + at -
+                                                      L.off[l]));
+          off[k] = (pos0 + r) * row_bytes + at;
         }
       }
     }
@@ -238,8 +261,8 @@ __device__ __forceinline__ int SlotOfChunk(const Plan& P, int c) {
 }
 
 // Send blocks: chunk c of slot j holds positions [c_local*R, min(w_j, (c_local+1)*R)).
-// `src_of[j*S + p]` is the local row to send from `data` (-1: nothing).
-__device__ void SendChunks(const Plan& P, const char* data, const int32_t* src_of) {
+// `src_of[j*S + p]` is the local row of the leaves to send (-1: nothing).
+__device__ void SendChunks(const Plan& P, const Leaves& L, const int32_t* src_of) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __shared__ char* dst_region;  // this chunk's destination region (peer's or own staging)
   bool first = true;
@@ -273,23 +296,28 @@ __device__ void SendChunks(const Plan& P, const char* data, const int32_t* src_o
     char* dst = dst_region;
     CheckRows(P, src_of, j * P.S + p0, p1 - p0);
     if (dst != nullptr) {
-      if ((P.row_bytes & 15) == 0 && Aligned16(dst) && Aligned16(data)) {
-        BlockCopyRows(dst, data, src_of, j * P.S + p0, p1 - p0, P.row_bytes);
+      if (L.aligned && Aligned16(dst)) {
+        BlockGatherRows(dst, L, src_of, j * P.S + p0, p1 - p0, P.row_bytes);
       } else {
         for (int64_t p = p0 + warp; p < p1; p += kWarps) {
           const int32_t row = src_of[j * P.S + p];
           if (row < 0) continue;
-          char* d = dst + (j * P.S + p) * P.row_bytes;
-          const char* s = data + row * P.row_bytes;
-          for (int64_t i = lane; i < P.row_bytes; i += 32) d[i] = s[i];
+          for (int l = 0; l < L.n; ++l) {
+            char* d = dst + (j * P.S + p) * P.row_bytes + L.off[l];
+            const char* s = L.src[l] + row * L.bytes[l];
+            for (int64_t i = lane; i < L.bytes[l]; i += 32) d[i] = s[i];
+          }
         }
       }
     } else {  // push to a peer without a load/store mapping
       for (int64_t p = p0 + warp; p < p1; p += kWarps) {
         const int32_t row = src_of[j * P.S + p];
         if (row < 0) continue;
-        nvshmemx_putmem_nbi_warp(P.stage + P.stage_off + (j * P.S + p) * P.row_bytes,
-                                 data + row * P.row_bytes, P.row_bytes, peer);
+        for (int l = 0; l < L.n; ++l) {
+          nvshmemx_putmem_nbi_warp(
+              P.stage + P.stage_off + (j * P.S + p) * P.row_bytes + L.off[l],
+              L.src[l] + row * L.bytes[l], L.bytes[l], peer);
+        }
       }
       __syncwarp();
       if (lane == 0) nvshmem_quiet();
@@ -350,11 +378,11 @@ __device__ void CheckRank(const Plan& P, const int32_t* where) {
 }
 
 __global__ void __launch_bounds__(kThreads)
-CastKernel(Plan P, const char* x, const int32_t* send, const int32_t* recv, const int32_t* where,
-           char* out, int64_t B, int recv_blocks, int rows_per_warp) {
+CastKernel(Plan P, Leaves L, const int32_t* send, const int32_t* recv, const int32_t* where,
+           int64_t B, int recv_blocks, int rows_per_warp) {
   CheckRank(P, where);
   if (blockIdx.x < P.send_blocks) {
-    SendChunks(P, x, send);
+    SendChunks(P, L, send);
     return;
   }
   __shared__ const char* staged[kMaxSlots];
@@ -370,9 +398,8 @@ CastKernel(Plan P, const char* x, const int32_t* send, const int32_t* recv, cons
     const int64_t b1 = min(B, b0 + rows_per_warp);
     for (int64_t b = b0; b < b1; ++b) {
       const int32_t e = recv[b];
-      char* dst = out + b * P.row_bytes;
       if (e < 0) {
-        WarpZero(dst, P.row_bytes, lane);
+        for (int l = 0; l < L.n; ++l) WarpZero(L.dst[l] + b * L.bytes[l], L.bytes[l], lane);
         continue;
       }
       if (e >= P.n * P.S) {
@@ -389,7 +416,10 @@ CastKernel(Plan P, const char* x, const int32_t* send, const int32_t* recv, cons
         AcquireSys();
         seen = c;
       }
-      WarpCopy(dst, staged[j] + static_cast<int64_t>(e) * P.row_bytes, P.row_bytes, lane);
+      const char* row = staged[j] + static_cast<int64_t>(e) * P.row_bytes;
+      for (int l = 0; l < L.n; ++l) {
+        WarpCopy(L.dst[l] + b * L.bytes[l], row + L.off[l], L.bytes[l], lane);
+      }
     }
   }
   Acknowledge(P, recv_blocks);
@@ -406,21 +436,23 @@ __device__ __forceinline__ float ToF32<__nv_bfloat16>(__nv_bfloat16 v) {
   return __bfloat162float(v);
 }
 
-// out[t] = (acc[t] or 0) + sum_j staged[j*S + inv[t, j]], j ascending (float32).
+// out_l[t] = (acc_l[t] or 0) + sum_j (leaf l's part of staged[j*S + inv[t, j]]), j ascending
+// (float32), for every leaf l.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-ReduceKernel(Plan P, const char* y, const int32_t* rinv, const int32_t* inv,
-             const int32_t* where, const float* acc, float* out, int64_t T_rows, int64_t F,
-             int recv_blocks) {
+ReduceKernel(Plan P, Leaves L, const int32_t* rinv, const int32_t* inv, const int32_t* where,
+             int64_t T_rows, int recv_blocks) {
   CheckRank(P, where);
   if (blockIdx.x < P.send_blocks) {
-    SendChunks(P, y, rinv);
+    SendChunks(P, L, rinv);
     return;
   }
   __shared__ const char* staged[kMaxSlots];
   StagedBases(P, staged);
   const int rb = blockIdx.x - P.send_blocks;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t F = P.row_bytes / static_cast<int64_t>(sizeof(T));  // elements of a staged row
+  constexpr int V = 16 / sizeof(T);  // elements per 16-byte load
   for (int64_t t = static_cast<int64_t>(rb) * kWarps + warp; t < T_rows;
        t += static_cast<int64_t>(recv_blocks) * kWarps) {
     const int32_t* my_inv = inv + t * P.n;
@@ -434,61 +466,66 @@ ReduceKernel(Plan P, const char* y, const int32_t* rinv, const int32_t* inv,
     }
     __syncwarp();
     AcquireSys();
-    float* o = out + t * F;
-    const float* a = acc ? acc + t * F : nullptr;
-    constexpr int V = 16 / sizeof(T);  // elements per 16-byte load
-    if (F % V == 0) {
-      // kUnroll 16-byte loads per slot in flight per lane (in pull mode they cross NVLink).
-      for (int64_t f0 = static_cast<int64_t>(lane) * V; f0 < F; f0 += 32 * V * kUnroll) {
-        float s[kUnroll][V];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int64_t f = f0 + u * 32 * V;
-#pragma unroll
-          for (int k = 0; k < V; k += 4) {
-            const float4 a4 = (a && f < F) ? *reinterpret_cast<const float4*>(a + f + k)
-                                           : make_float4(0.f, 0.f, 0.f, 0.f);
-            s[u][k] = a4.x; s[u][k + 1] = a4.y; s[u][k + 2] = a4.z; s[u][k + 3] = a4.w;
-          }
-        }
-        for (int j = 0; j < P.n; ++j) {
-          const int32_t p = my_inv[j];
-          if (p < 0) continue;
-          const T* row = reinterpret_cast<const T*>(staged[j]) + (j * P.S + p) * F;
-          int4 raw[kUnroll];
+    for (int l = 0; l < L.n; ++l) {
+      const int64_t Fl = L.bytes[l] / static_cast<int64_t>(sizeof(T));  // leaf l's elements
+      const int64_t first = L.off[l] / static_cast<int64_t>(sizeof(T));  // its first in a row
+      float* o = reinterpret_cast<float*>(L.dst[l]) + t * Fl;
+      const float* a = L.acc[l] ? L.acc[l] + t * Fl : nullptr;
+      if (F % V == 0 && Fl % V == 0 && first % V == 0 && Aligned16(o) &&
+          (!a || Aligned16(a))) {
+        // kUnroll 16-byte loads per slot in flight per lane (in pull mode they cross NVLink).
+        for (int64_t f0 = static_cast<int64_t>(lane) * V; f0 < Fl; f0 += 32 * V * kUnroll) {
+          float s[kUnroll][V];
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
             const int64_t f = f0 + u * 32 * V;
-            raw[u] = f < F ? __ldcg(reinterpret_cast<const int4*>(row + f)) : make_int4(0, 0, 0, 0);
+#pragma unroll
+            for (int k = 0; k < V; k += 4) {
+              const float4 a4 = (a && f < Fl) ? *reinterpret_cast<const float4*>(a + f + k)
+                                              : make_float4(0.f, 0.f, 0.f, 0.f);
+              s[u][k] = a4.x; s[u][k + 1] = a4.y; s[u][k + 2] = a4.z; s[u][k + 3] = a4.w;
+            }
+          }
+          for (int j = 0; j < P.n; ++j) {
+            const int32_t p = my_inv[j];
+            if (p < 0) continue;
+            const T* row = reinterpret_cast<const T*>(staged[j]) + (j * P.S + p) * F + first;
+            int4 raw[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+              const int64_t f = f0 + u * 32 * V;
+              raw[u] = f < Fl ? __ldcg(reinterpret_cast<const int4*>(row + f))
+                              : make_int4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+              const T* v = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+              for (int k = 0; k < V; ++k) s[u][k] += ToF32<T>(v[k]);
+            }
           }
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
-            const T* v = reinterpret_cast<const T*>(&raw[u]);
+            const int64_t f = f0 + u * 32 * V;
+            if (f >= Fl) continue;
 #pragma unroll
-            for (int k = 0; k < V; ++k) s[u][k] += ToF32<T>(v[k]);
+            for (int k = 0; k < V; k += 4) {
+              *reinterpret_cast<float4*>(o + f + k) =
+                  make_float4(s[u][k], s[u][k + 1], s[u][k + 2], s[u][k + 3]);
+            }
           }
         }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int64_t f = f0 + u * 32 * V;
-          if (f >= F) continue;
-#pragma unroll
-          for (int k = 0; k < V; k += 4) {
-            *reinterpret_cast<float4*>(o + f + k) =
-                make_float4(s[u][k], s[u][k + 1], s[u][k + 2], s[u][k + 3]);
+      } else {
+        for (int64_t f = lane; f < Fl; f += 32) {
+          float s = a ? a[f] : 0.f;
+          for (int j = 0; j < P.n; ++j) {
+            const int32_t p = my_inv[j];
+            if (p < 0) continue;
+            const T* row = reinterpret_cast<const T*>(staged[j]) + (j * P.S + p) * F + first;
+            s += ToF32<T>(row[f]);
           }
+          o[f] = s;
         }
-      }
-    } else {
-      for (int64_t f = lane; f < F; f += 32) {
-        float s = a ? a[f] : 0.f;
-        for (int j = 0; j < P.n; ++j) {
-          const int32_t p = my_inv[j];
-          if (p < 0) continue;
-          const T* row = reinterpret_cast<const T*>(staged[j]) + (j * P.S + p) * F;
-          s += ToF32<T>(row[f]);
-        }
-        o[f] = s;
       }
     }
   }
@@ -496,6 +533,8 @@ ReduceKernel(Plan P, const char* y, const int32_t* rinv, const int32_t* inv,
 }
 
 // ---- host side -------------------------------------------------------------------------
+
+bool Aligned16Host(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 ffi::ErrorOr<std::unique_ptr<CollectiveState>> Instantiate(
     int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
@@ -647,16 +686,88 @@ int64_t RowBytes(const ffi::AnyBuffer& a) {
   return per_row * static_cast<int64_t>(ffi::ByteWidth(a.element_type()));
 }
 
+int64_t Rows(const ffi::AnyBuffer& a) {
+  auto dims = a.dimensions();
+  return dims.size() == 0 ? 0 : dims[0];
+}
+
 // Receive blocks: no more than one warp per row needs.
 int RecvBlocks(const CollectiveState& st, int64_t rows) {
   const int64_t need = std::max<int64_t>(1, (rows + kWarps - 1) / kWarps);
   return static_cast<int>(std::min<int64_t>(st.recv_blocks, need));
 }
 
-ffi::Error CastExecute(cudaStream_t stream, CollectiveState* st, ffi::AnyBuffer x,
-                       ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
-                       ffi::Buffer<ffi::S32> where, ffi::Result<ffi::AnyBuffer> out) {
-  const int64_t row_bytes = RowBytes(x);
+// The leaves of a call: inputs args[first, first + n), outputs rets[0, n) (one per input, the
+// same rows-per-leaf layout: `out_rows` rows each; a cast keeps the input's row bytes, a
+// reduce writes float32 rows of the input's elements), and for an accumulating reduce the
+// initial sums args[first + n, first + 2n). Checks what the kernels rely on.
+ffi::ErrorOr<Leaves> GetLeaves(const char* op, ffi::RemainingArgs args, size_t first,
+                               ffi::RemainingRets rets, bool reduce, bool accumulate) {
+  Leaves L{};
+  const size_t n = rets.size();
+  const size_t inputs = args.size() - first;
+  if (n < 1 || n > static_cast<size_t>(kMaxLeaves) || inputs != n * (accumulate ? 2 : 1)) {
+    return ffi::Error::InvalidArgument(
+        std::string("magi_jax native ") + op + ": 1 to " + std::to_string(kMaxLeaves) +
+        " arrays, one output each" + (accumulate ? " and one initial sum each" : "") +
+        "; got " + std::to_string(inputs) + " inputs and " + std::to_string(n) + " outputs");
+  }
+  L.n = static_cast<int>(n);
+  L.aligned = true;
+  L.off[0] = 0;
+  int64_t rows = -1, out_rows = -1;
+  ffi::DataType dtype = ffi::DataType::INVALID;
+  for (size_t l = 0; l < n; ++l) {
+    auto x = args.get<ffi::AnyBuffer>(first + l);
+    auto o = rets.get<ffi::AnyBuffer>(l);
+    if (x.has_error()) return x.error();
+    if (o.has_error()) return o.error();
+    const int64_t bytes = RowBytes(*x);
+    const int64_t elems = bytes / static_cast<int64_t>(ffi::ByteWidth(x->element_type()));
+    const bool shape_ok =
+        reduce ? ((*o)->element_type() == ffi::DataType::F32 && RowBytes(**o) == 4 * elems)
+               : ((*o)->element_type() == x->element_type() && RowBytes(**o) == bytes);
+    if (rows < 0) {
+      rows = Rows(*x);
+      out_rows = Rows(**o);
+      dtype = x->element_type();
+    }
+    if (!shape_ok || Rows(*x) != rows || Rows(**o) != out_rows ||
+        (reduce && x->element_type() != dtype)) {
+      return ffi::Error::InvalidArgument(
+          std::string("magi_jax native ") + op + ": array " + std::to_string(l) +
+          (reduce ? " must share the rows and dtype of the others and its output be float32 "
+                    "rows of its elements"
+                  : " must share the rows of the others and its output its dtype and row "
+                    "size"));
+    }
+    L.src[l] = static_cast<const char*>(x->untyped_data());
+    L.dst[l] = static_cast<char*>((*o)->untyped_data());
+    L.acc[l] = nullptr;
+    if (accumulate) {
+      auto a = args.get<ffi::AnyBuffer>(first + n + l);
+      if (a.has_error()) return a.error();
+      if (a->size_bytes() != (*o)->size_bytes() || a->element_type() != ffi::DataType::F32) {
+        return ffi::Error::InvalidArgument(std::string("magi_jax native ") + op +
+                                           ": the initial sums must have the outputs' shapes "
+                                           "(float32)");
+      }
+      L.acc[l] = static_cast<const float*>(a->untyped_data());
+    }
+    L.bytes[l] = bytes;
+    L.off[l + 1] = L.off[l] + bytes;
+    L.aligned = L.aligned && (bytes & 15) == 0 && Aligned16Host(L.src[l]);
+  }
+  return L;
+}
+
+ffi::Error CastExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi::S32> send,
+                       ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
+                       ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  auto leaves = GetLeaves("group_cast", args, 0, rets, /*reduce=*/false, /*accumulate=*/false);
+  if (leaves.has_error()) return leaves.error();
+  const Leaves& L = *leaves;
+  const int64_t row_bytes = L.off[L.n];
   if (auto e = CheckStage(*st, row_bytes); !e.success()) return e;
   if (auto e = CheckSendTable(*st, send); !e.success()) return e;
   const int64_t B = static_cast<int64_t>(recv.element_count());
@@ -665,51 +776,44 @@ ffi::Error CastExecute(cudaStream_t stream, CollectiveState* st, ffi::AnyBuffer 
   const int64_t warps = static_cast<int64_t>(recv_blocks) * kWarps;
   const int rows_per_warp =
       static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kRowsPerWarp, B / warps)));
-  Plan P = MakePlan(*st, /*reverse=*/false, row_bytes, x.dimensions()[0]);
+  Plan P = MakePlan(*st, /*reverse=*/false, row_bytes, Rows(*args.get<ffi::AnyBuffer>(0)));
   CastKernel<<<P.send_blocks + recv_blocks, kThreads, 0, stream>>>(
-      P, static_cast<const char*>(x.untyped_data()), send.typed_data(), recv.typed_data(),
-      where.typed_data(), static_cast<char*>(out->untyped_data()), B, recv_blocks,
+      P, L, send.typed_data(), recv.typed_data(), where.typed_data(), B, recv_blocks,
       rows_per_warp);
   return LaunchError("group_cast");
 }
 
-ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::AnyBuffer y,
-                         ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
-                         ffi::Buffer<ffi::S32> where, ffi::AnyBuffer acc,
+ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi::S32> send,
+                         ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
                          ffi::Buffer<ffi::S32> inv, ffi::Buffer<ffi::S32> rinv,
-                         ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  const ffi::DataType dt = y.element_type();
+                         ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  auto leaves = GetLeaves("group_reduce", args, 0, rets, /*reduce=*/true, st->accumulate);
+  if (leaves.has_error()) return leaves.error();
+  const Leaves& L = *leaves;
+  const ffi::DataType dt = args.get<ffi::AnyBuffer>(0)->element_type();
   if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16 && dt != ffi::DataType::F32) {
     return ffi::Error::InvalidArgument("magi_jax native group_reduce takes bf16, f16, f32");
   }
-  const int64_t row_bytes = RowBytes(y);
+  const int64_t row_bytes = L.off[L.n];
   if (auto e = CheckStage(*st, row_bytes); !e.success()) return e;
   if (auto e = CheckSendTable(*st, send); !e.success()) return e;
-  auto odims = out->dimensions();
-  const int64_t T_rows = odims.size() ? odims[0] : 0;
-  const int64_t F = T_rows ? static_cast<int64_t>(out->element_count()) / T_rows : 0;
-  const float* acc_ptr = acc.element_count() ? static_cast<const float*>(acc.untyped_data())
-                                             : nullptr;
+  const int64_t T_rows = Rows(**rets.get<ffi::AnyBuffer>(0));
   const int recv_blocks = RecvBlocks(*st, T_rows);
   // The send side reads y's rows through rinv (rows of y).
-  Plan P = MakePlan(*st, /*reverse=*/true, row_bytes, y.dimensions()[0]);
+  Plan P = MakePlan(*st, /*reverse=*/true, row_bytes, Rows(*args.get<ffi::AnyBuffer>(0)));
   const int grid = P.send_blocks + recv_blocks;
-  const char* yp = static_cast<const char*>(y.untyped_data());
   switch (dt) {
     case ffi::DataType::BF16:
       ReduceKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
-          P, yp, rinv.typed_data(), inv.typed_data(), where.typed_data(), acc_ptr,
-          out->typed_data(), T_rows, F, recv_blocks);
+          P, L, rinv.typed_data(), inv.typed_data(), where.typed_data(), T_rows, recv_blocks);
       break;
     case ffi::DataType::F16:
       ReduceKernel<__half><<<grid, kThreads, 0, stream>>>(
-          P, yp, rinv.typed_data(), inv.typed_data(), where.typed_data(), acc_ptr,
-          out->typed_data(), T_rows, F, recv_blocks);
+          P, L, rinv.typed_data(), inv.typed_data(), where.typed_data(), T_rows, recv_blocks);
       break;
     default:
       ReduceKernel<float><<<grid, kThreads, 0, stream>>>(
-          P, yp, rinv.typed_data(), inv.typed_data(), where.typed_data(), acc_ptr,
-          out->typed_data(), T_rows, F, recv_blocks);
+          P, L, rinv.typed_data(), inv.typed_data(), where.typed_data(), T_rows, recv_blocks);
       break;
   }
   return LaunchError("group_reduce");
@@ -741,37 +845,41 @@ ffi::ErrorOr<std::unique_ptr<CollectiveState>> InstantiateReduce(
     int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
     ffi::Span<const int64_t> widths, int64_t slot_len, int64_t rows_per_chunk,
     int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer,
-    bool /*accumulate*/) {
-  return Instantiate(cp, shifts, call_id, timeout_ms, widths, slot_len, rows_per_chunk,
-                     send_blocks, recv_blocks, mode, double_buffer);
+    bool accumulate) {
+  auto st = Instantiate(cp, shifts, call_id, timeout_ms, widths, slot_len, rows_per_chunk,
+                        send_blocks, recv_blocks, mode, double_buffer);
+  if (st.has_value()) (*st)->accumulate = accumulate;
+  return st;
 }
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceCudaInstantiate, InstantiateReduce,
                               MAGI_INSTANTIATE_BINDING.Attr<bool>("accumulate"));
 
+// Cast: send, recv, where, then the arrays x_0.. (RemainingArgs); outputs out_0..
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCudaExecute, CastExecute,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::State<CollectiveState>>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
+// Reduce: send, recv, where, inv, rinv, then the arrays y_0.. and (accumulate) their initial
+// sums acc_0.. (RemainingArgs); float32 outputs out_0..
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceCudaExecute, ReduceExecute,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::State<CollectiveState>>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 // ---- bootstrap (ctypes, magi_jax/native.py) --------------------------------------------
 

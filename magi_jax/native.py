@@ -50,7 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["available", "unavailable_reason", "group_cast", "group_reduce", "check_table",
+__all__ = ["available", "unavailable_reason", "group_cast", "group_reduce", "MAX_ARRAYS",
+           "check_table",
            "initialize", "finalize", "staging_bytes", "auto_reason", "DEFAULT_TIMEOUT_S",
            "CudaTuning", "tuning", "cuda_tuning"]
 
@@ -433,63 +434,101 @@ def _on_stream(plat, call):
                       out_memory_spaces=jax.memory.Space.Device)(call)
 
 
-def _ensure_staging(send, row_shape, dtype):
+def _ensure_staging(send, row_bytes: int, what: str):
     n, s = send.shape
-    need = staging_bytes(n, s, row_shape, dtype)
+    need = n * s * row_bytes
     if not _nv["initialized"]:
         # With CudaTuning.double_buffer, room for two calls' regions.
         initialize(max((1 + bool(_tuning[-1].double_buffer)) * need, _DEFAULT_SYMMETRIC_BYTES))
     if need > _nv["bytes"]:
         raise ValueError(
             f"this native collective stages {need / 2**20:.1f} MiB per GPU ({n} "
-            f"slots x {s} rows of {row_shape} {np.dtype(dtype).name}) but only "
+            f"slots x {s} rows of {what}) but only "
             f"{_nv['bytes'] / 2**20:.1f} MiB of NVSHMEM symmetric memory were reserved; call "
             f"magi_jax.native.initialize(symmetric_bytes={need}) (or more) before the first "
             "native collective, or use more overlap stages (smaller casts)")
 
 
+# Arrays one native collective moves at once (the handlers' kMaxLeaves).
+MAX_ARRAYS = 4
+
+
+def _arrays(x, what: str):
+    """``(list of arrays, whether x was one array)``, checked: 1 to :data:`MAX_ARRAYS`
+    arrays with one number of rows."""
+    single = not isinstance(x, (list, tuple))
+    xs = [x] if single else list(x)
+    if not 1 <= len(xs) <= MAX_ARRAYS:
+        raise ValueError(f"native {what} moves 1 to {MAX_ARRAYS} arrays at once; got {len(xs)}")
+    if len({a.shape[0] for a in xs}) != 1:
+        raise ValueError(f"native {what}: the arrays must have the same number of rows; got "
+                         f"shapes {[tuple(a.shape) for a in xs]}")
+    return xs, single
+
+
+def _row_desc(xs) -> str:
+    return " + ".join(f"{tuple(a.shape[1:])} {np.dtype(a.dtype).name}" for a in xs)
+
+
+def _row_bytes(xs) -> int:
+    return sum(math.prod(a.shape[1:]) * np.dtype(a.dtype).itemsize for a in xs)
+
+
 def group_cast(x, tables, spec, *, timeout_s: float | None = None):
     """Native :func:`~magi_jax.sharding.collectives.group_cast` (no VJP of its own: the
-    transport-generic ``group_cast`` wraps it). ``x [T, ...]`` -> ``[B, ...]``."""
+    transport-generic ``group_cast`` wraps it). ``x [T, ...]`` -> ``[B, ...]``; ``x`` may be
+    a list of up to :data:`MAX_ARRAYS` arrays with the same rows (e.g. ``[k, v]``): one
+    collective moves their rows side by side, without concatenating them, and returns a list."""
     send, recv = tables
     plat = _platform()
     _load(plat)
-    out = jax.ShapeDtypeStruct((recv.shape[0],) + x.shape[1:], x.dtype)
+    xs, single = _arrays(x, "group_cast")
     attrs = _common_attrs(spec, timeout_s)
-    x2 = x.reshape(x.shape[0], -1) if x.ndim != 2 else x
     if plat == "cuda":
-        _ensure_staging(send, x.shape[1:], x.dtype)
-        attrs.update(_cuda_attrs(spec, send.shape[1],
-                                 math.prod(x.shape[1:]) * np.dtype(x.dtype).itemsize))
-    out2 = jax.ShapeDtypeStruct((recv.shape[0], math.prod(x.shape[1:])), x.dtype)
-    got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(_CAST, out2)(*a, **attrs))(
-        x2, send, recv, _where(spec.axis_name))
-    return got.reshape(out.shape)
+        _ensure_staging(send, _row_bytes(xs), _row_desc(xs))
+        attrs.update(_cuda_attrs(spec, send.shape[1], _row_bytes(xs)))
+    flat = [a.reshape(a.shape[0], -1) for a in xs]
+    outs = [jax.ShapeDtypeStruct((recv.shape[0], f.shape[1]), f.dtype) for f in flat]
+    got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(_CAST, outs)(*a, **attrs))(
+        send, recv, _where(spec.axis_name), *flat)
+    got = [g.reshape((recv.shape[0],) + a.shape[1:]) for g, a in zip(got, xs)]
+    return got[0] if single else got
 
 
 def group_reduce(y, tables, spec, num_rows: int, *, acc=None, timeout_s: float | None = None):
     """Native :func:`~magi_jax.sharding.collectives.group_reduce`: ``y [B, ...]`` summed in
     float32 (float64 for float64 ``y``; CPU only) into the owners' rows ->
-    ``[num_rows, ...]``, added to ``acc`` (same shape, float32) when given."""
+    ``[num_rows, ...]``, added to ``acc`` (same shape, float32) when given. ``y`` (and
+    ``acc``) may be lists of up to :data:`MAX_ARRAYS` arrays of one dtype with the same rows:
+    one collective sums them all and returns a list."""
     send, recv = tables
     plat = _platform()
     _load(plat)
-    wide = y.dtype == jnp.float64
+    ys, single = _arrays(y, "group_reduce")
+    if len({a.dtype for a in ys}) != 1:
+        raise TypeError("native group_reduce sums arrays of one dtype at a time; got "
+                        f"{[str(a.dtype) for a in ys]}")
+    dtype = ys[0].dtype
+    wide = dtype == jnp.float64
     acc_dtype = jnp.float64 if wide else jnp.float32
-    if plat == "cuda" and y.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        raise TypeError(f"native group_reduce on GPU takes bf16, f16 or f32; got {y.dtype}")
-    feat = math.prod(y.shape[1:])
-    y2 = y.reshape(y.shape[0], feat)
-    out2 = jax.ShapeDtypeStruct((num_rows, feat), acc_dtype)
+    if plat == "cuda" and dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise TypeError(f"native group_reduce on GPU takes bf16, f16 or f32; got {dtype}")
+    flat = [a.reshape(a.shape[0], -1) for a in ys]
+    outs = [jax.ShapeDtypeStruct((num_rows, f.shape[1]), acc_dtype) for f in flat]
     accumulate = acc is not None
-    acc2 = (acc.astype(acc_dtype).reshape(num_rows, feat) if accumulate
-            else jnp.zeros((0,), acc_dtype))
+    accs = []
+    if accumulate:
+        accs = [acc] if single else list(acc)
+        if len(accs) != len(ys):
+            raise ValueError(f"native group_reduce: {len(accs)} initial sums for {len(ys)} "
+                             "arrays; pass one per array")
+        accs = [a.astype(acc_dtype).reshape(num_rows, f.shape[1]) for a, f in zip(accs, flat)]
     attrs = _common_attrs(spec, timeout_s)
     attrs["accumulate"] = accumulate
     where = _where(spec.axis_name)
     if plat == "cuda":
-        _ensure_staging(send, y.shape[1:], y.dtype)
-        attrs.update(_cuda_attrs(spec, send.shape[1], feat * np.dtype(y.dtype).itemsize))
+        _ensure_staging(send, _row_bytes(ys), _row_desc(ys))
+        attrs.update(_cuda_attrs(spec, send.shape[1], _row_bytes(ys)))
         n, s = send.shape
         # inv[row, j] = p with send[j, p] = row (the owner's slot position of each row);
         # rinv[j*S + p] = b with recv[b] = j*S + p (the buffer row that answers it).
@@ -500,8 +539,9 @@ def group_reduce(y, tables, spec, num_rows: int, *, acc=None, timeout_s: float |
         ridx = jnp.where(recv < 0, n * s, recv)
         rinv = jnp.full((n * s + 1,), -1, jnp.int32).at[ridx].set(
             jnp.arange(recv.shape[0], dtype=jnp.int32))[:n * s]
-        got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(_REDUCE, out2)(*a, **attrs))(
-            y2, send, recv, where, acc2, inv, rinv)
+        got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(_REDUCE, outs)(*a, **attrs))(
+            send, recv, where, inv, rinv, *flat, *accs)
     else:
-        got = jax.ffi.ffi_call(_REDUCE, out2)(y2, send, recv, where, acc2, **attrs)
-    return got.reshape((num_rows,) + y.shape[1:])
+        got = jax.ffi.ffi_call(_REDUCE, outs)(send, recv, where, *flat, *accs, **attrs)
+    got = [g.reshape((num_rows,) + a.shape[1:]) for g, a in zip(got, ys)]
+    return got[0] if single else got

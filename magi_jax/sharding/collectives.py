@@ -238,17 +238,19 @@ def _take(x, idx):
 
 
 def _native(fn, leaves, *args):
-    """The native transport on several arrays at once: their rows side by side."""
-    if len(leaves) == 1:
-        return [fn(leaves[0], *args)]
-    flat = [x.reshape(x.shape[0], -1) for x in leaves]
-    if len({x.dtype for x in flat}) > 1:
-        raise TypeError("the native transport moves arrays of one dtype at a time; got "
-                        f"{[str(x.dtype) for x in flat]}")
-    got = fn(jnp.concatenate(flat, axis=1), *args)
-    cuts = np.cumsum([x.shape[1] for x in flat])[:-1]
-    return [g.reshape((g.shape[0],) + x.shape[1:])
-            for g, x in zip(jnp.split(got, cuts, axis=1), leaves)]
+    """The native transport on several arrays at once: the arrays of one dtype move in one
+    collective (their rows side by side, no concatenated copy; at most
+    ``native.MAX_ARRAYS`` per call)."""
+    got = [None] * len(leaves)
+    by_dtype = {}
+    for i, a in enumerate(leaves):
+        by_dtype.setdefault(jnp.dtype(a.dtype), []).append(i)
+    for idx in by_dtype.values():
+        for c in range(0, len(idx), native.MAX_ARRAYS):
+            part = idx[c:c + native.MAX_ARRAYS]
+            for i, g in zip(part, fn([leaves[i] for i in part], *args)):
+                got[i] = g
+    return got
 
 
 def _cast(x, tables: CastArrays, spec: CastSpec):

@@ -81,6 +81,44 @@ def main(rank, nprocs, port):
         checks += 1
     print(f"rank {rank}: {checks} table layouts OK", flush=True)
 
+    # Several arrays in one collective (rows side by side in staging, one output each): K/V
+    # sized bf16 rows, and rows of 6 bytes (the unaligned copy paths), in both data paths;
+    # the reduce of two bf16 arrays on top of initial sums.
+    table, t_loc = _random_table(rng, nprocs, 64, 8, 1)
+    native.check_table(table)
+    spec = CastSpec("cp", nprocs, table.shifts, table.widths, "native")
+    g = lambda a: _global(a, mesh, P("cp"))
+    for shapes in ([(8, 128), (8, 128)], [(8, 128), (3,)], [(3,), (5,), (2, 4)]):
+        xs = [rng.standard_normal((nprocs, t_loc) + shp).astype(jnp.bfloat16 if len(shp) > 1
+                                                               else np.float16)
+              for shp in shapes]
+        ys = [rng.standard_normal((nprocs, table.buffer_len) + shp).astype(jnp.bfloat16)
+              for shp in shapes]
+        accs = [rng.standard_normal((nprocs, t_loc) + shp).astype(np.float32) for shp in shapes]
+        k = len(shapes)
+
+        def multi(*a):
+            *arrs, send, recv = a
+            t = CastArrays(send[0], recv[0])
+            cast = native.group_cast([x[0] for x in arrs[:k]], t, spec)
+            red = native.group_reduce([y[0] for y in arrs[k:2 * k]], t, spec, t_loc,
+                                      acc=[c[0] for c in arrs[2 * k:]])
+            return tuple(o[None] for o in (*cast, *red))
+        for mode in ("push", "pull"):
+            f = jax.jit(jax.shard_map(multi, mesh=mesh, in_specs=(P("cp"),) * (3 * k + 2),
+                                      out_specs=(P("cp"),) * (2 * k), check_vma=False))
+            with native.tuning(mode=mode):      # traced here, on the first call
+                outs = [_local(o)[0] for o in f(*map(g, xs + ys + accs), g(table.send_index),
+                                                 g(table.recv_index))]
+            for i in range(k):
+                np.testing.assert_array_equal(outs[i], cast_model(xs[i], table)[rank],
+                                              err_msg=f"{shapes} {mode} cast {i}")
+                want_i = accs[i][rank] + reduce_model(ys[i].astype(np.float64), table,
+                                                      t_loc)[rank]
+                np.testing.assert_allclose(outs[k + i], want_i, rtol=2e-2, atol=2e-2,
+                                           err_msg=f"{shapes} {mode} reduce {i}")
+    print(f"rank {rank}: several arrays per collective OK", flush=True)
+
     # Every data path / staging / grid variant of the CUDA kernels on one layout (tiny chunks
     # and few blocks: several chunks per send block, several rows per receiving warp), then
     # a chain of back-to-back collectives of mixed variants in one program (staging regions

@@ -2,6 +2,7 @@
 on 8 host devices: against the NumPy model of the tables and the XLA transports, on
 hand-checked and random tables; errors; magi_attention with comm_backend="native"."""
 
+import dataclasses
 import functools
 
 import jax
@@ -73,6 +74,47 @@ def test_random_tables_match_model_and_xla(seed, cp, dtype):
         np.testing.assert_allclose(r.astype(np.float64), want, rtol=tol, atol=tol)
     np.testing.assert_allclose(r, _run("cast_vjp", y, table, t_loc, "all_to_all"), rtol=tol,
                                atol=tol)
+
+
+def test_several_arrays_in_one_collective():
+    # One native call moves arrays of different dtypes and row sizes (6-byte rows included)
+    # side by side, each into its own output; the reduce sums two arrays of one dtype, on top
+    # of initial sums. Through the transport-generic group_cast, a pytree of mixed dtypes
+    # (one native call per dtype) matches the ppermute transport.
+    rng = np.random.default_rng(11)
+    cp = 4
+    table, t_loc = _random_table(rng, cp, 3, 2, 1)
+    spec = CastSpec("cp", cp, table.shifts, table.widths, "native")
+    xs = [rng.standard_normal((cp, t_loc) + shp).astype(dt)
+          for shp, dt in (((2, 4), np.float32), ((3,), np.float16), ((2, 8), jnp.bfloat16))]
+    ys = [rng.standard_normal((cp, table.buffer_len) + shp).astype(np.float32)
+          for shp in ((2, 3), (5,))]
+    accs = [rng.standard_normal((cp, t_loc) + y.shape[2:]).astype(np.float32) for y in ys]
+
+    def body(x0, x1, x2, y0, y1, a0, a1, send, recv):
+        t = CastArrays(send[0], recv[0])
+        cast = native.group_cast([x0[0], x1[0], x2[0]], t, spec)
+        red = native.group_reduce([y0[0], y1[0]], t, spec, t_loc, acc=[a0[0], a1[0]])
+        tree = group_cast({"a": x0[0], "b": x1[0], "c": x2[0]}, t, spec)
+        tree_x = group_cast({"a": x0[0], "b": x1[0], "c": x2[0]}, t,
+                            dataclasses.replace(spec, transport="ppermute"))
+        return tuple(o[None] for o in (*cast, *red, *tree.values(), *tree_x.values()))
+    f = jax.jit(jax.shard_map(body, mesh=_mesh(cp), in_specs=(P("cp"),) * 9,
+                              out_specs=(P("cp"),) * 11, check_vma=False))
+    got = [np.asarray(o) for o in f(*xs, *ys, *accs, table.send_index, table.recv_index)]
+    for i, x in enumerate(xs):
+        assert got[i].dtype == x.dtype
+        np.testing.assert_array_equal(got[i], cast_model(x, table))
+        np.testing.assert_array_equal(got[5 + i], got[8 + i])
+        np.testing.assert_array_equal(got[5 + i], got[i])
+    for i, (y, a) in enumerate(zip(ys, accs)):
+        np.testing.assert_allclose(got[3 + i], a + reduce_model(y, table, t_loc), rtol=1e-6,
+                                   atol=1e-6)
+    with pytest.raises(ValueError, match="same number of rows"):
+        jax.jit(jax.shard_map(lambda x, y, s, r: native.group_cast(
+            [x[0], y[0, :1]], CastArrays(s[0], r[0]), spec)[0][None], mesh=_mesh(cp),
+            in_specs=(P("cp"),) * 4, out_specs=P("cp"), check_vma=False))(
+                xs[0], xs[0], table.send_index, table.recv_index)
 
 
 def test_reduce_sums_bf16_in_float32():
@@ -175,9 +217,10 @@ def test_staging_that_does_not_fit_says_how_much_to_reserve(monkeypatch):
     send = np.zeros((3, 1000), np.int32)                       # 3 slots x 1000 rows
     need = native.staging_bytes(3, 1000, (2, 128), jnp.bfloat16)
     assert need == 3 * 1000 * 2 * 128 * 2
+    row = 2 * 128 * 2
     with pytest.raises(ValueError, match=f"initialize\\(symmetric_bytes={need}\\)"):
-        native._ensure_staging(send, (2, 128), jnp.bfloat16)
-    native._ensure_staging(np.zeros((1, 10), np.int32), (2, 128), jnp.bfloat16)  # fits
+        native._ensure_staging(send, row, "(2, 128) bfloat16")
+    native._ensure_staging(np.zeros((1, 10), np.int32), row, "(2, 128) bfloat16")  # fits
 
 
 def test_one_call_site_run_twice_in_one_program():
