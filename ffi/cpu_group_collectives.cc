@@ -51,13 +51,13 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kMaxLeaves = 4;
 
 struct Member {
-  std::vector<const void*> data;  // per leaf: x (cast) or y (reduce)
-  std::vector<const void*> acc;   // reduce, per leaf: initial output or nullptr
-  std::vector<void*> out;         // per leaf
-  std::vector<int64_t> row_bytes;  // per leaf (of data)
-  const int32_t* send = nullptr;  // [n, S]
-  const int32_t* recv = nullptr;  // [B]
-  int64_t rows = 0;               // rows of data
+  std::vector<const void*> data;   // per leaf: x (cast) or y (reduce)
+  std::vector<const void*> acc;    // reduce, per leaf: initial output or nullptr
+  std::vector<void*> out;          // per leaf
+  std::vector<int64_t> row_bytes;  // per leaf, of data
+  const int32_t* send = nullptr;   // [n, S]
+  const int32_t* recv = nullptr;   // [B]
+  int64_t rows = 0;                // rows of data (every leaf)
   int64_t out_rows = 0;
   int64_t n = 0, s = 0, b = 0;
   ffi::DataType dtype = ffi::DataType::INVALID;

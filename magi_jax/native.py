@@ -51,9 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["available", "unavailable_reason", "group_cast", "group_reduce", "MAX_ARRAYS",
-           "check_table",
-           "initialize", "finalize", "staging_bytes", "auto_reason", "DEFAULT_TIMEOUT_S",
-           "CudaTuning", "tuning", "cuda_tuning"]
+           "check_table", "initialize", "finalize", "staging_bytes", "auto_reason",
+           "DEFAULT_TIMEOUT_S", "CudaTuning", "tuning", "cuda_tuning"]
 
 DEFAULT_TIMEOUT_S = 60.0
 _LIBS = {"cpu": "_magi_native_cpu.so", "cuda": "_magi_native_cuda.so"}
