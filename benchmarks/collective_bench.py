@@ -308,8 +308,8 @@ def worker(args):
                 else:
                     s_, outs, run = timed(body, arrays, k)
                     row[name] = {"s": s_, "GBps": nbytes / s_ / 1e9}
+                del outs      # free the chain's outputs before tracing it again
                 if mib in profile_sizes and name in _PROFILED:
-                    del outs
                     tr = row[name]["trace"] = trace_summary(run, calls=3)
                     tr["ops_per_call"] = k
                     if "gpu_us" in tr:
@@ -317,8 +317,6 @@ def worker(args):
                         # it, like the peer copy's): no program launch or sync around it.
                         row[name]["gpu_s"] = tr["gpu_us"] / k / 1e6
                         row[name]["GBps_gpu"] = nbytes / row[name]["gpu_s"] / 1e9
-                    outs = None
-                del outs
             except Exception as e:  # noqa: BLE001 - a row that fails is reported, not fatal
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             if me == 0:

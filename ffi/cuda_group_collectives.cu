@@ -167,7 +167,7 @@ __device__ void WaitAtLeast(const uint64_t* p, uint64_t want, int64_t timeout_ns
   }
 }
 
-__device__ __forceinline__ bool Aligned16(const void* p) {
+__host__ __device__ __forceinline__ bool Aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
@@ -534,8 +534,6 @@ ReduceKernel(Plan P, Leaves L, const int32_t* rinv, const int32_t* inv, const in
 
 // ---- host side -------------------------------------------------------------------------
 
-bool Aligned16Host(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
 ffi::ErrorOr<std::unique_ptr<CollectiveState>> Instantiate(
     int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
     ffi::Span<const int64_t> widths, int64_t slot_len, int64_t rows_per_chunk,
@@ -697,15 +695,15 @@ int RecvBlocks(const CollectiveState& st, int64_t rows) {
   return static_cast<int>(std::min<int64_t>(st.recv_blocks, need));
 }
 
-// The leaves of a call: inputs args[first, first + n), outputs rets[0, n) (one per input, the
-// same rows-per-leaf layout: `out_rows` rows each; a cast keeps the input's row bytes, a
-// reduce writes float32 rows of the input's elements), and for an accumulating reduce the
-// initial sums args[first + n, first + 2n). Checks what the kernels rely on.
-ffi::ErrorOr<Leaves> GetLeaves(const char* op, ffi::RemainingArgs args, size_t first,
-                               ffi::RemainingRets rets, bool reduce, bool accumulate) {
+// The leaves of a call: inputs args[0, n), outputs rets[0, n) (one per input, the same
+// rows-per-leaf layout: `out_rows` rows each; a cast keeps the input's row bytes, a reduce
+// writes float32 rows of the input's elements), and for an accumulating reduce the initial
+// sums args[n, 2n). Checks what the kernels rely on.
+ffi::ErrorOr<Leaves> GetLeaves(const char* op, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                               bool reduce, bool accumulate) {
   Leaves L{};
   const size_t n = rets.size();
-  const size_t inputs = args.size() - first;
+  const size_t inputs = args.size();
   if (n < 1 || n > static_cast<size_t>(kMaxLeaves) || inputs != n * (accumulate ? 2 : 1)) {
     return ffi::Error::InvalidArgument(
         std::string("magi_jax native ") + op + ": 1 to " + std::to_string(kMaxLeaves) +
@@ -718,7 +716,7 @@ ffi::ErrorOr<Leaves> GetLeaves(const char* op, ffi::RemainingArgs args, size_t f
   int64_t rows = -1, out_rows = -1;
   ffi::DataType dtype = ffi::DataType::INVALID;
   for (size_t l = 0; l < n; ++l) {
-    auto x = args.get<ffi::AnyBuffer>(first + l);
+    auto x = args.get<ffi::AnyBuffer>(l);
     auto o = rets.get<ffi::AnyBuffer>(l);
     if (x.has_error()) return x.error();
     if (o.has_error()) return o.error();
@@ -745,7 +743,7 @@ ffi::ErrorOr<Leaves> GetLeaves(const char* op, ffi::RemainingArgs args, size_t f
     L.dst[l] = static_cast<char*>((*o)->untyped_data());
     L.acc[l] = nullptr;
     if (accumulate) {
-      auto a = args.get<ffi::AnyBuffer>(first + n + l);
+      auto a = args.get<ffi::AnyBuffer>(n + l);
       if (a.has_error()) return a.error();
       if (a->size_bytes() != (*o)->size_bytes() || a->element_type() != ffi::DataType::F32) {
         return ffi::Error::InvalidArgument(std::string("magi_jax native ") + op +
@@ -756,7 +754,7 @@ ffi::ErrorOr<Leaves> GetLeaves(const char* op, ffi::RemainingArgs args, size_t f
     }
     L.bytes[l] = bytes;
     L.off[l + 1] = L.off[l] + bytes;
-    L.aligned = L.aligned && (bytes & 15) == 0 && Aligned16Host(L.src[l]);
+    L.aligned = L.aligned && (bytes & 15) == 0 && Aligned16(L.src[l]);
   }
   return L;
 }
@@ -764,7 +762,7 @@ ffi::ErrorOr<Leaves> GetLeaves(const char* op, ffi::RemainingArgs args, size_t f
 ffi::Error CastExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi::S32> send,
                        ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  auto leaves = GetLeaves("group_cast", args, 0, rets, /*reduce=*/false, /*accumulate=*/false);
+  auto leaves = GetLeaves("group_cast", args, rets, /*reduce=*/false, /*accumulate=*/false);
   if (leaves.has_error()) return leaves.error();
   const Leaves& L = *leaves;
   const int64_t row_bytes = L.off[L.n];
@@ -787,7 +785,7 @@ ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<f
                          ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
                          ffi::Buffer<ffi::S32> inv, ffi::Buffer<ffi::S32> rinv,
                          ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  auto leaves = GetLeaves("group_reduce", args, 0, rets, /*reduce=*/true, st->accumulate);
+  auto leaves = GetLeaves("group_reduce", args, rets, /*reduce=*/true, st->accumulate);
   if (leaves.has_error()) return leaves.error();
   const Leaves& L = *leaves;
   const ffi::DataType dt = args.get<ffi::AnyBuffer>(0)->element_type();
