@@ -16,8 +16,12 @@
 //   reduce: out_r[row] = acc_r[row] + sum over j (ascending), dst = r + shifts[j], b
 //           (ascending) with recv_dst[b] = j*S + p and send_r[j, p] = row, of y_dst[b]
 //           (in float32, float64 for float64 input).
+// With `prefix`, a cast's output is x_r's rows followed by the rows above, and a reduce's
+// input is the owner's own rows followed by the buffer y: out_r[row] also adds own_r[row].
+// With `out_input_dtype` a reduce rounds its sums once to the input's dtype.
 
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -53,6 +57,7 @@ constexpr size_t kMaxLeaves = 4;
 struct Member {
   std::vector<const void*> data;   // per leaf: x (cast) or y (reduce)
   std::vector<const void*> acc;    // reduce, per leaf: initial output or nullptr
+  std::vector<const void*> own;    // reduce with prefix, per leaf: the owner's rows
   std::vector<void*> out;          // per leaf
   std::vector<int64_t> row_bytes;  // per leaf, of data
   const int32_t* send = nullptr;   // [n, S]
@@ -60,7 +65,9 @@ struct Member {
   int64_t rows = 0;                // rows of data (every leaf)
   int64_t out_rows = 0;
   int64_t n = 0, s = 0, b = 0;
+  bool prefix = false;             // cast: out = [x; received]; reduce: y = [own; buffer]
   ffi::DataType dtype = ffi::DataType::INVALID;
+  ffi::DataType out_dtype = ffi::DataType::INVALID;
   bool present = false;
   ffi::Promise promise;
 };
@@ -191,6 +198,56 @@ float F16ToF32(uint16_t h) {
   return f;
 }
 
+uint16_t F32ToBf16(float f) {  // round to nearest even; NaN stays a (quiet) NaN
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>(x >> 16);
+}
+
+uint16_t F32ToF16(float f) {  // round to nearest even
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520: inf
+  if (a < 0x38800000u) {  // below 2^-14: a half subnormal, in units of 2^-24
+    float v;
+    std::memcpy(&v, &a, 4);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(v * 16777216.0f)));
+  }
+  uint32_t h = ((((a >> 23) - 112u) << 10) | ((a & 0x7fffffu) >> 13));
+  const uint32_t rest = a & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;
+  return static_cast<uint16_t>(sign | h);
+}
+
+// Writes `elems` sums to `dst` in `dtype` (one rounding).
+template <typename Acc>
+void StoreRow(void* dst, const Acc* src, ffi::DataType dtype, int64_t elems) {
+  switch (dtype) {
+    case ffi::DataType::BF16:
+      for (int64_t i = 0; i < elems; ++i) {
+        static_cast<uint16_t*>(dst)[i] = F32ToBf16(static_cast<float>(src[i]));
+      }
+      break;
+    case ffi::DataType::F16:
+      for (int64_t i = 0; i < elems; ++i) {
+        static_cast<uint16_t*>(dst)[i] = F32ToF16(static_cast<float>(src[i]));
+      }
+      break;
+    case ffi::DataType::F32:
+      for (int64_t i = 0; i < elems; ++i) static_cast<float*>(dst)[i] = static_cast<float>(src[i]);
+      break;
+    default:
+      for (int64_t i = 0; i < elems; ++i) {
+        static_cast<double*>(dst)[i] = static_cast<double>(src[i]);
+      }
+      break;
+  }
+}
+
 template <typename Acc>
 void AddRow(Acc* dst, const void* src, ffi::DataType dtype, int64_t elems) {
   switch (dtype) {
@@ -263,6 +320,10 @@ std::string CastOne(const std::vector<Member>& m, int64_t rank,
   const int64_t cp = m.size();
   const Member& me = m[rank];
   const int64_t slots = me.n * me.s;
+  const int64_t first = me.prefix ? me.rows : 0;  // output rows before the received ones
+  for (size_t l = 0; l < me.out.size() && first > 0; ++l) {
+    std::memcpy(me.out[l], me.data[l], first * me.row_bytes[l]);
+  }
   for (int64_t b = 0; b < me.b; ++b) {
     int32_t e = me.recv[b];
     int32_t row = -1;
@@ -282,7 +343,7 @@ std::string CastOne(const std::vector<Member>& m, int64_t rank,
     }
     for (size_t l = 0; l < me.out.size(); ++l) {
       const int64_t rb = me.row_bytes[l];
-      char* row_out = static_cast<char*>(me.out[l]) + b * rb;
+      char* row_out = static_cast<char*>(me.out[l]) + (first + b) * rb;
       if (row < 0) {
         std::memset(row_out, 0, rb);
       } else {
@@ -303,11 +364,20 @@ std::string ReduceOne(const std::vector<Member>& m, int64_t rank,
   const int64_t width = static_cast<int64_t>(ffi::ByteWidth(me.dtype));
   for (size_t l = 0; l < me.out.size(); ++l) {
     const int64_t elems = me.row_bytes[l] / width;
-    Acc* out = static_cast<Acc*>(me.out[l]);
+    // The sums in Acc: straight in the output, or in a scratch rounded into it at the end.
+    const bool narrow = ffi::ByteWidth(me.out_dtype) != sizeof(Acc);
+    std::vector<Acc> scratch(narrow ? me.out_rows * elems : 0);
+    Acc* out = narrow ? scratch.data() : static_cast<Acc*>(me.out[l]);
     if (me.acc[l]) {
       std::memcpy(out, me.acc[l], me.out_rows * elems * sizeof(Acc));
     } else {
       std::memset(out, 0, me.out_rows * elems * sizeof(Acc));
+    }
+    if (me.own[l]) {
+      for (int64_t row = 0; row < me.out_rows; ++row) {
+        AddRow(out + row * elems, static_cast<const char*>(me.own[l]) + row * me.row_bytes[l],
+               me.dtype, elems);
+      }
     }
     for (int64_t j = 0; j < me.n; ++j) {
       const Member& md = m[Mod(rank + shifts[j], cp)];
@@ -324,6 +394,7 @@ std::string ReduceOne(const std::vector<Member>& m, int64_t rank,
                md.dtype, elems);
       }
     }
+    if (narrow) StoreRow(me.out[l], out, me.out_dtype, me.out_rows * elems);
   }
   return "";
 }
@@ -357,9 +428,12 @@ ffi::Future Failed(ffi::Error error) {
 
 // The leaves of a call into `me`: inputs args[0, n), outputs rets[0, n) and, for an
 // accumulating reduce, initial sums args[n, 2n). A cast's output l has input l's dtype and
-// row size; a reduce's is float32 (float64 for float64 input) rows of input l's elements.
+// row size; a reduce's is float32 (float64 for float64 input) rows of input l's elements,
+// or rows of its dtype with `out_input_dtype`. With me.prefix, a cast's output has the
+// input's rows before the `b` received ones, a reduce's input the output's rows before the
+// `b` buffer rows (me.data then points at the buffer, me.own at the owner's rows).
 std::string GetLeaves(ffi::RemainingArgs args, ffi::RemainingRets rets, bool reduce,
-                      bool accumulate, int64_t b, Member& me) {
+                      bool accumulate, bool out_input_dtype, int64_t b, Member& me) {
   const size_t n = rets.size();
   if (n < 1 || n > kMaxLeaves || args.size() != n * (accumulate ? 2 : 1)) {
     return "1 to " + std::to_string(kMaxLeaves) + " arrays, one output each" +
@@ -379,9 +453,11 @@ std::string GetLeaves(ffi::RemainingArgs args, ffi::RemainingRets rets, bool red
       me.rows = rows;
       me.out_rows = out_rows;
     }
-    const ffi::DataType want = reduce ? (dt == ffi::DataType::F64 ? ffi::DataType::F64
-                                                                  : ffi::DataType::F32)
-                                      : dt;
+    const ffi::DataType want =
+        reduce && !out_input_dtype
+            ? (dt == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32)
+            : dt;
+    me.out_dtype = want;
     const int64_t out_rb = reduce ? rb / static_cast<int64_t>(ffi::ByteWidth(dt)) *
                                         static_cast<int64_t>(ffi::ByteWidth(want))
                                   : rb;
@@ -393,15 +469,27 @@ std::string GetLeaves(ffi::RemainingArgs args, ffi::RemainingRets rets, bool red
                      : " must share the rows of the others and its output its dtype and row "
                        "size");
     }
-    if (!reduce && out_rows != b) return "the outputs must have one row per recv_index entry";
-    me.data.push_back(x->untyped_data());
+    if (!reduce && out_rows != b + (me.prefix ? rows : 0)) {
+      return me.prefix ? "the outputs must have the input's rows and one per recv_index entry"
+                       : "the outputs must have one row per recv_index entry";
+    }
+    if (reduce && rows != b + (me.prefix ? out_rows : 0)) {
+      return me.prefix ? "y must have the output's rows and then one per recv_index entry"
+                       : "y must have one row per recv_index entry";
+    }
+    const char* data = static_cast<const char*>(x->untyped_data());
+    me.own.push_back(reduce && me.prefix ? data : nullptr);
+    me.data.push_back(reduce && me.prefix ? data + out_rows * rb : data);
     me.out.push_back((*o)->untyped_data());
     me.row_bytes.push_back(rb);
     const void* acc = nullptr;
     if (accumulate) {
       auto a = args.get<ffi::AnyBuffer>(n + l);
-      if (a.has_error() || a->size_bytes() != (*o)->size_bytes()) {
-        return "the initial sums must have the outputs' shapes and dtypes";
+      const size_t acc_width = me.dtype == ffi::DataType::F64 ? 8 : 4;
+      if (a.has_error() ||
+          a->size_bytes() != static_cast<size_t>(out_rows * (rb / ffi::ByteWidth(dt))) *
+                                 acc_width) {
+        return "the initial sums must have the outputs' shapes, in float32 (float64)";
       }
       acc = a->untyped_data();
     }
@@ -413,7 +501,7 @@ std::string GetLeaves(ffi::RemainingArgs args, ffi::RemainingRets rets, bool red
 ffi::Future CastImpl(ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
                      ffi::Buffer<ffi::S32> where, ffi::RemainingArgs xs, ffi::RemainingRets outs,
                      int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id,
-                     int64_t timeout_ms) {
+                     int64_t timeout_ms, bool prefix) {
   auto w = ReadWhere(where, cp);
   if (w.has_error()) return Failed(w.error());
   auto sdims = send.dimensions();
@@ -424,7 +512,9 @@ ffi::Future CastImpl(ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
   me.n = sdims[0];
   me.s = sdims[1];
   me.b = static_cast<int64_t>(recv.element_count());
-  std::string err = GetLeaves(xs, outs, /*reduce=*/false, /*accumulate=*/false, me.b, me);
+  me.prefix = prefix;
+  std::string err = GetLeaves(xs, outs, /*reduce=*/false, /*accumulate=*/false,
+                              /*out_input_dtype=*/false, me.b, me);
   if (!err.empty()) {
     return Failed(ffi::Error::InvalidArgument("magi_jax native group_cast (CPU): " + err));
   }
@@ -442,7 +532,8 @@ ffi::Future CastImpl(ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
 ffi::Future ReduceImpl(ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
                        ffi::Buffer<ffi::S32> where, ffi::RemainingArgs ys,
                        ffi::RemainingRets outs, int64_t cp, ffi::Span<const int64_t> shifts,
-                       int64_t call_id, int64_t timeout_ms, bool accumulate) {
+                       int64_t call_id, int64_t timeout_ms, bool prefix, bool accumulate,
+                       bool out_input_dtype) {
   auto w = ReadWhere(where, cp);
   if (w.has_error()) return Failed(w.error());
   auto sdims = send.dimensions();
@@ -453,12 +544,12 @@ ffi::Future ReduceImpl(ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
   me.n = sdims[0];
   me.s = sdims[1];
   me.b = static_cast<int64_t>(recv.element_count());
-  std::string err = GetLeaves(ys, outs, /*reduce=*/true, accumulate, me.b, me);
+  me.prefix = prefix;
+  std::string err = GetLeaves(ys, outs, /*reduce=*/true, accumulate, out_input_dtype, me.b, me);
   if (err.empty() && me.dtype != ffi::DataType::BF16 && me.dtype != ffi::DataType::F16 &&
       me.dtype != ffi::DataType::F32 && me.dtype != ffi::DataType::F64) {
     err = "takes bf16, f16, f32 or f64";
   }
-  if (err.empty() && me.rows != me.b) err = "y must have one row per recv_index entry";
   if (!err.empty()) {
     return Failed(ffi::Error::InvalidArgument("magi_jax native group_reduce (CPU): " + err));
   }
@@ -488,7 +579,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCpu, CastImpl,
                                   .Attr<int64_t>("cp")
                                   .Attr<ffi::Span<const int64_t>>("shifts")
                                   .Attr<int64_t>("call_id")
-                                  .Attr<int64_t>("timeout_ms"));
+                                  .Attr<int64_t>("timeout_ms")
+                                  .Attr<bool>("prefix"));
 
 // Reduce: send, recv, where, then the arrays y_0.. and (accumulate) their initial sums
 // acc_0.. (RemainingArgs); outputs out_0..
@@ -503,4 +595,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceCpu, ReduceImpl,
                                   .Attr<ffi::Span<const int64_t>>("shifts")
                                   .Attr<int64_t>("call_id")
                                   .Attr<int64_t>("timeout_ms")
-                                  .Attr<bool>("accumulate"));
+                                  .Attr<bool>("prefix")
+                                  .Attr<bool>("accumulate")
+                                  .Attr<bool>("out_input_dtype"));

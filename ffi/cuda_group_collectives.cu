@@ -23,6 +23,11 @@
 //      cast:   copy the staged row into out[b] (x's dtype), zeros for padding rows;
 //      reduce: sum, in float32 and in slot order, the staged rows of every slot that holds
 //              a row t of this rank (inv[t, j] = p) into out[t] (+ acc[t]).
+// With `prefix` (a stage whose KV is the local rows followed by the fetched ones) a cast's
+// output starts with x's own rows, which the receive blocks copy while the peers' rows are
+// on their way, and a reduce's input starts with the owner's own rows, which are added to
+// its sums: no concatenation of the local and fetched rows, no slice of the gradient. A
+// reduce may round its float32 sums once to the input's dtype (`out_input_dtype`).
 // Direction: a cast sends slot j to r + shift_j; a reduce sends slot j back to r - shift_j.
 //
 // Reuse of staging: the last receive block of a call tells every PE "I have finished
@@ -102,6 +107,10 @@ struct CollectiveState {
   int mode = kPush;
   bool double_buffer = true;
   bool accumulate = false;  // reduce: add the initial sums passed after the arrays
+  // cast: the output is the input's rows followed by the received ones; reduce: the input
+  // is the owner's own rows followed by the buffer, and its own rows are added to the sums.
+  bool prefix = false;
+  bool out_input_dtype = false;  // reduce: outputs in the input's dtype (else float32)
   int64_t timeout_ns = 0;
 };
 ffi::TypeId CollectiveState::id = XLA_FFI_UNKNOWN_TYPE_ID;
@@ -131,9 +140,10 @@ struct Plan {
 // 1's, ...: leaf l at byte off[l] of it, bytes[l] long; off[n] is the staged row's size.
 struct Leaves {
   int n;
-  const char* src[kMaxLeaves];   // cast: x_l [T, ...]; reduce: y_l [B, ...]
-  char* dst[kMaxLeaves];         // cast: out_l [B, ...]; reduce: float32 out_l [T, ...]
+  const char* src[kMaxLeaves];   // cast: x_l [T, ...]; reduce: the buffer rows y_l [B, ...]
+  char* dst[kMaxLeaves];         // cast: out_l [(T +) B, ...]; reduce: out_l [T, ...]
   const float* acc[kMaxLeaves];  // reduce: the sums to add to (accumulate) or nullptr
+  const char* local[kMaxLeaves];  // reduce with prefix: the owner's own rows [T, ...]
   int64_t bytes[kMaxLeaves];
   int64_t off[kMaxLeaves + 1];
   bool aligned;                  // every leaf's rows 16-byte sized and aligned
@@ -379,7 +389,7 @@ __device__ void CheckRank(const Plan& P, const int32_t* where) {
 
 __global__ void __launch_bounds__(kThreads)
 CastKernel(Plan P, Leaves L, const int32_t* send, const int32_t* recv, const int32_t* where,
-           int64_t B, int recv_blocks, int rows_per_warp) {
+           int64_t prefix_rows, int64_t B, int recv_blocks, int rows_per_warp) {
   CheckRank(P, where);
   if (blockIdx.x < P.send_blocks) {
     SendChunks(P, L, send);
@@ -389,22 +399,32 @@ CastKernel(Plan P, Leaves L, const int32_t* send, const int32_t* recv, const int
   StagedBases(P, staged);
   const int rb = blockIdx.x - P.send_blocks;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // Each warp takes rows_per_warp consecutive rows at a time: one flag wait and fence per
-  // chunk among them instead of one per row.
+  // Output rows: the input's own rows first (prefix_rows of them, copied while the peers'
+  // rows are on their way), then one per receive entry. Each warp takes rows_per_warp
+  // consecutive rows at a time: one flag wait and fence per chunk among them instead of
+  // one per row.
+  const int64_t rows = prefix_rows + B;
   const int64_t stride = static_cast<int64_t>(recv_blocks) * kWarps * rows_per_warp;
-  for (int64_t b0 = (static_cast<int64_t>(rb) * kWarps + warp) * rows_per_warp; b0 < B;
+  for (int64_t b0 = (static_cast<int64_t>(rb) * kWarps + warp) * rows_per_warp; b0 < rows;
        b0 += stride) {
     int seen = -1;  // chunk whose flag this warp has already acquired
-    const int64_t b1 = min(B, b0 + rows_per_warp);
+    const int64_t b1 = min(rows, b0 + rows_per_warp);
     for (int64_t b = b0; b < b1; ++b) {
-      const int32_t e = recv[b];
+      if (b < prefix_rows) {
+        for (int l = 0; l < L.n; ++l) {
+          WarpCopy(L.dst[l] + b * L.bytes[l], L.src[l] + b * L.bytes[l], L.bytes[l], lane);
+        }
+        continue;
+      }
+      const int32_t e = recv[b - prefix_rows];
       if (e < 0) {
         for (int l = 0; l < L.n; ++l) WarpZero(L.dst[l] + b * L.bytes[l], L.bytes[l], lane);
         continue;
       }
       if (e >= P.n * P.S) {
         printf("magi_jax native: receive table entry %lld is %d, past the %lld slot "
-               "positions\n", static_cast<long long>(b), e, static_cast<long long>(P.n * P.S));
+               "positions\n", static_cast<long long>(b - prefix_rows), e,
+               static_cast<long long>(P.n * P.S));
         __trap();
       }
       const int j = e / P.S;
@@ -436,9 +456,21 @@ __device__ __forceinline__ float ToF32<__nv_bfloat16>(__nv_bfloat16 v) {
   return __bfloat162float(v);
 }
 
-// out_l[t] = (acc_l[t] or 0) + sum_j (leaf l's part of staged[j*S + inv[t, j]]), j ascending
-// (float32), for every leaf l.
 template <typename T>
+__device__ __forceinline__ T FromF32(float v);
+template <>
+__device__ __forceinline__ float FromF32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half FromF32<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF32<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// out_l[t] = (acc_l[t] or 0) + (local_l[t] or 0) + sum_j (leaf l's part of
+// staged[j*S + inv[t, j]]), j ascending, summed in float32 and rounded once to OutT (float32,
+// or the input's dtype), for every leaf l.
+template <typename T, typename OutT>
 __global__ void __launch_bounds__(kThreads)
 ReduceKernel(Plan P, Leaves L, const int32_t* rinv, const int32_t* inv, const int32_t* where,
              int64_t T_rows, int recv_blocks) {
@@ -469,10 +501,11 @@ ReduceKernel(Plan P, Leaves L, const int32_t* rinv, const int32_t* inv, const in
     for (int l = 0; l < L.n; ++l) {
       const int64_t Fl = L.bytes[l] / static_cast<int64_t>(sizeof(T));  // leaf l's elements
       const int64_t first = L.off[l] / static_cast<int64_t>(sizeof(T));  // its first in a row
-      float* o = reinterpret_cast<float*>(L.dst[l]) + t * Fl;
+      OutT* o = reinterpret_cast<OutT*>(L.dst[l]) + t * Fl;
       const float* a = L.acc[l] ? L.acc[l] + t * Fl : nullptr;
+      const T* own = L.local[l] ? reinterpret_cast<const T*>(L.local[l]) + t * Fl : nullptr;
       if (F % V == 0 && Fl % V == 0 && first % V == 0 && Aligned16(o) &&
-          (!a || Aligned16(a))) {
+          (!a || Aligned16(a)) && (!own || Aligned16(own))) {
         // kUnroll 16-byte loads per slot in flight per lane (in pull mode they cross NVLink).
         for (int64_t f0 = static_cast<int64_t>(lane) * V; f0 < Fl; f0 += 32 * V * kUnroll) {
           float s[kUnroll][V];
@@ -484,6 +517,12 @@ ReduceKernel(Plan P, Leaves L, const int32_t* rinv, const int32_t* inv, const in
               const float4 a4 = (a && f < Fl) ? *reinterpret_cast<const float4*>(a + f + k)
                                               : make_float4(0.f, 0.f, 0.f, 0.f);
               s[u][k] = a4.x; s[u][k + 1] = a4.y; s[u][k + 2] = a4.z; s[u][k + 3] = a4.w;
+            }
+            if (own && f < Fl) {
+              const int4 raw = *reinterpret_cast<const int4*>(own + f);
+              const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+              for (int k = 0; k < V; ++k) s[u][k] += ToF32<T>(v[k]);
             }
           }
           for (int j = 0; j < P.n; ++j) {
@@ -509,22 +548,27 @@ ReduceKernel(Plan P, Leaves L, const int32_t* rinv, const int32_t* inv, const in
             const int64_t f = f0 + u * 32 * V;
             if (f >= Fl) continue;
 #pragma unroll
-            for (int k = 0; k < V; k += 4) {
-              *reinterpret_cast<float4*>(o + f + k) =
-                  make_float4(s[u][k], s[u][k + 1], s[u][k + 2], s[u][k + 3]);
+            for (int k = 0; k < V; k += 16 / static_cast<int>(sizeof(OutT))) {
+              // One 16-byte store of 16 / sizeof(OutT) rounded sums.
+              alignas(16) OutT packed[16 / sizeof(OutT)];
+#pragma unroll
+              for (int i = 0; i < static_cast<int>(16 / sizeof(OutT)); ++i) {
+                packed[i] = FromF32<OutT>(s[u][k + i]);
+              }
+              *reinterpret_cast<int4*>(o + f + k) = *reinterpret_cast<const int4*>(packed);
             }
           }
         }
       } else {
         for (int64_t f = lane; f < Fl; f += 32) {
-          float s = a ? a[f] : 0.f;
+          float s = (a ? a[f] : 0.f) + (own ? ToF32<T>(own[f]) : 0.f);
           for (int j = 0; j < P.n; ++j) {
             const int32_t p = my_inv[j];
             if (p < 0) continue;
             const T* row = reinterpret_cast<const T*>(staged[j]) + (j * P.S + p) * F + first;
             s += ToF32<T>(row[f]);
           }
-          o[f] = s;
+          o[f] = FromF32<OutT>(s);
         }
       }
     }
@@ -537,7 +581,7 @@ ReduceKernel(Plan P, Leaves L, const int32_t* rinv, const int32_t* inv, const in
 ffi::ErrorOr<std::unique_ptr<CollectiveState>> Instantiate(
     int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
     ffi::Span<const int64_t> widths, int64_t slot_len, int64_t rows_per_chunk,
-    int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer) {
+    int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer, bool prefix) {
   if (!g.ready) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
         "magi_jax native: NVSHMEM is not initialized (magi_jax.native.initialize)");
@@ -577,6 +621,7 @@ ffi::ErrorOr<std::unique_ptr<CollectiveState>> Instantiate(
   // where there is no mapping) moves the same rows.
   st->mode = (mode == kPull && g.all_mapped) ? kPull : kPush;
   st->double_buffer = double_buffer;
+  st->prefix = prefix;
   st->timeout_ns = timeout_ms * 1000000;
   st->chunk_base[0] = 0;
   for (int j = 0; j < st->n; ++j) {
@@ -695,12 +740,15 @@ int RecvBlocks(const CollectiveState& st, int64_t rows) {
   return static_cast<int>(std::min<int64_t>(st.recv_blocks, need));
 }
 
-// The leaves of a call: inputs args[0, n), outputs rets[0, n) (one per input, the same
-// rows-per-leaf layout: `out_rows` rows each; a cast keeps the input's row bytes, a reduce
-// writes float32 rows of the input's elements), and for an accumulating reduce the initial
-// sums args[n, 2n). Checks what the kernels rely on.
+// The leaves of a call: inputs args[0, n), outputs rets[0, n) (one per input; a cast keeps
+// the input's row bytes, a reduce writes float32 rows of the input's elements, or rows of
+// the input's dtype with out_input_dtype), and for an accumulating reduce the initial sums
+// args[n, 2n). `B` rows are received (cast) or sent back (reduce); with `prefix` a cast's
+// outputs start with the input's rows and a reduce's inputs with the owner's own rows (then
+// L.src points past them, at the buffer). Checks what the kernels rely on.
 ffi::ErrorOr<Leaves> GetLeaves(const char* op, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                               bool reduce, bool accumulate) {
+                               bool reduce, const CollectiveState& st, int64_t B) {
+  const bool accumulate = reduce && st.accumulate;
   Leaves L{};
   const size_t n = rets.size();
   const size_t inputs = args.size();
@@ -722,9 +770,11 @@ ffi::ErrorOr<Leaves> GetLeaves(const char* op, ffi::RemainingArgs args, ffi::Rem
     if (o.has_error()) return o.error();
     const int64_t bytes = RowBytes(*x);
     const int64_t elems = bytes / static_cast<int64_t>(ffi::ByteWidth(x->element_type()));
+    const ffi::DataType out_type =
+        reduce && !st.out_input_dtype ? ffi::DataType::F32 : x->element_type();
     const bool shape_ok =
-        reduce ? ((*o)->element_type() == ffi::DataType::F32 && RowBytes(**o) == 4 * elems)
-               : ((*o)->element_type() == x->element_type() && RowBytes(**o) == bytes);
+        (*o)->element_type() == out_type &&
+        RowBytes(**o) == elems * static_cast<int64_t>(ffi::ByteWidth(out_type));
     if (rows < 0) {
       rows = Rows(*x);
       out_rows = Rows(**o);
@@ -734,18 +784,29 @@ ffi::ErrorOr<Leaves> GetLeaves(const char* op, ffi::RemainingArgs args, ffi::Rem
         (reduce && x->element_type() != dtype)) {
       return ffi::Error::InvalidArgument(
           std::string("magi_jax native ") + op + ": array " + std::to_string(l) +
-          (reduce ? " must share the rows and dtype of the others and its output be float32 "
-                    "rows of its elements"
+          (reduce ? " must share the rows and dtype of the others and its output be rows of "
+                    "its elements (float32, or its dtype with out_input_dtype)"
                   : " must share the rows of the others and its output its dtype and row "
                     "size"));
     }
-    L.src[l] = static_cast<const char*>(x->untyped_data());
+    // Row counts: a cast writes (x's rows +) B rows; a reduce reads (its output's rows +) B.
+    const int64_t want_rows = B + (st.prefix ? (reduce ? out_rows : rows) : 0);
+    if ((reduce ? rows : out_rows) != want_rows) {
+      return ffi::Error::InvalidArgument(
+          std::string("magi_jax native ") + op + ": array " + std::to_string(l) + " has " +
+          std::to_string(reduce ? rows : out_rows) + (reduce ? " input" : " output") +
+          " rows, expected " + std::to_string(want_rows));
+    }
+    const char* data = static_cast<const char*>(x->untyped_data());
+    L.local[l] = reduce && st.prefix ? data : nullptr;
+    L.src[l] = reduce && st.prefix ? data + out_rows * bytes : data;
     L.dst[l] = static_cast<char*>((*o)->untyped_data());
     L.acc[l] = nullptr;
     if (accumulate) {
       auto a = args.get<ffi::AnyBuffer>(n + l);
       if (a.has_error()) return a.error();
-      if (a->size_bytes() != (*o)->size_bytes() || a->element_type() != ffi::DataType::F32) {
+      if (a->element_type() != ffi::DataType::F32 ||
+          a->size_bytes() != static_cast<size_t>(out_rows * elems * 4)) {
         return ffi::Error::InvalidArgument(std::string("magi_jax native ") + op +
                                            ": the initial sums must have the outputs' shapes "
                                            "(float32)");
@@ -762,22 +823,24 @@ ffi::ErrorOr<Leaves> GetLeaves(const char* op, ffi::RemainingArgs args, ffi::Rem
 ffi::Error CastExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi::S32> send,
                        ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  auto leaves = GetLeaves("group_cast", args, rets, /*reduce=*/false, /*accumulate=*/false);
+  const int64_t B = static_cast<int64_t>(recv.element_count());
+  auto leaves = GetLeaves("group_cast", args, rets, /*reduce=*/false, *st, B);
   if (leaves.has_error()) return leaves.error();
   const Leaves& L = *leaves;
   const int64_t row_bytes = L.off[L.n];
   if (auto e = CheckStage(*st, row_bytes); !e.success()) return e;
   if (auto e = CheckSendTable(*st, send); !e.success()) return e;
-  const int64_t B = static_cast<int64_t>(recv.element_count());
-  const int recv_blocks = RecvBlocks(*st, B);
+  const int64_t x_rows = Rows(*args.get<ffi::AnyBuffer>(0));
+  const int64_t prefix_rows = st->prefix ? x_rows : 0;
+  const int recv_blocks = RecvBlocks(*st, prefix_rows + B);
   // Group rows per warp only when every warp has several (small casts: all warps busy).
   const int64_t warps = static_cast<int64_t>(recv_blocks) * kWarps;
-  const int rows_per_warp =
-      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kRowsPerWarp, B / warps)));
-  Plan P = MakePlan(*st, /*reverse=*/false, row_bytes, Rows(*args.get<ffi::AnyBuffer>(0)));
+  const int rows_per_warp = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(kRowsPerWarp, (prefix_rows + B) / warps)));
+  Plan P = MakePlan(*st, /*reverse=*/false, row_bytes, x_rows);
   CastKernel<<<P.send_blocks + recv_blocks, kThreads, 0, stream>>>(
-      P, L, send.typed_data(), recv.typed_data(), where.typed_data(), B, recv_blocks,
-      rows_per_warp);
+      P, L, send.typed_data(), recv.typed_data(), where.typed_data(), prefix_rows, B,
+      recv_blocks, rows_per_warp);
   return LaunchError("group_cast");
 }
 
@@ -785,7 +848,8 @@ ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<f
                          ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
                          ffi::Buffer<ffi::S32> inv, ffi::Buffer<ffi::S32> rinv,
                          ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  auto leaves = GetLeaves("group_reduce", args, rets, /*reduce=*/true, st->accumulate);
+  auto leaves = GetLeaves("group_reduce", args, rets, /*reduce=*/true, *st,
+                          static_cast<int64_t>(recv.element_count()));
   if (leaves.has_error()) return leaves.error();
   const Leaves& L = *leaves;
   const ffi::DataType dt = args.get<ffi::AnyBuffer>(0)->element_type();
@@ -797,23 +861,36 @@ ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<f
   if (auto e = CheckSendTable(*st, send); !e.success()) return e;
   const int64_t T_rows = Rows(**rets.get<ffi::AnyBuffer>(0));
   const int recv_blocks = RecvBlocks(*st, T_rows);
-  // The send side reads y's rows through rinv (rows of y).
-  Plan P = MakePlan(*st, /*reverse=*/true, row_bytes, Rows(*args.get<ffi::AnyBuffer>(0)));
+  // The send side reads the buffer's rows (L.src) through rinv.
+  Plan P = MakePlan(*st, /*reverse=*/true, row_bytes,
+                    static_cast<int64_t>(recv.element_count()));
   const int grid = P.send_blocks + recv_blocks;
+  const bool narrow = st->out_input_dtype;
+#define MAGI_REDUCE(T, OutT)                                                        \
+  ReduceKernel<T, OutT><<<grid, kThreads, 0, stream>>>(P, L, rinv.typed_data(),     \
+                                                       inv.typed_data(),            \
+                                                       where.typed_data(), T_rows,  \
+                                                       recv_blocks)
   switch (dt) {
     case ffi::DataType::BF16:
-      ReduceKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
-          P, L, rinv.typed_data(), inv.typed_data(), where.typed_data(), T_rows, recv_blocks);
+      if (narrow) {
+        MAGI_REDUCE(__nv_bfloat16, __nv_bfloat16);
+      } else {
+        MAGI_REDUCE(__nv_bfloat16, float);
+      }
       break;
     case ffi::DataType::F16:
-      ReduceKernel<__half><<<grid, kThreads, 0, stream>>>(
-          P, L, rinv.typed_data(), inv.typed_data(), where.typed_data(), T_rows, recv_blocks);
+      if (narrow) {
+        MAGI_REDUCE(__half, __half);
+      } else {
+        MAGI_REDUCE(__half, float);
+      }
       break;
     default:
-      ReduceKernel<float><<<grid, kThreads, 0, stream>>>(
-          P, L, rinv.typed_data(), inv.typed_data(), where.typed_data(), T_rows, recv_blocks);
+      MAGI_REDUCE(float, float);
       break;
   }
+#undef MAGI_REDUCE
   return LaunchError("group_reduce");
 }
 
@@ -833,7 +910,8 @@ ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<f
       .Attr<int64_t>("send_blocks")                \
       .Attr<int64_t>("recv_blocks")                \
       .Attr<int64_t>("mode")                       \
-      .Attr<bool>("double_buffer")
+      .Attr<bool>("double_buffer")                 \
+      .Attr<bool>("prefix")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCudaInstantiate, Instantiate,
                               MAGI_INSTANTIATE_BINDING);
@@ -842,17 +920,21 @@ namespace {
 ffi::ErrorOr<std::unique_ptr<CollectiveState>> InstantiateReduce(
     int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
     ffi::Span<const int64_t> widths, int64_t slot_len, int64_t rows_per_chunk,
-    int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer,
-    bool accumulate) {
+    int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer, bool prefix,
+    bool accumulate, bool out_input_dtype) {
   auto st = Instantiate(cp, shifts, call_id, timeout_ms, widths, slot_len, rows_per_chunk,
-                        send_blocks, recv_blocks, mode, double_buffer);
-  if (st.has_value()) (*st)->accumulate = accumulate;
+                        send_blocks, recv_blocks, mode, double_buffer, prefix);
+  if (st.has_value()) {
+    (*st)->accumulate = accumulate;
+    (*st)->out_input_dtype = out_input_dtype;
+  }
   return st;
 }
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceCudaInstantiate, InstantiateReduce,
-                              MAGI_INSTANTIATE_BINDING.Attr<bool>("accumulate"));
+                              MAGI_INSTANTIATE_BINDING.Attr<bool>("accumulate")
+                                  .Attr<bool>("out_input_dtype"));
 
 // Cast: send, recv, where, then the arrays x_0.. (RemainingArgs); outputs out_0..
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCudaExecute, CastExecute,

@@ -398,9 +398,9 @@ def _platform() -> str:
     return _platform_key(plat or jax.default_backend())
 
 
-def _common_attrs(spec, timeout_s):
+def _common_attrs(spec, timeout_s, prefix):
     return dict(cp=np.int64(spec.cp), shifts=np.asarray(spec.shifts, np.int64),
-                call_id=np.int64(next(_call_ids)),
+                call_id=np.int64(next(_call_ids)), prefix=bool(prefix),
                 timeout_ms=np.int64(int(1000 * (DEFAULT_TIMEOUT_S if timeout_s is None
                                                 else timeout_s))))
 
@@ -473,33 +473,40 @@ def _row_bytes(xs) -> int:
     return sum(math.prod(a.shape[1:]) * np.dtype(a.dtype).itemsize for a in xs)
 
 
-def group_cast(x, tables, spec, *, timeout_s: float | None = None):
+def group_cast(x, tables, spec, *, prefix: bool = False, timeout_s: float | None = None):
     """Native :func:`~magi_jax.sharding.collectives.group_cast` (no VJP of its own: the
     transport-generic ``group_cast`` wraps it). ``x [T, ...]`` -> ``[B, ...]``; ``x`` may be
     a list of up to :data:`MAX_ARRAYS` arrays with the same rows (e.g. ``[k, v]``): one
-    collective moves their rows side by side, without concatenating them, and returns a list."""
+    collective moves their rows side by side, without concatenating them, and returns a list.
+    ``prefix=True`` returns ``concatenate([x, cast(x)])`` (``[T + B, ...]``) without a
+    concatenation: the kernel copies x's rows while the peers' rows are on their way."""
     send, recv = tables
     plat = _platform()
     _load(plat)
     xs, single = _arrays(x, "group_cast")
-    attrs = _common_attrs(spec, timeout_s)
+    attrs = _common_attrs(spec, timeout_s, prefix)
     if plat == "cuda":
         _ensure_staging(send, _row_bytes(xs), _row_desc(xs))
         attrs.update(_cuda_attrs(spec, send.shape[1], _row_bytes(xs)))
+    rows = recv.shape[0] + (xs[0].shape[0] if prefix else 0)
     flat = [a.reshape(a.shape[0], -1) for a in xs]
-    outs = [jax.ShapeDtypeStruct((recv.shape[0], f.shape[1]), f.dtype) for f in flat]
+    outs = [jax.ShapeDtypeStruct((rows, f.shape[1]), f.dtype) for f in flat]
     got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(_CAST, outs)(*a, **attrs))(
         send, recv, _where(spec.axis_name), *flat)
-    got = [g.reshape((recv.shape[0],) + a.shape[1:]) for g, a in zip(got, xs)]
+    got = [g.reshape((rows,) + a.shape[1:]) for g, a in zip(got, xs)]
     return got[0] if single else got
 
 
-def group_reduce(y, tables, spec, num_rows: int, *, acc=None, timeout_s: float | None = None):
+def group_reduce(y, tables, spec, num_rows: int, *, acc=None, prefix: bool = False,
+                 out_dtype=None, timeout_s: float | None = None):
     """Native :func:`~magi_jax.sharding.collectives.group_reduce`: ``y [B, ...]`` summed in
     float32 (float64 for float64 ``y``; CPU only) into the owners' rows ->
     ``[num_rows, ...]``, added to ``acc`` (same shape, float32) when given. ``y`` (and
     ``acc``) may be lists of up to :data:`MAX_ARRAYS` arrays of one dtype with the same rows:
-    one collective sums them all and returns a list."""
+    one collective sums them all and returns a list. ``prefix=True``: ``y`` is
+    ``[num_rows + B, ...]``, the owner's own rows first, and they are added to the sums (the
+    adjoint of ``group_cast(prefix=True)``). ``out_dtype``: the float32 (float64) sums by
+    default, or ``y``'s dtype, rounded once."""
     send, recv = tables
     plat = _platform()
     _load(plat)
@@ -512,8 +519,17 @@ def group_reduce(y, tables, spec, num_rows: int, *, acc=None, timeout_s: float |
     acc_dtype = jnp.float64 if wide else jnp.float32
     if plat == "cuda" and dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
         raise TypeError(f"native group_reduce on GPU takes bf16, f16 or f32; got {dtype}")
+    out_dtype = acc_dtype if out_dtype is None else jnp.dtype(out_dtype)
+    if out_dtype not in (acc_dtype, dtype):
+        raise TypeError(f"native group_reduce: out_dtype={out_dtype} is neither the sums' "
+                        f"{jnp.dtype(acc_dtype)} nor the input's {dtype}")
+    want = recv.shape[0] + (num_rows if prefix else 0)
+    if ys[0].shape[0] != want:
+        raise ValueError(f"native group_reduce: y has {ys[0].shape[0]} rows, expected {want} ("
+                         + (f"num_rows={num_rows} own rows, then " if prefix else "")
+                         + f"one per buffer row, {recv.shape[0]})")
     flat = [a.reshape(a.shape[0], -1) for a in ys]
-    outs = [jax.ShapeDtypeStruct((num_rows, f.shape[1]), acc_dtype) for f in flat]
+    outs = [jax.ShapeDtypeStruct((num_rows, f.shape[1]), out_dtype) for f in flat]
     accumulate = acc is not None
     accs = []
     if accumulate:
@@ -522,8 +538,9 @@ def group_reduce(y, tables, spec, num_rows: int, *, acc=None, timeout_s: float |
             raise ValueError(f"native group_reduce: {len(accs)} initial sums for {len(ys)} "
                              "arrays; pass one per array")
         accs = [a.astype(acc_dtype).reshape(num_rows, f.shape[1]) for a, f in zip(accs, flat)]
-    attrs = _common_attrs(spec, timeout_s)
+    attrs = _common_attrs(spec, timeout_s, prefix)
     attrs["accumulate"] = accumulate
+    attrs["out_input_dtype"] = out_dtype != acc_dtype
     where = _where(spec.axis_name)
     if plat == "cuda":
         _ensure_staging(send, _row_bytes(ys), _row_desc(ys))

@@ -57,12 +57,10 @@ def _stage_ffa(q, k_local, v_local, ffa_arrays, cast_arrays, stage, key, scale, 
         kk, vv = k_local, v_local
     else:
         # The cast moves rows of its first axis: put the sequence first for batched inputs.
+        # A combined stage's KV is the local rows followed by the fetched ones (prefix).
         kk, vv = group_cast((jnp.moveaxis(k_local, seq, 0), jnp.moveaxis(v_local, seq, 0)),
-                            cast_arrays, stage.cast)
+                            cast_arrays, stage.cast, stage.combined)
         kk, vv = jnp.moveaxis(kk, 0, seq), jnp.moveaxis(vv, 0, seq)
-        if stage.combined:
-            kk = jnp.concatenate([k_local, kk], axis=seq)
-            vv = jnp.concatenate([v_local, vv], axis=seq)
         # The values FFA keeps for its backward are named, so the stage's checkpoint policy
         # (backward_refetch) re-fetches them instead of holding every stage's KV buffer.
         kk, vv = checkpoint_name(kk, _REMOTE_KV), checkpoint_name(vv, _REMOTE_KV)
@@ -73,10 +71,7 @@ def _stage_ffa(q, k_local, v_local, ffa_arrays, cast_arrays, stage, key, scale, 
 def _fetch(kv, cast_arrays, stage):
     """A stage's K and V: the cast buffers (after the local ``kv = (k, v)`` for a combined
     stage)."""
-    kk, vv = _cast(kv, cast_arrays, stage.cast)
-    if stage.combined:
-        kk, vv = jnp.concatenate([kv[0], kk]), jnp.concatenate([kv[1], vv])
-    return kk, vv
+    return _cast(kv, cast_arrays, stage.cast, prefix=stage.combined)
 
 
 def _add(a, b):
@@ -113,10 +108,12 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
     FFA backward runs against the *merged* ``(out, lse)`` — its probabilities are then the
     final softmax's, restricted to the stage's keys, so the stages' dQ and dK/dV partials sum
     to the exact gradients (and the lse cotangent enters every stage's delta alike). Remote
-    stages go first so their ``send_back(i, dkv_rows)`` (the group-reduce) can overlap the
-    host stage's backward. Returns ``dq`` and the local ``(dk, dv)`` (float32)."""
+    stages go first so their ``send_back(i, dkv_rows, final)`` (the group-reduce; a combined
+    stage's rows start with the local ones, which it adds; ``final``: nothing else adds to
+    the result, so it may come in the inputs' dtype) can overlap the host stage's backward.
+    Returns ``dq`` (float32) and the local ``(dk, dv)`` (float32, or kv's dtype when one
+    stage made them)."""
     be, kw = get_backend(cfg.backend), dict(cfg.kw)
-    t_loc = kv[0].shape[0]
     acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     up = lambda tree: jax.tree.map(lambda a: a.astype(acc), tree)
     dq, dkv = None, None
@@ -130,10 +127,7 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
         if stage.cast is None:
             dkv = _add(dkv, up(rows))
             continue
-        if stage.combined:
-            dkv = _add(dkv, up((dk_i[:t_loc], dv_i[:t_loc])))
-            rows = (dk_i[t_loc:], dv_i[t_loc:])
-        dkv = _add(dkv, send_back(i, rows))
+        dkv = _add(dkv, send_back(i, rows, len(order) == 1))
     return dq, dkv
 
 
@@ -143,9 +137,10 @@ def group_fetch(kv, stage_arrays, cfg):
 
 
 def group_send_back(kv, stage_arrays, cfg):
-    """``send_back(i, rows)`` of :func:`rank_stages`: group-reduce onto the owners."""
-    return lambda i, rows: _reduce(rows, stage_arrays[i][1], cfg.stages[i].cast,
-                                   kv[0].shape[0])
+    """``send_back(i, rows, final)`` of :func:`rank_stages`: group-reduce onto the owners."""
+    return lambda i, rows, final: _reduce(rows, stage_arrays[i][1], cfg.stages[i].cast,
+                                          kv[0].shape[0], prefix=cfg.stages[i].combined,
+                                          out_dtype=final)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

@@ -253,16 +253,21 @@ def _native(fn, leaves, *args):
     return got
 
 
-def _cast(x, tables: CastArrays, spec: CastSpec):
+def _cast(x, tables: CastArrays, spec: CastSpec, prefix: bool = False):
     """``x``: an array ``[T, ...]`` or a pytree of them (e.g. ``(k, v)``: one collective
-    carries all, with no concatenated copy)."""
+    carries all, with no concatenated copy). ``prefix``: ``[x; cast(x)]`` per array (the
+    native transport writes it in one pass, the others concatenate)."""
     leaves, tree = jax.tree.flatten(x)
+    if spec.transport == "native" and spec.shifts:
+        return tree.unflatten(_native(functools.partial(native.group_cast, prefix=prefix),
+                                      leaves, tables, spec))
+    if prefix:
+        got = jax.tree.leaves(_cast(x, tables, spec))
+        return tree.unflatten([jnp.concatenate([a, g]) for a, g in zip(leaves, got)])
     send, recv = tables
     buf = recv.shape[0]
     if not spec.shifts:
         return tree.unflatten([jnp.zeros((buf,) + a.shape[1:], a.dtype) for a in leaves])
-    if spec.transport == "native":
-        return tree.unflatten(_native(native.group_cast, leaves, tables, spec))
     n, s = send.shape
     idx = jnp.where(send < 0, leaves[0].shape[0], send)
     if spec.transport == "ppermute":
@@ -288,16 +293,29 @@ def _acc_dtype(dtype):
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
-def _reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int):
+def _reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, prefix: bool = False,
+            out_dtype: bool = False):
     """``y``: an array ``[B, ...]`` or a pytree of them; sums in float32 (float64 for
-    float64) -> the same structure of ``[num_rows, ...]``."""
+    float64) -> the same structure of ``[num_rows, ...]``. ``prefix``: each array is
+    ``[num_rows + B, ...]``, the owner's own rows first, added to the sums (the adjoint of
+    ``_cast(prefix=True)``). ``out_dtype``: the sums rounded once to y's dtype (else float32
+    / float64)."""
     leaves, tree = jax.tree.flatten(y)
+    if spec.transport == "native" and spec.shifts:
+        fn = functools.partial(native.group_reduce, prefix=prefix,
+                               out_dtype=leaves[0].dtype if out_dtype else None)
+        return tree.unflatten(_native(fn, leaves, tables, spec, num_rows))
+    if prefix or out_dtype:
+        bufs = [a[num_rows:] for a in leaves] if prefix else leaves
+        got = jax.tree.leaves(_reduce(tree.unflatten(bufs), tables, spec, num_rows))
+        if prefix:
+            got = [g + a[:num_rows].astype(g.dtype) for g, a in zip(got, leaves)]
+        return tree.unflatten([g.astype(a.dtype) if out_dtype else g
+                               for g, a in zip(got, leaves)])
     send, recv = tables
     if not spec.shifts:
         return tree.unflatten([jnp.zeros((num_rows,) + a.shape[1:], _acc_dtype(a.dtype))
                                for a in leaves])
-    if spec.transport == "native":
-        return tree.unflatten(_native(native.group_reduce, leaves, tables, spec, num_rows))
     n, s = send.shape
     b = leaves[0].shape[0]
     # Buffer rows back into their slot entries: recv is injective, so a gather by its inverse.
@@ -330,23 +348,25 @@ def _carrier(x):
     return jax.tree.map(lambda a: jnp.zeros((a.shape[0], 0), a.dtype), x)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def group_cast(x, tables: CastArrays, spec: CastSpec):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def group_cast(x, tables: CastArrays, spec: CastSpec, prefix: bool = False):
     """Rows of the local ``x [T, ...]`` (or of every array of a pytree, e.g. ``(k, v)``) to
-    the ranks that need them -> ``[B, ...]`` (x's dtype). Call inside ``shard_map`` over
-    ``spec.axis_name``. Its VJP is :func:`group_reduce` (float32 sums, cast back to x's
-    dtype)."""
-    return _cast(x, tables, spec)
+    the ranks that need them -> ``[B, ...]`` (x's dtype); with ``prefix``, ``[x; those rows]``
+    (``[T + B, ...]``: a stage's local KV followed by its fetched KV). Call inside
+    ``shard_map`` over ``spec.axis_name``. Its VJP is :func:`group_reduce` (float32 sums,
+    rounded once to x's dtype)."""
+    return _cast(x, tables, spec, prefix)
 
 
-def _cast_fwd(x, tables, spec):
-    return _cast(x, tables, spec), (tables, _carrier(x))
+def _cast_fwd(x, tables, spec, prefix):
+    return _cast(x, tables, spec, prefix), (tables, _carrier(x))
 
 
-def _cast_bwd(spec, res, ct):
+def _cast_bwd(spec, prefix, res, ct):
     tables, carrier = res
     rows = jax.tree.leaves(carrier)[0].shape[0]
-    dx = jax.tree.map(lambda d, c: d.astype(c.dtype), _reduce(ct, tables, spec, rows), carrier)
+    dx = jax.tree.map(lambda d, c: d.astype(c.dtype),
+                      _reduce(ct, tables, spec, rows, prefix, out_dtype=True), carrier)
     return dx, jax.tree.map(lambda _: None, tables)
 
 

@@ -74,10 +74,15 @@ def overlap_probe(key: MagiKey, q, k, v, *, softmax_scale: float | None = None,
             return out, lse
         dbufs = {}
 
-        def send_back(i, rows):
-            dbufs[i] = rows
-            return jax.tree.map(lambda r: jnp.zeros((k.shape[0],) + r.shape[1:], jnp.float32),
-                                rows)
+        def send_back(i, rows, final):
+            # Keeps the buffer rows (for the comm-free timing) and returns the local rows of a
+            # combined stage (zeros otherwise), like a reduce that received nothing.
+            t = k.shape[0]
+            combined = cfg.stages[i].combined
+            dbufs[i] = jax.tree.map(lambda r: r[t:], rows) if combined else rows
+            own = jax.tree.map(lambda r: r[:t].astype(jnp.float32) if combined else
+                               jnp.zeros((t,) + r.shape[1:], jnp.float32), rows)
+            return jax.tree.map(lambda o, r: o.astype(r.dtype), own, rows) if final else own
 
         dq, (dk, dv) = stages_backward(q, kv, arrays, cfg, out, lse,
                                        (out, jnp.zeros_like(lse)), fetch, send_back)
@@ -132,9 +137,16 @@ def _local_send_back(kv, stage_arrays, cfg):
     dropped: a dropped kernel output lets XLA remove the kernel, and the probe would time
     less work than magi does."""
     t_loc = kv[0].shape[0]
-    return lambda i, rows: jax.tree.map(
-        lambda r: jnp.take(r, jnp.arange(t_loc) % r.shape[0], axis=0).astype(jnp.float32),
-        rows)
+
+    def send_back(i, rows, final):
+        def one(r):
+            buf = r[t_loc:] if cfg.stages[i].combined else r
+            got = jnp.take(buf, jnp.arange(t_loc) % buf.shape[0], axis=0).astype(jnp.float32)
+            if cfg.stages[i].combined:
+                got = got + r[:t_loc].astype(jnp.float32)
+            return got.astype(r.dtype) if final else got
+        return jax.tree.map(one, rows)
+    return send_back
 
 
 def nocomm_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,

@@ -119,6 +119,42 @@ def main(rank, nprocs, port):
                                            err_msg=f"{shapes} {mode} reduce {i}")
     print(f"rank {rank}: several arrays per collective OK", flush=True)
 
+    # A combined stage's collectives: the cast writes [x; cast(x)] for K and V in one call;
+    # the reduce reads [own rows; buffer], adds the own rows and rounds the float32 sums once
+    # to bf16. With 2 ranks (one slot) every sum is own + at most one staged row, added in
+    # float32 in that order: the results equal NumPy's bit for bit.
+    table, t_loc = _random_table(rng, nprocs, 64, 8, 1)
+    spec = CastSpec("cp", nprocs, table.shifts, table.widths, "native")
+    B = table.buffer_len
+    xs = [rng.standard_normal((nprocs, t_loc, 8, 128)).astype(jnp.bfloat16) for _ in range(2)]
+    ys = [rng.standard_normal((nprocs, t_loc + B, 8, 128)).astype(jnp.bfloat16)
+          for _ in range(2)]
+
+    def combined(x0, x1, y0, y1, send, recv):
+        t = CastArrays(send[0], recv[0])
+        cast = native.group_cast([x0[0], x1[0]], t, spec, prefix=True)
+        red = native.group_reduce([y0[0], y1[0]], t, spec, t_loc, prefix=True)
+        narrow = native.group_reduce([y0[0], y1[0]], t, spec, t_loc, prefix=True,
+                                     out_dtype=jnp.bfloat16)
+        return tuple(o[None] for o in (*cast, *red, *narrow))
+    for mode in ("push", "pull"):
+        f = jax.jit(jax.shard_map(combined, mesh=mesh, in_specs=(P("cp"),) * 6,
+                                  out_specs=(P("cp"),) * 6, check_vma=False))
+        with native.tuning(mode=mode):
+            outs = [_local(o)[0] for o in f(*map(g, xs + ys), g(table.send_index),
+                                             g(table.recv_index))]
+        for i in range(2):
+            np.testing.assert_array_equal(
+                outs[i], np.concatenate([xs[i][rank], cast_model(xs[i], table)[rank]]),
+                err_msg=f"{mode} prefix cast {i}")
+            want = ys[i][rank, :t_loc].astype(np.float32) + reduce_model(
+                ys[i][:, t_loc:].astype(np.float32), table, t_loc)[rank].astype(np.float32)
+            assert outs[2 + i].dtype == np.float32 and outs[4 + i].dtype == jnp.bfloat16
+            np.testing.assert_array_equal(outs[2 + i], want, err_msg=f"{mode} prefix reduce {i}")
+            np.testing.assert_array_equal(outs[4 + i], want.astype(jnp.bfloat16),
+                                          err_msg=f"{mode} prefix reduce to bf16 {i}")
+    print(f"rank {rank}: combined-stage collectives (prefix, bf16 sums) OK", flush=True)
+
     # Every data path / staging / grid variant of the CUDA kernels on one layout (tiny chunks
     # and few blocks: several chunks per send block, several rows per receiving warp), then
     # a chain of back-to-back collectives of mixed variants in one program (staging regions
@@ -195,6 +231,12 @@ def main(rank, nprocs, port):
     res_n, res_x = grads(key_n), grads(key_x)
     for name, a, b in zip(("out", "dq", "dk", "dv"), res_n, res_x):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4, err_msg=name)
+    # One combined stage (overlap degree 0): the prefix cast and reduce inside the VJP.
+    key_c = make_flex_key(mask, mesh, "cp", comm_backend="native", overlap_degree=0)
+    assert [s.combined for s in key_c.stages] == [True]
+    res_c = grads(key_c)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), res_c, res_x):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4, err_msg=f"combined {name}")
     dense = mask.to_dense()
     q, k, v = (a.astype(np.float64) for a in qkv)
     s = np.einsum("thd,shd->hts", q, k) / np.sqrt(D)

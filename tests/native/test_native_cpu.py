@@ -117,6 +117,60 @@ def test_several_arrays_in_one_collective():
                 xs[0], xs[0], table.send_index, table.recv_index)
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
+def test_prefix_cast_and_reduce_in_input_dtype(cp, dtype):
+    # A combined stage: the cast's output is [x; cast(x)] and the reduce's input [own rows;
+    # buffer], its own rows added; the reduce rounds its float32 sums once to y's dtype. The
+    # sums are computed in float32 in the handler's order (own rows, then slots ascending),
+    # so the rounded results match NumPy exactly. The pytree path through the
+    # differentiable group_cast matches the ppermute transport, gradients included.
+    rng = np.random.default_rng(cp)
+    table, t_loc = _random_table(rng, cp, 3, 2, 1)
+    spec = CastSpec("cp", cp, table.shifts, table.widths, "native")
+    x = rng.standard_normal((cp, t_loc, 2, 4)).astype(dtype)
+    y = rng.standard_normal((cp, t_loc + table.buffer_len, 2, 4)).astype(dtype)
+
+    def body(x_, y_, send, recv):
+        t = CastArrays(send[0], recv[0])
+        cast = native.group_cast(x_[0], t, spec, prefix=True)
+        red = native.group_reduce(y_[0], t, spec, t_loc, prefix=True)
+        narrow = native.group_reduce(y_[0], t, spec, t_loc, prefix=True, out_dtype=y_.dtype)
+        return cast[None], red[None], narrow[None]
+    mesh = _mesh(cp)
+    put = lambda *a: [jax.device_put(b, jax.NamedSharding(mesh, P("cp"))) for b in a]
+    args = put(x, y, table.send_index, table.recv_index)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 4,
+                              out_specs=(P("cp"),) * 3, check_vma=False))
+    cast, red, narrow = map(np.asarray, f(*args))
+    np.testing.assert_array_equal(cast, np.concatenate([x, cast_model(x, table)], axis=1))
+    # Slot by slot in float32, as the handler sums (an owner row is in a slot at most once).
+    want = y[:, :t_loc].astype(np.float32)
+    for j, shift in enumerate(table.shifts):
+        one = CastTable(table.send_index[:, j:j + 1], np.where(
+            table.recv_index // table.slot_len == j, table.recv_index % table.slot_len, -1
+        ).astype(np.int32), (shift,), (table.widths[j],))
+        want = want + reduce_model(y[:, t_loc:].astype(np.float32), one, t_loc).astype(
+            np.float32)
+    assert red.dtype == np.float32 and narrow.dtype == x.dtype
+    np.testing.assert_array_equal(red, want)
+    np.testing.assert_array_equal(narrow, want.astype(dtype))
+
+    def grads(transport):
+        sp = dataclasses.replace(spec, transport=transport)
+
+        def g(x_, ct, send, recv):
+            t = CastArrays(send[0], recv[0])
+            out, vjp = jax.vjp(lambda a: group_cast({"k": a, "v": 2 * a}, t, sp, True), x_[0])
+            return out["k"][None], out["v"][None], vjp({"k": ct[0], "v": ct[0]})[0][None]
+        return [np.asarray(o) for o in jax.jit(jax.shard_map(
+            g, mesh=mesh, in_specs=(P("cp"),) * 4, out_specs=(P("cp"),) * 3,
+            check_vma=False))(*args)]
+    for a, b in zip(grads("native"), grads("ppermute")):
+        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=1e-2,
+                                   atol=1e-2)
+
+
 def test_reduce_sums_bf16_in_float32():
     meta = _meta(4, 1, 1)
     remote = [np.zeros((0, 5), np.int64)] + [np.array([[0, 1, 0, 0, 0]])] * 3
