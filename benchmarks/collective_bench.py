@@ -60,9 +60,17 @@ def parse_variant(spec: str) -> dict:
     """``"pull:chunk_kib=1024:double_buffer=0"`` -> CudaTuning changes."""
     mode, *fields = spec.split(":")
     out = {"mode": mode}
+    out.update(_tuning_fields(fields))
+    return out
+
+
+def _tuning_fields(fields) -> dict:
+    """``["mode=pull", "recv_blocks=128"]`` -> CudaTuning changes."""
+    out = {}
     for f in fields:
         k, v = f.split("=")
-        out[k] = bool(int(v)) if k == "double_buffer" else int(v)
+        out[k] = (v if k == "mode" else bool(int(v)) if k in ("double_buffer", "ce_prefix")
+                  else int(v))
     return out
 
 
@@ -375,7 +383,7 @@ def e2e(args, mesh, me):
             break   # the portable FFA only when the Mosaic GPU one did not run
         for spec in backends:
             comm, *fields = spec.split(":")
-            tv = {f.split("=")[0]: int(f.split("=")[1]) for f in fields}
+            tv = _tuning_fields(fields)
             if args.skip_native and (comm == "native" or ffa == "pallas"):
                 continue
             try:

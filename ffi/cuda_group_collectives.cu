@@ -89,6 +89,10 @@ struct Context {
   uint64_t* acks = nullptr;  // symmetric [npes]: acks[q] = last epoch q finished reading
   unsigned int* done = nullptr;  // device counter of finished receive blocks
   uint64_t epoch = 0;            // host: native collectives enqueued so far
+  // A side stream for copy-engine copies beside a kernel (forked from and joined back into
+  // XLA's stream within one handler call), created on first use.
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
   int64_t prev_lo = 0, prev_hi = 0;  // host: staging region [lo, hi) of the previous call
   bool prev_top = true;              // host: the previous call used the top of staging
 };
@@ -111,6 +115,7 @@ struct CollectiveState {
   // is the owner's own rows followed by the buffer, and its own rows are added to the sums.
   bool prefix = false;
   bool out_input_dtype = false;  // reduce: outputs in the input's dtype (else float32)
+  bool ce_prefix = false;        // cast with prefix: copy x's rows with the copy engine
   int64_t timeout_ns = 0;
 };
 ffi::TypeId CollectiveState::id = XLA_FFI_UNKNOWN_TYPE_ID;
@@ -389,7 +394,8 @@ __device__ void CheckRank(const Plan& P, const int32_t* where) {
 
 __global__ void __launch_bounds__(kThreads)
 CastKernel(Plan P, Leaves L, const int32_t* send, const int32_t* recv, const int32_t* where,
-           int64_t prefix_rows, int64_t B, int recv_blocks, int rows_per_warp) {
+           int64_t prefix_rows, bool copy_prefix, int64_t B, int recv_blocks,
+           int rows_per_warp) {
   CheckRank(P, where);
   if (blockIdx.x < P.send_blocks) {
     SendChunks(P, L, send);
@@ -399,14 +405,15 @@ CastKernel(Plan P, Leaves L, const int32_t* send, const int32_t* recv, const int
   StagedBases(P, staged);
   const int rb = blockIdx.x - P.send_blocks;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // Output rows: the input's own rows first (prefix_rows of them, copied while the peers'
-  // rows are on their way), then one per receive entry. Each warp takes rows_per_warp
-  // consecutive rows at a time: one flag wait and fence per chunk among them instead of
-  // one per row.
+  // Output rows: the input's own rows first (prefix_rows of them; copied here while the
+  // peers' rows are on their way when copy_prefix, else by the copy engine beside this
+  // kernel), then one per receive entry. Each warp takes rows_per_warp consecutive rows at
+  // a time: one flag wait and fence per chunk among them instead of one per row.
   const int64_t rows = prefix_rows + B;
+  const int64_t first = copy_prefix ? 0 : prefix_rows;
   const int64_t stride = static_cast<int64_t>(recv_blocks) * kWarps * rows_per_warp;
-  for (int64_t b0 = (static_cast<int64_t>(rb) * kWarps + warp) * rows_per_warp; b0 < rows;
-       b0 += stride) {
+  for (int64_t b0 = first + (static_cast<int64_t>(rb) * kWarps + warp) * rows_per_warp;
+       b0 < rows; b0 += stride) {
     int seen = -1;  // chunk whose flag this warp has already acquired
     const int64_t b1 = min(rows, b0 + rows_per_warp);
     for (int64_t b = b0; b < b1; ++b) {
@@ -488,6 +495,8 @@ ReduceKernel(Plan P, Leaves L, const int32_t* rinv, const int32_t* inv, const in
   for (int64_t t = static_cast<int64_t>(rb) * kWarps + warp; t < T_rows;
        t += static_cast<int64_t>(recv_blocks) * kWarps) {
     const int32_t* my_inv = inv + t * P.n;
+    bool receives = false;  // (every lane reads the same entries)
+    for (int j = 0; j < P.n; ++j) receives = receives || my_inv[j] >= 0;
     if (lane == 0) {
       for (int j = 0; j < P.n; ++j) {
         const int32_t p = my_inv[j];
@@ -497,7 +506,7 @@ ReduceKernel(Plan P, Leaves L, const int32_t* rinv, const int32_t* inv, const in
       }
     }
     __syncwarp();
-    AcquireSys();
+    if (receives) AcquireSys();
     for (int l = 0; l < L.n; ++l) {
       const int64_t Fl = L.bytes[l] / static_cast<int64_t>(sizeof(T));  // leaf l's elements
       const int64_t first = L.off[l] / static_cast<int64_t>(sizeof(T));  // its first in a row
@@ -581,7 +590,8 @@ ReduceKernel(Plan P, Leaves L, const int32_t* rinv, const int32_t* inv, const in
 ffi::ErrorOr<std::unique_ptr<CollectiveState>> Instantiate(
     int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
     ffi::Span<const int64_t> widths, int64_t slot_len, int64_t rows_per_chunk,
-    int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer, bool prefix) {
+    int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer, bool prefix,
+    bool ce_prefix) {
   if (!g.ready) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
         "magi_jax native: NVSHMEM is not initialized (magi_jax.native.initialize)");
@@ -622,6 +632,7 @@ ffi::ErrorOr<std::unique_ptr<CollectiveState>> Instantiate(
   st->mode = (mode == kPull && g.all_mapped) ? kPull : kPush;
   st->double_buffer = double_buffer;
   st->prefix = prefix;
+  st->ce_prefix = ce_prefix;
   st->timeout_ns = timeout_ms * 1000000;
   st->chunk_base[0] = 0;
   for (int j = 0; j < st->n; ++j) {
@@ -832,15 +843,35 @@ ffi::Error CastExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi
   if (auto e = CheckSendTable(*st, send); !e.success()) return e;
   const int64_t x_rows = Rows(*args.get<ffi::AnyBuffer>(0));
   const int64_t prefix_rows = st->prefix ? x_rows : 0;
-  const int recv_blocks = RecvBlocks(*st, prefix_rows + B);
+  // x's rows by the copy engine on a side stream forked from XLA's, joined back after the
+  // kernel is queued: they copy while the kernel moves the peers' rows, with no SM.
+  const bool ce = prefix_rows > 0 && st->ce_prefix;
+  if (ce) {
+    if (g.side == nullptr &&
+        (cudaStreamCreateWithFlags(&g.side, cudaStreamNonBlocking) != cudaSuccess ||
+         cudaEventCreateWithFlags(&g.fork, cudaEventDisableTiming) != cudaSuccess ||
+         cudaEventCreateWithFlags(&g.join, cudaEventDisableTiming) != cudaSuccess)) {
+      return LaunchError("group_cast (side stream)");
+    }
+    cudaEventRecord(g.fork, stream);
+    cudaStreamWaitEvent(g.side, g.fork, 0);
+    for (int l = 0; l < L.n; ++l) {
+      cudaMemcpyAsync(L.dst[l], L.src[l], x_rows * L.bytes[l], cudaMemcpyDeviceToDevice,
+                      g.side);
+    }
+    cudaEventRecord(g.join, g.side);
+  }
+  const int64_t kernel_rows = (ce ? 0 : prefix_rows) + B;
+  const int recv_blocks = RecvBlocks(*st, kernel_rows);
   // Group rows per warp only when every warp has several (small casts: all warps busy).
   const int64_t warps = static_cast<int64_t>(recv_blocks) * kWarps;
   const int rows_per_warp = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(kRowsPerWarp, (prefix_rows + B) / warps)));
+      std::max<int64_t>(1, std::min<int64_t>(kRowsPerWarp, kernel_rows / warps)));
   Plan P = MakePlan(*st, /*reverse=*/false, row_bytes, x_rows);
   CastKernel<<<P.send_blocks + recv_blocks, kThreads, 0, stream>>>(
-      P, L, send.typed_data(), recv.typed_data(), where.typed_data(), prefix_rows, B,
+      P, L, send.typed_data(), recv.typed_data(), where.typed_data(), prefix_rows, !ce, B,
       recv_blocks, rows_per_warp);
+  if (ce) cudaStreamWaitEvent(stream, g.join, 0);
   return LaunchError("group_cast");
 }
 
@@ -911,7 +942,8 @@ ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<f
       .Attr<int64_t>("recv_blocks")                \
       .Attr<int64_t>("mode")                       \
       .Attr<bool>("double_buffer")                 \
-      .Attr<bool>("prefix")
+      .Attr<bool>("prefix")                        \
+      .Attr<bool>("ce_prefix")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCudaInstantiate, Instantiate,
                               MAGI_INSTANTIATE_BINDING);
@@ -921,9 +953,9 @@ ffi::ErrorOr<std::unique_ptr<CollectiveState>> InstantiateReduce(
     int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
     ffi::Span<const int64_t> widths, int64_t slot_len, int64_t rows_per_chunk,
     int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer, bool prefix,
-    bool accumulate, bool out_input_dtype) {
+    bool ce_prefix, bool accumulate, bool out_input_dtype) {
   auto st = Instantiate(cp, shifts, call_id, timeout_ms, widths, slot_len, rows_per_chunk,
-                        send_blocks, recv_blocks, mode, double_buffer, prefix);
+                        send_blocks, recv_blocks, mode, double_buffer, prefix, ce_prefix);
   if (st.has_value()) {
     (*st)->accumulate = accumulate;
     (*st)->out_input_dtype = out_input_dtype;
@@ -1039,6 +1071,12 @@ int magi_nv_finalize() {
   nvshmem_free(g.flags);
   nvshmem_free(g.acks);
   cudaFree(g.done);
+  if (g.side != nullptr) {
+    cudaStreamDestroy(g.side);
+    cudaEventDestroy(g.fork);
+    cudaEventDestroy(g.join);
+    g.side = nullptr;
+  }
   nvshmem_finalize();
   return 0;
 }

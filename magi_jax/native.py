@@ -78,11 +78,14 @@ class CudaTuning:
     read the previous call's rows. ``stream``: 0 runs the collective on XLA's compute stream
     (serialised with the attention kernels); ``n > 0`` places it on XLA's explicit GPU stream
     ``n`` (``compute_on("gpu_stream:n")``, an async call XLA joins before the consumers) so
-    it can run beside the kernels (DESIGN.md §7; not yet measured).
+    it can run beside the kernels (DESIGN.md §7). ``ce_prefix``: a cast with ``prefix`` copies
+    the input's own rows with the copy engine, beside the kernel, instead of in its receive
+    blocks.
 
     Defaults come from ``MAGI_NATIVE_CAST_MODE``, ``MAGI_NATIVE_SEND_BLOCKS``,
-    ``MAGI_NATIVE_RECV_BLOCKS``, ``MAGI_NATIVE_CHUNK_KIB``, ``MAGI_NATIVE_DOUBLE_BUFFER``
-    (read at import); :func:`tuning` changes them for the collectives traced inside it.
+    ``MAGI_NATIVE_RECV_BLOCKS``, ``MAGI_NATIVE_CHUNK_KIB``, ``MAGI_NATIVE_DOUBLE_BUFFER``,
+    ``MAGI_NATIVE_STREAM``, ``MAGI_NATIVE_CE_PREFIX`` (read at import); :func:`tuning`
+    changes them for the collectives traced inside it.
     """
 
     mode: str = "push"
@@ -93,6 +96,7 @@ class CudaTuning:
     # gain (256 MiB: 311.8 GB/s with it, 318.7 without; 1 MiB: 31.9 vs 30.6 us).
     double_buffer: bool = False
     stream: int = 0
+    ce_prefix: bool = False
 
     def __post_init__(self):
         if self.mode not in _MODES:
@@ -113,7 +117,9 @@ def _tuning_from_env() -> CudaTuning:
                       chunk_kib=int(env("MAGI_NATIVE_CHUNK_KIB", d.chunk_kib)),
                       double_buffer=env("MAGI_NATIVE_DOUBLE_BUFFER", str(int(d.double_buffer)))
                       not in ("0", "false"),
-                      stream=int(env("MAGI_NATIVE_STREAM", d.stream)))
+                      stream=int(env("MAGI_NATIVE_STREAM", d.stream)),
+                      ce_prefix=env("MAGI_NATIVE_CE_PREFIX", str(int(d.ce_prefix)))
+                      not in ("0", "false"))
 
 
 _tuning = [_tuning_from_env()]
@@ -420,7 +426,7 @@ def _cuda_attrs(spec, n_rows_per_slot, row_bytes):
     return dict(widths=np.asarray(spec.widths, np.int64), slot_len=np.int64(n_rows_per_slot),
                 rows_per_chunk=np.int64(rows_per_chunk), send_blocks=np.int64(t.send_blocks),
                 recv_blocks=np.int64(t.recv_blocks), mode=np.int64(_MODES[t.mode]),
-                double_buffer=bool(t.double_buffer))
+                double_buffer=bool(t.double_buffer), ce_prefix=bool(t.ce_prefix))
 
 
 def _on_stream(plat, call):

@@ -137,10 +137,11 @@ def main(rank, nprocs, port):
         narrow = native.group_reduce([y0[0], y1[0]], t, spec, t_loc, prefix=True,
                                      out_dtype=jnp.bfloat16)
         return tuple(o[None] for o in (*cast, *red, *narrow))
-    for mode in ("push", "pull"):
+    for tv in (dict(mode="push"), dict(mode="pull"), dict(mode="push", ce_prefix=True)):
+        mode = str(tv)
         f = jax.jit(jax.shard_map(combined, mesh=mesh, in_specs=(P("cp"),) * 6,
                                   out_specs=(P("cp"),) * 6, check_vma=False))
-        with native.tuning(mode=mode):
+        with native.tuning(**tv):
             outs = [_local(o)[0] for o in f(*map(g, xs + ys), g(table.send_index),
                                              g(table.recv_index))]
         for i in range(2):
