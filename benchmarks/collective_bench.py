@@ -83,8 +83,10 @@ def _args(argv=None):
     ap.add_argument("--row-kib", type=int, default=8, help="row size (a KV token: 2·Hkv·D·2 B)")
     ap.add_argument("--ragged-max-mib", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--e2e-reps", type=int, default=10,
-                    help="timed fwd+bwd steps per end-to-end row (median reported)")
+    ap.add_argument("--e2e-rounds", type=int, default=5,
+                    help="end to end: rounds over every row, in a rotating order (median)")
+    ap.add_argument("--e2e-steps", type=int, default=8,
+                    help="end to end: fwd+bwd steps queued back to back per timing")
     ap.add_argument("--variants", default=DEFAULT_VARIANTS,
                     help="native CudaTuning variants timed at --variant-sizes (see above)")
     ap.add_argument("--reduce-variants", default="pull",
@@ -354,7 +356,13 @@ def e2e(args, mesh, me):
     dispatched q/k/v (what a training step runs per layer: its activations are dispatched
     once, at the embedding); ``step``, from replicated q/k/v in natural order through
     dispatch, attention and undispatch (the gradients of replicated inputs add an all-reduce
-    of dq/dk/dv that both transports pay alike)."""
+    of dq/dk/dv that both transports pay alike).
+
+    Timing: every row is compiled and warmed up first; then ``--e2e-rounds`` rounds visit
+    every row, each round in another (rotated) order, and each visit queues
+    ``--e2e-steps`` steps back to back and waits once, as a training loop runs (the two
+    processes then move in lockstep, and one process starting late costs a step only
+    once per visit). Per row: the median over rounds of the time per step."""
     import numpy as np
     import jax
     import jax.numpy as jnp
@@ -377,9 +385,9 @@ def e2e(args, mesh, me):
     out = {"tokens": total, "heads": H, "head_dim": D, "mask": "doc_causal (PERF docs)"}
     flops = 4 * mask.area * H * D * 3.5
     backends = [b for b in args.e2e_backends.split(",") if b]
+    rows = []                # (name, step, overlap degree), compiled and warmed up
     for ffa in ("pallas", "xla"):
-        if ffa == "xla" and any("s" in v for n, v in out.items()
-                                if n.startswith("pallas") and isinstance(v, dict)):
+        if ffa == "xla" and any(n.startswith("pallas") for n, _, _ in rows):
             break   # the portable FFA only when the Mosaic GPU one did not run
         for spec in backends:
             comm, *fields = spec.split(":")
@@ -407,27 +415,32 @@ def e2e(args, mesh, me):
                 name = f"{ffa}/{spec}/{what}"
                 # A backend listed twice (e.g. native,ppermute,native,ppermute: both orders
                 # in one process) gets a second row.
-                seen = sum(o == name or o.startswith(name + " #") for o in out)
+                seen = sum(o == name or o.startswith(name + " #")
+                           for o in [*out, *(n for n, _, _ in rows)])
                 name += f" #{seen + 1}" if seen else ""
                 try:
                     f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
                     with native.tuning(**tv):        # traced on the first call
                         jax.block_until_ready(f(*xs, key))
-                    times = []
-                    for _ in range(args.e2e_reps):
-                        t = time.perf_counter()
-                        jax.block_until_ready(f(*xs, key))
-                        times.append(time.perf_counter() - t)
-                    med = float(np.median(times))
-                    out[name] = {"s": med, "best_s": min(times),
-                                 "TFLOPs_per_gpu": flops / med / 2 / 1e12,
-                                 "overlap_degree": key.overlap_degree}
-                    if args.profile:
-                        out[name]["trace"] = trace_summary(lambda: f(*xs, key))
+                    rows.append((name, functools.partial(f, *xs, key), key.overlap_degree))
                 except Exception as e:  # noqa: BLE001
                     out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                if me == 0:
-                    print(f"e2e {name}: {out[name]}", flush=True)
+                    if me == 0:
+                        print(f"e2e {name}: {out[name]}", flush=True)
+    times = {name: [] for name, _, _ in rows}
+    for r in range(args.e2e_rounds):
+        for name, fn, _ in rows[r % len(rows):] + rows[:r % len(rows)]:
+            t = time.perf_counter()
+            jax.block_until_ready([fn() for _ in range(args.e2e_steps)])
+            times[name].append((time.perf_counter() - t) / args.e2e_steps)
+    for name, fn, degree in rows:
+        med = float(np.median(times[name]))
+        out[name] = {"s": med, "best_s": min(times[name]), "rounds_s": times[name],
+                     "TFLOPs_per_gpu": flops / med / 2 / 1e12, "overlap_degree": degree}
+        if args.profile:
+            out[name]["trace"] = trace_summary(fn)
+        if me == 0:
+            print(f"e2e {name}: {out[name]}", flush=True)
     return out
 
 
@@ -465,7 +478,7 @@ def launch(args):
                 "--ragged-max-mib", str(args.ragged_max_mib), "--out", args.out,
                 "--budget-s", str(args.budget_s), "--e2e-tokens", str(args.e2e_tokens),
                 "--e2e-backends", args.e2e_backends, "--e2e-modes", args.e2e_modes,
-                "--e2e-reps", str(args.e2e_reps),
+                "--e2e-rounds", str(args.e2e_rounds), "--e2e-steps", str(args.e2e_steps),
                 "--send-blocks-sweep", args.send_blocks_sweep, "--variants", args.variants,
                 "--reduce-variants", args.reduce_variants, "--variant-sizes",
                 args.variant_sizes]
@@ -584,8 +597,8 @@ def markdown(res) -> str:
     if "e2e" in res:
         e = res["e2e"]
         lines += ["", f"magi_attention fwd+bwd, {e.get('mask')}, {e.get('tokens')} tokens, "
-                  f"H {e.get('heads')}, D {e.get('head_dim')}, 2 GPUs (median of the timed "
-                  "steps, best in brackets):", "",
+                  f"H {e.get('heads')}, D {e.get('head_dim')}, 2 GPUs (per step: median over rounds of "
+                  "back-to-back steps, best round in brackets):", "",
                   "| FFA / transport / what | ms | TFLOP/s per GPU |", "|---|---|---|"]
         for k, v in e.items():
             if isinstance(v, dict):
