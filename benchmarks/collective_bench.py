@@ -69,8 +69,8 @@ def _tuning_fields(fields) -> dict:
     out = {}
     for f in fields:
         k, v = f.split("=")
-        out[k] = (v if k == "mode" else bool(int(v)) if k in ("double_buffer", "ce_prefix")
-                  else int(v))
+        out[k] = (v if k == "mode" or not v.isdigit() else
+                  bool(int(v)) if k in ("double_buffer", "ce_prefix") else int(v))
     return out
 
 

@@ -77,8 +77,10 @@ class CudaTuning:
     between two staging regions (when both fit) so a call does not wait for the peers to have
     read the previous call's rows. ``stream``: 0 runs the collective on XLA's compute stream
     (serialised with the attention kernels); ``n > 0`` places it on XLA's explicit GPU stream
-    ``n`` (``compute_on("gpu_stream:n")``, an async call XLA joins before the consumers) so
-    it can run beside the kernels (DESIGN.md §7). ``ce_prefix``: a cast with ``prefix`` copies
+    ``n`` (``compute_on("gpu_stream:n")``, an async call XLA joins before the consumers);
+    ``"collective"`` on XLA's collective stream (``compute_on("gpu_stream:collective")``): XLA
+    schedules it as it schedules its own collectives, starting it early and joining it
+    late, so it runs beside the kernels (DESIGN.md §7). ``ce_prefix``: a cast with ``prefix`` copies
     the input's own rows with the copy engine, beside the kernel, instead of in its receive
     blocks.
 
@@ -95,7 +97,7 @@ class CudaTuning:
     # One staging region: on 2 H200s (collective_20261130_0849) a second region measured no
     # gain (256 MiB: 311.8 GB/s with it, 318.7 without; 1 MiB: 31.9 vs 30.6 us).
     double_buffer: bool = False
-    stream: int = 0
+    stream: int | str = 0
     ce_prefix: bool = False
 
     def __post_init__(self):
@@ -104,9 +106,13 @@ class CudaTuning:
         for name in ("send_blocks", "recv_blocks", "chunk_kib"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"CudaTuning.{name} must be >= 1, got {getattr(self, name)}")
-        if int(self.stream) < 0:
-            raise ValueError(f"CudaTuning.stream must be >= 0 (0: XLA's compute stream), got "
-                             f"{self.stream}")
+        if self.stream != "collective" and not (str(self.stream).isdigit()):
+            raise ValueError(f"CudaTuning.stream must be an int >= 0 (0: XLA's compute "
+                             f"stream) or 'collective', got {self.stream!r}")
+
+
+def _stream(v: str) -> int | str:
+    return int(v) if v.isdigit() else v
 
 
 def _tuning_from_env() -> CudaTuning:
@@ -117,7 +123,7 @@ def _tuning_from_env() -> CudaTuning:
                       chunk_kib=int(env("MAGI_NATIVE_CHUNK_KIB", d.chunk_kib)),
                       double_buffer=env("MAGI_NATIVE_DOUBLE_BUFFER", str(int(d.double_buffer)))
                       not in ("0", "false"),
-                      stream=int(env("MAGI_NATIVE_STREAM", d.stream)),
+                      stream=_stream(env("MAGI_NATIVE_STREAM", str(d.stream))),
                       ce_prefix=env("MAGI_NATIVE_CE_PREFIX", str(int(d.ce_prefix)))
                       not in ("0", "false"))
 
@@ -430,12 +436,12 @@ def _cuda_attrs(spec, n_rows_per_slot, row_bytes):
 
 
 def _on_stream(plat, call):
-    """``call`` on the explicit XLA GPU stream of :attr:`CudaTuning.stream` (when > 0)."""
+    """``call`` on the XLA GPU stream of :attr:`CudaTuning.stream` (unless 0)."""
     n = cuda_tuning().stream
-    if plat != "cuda" or not n:
+    if plat != "cuda" or n in (0, "0"):
         return call
     from jax.experimental.compute_on import compute_on
-    return compute_on(compute_type=f"gpu_stream:{int(n)}",
+    return compute_on(compute_type=f"gpu_stream:{n}",
                       out_memory_spaces=jax.memory.Space.Device)(call)
 
 

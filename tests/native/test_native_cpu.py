@@ -309,9 +309,12 @@ def test_cuda_tuning_and_chunk_plan():
     with pytest.raises(ValueError, match="chunk_kib"):
         native.CudaTuning(chunk_kib=0)
     call = lambda x: x + 1
-    with native.tuning(stream=2):
-        assert native._on_stream("cpu", call) is call          # the stream is a CUDA placement
-        assert native._on_stream("cuda", call) is not call
+    with pytest.raises(ValueError, match="collective"):
+        native.CudaTuning(stream="compute")
+    for stream in (2, "collective"):
+        with native.tuning(stream=stream):
+            assert native._on_stream("cpu", call) is call      # the stream is a CUDA placement
+            assert native._on_stream("cuda", call) is not call
     assert native._on_stream("cuda", call) is call             # default: the compute stream
     default = native.cuda_tuning()
     big = CastSpec("cp", 2, (1,), (32768,), "native")           # 256 MiB of 8 KiB rows
