@@ -98,9 +98,9 @@ def _args(argv=None):
     ap.add_argument("--skip-native", action="store_true",
                     help="XLA rows only (a dry run of the script on CPUs)")
     ap.add_argument("--e2e-tokens", type=int, default=32768)
-    ap.add_argument("--e2e-backends", default="native,native:stream=1,ppermute",
-                    help="comm_backend[:CudaTuning field=int...] of the end-to-end rows, e.g. "
-                         "native:stream=1:send_blocks=16:recv_blocks=16")
+    ap.add_argument("--e2e-backends", default="native,ppermute",
+                    help="comm_backend[:CudaTuning field=value...] of the end-to-end rows, "
+                         "e.g. native:stream=collective:send_blocks=16:recv_blocks=16")
     ap.add_argument("--e2e-modes", default="attn,step",
                     help="attn (dispatched q/k/v) and/or step (dispatch, attention, undispatch)")
     ap.add_argument("--profile", action="store_true",

@@ -86,4 +86,9 @@ if "GBps_gpu" in g256:
            f"{g256['GBps_gpu']:.1f} GB/s, {ratio:.2f}x", g256["GBps_gpu"] >= 335 and ratio >= 0.85)
 if "gpu_s" in g1:
     target("cast@1MiB <= 30 us (GPU time)", f"{g1['gpu_s'] * 1e6:.1f}", g1["gpu_s"] <= 30e-6)
+e2e = res.get("e2e", {})
+nat, xla = e2e.get("pallas/native/attn", {}), e2e.get("pallas/ppermute/attn", {})
+if "s" in nat and "s" in xla:
+    target(f"e2e native <= xla ({e2e.get('tokens')} tokens, median per step)",
+           f"{nat['s'] * 1e3:.3f} vs {xla['s'] * 1e3:.3f} ms", nat["s"] <= xla["s"])
 PY
