@@ -597,8 +597,8 @@ def markdown(res) -> str:
     if "e2e" in res:
         e = res["e2e"]
         lines += ["", f"magi_attention fwd+bwd, {e.get('mask')}, {e.get('tokens')} tokens, "
-                  f"H {e.get('heads')}, D {e.get('head_dim')}, 2 GPUs (per step: median over rounds of "
-                  "back-to-back steps, best round in brackets):", "",
+                  f"H {e.get('heads')}, D {e.get('head_dim')}, 2 GPUs (per step: median over "
+                  "rounds of back-to-back steps, best round in brackets):", "",
                   "| FFA / transport / what | ms | TFLOP/s per GPU |", "|---|---|---|"]
         for k, v in e.items():
             if isinstance(v, dict):

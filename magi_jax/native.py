@@ -78,11 +78,11 @@ class CudaTuning:
     read the previous call's rows. ``stream``: 0 runs the collective on XLA's compute stream
     (serialised with the attention kernels); ``n > 0`` places it on XLA's explicit GPU stream
     ``n`` (``compute_on("gpu_stream:n")``, an async call XLA joins before the consumers);
-    ``"collective"`` on XLA's collective stream (``compute_on("gpu_stream:collective")``): XLA
-    schedules it as it schedules its own collectives, starting it early and joining it
-    late, so it runs beside the kernels (DESIGN.md §7). ``ce_prefix``: a cast with ``prefix`` copies
-    the input's own rows with the copy engine, beside the kernel, instead of in its receive
-    blocks.
+    ``"collective"`` on XLA's collective stream (``compute_on("gpu_stream:collective")``,
+    DESIGN.md §7). On 2 H200s with jax 0.11.2 neither stream overlapped the attention: XLA
+    joined each call right after starting it (``collective_notes.md``, Run 7).
+    ``ce_prefix``: a cast with ``prefix`` copies the input's own rows with the copy engine,
+    beside the kernel, instead of in its receive blocks (measured: no faster).
 
     Defaults come from ``MAGI_NATIVE_CAST_MODE``, ``MAGI_NATIVE_SEND_BLOCKS``,
     ``MAGI_NATIVE_RECV_BLOCKS``, ``MAGI_NATIVE_CHUNK_KIB``, ``MAGI_NATIVE_DOUBLE_BUFFER``,

@@ -140,7 +140,7 @@ def group_send_back(kv, stage_arrays, cfg):
     """``send_back(i, rows, final)`` of :func:`rank_stages`: group-reduce onto the owners."""
     return lambda i, rows, final: _reduce(rows, stage_arrays[i][1], cfg.stages[i].cast,
                                           kv[0].shape[0], prefix=cfg.stages[i].combined,
-                                          out_dtype=final)
+                                          round_to_input=final)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

@@ -294,23 +294,23 @@ def _acc_dtype(dtype):
 
 
 def _reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, prefix: bool = False,
-            out_dtype: bool = False):
+            round_to_input: bool = False):
     """``y``: an array ``[B, ...]`` or a pytree of them; sums in float32 (float64 for
     float64) -> the same structure of ``[num_rows, ...]``. ``prefix``: each array is
     ``[num_rows + B, ...]``, the owner's own rows first, added to the sums (the adjoint of
-    ``_cast(prefix=True)``). ``out_dtype``: the sums rounded once to y's dtype (else float32
-    / float64)."""
+    ``_cast(prefix=True)``). ``round_to_input``: the sums rounded once to y's dtype (else
+    float32 / float64)."""
     leaves, tree = jax.tree.flatten(y)
     if spec.transport == "native" and spec.shifts:
         fn = functools.partial(native.group_reduce, prefix=prefix,
-                               out_dtype=leaves[0].dtype if out_dtype else None)
+                               out_dtype=leaves[0].dtype if round_to_input else None)
         return tree.unflatten(_native(fn, leaves, tables, spec, num_rows))
-    if prefix or out_dtype:
+    if prefix or round_to_input:
         bufs = [a[num_rows:] for a in leaves] if prefix else leaves
         got = jax.tree.leaves(_reduce(tree.unflatten(bufs), tables, spec, num_rows))
         if prefix:
             got = [g + a[:num_rows].astype(g.dtype) for g, a in zip(got, leaves)]
-        return tree.unflatten([g.astype(a.dtype) if out_dtype else g
+        return tree.unflatten([g.astype(a.dtype) if round_to_input else g
                                for g, a in zip(got, leaves)])
     send, recv = tables
     if not spec.shifts:
@@ -366,7 +366,7 @@ def _cast_bwd(spec, prefix, res, ct):
     tables, carrier = res
     rows = jax.tree.leaves(carrier)[0].shape[0]
     dx = jax.tree.map(lambda d, c: d.astype(c.dtype),
-                      _reduce(ct, tables, spec, rows, prefix, out_dtype=True), carrier)
+                      _reduce(ct, tables, spec, rows, prefix, round_to_input=True), carrier)
     return dx, jax.tree.map(lambda _: None, tables)
 
 
