@@ -29,7 +29,10 @@ class FFABackend:
     ``split_bwd(saved, q, k, v, plan, (dout, dlse), **cfg) -> (dq, dk, dv)``, for
     ``[T, H, D]`` inputs; ``cfg`` = ``softmax_scale, softcap, block_q, block_k``. ``saved``
     is ``(out [T, H, D], lse [T, H])``, and ``split_bwd`` takes any such pair — also the
-    merged result of several calls, whose backward each call can then run on its own."""
+    merged result of several calls, whose backward each call can then run on its own. With
+    ``while_dq=fn`` it returns ``(dq, dk, dv, fn(dk, dv))``; a backend whose dQ can be
+    computed after dK/dV calls ``fn`` in between (the pallas one), so that work started
+    there runs beside the dQ kernel."""
 
     name: str
     build: Callable       # (shapes, total_q, total_k, block_q, block_k) -> plan arrays
@@ -48,9 +51,10 @@ def _xla() -> FFABackend:
         out, lse = X.xla_ffa_forward(q, k, v, plan, **kw)
         return (out, lse), (out, lse)
 
-    def split_bwd(saved, q, k, v, plan, cts, **kw):
+    def split_bwd(saved, q, k, v, plan, cts, *, while_dq=None, **kw):
         out, lse = saved
-        return X.xla_ffa_backward(q, k, v, out, lse, *cts, plan, **kw)
+        dq, dk, dv = X.xla_ffa_backward(q, k, v, out, lse, *cts, plan, **kw)
+        return (dq, dk, dv) if while_dq is None else (dq, dk, dv, while_dq(dk, dv))
 
     return FFABackend(
         "xla",
@@ -72,10 +76,11 @@ def _pallas(interpret: bool = False) -> FFABackend:
                               interpret=interpret, persistent=0)
         return (out, lse), (out, lse)
 
-    def split_bwd(saved, q, k, v, plan, cts, *, softmax_scale, softcap, block_q, block_k):
+    def split_bwd(saved, q, k, v, plan, cts, *, softmax_scale, softcap, block_q, block_k,
+                  while_dq=None):
         del block_q, block_k
         return ffa_pallas_backward(q, k, v, plan, *saved, *cts, softmax_scale=softmax_scale,
-                                   softcap=softcap, interpret=interpret)
+                                   softcap=softcap, interpret=interpret, while_dq=while_dq)
 
     def call(q, k, v, plan, *, softmax_scale, softcap, block_q, block_k):
         del block_q, block_k            # the kernels tile with their own block sizes
