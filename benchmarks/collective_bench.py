@@ -70,7 +70,7 @@ def _tuning_fields(fields) -> dict:
     for f in fields:
         k, v = f.split("=")
         out[k] = (v if k == "mode" or not v.isdigit() else
-                  bool(int(v)) if k in ("double_buffer", "ce_prefix", "async_reduce") else int(v))
+                  bool(int(v)) if k in ("double_buffer", "ce_prefix") else int(v))
     return out
 
 

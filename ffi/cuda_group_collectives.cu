@@ -71,19 +71,12 @@ struct Context {
   uint64_t* flags = nullptr;  // symmetric [2][n_flags / 2]: chunk arrival, value = epoch;
   size_t n_flags = 0;         // bank 0 for calls at the bottom of staging, bank 1 at the top
   uint64_t* acks = nullptr;  // symmetric [npes]: acks[q] = last epoch q finished reading
-  // Device counters of finished receive blocks, one per epoch modulo kDoneRing: a started
-  // collective may still run when the next one starts.
-  unsigned int* done = nullptr;
+  unsigned int* done = nullptr;  // device counter of finished receive blocks
   uint64_t epoch = 0;            // host: native collectives enqueued so far
   // A side stream for copy-engine copies beside a kernel (forked from and joined back into
   // XLA's stream within one handler call), created on first use.
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
-  // The stream of the started collectives (start/done calls): highest priority, so their
-  // blocks are placed before the kernels XLA queues meanwhile. `comm_done` marks the last
-  // collective started on it; a done call makes XLA's stream wait for it.
-  cudaStream_t comm = nullptr;
-  cudaEvent_t comm_fork = nullptr, comm_done = nullptr;
   int64_t prev_lo = 0, prev_hi = 0;  // host: staging region [lo, hi) of the previous call
   bool prev_top = true;              // host: the previous call used the top of staging
 };
@@ -226,7 +219,7 @@ Plan MakePlan(const CollectiveState& st, bool reverse, int64_t row_bytes, int64_
   // while this one is still being received) never writes a flag this call waits for.
   P.flags = g.flags + (top ? g.n_flags / 2 : 0);
   P.acks = g.acks;
-  P.done = g.done + P.epoch % kDoneRing;
+  P.done = g.done;
   return P;
 }
 
@@ -402,11 +395,10 @@ ffi::Error CastExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi
   return LaunchError("group_cast");
 }
 
-// Queues the reduce kernel on `stream`.
-ffi::Error LaunchReduce(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi::S32> send,
-                        ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
-                        ffi::Buffer<ffi::S32> inv, ffi::Buffer<ffi::S32> rinv,
-                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
+ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi::S32> send,
+                         ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
+                         ffi::Buffer<ffi::S32> inv, ffi::Buffer<ffi::S32> rinv,
+                         ffi::RemainingArgs args, ffi::RemainingRets rets) {
   auto leaves = GetLeaves("group_reduce", args, rets, /*reduce=*/true, *st,
                           static_cast<int64_t>(recv.element_count()));
   if (leaves.has_error()) return leaves.error();
@@ -451,61 +443,6 @@ ffi::Error LaunchReduce(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ff
   }
 #undef MAGI_REDUCE
   return LaunchError("group_reduce");
-}
-
-ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi::S32> send,
-                         ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
-                         ffi::Buffer<ffi::S32> inv, ffi::Buffer<ffi::S32> rinv,
-                         ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  return LaunchReduce(stream, st, send, recv, where, inv, rinv, args, rets);
-}
-
-// Start: the reduce on the collectives' stream, after everything XLA queued so far; XLA's
-// stream goes on at once. Its outputs are written (and its inputs read) until the matching
-// done call, which takes all of them, so XLA keeps them alive and untouched until then.
-ffi::Error ReduceStartExecute(cudaStream_t stream, CollectiveState* st,
-                              ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
-                              ffi::Buffer<ffi::S32> where, ffi::Buffer<ffi::S32> inv,
-                              ffi::Buffer<ffi::S32> rinv, ffi::RemainingArgs args,
-                              ffi::RemainingRets rets) {
-  if (g.comm == nullptr) {
-    int least = 0, greatest = 0;
-    if (cudaDeviceGetStreamPriorityRange(&least, &greatest) != cudaSuccess ||
-        cudaStreamCreateWithPriority(&g.comm, cudaStreamNonBlocking, greatest) != cudaSuccess ||
-        cudaEventCreateWithFlags(&g.comm_fork, cudaEventDisableTiming) != cudaSuccess ||
-        cudaEventCreateWithFlags(&g.comm_done, cudaEventDisableTiming) != cudaSuccess) {
-      return LaunchError("group_reduce start (collectives' stream)");
-    }
-  }
-  cudaEventRecord(g.comm_fork, stream);
-  cudaStreamWaitEvent(g.comm, g.comm_fork, 0);
-  if (auto e = LaunchReduce(g.comm, st, send, recv, where, inv, rinv, args, rets);
-      !e.success()) {
-    return e;
-  }
-  cudaEventRecord(g.comm_done, g.comm);
-  return LaunchError("group_reduce start");
-}
-
-// Done: XLA's stream waits for the collectives started so far. Output i is input i (aliased
-// by the caller); were it not, it is copied once the wait is over.
-ffi::Error DoneExecute(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  if (rets.size() > args.size()) {
-    return ffi::Error::InvalidArgument("magi_jax native done: one input per output, then the "
-                                       "started collective's operands");
-  }
-  if (g.comm != nullptr) cudaStreamWaitEvent(stream, g.comm_done, 0);
-  for (size_t i = 0; i < rets.size(); ++i) {
-    auto a = args.get<ffi::AnyBuffer>(i);
-    auto r = rets.get<ffi::AnyBuffer>(i);
-    if (a.has_error()) return a.error();
-    if (r.has_error()) return r.error();
-    if ((*r)->untyped_data() != a->untyped_data()) {
-      cudaMemcpyAsync((*r)->untyped_data(), a->untyped_data(), a->size_bytes(),
-                      cudaMemcpyDeviceToDevice, stream);
-    }
-  }
-  return LaunchError("done");
 }
 
 }  // namespace
@@ -576,27 +513,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceCudaExecute, ReduceExecute,
                                   .RemainingArgs()
                                   .RemainingRets());
 
-// Reduce start: as the reduce; done: the started collectives' outputs, then their operands.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceStartCudaInstantiate, InstantiateReduce,
-                              MAGI_INSTANTIATE_BINDING.Attr<bool>("accumulate")
-                                  .Attr<bool>("out_input_dtype"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceStartCudaExecute, ReduceStartExecute,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::State<CollectiveState>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .RemainingRets());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupDoneCuda, DoneExecute,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .RemainingArgs()
-                                  .RemainingRets());
-
 // ---- bootstrap (ctypes, magi_jax/native.py) --------------------------------------------
 
 extern "C" {
@@ -648,8 +564,8 @@ int magi_nv_init(const char* uid, int rank, int npes, size_t stage_bytes, size_t
                     "and raise NVSHMEM_SYMMETRIC_SIZE",
                 3);
   }
-  if (cudaMalloc(&g.done, kDoneRing * sizeof(unsigned int)) != cudaSuccess ||
-      cudaMemset(g.done, 0, kDoneRing * sizeof(unsigned int)) != cudaSuccess) {
+  if (cudaMalloc(&g.done, sizeof(unsigned int)) != cudaSuccess ||
+      cudaMemset(g.done, 0, sizeof(unsigned int)) != cudaSuccess) {
     return Fail(err, err_len, "cudaMalloc failed", 4);
   }
   // Every PE in NVSHMEM_TEAM_SHARED is reachable with loads and stores (nvshmem_ptr).
@@ -675,12 +591,6 @@ int magi_nv_finalize() {
   nvshmem_free(g.flags);
   nvshmem_free(g.acks);
   cudaFree(g.done);
-  if (g.comm != nullptr) {
-    cudaStreamDestroy(g.comm);
-    cudaEventDestroy(g.comm_fork);
-    cudaEventDestroy(g.comm_done);
-    g.comm = nullptr;
-  }
   if (g.side != nullptr) {
     cudaStreamDestroy(g.side);
     cudaEventDestroy(g.fork);

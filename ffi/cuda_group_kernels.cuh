@@ -24,7 +24,6 @@ constexpr int kWarpUnroll = 8;   // 16-byte units in flight per lane in a warp c
 constexpr int kRowsPerWarp = 4;  // at most this many consecutive rows per receiving warp
 constexpr int64_t kRegionAlign = 256;
 constexpr int kMaxLeaves = 4;
-constexpr int kDoneRing = 64;    // receive-block counters, used round robin by epoch
 enum Mode : int { kPush = 0, kPull = 1 };
 
 // What one kernel launch needs (passed by value).

@@ -52,13 +52,11 @@ import numpy as np
 
 __all__ = ["available", "unavailable_reason", "group_cast", "group_reduce", "MAX_ARRAYS",
            "check_table", "initialize", "finalize", "staging_bytes", "auto_reason",
-           "DEFAULT_TIMEOUT_S", "CudaTuning", "tuning", "cuda_tuning", "Pending",
-           "group_done"]
+           "DEFAULT_TIMEOUT_S", "CudaTuning", "tuning", "cuda_tuning"]
 
 DEFAULT_TIMEOUT_S = 60.0
 _LIBS = {"cpu": "_magi_native_cpu.so", "cuda": "_magi_native_cuda.so"}
 _CAST, _REDUCE = "magi_group_cast", "magi_group_reduce"
-_REDUCE_START, _DONE = "magi_group_reduce_start", "magi_group_done"
 _FLAG_CAPACITY = 1 << 16
 _DEFAULT_SYMMETRIC_BYTES = 1 << 30
 _call_ids = itertools.count(1)
@@ -85,14 +83,11 @@ class CudaTuning:
     joined each call right after starting it (``collective_notes.md``, Run 7).
     ``ce_prefix``: a cast with ``prefix`` copies the input's own rows with the copy engine,
     beside the kernel, instead of in its receive blocks (measured: no faster).
-    ``async_reduce``: context parallelism starts the last remote stage's group-reduce on a
-    high-priority stream of its own, to run beside the dQ kernel (``wait=False`` of
-    :func:`group_reduce`); ``False`` runs it on XLA's stream.
 
     Defaults come from ``MAGI_NATIVE_CAST_MODE``, ``MAGI_NATIVE_SEND_BLOCKS``,
     ``MAGI_NATIVE_RECV_BLOCKS``, ``MAGI_NATIVE_CHUNK_KIB``, ``MAGI_NATIVE_DOUBLE_BUFFER``,
-    ``MAGI_NATIVE_STREAM``, ``MAGI_NATIVE_CE_PREFIX``, ``MAGI_NATIVE_ASYNC_REDUCE`` (read at
-    import); :func:`tuning` changes them for the collectives traced inside it.
+    ``MAGI_NATIVE_STREAM``, ``MAGI_NATIVE_CE_PREFIX`` (read at import); :func:`tuning`
+    changes them for the collectives traced inside it.
     """
 
     mode: str = "push"
@@ -104,7 +99,6 @@ class CudaTuning:
     double_buffer: bool = False
     stream: int | str = 0
     ce_prefix: bool = False
-    async_reduce: bool = True
 
     def __post_init__(self):
         if self.mode not in _MODES:
@@ -131,8 +125,6 @@ def _tuning_from_env() -> CudaTuning:
                       not in ("0", "false"),
                       stream=_stream(env("MAGI_NATIVE_STREAM", str(d.stream))),
                       ce_prefix=env("MAGI_NATIVE_CE_PREFIX", str(int(d.ce_prefix)))
-                      not in ("0", "false"),
-                      async_reduce=env("MAGI_NATIVE_ASYNC_REDUCE", str(int(d.async_reduce)))
                       not in ("0", "false"))
 
 
@@ -225,14 +217,11 @@ def _load(platform: str):
             "magi_jax.nvshmem_collective_state",
             {"type_id": _capsule(lib.MagiNvStateTypeId()),
              "type_info": _capsule(lib.MagiNvStateTypeInfo())}, platform=plat)
-        for target, stem in ((_CAST, "MagiGroupCastCuda"), (_REDUCE, "MagiGroupReduceCuda"),
-                             (_REDUCE_START, "MagiGroupReduceStartCuda")):
+        for target, stem in ((_CAST, "MagiGroupCastCuda"), (_REDUCE, "MagiGroupReduceCuda")):
             jax.ffi.register_ffi_target(
                 target, {"instantiate": jax.ffi.pycapsule(getattr(lib, stem + "Instantiate")),
                          "execute": jax.ffi.pycapsule(getattr(lib, stem + "Execute"))},
                 platform=plat)
-        jax.ffi.register_ffi_target(_DONE, jax.ffi.pycapsule(lib.MagiGroupDoneCuda),
-                                    platform=plat)
         lib.magi_nv_uid_size.restype = ctypes.c_int
         lib.magi_nv_get_uid.argtypes = [ctypes.c_void_p]
         lib.magi_nv_init.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int,
@@ -520,38 +509,8 @@ def group_cast(x, tables, spec, *, prefix: bool = False, timeout_s: float | None
     return got[0] if single else got
 
 
-@jax.tree_util.register_pytree_node_class
-class Pending:
-    """A started :func:`group_reduce` (``wait=False``): ``outs`` (as the kernel writes them)
-    are written, and ``keep`` read, by a kernel that may still run; :func:`group_done` gives
-    the outputs, in ``shapes``, once it has finished. A pytree (its arrays are the leaves),
-    so it can travel through ``lax.optimization_barrier``."""
-
-    def __init__(self, outs, keep, shapes):
-        self.outs, self.keep, self.shapes = list(outs), tuple(keep), tuple(shapes)
-
-    def tree_flatten(self):
-        return (self.outs, self.keep), self.shapes
-
-    @classmethod
-    def tree_unflatten(cls, shapes, children):
-        return cls(*children, shapes)
-
-
-def group_done(p: Pending) -> list:
-    """The outputs of a started :func:`group_reduce`, once it has finished: on GPU a call
-    that makes XLA's stream wait for the collectives' stream, taking the outputs (aliased)
-    and every operand of the start (so XLA keeps them until here)."""
-    outs = p.outs
-    if p.keep:                          # else it finished at the start (CPU)
-        outs = jax.ffi.ffi_call(
-            _DONE, [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs],
-            input_output_aliases={i: i for i in range(len(outs))})(*outs, *p.keep)
-    return [o.reshape(shape) for o, shape in zip(outs, p.shapes)]
-
-
 def group_reduce(y, tables, spec, num_rows: int, *, acc=None, prefix: bool = False,
-                 out_dtype=None, wait: bool = True, timeout_s: float | None = None):
+                 out_dtype=None, timeout_s: float | None = None):
     """Native :func:`~magi_jax.sharding.collectives.group_reduce`: ``y [B, ...]`` summed in
     float32 (float64 for float64 ``y``; CPU only) into the owners' rows ->
     ``[num_rows, ...]``, added to ``acc`` (same shape, float32) when given. ``y`` (and
@@ -559,10 +518,7 @@ def group_reduce(y, tables, spec, num_rows: int, *, acc=None, prefix: bool = Fal
     one collective sums them all and returns a list. ``prefix=True``: ``y`` is
     ``[num_rows + B, ...]``, the owner's own rows first, and they are added to the sums (the
     adjoint of ``group_cast(prefix=True)``). ``out_dtype``: the float32 (float64) sums by
-    default, or ``y``'s dtype, rounded once. ``wait=False`` returns a :class:`Pending`: on
-    GPU the reduce then runs on a high-priority stream of its own beside what XLA queues
-    next, until :func:`group_done` (which must come before the next native collective is
-    queued); on CPU it has finished already."""
+    default, or ``y``'s dtype, rounded once."""
     send, recv = tables
     plat = _platform()
     _load(plat)
@@ -611,15 +567,9 @@ def group_reduce(y, tables, spec, num_rows: int, *, acc=None, prefix: bool = Fal
         ridx = jnp.where(recv < 0, n * s, recv)
         rinv = jnp.full((n * s + 1,), -1, jnp.int32).at[ridx].set(
             jnp.arange(recv.shape[0], dtype=jnp.int32))[:n * s]
-        operands = (send, recv, where, inv, rinv, *flat, *accs)
-        if not wait:
-            got = jax.ffi.ffi_call(_REDUCE_START, outs)(*operands, **attrs)
-            return Pending(got, operands, [(num_rows,) + a.shape[1:] for a in ys])
         got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(_REDUCE, outs)(*a, **attrs))(
-            *operands)
+            send, recv, where, inv, rinv, *flat, *accs)
     else:
         got = jax.ffi.ffi_call(_REDUCE, outs)(send, recv, where, *flat, *accs, **attrs)
-    if not wait:
-        return Pending(got, (), [(num_rows,) + a.shape[1:] for a in ys])
     got = [g.reshape((num_rows,) + a.shape[1:]) for g, a in zip(got, ys)]
     return got[0] if single else got

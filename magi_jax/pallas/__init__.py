@@ -165,7 +165,7 @@ def _ffa_fwd(q, k, v, plan, sched, cfg):
     return (out, jnp.swapaxes(lse_bht, 1, 2)), (q, k, v, plan, sched, out, lse_bht)
 
 
-def _ffa_bwd(cfg, res, cts, while_dq=None):
+def _ffa_bwd(cfg, res, cts):
     q, k, v, plan, sched, out, lse_bht = res
     dout, dlse = cts
     tq, tk = q.shape[1], k.shape[1]
@@ -184,22 +184,11 @@ def _ffa_bwd(cfg, res, cts, while_dq=None):
                                            fma_softmax=cfg.fma_softmax,
                                            head_major=cfg.head_major, persistent=progs,
                                            interpret=cfg.interpret)
-    dq_kernel = lambda args: ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items,
-                                    bcfg(cfg.dq_num_stages, cfg.dq_persistent), sched.dq)
-    if while_dq is None:
-        dq = dq_kernel(args)
+    dq = ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items,
+                bcfg(cfg.dq_num_stages, cfg.dq_persistent), sched.dq)
     dk, dv = ffa_dkv(*args, plan.k_order, plan.k_offsets, plan.k_items,
                      bcfg(cfg.dkv_num_stages, cfg.dkv_persistent), sched.dkv)
-    dk, dv = dk[:, :tk], dv[:, :tk]
-    if while_dq is None:
-        return dq[:, :tq], dk, dv, None, None
-    # dK/dV first; while_dq's work (e.g. a collective started on its own stream) is queued
-    # before the dQ kernel, and its result is tied to dQ, so whatever ends it comes after.
-    during = while_dq(dk, dv)
-    during, args = jax.lax.optimization_barrier((during, args))
-    dq = dq_kernel(args)
-    during, dq = jax.lax.optimization_barrier((during, dq))
-    return dq[:, :tq], dk, dv, during
+    return dq[:, :tq], dk[:, :tk], dv[:, :tk], None, None
 
 
 _ffa.defvjp(_ffa_fwd, _ffa_bwd)
@@ -293,27 +282,19 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
 
 
 def ffa_pallas_backward(q, k, v, plan: KernelPlanArrays, out, lse, dout, dlse, *,
-                        softmax_scale: float, softcap: float = 0.0, interpret: bool = False,
-                        while_dq=None):
+                        softmax_scale: float, softcap: float = 0.0, interpret: bool = False):
     """The backward of :func:`ffa_pallas` from a forward's ``(out, lse)``, which may be the
     merged result of several calls (context parallelism runs each stage's backward against
     the merged output). Shapes as :func:`ffa_pallas`: q/out/dout ``[(B,) Tq, Hq, D]``, k/v
     ``[(B,) Tk, Hkv, D]``, lse/dlse ``[(B,) Tq, Hq]`` float32. Returns ``(dq, dk, dv)``. The
-    kernels run one program per unit (the plan may be traced). ``while_dq(dk, dv)``: called
-    between the dK/dV kernel and the dQ kernel (context parallelism starts the reduce of dK/dV
-    there, to run beside dQ); its result comes back as a fourth output, after dQ."""
+    kernels run one program per unit (the plan may be traced)."""
     cfg = _Config(float(softmax_scale), float(softcap), bool(interpret))
     plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     lift = (lambda x: x) if q.ndim == 4 else (lambda x: x[None])
     res = (lift(q), lift(k), lift(v), plan, _NO_SCHEDULES, lift(out),
            jnp.swapaxes(lift(lse), 1, 2))
-    unlift = (lambda x: x) if q.ndim == 4 else (lambda x: x[0])
-    if while_dq is None:
-        dq, dk, dv, _, _ = _ffa_bwd(cfg, res, (lift(dout), lift(dlse)))
-        return unlift(dq), unlift(dk), unlift(dv)
-    dq, dk, dv, during = _ffa_bwd(cfg, res, (lift(dout), lift(dlse)),
-                                  lambda dk, dv: while_dq(unlift(dk), unlift(dv)))
-    return unlift(dq), unlift(dk), unlift(dv), during
+    dq, dk, dv, _, _ = _ffa_bwd(cfg, res, (lift(dout), lift(dlse)))
+    return (dq, dk, dv) if q.ndim == 4 else (dq[0], dk[0], dv[0])
 
 
 def flex_flash_attention_pallas(q, k, v, mask, *, softmax_scale: float | None = None,

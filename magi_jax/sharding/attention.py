@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from magi_jax.sharding.collectives import _cast, finish, group_cast, start_reduce
+from magi_jax.sharding.collectives import _cast, _reduce, group_cast
 from magi_jax.sharding.ffa_backends import get_backend
 from magi_jax.sharding.key import MagiKey, _check_key
 
@@ -108,38 +108,26 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
     FFA backward runs against the *merged* ``(out, lse)`` — its probabilities are then the
     final softmax's, restricted to the stage's keys, so the stages' dQ and dK/dV partials sum
     to the exact gradients (and the lse cotangent enters every stage's delta alike). Remote
-    stages go first, their ``send_back(i, dkv_rows, final)`` (the group-reduce; a combined
+    stages go first so their ``send_back(i, dkv_rows, final)`` (the group-reduce; a combined
     stage's rows start with the local ones, which it adds; ``final``: nothing else adds to
-    the result, so it may come in the inputs' dtype) returns a started reduce or its result
-    (:func:`~magi_jax.sharding.collectives.finish` gives it). The last remote stage's dK/dV
-    are computed before its dQ and their reduce is started in between, so it runs beside
-    the dQ kernel and the host stage's backward; no other collective is queued until it
-    ends. Returns ``dq`` (float32) and the local ``(dk, dv)`` (float32, or kv's dtype when
-    one stage made them)."""
+    the result, so it may come in the inputs' dtype) can overlap the host stage's backward.
+    Returns ``dq`` (float32) and the local ``(dk, dv)`` (float32, or kv's dtype when one
+    stage made them)."""
     be, kw = get_backend(cfg.backend), dict(cfg.kw)
     acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     up = lambda tree: jax.tree.map(lambda a: a.astype(acc), tree)
     dq, dkv = None, None
     order = sorted(range(len(cfg.stages)), key=lambda i: cfg.stages[i].cast is None)
-    remote = [i for i in order if cfg.stages[i].cast is not None]
-    final = len(order) == 1
-    started = None                      # the last remote stage's reduce
     for i in order:
         stage, (ffa_arrays, _) = cfg.stages[i], stage_arrays[i]
         kk, vv = kv if stage.cast is None else fetch(i)
-        args = ((out, lse), q, kk, vv, ffa_arrays, cts)
-        if stage.cast is None:
-            dq_i, dk_i, dv_i = be.split_bwd(*args, **kw)
-            dkv = _add(dkv, up((dk_i, dv_i)))
-        elif i == remote[-1]:
-            dq_i, _, _, started = be.split_bwd(
-                *args, while_dq=lambda dk, dv, i=i: send_back(i, (dk, dv), final), **kw)
-        else:
-            dq_i, dk_i, dv_i = be.split_bwd(*args, **kw)
-            dkv = _add(dkv, finish(send_back(i, (dk_i, dv_i), final)))
+        dq_i, dk_i, dv_i = be.split_bwd((out, lse), q, kk, vv, ffa_arrays, cts, **kw)
         dq = _add(dq, dq_i.astype(acc))
-    if started is not None:
-        dkv = _add(dkv, finish(started))
+        rows = (dk_i, dv_i)
+        if stage.cast is None:
+            dkv = _add(dkv, up(rows))
+            continue
+        dkv = _add(dkv, send_back(i, rows, len(order) == 1))
     return dq, dkv
 
 
@@ -149,11 +137,10 @@ def group_fetch(kv, stage_arrays, cfg):
 
 
 def group_send_back(kv, stage_arrays, cfg):
-    """``send_back(i, rows, final)`` of :func:`rank_stages`: group-reduce onto the owners,
-    started (:func:`~magi_jax.sharding.collectives.start_reduce`)."""
-    return lambda i, rows, final: start_reduce(rows, stage_arrays[i][1], cfg.stages[i].cast,
-                                               kv[0].shape[0], prefix=cfg.stages[i].combined,
-                                               round_to_input=final)
+    """``send_back(i, rows, final)`` of :func:`rank_stages`: group-reduce onto the owners."""
+    return lambda i, rows, final: _reduce(rows, stage_arrays[i][1], cfg.stages[i].cast,
+                                          kv[0].shape[0], prefix=cfg.stages[i].combined,
+                                          round_to_input=final)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

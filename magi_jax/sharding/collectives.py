@@ -343,41 +343,6 @@ def _reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, prefix: bool =
         for i, a in enumerate(leaves)])
 
 
-@jax.tree_util.register_pytree_node_class
-class Started:
-    """A group-reduce in flight (:func:`start_reduce`): :func:`finish` gives its result."""
-
-    def __init__(self, pending: native.Pending, tree):
-        self.pending, self.tree = pending, tree
-
-    def tree_flatten(self):
-        return (self.pending,), self.tree
-
-    @classmethod
-    def tree_unflatten(cls, tree, children):
-        return cls(children[0], tree)
-
-
-def start_reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, prefix: bool = False,
-                 round_to_input: bool = False):
-    """:func:`_reduce`, started: with the native transport on GPU the reduce runs on its own
-    stream beside what follows, until :func:`finish` (a :class:`Started`); elsewhere it has
-    finished (the result itself). Nothing may queue another native collective between the
-    two: order them by data dependencies."""
-    leaves, tree = jax.tree.flatten(y)
-    if (spec.transport == "native" and spec.shifts and native.cuda_tuning().async_reduce
-            and len(leaves) <= native.MAX_ARRAYS and len({a.dtype for a in leaves}) == 1):
-        return Started(native.group_reduce(
-            leaves, tables, spec, num_rows, prefix=prefix,
-            out_dtype=leaves[0].dtype if round_to_input else None, wait=False), tree)
-    return _reduce(y, tables, spec, num_rows, prefix, round_to_input)
-
-
-def finish(x):
-    """The result of :func:`start_reduce`."""
-    return x.tree.unflatten(native.group_done(x.pending)) if isinstance(x, Started) else x
-
-
 def _carrier(x):
     """Zero-size stand-ins remembering each leaf's rows and dtype for a backward."""
     return jax.tree.map(lambda a: jnp.zeros((a.shape[0], 0), a.dtype), x)

@@ -29,10 +29,7 @@ class FFABackend:
     ``split_bwd(saved, q, k, v, plan, (dout, dlse), **cfg) -> (dq, dk, dv)``, for
     ``[T, H, D]`` inputs; ``cfg`` = ``softmax_scale, softcap, block_q, block_k``. ``saved``
     is ``(out [T, H, D], lse [T, H])``, and ``split_bwd`` takes any such pair — also the
-    merged result of several calls, whose backward each call can then run on its own. With
-    ``while_dq=fn`` it returns ``(dq, dk, dv, fn(dk, dv))``; a backend whose dQ can be
-    computed after dK/dV calls ``fn`` in between (the pallas one), so that work started
-    there runs beside the dQ kernel."""
+    merged result of several calls, whose backward each call can then run on its own."""
 
     name: str
     build: Callable       # (shapes, total_q, total_k, block_q, block_k) -> plan arrays
@@ -51,10 +48,9 @@ def _xla() -> FFABackend:
         out, lse = X.xla_ffa_forward(q, k, v, plan, **kw)
         return (out, lse), (out, lse)
 
-    def split_bwd(saved, q, k, v, plan, cts, *, while_dq=None, **kw):
+    def split_bwd(saved, q, k, v, plan, cts, **kw):
         out, lse = saved
-        dq, dk, dv = X.xla_ffa_backward(q, k, v, out, lse, *cts, plan, **kw)
-        return (dq, dk, dv) if while_dq is None else (dq, dk, dv, while_dq(dk, dv))
+        return X.xla_ffa_backward(q, k, v, out, lse, *cts, plan, **kw)
 
     return FFABackend(
         "xla",
@@ -76,11 +72,10 @@ def _pallas(interpret: bool = False) -> FFABackend:
                               interpret=interpret, persistent=0)
         return (out, lse), (out, lse)
 
-    def split_bwd(saved, q, k, v, plan, cts, *, softmax_scale, softcap, block_q, block_k,
-                  while_dq=None):
+    def split_bwd(saved, q, k, v, plan, cts, *, softmax_scale, softcap, block_q, block_k):
         del block_q, block_k
         return ffa_pallas_backward(q, k, v, plan, *saved, *cts, softmax_scale=softmax_scale,
-                                   softcap=softcap, interpret=interpret, while_dq=while_dq)
+                                   softcap=softcap, interpret=interpret)
 
     def call(q, k, v, plan, *, softmax_scale, softcap, block_q, block_k):
         del block_q, block_k            # the kernels tile with their own block sizes
