@@ -70,7 +70,7 @@ def _tuning_fields(fields) -> dict:
     for f in fields:
         k, v = f.split("=")
         out[k] = (v if k == "mode" or not v.isdigit() else
-                  bool(int(v)) if k in ("double_buffer", "ce_prefix") else int(v))
+                  bool(int(v)) if k in ("double_buffer", "started_reduce") else int(v))
     return out
 
 
@@ -419,9 +419,13 @@ def e2e(args, mesh, me):
                            for o in [*out, *(n for n, _, _ in rows)])
                 name += f" #{seen + 1}" if seen else ""
                 try:
-                    f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-                    with native.tuning(**tv):        # traced on the first call
-                        jax.block_until_ready(f(*xs, key))
+                    # Compiled ahead of time, each row traced anew: jit's caches do not key
+                    # on the native tuning, and a compiled row keeps its executable.
+                    jax.clear_caches()
+                    with native.tuning(**tv):
+                        f = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+                            *xs, key).compile()
+                    jax.block_until_ready(f(*xs, key))
                     rows.append((name, functools.partial(f, *xs, key), key.overlap_degree))
                 except Exception as e:  # noqa: BLE001
                     out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}

@@ -566,6 +566,59 @@ ffi::Future ReduceImpl(ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
   return future;
 }
 
+// A started reduce (magi_jax/native.py, group_reduce_start): on the host devices nothing
+// moves until its done call, which is the reduce above with the start's token in front. The
+// start checks the copy-engine runs the CUDA handlers would copy against this rank's
+// receive table: run (b0, e0, len) stands for recv[b0 + i] = e0 + i, i < len, within one
+// slot, and the runs cover every real entry once, in order.
+ffi::Error StartImpl(ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
+                     ffi::RemainingArgs ys, ffi::Result<ffi::Buffer<ffi::S32>> token, int64_t cp,
+                     int64_t slot_len, ffi::Span<const int64_t> runs,
+                     ffi::Span<const int64_t> run_offsets) {
+  auto w = ReadWhere(where, cp);
+  if (w.has_error()) return w.error();
+  if (ys.size() < 1 || run_offsets.size() != static_cast<size_t>(cp + 1)) {
+    return ffi::Error::InvalidArgument(
+        "magi_jax native group_reduce_start (CPU): one run offset per rank and one more, and "
+        "at least one array");
+  }
+  const int32_t* e = recv.typed_data();
+  const int64_t B = static_cast<int64_t>(recv.element_count());
+  int64_t b = 0;  // entries below b are covered or padding
+  for (int64_t i = run_offsets[w->rank]; i < run_offsets[w->rank + 1]; i += 3) {
+    const int64_t b0 = runs[i], e0 = runs[i + 1], len = runs[i + 2];
+    bool ok = len > 0 && b0 >= b && b0 + len <= B && e0 / slot_len == (e0 + len - 1) / slot_len;
+    for (int64_t k = b; ok && k < b0; ++k) ok = e[k] < 0;
+    for (int64_t k = 0; ok && k < len; ++k) ok = e[b0 + k] == e0 + k;
+    if (!ok) {
+      return ffi::Error::InvalidArgument(
+          "magi_jax native group_reduce_start (CPU): rank " + std::to_string(w->rank) +
+          ": run (" + std::to_string(b0) + ", " + std::to_string(e0) + ", " +
+          std::to_string(len) + ") does not match the receive table");
+    }
+    b = b0 + len;
+  }
+  for (int64_t k = b; k < B; ++k) {
+    if (e[k] >= 0) {
+      return ffi::Error::InvalidArgument(
+          "magi_jax native group_reduce_start (CPU): rank " + std::to_string(w->rank) +
+          ": receive entry " + std::to_string(k) + " is in no run");
+    }
+  }
+  token->typed_data()[0] = 0;
+  return ffi::Error::Success();
+}
+
+ffi::Future DoneImpl(ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> send,
+                     ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
+                     ffi::RemainingArgs ys, ffi::RemainingRets outs, int64_t cp,
+                     ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
+                     bool prefix, bool accumulate, bool out_input_dtype) {
+  (void)token;
+  return ReduceImpl(send, recv, where, ys, outs, cp, shifts, call_id, timeout_ms, prefix,
+                    accumulate, out_input_dtype);
+}
+
 }  // namespace
 
 // Cast: send, recv, where, then the arrays x_0.. (RemainingArgs); outputs out_0..
@@ -586,6 +639,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCpu, CastImpl,
 // acc_0.. (RemainingArgs); outputs out_0..
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceCpu, ReduceImpl,
                               ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("cp")
+                                  .Attr<ffi::Span<const int64_t>>("shifts")
+                                  .Attr<int64_t>("call_id")
+                                  .Attr<int64_t>("timeout_ms")
+                                  .Attr<bool>("prefix")
+                                  .Attr<bool>("accumulate")
+                                  .Attr<bool>("out_input_dtype"));
+
+// Started reduce: recv, where, then the arrays y_0.. (RemainingArgs); output a token.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceStartCpu, StartImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("cp")
+                                  .Attr<int64_t>("slot_len")
+                                  .Attr<ffi::Span<const int64_t>>("runs")
+                                  .Attr<ffi::Span<const int64_t>>("run_offsets"));
+
+// Its done call: the start's token, then the arguments of MagiGroupReduceCpu.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceDoneCpu, DoneImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

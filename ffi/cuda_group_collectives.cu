@@ -47,11 +47,15 @@
 // launches the kernel on XLA's stream. A wait that exceeds the timeout prints which
 // peer/flag it waited for and traps (the JAX program then fails) instead of hanging.
 
+#include <cuda.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "cuda_group_kernels.cuh"
@@ -73,14 +77,53 @@ struct Context {
   uint64_t* acks = nullptr;  // symmetric [npes]: acks[q] = last epoch q finished reading
   unsigned int* done = nullptr;  // device counter of finished receive blocks
   uint64_t epoch = 0;            // host: native collectives enqueued so far
-  // A side stream for copy-engine copies beside a kernel (forked from and joined back into
-  // XLA's stream within one handler call), created on first use.
-  cudaStream_t side = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr;
   int64_t prev_lo = 0, prev_hi = 0;  // host: staging region [lo, hi) of the previous call
   bool prev_top = true;              // host: the previous call used the top of staging
 };
 Context g;
+
+// ---- started reduces ---------------------------------------------------------------------
+//
+// A reduce can be split in two calls so that XLA runs other kernels between them
+// (magi_jax/native.py, group_reduce_start): the start queues, on a side stream forked from
+// XLA's, copy-engine copies of the rows to send (contiguous runs of the receive table, known
+// on the host and passed as an attribute) straight into the owners' staging, then raises a
+// 32-bit flag per slot on the owner with a stream memory write (a system-scope fence comes
+// first). No SM is used, so the copies run beside the attention kernels at full speed. The
+// done call makes XLA's stream wait for the side stream (the start's inputs stay in use until
+// then: the done call takes them too) and runs the reduce kernel's receive blocks, which
+// wait for the slot flags and sum as a synchronous reduce does.
+//
+// Started reduces have their own lane: staging, flags, acknowledgements and epochs of their
+// own, so the synchronous collectives that XLA may place between a start and its done never
+// wait for, or overwrite, anything of it. Within the lane, calls are serial: a start's copies
+// wait (on the side stream, with a stream memory wait) until every PE acknowledged the
+// previous started reduce, and dones must come in the order of their starts.
+constexpr int kMaxPending = 4;
+
+struct Pending {
+  int64_t call_id;
+  uint32_t epoch;
+  int event;                       // index of the side stream's "sent" event
+  const char* src[kMaxLeaves];     // the start's inputs (the done call must get the same)
+};
+
+struct Lane {
+  char* stage = nullptr;           // symmetric
+  size_t stage_bytes = 0;
+  uint32_t* flags = nullptr;       // symmetric [kMaxSlots]: rows of slot j arrived, = epoch
+  uint32_t* acks = nullptr;        // symmetric [npes]: acks[q] = last epoch q has summed
+  unsigned int* done = nullptr;    // device counter of finished receive blocks
+  uint32_t epoch = 0;              // host: started reduces so far
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr;
+  cudaEvent_t sent[kMaxPending + 1] = {};
+  std::deque<Pending> pending;
+  // Stream memory operations (driver API, resolved at initialization).
+  CUresult (*wait32)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
+  CUresult (*write32)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
+};
+Lane lane;
 
 // ---- per call site state (FFI instantiate) ---------------------------------------------
 
@@ -99,8 +142,9 @@ struct CollectiveState {
   // is the owner's own rows followed by the buffer, and its own rows are added to the sums.
   bool prefix = false;
   bool out_input_dtype = false;  // reduce: outputs in the input's dtype (else float32)
-  bool ce_prefix = false;        // cast with prefix: copy x's rows with the copy engine
   int64_t timeout_ns = 0;
+  int64_t call_id = 0;           // a started reduce's start and done share it
+  std::vector<int64_t> runs;     // started reduce: this PE's (b0, e0, len) runs
 };
 ffi::TypeId CollectiveState::id = XLA_FFI_UNKNOWN_TYPE_ID;
 XLA_FFI_TypeInfo g_state_info = ffi::MakeTypeInfo<CollectiveState>();
@@ -110,8 +154,7 @@ XLA_FFI_TypeInfo g_state_info = ffi::MakeTypeInfo<CollectiveState>();
 ffi::ErrorOr<std::unique_ptr<CollectiveState>> Instantiate(
     int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
     ffi::Span<const int64_t> widths, int64_t slot_len, int64_t rows_per_chunk,
-    int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer, bool prefix,
-    bool ce_prefix) {
+    int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer, bool prefix) {
   if (!g.ready) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
         "magi_jax native: NVSHMEM is not initialized (magi_jax.native.initialize)");
@@ -152,8 +195,8 @@ ffi::ErrorOr<std::unique_ptr<CollectiveState>> Instantiate(
   st->mode = (mode == kPull && g.all_mapped) ? kPull : kPush;
   st->double_buffer = double_buffer;
   st->prefix = prefix;
-  st->ce_prefix = ce_prefix;
   st->timeout_ns = timeout_ms * 1000000;
+  st->call_id = call_id;
   st->chunk_base[0] = 0;
   for (int j = 0; j < st->n; ++j) {
     st->shifts[j] = static_cast<int>(shifts[j]);
@@ -220,6 +263,8 @@ Plan MakePlan(const CollectiveState& st, bool reverse, int64_t row_bytes, int64_
   P.flags = g.flags + (top ? g.n_flags / 2 : 0);
   P.acks = g.acks;
   P.done = g.done;
+  P.slot_flags = nullptr;
+  P.slot_acks = nullptr;
   return P;
 }
 
@@ -363,25 +408,7 @@ ffi::Error CastExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi
   if (auto e = CheckSendTable(*st, send); !e.success()) return e;
   const int64_t x_rows = Rows(*args.get<ffi::AnyBuffer>(0));
   const int64_t prefix_rows = st->prefix ? x_rows : 0;
-  // x's rows by the copy engine on a side stream forked from XLA's, joined back after the
-  // kernel is queued: they copy while the kernel moves the peers' rows, with no SM.
-  const bool ce = prefix_rows > 0 && st->ce_prefix;
-  if (ce) {
-    if (g.side == nullptr &&
-        (cudaStreamCreateWithFlags(&g.side, cudaStreamNonBlocking) != cudaSuccess ||
-         cudaEventCreateWithFlags(&g.fork, cudaEventDisableTiming) != cudaSuccess ||
-         cudaEventCreateWithFlags(&g.join, cudaEventDisableTiming) != cudaSuccess)) {
-      return LaunchError("group_cast (side stream)");
-    }
-    cudaEventRecord(g.fork, stream);
-    cudaStreamWaitEvent(g.side, g.fork, 0);
-    for (int l = 0; l < L.n; ++l) {
-      cudaMemcpyAsync(L.dst[l], L.src[l], x_rows * L.bytes[l], cudaMemcpyDeviceToDevice,
-                      g.side);
-    }
-    cudaEventRecord(g.join, g.side);
-  }
-  const int64_t kernel_rows = (ce ? 0 : prefix_rows) + B;
+  const int64_t kernel_rows = prefix_rows + B;
   const int recv_blocks = RecvBlocks(*st, kernel_rows);
   // Group rows per warp only when every warp has several (small casts: all warps busy).
   const int64_t warps = static_cast<int64_t>(recv_blocks) * kWarps;
@@ -389,10 +416,22 @@ ffi::Error CastExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi
       std::max<int64_t>(1, std::min<int64_t>(kRowsPerWarp, kernel_rows / warps)));
   Plan P = MakePlan(*st, /*reverse=*/false, row_bytes, x_rows);
   CastKernel<<<P.send_blocks + recv_blocks, kThreads, 0, stream>>>(
-      P, L, send.typed_data(), recv.typed_data(), where.typed_data(), prefix_rows, !ce, B,
+      P, L, send.typed_data(), recv.typed_data(), where.typed_data(), prefix_rows, B,
       recv_blocks, rows_per_warp);
-  if (ce) cudaStreamWaitEvent(stream, g.join, 0);
   return LaunchError("group_cast");
+}
+
+ffi::Error LaunchReduce(cudaStream_t stream, const CollectiveState& st, const Plan& P,
+                        const Leaves& L, ffi::DataType dt, const ffi::Buffer<ffi::S32>& rinv,
+                        const ffi::Buffer<ffi::S32>& inv, const ffi::Buffer<ffi::S32>& where,
+                        ffi::RemainingRets rets);
+
+// The checks of a reduce's inputs shared by the synchronous and the started reduce.
+ffi::Error CheckReduceDtype(ffi::DataType dt) {
+  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16 && dt != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("magi_jax native group_reduce takes bf16, f16, f32");
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi::S32> send,
@@ -404,19 +443,24 @@ ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<f
   if (leaves.has_error()) return leaves.error();
   const Leaves& L = *leaves;
   const ffi::DataType dt = args.get<ffi::AnyBuffer>(0)->element_type();
-  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16 && dt != ffi::DataType::F32) {
-    return ffi::Error::InvalidArgument("magi_jax native group_reduce takes bf16, f16, f32");
-  }
+  if (auto e = CheckReduceDtype(dt); !e.success()) return e;
   const int64_t row_bytes = L.off[L.n];
   if (auto e = CheckStage(*st, row_bytes); !e.success()) return e;
   if (auto e = CheckSendTable(*st, send); !e.success()) return e;
-  const int64_t T_rows = Rows(**rets.get<ffi::AnyBuffer>(0));
-  const int recv_blocks = RecvBlocks(*st, T_rows);
   // The send side reads the buffer's rows (L.src) through rinv.
   Plan P = MakePlan(*st, /*reverse=*/true, row_bytes,
                     static_cast<int64_t>(recv.element_count()));
+  return LaunchReduce(stream, *st, P, L, dt, rinv, inv, where, rets);
+}
+
+ffi::Error LaunchReduce(cudaStream_t stream, const CollectiveState& st, const Plan& P,
+                        const Leaves& L, ffi::DataType dt, const ffi::Buffer<ffi::S32>& rinv,
+                        const ffi::Buffer<ffi::S32>& inv, const ffi::Buffer<ffi::S32>& where,
+                        ffi::RemainingRets rets) {
+  const int64_t T_rows = Rows(**rets.get<ffi::AnyBuffer>(0));
+  const int recv_blocks = RecvBlocks(st, T_rows);
   const int grid = P.send_blocks + recv_blocks;
-  const bool narrow = st->out_input_dtype;
+  const bool narrow = st.out_input_dtype;
 #define MAGI_REDUCE(T, OutT)                                                        \
   ReduceKernel<T, OutT><<<grid, kThreads, 0, stream>>>(P, L, rinv.typed_data(),     \
                                                        inv.typed_data(),            \
@@ -445,6 +489,157 @@ ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<f
   return LaunchError("group_reduce");
 }
 
+// Start of a started reduce: recv, where, then the arrays y_0.. (the synchronous reduce's
+// inputs); writes nothing to its token, which only orders the done call after it.
+ffi::Error StartExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi::S32> recv,
+                        ffi::Buffer<ffi::S32> where, ffi::RemainingArgs args,
+                        ffi::Result<ffi::Buffer<ffi::S32>> token) {
+  (void)where;
+  (void)token;
+  if (lane.stage == nullptr || !g.all_mapped) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+        "magi_jax native group_reduce_start: started reduces need their own staging "
+        "(magi_jax.native.initialize(started_bytes > 0)) and every PE load/store reachable");
+  }
+  const int64_t B = static_cast<int64_t>(recv.element_count());
+  const size_t n = args.size();
+  if (n < 1 || n > static_cast<size_t>(kMaxLeaves)) {
+    return ffi::Error::InvalidArgument("magi_jax native group_reduce_start: 1 to " +
+                                       std::to_string(kMaxLeaves) + " arrays");
+  }
+  Pending pend{st->call_id, 0, 0, {}};
+  int64_t bytes[kMaxLeaves], off[kMaxLeaves + 1] = {0};
+  for (size_t l = 0; l < n; ++l) {
+    auto y = args.get<ffi::AnyBuffer>(l);
+    if (y.has_error()) return y.error();
+    if (auto e = CheckReduceDtype(y->element_type()); !e.success()) return e;
+    bytes[l] = RowBytes(*y);
+    const int64_t own = Rows(*y) - B;  // the owner's own rows come first with prefix
+    if (own < 0 || (!st->prefix && own != 0)) {
+      return ffi::Error::InvalidArgument(
+          "magi_jax native group_reduce_start: array " + std::to_string(l) + " has " +
+          std::to_string(Rows(*y)) + " rows for " + std::to_string(B) + " buffer rows");
+    }
+    pend.src[l] = static_cast<const char*>(y->untyped_data()) + own * bytes[l];
+    off[l + 1] = off[l] + bytes[l];
+  }
+  const int64_t row_bytes = off[n];
+  const size_t need = static_cast<size_t>(st->n) * st->slot_len * row_bytes;
+  if (need > lane.stage_bytes) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+        "magi_jax native group_reduce_start: the reduce stages " + std::to_string(need) +
+        " bytes but only " + std::to_string(lane.stage_bytes) + " were reserved for started "
+        "reduces (magi_jax.native.initialize(started_bytes=...))");
+  }
+  if (lane.pending.size() >= static_cast<size_t>(kMaxPending)) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+        "magi_jax native: more than " + std::to_string(kMaxPending) +
+        " started reduces without their done calls");
+  }
+  const uint32_t epoch = ++lane.epoch;
+  pend.epoch = epoch;
+  pend.event = static_cast<int>(epoch % (kMaxPending + 1));
+  cudaEventRecord(lane.fork, stream);  // the rows to send are ready
+  cudaStreamWaitEvent(lane.side, lane.fork, 0);
+  // Every PE has summed the previous started reduce out of its staging.
+  for (int q = 0; q < g.npes && epoch > 1; ++q) {
+    if (lane.wait32(lane.side, reinterpret_cast<CUdeviceptr>(lane.acks + q), epoch - 1,
+                    CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {
+      return ffi::Error::Internal("magi_jax native group_reduce_start: cuStreamWaitValue32");
+    }
+  }
+  const int64_t S = st->slot_len;
+  bool used[kMaxSlots] = {};
+  for (size_t i = 0; i + 2 < st->runs.size(); i += 3) {
+    const int64_t b0 = st->runs[i], e0 = st->runs[i + 1], len = st->runs[i + 2];
+    const int64_t j = e0 / S;
+    if (b0 < 0 || e0 < 0 || len < 1 || b0 + len > B || j >= st->n || (e0 + len - 1) / S != j) {
+      return ffi::Error::InvalidArgument(
+          "magi_jax native group_reduce_start: run (" + std::to_string(b0) + ", " +
+          std::to_string(e0) + ", " + std::to_string(len) + ") is outside the tables");
+    }
+    const int peer = ((g.me - st->shifts[j]) % st->cp + st->cp) % st->cp;
+    char* base = static_cast<char*>(nvshmem_ptr(lane.stage, peer));
+    for (size_t l = 0; l < n; ++l) {
+      char* dst = base + e0 * row_bytes + off[l];
+      const char* src = pend.src[l] + b0 * bytes[l];
+      if (n == 1) {
+        cudaMemcpyAsync(dst, src, len * row_bytes, cudaMemcpyDeviceToDevice, lane.side);
+      } else {
+        cudaMemcpy2DAsync(dst, row_bytes, src, bytes[l], bytes[l], len,
+                          cudaMemcpyDeviceToDevice, lane.side);
+      }
+    }
+    used[j] = true;
+  }
+  for (int j = 0; j < st->n; ++j) {
+    if (!used[j]) continue;
+    const int peer = ((g.me - st->shifts[j]) % st->cp + st->cp) % st->cp;
+    void* flag = nvshmem_ptr(lane.flags + j, peer);
+    if (lane.write32(lane.side, reinterpret_cast<CUdeviceptr>(flag), epoch,
+                     CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
+      return ffi::Error::Internal("magi_jax native group_reduce_start: cuStreamWriteValue32");
+    }
+  }
+  cudaEventRecord(lane.sent[pend.event], lane.side);
+  lane.pending.push_back(pend);
+  return LaunchError("group_reduce_start");
+}
+
+// Done of a started reduce: the start's token, then the synchronous reduce's arguments.
+ffi::Error DoneExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi::S32> token,
+                       ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
+                       ffi::Buffer<ffi::S32> where, ffi::Buffer<ffi::S32> inv,
+                       ffi::Buffer<ffi::S32> rinv, ffi::RemainingArgs args,
+                       ffi::RemainingRets rets) {
+  (void)token;
+  (void)send;
+  auto leaves = GetLeaves("group_reduce_done", args, rets, /*reduce=*/true, *st,
+                          static_cast<int64_t>(recv.element_count()));
+  if (leaves.has_error()) return leaves.error();
+  const Leaves& L = *leaves;
+  const ffi::DataType dt = args.get<ffi::AnyBuffer>(0)->element_type();
+  if (auto e = CheckReduceDtype(dt); !e.success()) return e;
+  if (lane.pending.empty() || lane.pending.front().call_id != st->call_id) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+        "magi_jax native group_reduce_done: no started reduce of this call site is the oldest "
+        "one in flight (the done calls must come in the order of their starts)");
+  }
+  const Pending pend = lane.pending.front();
+  lane.pending.pop_front();
+  for (int l = 0; l < L.n; ++l) {
+    if (L.src[l] != pend.src[l]) {
+      return ffi::Error::Internal(
+          "magi_jax native group_reduce_done: array " + std::to_string(l) + " is not the "
+          "buffer its start is sending (XLA placed a copy between the two calls)");
+    }
+  }
+  cudaStreamWaitEvent(stream, lane.sent[pend.event], 0);  // our copies are done
+  Plan P{};
+  P.me = g.me;
+  P.cp = st->cp;
+  P.n = st->n;
+  P.mode = kPush;
+  P.S = st->slot_len;
+  P.R = std::max<int64_t>(1, st->slot_len);
+  P.row_bytes = L.off[L.n];
+  for (int j = 0; j < st->n; ++j) {
+    P.recv_from[j] = ((g.me + st->shifts[j]) % st->cp + st->cp) % st->cp;
+    P.send_to[j] = ((g.me - st->shifts[j]) % st->cp + st->cp) % st->cp;
+    P.widths[j] = st->widths[j];
+  }
+  for (int j = 0; j <= st->n; ++j) P.chunk_base[j] = st->chunk_base[j];
+  P.send_blocks = 0;
+  P.src_rows = static_cast<int64_t>(recv.element_count());
+  P.epoch = pend.epoch;
+  P.timeout_ns = st->timeout_ns;
+  P.stage = lane.stage;
+  P.done = lane.done;
+  P.slot_flags = lane.flags;
+  P.slot_acks = lane.acks;
+  return LaunchReduce(stream, *st, P, L, dt, rinv, inv, where, rets);
+}
+
 }  // namespace
 
 // ---- FFI symbols -----------------------------------------------------------------------
@@ -462,8 +657,7 @@ ffi::Error ReduceExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<f
       .Attr<int64_t>("recv_blocks")                \
       .Attr<int64_t>("mode")                       \
       .Attr<bool>("double_buffer")                 \
-      .Attr<bool>("prefix")                        \
-      .Attr<bool>("ce_prefix")
+      .Attr<bool>("prefix")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCudaInstantiate, Instantiate,
                               MAGI_INSTANTIATE_BINDING);
@@ -473,13 +667,32 @@ ffi::ErrorOr<std::unique_ptr<CollectiveState>> InstantiateReduce(
     int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
     ffi::Span<const int64_t> widths, int64_t slot_len, int64_t rows_per_chunk,
     int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer, bool prefix,
-    bool ce_prefix, bool accumulate, bool out_input_dtype) {
+    bool accumulate, bool out_input_dtype) {
   auto st = Instantiate(cp, shifts, call_id, timeout_ms, widths, slot_len, rows_per_chunk,
-                        send_blocks, recv_blocks, mode, double_buffer, prefix, ce_prefix);
+                        send_blocks, recv_blocks, mode, double_buffer, prefix);
   if (st.has_value()) {
     (*st)->accumulate = accumulate;
     (*st)->out_input_dtype = out_input_dtype;
   }
+  return st;
+}
+
+// A start keeps this PE's runs of `runs` (triples; PE q's are [run_offsets[q],
+// run_offsets[q + 1])): every process compiles the same program, so the attribute holds all.
+ffi::ErrorOr<std::unique_ptr<CollectiveState>> InstantiateStart(
+    int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
+    ffi::Span<const int64_t> widths, int64_t slot_len, int64_t rows_per_chunk,
+    int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer, bool prefix,
+    ffi::Span<const int64_t> runs, ffi::Span<const int64_t> run_offsets) {
+  auto st = Instantiate(cp, shifts, call_id, timeout_ms, widths, slot_len, rows_per_chunk,
+                        send_blocks, recv_blocks, mode, double_buffer, prefix);
+  if (!st.has_value()) return st;
+  if (run_offsets.size() != static_cast<size_t>(cp + 1) ||
+      run_offsets[cp] != static_cast<int64_t>(runs.size())) {
+    return ffi::Error::InvalidArgument(
+        "magi_jax native group_reduce_start: run_offsets must hold cp + 1 offsets into runs");
+  }
+  (*st)->runs.assign(runs.begin() + run_offsets[g.me], runs.begin() + run_offsets[g.me + 1]);
   return st;
 }
 }  // namespace
@@ -513,6 +726,37 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceCudaExecute, ReduceExecute,
                                   .RemainingArgs()
                                   .RemainingRets());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceStartCudaInstantiate, InstantiateStart,
+                              MAGI_INSTANTIATE_BINDING.Attr<ffi::Span<const int64_t>>("runs")
+                                  .Attr<ffi::Span<const int64_t>>("run_offsets"));
+
+// Started reduce: recv, where, then the arrays y_0.. (RemainingArgs); a token output.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceStartCudaExecute, StartExecute,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::State<CollectiveState>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+// Its done call: the token, then the arguments of the reduce above (same attributes).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceDoneCudaInstantiate, InstantiateReduce,
+                              MAGI_INSTANTIATE_BINDING.Attr<bool>("accumulate")
+                                  .Attr<bool>("out_input_dtype"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceDoneCudaExecute, DoneExecute,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::State<CollectiveState>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
 // ---- bootstrap (ctypes, magi_jax/native.py) --------------------------------------------
 
 extern "C" {
@@ -535,7 +779,7 @@ static int Fail(char* err, int len, const std::string& msg, int rc) {
 }
 
 int magi_nv_init(const char* uid, int rank, int npes, size_t stage_bytes, size_t n_flags,
-                 char* err, int err_len) {
+                 size_t started_bytes, char* err, int err_len) {
   if (g.ready) return Fail(err, err_len, "already initialized", 1);
   int dev = 0;
   cudaGetDevice(&dev);
@@ -570,6 +814,45 @@ int magi_nv_init(const char* uid, int rank, int npes, size_t stage_bytes, size_t
   }
   // Every PE in NVSHMEM_TEAM_SHARED is reachable with loads and stores (nvshmem_ptr).
   g.all_mapped = nvshmem_team_n_pes(NVSHMEM_TEAM_SHARED) == npes;
+  // The lane of started reduces (symmetric allocations: every PE makes the same calls).
+  if (started_bytes > 0) {
+    lane.stage_bytes = started_bytes;
+    lane.stage = static_cast<char*>(nvshmem_malloc(started_bytes));
+    lane.flags = static_cast<uint32_t*>(nvshmem_calloc(kMaxSlots, sizeof(uint32_t)));
+    lane.acks = static_cast<uint32_t*>(nvshmem_calloc(npes, sizeof(uint32_t)));
+    if (!lane.stage || !lane.flags || !lane.acks) {
+      return Fail(err, err_len,
+                  "nvshmem_malloc of " + std::to_string(started_bytes) +
+                      " bytes for started reduces failed: raise NVSHMEM_SYMMETRIC_SIZE or pass "
+                      "started_bytes=0",
+                  5);
+    }
+    void* wait = nullptr;
+    void* write = nullptr;
+    cudaDriverEntryPointQueryResult q1, q2;
+    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &wait, 12000, cudaEnableDefault,
+                                         &q1) != cudaSuccess ||
+        cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &write, 12000,
+                                         cudaEnableDefault, &q2) != cudaSuccess ||
+        wait == nullptr || write == nullptr) {
+      return Fail(err, err_len, "the driver has no stream memory operations", 6);
+    }
+    lane.wait32 = reinterpret_cast<decltype(lane.wait32)>(wait);
+    lane.write32 = reinterpret_cast<decltype(lane.write32)>(write);
+    if (cudaMalloc(&lane.done, sizeof(unsigned int)) != cudaSuccess ||
+        cudaMemset(lane.done, 0, sizeof(unsigned int)) != cudaSuccess ||
+        cudaStreamCreateWithFlags(&lane.side, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaEventCreateWithFlags(&lane.fork, cudaEventDisableTiming) != cudaSuccess) {
+      return Fail(err, err_len, "cudaMalloc / stream / event creation failed", 4);
+    }
+    for (cudaEvent_t& e : lane.sent) {
+      if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+        return Fail(err, err_len, "cudaEventCreate failed", 4);
+      }
+    }
+    lane.epoch = 0;
+    lane.pending.clear();
+  }
   g.epoch = 0;
   g.prev_lo = g.prev_hi = 0;
   g.prev_top = true;
@@ -591,11 +874,15 @@ int magi_nv_finalize() {
   nvshmem_free(g.flags);
   nvshmem_free(g.acks);
   cudaFree(g.done);
-  if (g.side != nullptr) {
-    cudaStreamDestroy(g.side);
-    cudaEventDestroy(g.fork);
-    cudaEventDestroy(g.join);
-    g.side = nullptr;
+  if (lane.stage != nullptr) {
+    nvshmem_free(lane.stage);
+    nvshmem_free(lane.flags);
+    nvshmem_free(lane.acks);
+    cudaFree(lane.done);
+    cudaStreamDestroy(lane.side);
+    cudaEventDestroy(lane.fork);
+    for (cudaEvent_t& e : lane.sent) cudaEventDestroy(e);
+    lane = Lane();
   }
   nvshmem_finalize();
   return 0;

@@ -44,6 +44,10 @@ struct Plan {
   uint64_t* flags;    // this call's bank of flags (one bank per staging region)
   uint64_t* acks;
   unsigned int* done;
+  // A started reduce's done kernel (its rows came by the copy engine): one 32-bit flag per
+  // slot instead of the chunk flags, and 32-bit acknowledgements; nullptr otherwise.
+  const uint32_t* slot_flags;
+  uint32_t* slot_acks;
 };
 
 // The arrays of one collective (passed by value). A staged row is leaf 0's row, then leaf
@@ -82,6 +86,23 @@ __device__ void WaitAtLeast(const uint64_t* p, uint64_t want, int64_t timeout_ns
              "(have epoch %llu, want %llu): did every process run the same program?\n",
              static_cast<long long>(timeout_ns / 1000000), what, index, peer,
              static_cast<unsigned long long>(*v), static_cast<unsigned long long>(want));
+      __trap();
+    }
+  }
+}
+
+// The same for a 32-bit flag (a started reduce's), compared cyclically as the stream memory
+// operations that raise it do.
+__device__ void WaitAtLeast32(const uint32_t* p, uint32_t want, int64_t timeout_ns, int peer,
+                              int slot) {
+  volatile const uint32_t* v = p;
+  if (static_cast<int32_t>(*v - want) >= 0) return;
+  uint64_t t0 = NowNs();
+  while (static_cast<int32_t>(*v - want) < 0) {
+    if (static_cast<int64_t>(NowNs() - t0) > timeout_ns) {
+      printf("magi_jax native: timed out after %lld ms waiting for the started reduce's rows "
+             "of slot %d from PE %d (have epoch %u, want %u): did every process run the same "
+             "program?\n", static_cast<long long>(timeout_ns / 1000000), slot, peer, *v, want);
       __trap();
     }
   }
@@ -282,7 +303,12 @@ __device__ void Acknowledge(const Plan& P, int recv_blocks) {
       *P.done = 0;
       __threadfence_system();
       for (int q = 0; q < P.cp; ++q) {
-        nvshmemx_signal_op(P.acks + P.me, P.epoch, NVSHMEM_SIGNAL_SET, q);
+        if (P.slot_acks != nullptr) {  // every PE is mapped (the copy engine needed it)
+          volatile uint32_t* a = static_cast<uint32_t*>(nvshmem_ptr(P.slot_acks + P.me, q));
+          *a = static_cast<uint32_t>(P.epoch);
+        } else {
+          nvshmemx_signal_op(P.acks + P.me, P.epoch, NVSHMEM_SIGNAL_SET, q);
+        }
       }
     }
   }
@@ -299,7 +325,7 @@ __device__ void CheckRank(const Plan& P, const int32_t* where) {
 
 __global__ void __launch_bounds__(kThreads)
 CastKernel(Plan P, Leaves L, const int32_t* send, const int32_t* recv, const int32_t* where,
-           int64_t prefix_rows, bool copy_prefix, int64_t B, int recv_blocks,
+           int64_t prefix_rows, int64_t B, int recv_blocks,
            int rows_per_warp) {
   CheckRank(P, where);
   if (blockIdx.x < P.send_blocks) {
@@ -310,14 +336,12 @@ CastKernel(Plan P, Leaves L, const int32_t* send, const int32_t* recv, const int
   StagedBases(P, staged);
   const int rb = blockIdx.x - P.send_blocks;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // Output rows: the input's own rows first (prefix_rows of them; copied here while the
-  // peers' rows are on their way when copy_prefix, else by the copy engine beside this
-  // kernel), then one per receive entry. Each warp takes rows_per_warp consecutive rows at
+  // Output rows: the input's own rows first (prefix_rows of them; copied while the peers'
+  // rows are on their way), then one per receive entry. Each warp takes rows_per_warp consecutive rows at
   // a time: one flag wait and fence per chunk among them instead of one per row.
   const int64_t rows = prefix_rows + B;
-  const int64_t first = copy_prefix ? 0 : prefix_rows;
   const int64_t stride = static_cast<int64_t>(recv_blocks) * kWarps * rows_per_warp;
-  for (int64_t b0 = first + (static_cast<int64_t>(rb) * kWarps + warp) * rows_per_warp;
+  for (int64_t b0 = (static_cast<int64_t>(rb) * kWarps + warp) * rows_per_warp;
        b0 < rows; b0 += stride) {
     int seen = -1;  // chunk whose flag this warp has already acquired
     const int64_t b1 = min(rows, b0 + rows_per_warp);
@@ -406,6 +430,11 @@ ReduceKernel(Plan P, Leaves L, const int32_t* rinv, const int32_t* inv, const in
       for (int j = 0; j < P.n; ++j) {
         const int32_t p = my_inv[j];
         if (p < 0) continue;
+        if (P.slot_flags != nullptr) {
+          WaitAtLeast32(P.slot_flags + j, static_cast<uint32_t>(P.epoch), P.timeout_ns,
+                        P.recv_from[j], j);
+          continue;
+        }
         const int c = P.chunk_base[j] + static_cast<int>(p / P.R);
         WaitAtLeast(P.flags + c, P.epoch, P.timeout_ns, "rows of chunk", P.recv_from[j], c);
       }

@@ -52,11 +52,16 @@ import numpy as np
 
 __all__ = ["available", "unavailable_reason", "group_cast", "group_reduce", "MAX_ARRAYS",
            "check_table", "initialize", "finalize", "staging_bytes", "auto_reason",
-           "DEFAULT_TIMEOUT_S", "CudaTuning", "tuning", "cuda_tuning"]
+           "DEFAULT_TIMEOUT_S", "CudaTuning", "tuning", "cuda_tuning", "group_reduce_start",
+           "can_start_reduce", "reduce_runs", "MAX_RUNS"]
 
 DEFAULT_TIMEOUT_S = 60.0
 _LIBS = {"cpu": "_magi_native_cpu.so", "cuda": "_magi_native_cuda.so"}
 _CAST, _REDUCE = "magi_group_cast", "magi_group_reduce"
+_START, _DONE = "magi_group_reduce_start", "magi_group_reduce_done"
+# Copy-engine runs per rank above which a reduce is not started (each run is one copy per
+# array, queued by the host).
+MAX_RUNS = 64
 _FLAG_CAPACITY = 1 << 16
 _DEFAULT_SYMMETRIC_BYTES = 1 << 30
 _call_ids = itertools.count(1)
@@ -81,12 +86,15 @@ class CudaTuning:
     ``"collective"`` on XLA's collective stream (``compute_on("gpu_stream:collective")``,
     DESIGN.md §7). On 2 H200s with jax 0.11.2 neither stream overlapped the attention: XLA
     joined each call right after starting it (``collective_notes.md``, Run 7).
-    ``ce_prefix``: a cast with ``prefix`` copies the input's own rows with the copy engine,
-    beside the kernel, instead of in its receive blocks (measured: no faster).
+    ``started_reduce``: the attention's backward starts the group-reduce of its last remote
+    stage between its dK/dV and dQ kernels and ends it after dQ
+    (:func:`group_reduce_start`); the copy engines move the rows beside the dQ kernel, with no
+    SM. Needs :attr:`CastSpec.runs <magi_jax.sharding.collectives.CastSpec>` and every PE
+    load/store reachable; otherwise the reduce runs where it is called.
 
     Defaults come from ``MAGI_NATIVE_CAST_MODE``, ``MAGI_NATIVE_SEND_BLOCKS``,
     ``MAGI_NATIVE_RECV_BLOCKS``, ``MAGI_NATIVE_CHUNK_KIB``, ``MAGI_NATIVE_DOUBLE_BUFFER``,
-    ``MAGI_NATIVE_STREAM``, ``MAGI_NATIVE_CE_PREFIX`` (read at import); :func:`tuning`
+    ``MAGI_NATIVE_STREAM``, ``MAGI_NATIVE_STARTED_REDUCE`` (read at import); :func:`tuning`
     changes them for the collectives traced inside it.
     """
 
@@ -98,7 +106,7 @@ class CudaTuning:
     # gain (256 MiB: 311.8 GB/s with it, 318.7 without; 1 MiB: 31.9 vs 30.6 us).
     double_buffer: bool = False
     stream: int | str = 0
-    ce_prefix: bool = False
+    started_reduce: bool = True
 
     def __post_init__(self):
         if self.mode not in _MODES:
@@ -124,8 +132,8 @@ def _tuning_from_env() -> CudaTuning:
                       double_buffer=env("MAGI_NATIVE_DOUBLE_BUFFER", str(int(d.double_buffer)))
                       not in ("0", "false"),
                       stream=_stream(env("MAGI_NATIVE_STREAM", str(d.stream))),
-                      ce_prefix=env("MAGI_NATIVE_CE_PREFIX", str(int(d.ce_prefix)))
-                      not in ("0", "false"))
+                      started_reduce=env("MAGI_NATIVE_STARTED_REDUCE",
+                                         str(int(d.started_reduce))) not in ("0", "false"))
 
 
 _tuning = [_tuning_from_env()]
@@ -207,9 +215,11 @@ def _load(platform: str):
         raise NativeUnavailable(f"could not load {path}: {e}") from e
     plat = "cpu" if platform == "cpu" else "CUDA"
     if platform == "cpu":
-        jax.ffi.register_ffi_target(_CAST, jax.ffi.pycapsule(lib.MagiGroupCastCpu), platform=plat)
-        jax.ffi.register_ffi_target(_REDUCE, jax.ffi.pycapsule(lib.MagiGroupReduceCpu),
-                                    platform=plat)
+        for target, sym in ((_CAST, "MagiGroupCastCpu"), (_REDUCE, "MagiGroupReduceCpu"),
+                            (_START, "MagiGroupReduceStartCpu"),
+                            (_DONE, "MagiGroupReduceDoneCpu")):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, sym)),
+                                        platform=plat)
     else:
         lib.MagiNvStateTypeId.restype = ctypes.c_void_p
         lib.MagiNvStateTypeInfo.restype = ctypes.c_void_p
@@ -217,7 +227,9 @@ def _load(platform: str):
             "magi_jax.nvshmem_collective_state",
             {"type_id": _capsule(lib.MagiNvStateTypeId()),
              "type_info": _capsule(lib.MagiNvStateTypeInfo())}, platform=plat)
-        for target, stem in ((_CAST, "MagiGroupCastCuda"), (_REDUCE, "MagiGroupReduceCuda")):
+        for target, stem in ((_CAST, "MagiGroupCastCuda"), (_REDUCE, "MagiGroupReduceCuda"),
+                             (_START, "MagiGroupReduceStartCuda"),
+                             (_DONE, "MagiGroupReduceDoneCuda")):
             jax.ffi.register_ffi_target(
                 target, {"instantiate": jax.ffi.pycapsule(getattr(lib, stem + "Instantiate")),
                          "execute": jax.ffi.pycapsule(getattr(lib, stem + "Execute"))},
@@ -225,8 +237,8 @@ def _load(platform: str):
         lib.magi_nv_uid_size.restype = ctypes.c_int
         lib.magi_nv_get_uid.argtypes = [ctypes.c_void_p]
         lib.magi_nv_init.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int,
-                                     ctypes.c_size_t, ctypes.c_size_t, ctypes.c_char_p,
-                                     ctypes.c_int]
+                                     ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t,
+                                     ctypes.c_char_p, ctypes.c_int]
         lib.magi_nv_finalize.restype = ctypes.c_int
     return lib
 
@@ -327,16 +339,17 @@ def check_table(table) -> None:
 
 # ---- NVSHMEM bootstrap ----------------------------------------------------------------------
 
-_nv = {"bytes": 0, "initialized": False}
+_nv = {"bytes": 0, "started_bytes": 0, "all_mapped": False, "initialized": False}
 
 
-def initialize(symmetric_bytes: int = _DEFAULT_SYMMETRIC_BYTES) -> None:
+def initialize(symmetric_bytes: int = _DEFAULT_SYMMETRIC_BYTES,
+               started_bytes: int | None = None) -> None:
     """Joins NVSHMEM (every process must call this, in the same order as its other
-    collectives) and reserves ``symmetric_bytes`` of staging per GPU. Call after
-    ``jax.distributed.initialize``; leave GPU memory free for it (e.g.
+    collectives) and reserves ``symmetric_bytes`` of staging per GPU, plus ``started_bytes``
+    for started reduces (default: as much when :attr:`CudaTuning.started_reduce` is on, else
+    none). Call after ``jax.distributed.initialize``; leave GPU memory free for it (e.g.
     ``XLA_PYTHON_CLIENT_MEM_FRACTION``). Called lazily by the first native collective with
-    max(twice its need, 1 GiB): calls alternate between two regions of the staging when both
-    fit (:class:`CudaTuning`), else they reuse one and wait for the peers to have read it."""
+    max(its need (twice with :attr:`CudaTuning.double_buffer`), 1 GiB)."""
     if _nv["initialized"]:
         if symmetric_bytes > _nv["bytes"]:
             raise ValueError(f"NVSHMEM is already initialized with {_nv['bytes']} bytes of "
@@ -366,14 +379,18 @@ def initialize(symmetric_bytes: int = _DEFAULT_SYMMETRIC_BYTES) -> None:
             raise RuntimeError("nvshmemx_get_uniqueid failed")
         uid = buf.raw
     symmetric_bytes = int(symmetric_bytes)
+    started_bytes = int(symmetric_bytes if started_bytes is None and
+                        cuda_tuning().started_reduce else started_bytes or 0)
     flags_bytes = 16 * _FLAG_CAPACITY + (1 << 20)
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE",
-                          str(symmetric_bytes + flags_bytes + (64 << 20)))
+                          str(symmetric_bytes + started_bytes + flags_bytes + (64 << 20)))
     err = ctypes.create_string_buffer(512)
-    rc = lib.magi_nv_init(uid, rank, n, symmetric_bytes, _FLAG_CAPACITY, err, 512)
+    rc = lib.magi_nv_init(uid, rank, n, symmetric_bytes, _FLAG_CAPACITY, started_bytes, err,
+                          512)
     if rc != 0:
         raise RuntimeError(f"NVSHMEM initialization failed ({rc}): {err.value.decode()}")
-    _nv.update(bytes=symmetric_bytes, initialized=True)
+    _nv.update(bytes=symmetric_bytes, started_bytes=started_bytes,
+               all_mapped=lib.magi_nv_all_mapped() == 1, initialized=True)
     atexit.register(finalize)
 
 
@@ -432,7 +449,7 @@ def _cuda_attrs(spec, n_rows_per_slot, row_bytes):
     return dict(widths=np.asarray(spec.widths, np.int64), slot_len=np.int64(n_rows_per_slot),
                 rows_per_chunk=np.int64(rows_per_chunk), send_blocks=np.int64(t.send_blocks),
                 recv_blocks=np.int64(t.recv_blocks), mode=np.int64(_MODES[t.mode]),
-                double_buffer=bool(t.double_buffer), ce_prefix=bool(t.ce_prefix))
+                double_buffer=bool(t.double_buffer))
 
 
 def _on_stream(plat, call):
@@ -509,16 +526,10 @@ def group_cast(x, tables, spec, *, prefix: bool = False, timeout_s: float | None
     return got[0] if single else got
 
 
-def group_reduce(y, tables, spec, num_rows: int, *, acc=None, prefix: bool = False,
-                 out_dtype=None, timeout_s: float | None = None):
-    """Native :func:`~magi_jax.sharding.collectives.group_reduce`: ``y [B, ...]`` summed in
-    float32 (float64 for float64 ``y``; CPU only) into the owners' rows ->
-    ``[num_rows, ...]``, added to ``acc`` (same shape, float32) when given. ``y`` (and
-    ``acc``) may be lists of up to :data:`MAX_ARRAYS` arrays of one dtype with the same rows:
-    one collective sums them all and returns a list. ``prefix=True``: ``y`` is
-    ``[num_rows + B, ...]``, the owner's own rows first, and they are added to the sums (the
-    adjoint of ``group_cast(prefix=True)``). ``out_dtype``: the float32 (float64) sums by
-    default, or ``y``'s dtype, rounded once."""
+def _reduce_call(y, tables, spec, num_rows, acc, prefix, out_dtype, timeout_s):
+    """What a native reduce passes to its handler: ``(plat, ys, single, args, outs, attrs,
+    inputs)``; ``args`` are the handler's arguments (tables, ``where``, arrays, initial sums),
+    ``inputs`` the flattened arrays among them."""
     send, recv = tables
     plat = _platform()
     _load(plat)
@@ -554,22 +565,115 @@ def group_reduce(y, tables, spec, num_rows: int, *, acc=None, prefix: bool = Fal
     attrs["accumulate"] = accumulate
     attrs["out_input_dtype"] = out_dtype != acc_dtype
     where = _where(spec.axis_name)
-    if plat == "cuda":
-        _ensure_staging(send, _row_bytes(ys), _row_desc(ys))
-        attrs.update(_cuda_attrs(spec, send.shape[1], _row_bytes(ys)))
-        n, s = send.shape
-        # inv[row, j] = p with send[j, p] = row (the owner's slot position of each row);
-        # rinv[j*S + p] = b with recv[b] = j*S + p (the buffer row that answers it).
-        rows = jnp.where(send < 0, num_rows, send)
-        inv = jnp.full((num_rows + 1, n), -1, jnp.int32).at[
-            rows, jnp.arange(n)[:, None]].set(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32),
-                                                              (n, s)))[:num_rows]
-        ridx = jnp.where(recv < 0, n * s, recv)
-        rinv = jnp.full((n * s + 1,), -1, jnp.int32).at[ridx].set(
-            jnp.arange(recv.shape[0], dtype=jnp.int32))[:n * s]
-        got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(_REDUCE, outs)(*a, **attrs))(
-            send, recv, where, inv, rinv, *flat, *accs)
-    else:
-        got = jax.ffi.ffi_call(_REDUCE, outs)(send, recv, where, *flat, *accs, **attrs)
+    if plat != "cuda":
+        return plat, ys, single, [send, recv, where, *flat, *accs], outs, attrs, flat
+    _ensure_staging(send, _row_bytes(ys), _row_desc(ys))
+    attrs.update(_cuda_attrs(spec, send.shape[1], _row_bytes(ys)))
+    n, s = send.shape
+    # inv[row, j] = p with send[j, p] = row (the owner's slot position of each row);
+    # rinv[j*S + p] = b with recv[b] = j*S + p (the buffer row that answers it).
+    rows = jnp.where(send < 0, num_rows, send)
+    inv = jnp.full((num_rows + 1, n), -1, jnp.int32).at[
+        rows, jnp.arange(n)[:, None]].set(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32),
+                                                          (n, s)))[:num_rows]
+    ridx = jnp.where(recv < 0, n * s, recv)
+    rinv = jnp.full((n * s + 1,), -1, jnp.int32).at[ridx].set(
+        jnp.arange(recv.shape[0], dtype=jnp.int32))[:n * s]
+    return plat, ys, single, [send, recv, where, inv, rinv, *flat, *accs], outs, attrs, flat
+
+
+def _unflat(got, ys, num_rows, single):
     got = [g.reshape((num_rows,) + a.shape[1:]) for g, a in zip(got, ys)]
     return got[0] if single else got
+
+
+def group_reduce(y, tables, spec, num_rows: int, *, acc=None, prefix: bool = False,
+                 out_dtype=None, timeout_s: float | None = None):
+    """Native :func:`~magi_jax.sharding.collectives.group_reduce`: ``y [B, ...]`` summed in
+    float32 (float64 for float64 ``y``; CPU only) into the owners' rows ->
+    ``[num_rows, ...]``, added to ``acc`` (same shape, float32) when given. ``y`` (and
+    ``acc``) may be lists of up to :data:`MAX_ARRAYS` arrays of one dtype with the same rows:
+    one collective sums them all and returns a list. ``prefix=True``: ``y`` is
+    ``[num_rows + B, ...]``, the owner's own rows first, and they are added to the sums (the
+    adjoint of ``group_cast(prefix=True)``). ``out_dtype``: the float32 (float64) sums by
+    default, or ``y``'s dtype, rounded once."""
+    plat, ys, single, args, outs, attrs, _ = _reduce_call(y, tables, spec, num_rows, acc,
+                                                          prefix, out_dtype, timeout_s)
+    got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(_REDUCE, outs)(*a, **attrs))(*args)
+    return _unflat(got, ys, num_rows, single)
+
+
+def reduce_runs(table) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """What a started reduce copies, from a stacked ``CastTable``: per rank, the maximal runs
+    ``(b0, e0, length)`` of its receive table (``recv_index[b0 + i] = e0 + i`` within one
+    slot), flattened, and the offsets of each rank's runs in them (``cp + 1``). Buffer rows
+    ``b0 ..`` go back to the owner's slot positions ``e0 ..`` in one copy per array. ``None``
+    when some rank has more than :data:`MAX_RUNS` runs."""
+    recv = np.asarray(table.recv_index, np.int64)
+    s = table.slot_len
+    flat, offsets = [], [0]
+    for e in recv:
+        b = np.nonzero(e >= 0)[0]
+        eb = e[b]
+        start = np.ones(len(b), bool)
+        start[1:] = (np.diff(b) != 1) | (np.diff(eb) != 1) | (eb[1:] // s != eb[:-1] // s)
+        first = np.nonzero(start)[0]
+        if len(first) > MAX_RUNS:
+            return None
+        lens = np.diff(np.append(first, len(b)))
+        flat.extend(np.stack([b[first], eb[first], lens], 1).reshape(-1).tolist())
+        offsets.append(len(flat))
+    return tuple(flat), tuple(offsets)
+
+
+def can_start_reduce(spec) -> bool:
+    """Whether :func:`group_reduce_start` can run for ``spec`` here: its runs are known
+    (:func:`reduce_runs`), :attr:`CudaTuning.started_reduce` is on and, on GPU, NVSHMEM is
+    initialized (a forward's cast does it) with staging for started reduces and every PE
+    load/store reachable (the copy engines write the peers' staging)."""
+    if spec.runs is None or not spec.shifts or not cuda_tuning().started_reduce:
+        return False
+    if _platform() != "cuda":
+        return True
+    return _nv["initialized"] and _nv["all_mapped"] and _nv["started_bytes"] > 0
+
+
+def group_reduce_start(y, tables, spec, num_rows: int, *, prefix: bool = False,
+                       out_dtype=None, timeout_s: float | None = None):
+    """:func:`group_reduce` in two calls, so that other kernels run while its rows move:
+    returns ``(token, done)``; ``done(token)`` returns what ``group_reduce`` would. On GPU the
+    start queues copy-engine copies of the runs of ``spec.runs`` into the owners' staging on
+    a side stream (no SM); ``done`` waits for them and sums. Order the work to overlap
+    between the two with the token (e.g. ``jax.lax.optimization_barrier``), and pass it
+    through nothing else: ``y`` must reach ``done`` as the same buffer (checked). The done
+    calls of several started reduces must come in the order of their starts. Needs
+    :func:`can_start_reduce`. On CPU the start checks the runs against the tables and the
+    done call does the whole reduce."""
+    if not can_start_reduce(spec):
+        raise ValueError("group_reduce_start: this reduce cannot be started here (see "
+                         "magi_jax.native.can_start_reduce); call group_reduce")
+    plat, ys, single, args, outs, attrs, flat = _reduce_call(y, tables, spec, num_rows, None,
+                                                             prefix, out_dtype, timeout_s)
+    if plat == "cuda" and (not _nv["all_mapped"] or _nv["started_bytes"] <
+                           staging_bytes(*tables[0].shape, (_row_bytes(ys),), np.uint8)):
+        raise ValueError(
+            "group_reduce_start needs every PE load/store reachable and staging for started "
+            f"reduces of {staging_bytes(*tables[0].shape, (_row_bytes(ys),), np.uint8)} "
+            f"bytes; {_nv['started_bytes']} were reserved (magi_jax.native.initialize("
+            "started_bytes=...))")
+    runs, offsets = spec.runs
+    start_attrs = dict(cp=attrs["cp"], slot_len=np.int64(tables[0].shape[1]),
+                       runs=np.asarray(runs, np.int64), run_offsets=np.asarray(offsets,
+                                                                               np.int64))
+    if plat == "cuda":
+        start_attrs.update({k: v for k, v in attrs.items()
+                            if k not in ("accumulate", "out_input_dtype")})
+    _, recv, where = args[:3]
+    token = jax.ffi.ffi_call(_START, jax.ShapeDtypeStruct((1,), jnp.int32))(
+        recv, where, *flat, **start_attrs)
+
+    def done(token):
+        got = jax.ffi.ffi_call(_DONE, outs)(token, *args, **attrs)
+        return _unflat(got, ys, num_rows, single)
+
+    return token, done

@@ -165,7 +165,7 @@ def _ffa_fwd(q, k, v, plan, sched, cfg):
     return (out, jnp.swapaxes(lse_bht, 1, 2)), (q, k, v, plan, sched, out, lse_bht)
 
 
-def _ffa_bwd(cfg, res, cts):
+def _ffa_bwd(cfg, res, cts, between_dkv_dq=None):
     q, k, v, plan, sched, out, lse_bht = res
     dout, dlse = cts
     tq, tk = q.shape[1], k.shape[1]
@@ -184,11 +184,24 @@ def _ffa_bwd(cfg, res, cts):
                                            fma_softmax=cfg.fma_softmax,
                                            head_major=cfg.head_major, persistent=progs,
                                            interpret=cfg.interpret)
-    dq = ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items,
-                bcfg(cfg.dq_num_stages, cfg.dq_persistent), sched.dq)
+    dq_kernel = lambda args: ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items,
+                                    bcfg(cfg.dq_num_stages, cfg.dq_persistent), sched.dq)
+    if between_dkv_dq is None:
+        dq = dq_kernel(args)
     dk, dv = ffa_dkv(*args, plan.k_order, plan.k_offsets, plan.k_items,
                      bcfg(cfg.dkv_num_stages, cfg.dkv_persistent), sched.dkv)
-    return dq[:, :tq], dk[:, :tk], dv[:, :tk], None, None
+    dk, dv = dk[:, :tk], dv[:, :tk]
+    if between_dkv_dq is None:
+        return dq[:, :tq], dk, dv, None, None
+    # dK/dV first, then the hook (e.g. a started collective of dK/dV), then dQ. Only the
+    # hook's token carries the order: through a barrier with dQ's inputs (so the dQ kernel
+    # comes after the hook) and one with dQ's output (so what ends the hook's work comes
+    # after the dQ kernel). dK/dV themselves pass through no barrier.
+    token = between_dkv_dq(dk, dv)
+    token, args = jax.lax.optimization_barrier((token, args))
+    dq = dq_kernel(args)
+    token, dq = jax.lax.optimization_barrier((token, dq))
+    return dq[:, :tq], dk, dv, token
 
 
 _ffa.defvjp(_ffa_fwd, _ffa_bwd)
@@ -282,19 +295,37 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
 
 
 def ffa_pallas_backward(q, k, v, plan: KernelPlanArrays, out, lse, dout, dlse, *,
-                        softmax_scale: float, softcap: float = 0.0, interpret: bool = False):
+                        softmax_scale: float, softcap: float = 0.0, interpret: bool = False,
+                        between_dkv_dq=None):
     """The backward of :func:`ffa_pallas` from a forward's ``(out, lse)``, which may be the
     merged result of several calls (context parallelism runs each stage's backward against
     the merged output). Shapes as :func:`ffa_pallas`: q/out/dout ``[(B,) Tq, Hq, D]``, k/v
     ``[(B,) Tk, Hkv, D]``, lse/dlse ``[(B,) Tq, Hq]`` float32. Returns ``(dq, dk, dv)``. The
-    kernels run one program per unit (the plan may be traced)."""
+    kernels run one program per unit (the plan may be traced).
+
+    ``between_dkv_dq(dk, dv) -> token`` (an array): the dK/dV kernel runs first, then this
+    hook, then the dQ kernel; the token comes back as a fourth output, ordered after dQ.
+    Context parallelism starts the group-reduce of dK/dV there, to move beside the dQ
+    kernel, and ends it with the token."""
     cfg = _Config(float(softmax_scale), float(softcap), bool(interpret))
     plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     lift = (lambda x: x) if q.ndim == 4 else (lambda x: x[None])
+    unlift = (lambda x: x) if q.ndim == 4 else (lambda x: x[0])
     res = (lift(q), lift(k), lift(v), plan, _NO_SCHEDULES, lift(out),
            jnp.swapaxes(lift(lse), 1, 2))
-    dq, dk, dv, _, _ = _ffa_bwd(cfg, res, (lift(dout), lift(dlse)))
-    return (dq, dk, dv) if q.ndim == 4 else (dq[0], dk[0], dv[0])
+    if between_dkv_dq is None:
+        dq, dk, dv, _, _ = _ffa_bwd(cfg, res, (lift(dout), lift(dlse)))
+        return unlift(dq), unlift(dk), unlift(dv)
+    # The hook's dK/dV are the ones returned (one value each: a started collective's inputs
+    # must reach its end as the same buffers).
+    held = []
+
+    def hook(dk, dv):
+        held.extend((unlift(dk), unlift(dv)))
+        return between_dkv_dq(*held)
+
+    dq, _, _, token = _ffa_bwd(cfg, res, (lift(dout), lift(dlse)), hook)
+    return unlift(dq), held[0], held[1], token
 
 
 def flex_flash_attention_pallas(q, k, v, mask, *, softmax_scale: float | None = None,

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from magi_jax.sharding.collectives import _cast, _reduce, group_cast
+from magi_jax import native
+from magi_jax.sharding.collectives import _cast, _reduce, _start_reduce, group_cast
 from magi_jax.sharding.ffa_backends import get_backend
 from magi_jax.sharding.key import MagiKey, _check_key
 
@@ -85,6 +86,9 @@ class _StagesCfg(NamedTuple):
     kw: tuple                  # (("softmax_scale", s), ("softcap", c), ("block_q", ..), ..)
     stages: tuple
     refetch: bool
+    # Start the last remote stage's reduce where the transport can (CudaTuning.started_reduce
+    # when the call was traced; part of the static configuration, so of trace caches' keys).
+    start_reduce: bool = False
 
 
 def stages_forward(q, kv, stage_arrays, cfg: _StagesCfg, fetch):
@@ -111,23 +115,41 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
     stages go first so their ``send_back(i, dkv_rows, final)`` (the group-reduce; a combined
     stage's rows start with the local ones, which it adds; ``final``: nothing else adds to
     the result, so it may come in the inputs' dtype) can overlap the host stage's backward.
-    Returns ``dq`` (float32) and the local ``(dk, dv)`` (float32, or kv's dtype when one
-    stage made them)."""
+    A ``send_back`` with a ``start(i, final)`` method (:func:`group_send_back`) may start the
+    last remote stage's reduce instead: ``start`` returns ``rows -> (token, done)`` (or
+    ``None``), the stage's backward computes dK/dV first, starts it, runs dQ, and
+    ``done(token)`` comes after the host stage's backward. Returns ``dq`` (float32) and the
+    local ``(dk, dv)`` (float32, or kv's dtype when one stage made them)."""
     be, kw = get_backend(cfg.backend), dict(cfg.kw)
     acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     up = lambda tree: jax.tree.map(lambda a: a.astype(acc), tree)
     dq, dkv = None, None
     order = sorted(range(len(cfg.stages)), key=lambda i: cfg.stages[i].cast is None)
+    final = len(order) == 1
+    remote = [i for i in order if cfg.stages[i].cast is not None]
+    starter = (send_back.start(remote[-1], final)
+               if remote and cfg.start_reduce and hasattr(send_back, "start") else None)
+    finish = None                      # ends the started reduce
     for i in order:
         stage, (ffa_arrays, _) = cfg.stages[i], stage_arrays[i]
         kk, vv = kv if stage.cast is None else fetch(i)
-        dq_i, dk_i, dv_i = be.split_bwd((out, lse), q, kk, vv, ffa_arrays, cts, **kw)
+        args = ((out, lse), q, kk, vv, ffa_arrays, cts)
+        if starter is not None and i == remote[-1]:
+            pending = {}
+
+            def between(dk, dv):
+                pending["token"], pending["done"] = starter((dk, dv))
+                return pending["token"]
+
+            dq_i, _, _, token = be.split_bwd(*args, between_dkv_dq=between, **kw)
+            finish = functools.partial(pending["done"], token)
+        else:
+            dq_i, dk_i, dv_i = be.split_bwd(*args, **kw)
+            rows = (dk_i, dv_i)
+            dkv = _add(dkv, up(rows) if stage.cast is None else send_back(i, rows, final))
         dq = _add(dq, dq_i.astype(acc))
-        rows = (dk_i, dv_i)
-        if stage.cast is None:
-            dkv = _add(dkv, up(rows))
-            continue
-        dkv = _add(dkv, send_back(i, rows, len(order) == 1))
+    if finish is not None:
+        dkv = _add(dkv, finish())
     return dq, dkv
 
 
@@ -136,11 +158,29 @@ def group_fetch(kv, stage_arrays, cfg):
     return lambda i: _fetch(kv, stage_arrays[i][1], cfg.stages[i])
 
 
-def group_send_back(kv, stage_arrays, cfg):
-    """``send_back(i, rows, final)`` of :func:`rank_stages`: group-reduce onto the owners."""
-    return lambda i, rows, final: _reduce(rows, stage_arrays[i][1], cfg.stages[i].cast,
-                                          kv[0].shape[0], prefix=cfg.stages[i].combined,
-                                          round_to_input=final)
+class group_send_back:
+    """``send_back(i, rows, final)`` of :func:`rank_stages`: group-reduce onto the owners.
+    ``start(i, final)``: where the native transport can start stage ``i``'s reduce
+    (:func:`magi_jax.native.can_start_reduce`), ``rows -> (token, done)``; else ``None``."""
+
+    def __init__(self, kv, stage_arrays, cfg):
+        self.rows, self.stage_arrays, self.cfg = kv[0].shape[0], stage_arrays, cfg
+
+    def _args(self, i, final):
+        stage = self.cfg.stages[i]
+        return (self.stage_arrays[i][1], stage.cast, self.rows), dict(
+            prefix=stage.combined, round_to_input=final)
+
+    def __call__(self, i, rows, final):
+        args, kw = self._args(i, final)
+        return _reduce(rows, *args, **kw)
+
+    def start(self, i, final):
+        spec = self.cfg.stages[i].cast
+        if spec.transport != "native" or not native.can_start_reduce(spec):
+            return None
+        args, kw = self._args(i, final)
+        return lambda rows: _start_reduce(rows, *args, **kw)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -177,7 +217,8 @@ rank_stages.defvjp(_rank_stages_fwd, _rank_stages_bwd)
 def stages_cfg(key: MagiKey, scale: float, softcap: float) -> _StagesCfg:
     kw = (("softmax_scale", scale), ("softcap", softcap), ("block_q", key.block_q),
           ("block_k", key.block_k))
-    return _StagesCfg(key.ffa_backend, kw, tuple(key.stages), key.backward_refetch)
+    return _StagesCfg(key.ffa_backend, kw, tuple(key.stages), key.backward_refetch,
+                      native.cuda_tuning().started_reduce)
 
 
 def _local(q, k, v, stage_arrays, key: MagiKey, scale: float, softcap: float):

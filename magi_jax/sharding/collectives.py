@@ -89,13 +89,17 @@ class CastArrays(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class CastSpec:
-    """Static part of a cast: mesh axis, its size, slot shifts/widths and the transport."""
+    """Static part of a cast: mesh axis, its size, slot shifts/widths and the transport.
+    ``runs``: for the native transport, the contiguous runs of every rank's receive table
+    (:func:`magi_jax.native.reduce_runs`), with which its reduce can be started and moved by
+    the copy engines; ``None`` if unknown or too many."""
 
     axis_name: str
     cp: int
     shifts: tuple[int, ...]
     widths: tuple[int, ...]
     transport: str = "ppermute"
+    runs: tuple | None = None
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -341,6 +345,22 @@ def _reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, prefix: bool =
         jnp.zeros((num_rows,) + a.shape[1:], _acc_dtype(a.dtype)).at[idx].add(
             jnp.concatenate([blk[i] for blk in back]), mode="drop")
         for i, a in enumerate(leaves)])
+
+
+def _start_reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, prefix: bool = False,
+                  round_to_input: bool = False):
+    """:func:`_reduce` started (:func:`magi_jax.native.group_reduce_start`): ``(token,
+    done)`` with ``done(token)`` giving ``_reduce``'s result, or ``None`` where the reduce
+    cannot be started (then call :func:`_reduce`)."""
+    leaves, tree = jax.tree.flatten(y)
+    if (spec.transport != "native" or not native.can_start_reduce(spec)
+            or len({jnp.dtype(a.dtype) for a in leaves}) != 1
+            or len(leaves) > native.MAX_ARRAYS):
+        return None
+    token, done = native.group_reduce_start(
+        leaves, tables, spec, num_rows, prefix=prefix,
+        out_dtype=leaves[0].dtype if round_to_input else None)
+    return token, lambda t: tree.unflatten(done(t))
 
 
 def _carrier(x):

@@ -29,7 +29,10 @@ class FFABackend:
     ``split_bwd(saved, q, k, v, plan, (dout, dlse), **cfg) -> (dq, dk, dv)``, for
     ``[T, H, D]`` inputs; ``cfg`` = ``softmax_scale, softcap, block_q, block_k``. ``saved``
     is ``(out [T, H, D], lse [T, H])``, and ``split_bwd`` takes any such pair — also the
-    merged result of several calls, whose backward each call can then run on its own."""
+    merged result of several calls, whose backward each call can then run on its own. With
+    ``between_dkv_dq=fn`` it returns ``(dq, dk, dv, token)``, ``token = fn(dk, dv)``: the
+    pallas backend computes dK/dV, calls ``fn``, then runs its dQ kernel and orders the token
+    after it, so that a collective started in ``fn`` moves beside the dQ kernel."""
 
     name: str
     build: Callable       # (shapes, total_q, total_k, block_q, block_k) -> plan arrays
@@ -48,9 +51,12 @@ def _xla() -> FFABackend:
         out, lse = X.xla_ffa_forward(q, k, v, plan, **kw)
         return (out, lse), (out, lse)
 
-    def split_bwd(saved, q, k, v, plan, cts, **kw):
+    def split_bwd(saved, q, k, v, plan, cts, *, between_dkv_dq=None, **kw):
         out, lse = saved
-        return X.xla_ffa_backward(q, k, v, out, lse, *cts, plan, **kw)
+        dq, dk, dv = X.xla_ffa_backward(q, k, v, out, lse, *cts, plan, **kw)
+        if between_dkv_dq is None:
+            return dq, dk, dv
+        return dq, dk, dv, between_dkv_dq(dk, dv)
 
     return FFABackend(
         "xla",
@@ -72,10 +78,12 @@ def _pallas(interpret: bool = False) -> FFABackend:
                               interpret=interpret, persistent=0)
         return (out, lse), (out, lse)
 
-    def split_bwd(saved, q, k, v, plan, cts, *, softmax_scale, softcap, block_q, block_k):
+    def split_bwd(saved, q, k, v, plan, cts, *, softmax_scale, softcap, block_q, block_k,
+                  between_dkv_dq=None):
         del block_q, block_k
         return ffa_pallas_backward(q, k, v, plan, *saved, *cts, softmax_scale=softmax_scale,
-                                   softcap=softcap, interpret=interpret)
+                                   softcap=softcap, interpret=interpret,
+                                   between_dkv_dq=between_dkv_dq)
 
     def call(q, k, v, plan, *, softmax_scale, softcap, block_q, block_k):
         del block_q, block_k            # the kernels tile with their own block sizes

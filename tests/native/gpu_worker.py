@@ -137,7 +137,7 @@ def main(rank, nprocs, port):
         narrow = native.group_reduce([y0[0], y1[0]], t, spec, t_loc, prefix=True,
                                      out_dtype=jnp.bfloat16)
         return tuple(o[None] for o in (*cast, *red, *narrow))
-    for tv in (dict(mode="push"), dict(mode="pull"), dict(mode="push", ce_prefix=True)):
+    for tv in (dict(mode="push"), dict(mode="pull")):
         mode = str(tv)
         f = jax.jit(jax.shard_map(combined, mesh=mesh, in_specs=(P("cp"),) * 6,
                                   out_specs=(P("cp"),) * 6, check_vma=False))
@@ -155,6 +155,43 @@ def main(rank, nprocs, port):
             np.testing.assert_array_equal(outs[4 + i], want.astype(jnp.bfloat16),
                                           err_msg=f"{mode} prefix reduce to bf16 {i}")
     print(f"rank {rank}: combined-stage collectives (prefix, bf16 sums) OK", flush=True)
+
+    # Started reduces (copy-engine runs on a side stream, then the summing kernel): the same
+    # sums as above, bit for bit; twice in a row, with a synchronous cast and reduce of the
+    # other lane queued between a start and its done.
+    runs = native.reduce_runs(table)
+    assert runs is not None
+    spec_s = CastSpec("cp", nprocs, table.shifts, table.widths, "native", runs)
+
+    def started(x0, y0, y1, send, recv):
+        t = CastArrays(send[0], recv[0])
+        tok, done = native.group_reduce_start([y0[0], y1[0]], t, spec_s, t_loc, prefix=True,
+                                              out_dtype=jnp.bfloat16)
+        cast = native.group_cast(x0[0], t, spec_s, prefix=True)
+        red = native.group_reduce(y0[0], t, spec_s, t_loc, prefix=True)
+        tok, cast = jax.lax.optimization_barrier((tok, cast))
+        first = done(tok)
+        # The second start after the first done (done calls come in the order of starts).
+        a1, a0, _ = jax.lax.optimization_barrier((y1[0], y0[0], first))
+        tok2, done2 = native.group_reduce_start([a1, a0], t, spec_s, t_loc, prefix=True)
+        second = done2(tok2)
+        return tuple(o[None] for o in (*first, *second, cast, red))
+    f = jax.jit(jax.shard_map(started, mesh=mesh, in_specs=(P("cp"),) * 5,
+                              out_specs=(P("cp"),) * 6, check_vma=False))
+    for _ in range(3):
+        outs = [_local(o)[0] for o in f(g(xs[0]), g(ys[0]), g(ys[1]), g(table.send_index),
+                                        g(table.recv_index))]
+        sums = [ys[i][rank, :t_loc].astype(np.float32) + reduce_model(
+            ys[i][:, t_loc:].astype(np.float32), table, t_loc)[rank].astype(np.float32)
+            for i in range(2)]
+        np.testing.assert_array_equal(outs[0], sums[0].astype(jnp.bfloat16), "started 0")
+        np.testing.assert_array_equal(outs[1], sums[1].astype(jnp.bfloat16), "started 1")
+        np.testing.assert_array_equal(outs[2], sums[1], "second started 0")
+        np.testing.assert_array_equal(outs[3], sums[0], "second started 1")
+        np.testing.assert_array_equal(
+            outs[4], np.concatenate([xs[0][rank], cast_model(xs[0], table)[rank]]), "cast")
+        np.testing.assert_array_equal(outs[5], sums[0], "reduce between")
+    print(f"rank {rank}: started reduces (copy engine) OK", flush=True)
 
     # Every data path / staging / grid variant of the CUDA kernels on one layout (tiny chunks
     # and few blocks: several chunks per send block, several rows per receiving warp), then
@@ -240,6 +277,33 @@ def main(rank, nprocs, port):
     res_c = grads(key_c)
     for name, a, b in zip(("out", "dq", "dk", "dv"), res_c, grads(key_cx)):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4, err_msg=f"combined {name}")
+    # The Mosaic GPU kernels in bf16: their backward computes dK/dV, starts the reduce (copy
+    # engines), runs dQ, then ends it. Against the XLA transport, and against the reduce
+    # where it is called (jax.clear_caches: jit keys do not hold the tuning), bit for bit.
+    qkv16, do16 = qkv.astype(jnp.bfloat16), do.astype(jnp.bfloat16)
+
+    def grads16(comm, degree):
+        key = make_flex_key(mask, mesh, "cp", comm_backend=comm, overlap_degree=degree,
+                            ffa_backend="pallas")
+        args = (*(rep(a) for a in qkv16), rep(do16), key)
+        if comm == "native":
+            hlo = step.lower(*args).as_text()
+            assert ("magi_group_reduce_start" in hlo) == native.cuda_tuning().started_reduce
+        (_, o), gr = step(*args)
+        return [_local(o).astype(np.float32)] + [_local(x).astype(np.float32) for x in gr]
+    for degree in (0, 2):
+        res_p = grads16("native", degree)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), res_p, grads16("ppermute", degree)):
+            np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2,
+                                       err_msg=f"pallas bf16 degree {degree} {name}")
+        jax.clear_caches()
+        with native.tuning(started_reduce=False):
+            res_sync = grads16("native", degree)
+        jax.clear_caches()
+        for name, a, b in zip(("out", "dq", "dk", "dv"), res_p, res_sync):
+            np.testing.assert_array_equal(a, b, err_msg=f"started vs not, degree {degree} {name}")
+    print(f"rank {rank}: pallas bf16: started reduce == synchronous; native ~ ppermute",
+          flush=True)
     dense = mask.to_dense()
     q, k, v = (a.astype(np.float64) for a in qkv)
     s = np.einsum("thd,shd->hts", q, k) / np.sqrt(D)

@@ -273,3 +273,30 @@ def test_backward_entry_point_equals_the_vjp():
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                       err_msg=name)
+
+
+def test_backward_with_work_between_dkv_and_dq():
+    # dK/dV first, then the hook (context parallelism starts the dK/dV reduce there), then
+    # dQ: the same gradients; the hook saw the dK/dV that come back, and its token returns.
+    from magi_jax.pallas import ffa_pallas_backward
+    plan = kernel_plan_for_mask(IRREGULAR).arrays()
+    q, k, v, dout, dlse = random_inputs(jax.random.key(12), IRREGULAR, 2, 1, 64,
+                                        jnp.bfloat16)                   # unbatched, as CP
+    out, lse = ffa_pallas(q, k, v, plan, softmax_scale=0.125, interpret=True)
+    want = ffa_pallas_backward(q, k, v, plan, out, lse, dout, dlse, softmax_scale=0.125,
+                               interpret=True)
+    seen = []
+
+    def hook(dk, dv):
+        seen.append((dk, dv))
+        return (dk.astype(jnp.float32).sum() + dv.astype(jnp.float32).sum())[None]
+    *grads, token = ffa_pallas_backward(q, k, v, plan, out, lse, dout, dlse,
+                                        softmax_scale=0.125, interpret=True,
+                                        between_dkv_dq=hook)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=name)
+    assert seen[0][0] is grads[1] and seen[0][1] is grads[2]
+    np.testing.assert_allclose(np.asarray(token)[0], float(
+        np.asarray(want[1], np.float32).sum() + np.asarray(want[2], np.float32).sum()),
+        rtol=1e-5)
