@@ -108,6 +108,9 @@ def _args(argv=None):
                          "and ppermute at --profile-sizes (benchmarks/gpu_trace.py: kernel "
                          "time per category, communication under compute, idle GPU time)")
     ap.add_argument("--profile-sizes", default="1,256", help="MiB per rank")
+    ap.add_argument("--timeline-us", type=float, default=None,
+                    help="with --profile: keep the end-to-end rows' kernels of at least this "
+                         "many µs of one step, in order, with their streams")
     ap.add_argument("--budget-s", type=float, default=200.0, help="stop starting new rows after")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     return ap.parse_args(argv)
@@ -127,7 +130,7 @@ def peer_copy(args) -> dict:
     if torch.cuda.device_count() < 2:
         return {"error": "fewer than 2 GPUs"}
     res = {}
-    for mib in (float(s) for s in args.sizes.split(",")):
+    for mib in (float(s) for s in args.sizes.split(",") if s):
         n = int(mib * 2**20)
         a = torch.empty(n, dtype=torch.uint8, device="cuda:0")
         b = torch.empty(n, dtype=torch.uint8, device="cuda:1")
@@ -442,7 +445,7 @@ def e2e(args, mesh, me):
         out[name] = {"s": med, "best_s": min(times[name]), "rounds_s": times[name],
                      "TFLOPs_per_gpu": flops / med / 2 / 1e12, "overlap_degree": degree}
         if args.profile:
-            out[name]["trace"] = trace_summary(fn)
+            out[name]["trace"] = trace_summary(fn, timeline_min_us=args.timeline_us)
         if me == 0:
             print(f"e2e {name}: {out[name]}", flush=True)
     return out
@@ -490,6 +493,8 @@ def launch(args):
         passthru.append("--no-e2e")
     if args.profile:
         passthru += ["--profile", "--profile-sizes", args.profile_sizes]
+        if args.timeline_us is not None:
+            passthru += ["--timeline-us", str(args.timeline_us)]
     if args.skip_native:
         passthru.append("--skip-native")
     Path(args.out).mkdir(parents=True, exist_ok=True)

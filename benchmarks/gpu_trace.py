@@ -69,8 +69,9 @@ def _intersection(a: np.ndarray, b: np.ndarray) -> float:
     return total
 
 
-def kernel_events(path: str):
-    """``(name, start_ns, end_ns)`` of every kernel on the GPU stream lines of an xplane."""
+def kernel_events(path: str, lines: bool = False):
+    """``(name, start_ns, end_ns)`` of every kernel on the GPU stream lines of an xplane
+    (``(name, start_ns, end_ns, line name)`` with ``lines``)."""
     from jax.profiler import ProfileData
     data = ProfileData.from_file(path)
     out = []
@@ -81,14 +82,18 @@ def kernel_events(path: str):
             if not line.name.startswith("Stream"):
                 continue
             for e in line.events:
-                out.append((e.name, float(e.start_ns), float(e.start_ns + e.duration_ns)))
+                ev = (e.name, float(e.start_ns), float(e.start_ns + e.duration_ns))
+                out.append(ev + (line.name,) if lines else ev)
     return out
 
 
-def summarize(events, calls: int, top: int = 8) -> dict:
-    """The numbers of :func:`trace_summary` from kernel events of ``calls`` calls."""
+def summarize(events, calls: int, top: int = 8, timeline_min_us: float | None = None) -> dict:
+    """The numbers of :func:`trace_summary` from kernel events of ``calls`` calls (``(name,
+    start, end)``, or with a fourth item, the stream line, kept for the timeline)."""
     if not events:
         return {"error": "no GPU kernels in the trace"}
+    lined = events
+    events = [ev[:3] for ev in events]
     by_cat = defaultdict(list)
     per_kernel = defaultdict(lambda: [0, 0.0])
     for name, s, e in events:
@@ -107,19 +112,35 @@ def summarize(events, calls: int, top: int = 8) -> dict:
     inner_idle = sum(spans) - _length(every)
     us = lambda ns: round(float(ns) / calls / 1e3, 2)
     heavy = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"calls": calls, "gpu_us": round(float(np.median(spans)) / 1e3, 2),
+    copy = unions.get("copy", np.zeros((0, 2)))
+    out = {"calls": calls, "gpu_us": round(float(np.median(spans)) / 1e3, 2),
             "span_us": us(sum(spans)),
             "busy_us": {c: us(_length(u)) for c, u in sorted(unions.items())},
             "comm_under_compute_us": us(_intersection(comm, unions.get("compute",
                                                                        np.zeros((0, 2))))),
+            "copy_under_compute_us": us(_intersection(copy, unions.get("compute",
+                                                                       np.zeros((0, 2))))),
             "idle_us": us(inner_idle),
             "top_kernels": [{"name": n[:80], "count_per_call": c / calls, "us_per_call": us(t)}
                             for n, (c, t) in heavy]}
+    if timeline_min_us is not None and bounds and len(bounds[-1]):
+        # The last call's kernels of at least timeline_min_us: (name, stream line, start
+        # after the call's first kernel, duration), in µs.
+        t0, t1 = every[bounds[-1][0], 0], every[bounds[-1][-1], 1]
+        out["timeline"] = sorted(
+            (ev[0][:48], ev[3] if len(ev) > 3 else "", round(float(ev[1] - t0) / 1e3, 1),
+             round(float(ev[2] - ev[1]) / 1e3, 1))
+            for ev in lined if t0 <= ev[1] <= t1 and ev[2] - ev[1] >= timeline_min_us * 1e3)
+        out["timeline"].sort(key=lambda r: r[2])
+    return out
 
 
-def trace_summary(fn, calls: int = 3, top: int = 8) -> dict:
+def trace_summary(fn, calls: int = 3, top: int = 8,
+                  timeline_min_us: float | None = None) -> dict:
     """Runs ``fn()`` (blocking on its result) ``calls`` times under the profiler, after one
-    untraced call, and summarizes this process's GPU kernels per call (module docstring)."""
+    untraced call, and summarizes this process's GPU kernels per call (module docstring);
+    with ``timeline_min_us``, also the last call's kernels of at least that long, in order
+    (name, stream, start, duration)."""
     jax.block_until_ready(fn())
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
@@ -131,4 +152,5 @@ def trace_summary(fn, calls: int = 3, top: int = 8) -> dict:
         paths = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))
         if not paths:
             return {"error": "the profiler wrote no trace"}
-        return summarize(kernel_events(paths[-1]), calls, top)
+        return summarize(kernel_events(paths[-1], lines=timeline_min_us is not None), calls,
+                         top, timeline_min_us)

@@ -85,20 +85,26 @@ Context g;
 // ---- started reduces ---------------------------------------------------------------------
 //
 // A reduce can be split in two calls so that XLA runs other kernels between them
-// (magi_jax/native.py, group_reduce_start): the start queues, on a side stream forked from
-// XLA's, copy-engine copies of the rows to send (contiguous runs of the receive table, known
-// on the host and passed as an attribute) straight into the owners' staging, then raises a
-// 32-bit flag per slot on the owner with a stream memory write (a system-scope fence comes
-// first). No SM is used, so the copies run beside the attention kernels at full speed. The
-// done call makes XLA's stream wait for the side stream (the start's inputs stay in use until
-// then: the done call takes them too) and runs the reduce kernel's receive blocks, which
-// wait for the slot flags and sum as a synchronous reduce does.
+// (magi_jax/native.py, group_reduce_start): the start queues, on a high-priority side stream
+// forked from XLA's, copies of the rows to send (contiguous runs of the receive table, known
+// on the host and passed as an attribute) straight into the owners' staging by a kernel of
+// a few blocks (CopyKernel: they take their SMs first and leave the rest to the kernel XLA
+// runs next, e.g. the dQ kernel), then raises a 32-bit flag per slot on the owner with a
+// stream memory write (a system-scope fence comes first). The staging is planar (each
+// array's rows in a block of their own), so that every run of every array is one contiguous
+// copy. The done call makes XLA's stream wait for the side stream
+// (the start's inputs stay in use until then: the done call takes them too) and runs the
+// reduce kernel's receive blocks, which wait for the slot flags and sum as a synchronous
+// reduce does.
 //
 // Started reduces have their own lane: staging, flags, acknowledgements and epochs of their
 // own, so the synchronous collectives that XLA may place between a start and its done never
-// wait for, or overwrite, anything of it. Within the lane, calls are serial: a start's copies
-// wait (on the side stream, with a stream memory wait) until every PE acknowledged the
-// previous started reduce, and dones must come in the order of their starts.
+// wait for, or overwrite, anything of it. Within the lane, calls are serial. A done kernel
+// ends only when every PE has acknowledged its epoch (its last block waits), so a start queued
+// after the previous done on XLA's stream writes the peers' staging at once; a start queued
+// while another started reduce is in flight first waits (on the side stream, with a stream
+// memory wait) for every PE's acknowledgement of it. Done calls must come in the order of
+// their starts.
 constexpr int kMaxPending = 4;
 
 struct Pending {
@@ -541,8 +547,9 @@ ffi::Error StartExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ff
   pend.event = static_cast<int>(epoch % (kMaxPending + 1));
   cudaEventRecord(lane.fork, stream);  // the rows to send are ready
   cudaStreamWaitEvent(lane.side, lane.fork, 0);
-  // Every PE has summed the previous started reduce out of its staging.
-  for (int q = 0; q < g.npes && epoch > 1; ++q) {
+  // Every PE has summed the previous started reduce out of its staging: its done kernel,
+  // queued before the fork, ended after every PE's acknowledgement, unless it is still to come.
+  for (int q = 0; q < g.npes && epoch > 1 && !lane.pending.empty(); ++q) {
     if (lane.wait32(lane.side, reinterpret_cast<CUdeviceptr>(lane.acks + q), epoch - 1,
                     CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {
       return ffi::Error::Internal("magi_jax native group_reduce_start: cuStreamWaitValue32");
@@ -550,6 +557,7 @@ ffi::Error StartExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ff
   }
   const int64_t S = st->slot_len;
   bool used[kMaxSlots] = {};
+  CopyList copies{};
   for (size_t i = 0; i + 2 < st->runs.size(); i += 3) {
     const int64_t b0 = st->runs[i], e0 = st->runs[i + 1], len = st->runs[i + 2];
     const int64_t j = e0 / S;
@@ -560,18 +568,18 @@ ffi::Error StartExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ff
     }
     const int peer = ((g.me - st->shifts[j]) % st->cp + st->cp) % st->cp;
     char* base = static_cast<char*>(nvshmem_ptr(lane.stage, peer));
-    for (size_t l = 0; l < n; ++l) {
-      char* dst = base + e0 * row_bytes + off[l];
-      const char* src = pend.src[l] + b0 * bytes[l];
-      if (n == 1) {
-        cudaMemcpyAsync(dst, src, len * row_bytes, cudaMemcpyDeviceToDevice, lane.side);
-      } else {
-        cudaMemcpy2DAsync(dst, row_bytes, src, bytes[l], bytes[l], len,
-                          cudaMemcpyDeviceToDevice, lane.side);
+    for (size_t l = 0; l < n; ++l) {  // planar staging: leaf l's block starts at n*S*off[l]
+      if (copies.n == kCopySegments) {  // a full list goes now; the next one follows it
+        CopyKernel<<<kCopyBlocks, kCopyThreads, 0, lane.side>>>(copies);
+        copies.n = 0;
       }
+      copies.dst[copies.n] = base + st->n * S * off[l] + e0 * bytes[l];
+      copies.src[copies.n] = pend.src[l] + b0 * bytes[l];
+      copies.bytes[copies.n++] = len * bytes[l];
     }
     used[j] = true;
   }
+  if (copies.n > 0) CopyKernel<<<kCopyBlocks, kCopyThreads, 0, lane.side>>>(copies);
   for (int j = 0; j < st->n; ++j) {
     if (!used[j]) continue;
     const int peer = ((g.me - st->shifts[j]) % st->cp + st->cp) % st->cp;
@@ -838,10 +846,12 @@ int magi_nv_init(const char* uid, int rank, int npes, size_t stage_bytes, size_t
       return Fail(err, err_len, "the driver has no stream memory operations", 6);
     }
     lane.wait32 = reinterpret_cast<decltype(lane.wait32)>(wait);
+    int top = 0;  // the greatest stream priority
     lane.write32 = reinterpret_cast<decltype(lane.write32)>(write);
     if (cudaMalloc(&lane.done, sizeof(unsigned int)) != cudaSuccess ||
         cudaMemset(lane.done, 0, sizeof(unsigned int)) != cudaSuccess ||
-        cudaStreamCreateWithFlags(&lane.side, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaDeviceGetStreamPriorityRange(nullptr, &top) != cudaSuccess ||
+        cudaStreamCreateWithPriority(&lane.side, cudaStreamNonBlocking, top) != cudaSuccess ||
         cudaEventCreateWithFlags(&lane.fork, cudaEventDisableTiming) != cudaSuccess) {
       return Fail(err, err_len, "cudaMalloc / stream / event creation failed", 4);
     }

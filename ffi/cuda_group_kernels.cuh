@@ -45,7 +45,9 @@ struct Plan {
   uint64_t* acks;
   unsigned int* done;
   // A started reduce's done kernel (its rows came by the copy engine): one 32-bit flag per
-  // slot instead of the chunk flags, and 32-bit acknowledgements; nullptr otherwise.
+  // slot instead of the chunk flags, and 32-bit acknowledgements; nullptr otherwise. Its
+  // staging is planar: leaf l's rows, n*S of them, from byte n*S*off[l] of the region (the
+  // copy engine copies contiguous runs of one leaf).
   const uint32_t* slot_flags;
   uint32_t* slot_acks;
 };
@@ -93,16 +95,16 @@ __device__ void WaitAtLeast(const uint64_t* p, uint64_t want, int64_t timeout_ns
 
 // The same for a 32-bit flag (a started reduce's), compared cyclically as the stream memory
 // operations that raise it do.
-__device__ void WaitAtLeast32(const uint32_t* p, uint32_t want, int64_t timeout_ns, int peer,
-                              int slot) {
+__device__ void WaitAtLeast32(const uint32_t* p, uint32_t want, int64_t timeout_ns,
+                              const char* what, int peer, int index) {
   volatile const uint32_t* v = p;
   if (static_cast<int32_t>(*v - want) >= 0) return;
   uint64_t t0 = NowNs();
   while (static_cast<int32_t>(*v - want) < 0) {
     if (static_cast<int64_t>(NowNs() - t0) > timeout_ns) {
-      printf("magi_jax native: timed out after %lld ms waiting for the started reduce's rows "
-             "of slot %d from PE %d (have epoch %u, want %u): did every process run the same "
-             "program?\n", static_cast<long long>(timeout_ns / 1000000), slot, peer, *v, want);
+      printf("magi_jax native: timed out after %lld ms waiting for the started reduce's %s %d "
+             "from PE %d (have epoch %u, want %u): did every process run the same program?\n",
+             static_cast<long long>(timeout_ns / 1000000), what, index, peer, *v, want);
       __trap();
     }
   }
@@ -310,6 +312,12 @@ __device__ void Acknowledge(const Plan& P, int recv_blocks) {
           nvshmemx_signal_op(P.acks + P.me, P.epoch, NVSHMEM_SIGNAL_SET, q);
         }
       }
+      // A started reduce's done ends when every PE has summed its staging: a start queued
+      // after it on XLA's stream may then overwrite the peers' staging without waiting.
+      for (int q = 0; q < P.cp && P.slot_acks != nullptr; ++q) {
+        WaitAtLeast32(P.slot_acks + q, static_cast<uint32_t>(P.epoch), P.timeout_ns,
+                      "acknowledgement", q, 0);
+      }
     }
   }
 }
@@ -403,6 +411,65 @@ __device__ __forceinline__ __nv_bfloat16 FromF32<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
+// ---- a started reduce's sends ---------------------------------------------------------
+
+// Contiguous copies (a started reduce's runs, into the owners' staging over NVLink) by a
+// few blocks: queued on a high-priority stream as the dK/dV kernel ends, they take their
+// SMs before the dQ kernel's blocks and leave it the rest. (The driver's memcpy to a peer's
+// mapping ran as SM copies with a full grid: the dQ kernel and the copies waited for each
+// other.)
+constexpr int kCopySegments = 128;
+constexpr int kCopyBlocks = 16;
+constexpr int kCopyThreads = 1024;
+constexpr int kCopyUnroll = 8;
+
+struct CopyList {
+  int n;
+  char* dst[kCopySegments];
+  const char* src[kCopySegments];
+  int64_t bytes[kCopySegments];
+};
+
+__global__ void __launch_bounds__(kCopyThreads) CopyKernel(CopyList C) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kCopyThreads;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * kCopyThreads + threadIdx.x;
+  for (int k = 0; k < C.n; ++k) {
+    char* dst = C.dst[k];
+    const char* src = C.src[k];
+    const int64_t bytes = C.bytes[k];
+    if ((bytes & 15) == 0 && Aligned16(dst) && Aligned16(src)) {
+      const int4* s = reinterpret_cast<const int4*>(src);
+      int4* d = reinterpret_cast<int4*>(dst);
+      const int64_t units = bytes >> 4;
+      for (int64_t i = tid; i < units; i += stride * kCopyUnroll) {
+        int4 v[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          if (i + u * stride < units) v[u] = __ldg(s + i + u * stride);
+        }
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          if (i + u * stride < units) d[i + u * stride] = v[u];
+        }
+      }
+    } else {
+      for (int64_t i = tid; i < bytes; i += stride) dst[i] = src[i];
+    }
+  }
+  __threadfence_system();  // the flags raised after this kernel find the rows in place
+}
+
+// Leaf l's part of staged row e: inside the row (rows of every leaf side by side) or, for a
+// started reduce, in the leaf's own block of rows (planar).
+template <typename T>
+__device__ __forceinline__ const T* StagedRow(const Plan& P, const Leaves& L, const char* base,
+                                              int64_t e, int l) {
+  if (P.slot_flags != nullptr) {
+    return reinterpret_cast<const T*>(base + P.n * P.S * L.off[l] + e * L.bytes[l]);
+  }
+  return reinterpret_cast<const T*>(base + e * P.row_bytes + L.off[l]);
+}
+
 // out_l[t] = (acc_l[t] or 0) + (local_l[t] or 0) + sum_j (leaf l's part of
 // staged[j*S + inv[t, j]]), j ascending, summed in float32 and rounded once to OutT (float32,
 // or the input's dtype), for every leaf l.
@@ -432,7 +499,7 @@ ReduceKernel(Plan P, Leaves L, const int32_t* rinv, const int32_t* inv, const in
         if (p < 0) continue;
         if (P.slot_flags != nullptr) {
           WaitAtLeast32(P.slot_flags + j, static_cast<uint32_t>(P.epoch), P.timeout_ns,
-                        P.recv_from[j], j);
+                        "rows of slot", P.recv_from[j], j);
           continue;
         }
         const int c = P.chunk_base[j] + static_cast<int>(p / P.R);
@@ -471,7 +538,7 @@ ReduceKernel(Plan P, Leaves L, const int32_t* rinv, const int32_t* inv, const in
           for (int j = 0; j < P.n; ++j) {
             const int32_t p = my_inv[j];
             if (p < 0) continue;
-            const T* row = reinterpret_cast<const T*>(staged[j]) + (j * P.S + p) * F + first;
+            const T* row = StagedRow<T>(P, L, staged[j], j * P.S + p, l);
             int4 raw[kUnroll];
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
@@ -508,7 +575,7 @@ ReduceKernel(Plan P, Leaves L, const int32_t* rinv, const int32_t* inv, const in
           for (int j = 0; j < P.n; ++j) {
             const int32_t p = my_inv[j];
             if (p < 0) continue;
-            const T* row = reinterpret_cast<const T*>(staged[j]) + (j * P.S + p) * F + first;
+            const T* row = StagedRow<T>(P, L, staged[j], j * P.S + p, l);
             s += ToF32<T>(row[f]);
           }
           o[f] = FromF32<OutT>(s);
