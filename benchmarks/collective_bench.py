@@ -70,8 +70,7 @@ def _tuning_fields(fields) -> dict:
     for f in fields:
         k, v = f.split("=")
         out[k] = (v if k == "mode" or not v.isdigit() else
-                  bool(int(v)) if k in ("double_buffer", "started_reduce", "started_cast")
-                  else int(v))
+                  bool(int(v)) if k in ("double_buffer", "started_reduce") else int(v))
     return out
 
 

@@ -566,86 +566,47 @@ ffi::Future ReduceImpl(ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
   return future;
 }
 
-// Started collectives (magi_jax/native.py, group_reduce_start / group_cast_start): on the
-// host devices nothing moves until the done call, which is the synchronous collective above
-// with the start's token in front. The start checks the runs the CUDA handlers would copy
-// against this rank's table. A reduce's run (b0, e0, len) stands for recv[b0 + i] = e0 + i; a
-// cast's run (x0, e0, len) for send[e0 + i] = x0 + i (send flattened as [n * S]); i < len,
-// within one slot. The runs cover every real entry once, in order.
-ffi::Error CheckRuns(const int32_t* table, int64_t size, int64_t slot_len, int64_t rank,
-                     ffi::Span<const int64_t> runs, ffi::Span<const int64_t> run_offsets,
-                     int64_t cp, bool reduce, const char* op) {
-  if (run_offsets.size() != static_cast<size_t>(cp + 1)) {
-    return ffi::Error::InvalidArgument(std::string("magi_jax native ") + op +
-                                       " (CPU): one run offset per rank and one more");
-  }
-  int64_t k = 0;  // entries below k are covered or padding
-  for (int64_t i = run_offsets[rank]; i < run_offsets[rank + 1]; i += 3) {
-    const int64_t a = runs[i], e0 = runs[i + 1], len = runs[i + 2];
-    const int64_t at = reduce ? a : e0, value = reduce ? e0 : a;  // table[at + i] = value + i
-    bool ok = len > 0 && at >= k && at + len <= size &&
-              e0 / slot_len == (e0 + len - 1) / slot_len;
-    for (int64_t q = k; ok && q < at; ++q) ok = table[q] < 0;
-    for (int64_t q = 0; ok && q < len; ++q) ok = table[at + q] == value + q;
-    if (!ok) {
-      return ffi::Error::InvalidArgument(
-          std::string("magi_jax native ") + op + " (CPU): rank " + std::to_string(rank) +
-          ": run (" + std::to_string(a) + ", " + std::to_string(e0) + ", " +
-          std::to_string(len) + ") does not match the " + (reduce ? "receive" : "send") +
-          " table");
-    }
-    k = at + len;
-  }
-  for (; k < size; ++k) {
-    if (table[k] >= 0) {
-      return ffi::Error::InvalidArgument(
-          std::string("magi_jax native ") + op + " (CPU): rank " + std::to_string(rank) +
-          ": table entry " + std::to_string(k) + " is in no run");
-    }
-  }
-  return ffi::Error::Success();
-}
-
+// A started reduce (magi_jax/native.py, group_reduce_start): on the host devices nothing
+// moves until its done call, which is the reduce above with the start's token in front. The
+// start checks the copy-engine runs the CUDA handlers would copy against this rank's
+// receive table: run (b0, e0, len) stands for recv[b0 + i] = e0 + i, i < len, within one
+// slot, and the runs cover every real entry once, in order.
 ffi::Error StartImpl(ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
                      ffi::RemainingArgs ys, ffi::Result<ffi::Buffer<ffi::S32>> token, int64_t cp,
                      int64_t slot_len, ffi::Span<const int64_t> runs,
                      ffi::Span<const int64_t> run_offsets) {
-  (void)ys;
   auto w = ReadWhere(where, cp);
   if (w.has_error()) return w.error();
-  if (auto e = CheckRuns(recv.typed_data(), static_cast<int64_t>(recv.element_count()),
-                         slot_len, w->rank, runs, run_offsets, cp, true,
-                         "group_reduce_start");
-      !e.success()) {
-    return e;
+  if (ys.size() < 1 || run_offsets.size() != static_cast<size_t>(cp + 1)) {
+    return ffi::Error::InvalidArgument(
+        "magi_jax native group_reduce_start (CPU): one run offset per rank and one more, and "
+        "at least one array");
+  }
+  const int32_t* e = recv.typed_data();
+  const int64_t B = static_cast<int64_t>(recv.element_count());
+  int64_t b = 0;  // entries below b are covered or padding
+  for (int64_t i = run_offsets[w->rank]; i < run_offsets[w->rank + 1]; i += 3) {
+    const int64_t b0 = runs[i], e0 = runs[i + 1], len = runs[i + 2];
+    bool ok = len > 0 && b0 >= b && b0 + len <= B && e0 / slot_len == (e0 + len - 1) / slot_len;
+    for (int64_t k = b; ok && k < b0; ++k) ok = e[k] < 0;
+    for (int64_t k = 0; ok && k < len; ++k) ok = e[b0 + k] == e0 + k;
+    if (!ok) {
+      return ffi::Error::InvalidArgument(
+          "magi_jax native group_reduce_start (CPU): rank " + std::to_string(w->rank) +
+          ": run (" + std::to_string(b0) + ", " + std::to_string(e0) + ", " +
+          std::to_string(len) + ") does not match the receive table");
+    }
+    b = b0 + len;
+  }
+  for (int64_t k = b; k < B; ++k) {
+    if (e[k] >= 0) {
+      return ffi::Error::InvalidArgument(
+          "magi_jax native group_reduce_start (CPU): rank " + std::to_string(w->rank) +
+          ": receive entry " + std::to_string(k) + " is in no run");
+    }
   }
   token->typed_data()[0] = 0;
   return ffi::Error::Success();
-}
-
-ffi::Error CastStartImpl(ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> where,
-                         ffi::RemainingArgs xs, ffi::Result<ffi::Buffer<ffi::S32>> token,
-                         int64_t cp, int64_t slot_len, ffi::Span<const int64_t> runs,
-                         ffi::Span<const int64_t> run_offsets) {
-  (void)xs;
-  auto w = ReadWhere(where, cp);
-  if (w.has_error()) return w.error();
-  if (auto e = CheckRuns(send.typed_data(), static_cast<int64_t>(send.element_count()),
-                         slot_len, w->rank, runs, run_offsets, cp, false, "group_cast_start");
-      !e.success()) {
-    return e;
-  }
-  token->typed_data()[0] = 0;
-  return ffi::Error::Success();
-}
-
-ffi::Future CastDoneImpl(ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> send,
-                         ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
-                         ffi::RemainingArgs xs, ffi::RemainingRets outs, int64_t cp,
-                         ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
-                         bool prefix) {
-  (void)token;
-  return CastImpl(send, recv, where, xs, outs, cp, shifts, call_id, timeout_ms, prefix);
 }
 
 ffi::Future DoneImpl(ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> send,
@@ -719,30 +680,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceDoneCpu, DoneImpl,
                                   .Attr<bool>("prefix")
                                   .Attr<bool>("accumulate")
                                   .Attr<bool>("out_input_dtype"));
-
-// Started cast: send, where, then the arrays x_0.. (RemainingArgs); output a token.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastStartCpu, CastStartImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("cp")
-                                  .Attr<int64_t>("slot_len")
-                                  .Attr<ffi::Span<const int64_t>>("runs")
-                                  .Attr<ffi::Span<const int64_t>>("run_offsets"));
-
-// Its done call: the start's token, then the arguments of MagiGroupCastCpu.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastDoneCpu, CastDoneImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("cp")
-                                  .Attr<ffi::Span<const int64_t>>("shifts")
-                                  .Attr<int64_t>("call_id")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<bool>("prefix"));

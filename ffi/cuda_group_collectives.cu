@@ -495,139 +495,6 @@ ffi::Error LaunchReduce(cudaStream_t stream, const CollectiveState& st, const Pl
   return LaunchError("group_reduce");
 }
 
-// The sends of a started collective (its runs, from pend.src[l] rows of bytes[l]) on the
-// side stream; epoch, event and the pending entry. `reverse`: a reduce sends slot j to
-// r - shift_j, a cast to r + shift_j. `src_rows` bounds the runs' source rows.
-ffi::Error QueueSends(cudaStream_t stream, const CollectiveState& st, Pending pend,
-                      const int64_t* bytes, const int64_t* off, size_t n, int64_t src_rows,
-                      bool reverse, const char* op) {
-  if (lane.stage == nullptr || !g.all_mapped) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-        std::string("magi_jax native ") + op + ": started collectives need their own staging "
-        "(magi_jax.native.initialize(started_bytes > 0)) and every PE load/store reachable");
-  }
-  const int64_t row_bytes = off[n];
-  const size_t need = static_cast<size_t>(st.n) * st.slot_len * row_bytes;
-  if (need > lane.stage_bytes) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-        std::string("magi_jax native ") + op + ": it stages " + std::to_string(need) +
-        " bytes but only " + std::to_string(lane.stage_bytes) + " were reserved for started "
-        "collectives (magi_jax.native.initialize(started_bytes=...))");
-  }
-  if (lane.pending.size() >= static_cast<size_t>(kMaxPending)) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-        "magi_jax native: more than " + std::to_string(kMaxPending) +
-        " started collectives without their done calls");
-  }
-  const uint32_t epoch = ++lane.epoch;
-  pend.epoch = epoch;
-  pend.event = static_cast<int>(epoch % (kMaxPending + 1));
-  cudaEventRecord(lane.fork, stream);  // the rows to send are ready
-  cudaStreamWaitEvent(lane.side, lane.fork, 0);
-  // Every PE has read the previous started collective out of its staging: its done kernel,
-  // queued before the fork, ended after every PE's acknowledgement, unless it is still to come.
-  for (int q = 0; q < g.npes && epoch > 1 && !lane.pending.empty(); ++q) {
-    if (lane.wait32(lane.side, reinterpret_cast<CUdeviceptr>(lane.acks + q), epoch - 1,
-                    CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {
-      return ffi::Error::Internal(std::string("magi_jax native ") + op +
-                                  ": cuStreamWaitValue32");
-    }
-  }
-  const int64_t S = st.slot_len;
-  bool used[kMaxSlots] = {};
-  CopyList copies{};
-  auto peer_of = [&](int64_t j) {
-    const int shift = reverse ? -st.shifts[j] : st.shifts[j];
-    return ((g.me + shift) % st.cp + st.cp) % st.cp;
-  };
-  for (size_t i = 0; i + 2 < st.runs.size(); i += 3) {
-    const int64_t r0 = st.runs[i], e0 = st.runs[i + 1], len = st.runs[i + 2];
-    const int64_t j = e0 / S;
-    if (r0 < 0 || e0 < 0 || len < 1 || r0 + len > src_rows || j >= st.n ||
-        (e0 + len - 1) / S != j) {
-      return ffi::Error::InvalidArgument(
-          std::string("magi_jax native ") + op + ": run (" + std::to_string(r0) + ", " +
-          std::to_string(e0) + ", " + std::to_string(len) + ") is outside the tables");
-    }
-    char* base = static_cast<char*>(nvshmem_ptr(lane.stage, peer_of(j)));
-    for (size_t l = 0; l < n; ++l) {  // planar staging: leaf l's block starts at n*S*off[l]
-      if (copies.n == kCopySegments) {  // a full list goes now; the next one follows it
-        CopyKernel<<<kCopyBlocks, kCopyThreads, 0, lane.side>>>(copies);
-        copies.n = 0;
-      }
-      copies.dst[copies.n] = base + st.n * S * off[l] + e0 * bytes[l];
-      copies.src[copies.n] = pend.src[l] + r0 * bytes[l];
-      copies.bytes[copies.n++] = len * bytes[l];
-    }
-    used[j] = true;
-  }
-  if (copies.n > 0) CopyKernel<<<kCopyBlocks, kCopyThreads, 0, lane.side>>>(copies);
-  for (int j = 0; j < st.n; ++j) {
-    if (!used[j]) continue;
-    void* flag = nvshmem_ptr(lane.flags + j, peer_of(j));
-    if (lane.write32(lane.side, reinterpret_cast<CUdeviceptr>(flag), epoch,
-                     CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
-      return ffi::Error::Internal(std::string("magi_jax native ") + op +
-                                  ": cuStreamWriteValue32");
-    }
-  }
-  cudaEventRecord(lane.sent[pend.event], lane.side);
-  lane.pending.push_back(pend);
-  return LaunchError(op);
-}
-
-// The oldest pending start, which must be this call site's and have sent `src` (the done
-// call's inputs); XLA's stream then waits for those sends.
-ffi::ErrorOr<Pending> TakePending(cudaStream_t stream, const CollectiveState& st,
-                                  const Leaves& L, const char* op) {
-  if (lane.pending.empty() || lane.pending.front().call_id != st.call_id) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-        std::string("magi_jax native ") + op + ": no started collective of this call site is "
-        "the oldest one in flight (the done calls must come in the order of their starts)");
-  }
-  const Pending pend = lane.pending.front();
-  lane.pending.pop_front();
-  for (int l = 0; l < L.n; ++l) {
-    if (L.src[l] != pend.src[l]) {
-      return ffi::Error::Internal(
-          std::string("magi_jax native ") + op + ": array " + std::to_string(l) + " is not "
-          "the buffer its start is sending (XLA placed a copy between the two calls)");
-    }
-  }
-  cudaStreamWaitEvent(stream, lane.sent[pend.event], 0);  // our sends are done
-  return pend;
-}
-
-// A done kernel's plan: receive blocks only, on the lane's staging and flags.
-Plan LanePlan(const CollectiveState& st, uint32_t epoch, bool reverse, int64_t row_bytes,
-              int64_t src_rows) {
-  Plan P{};
-  P.me = g.me;
-  P.cp = st.cp;
-  P.n = st.n;
-  P.mode = kPush;
-  P.S = st.slot_len;
-  P.R = std::max<int64_t>(1, st.slot_len);
-  P.row_bytes = row_bytes;
-  for (int j = 0; j < st.n; ++j) {
-    const int fwd = ((g.me + st.shifts[j]) % st.cp + st.cp) % st.cp;
-    const int bwd = ((g.me - st.shifts[j]) % st.cp + st.cp) % st.cp;
-    P.send_to[j] = reverse ? bwd : fwd;
-    P.recv_from[j] = reverse ? fwd : bwd;
-    P.widths[j] = st.widths[j];
-  }
-  for (int j = 0; j <= st.n; ++j) P.chunk_base[j] = st.chunk_base[j];
-  P.send_blocks = 0;
-  P.src_rows = src_rows;
-  P.epoch = epoch;
-  P.timeout_ns = st.timeout_ns;
-  P.stage = lane.stage;
-  P.done = lane.done;
-  P.slot_flags = lane.flags;
-  P.slot_acks = lane.acks;
-  return P;
-}
-
 // Start of a started reduce: recv, where, then the arrays y_0.. (the synchronous reduce's
 // inputs); writes nothing to its token, which only orders the done call after it.
 ffi::Error StartExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi::S32> recv,
@@ -635,6 +502,11 @@ ffi::Error StartExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ff
                         ffi::Result<ffi::Buffer<ffi::S32>> token) {
   (void)where;
   (void)token;
+  if (lane.stage == nullptr || !g.all_mapped) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+        "magi_jax native group_reduce_start: started reduces need their own staging "
+        "(magi_jax.native.initialize(started_bytes > 0)) and every PE load/store reachable");
+  }
   const int64_t B = static_cast<int64_t>(recv.element_count());
   const size_t n = args.size();
   if (n < 1 || n > static_cast<size_t>(kMaxLeaves)) {
@@ -657,8 +529,69 @@ ffi::Error StartExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ff
     pend.src[l] = static_cast<const char*>(y->untyped_data()) + own * bytes[l];
     off[l + 1] = off[l] + bytes[l];
   }
-  return QueueSends(stream, *st, pend, bytes, off, n, B, /*reverse=*/true,
-                    "group_reduce_start");
+  const int64_t row_bytes = off[n];
+  const size_t need = static_cast<size_t>(st->n) * st->slot_len * row_bytes;
+  if (need > lane.stage_bytes) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+        "magi_jax native group_reduce_start: the reduce stages " + std::to_string(need) +
+        " bytes but only " + std::to_string(lane.stage_bytes) + " were reserved for started "
+        "reduces (magi_jax.native.initialize(started_bytes=...))");
+  }
+  if (lane.pending.size() >= static_cast<size_t>(kMaxPending)) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+        "magi_jax native: more than " + std::to_string(kMaxPending) +
+        " started reduces without their done calls");
+  }
+  const uint32_t epoch = ++lane.epoch;
+  pend.epoch = epoch;
+  pend.event = static_cast<int>(epoch % (kMaxPending + 1));
+  cudaEventRecord(lane.fork, stream);  // the rows to send are ready
+  cudaStreamWaitEvent(lane.side, lane.fork, 0);
+  // Every PE has summed the previous started reduce out of its staging: its done kernel,
+  // queued before the fork, ended after every PE's acknowledgement, unless it is still to come.
+  for (int q = 0; q < g.npes && epoch > 1 && !lane.pending.empty(); ++q) {
+    if (lane.wait32(lane.side, reinterpret_cast<CUdeviceptr>(lane.acks + q), epoch - 1,
+                    CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {
+      return ffi::Error::Internal("magi_jax native group_reduce_start: cuStreamWaitValue32");
+    }
+  }
+  const int64_t S = st->slot_len;
+  bool used[kMaxSlots] = {};
+  CopyList copies{};
+  for (size_t i = 0; i + 2 < st->runs.size(); i += 3) {
+    const int64_t b0 = st->runs[i], e0 = st->runs[i + 1], len = st->runs[i + 2];
+    const int64_t j = e0 / S;
+    if (b0 < 0 || e0 < 0 || len < 1 || b0 + len > B || j >= st->n || (e0 + len - 1) / S != j) {
+      return ffi::Error::InvalidArgument(
+          "magi_jax native group_reduce_start: run (" + std::to_string(b0) + ", " +
+          std::to_string(e0) + ", " + std::to_string(len) + ") is outside the tables");
+    }
+    const int peer = ((g.me - st->shifts[j]) % st->cp + st->cp) % st->cp;
+    char* base = static_cast<char*>(nvshmem_ptr(lane.stage, peer));
+    for (size_t l = 0; l < n; ++l) {  // planar staging: leaf l's block starts at n*S*off[l]
+      if (copies.n == kCopySegments) {  // a full list goes now; the next one follows it
+        CopyKernel<<<kCopyBlocks, kCopyThreads, 0, lane.side>>>(copies);
+        copies.n = 0;
+      }
+      copies.dst[copies.n] = base + st->n * S * off[l] + e0 * bytes[l];
+      copies.src[copies.n] = pend.src[l] + b0 * bytes[l];
+      copies.bytes[copies.n++] = len * bytes[l];
+    }
+    used[j] = true;
+  }
+  if (copies.n > 0) CopyKernel<<<kCopyBlocks, kCopyThreads, 0, lane.side>>>(copies);
+  for (int j = 0; j < st->n; ++j) {
+    if (!used[j]) continue;
+    const int peer = ((g.me - st->shifts[j]) % st->cp + st->cp) % st->cp;
+    void* flag = nvshmem_ptr(lane.flags + j, peer);
+    if (lane.write32(lane.side, reinterpret_cast<CUdeviceptr>(flag), epoch,
+                     CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
+      return ffi::Error::Internal("magi_jax native group_reduce_start: cuStreamWriteValue32");
+    }
+  }
+  cudaEventRecord(lane.sent[pend.event], lane.side);
+  lane.pending.push_back(pend);
+  return LaunchError("group_reduce_start");
 }
 
 // Done of a started reduce: the start's token, then the synchronous reduce's arguments.
@@ -669,74 +602,50 @@ ffi::Error DoneExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi
                        ffi::RemainingRets rets) {
   (void)token;
   (void)send;
-  const int64_t B = static_cast<int64_t>(recv.element_count());
-  auto leaves = GetLeaves("group_reduce_done", args, rets, /*reduce=*/true, *st, B);
+  auto leaves = GetLeaves("group_reduce_done", args, rets, /*reduce=*/true, *st,
+                          static_cast<int64_t>(recv.element_count()));
   if (leaves.has_error()) return leaves.error();
   const Leaves& L = *leaves;
   const ffi::DataType dt = args.get<ffi::AnyBuffer>(0)->element_type();
   if (auto e = CheckReduceDtype(dt); !e.success()) return e;
-  auto pend = TakePending(stream, *st, L, "group_reduce_done");
-  if (pend.has_error()) return pend.error();
-  const Plan P = LanePlan(*st, pend->epoch, /*reverse=*/true, L.off[L.n], B);
-  return LaunchReduce(stream, *st, P, L, dt, rinv, inv, where, rets);
-}
-
-// Start of a started cast: send, where, then the arrays x_0.. (the cast's inputs).
-ffi::Error CastStartExecute(cudaStream_t stream, CollectiveState* st,
-                            ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> where,
-                            ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::S32>> token) {
-  (void)where;
-  (void)token;
-  if (auto e = CheckSendTable(*st, send); !e.success()) return e;
-  const size_t n = args.size();
-  if (n < 1 || n > static_cast<size_t>(kMaxLeaves)) {
-    return ffi::Error::InvalidArgument("magi_jax native group_cast_start: 1 to " +
-                                       std::to_string(kMaxLeaves) + " arrays");
+  if (lane.pending.empty() || lane.pending.front().call_id != st->call_id) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+        "magi_jax native group_reduce_done: no started reduce of this call site is the oldest "
+        "one in flight (the done calls must come in the order of their starts)");
   }
-  Pending pend{st->call_id, 0, 0, {}};
-  int64_t bytes[kMaxLeaves], off[kMaxLeaves + 1] = {0};
-  int64_t rows = -1;
-  for (size_t l = 0; l < n; ++l) {
-    auto x = args.get<ffi::AnyBuffer>(l);
-    if (x.has_error()) return x.error();
-    if (rows >= 0 && Rows(*x) != rows) {
-      return ffi::Error::InvalidArgument(
-          "magi_jax native group_cast_start: the arrays must have the same rows");
+  const Pending pend = lane.pending.front();
+  lane.pending.pop_front();
+  for (int l = 0; l < L.n; ++l) {
+    if (L.src[l] != pend.src[l]) {
+      return ffi::Error::Internal(
+          "magi_jax native group_reduce_done: array " + std::to_string(l) + " is not the "
+          "buffer its start is sending (XLA placed a copy between the two calls)");
     }
-    rows = Rows(*x);
-    bytes[l] = RowBytes(*x);
-    pend.src[l] = static_cast<const char*>(x->untyped_data());
-    off[l + 1] = off[l] + bytes[l];
   }
-  return QueueSends(stream, *st, pend, bytes, off, n, rows, /*reverse=*/false,
-                    "group_cast_start");
-}
-
-// Done of a started cast: the start's token, then the cast's arguments.
-ffi::Error CastDoneExecute(cudaStream_t stream, CollectiveState* st,
-                           ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> send,
-                           ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
-                           ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  (void)token;
-  (void)send;
-  const int64_t B = static_cast<int64_t>(recv.element_count());
-  auto leaves = GetLeaves("group_cast_done", args, rets, /*reduce=*/false, *st, B);
-  if (leaves.has_error()) return leaves.error();
-  const Leaves& L = *leaves;
-  auto pend = TakePending(stream, *st, L, "group_cast_done");
-  if (pend.has_error()) return pend.error();
-  const int64_t x_rows = Rows(*args.get<ffi::AnyBuffer>(0));
-  const int64_t prefix_rows = st->prefix ? x_rows : 0;
-  const Plan P = LanePlan(*st, pend->epoch, /*reverse=*/false, L.off[L.n], x_rows);
-  const int64_t rows = prefix_rows + B;
-  const int recv_blocks = RecvBlocks(*st, rows);
-  const int64_t warps = static_cast<int64_t>(recv_blocks) * kWarps;
-  const int rows_per_warp = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(kRowsPerWarp, rows / warps)));
-  CastKernel<<<recv_blocks, kThreads, 0, stream>>>(P, L, send.typed_data(), recv.typed_data(),
-                                                   where.typed_data(), prefix_rows, B,
-                                                   recv_blocks, rows_per_warp);
-  return LaunchError("group_cast_done");
+  cudaStreamWaitEvent(stream, lane.sent[pend.event], 0);  // our copies are done
+  Plan P{};
+  P.me = g.me;
+  P.cp = st->cp;
+  P.n = st->n;
+  P.mode = kPush;
+  P.S = st->slot_len;
+  P.R = std::max<int64_t>(1, st->slot_len);
+  P.row_bytes = L.off[L.n];
+  for (int j = 0; j < st->n; ++j) {
+    P.recv_from[j] = ((g.me + st->shifts[j]) % st->cp + st->cp) % st->cp;
+    P.send_to[j] = ((g.me - st->shifts[j]) % st->cp + st->cp) % st->cp;
+    P.widths[j] = st->widths[j];
+  }
+  for (int j = 0; j <= st->n; ++j) P.chunk_base[j] = st->chunk_base[j];
+  P.send_blocks = 0;
+  P.src_rows = static_cast<int64_t>(recv.element_count());
+  P.epoch = pend.epoch;
+  P.timeout_ns = st->timeout_ns;
+  P.stage = lane.stage;
+  P.done = lane.done;
+  P.slot_flags = lane.flags;
+  P.slot_acks = lane.acks;
+  return LaunchReduce(stream, *st, P, L, dt, rinv, inv, where, rets);
 }
 
 }  // namespace
@@ -849,33 +758,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceDoneCudaExecute, DoneExecute,
                                   .Ctx<ffi::State<CollectiveState>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .RemainingRets());
-
-// Started cast: send, where, then the arrays x_0.. (RemainingArgs); a token output.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastStartCudaInstantiate, InstantiateStart,
-                              MAGI_INSTANTIATE_BINDING.Attr<ffi::Span<const int64_t>>("runs")
-                                  .Attr<ffi::Span<const int64_t>>("run_offsets"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastStartCudaExecute, CastStartExecute,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::State<CollectiveState>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
-
-// Its done call: the token, then the arguments of the cast (same attributes).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastDoneCudaInstantiate, Instantiate,
-                              MAGI_INSTANTIATE_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastDoneCudaExecute, CastDoneExecute,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::State<CollectiveState>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -331,17 +331,6 @@ __device__ void CheckRank(const Plan& P, const int32_t* where) {
   }
 }
 
-// Leaf l's part of staged row e: inside the row (rows of every leaf side by side) or, for a
-// started reduce, in the leaf's own block of rows (planar).
-template <typename T>
-__device__ __forceinline__ const T* StagedRow(const Plan& P, const Leaves& L, const char* base,
-                                              int64_t e, int l) {
-  if (P.slot_flags != nullptr) {
-    return reinterpret_cast<const T*>(base + P.n * P.S * L.off[l] + e * L.bytes[l]);
-  }
-  return reinterpret_cast<const T*>(base + e * P.row_bytes + L.off[l]);
-}
-
 __global__ void __launch_bounds__(kThreads)
 CastKernel(Plan P, Leaves L, const int32_t* send, const int32_t* recv, const int32_t* where,
            int64_t prefix_rows, int64_t B, int recv_blocks,
@@ -383,26 +372,17 @@ CastKernel(Plan P, Leaves L, const int32_t* send, const int32_t* recv, const int
         __trap();
       }
       const int j = e / P.S;
-      // A started cast's rows come with one flag per slot; the others with one per chunk.
-      const int c = P.slot_flags != nullptr
-                        ? j : P.chunk_base[j] + static_cast<int>((e % P.S) / P.R);
+      const int c = P.chunk_base[j] + static_cast<int>((e % P.S) / P.R);
       if (c != seen) {
-        if (lane == 0) {
-          if (P.slot_flags != nullptr) {
-            WaitAtLeast32(P.slot_flags + j, static_cast<uint32_t>(P.epoch), P.timeout_ns,
-                          "rows of slot", P.recv_from[j], j);
-          } else {
-            WaitAtLeast(P.flags + c, P.epoch, P.timeout_ns, "rows of chunk", P.recv_from[j],
-                        c);
-          }
-        }
+        if (lane == 0) WaitAtLeast(P.flags + c, P.epoch, P.timeout_ns, "rows of chunk",
+                                   P.recv_from[j], c);
         __syncwarp();
         AcquireSys();
         seen = c;
       }
+      const char* row = staged[j] + static_cast<int64_t>(e) * P.row_bytes;
       for (int l = 0; l < L.n; ++l) {
-        WarpCopy(L.dst[l] + b * L.bytes[l], StagedRow<char>(P, L, staged[j], e, l),
-                 L.bytes[l], lane);
+        WarpCopy(L.dst[l] + b * L.bytes[l], row + L.off[l], L.bytes[l], lane);
       }
     }
   }
@@ -477,6 +457,17 @@ __global__ void __launch_bounds__(kCopyThreads) CopyKernel(CopyList C) {
     }
   }
   __threadfence_system();  // the flags raised after this kernel find the rows in place
+}
+
+// Leaf l's part of staged row e: inside the row (rows of every leaf side by side) or, for a
+// started reduce, in the leaf's own block of rows (planar).
+template <typename T>
+__device__ __forceinline__ const T* StagedRow(const Plan& P, const Leaves& L, const char* base,
+                                              int64_t e, int l) {
+  if (P.slot_flags != nullptr) {
+    return reinterpret_cast<const T*>(base + P.n * P.S * L.off[l] + e * L.bytes[l]);
+  }
+  return reinterpret_cast<const T*>(base + e * P.row_bytes + L.off[l]);
 }
 
 // out_l[t] = (acc_l[t] or 0) + (local_l[t] or 0) + sum_j (leaf l's part of

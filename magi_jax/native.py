@@ -53,13 +53,12 @@ import numpy as np
 __all__ = ["available", "unavailable_reason", "group_cast", "group_reduce", "MAX_ARRAYS",
            "check_table", "initialize", "finalize", "staging_bytes", "auto_reason",
            "DEFAULT_TIMEOUT_S", "CudaTuning", "tuning", "cuda_tuning", "group_reduce_start",
-           "group_cast_start", "can_start_reduce", "can_start_cast", "copy_runs", "MAX_RUNS"]
+           "can_start_reduce", "reduce_runs", "MAX_RUNS"]
 
 DEFAULT_TIMEOUT_S = 60.0
 _LIBS = {"cpu": "_magi_native_cpu.so", "cuda": "_magi_native_cuda.so"}
 _CAST, _REDUCE = "magi_group_cast", "magi_group_reduce"
 _START, _DONE = "magi_group_reduce_start", "magi_group_reduce_done"
-_CSTART, _CDONE = "magi_group_cast_start", "magi_group_cast_done"
 # Copy-engine runs per rank above which a reduce is not started (each run is one copy per
 # array, queued by the host).
 MAX_RUNS = 64
@@ -89,17 +88,13 @@ class CudaTuning:
     joined each call right after starting it (``collective_notes.md``, Run 7).
     ``started_reduce``: the attention's backward starts the group-reduce of its last remote
     stage between its dK/dV and dQ kernels and ends it after dQ
-    (:func:`group_reduce_start`): a copy kernel of 16 blocks on a high-priority stream moves
-    the rows beside the dQ kernel. ``started_cast``: with one remote stage, the backward's
-    re-fetch of its KV is a started cast (:func:`group_cast_start`), which XLA may place
-    beside other work. Both need :attr:`CastSpec.runs
-    <magi_jax.sharding.collectives.CastSpec>` and every PE load/store reachable; otherwise
-    the collective runs where it is called.
+    (:func:`group_reduce_start`); the copy engines move the rows beside the dQ kernel, with no
+    SM. Needs :attr:`CastSpec.runs <magi_jax.sharding.collectives.CastSpec>` and every PE
+    load/store reachable; otherwise the reduce runs where it is called.
 
     Defaults come from ``MAGI_NATIVE_CAST_MODE``, ``MAGI_NATIVE_SEND_BLOCKS``,
     ``MAGI_NATIVE_RECV_BLOCKS``, ``MAGI_NATIVE_CHUNK_KIB``, ``MAGI_NATIVE_DOUBLE_BUFFER``,
-    ``MAGI_NATIVE_STREAM``, ``MAGI_NATIVE_STARTED_REDUCE``, ``MAGI_NATIVE_STARTED_CAST``
-    (read at import); :func:`tuning`
+    ``MAGI_NATIVE_STREAM``, ``MAGI_NATIVE_STARTED_REDUCE`` (read at import); :func:`tuning`
     changes them for the collectives traced inside it.
     """
 
@@ -112,7 +107,6 @@ class CudaTuning:
     double_buffer: bool = False
     stream: int | str = 0
     started_reduce: bool = True
-    started_cast: bool = True
 
     def __post_init__(self):
         if self.mode not in _MODES:
@@ -139,9 +133,7 @@ def _tuning_from_env() -> CudaTuning:
                       not in ("0", "false"),
                       stream=_stream(env("MAGI_NATIVE_STREAM", str(d.stream))),
                       started_reduce=env("MAGI_NATIVE_STARTED_REDUCE",
-                                         str(int(d.started_reduce))) not in ("0", "false"),
-                      started_cast=env("MAGI_NATIVE_STARTED_CAST",
-                                       str(int(d.started_cast))) not in ("0", "false"))
+                                         str(int(d.started_reduce))) not in ("0", "false"))
 
 
 _tuning = [_tuning_from_env()]
@@ -225,9 +217,7 @@ def _load(platform: str):
     if platform == "cpu":
         for target, sym in ((_CAST, "MagiGroupCastCpu"), (_REDUCE, "MagiGroupReduceCpu"),
                             (_START, "MagiGroupReduceStartCpu"),
-                            (_DONE, "MagiGroupReduceDoneCpu"),
-                            (_CSTART, "MagiGroupCastStartCpu"),
-                            (_CDONE, "MagiGroupCastDoneCpu")):
+                            (_DONE, "MagiGroupReduceDoneCpu")):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, sym)),
                                         platform=plat)
     else:
@@ -239,9 +229,7 @@ def _load(platform: str):
              "type_info": _capsule(lib.MagiNvStateTypeInfo())}, platform=plat)
         for target, stem in ((_CAST, "MagiGroupCastCuda"), (_REDUCE, "MagiGroupReduceCuda"),
                              (_START, "MagiGroupReduceStartCuda"),
-                             (_DONE, "MagiGroupReduceDoneCuda"),
-                             (_CSTART, "MagiGroupCastStartCuda"),
-                             (_CDONE, "MagiGroupCastDoneCuda")):
+                             (_DONE, "MagiGroupReduceDoneCuda")):
             jax.ffi.register_ffi_target(
                 target, {"instantiate": jax.ffi.pycapsule(getattr(lib, stem + "Instantiate")),
                          "execute": jax.ffi.pycapsule(getattr(lib, stem + "Execute"))},
@@ -391,9 +379,8 @@ def initialize(symmetric_bytes: int = _DEFAULT_SYMMETRIC_BYTES,
             raise RuntimeError("nvshmemx_get_uniqueid failed")
         uid = buf.raw
     symmetric_bytes = int(symmetric_bytes)
-    t = cuda_tuning()
     started_bytes = int(symmetric_bytes if started_bytes is None and
-                        (t.started_reduce or t.started_cast) else started_bytes or 0)
+                        cuda_tuning().started_reduce else started_bytes or 0)
     flags_bytes = 16 * _FLAG_CAPACITY + (1 << 20)
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE",
                           str(symmetric_bytes + started_bytes + flags_bytes + (64 << 20)))
@@ -515,9 +502,13 @@ def _row_bytes(xs) -> int:
     return sum(math.prod(a.shape[1:]) * np.dtype(a.dtype).itemsize for a in xs)
 
 
-def _cast_call(x, tables, spec, prefix, timeout_s):
-    """What a native cast passes to its handler: ``(plat, xs, single, args, outs, attrs,
-    rows)``; ``args`` are the handler's arguments (tables, ``where``, flattened arrays)."""
+def group_cast(x, tables, spec, *, prefix: bool = False, timeout_s: float | None = None):
+    """Native :func:`~magi_jax.sharding.collectives.group_cast` (no VJP of its own: the
+    transport-generic ``group_cast`` wraps it). ``x [T, ...]`` -> ``[B, ...]``; ``x`` may be
+    a list of up to :data:`MAX_ARRAYS` arrays with the same rows (e.g. ``[k, v]``): one
+    collective moves their rows side by side, without concatenating them, and returns a list.
+    ``prefix=True`` returns ``concatenate([x, cast(x)])`` (``[T + B, ...]``) without a
+    concatenation: the kernel copies x's rows while the peers' rows are on their way."""
     send, recv = tables
     plat = _platform()
     _load(plat)
@@ -529,19 +520,10 @@ def _cast_call(x, tables, spec, prefix, timeout_s):
     rows = recv.shape[0] + (xs[0].shape[0] if prefix else 0)
     flat = [a.reshape(a.shape[0], -1) for a in xs]
     outs = [jax.ShapeDtypeStruct((rows, f.shape[1]), f.dtype) for f in flat]
-    return plat, xs, single, [send, recv, _where(spec.axis_name), *flat], outs, attrs, rows
-
-
-def group_cast(x, tables, spec, *, prefix: bool = False, timeout_s: float | None = None):
-    """Native :func:`~magi_jax.sharding.collectives.group_cast` (no VJP of its own: the
-    transport-generic ``group_cast`` wraps it). ``x [T, ...]`` -> ``[B, ...]``; ``x`` may be
-    a list of up to :data:`MAX_ARRAYS` arrays with the same rows (e.g. ``[k, v]``): one
-    collective moves their rows side by side, without concatenating them, and returns a list.
-    ``prefix=True`` returns ``concatenate([x, cast(x)])`` (``[T + B, ...]``) without a
-    concatenation: the kernel copies x's rows while the peers' rows are on their way."""
-    plat, xs, single, args, outs, attrs, rows = _cast_call(x, tables, spec, prefix, timeout_s)
-    got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(_CAST, outs)(*a, **attrs))(*args)
-    return _unflat(got, xs, rows, single)
+    got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(_CAST, outs)(*a, **attrs))(
+        send, recv, _where(spec.axis_name), *flat)
+    got = [g.reshape((rows,) + a.shape[1:]) for g, a in zip(got, xs)]
+    return got[0] if single else got
 
 
 def _reduce_call(y, tables, spec, num_rows, acc, prefix, out_dtype, timeout_s):
@@ -621,124 +603,74 @@ def group_reduce(y, tables, spec, num_rows: int, *, acc=None, prefix: bool = Fal
     return _unflat(got, ys, num_rows, single)
 
 
-def copy_runs(table):
-    """What started collectives copy, from a stacked ``CastTable``: ``(cast, reduce)``, each
-    ``(flat, offsets)`` (every rank's runs as triples, and the offsets of each rank's in them,
-    ``cp + 1``) or ``None`` when some rank has more than :data:`MAX_RUNS` runs.
-
-    - ``cast``: runs ``(x0, e0, length)`` of the send table, ``send_index[e0 + i] = x0 + i``
-      (flattened ``[n · S]``): local rows ``x0 ..`` go to the slot positions ``e0 ..``.
-    - ``reduce``: runs ``(b0, e0, length)`` of the receive table,
-      ``recv_index[b0 + i] = e0 + i``: buffer rows ``b0 ..`` go back to positions ``e0 ..``.
-
-    A run stays within one slot; each is one copy per array."""
+def reduce_runs(table) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """What a started reduce copies, from a stacked ``CastTable``: per rank, the maximal runs
+    ``(b0, e0, length)`` of its receive table (``recv_index[b0 + i] = e0 + i`` within one
+    slot), flattened, and the offsets of each rank's runs in them (``cp + 1``). Buffer rows
+    ``b0 ..`` go back to the owner's slot positions ``e0 ..`` in one copy per array. ``None``
+    when some rank has more than :data:`MAX_RUNS` runs."""
+    recv = np.asarray(table.recv_index, np.int64)
     s = table.slot_len
-    out = []
-    for tables, entry_is_index in ((np.asarray(table.send_index, np.int64).reshape(
-            table.cp, -1), True), (np.asarray(table.recv_index, np.int64), False)):
-        flat, offsets = [], [0]
-        for row in tables:
-            at = np.nonzero(row >= 0)[0]               # table positions holding a row
-            val = row[at]
-            e = at if entry_is_index else val          # the slot entries
-            start = np.ones(len(at), bool)
-            start[1:] = (np.diff(at) != 1) | (np.diff(val) != 1) | (e[1:] // s != e[:-1] // s)
-            first = np.nonzero(start)[0]
-            if len(first) > MAX_RUNS:
-                flat = None
-                break
-            lens = np.diff(np.append(first, len(at)))
-            rows = val[first] if entry_is_index else at[first]
-            flat.extend(np.stack([rows, e[first], lens], 1).reshape(-1).tolist())
-            offsets.append(len(flat))
-        out.append(None if flat is None else (tuple(flat), tuple(offsets)))
-    return tuple(out)
+    flat, offsets = [], [0]
+    for e in recv:
+        b = np.nonzero(e >= 0)[0]
+        eb = e[b]
+        start = np.ones(len(b), bool)
+        start[1:] = (np.diff(b) != 1) | (np.diff(eb) != 1) | (eb[1:] // s != eb[:-1] // s)
+        first = np.nonzero(start)[0]
+        if len(first) > MAX_RUNS:
+            return None
+        lens = np.diff(np.append(first, len(b)))
+        flat.extend(np.stack([b[first], eb[first], lens], 1).reshape(-1).tolist())
+        offsets.append(len(flat))
+    return tuple(flat), tuple(offsets)
 
 
-def _can_start(spec, which: int, enabled: bool) -> bool:
-    runs = spec.runs[which] if spec.runs is not None else None
-    if runs is None or not spec.shifts or not enabled:
+def can_start_reduce(spec) -> bool:
+    """Whether :func:`group_reduce_start` can run for ``spec`` here: its runs are known
+    (:func:`reduce_runs`), :attr:`CudaTuning.started_reduce` is on and, on GPU, NVSHMEM is
+    initialized (a forward's cast does it) with staging for started reduces and every PE
+    load/store reachable (the copy engines write the peers' staging)."""
+    if spec.runs is None or not spec.shifts or not cuda_tuning().started_reduce:
         return False
     if _platform() != "cuda":
         return True
     return _nv["initialized"] and _nv["all_mapped"] and _nv["started_bytes"] > 0
 
 
-def can_start_reduce(spec) -> bool:
-    """Whether :func:`group_reduce_start` can run for ``spec`` here: its runs are known
-    (:func:`copy_runs`), :attr:`CudaTuning.started_reduce` is on and, on GPU, NVSHMEM is
-    initialized (a forward's cast does it) with staging for started collectives and every
-    PE load/store reachable (the copies write the peers' staging)."""
-    return _can_start(spec, 1, cuda_tuning().started_reduce)
-
-
-def can_start_cast(spec) -> bool:
-    """Whether :func:`group_cast_start` can run for ``spec`` here (as
-    :func:`can_start_reduce`, with :attr:`CudaTuning.started_cast`)."""
-    return _can_start(spec, 0, cuda_tuning().started_cast)
-
-
-def _start_attrs(plat, attrs, tables, runs, drop=()):
-    flat, offsets = runs
-    out = dict(cp=attrs["cp"], slot_len=np.int64(tables[0].shape[1]),
-               runs=np.asarray(flat, np.int64), run_offsets=np.asarray(offsets, np.int64))
-    if plat == "cuda":
-        out.update({k: v for k, v in attrs.items() if k not in drop})
-    return out
-
-
-def _check_lane(plat, tables, xs, what):
-    need = staging_bytes(*tables[0].shape, (_row_bytes(xs),), np.uint8)
-    if plat == "cuda" and (not _nv["all_mapped"] or _nv["started_bytes"] < need):
-        raise ValueError(
-            f"{what} needs every PE load/store reachable and staging for started collectives "
-            f"of {need} bytes; {_nv['started_bytes']} were reserved "
-            "(magi_jax.native.initialize(started_bytes=...))")
-
-
-def group_cast_start(x, tables, spec, *, prefix: bool = False,
-                     timeout_s: float | None = None):
-    """:func:`group_cast` in two calls: returns ``(token, done)``; ``done(token)`` returns
-    what ``group_cast`` would. As :func:`group_reduce_start` (same rules: ``x`` reaches
-    ``done`` as the same buffer, done calls in the order of their starts); the runs are
-    ``spec.runs[0]``. Needs :func:`can_start_cast`."""
-    if not can_start_cast(spec):
-        raise ValueError("group_cast_start: this cast cannot be started here (see "
-                         "magi_jax.native.can_start_cast); call group_cast")
-    plat, xs, single, args, outs, attrs, rows = _cast_call(x, tables, spec, prefix, timeout_s)
-    _check_lane(plat, tables, xs, "group_cast_start")
-    send, _, where, *flat = args
-    token = jax.ffi.ffi_call(_CSTART, jax.ShapeDtypeStruct((1,), jnp.int32))(
-        send, where, *flat, **_start_attrs(plat, attrs, tables, spec.runs[0]))
-
-    def done(token):
-        got = jax.ffi.ffi_call(_CDONE, outs)(token, *args, **attrs)
-        return _unflat(got, xs, rows, single)
-
-    return token, done
-
-
 def group_reduce_start(y, tables, spec, num_rows: int, *, prefix: bool = False,
                        out_dtype=None, timeout_s: float | None = None):
     """:func:`group_reduce` in two calls, so that other kernels run while its rows move:
     returns ``(token, done)``; ``done(token)`` returns what ``group_reduce`` would. On GPU the
-    start queues, on a high-priority side stream, a copy kernel of a few blocks that writes
-    the runs of ``spec.runs[1]`` into the owners' staging; ``done`` waits for them and sums.
-    Order the work to overlap between the two with the token (e.g.
-    ``jax.lax.optimization_barrier``), and pass it through nothing else: ``y`` must reach
-    ``done`` as the same buffer (checked). The done calls of started collectives must come in
-    the order of their starts. Needs :func:`can_start_reduce`. On CPU the start checks the
-    runs against the tables and the done call does the whole reduce."""
+    start queues copy-engine copies of the runs of ``spec.runs`` into the owners' staging on
+    a side stream (no SM); ``done`` waits for them and sums. Order the work to overlap
+    between the two with the token (e.g. ``jax.lax.optimization_barrier``), and pass it
+    through nothing else: ``y`` must reach ``done`` as the same buffer (checked). The done
+    calls of several started reduces must come in the order of their starts. Needs
+    :func:`can_start_reduce`. On CPU the start checks the runs against the tables and the
+    done call does the whole reduce."""
     if not can_start_reduce(spec):
         raise ValueError("group_reduce_start: this reduce cannot be started here (see "
                          "magi_jax.native.can_start_reduce); call group_reduce")
     plat, ys, single, args, outs, attrs, flat = _reduce_call(y, tables, spec, num_rows, None,
                                                              prefix, out_dtype, timeout_s)
-    _check_lane(plat, tables, ys, "group_reduce_start")
+    if plat == "cuda" and (not _nv["all_mapped"] or _nv["started_bytes"] <
+                           staging_bytes(*tables[0].shape, (_row_bytes(ys),), np.uint8)):
+        raise ValueError(
+            "group_reduce_start needs every PE load/store reachable and staging for started "
+            f"reduces of {staging_bytes(*tables[0].shape, (_row_bytes(ys),), np.uint8)} "
+            f"bytes; {_nv['started_bytes']} were reserved (magi_jax.native.initialize("
+            "started_bytes=...))")
+    runs, offsets = spec.runs
+    start_attrs = dict(cp=attrs["cp"], slot_len=np.int64(tables[0].shape[1]),
+                       runs=np.asarray(runs, np.int64), run_offsets=np.asarray(offsets,
+                                                                               np.int64))
+    if plat == "cuda":
+        start_attrs.update({k: v for k, v in attrs.items()
+                            if k not in ("accumulate", "out_input_dtype")})
     _, recv, where = args[:3]
     token = jax.ffi.ffi_call(_START, jax.ShapeDtypeStruct((1,), jnp.int32))(
-        recv, where, *flat, **_start_attrs(plat, attrs, tables, spec.runs[1],
-                                           drop=("accumulate", "out_input_dtype")))
+        recv, where, *flat, **start_attrs)
 
     def done(token):
         got = jax.ffi.ffi_call(_DONE, outs)(token, *args, **attrs)

@@ -24,8 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from magi_jax import native
-from magi_jax.sharding.collectives import (_cast, _reduce, _start_cast, _start_reduce,
-                                           group_cast)
+from magi_jax.sharding.collectives import _cast, _reduce, _start_reduce, group_cast
 from magi_jax.sharding.ffa_backends import get_backend
 from magi_jax.sharding.key import MagiKey, _check_key
 
@@ -87,11 +86,9 @@ class _StagesCfg(NamedTuple):
     kw: tuple                  # (("softmax_scale", s), ("softcap", c), ("block_q", ..), ..)
     stages: tuple
     refetch: bool
-    # Start the last remote stage's reduce, and the one remote stage's re-fetch, where the
-    # transport can (CudaTuning.started_reduce / started_cast when the call was traced; part
-    # of the static configuration, so of trace caches' keys).
+    # Start the last remote stage's reduce where the transport can (CudaTuning.started_reduce
+    # when the call was traced; part of the static configuration, so of trace caches' keys).
     start_reduce: bool = False
-    start_cast: bool = False
 
 
 def stages_forward(q, kv, stage_arrays, cfg: _StagesCfg, fetch):
@@ -121,11 +118,8 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
     A ``send_back`` with a ``start(i, final)`` method (:func:`group_send_back`) may start the
     last remote stage's reduce instead: ``start`` returns ``rows -> (token, done)`` (or
     ``None``), the stage's backward computes dK/dV first, starts it, runs dQ, and
-    ``done(token)`` comes after the host stage's backward. Likewise a ``fetch`` with a
-    ``start(i)`` method (:func:`group_fetch`) starts the KV of the one remote stage (when
-    there is one) first thing, and its ``done`` comes right before that stage's backward.
-    Returns ``dq`` (float32) and the local ``(dk, dv)`` (float32, or kv's dtype when one
-    stage made them)."""
+    ``done(token)`` comes after the host stage's backward. Returns ``dq`` (float32) and the
+    local ``(dk, dv)`` (float32, or kv's dtype when one stage made them)."""
     be, kw = get_backend(cfg.backend), dict(cfg.kw)
     acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     up = lambda tree: jax.tree.map(lambda a: a.astype(acc), tree)
@@ -135,17 +129,10 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
     remote = [i for i in order if cfg.stages[i].cast is not None]
     starter = (send_back.start(remote[-1], final)
                if remote and cfg.start_reduce and hasattr(send_back, "start") else None)
-    fetched = {}                       # a started fetch: stage -> (token, done)
-    if cfg.start_cast and len(remote) == 1 and hasattr(fetch, "start"):
-        fetched = {remote[0]: fetch.start(remote[0])}
     finish = None                      # ends the started reduce
     for i in order:
         stage, (ffa_arrays, _) = cfg.stages[i], stage_arrays[i]
-        if fetched.get(i) is not None:
-            token, done = fetched[i]
-            kk, vv = done(token)
-        else:
-            kk, vv = kv if stage.cast is None else fetch(i)
+        kk, vv = kv if stage.cast is None else fetch(i)
         args = ((out, lse), q, kk, vv, ffa_arrays, cts)
         if starter is not None and i == remote[-1]:
             pending = {}
@@ -166,20 +153,9 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
     return dq, dkv
 
 
-class group_fetch:
-    """``fetch(i)`` of :func:`rank_stages`: remote stage ``i``'s KV by group-cast.
-    ``start(i)``: where the native transport can start that cast
-    (:func:`magi_jax.native.can_start_cast`), its ``(token, done)``; else ``None``."""
-
-    def __init__(self, kv, stage_arrays, cfg):
-        self.kv, self.stage_arrays, self.cfg = kv, stage_arrays, cfg
-
-    def __call__(self, i):
-        return _fetch(self.kv, self.stage_arrays[i][1], self.cfg.stages[i])
-
-    def start(self, i):
-        stage = self.cfg.stages[i]
-        return _start_cast(self.kv, self.stage_arrays[i][1], stage.cast, prefix=stage.combined)
+def group_fetch(kv, stage_arrays, cfg):
+    """``fetch(i)`` of :func:`rank_stages`: remote stage ``i``'s KV by group-cast."""
+    return lambda i: _fetch(kv, stage_arrays[i][1], cfg.stages[i])
 
 
 class group_send_back:
@@ -241,9 +217,8 @@ rank_stages.defvjp(_rank_stages_fwd, _rank_stages_bwd)
 def stages_cfg(key: MagiKey, scale: float, softcap: float) -> _StagesCfg:
     kw = (("softmax_scale", scale), ("softcap", softcap), ("block_q", key.block_q),
           ("block_k", key.block_k))
-    t = native.cuda_tuning()
     return _StagesCfg(key.ffa_backend, kw, tuple(key.stages), key.backward_refetch,
-                      t.started_reduce, t.started_cast)
+                      native.cuda_tuning().started_reduce)
 
 
 def _local(q, k, v, stage_arrays, key: MagiKey, scale: float, softcap: float):

@@ -90,9 +90,9 @@ class CastArrays(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class CastSpec:
     """Static part of a cast: mesh axis, its size, slot shifts/widths and the transport.
-    ``runs``: for the native transport, the contiguous runs of every rank's send and receive
-    tables (:func:`magi_jax.native.copy_runs`), with which its cast and reduce can be
-    started; ``None`` if unknown."""
+    ``runs``: for the native transport, the contiguous runs of every rank's receive table
+    (:func:`magi_jax.native.reduce_runs`), with which its reduce can be started and moved by
+    the copy engines; ``None`` if unknown or too many."""
 
     axis_name: str
     cp: int
@@ -360,18 +360,6 @@ def _start_reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, prefix: 
     token, done = native.group_reduce_start(
         leaves, tables, spec, num_rows, prefix=prefix,
         out_dtype=leaves[0].dtype if round_to_input else None)
-    return token, lambda t: tree.unflatten(done(t))
-
-
-def _start_cast(x, tables: CastArrays, spec: CastSpec, prefix: bool = False):
-    """:func:`_cast` started (:func:`magi_jax.native.group_cast_start`): ``(token, done)``,
-    or ``None`` where the cast cannot be started (then call :func:`_cast`)."""
-    leaves, tree = jax.tree.flatten(x)
-    if (spec.transport != "native" or not native.can_start_cast(spec)
-            or len({jnp.dtype(a.dtype) for a in leaves}) != 1
-            or len(leaves) > native.MAX_ARRAYS):
-        return None
-    token, done = native.group_cast_start(leaves, tables, spec, prefix=prefix)
     return token, lambda t: tree.unflatten(done(t))
 
 

@@ -249,7 +249,7 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
         runs = None
         if transport == "native":
             native.check_table(st.cast)
-            runs = native.copy_runs(st.cast)
+            runs = native.reduce_runs(st.cast)
         spec = CastSpec(cp_axis, cp, st.cast.shifts, st.cast.widths, transport, runs)
         combined = st.kv_len != st.cast.buffer_len
         statics.append(StageStatic(st.kv_len, combined, spec))

@@ -253,84 +253,69 @@ def test_magi_attention_native_matches_reference():
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_started_collectives_match_synchronous_ones(cp):
-    # copy_runs rebuilds every rank's send and receive tables; a started cast and a started
-    # reduce (start, then done) give the synchronous results bit for bit, two arrays, own
-    # rows and rounding included; the CPU starts reject runs that do not match the tables.
+def test_started_reduce_matches_reduce(cp):
+    # reduce_runs rebuilds every rank's receive table; a started reduce (start, then done)
+    # gives the synchronous reduce's result bit for bit, two arrays, own rows and rounding
+    # included; the CPU start rejects runs that do not match the tables.
     rng = np.random.default_rng(10 + cp)
     table, t_loc = _random_table(rng, cp, 3, 2, 1)
-    cast_runs, reduce_runs = native.copy_runs(table)
-    n, s = table.send_index.shape[1:]
-    for (flat, offsets), want, size, at_first in (
-            (cast_runs, table.send_index.reshape(cp, -1), n * s, False),
-            (reduce_runs, table.recv_index, table.buffer_len, True)):
-        assert len(offsets) == cp + 1 and offsets[-1] == len(flat)
-        for r in range(cp):
-            rebuilt = np.full(size, -1)
-            for a, e0, k in np.reshape(flat[offsets[r]:offsets[r + 1]], (-1, 3)):
-                assert k >= 1 and e0 // s == (e0 + k - 1) // s
-                at, value = (a, e0) if at_first else (e0, a)
-                rebuilt[at:at + k] = value + np.arange(k)
-            np.testing.assert_array_equal(rebuilt, want[r])
-    spec = CastSpec("cp", cp, table.shifts, table.widths, "native", (cast_runs, reduce_runs))
-    assert native.can_start_reduce(spec) and native.can_start_cast(spec)
-    with native.tuning(started_reduce=False, started_cast=False):
-        assert not native.can_start_reduce(spec) and not native.can_start_cast(spec)
+    flat, offsets = native.reduce_runs(table)
+    assert len(offsets) == cp + 1 and offsets[-1] == len(flat)
+    for r in range(cp):
+        rebuilt = np.full(table.buffer_len, -1)
+        for b0, e0, n in np.reshape(flat[offsets[r]:offsets[r + 1]], (-1, 3)):
+            assert n >= 1 and e0 // table.slot_len == (e0 + n - 1) // table.slot_len
+            rebuilt[b0:b0 + n] = e0 + np.arange(n)
+        np.testing.assert_array_equal(rebuilt, table.recv_index[r])
+    spec = CastSpec("cp", cp, table.shifts, table.widths, "native", (flat, offsets))
+    assert native.can_start_reduce(spec)
+    with native.tuning(started_reduce=False):
+        assert not native.can_start_reduce(spec)
     assert not native.can_start_reduce(dataclasses.replace(spec, runs=None))
-    x = rng.standard_normal((cp, t_loc, 2, 4)).astype(jnp.bfloat16)
     y = rng.standard_normal((cp, t_loc + table.buffer_len, 2, 4)).astype(jnp.bfloat16)
     mesh = _mesh(cp)
 
     def run(sp):
-        def body(x_, y_, send, recv):
+        def body(y_, send, recv):
             t = CastArrays(send[0], recv[0])
             ys = [y_[0], (2 * y_[0]).reshape(y_.shape[1], -1)]
             want = native.group_reduce(ys, t, sp, t_loc, prefix=True, out_dtype=y_.dtype)
             token, done = native.group_reduce_start(ys, t, sp, t_loc, prefix=True,
                                                     out_dtype=y_.dtype)
             got = done(token)
-            xs = [x_[0], 3 * x_[0]]
-            cast = native.group_cast(xs, t, sp, prefix=True)
-            token, done = native.group_cast_start(xs, t, sp, prefix=True)
-            return tuple(o[None] for o in (*want, *got, *cast, *done(token)))
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 4,
-                                  out_specs=(P("cp"),) * 8, check_vma=False))
+            return want[0][None], want[1][None], got[0][None], got[1][None]
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 3,
+                                  out_specs=(P("cp"),) * 4, check_vma=False))
         put = lambda a: jax.device_put(a, jax.NamedSharding(mesh, P("cp")))
-        return [np.asarray(o) for o in f(put(x), put(y), put(table.send_index),
+        return [np.asarray(o) for o in f(put(y), put(table.send_index),
                                          put(table.recv_index))]
-    outs = run(spec)
-    assert outs[2].dtype == y.dtype
-    for a, b in ((0, 2), (1, 3), (4, 6), (5, 7)):
-        np.testing.assert_array_equal(outs[b], outs[a])
-    np.testing.assert_array_equal(outs[4][:, t_loc:], cast_model(x, table))
-    shift = lambda runs: (tuple(v + (i % 3 == 1) for i, v in enumerate(runs[0])), runs[1])
+    want0, want1, got0, got1 = run(spec)
+    assert got0.dtype == y.dtype
+    np.testing.assert_array_equal(got0, want0)
+    np.testing.assert_array_equal(got1, want1)
+    shifted = tuple(v + (i % 3 == 1) for i, v in enumerate(flat))     # every e0 off by one
     with pytest.raises(Exception, match="does not match the receive table"):
-        run(dataclasses.replace(spec, runs=(cast_runs, shift(reduce_runs))))
-    with pytest.raises(Exception, match="does not match the send table"):
-        run(dataclasses.replace(spec, runs=(shift(cast_runs), reduce_runs)))
+        run(dataclasses.replace(spec, runs=(shifted, offsets)))
 
 
-def test_copy_runs_of_scattered_tables_are_refused():
-    # More than MAX_RUNS runs on a rank: no started collective (each run is one copy).
+def test_reduce_runs_of_scattered_tables_are_refused():
+    # More than MAX_RUNS runs on a rank: no started reduce (each run is a host-queued copy).
     b = 2 * native.MAX_RUNS + 2
     recv = np.full((2, b), -1, np.int32)
     recv[0, ::2] = np.arange(0, b, 2)                    # every other row: b / 2 runs
     send = np.full((2, 1, b), -1, np.int32)
     table = CastTable(send, recv, (1,), (b,))
-    assert native.copy_runs(table) == (((), (0, 0, 0)), None)
+    assert native.reduce_runs(table) is None
     recv[0, ::2] = np.arange(b // 2)                     # consecutive entries, rows apart
-    assert native.copy_runs(table)[1] is None
+    assert native.reduce_runs(table) is None
     recv[0] = -1
     recv[0, 3:b] = np.arange(b - 3)                      # one run
-    assert native.copy_runs(table)[1] == ((3, 0, b - 3), (0, 3, 3))
-    send[1, 0, :b - 3] = np.arange(b - 3)[::-1]          # rows descending: one run each
-    assert native.copy_runs(table)[0] is None
+    assert native.reduce_runs(table) == ((3, 0, b - 3), (0, 3, 3))
 
 
-def test_magi_attention_starts_its_refetch_and_last_reduce():
-    # Native transport: the backward starts the re-fetch of its one remote stage first thing,
-    # and the stage's group-reduce between the dK/dV and dQ work, ending it after; the
-    # results equal the synchronous collectives'.
+def test_magi_attention_starts_its_last_reduce():
+    # Native transport: the backward starts the last remote stage's group-reduce between the
+    # dK/dV and dQ work and ends it after; the result equals the synchronous reduce's.
     from tests.sharding.test_attention import _end_to_end
     from magi_jax.testing import random_inputs
     mask = ZOO["doc_causal"]
@@ -339,13 +324,12 @@ def test_magi_attention_starts_its_refetch_and_last_reduce():
     args = random_inputs(jax.random.key(3), mask, 2, 1, 8, jnp.float32)
     started = _end_to_end(key)
     hlo = started.lower(*args).as_text()
-    for target in ("reduce_start", "reduce_done", "cast_start", "cast_done"):
-        assert f"magi_group_{target}" in hlo, target
+    assert "magi_group_reduce_start" in hlo and "magi_group_reduce_done" in hlo
     got = started(*args)
     jax.clear_caches()              # jit would reuse the trace above: tuning is not in its key
-    with native.tuning(started_reduce=False, started_cast=False):
+    with native.tuning(started_reduce=False):
         sync = _end_to_end(key)
-        assert "_start" not in sync.lower(*args).as_text()
+        assert "magi_group_reduce_start" not in sync.lower(*args).as_text()
         want = sync(*args)
     for name in want:
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), name)
