@@ -568,7 +568,7 @@ ffi::Future ReduceImpl(ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
 
 // A started reduce (magi_jax/native.py, group_reduce_start): on the host devices nothing
 // moves until its done call, which is the reduce above with the start's token in front. The
-// start checks the copy-engine runs the CUDA handlers would copy against this rank's
+// start checks the runs the CUDA handlers would copy against this rank's
 // receive table: run (b0, e0, len) stands for recv[b0 + i] = e0 + i, i < len, within one
 // slot, and the runs cover every real entry once, in order.
 ffi::Error StartImpl(ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,

@@ -44,10 +44,10 @@ struct Plan {
   uint64_t* flags;    // this call's bank of flags (one bank per staging region)
   uint64_t* acks;
   unsigned int* done;
-  // A started reduce's done kernel (its rows came by the copy engine): one 32-bit flag per
+  // A started reduce's done kernel (its rows came by CopyKernel): one 32-bit flag per
   // slot instead of the chunk flags, and 32-bit acknowledgements; nullptr otherwise. Its
   // staging is planar: leaf l's rows, n*S of them, from byte n*S*off[l] of the region (the
-  // copy engine copies contiguous runs of one leaf).
+  // sender copies contiguous runs of one leaf).
   const uint32_t* slot_flags;
   uint32_t* slot_acks;
 };
@@ -305,7 +305,7 @@ __device__ void Acknowledge(const Plan& P, int recv_blocks) {
       *P.done = 0;
       __threadfence_system();
       for (int q = 0; q < P.cp; ++q) {
-        if (P.slot_acks != nullptr) {  // every PE is mapped (the copy engine needed it)
+        if (P.slot_acks != nullptr) {  // every PE is mapped (the started sends needed it)
           volatile uint32_t* a = static_cast<uint32_t*>(nvshmem_ptr(P.slot_acks + P.me, q));
           *a = static_cast<uint32_t>(P.epoch);
         } else {
@@ -415,9 +415,9 @@ __device__ __forceinline__ __nv_bfloat16 FromF32<__nv_bfloat16>(float v) {
 
 // Contiguous copies (a started reduce's runs, into the owners' staging over NVLink) by a
 // few blocks: queued on a high-priority stream as the dK/dV kernel ends, they take their
-// SMs before the dQ kernel's blocks and leave it the rest. (The driver's memcpy to a peer's
-// mapping ran as SM copies with a full grid: the dQ kernel and the copies waited for each
-// other.)
+// SMs before the dQ kernel's blocks and leave it the rest. (On 2 H200s the driver's memcpy
+// to a peer's mapping, plain or batched with the hint to overlap compute, never ran beside
+// the dQ kernel: it waited for dQ's last blocks, or dQ waited for it, as SM copies would.)
 constexpr int kCopySegments = 128;
 constexpr int kCopyBlocks = 16;
 constexpr int kCopyThreads = 1024;

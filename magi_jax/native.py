@@ -88,8 +88,8 @@ class CudaTuning:
     joined each call right after starting it (``collective_notes.md``, Run 7).
     ``started_reduce``: the attention's backward starts the group-reduce of its last remote
     stage between its dK/dV and dQ kernels and ends it after dQ
-    (:func:`group_reduce_start`); the copy engines move the rows beside the dQ kernel, with no
-    SM. Needs :attr:`CastSpec.runs <magi_jax.sharding.collectives.CastSpec>` and every PE
+    (:func:`group_reduce_start`): a copy kernel of 16 blocks on a high-priority stream moves
+    the rows beside the dQ kernel. Needs :attr:`CastSpec.runs <magi_jax.sharding.collectives.CastSpec>` and every PE
     load/store reachable; otherwise the reduce runs where it is called.
 
     Defaults come from ``MAGI_NATIVE_CAST_MODE``, ``MAGI_NATIVE_SEND_BLOCKS``,
@@ -630,7 +630,7 @@ def can_start_reduce(spec) -> bool:
     """Whether :func:`group_reduce_start` can run for ``spec`` here: its runs are known
     (:func:`reduce_runs`), :attr:`CudaTuning.started_reduce` is on and, on GPU, NVSHMEM is
     initialized (a forward's cast does it) with staging for started reduces and every PE
-    load/store reachable (the copy engines write the peers' staging)."""
+    load/store reachable (the sends write the peers' staging)."""
     if spec.runs is None or not spec.shifts or not cuda_tuning().started_reduce:
         return False
     if _platform() != "cuda":
@@ -642,8 +642,9 @@ def group_reduce_start(y, tables, spec, num_rows: int, *, prefix: bool = False,
                        out_dtype=None, timeout_s: float | None = None):
     """:func:`group_reduce` in two calls, so that other kernels run while its rows move:
     returns ``(token, done)``; ``done(token)`` returns what ``group_reduce`` would. On GPU the
-    start queues copy-engine copies of the runs of ``spec.runs`` into the owners' staging on
-    a side stream (no SM); ``done`` waits for them and sums. Order the work to overlap
+    start queues, on a high-priority side stream, a copy kernel of 16 blocks that writes the
+    runs of ``spec.runs`` into the owners' staging (the rest of the GPU stays with the
+    kernels XLA runs meanwhile); ``done`` waits for them and sums. Order the work to overlap
     between the two with the token (e.g. ``jax.lax.optimization_barrier``), and pass it
     through nothing else: ``y`` must reach ``done`` as the same buffer (checked). The done
     calls of several started reduces must come in the order of their starts. Needs

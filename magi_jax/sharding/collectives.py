@@ -91,8 +91,8 @@ class CastArrays(NamedTuple):
 class CastSpec:
     """Static part of a cast: mesh axis, its size, slot shifts/widths and the transport.
     ``runs``: for the native transport, the contiguous runs of every rank's receive table
-    (:func:`magi_jax.native.reduce_runs`), with which its reduce can be started and moved by
-    the copy engines; ``None`` if unknown or too many."""
+    (:func:`magi_jax.native.reduce_runs`), with which its reduce can be started
+    (:func:`magi_jax.native.group_reduce_start`); ``None`` if unknown or too many."""
 
     axis_name: str
     cp: int

@@ -156,7 +156,7 @@ def main(rank, nprocs, port):
                                           err_msg=f"{mode} prefix reduce to bf16 {i}")
     print(f"rank {rank}: combined-stage collectives (prefix, bf16 sums) OK", flush=True)
 
-    # Started reduces (copy-engine runs on a side stream, then the summing kernel): the same
+    # Started reduces (a copy kernel on a side stream, then the summing kernel): the same
     # sums as above, bit for bit; twice in a row, with a synchronous cast and reduce of the
     # other lane queued between a start and its done.
     runs = native.reduce_runs(table)
@@ -191,7 +191,7 @@ def main(rank, nprocs, port):
         np.testing.assert_array_equal(
             outs[4], np.concatenate([xs[0][rank], cast_model(xs[0], table)[rank]]), "cast")
         np.testing.assert_array_equal(outs[5], sums[0], "reduce between")
-    print(f"rank {rank}: started reduces (copy engine) OK", flush=True)
+    print(f"rank {rank}: started reduces OK", flush=True)
 
     # Every data path / staging / grid variant of the CUDA kernels on one layout (tiny chunks
     # and few blocks: several chunks per send block, several rows per receiving warp), then
