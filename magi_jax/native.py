@@ -31,6 +31,10 @@ in process order (:func:`check_mesh`); up to 64 slots per cast; reduce input bf1
 Measured on two H200s (``benchmarks/results/collective_notes.md``, 2026-11-30 19:30), GPU
 time per op at 256 MiB per rank: cast 336.9 GB/s (0.87x a peer copy, ppermute 309.9), reduce
 330.9 GB/s; 1 MiB cast 20.4 us.
+
+A reduce can also run in two calls (:func:`group_reduce_start`): its sends go out beside other
+kernels (the attention's backward puts its dQ kernel there) and the done call sums. Started
+reduces have their own staging (``initialize(started_bytes=...)``).
 """
 
 from __future__ import annotations
