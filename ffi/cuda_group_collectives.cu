@@ -92,10 +92,9 @@ Context g;
 // runs next, e.g. the dQ kernel), then raises a 32-bit flag per slot on the owner with a
 // stream memory write (a system-scope fence comes first). The staging is planar (each
 // array's rows in a block of their own), so that every run of every array is one contiguous
-// copy. The done call makes XLA's stream wait for the side stream
-// (the start's inputs stay in use until then: the done call takes them too) and runs the
-// reduce kernel's receive blocks, which wait for the slot flags and sum as a synchronous
-// reduce does.
+// copy. The done call makes XLA's stream wait for the side stream (the start's inputs stay
+// in use until then: the done call takes them too) and runs the reduce kernel's receive
+// blocks, which wait for the slot flags and sum as a synchronous reduce does.
 //
 // Started reduces have their own lane: staging, flags, acknowledgements and epochs of their
 // own, so the synchronous collectives that XLA may place between a start and its done never

@@ -345,8 +345,9 @@ CastKernel(Plan P, Leaves L, const int32_t* send, const int32_t* recv, const int
   const int rb = blockIdx.x - P.send_blocks;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // Output rows: the input's own rows first (prefix_rows of them; copied while the peers'
-  // rows are on their way), then one per receive entry. Each warp takes rows_per_warp consecutive rows at
-  // a time: one flag wait and fence per chunk among them instead of one per row.
+  // rows are on their way), then one per receive entry. Each warp takes rows_per_warp
+  // consecutive rows at a time: one flag wait and fence per chunk among them instead of one
+  // per row.
   const int64_t rows = prefix_rows + B;
   const int64_t stride = static_cast<int64_t>(recv_blocks) * kWarps * rows_per_warp;
   for (int64_t b0 = (static_cast<int64_t>(rb) * kWarps + warp) * rows_per_warp;

@@ -63,8 +63,8 @@ DEFAULT_TIMEOUT_S = 60.0
 _LIBS = {"cpu": "_magi_native_cpu.so", "cuda": "_magi_native_cuda.so"}
 _CAST, _REDUCE = "magi_group_cast", "magi_group_reduce"
 _START, _DONE = "magi_group_reduce_start", "magi_group_reduce_done"
-# Copy-engine runs per rank above which a reduce is not started (each run is one copy per
-# array, queued by the host).
+# Runs per rank above which a reduce is not started (each run is one contiguous copy per
+# array; a started reduce's copy kernel takes up to 128 of them per launch).
 MAX_RUNS = 64
 _FLAG_CAPACITY = 1 << 16
 _DEFAULT_SYMMETRIC_BYTES = 1 << 30
@@ -93,7 +93,7 @@ class CudaTuning:
     ``started_reduce``: the attention's backward starts the group-reduce of its last remote
     stage between its dK/dV and dQ kernels and ends it after dQ
     (:func:`group_reduce_start`): a copy kernel of 16 blocks on a high-priority stream moves
-    the rows beside the dQ kernel. Needs :attr:`CastSpec.runs <magi_jax.sharding.collectives.CastSpec>` and every PE
+    the rows beside the dQ kernel. Needs the runs of ``CastSpec.runs`` and every PE
     load/store reachable; otherwise the reduce runs where it is called.
 
     Defaults come from ``MAGI_NATIVE_CAST_MODE``, ``MAGI_NATIVE_SEND_BLOCKS``,
