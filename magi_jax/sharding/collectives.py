@@ -349,14 +349,10 @@ def _reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, prefix: bool =
 
 def _start_reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, prefix: bool = False,
                   round_to_input: bool = False):
-    """:func:`_reduce` started (:func:`magi_jax.native.group_reduce_start`): ``(token,
-    done)`` with ``done(token)`` giving ``_reduce``'s result, or ``None`` where the reduce
-    cannot be started (then call :func:`_reduce`)."""
+    """:func:`_reduce` started (:func:`magi_jax.native.group_reduce_start`; call it where
+    ``spec``'s transport is native and :func:`magi_jax.native.can_start_reduce`):
+    ``(token, done)`` with ``done(token)`` giving ``_reduce``'s result."""
     leaves, tree = jax.tree.flatten(y)
-    if (spec.transport != "native" or not native.can_start_reduce(spec)
-            or len({jnp.dtype(a.dtype) for a in leaves}) != 1
-            or len(leaves) > native.MAX_ARRAYS):
-        return None
     token, done = native.group_reduce_start(
         leaves, tables, spec, num_rows, prefix=prefix,
         out_dtype=leaves[0].dtype if round_to_input else None)
