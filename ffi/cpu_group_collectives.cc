@@ -18,7 +18,9 @@
 //           (in float32, float64 for float64 input).
 // With `prefix`, a cast's output is x_r's rows followed by the rows above, and a reduce's
 // input is the owner's own rows followed by the buffer y: out_r[row] also adds own_r[row].
-// With `out_input_dtype` a reduce rounds its sums once to the input's dtype.
+// With `own_apart` a reduce's own rows come as arrays of their own, before the buffers (an
+// output may alias them). With `out_input_dtype` a reduce rounds its sums once to the
+// input's dtype.
 
 #include <chrono>
 #include <cmath>
@@ -364,8 +366,10 @@ std::string ReduceOne(const std::vector<Member>& m, int64_t rank,
   const int64_t width = static_cast<int64_t>(ffi::ByteWidth(me.dtype));
   for (size_t l = 0; l < me.out.size(); ++l) {
     const int64_t elems = me.row_bytes[l] / width;
-    // The sums in Acc: straight in the output, or in a scratch rounded into it at the end.
-    const bool narrow = ffi::ByteWidth(me.out_dtype) != sizeof(Acc);
+    // The sums in Acc: straight in the output, or in a scratch rounded (or copied) into it
+    // at the end, when they are narrower or the output is the own rows' buffer.
+    const bool narrow = ffi::ByteWidth(me.out_dtype) != sizeof(Acc) ||
+                        me.own[l] == me.out[l];
     std::vector<Acc> scratch(narrow ? me.out_rows * elems : 0);
     Acc* out = narrow ? scratch.data() : static_cast<Acc*>(me.out[l]);
     if (me.acc[l]) {
@@ -431,17 +435,21 @@ ffi::Future Failed(ffi::Error error) {
 // row size; a reduce's is float32 (float64 for float64 input) rows of input l's elements,
 // or rows of its dtype with `out_input_dtype`. With me.prefix, a cast's output has the
 // input's rows before the `b` received ones, a reduce's input the output's rows before the
-// `b` buffer rows (me.data then points at the buffer, me.own at the owner's rows).
+// `b` buffer rows (me.data then points at the buffer, me.own at the owner's rows). With
+// `apart` (a reduce) the owner's rows are arrays of their own, args[0, n), before the
+// buffers args[n, 2n) and the initial sums.
 std::string GetLeaves(ffi::RemainingArgs args, ffi::RemainingRets rets, bool reduce,
-                      bool accumulate, bool out_input_dtype, int64_t b, Member& me) {
+                      bool accumulate, bool out_input_dtype, int64_t b, Member& me,
+                      bool apart = false) {
   const size_t n = rets.size();
-  if (n < 1 || n > kMaxLeaves || args.size() != n * (accumulate ? 2 : 1)) {
+  if (n < 1 || n > kMaxLeaves || args.size() != n * (1 + apart + accumulate)) {
     return "1 to " + std::to_string(kMaxLeaves) + " arrays, one output each" +
+           (apart ? " and their own rows" : "") +
            (accumulate ? " and one initial sum each" : "") + "; got " +
            std::to_string(args.size()) + " inputs and " + std::to_string(n) + " outputs";
   }
   for (size_t l = 0; l < n; ++l) {
-    auto x = args.get<ffi::AnyBuffer>(l);
+    auto x = args.get<ffi::AnyBuffer>(apart ? n + l : l);
     auto o = rets.get<ffi::AnyBuffer>(l);
     if (x.has_error() || o.has_error()) return "array " + std::to_string(l) + " is not a buffer";
     const ffi::DataType dt = x->element_type();
@@ -473,18 +481,29 @@ std::string GetLeaves(ffi::RemainingArgs args, ffi::RemainingRets rets, bool red
       return me.prefix ? "the outputs must have the input's rows and one per recv_index entry"
                        : "the outputs must have one row per recv_index entry";
     }
-    if (reduce && rows != b + (me.prefix ? out_rows : 0)) {
-      return me.prefix ? "y must have the output's rows and then one per recv_index entry"
-                       : "y must have one row per recv_index entry";
+    const bool joined = reduce && me.prefix && !apart;  // y = [own; buffer]
+    if (reduce && rows != b + (joined ? out_rows : 0)) {
+      return joined ? "y must have the output's rows and then one per recv_index entry"
+                    : "y must have one row per recv_index entry";
     }
     const char* data = static_cast<const char*>(x->untyped_data());
-    me.own.push_back(reduce && me.prefix ? data : nullptr);
-    me.data.push_back(reduce && me.prefix ? data + out_rows * rb : data);
+    const void* own = joined ? data : nullptr;
+    if (apart) {
+      auto a = args.get<ffi::AnyBuffer>(l);
+      if (a.has_error() || a->element_type() != dt || a->dimensions().size() == 0 ||
+          a->dimensions()[0] != out_rows || RowBytes(*a) != rb) {
+        return "own rows " + std::to_string(l) + " must be the output's rows of array " +
+               std::to_string(l) + "'s dtype and row";
+      }
+      own = a->untyped_data();
+    }
+    me.own.push_back(own);
+    me.data.push_back(joined ? data + out_rows * rb : data);
     me.out.push_back((*o)->untyped_data());
     me.row_bytes.push_back(rb);
     const void* acc = nullptr;
     if (accumulate) {
-      auto a = args.get<ffi::AnyBuffer>(n + l);
+      auto a = args.get<ffi::AnyBuffer>(n * (1 + apart) + l);
       const size_t acc_width = me.dtype == ffi::DataType::F64 ? 8 : 4;
       if (a.has_error() ||
           a->size_bytes() != static_cast<size_t>(out_rows * (rb / ffi::ByteWidth(dt))) *
@@ -533,7 +552,7 @@ ffi::Future ReduceImpl(ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
                        ffi::Buffer<ffi::S32> where, ffi::RemainingArgs ys,
                        ffi::RemainingRets outs, int64_t cp, ffi::Span<const int64_t> shifts,
                        int64_t call_id, int64_t timeout_ms, bool prefix, bool accumulate,
-                       bool out_input_dtype) {
+                       bool out_input_dtype, bool own_apart) {
   auto w = ReadWhere(where, cp);
   if (w.has_error()) return Failed(w.error());
   auto sdims = send.dimensions();
@@ -545,7 +564,8 @@ ffi::Future ReduceImpl(ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
   me.s = sdims[1];
   me.b = static_cast<int64_t>(recv.element_count());
   me.prefix = prefix;
-  std::string err = GetLeaves(ys, outs, /*reduce=*/true, accumulate, out_input_dtype, me.b, me);
+  std::string err =
+      GetLeaves(ys, outs, /*reduce=*/true, accumulate, out_input_dtype, me.b, me, own_apart);
   if (err.empty() && me.dtype != ffi::DataType::BF16 && me.dtype != ffi::DataType::F16 &&
       me.dtype != ffi::DataType::F32 && me.dtype != ffi::DataType::F64) {
     err = "takes bf16, f16, f32 or f64";
@@ -613,10 +633,10 @@ ffi::Future DoneImpl(ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> send,
                      ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
                      ffi::RemainingArgs ys, ffi::RemainingRets outs, int64_t cp,
                      ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
-                     bool prefix, bool accumulate, bool out_input_dtype) {
+                     bool prefix, bool accumulate, bool out_input_dtype, bool own_apart) {
   (void)token;
   return ReduceImpl(send, recv, where, ys, outs, cp, shifts, call_id, timeout_ms, prefix,
-                    accumulate, out_input_dtype);
+                    accumulate, out_input_dtype, own_apart);
 }
 
 }  // namespace
@@ -635,8 +655,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCpu, CastImpl,
                                   .Attr<int64_t>("timeout_ms")
                                   .Attr<bool>("prefix"));
 
-// Reduce: send, recv, where, then the arrays y_0.. and (accumulate) their initial sums
-// acc_0.. (RemainingArgs); outputs out_0..
+// Reduce: send, recv, where, then (own_apart) the own rows own_0.., the arrays y_0.. and
+// (accumulate) their initial sums acc_0.. (RemainingArgs); outputs out_0..
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceCpu, ReduceImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -650,7 +670,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceCpu, ReduceImpl,
                                   .Attr<int64_t>("timeout_ms")
                                   .Attr<bool>("prefix")
                                   .Attr<bool>("accumulate")
-                                  .Attr<bool>("out_input_dtype"));
+                                  .Attr<bool>("out_input_dtype")
+                                  .Attr<bool>("own_apart"));
 
 // Started reduce: recv, where, then the arrays y_0.. (RemainingArgs); output a token.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceStartCpu, StartImpl,
@@ -679,4 +700,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceDoneCpu, DoneImpl,
                                   .Attr<int64_t>("timeout_ms")
                                   .Attr<bool>("prefix")
                                   .Attr<bool>("accumulate")
-                                  .Attr<bool>("out_input_dtype"));
+                                  .Attr<bool>("out_input_dtype")
+                                  .Attr<bool>("own_apart"));

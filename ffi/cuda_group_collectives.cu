@@ -27,7 +27,10 @@
 // output starts with x's own rows, which the receive blocks copy while the peers' rows are
 // on their way, and a reduce's input starts with the owner's own rows, which are added to
 // its sums: no concatenation of the local and fetched rows, no slice of the gradient. A
-// reduce may round its float32 sums once to the input's dtype (`out_input_dtype`).
+// reduce may round its float32 sums once to the input's dtype (`out_input_dtype`). With
+// `own_apart` a reduce's own rows come as arrays of their own; an output XLA aliases to them
+// (same dtype, no initial sums) is summed in place, and its rows that receive nothing are
+// not touched at all.
 // Direction: a cast sends slot j to r + shift_j; a reduce sends slot j back to r - shift_j.
 //
 // Reuse of staging: the last receive block of a call tells every PE "I have finished
@@ -147,6 +150,7 @@ struct CollectiveState {
   // is the owner's own rows followed by the buffer, and its own rows are added to the sums.
   bool prefix = false;
   bool out_input_dtype = false;  // reduce: outputs in the input's dtype (else float32)
+  bool own_apart = false;        // reduce: the own rows are arrays of their own (prefix)
   int64_t timeout_ns = 0;
   int64_t call_id = 0;           // a started reduce's start and done share it
   std::vector<int64_t> runs;     // started reduce: this PE's (b0, e0, len) runs
@@ -326,26 +330,32 @@ int RecvBlocks(const CollectiveState& st, int64_t rows) {
 // the input's dtype with out_input_dtype), and for an accumulating reduce the initial sums
 // args[n, 2n). `B` rows are received (cast) or sent back (reduce); with `prefix` a cast's
 // outputs start with the input's rows and a reduce's inputs with the owner's own rows (then
-// L.src points past them, at the buffer). Checks what the kernels rely on.
+// L.src points past them, at the buffer). With `own_apart` a reduce's own rows come first,
+// as arrays of their own (args[0, n), then the buffers args[n, 2n) and the initial sums).
+// Checks what the kernels rely on.
 ffi::ErrorOr<Leaves> GetLeaves(const char* op, ffi::RemainingArgs args, ffi::RemainingRets rets,
                                bool reduce, const CollectiveState& st, int64_t B) {
   const bool accumulate = reduce && st.accumulate;
+  const bool apart = reduce && st.own_apart;
   Leaves L{};
   const size_t n = rets.size();
   const size_t inputs = args.size();
-  if (n < 1 || n > static_cast<size_t>(kMaxLeaves) || inputs != n * (accumulate ? 2 : 1)) {
+  if (n < 1 || n > static_cast<size_t>(kMaxLeaves) ||
+      inputs != n * (1 + apart + accumulate)) {
     return ffi::Error::InvalidArgument(
         std::string("magi_jax native ") + op + ": 1 to " + std::to_string(kMaxLeaves) +
-        " arrays, one output each" + (accumulate ? " and one initial sum each" : "") +
-        "; got " + std::to_string(inputs) + " inputs and " + std::to_string(n) + " outputs");
+        " arrays, one output each" + (apart ? " and their own rows" : "") +
+        (accumulate ? " and one initial sum each" : "") + "; got " + std::to_string(inputs) +
+        " inputs and " + std::to_string(n) + " outputs");
   }
+  L.in_place = apart && !accumulate;
   L.n = static_cast<int>(n);
   L.aligned = true;
   L.off[0] = 0;
   int64_t rows = -1, out_rows = -1;
   ffi::DataType dtype = ffi::DataType::INVALID;
   for (size_t l = 0; l < n; ++l) {
-    auto x = args.get<ffi::AnyBuffer>(l);
+    auto x = args.get<ffi::AnyBuffer>(apart ? n + l : l);
     auto o = rets.get<ffi::AnyBuffer>(l);
     if (x.has_error()) return x.error();
     if (o.has_error()) return o.error();
@@ -371,7 +381,7 @@ ffi::ErrorOr<Leaves> GetLeaves(const char* op, ffi::RemainingArgs args, ffi::Rem
                     "size"));
     }
     // Row counts: a cast writes (x's rows +) B rows; a reduce reads (its output's rows +) B.
-    const int64_t want_rows = B + (st.prefix ? (reduce ? out_rows : rows) : 0);
+    const int64_t want_rows = B + (st.prefix && !apart ? (reduce ? out_rows : rows) : 0);
     if ((reduce ? rows : out_rows) != want_rows) {
       return ffi::Error::InvalidArgument(
           std::string("magi_jax native ") + op + ": array " + std::to_string(l) + " has " +
@@ -379,12 +389,23 @@ ffi::ErrorOr<Leaves> GetLeaves(const char* op, ffi::RemainingArgs args, ffi::Rem
           " rows, expected " + std::to_string(want_rows));
     }
     const char* data = static_cast<const char*>(x->untyped_data());
-    L.local[l] = reduce && st.prefix ? data : nullptr;
-    L.src[l] = reduce && st.prefix ? data + out_rows * bytes : data;
+    L.local[l] = reduce && st.prefix && !apart ? data : nullptr;
+    L.src[l] = L.local[l] ? data + out_rows * bytes : data;
     L.dst[l] = static_cast<char*>((*o)->untyped_data());
+    if (apart) {
+      auto own = args.get<ffi::AnyBuffer>(l);
+      if (own.has_error()) return own.error();
+      if (own->element_type() != dtype || Rows(*own) != out_rows || RowBytes(*own) != bytes) {
+        return ffi::Error::InvalidArgument(
+            std::string("magi_jax native ") + op + ": own rows " + std::to_string(l) +
+            " must be the output's rows of array " + std::to_string(l) + "'s dtype and row");
+      }
+      L.local[l] = static_cast<const char*>(own->untyped_data());
+      L.in_place = L.in_place && L.local[l] == L.dst[l];
+    }
     L.acc[l] = nullptr;
     if (accumulate) {
-      auto a = args.get<ffi::AnyBuffer>(n + l);
+      auto a = args.get<ffi::AnyBuffer>(n * (1 + apart) + l);
       if (a.has_error()) return a.error();
       if (a->element_type() != ffi::DataType::F32 ||
           a->size_bytes() != static_cast<size_t>(out_rows * elems * 4)) {
@@ -674,12 +695,13 @@ ffi::ErrorOr<std::unique_ptr<CollectiveState>> InstantiateReduce(
     int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
     ffi::Span<const int64_t> widths, int64_t slot_len, int64_t rows_per_chunk,
     int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer, bool prefix,
-    bool accumulate, bool out_input_dtype) {
+    bool accumulate, bool out_input_dtype, bool own_apart) {
   auto st = Instantiate(cp, shifts, call_id, timeout_ms, widths, slot_len, rows_per_chunk,
                         send_blocks, recv_blocks, mode, double_buffer, prefix);
   if (st.has_value()) {
     (*st)->accumulate = accumulate;
     (*st)->out_input_dtype = out_input_dtype;
+    (*st)->own_apart = own_apart;
   }
   return st;
 }
@@ -706,7 +728,8 @@ ffi::ErrorOr<std::unique_ptr<CollectiveState>> InstantiateStart(
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceCudaInstantiate, InstantiateReduce,
                               MAGI_INSTANTIATE_BINDING.Attr<bool>("accumulate")
-                                  .Attr<bool>("out_input_dtype"));
+                                  .Attr<bool>("out_input_dtype")
+                                  .Attr<bool>("own_apart"));
 
 // Cast: send, recv, where, then the arrays x_0.. (RemainingArgs); outputs out_0..
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCudaExecute, CastExecute,
@@ -719,8 +742,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCudaExecute, CastExecute,
                                   .RemainingArgs()
                                   .RemainingRets());
 
-// Reduce: send, recv, where, inv, rinv, then the arrays y_0.. and (accumulate) their initial
-// sums acc_0.. (RemainingArgs); float32 outputs out_0..
+// Reduce: send, recv, where, inv, rinv, then (own_apart) the own rows own_0.., the arrays
+// y_0.. and (accumulate) their initial sums acc_0.. (RemainingArgs); outputs out_0..
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceCudaExecute, ReduceExecute,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -750,7 +773,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceStartCudaExecute, StartExecute,
 // Its done call: the token, then the arguments of the reduce above (same attributes).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceDoneCudaInstantiate, InstantiateReduce,
                               MAGI_INSTANTIATE_BINDING.Attr<bool>("accumulate")
-                                  .Attr<bool>("out_input_dtype"));
+                                  .Attr<bool>("out_input_dtype")
+                                  .Attr<bool>("own_apart"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceDoneCudaExecute, DoneExecute,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()

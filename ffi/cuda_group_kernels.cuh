@@ -63,6 +63,7 @@ struct Leaves {
   int64_t bytes[kMaxLeaves];
   int64_t off[kMaxLeaves + 1];
   bool aligned;                  // every leaf's rows 16-byte sized and aligned
+  bool in_place;                 // reduce: dst == local, no acc: rows without sends stay
 };
 
 // ---- device helpers --------------------------------------------------------------------
@@ -494,6 +495,7 @@ ReduceKernel(Plan P, Leaves L, const int32_t* rinv, const int32_t* inv, const in
     const int32_t* my_inv = inv + t * P.n;
     bool receives = false;  // (every lane reads the same entries)
     for (int j = 0; j < P.n; ++j) receives = receives || my_inv[j] >= 0;
+    if (L.in_place && !receives) continue;  // the row already holds its sum
     if (lane == 0) {
       for (int j = 0; j < P.n; ++j) {
         const int32_t p = my_inv[j];

@@ -530,10 +530,11 @@ def group_cast(x, tables, spec, *, prefix: bool = False, timeout_s: float | None
     return got[0] if single else got
 
 
-def _reduce_call(y, tables, spec, num_rows, acc, prefix, out_dtype, timeout_s):
+def _reduce_call(y, tables, spec, num_rows, acc, prefix, out_dtype, timeout_s, own=None):
     """What a native reduce passes to its handler: ``(plat, ys, single, args, outs, attrs,
-    inputs)``; ``args`` are the handler's arguments (tables, ``where``, arrays, initial sums),
-    ``inputs`` the flattened arrays among them."""
+    inputs, aliases)``; ``args`` are the handler's arguments (tables, ``where``, own rows,
+    arrays, initial sums), ``inputs`` the flattened arrays among them, ``aliases`` the
+    ``input_output_aliases`` of the call (the own rows, where the sums go in place)."""
     send, recv = tables
     plat = _platform()
     _load(plat)
@@ -550,6 +551,20 @@ def _reduce_call(y, tables, spec, num_rows, acc, prefix, out_dtype, timeout_s):
     if out_dtype not in (acc_dtype, dtype):
         raise TypeError(f"native group_reduce: out_dtype={out_dtype} is neither the sums' "
                         f"{jnp.dtype(acc_dtype)} nor the input's {dtype}")
+    owns = []
+    if own is not None:
+        owns = [own] if single else list(own)
+        if prefix:
+            raise ValueError("native group_reduce: pass the own rows either in y (prefix=True) "
+                             "or as own=, not both")
+        if len(owns) != len(ys):
+            raise ValueError(f"native group_reduce: {len(owns)} own arrays for {len(ys)} "
+                             "arrays; pass one per array")
+        for i, (o, a) in enumerate(zip(owns, ys)):
+            if o.shape != (num_rows,) + a.shape[1:] or o.dtype != dtype:
+                raise ValueError(
+                    f"native group_reduce: own[{i}] is {tuple(o.shape)} {o.dtype}, expected "
+                    f"{(num_rows,) + a.shape[1:]} {dtype} (num_rows rows of y[{i}]'s rows)")
     want = recv.shape[0] + (num_rows if prefix else 0)
     if ys[0].shape[0] != want:
         raise ValueError(f"native group_reduce: y has {ys[0].shape[0]} rows, expected {want} ("
@@ -568,14 +583,25 @@ def _reduce_call(y, tables, spec, num_rows, acc, prefix, out_dtype, timeout_s):
     attrs = _common_attrs(spec, timeout_s, prefix)
     attrs["accumulate"] = accumulate
     attrs["out_input_dtype"] = out_dtype != acc_dtype
+    attrs["own_apart"] = bool(owns)
+    owns = [o.reshape(num_rows, -1) for o in owns]
     where = _where(spec.axis_name)
-    if plat != "cuda":
-        return plat, ys, single, [send, recv, where, *flat, *accs], outs, attrs, flat
-    _ensure_staging(send, _row_bytes(ys), _row_desc(ys))
-    attrs.update(_cuda_attrs(spec, send.shape[1], _row_bytes(ys)))
+    head = [send, recv, where]
+    if plat == "cuda":
+        _ensure_staging(send, _row_bytes(ys), _row_desc(ys))
+        attrs.update(_cuda_attrs(spec, send.shape[1], _row_bytes(ys)))
+        head += _inverse_tables(send, recv, num_rows)
+    # Sums in the own rows' dtype and nothing to add: in place (rows nobody sends to stay).
+    aliases = ({len(head) + i: i for i in range(len(owns))}
+               if owns and out_dtype == dtype and not accumulate else {})
+    return (plat, ys, single, [*head, *owns, *flat, *accs], outs, attrs, flat, aliases)
+
+
+def _inverse_tables(send, recv, num_rows):
+    """The CUDA reduce's index tables: ``inv[row, j] = p`` with ``send[j, p] = row`` (the
+    owner's slot position of each row) and ``rinv[j*S + p] = b`` with ``recv[b] = j*S + p``
+    (the buffer row that answers it)."""
     n, s = send.shape
-    # inv[row, j] = p with send[j, p] = row (the owner's slot position of each row);
-    # rinv[j*S + p] = b with recv[b] = j*S + p (the buffer row that answers it).
     rows = jnp.where(send < 0, num_rows, send)
     inv = jnp.full((num_rows + 1, n), -1, jnp.int32).at[
         rows, jnp.arange(n)[:, None]].set(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32),
@@ -583,7 +609,7 @@ def _reduce_call(y, tables, spec, num_rows, acc, prefix, out_dtype, timeout_s):
     ridx = jnp.where(recv < 0, n * s, recv)
     rinv = jnp.full((n * s + 1,), -1, jnp.int32).at[ridx].set(
         jnp.arange(recv.shape[0], dtype=jnp.int32))[:n * s]
-    return plat, ys, single, [send, recv, where, inv, rinv, *flat, *accs], outs, attrs, flat
+    return [inv, rinv]
 
 
 def _unflat(got, ys, num_rows, single):
@@ -592,18 +618,22 @@ def _unflat(got, ys, num_rows, single):
 
 
 def group_reduce(y, tables, spec, num_rows: int, *, acc=None, prefix: bool = False,
-                 out_dtype=None, timeout_s: float | None = None):
+                 own=None, out_dtype=None, timeout_s: float | None = None):
     """Native :func:`~magi_jax.sharding.collectives.group_reduce`: ``y [B, ...]`` summed in
     float32 (float64 for float64 ``y``; CPU only) into the owners' rows ->
     ``[num_rows, ...]``, added to ``acc`` (same shape, float32) when given. ``y`` (and
     ``acc``) may be lists of up to :data:`MAX_ARRAYS` arrays of one dtype with the same rows:
     one collective sums them all and returns a list. ``prefix=True``: ``y`` is
     ``[num_rows + B, ...]``, the owner's own rows first, and they are added to the sums (the
-    adjoint of ``group_cast(prefix=True)``). ``out_dtype``: the float32 (float64) sums by
-    default, or ``y``'s dtype, rounded once."""
-    plat, ys, single, args, outs, attrs, _ = _reduce_call(y, tables, spec, num_rows, acc,
-                                                          prefix, out_dtype, timeout_s)
-    got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(_REDUCE, outs)(*a, **attrs))(*args)
+    adjoint of ``group_cast(prefix=True)``). ``own``: those own rows as arrays of their own
+    (``[num_rows, ...]``, like ``y``), with ``y`` only the buffer; when the sums come in
+    their dtype and there is no ``acc``, the result is written in place into them (XLA
+    copies an ``own`` that is used afterwards) and rows nobody sends to cost nothing.
+    ``out_dtype``: the float32 (float64) sums by default, or ``y``'s dtype, rounded once."""
+    plat, ys, single, args, outs, attrs, _, aliases = _reduce_call(
+        y, tables, spec, num_rows, acc, prefix, out_dtype, timeout_s, own)
+    got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(
+        _REDUCE, outs, input_output_aliases=aliases)(*a, **attrs))(*args)
     return _unflat(got, ys, num_rows, single)
 
 
@@ -642,7 +672,7 @@ def can_start_reduce(spec) -> bool:
     return _nv["initialized"] and _nv["all_mapped"] and _nv["started_bytes"] > 0
 
 
-def group_reduce_start(y, tables, spec, num_rows: int, *, prefix: bool = False,
+def group_reduce_start(y, tables, spec, num_rows: int, *, prefix: bool = False, own=None,
                        out_dtype=None, timeout_s: float | None = None):
     """:func:`group_reduce` in two calls, so that other kernels run while its rows move:
     returns ``(token, done)``; ``done(token)`` returns what ``group_reduce`` would. On GPU the
@@ -650,15 +680,16 @@ def group_reduce_start(y, tables, spec, num_rows: int, *, prefix: bool = False,
     runs of ``spec.runs`` into the owners' staging (the rest of the GPU stays with the
     kernels XLA runs meanwhile); ``done`` waits for them and sums. Order the work to overlap
     between the two with the token (e.g. ``jax.lax.optimization_barrier``), and pass it
-    through nothing else: ``y`` must reach ``done`` as the same buffer (checked). The done
+    through nothing else: ``y`` must reach ``done`` as the same buffer (checked); ``own``
+    (as in :func:`group_reduce`) is read only by ``done``. The done
     calls of several started reduces must come in the order of their starts. Needs
     :func:`can_start_reduce`. On CPU the start checks the runs against the tables and the
     done call does the whole reduce."""
     if not can_start_reduce(spec):
         raise ValueError("group_reduce_start: this reduce cannot be started here (see "
                          "magi_jax.native.can_start_reduce); call group_reduce")
-    plat, ys, single, args, outs, attrs, flat = _reduce_call(y, tables, spec, num_rows, None,
-                                                             prefix, out_dtype, timeout_s)
+    plat, ys, single, args, outs, attrs, flat, aliases = _reduce_call(
+        y, tables, spec, num_rows, None, prefix, out_dtype, timeout_s, own)
     if plat == "cuda" and (not _nv["all_mapped"] or _nv["started_bytes"] <
                            staging_bytes(*tables[0].shape, (_row_bytes(ys),), np.uint8)):
         raise ValueError(
@@ -672,13 +703,14 @@ def group_reduce_start(y, tables, spec, num_rows: int, *, prefix: bool = False,
                                                                                np.int64))
     if plat == "cuda":
         start_attrs.update({k: v for k, v in attrs.items()
-                            if k not in ("accumulate", "out_input_dtype")})
+                            if k not in ("accumulate", "out_input_dtype", "own_apart")})
     _, recv, where = args[:3]
     token = jax.ffi.ffi_call(_START, jax.ShapeDtypeStruct((1,), jnp.int32))(
         recv, where, *flat, **start_attrs)
 
     def done(token):
-        got = jax.ffi.ffi_call(_DONE, outs)(token, *args, **attrs)
+        got = jax.ffi.ffi_call(_DONE, outs, input_output_aliases={
+            i + 1: o for i, o in aliases.items()})(token, *args, **attrs)
         return _unflat(got, ys, num_rows, single)
 
     return token, done

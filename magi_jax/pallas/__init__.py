@@ -20,12 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from magi_jax.pallas.common import LOG2E
-from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq
+from magi_jax.pallas.ffa_bwd import DKV_SPLIT_ALIGN, BwdConfig, ffa_dkv, ffa_dq
 from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward
 from magi_jax.pallas.plan import (DKV_BLOCK_K, FWD_BLOCK_K, FWD_BLOCK_Q, KernelPlanArrays,
                                   WorkList, kernel_plan_for_mask, persistent_schedule)
 
 __all__ = ["flex_flash_attention_pallas", "ffa_pallas", "ffa_pallas_backward", "supported",
+           "DKV_SPLIT_ALIGN",
            "device_supported",
            "KernelPlanArrays", "kernel_plan_for_mask", "SUPPORTED_HEAD_DIMS",
            "SUPPORTED_DTYPES"]
@@ -165,7 +166,7 @@ def _ffa_fwd(q, k, v, plan, sched, cfg):
     return (out, jnp.swapaxes(lse_bht, 1, 2)), (q, k, v, plan, sched, out, lse_bht)
 
 
-def _ffa_bwd(cfg, res, cts, between_dkv_dq=None):
+def _ffa_bwd(cfg, res, cts, between_dkv_dq=None, split_kv_at=0):
     q, k, v, plan, sched, out, lse_bht = res
     dout, dlse = cts
     tq, tk = q.shape[1], k.shape[1]
@@ -188,9 +189,19 @@ def _ffa_bwd(cfg, res, cts, between_dkv_dq=None):
                                     bcfg(cfg.dq_num_stages, cfg.dq_persistent), sched.dq)
     if between_dkv_dq is None:
         dq = dq_kernel(args)
-    dk, dv = ffa_dkv(*args, plan.k_order, plan.k_offsets, plan.k_items,
-                     bcfg(cfg.dkv_num_stages, cfg.dkv_persistent), sched.dkv)
-    dk, dv = dk[:, :tk], dv[:, :tk]
+    dkv_kernel = functools.partial(ffa_dkv, *args, plan.k_order, plan.k_offsets, plan.k_items,
+                                   bcfg(cfg.dkv_num_stages, cfg.dkv_persistent), sched.dkv)
+    if split_kv_at and split_kv_at % DKV_SPLIT_ALIGN == 0:
+        # Each tile stored straight into its part: no slicing copy of the first part.
+        dk0, dv0, dk1, dv1 = dkv_kernel(split=split_kv_at)
+        rest = tk - split_kv_at
+        dk, dv = (dk0, dk1[:, :rest]), (dv0, dv1[:, :rest])
+    else:
+        dk, dv = dkv_kernel()
+        dk, dv = dk[:, :tk], dv[:, :tk]
+        if split_kv_at:
+            dk, dv = (dk[:, :split_kv_at], dk[:, split_kv_at:]), (dv[:, :split_kv_at],
+                                                                 dv[:, split_kv_at:])
     if between_dkv_dq is None:
         return dq[:, :tq], dk, dv, None, None
     # dK/dV first, then the hook (e.g. a started collective of dK/dV), then dQ. Only the
@@ -296,7 +307,7 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
 
 def ffa_pallas_backward(q, k, v, plan: KernelPlanArrays, out, lse, dout, dlse, *,
                         softmax_scale: float, softcap: float = 0.0, interpret: bool = False,
-                        between_dkv_dq=None):
+                        between_dkv_dq=None, split_kv_at: int = 0):
     """The backward of :func:`ffa_pallas` from a forward's ``(out, lse)``, which may be the
     merged result of several calls (context parallelism runs each stage's backward against
     the merged output). Shapes as :func:`ffa_pallas`: q/out/dout ``[(B,) Tq, Hq, D]``, k/v
@@ -306,7 +317,9 @@ def ffa_pallas_backward(q, k, v, plan: KernelPlanArrays, out, lse, dout, dlse, *
     ``between_dkv_dq(dk, dv) -> token`` (an array): the dK/dV kernel runs first, then this
     hook, then the dQ kernel; the token comes back as a fourth output, ordered after dQ.
     Context parallelism starts the group-reduce of dK/dV there, to move beside the dQ
-    kernel, and ends it with the token."""
+    kernel, and ends it with the token. ``split_kv_at=n`` (with the hook): the hook gets,
+    and the call returns, dK and dV each as two arrays, rows ``[:n]`` and ``[n:]``; where
+    ``n`` is a multiple of ``DKV_SPLIT_ALIGN`` the kernel stores them apart (no copy)."""
     cfg = _Config(float(softmax_scale), float(softcap), bool(interpret))
     plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     lift = (lambda x: x) if q.ndim == 4 else (lambda x: x[None])
@@ -314,6 +327,8 @@ def ffa_pallas_backward(q, k, v, plan: KernelPlanArrays, out, lse, dout, dlse, *
     res = (lift(q), lift(k), lift(v), plan, _NO_SCHEDULES, lift(out),
            jnp.swapaxes(lift(lse), 1, 2))
     if between_dkv_dq is None:
+        if split_kv_at:
+            raise ValueError("ffa_pallas_backward: split_kv_at goes with between_dkv_dq")
         dq, dk, dv, _, _ = _ffa_bwd(cfg, res, (lift(dout), lift(dlse)))
         return unlift(dq), unlift(dk), unlift(dv)
     # The hook's dK/dV are the ones returned (one value each: a started collective's inputs
@@ -321,10 +336,10 @@ def ffa_pallas_backward(q, k, v, plan: KernelPlanArrays, out, lse, dout, dlse, *
     held = []
 
     def hook(dk, dv):
-        held.extend((unlift(dk), unlift(dv)))
+        held.extend(jax.tree.map(unlift, (dk, dv)))
         return between_dkv_dq(*held)
 
-    dq, _, _, token = _ffa_bwd(cfg, res, (lift(dout), lift(dlse)), hook)
+    dq, _, _, token = _ffa_bwd(cfg, res, (lift(dout), lift(dlse)), hook, split_kv_at)
     return unlift(dq), held[0], held[1], token
 
 

@@ -32,6 +32,8 @@ from magi_jax.pallas.plan import DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K, FWD_BLOC
 __all__ = ["BwdConfig", "ffa_dq", "ffa_dkv"]
 
 _COMPUTE_WGS = 2
+# ffa_dkv's split: a multiple of the rows one warpgroup stores.
+DKV_SPLIT_ALIGN = DKV_BLOCK_K // _COMPUTE_WGS
 _LAYOUT = plgpu.Layout.WGMMA
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 _COL = plgpu.Layout.WGMMA.reduce(0)
@@ -163,16 +165,20 @@ def _consume_units(num_mine, load_unit, work_of, unit):
 
 def _store_outputs(outs, persistent):
     """Writes a unit's ``(smem buffer, value, gmem destination)`` outputs through shared
-    memory. Persistent: the buffers are the kernel's own, so only the previous unit's stores
-    must have read them and this unit's stores run on under the next unit; otherwise the
-    buffers are the unit's inputs and the stores complete here."""
+    memory; a destination may be a function storing the buffer. Persistent: the buffers are
+    the kernel's own, so only the previous unit's stores must have read them and this unit's
+    stores run on under the next unit; otherwise the buffers are the unit's inputs and the
+    stores complete here."""
     if persistent:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     for buf, value, _ in outs:
         buf[...] = value
     plgpu.commit_smem()
     for buf, _, dst in outs:
-        plgpu.copy_smem_to_gmem(buf, dst)
+        if callable(dst):
+            dst(buf)
+        else:
+            plgpu.copy_smem_to_gmem(buf, dst)
     if not persistent:
         plgpu.wait_smem_to_gmem(0)
 
@@ -341,15 +347,19 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
     )(q, k, v, dout, lse2, delta, order, offsets, items, *schedule)
 
 
-def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, schedule=()):
+def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, schedule=(),
+            split: int = 0):
     """dK, dV. Same inputs as :func:`ffa_dq` but the dK/dV work list (k-tiles of 128 keys,
     q-steps of 64 rows) and a ``schedule`` for ``B·Hkv`` groups. Returns ``(dk, dv)`` like
-    k."""
+    k; with ``split`` (a multiple of :data:`DKV_SPLIT_ALIGN` inside k's rows),
+    ``(dk[:, :split], dv[:, :split], dk[:, split:], dv[:, split:])`` as four arrays, each
+    tile stored straight into its part (context parallelism sums the first part in place)."""
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1:3]
     group = hq // hkv
     num_tiles = tk // DKV_BLOCK_K
     assert order.shape == (num_tiles,)
+    assert split % DKV_SPLIT_ALIGN == 0 and 0 <= split < tk, (split, tk)
     dtype = q.dtype
     bq, bk, stages = DKV_BLOCK_Q, DKV_BLOCK_K // _COMPUTE_WGS, cfg.num_stages
     persistent = cfg.persistent > 0
@@ -359,9 +369,9 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
                *refs):
         sched_refs, refs = refs[:len(schedule)], refs[len(schedule):]
-        (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready,
-         q_ready, do_ready, lse_ready, delta_ready, q_free, do_free, lse_free, delta_free,
-         *extra) = refs
+        outs, refs = refs[:4 if split else 2], refs[4 if split else 2:]
+        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready,
+         lse_ready, delta_ready, q_free, do_free, lse_free, delta_free, *extra) = refs
         dk_smem, dv_smem = extra[:2] if persistent else (None, None)
         stage = extra[2:] if persistent else extra
         wg = lax.axis_index("wg")
@@ -453,10 +463,21 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                 dk, dv = pl.run_scoped(run, plgpu.ACC((bk, d), jnp.float32),
                                        plgpu.ACC((bk, d), jnp.float32))
                 out_k, out_v = (dk_smem.at[wg], dv_smem.at[wg]) if persistent else (my_k, my_v)
-                _store_outputs([(out_k, (dk * cfg.scale).astype(dtype),
-                                 dk_ref.at[batch, cols, kv_head]),
-                                (out_v, dv.astype(dtype), dv_ref.at[batch, cols, kv_head])],
-                               persistent)
+
+                def dst(l):   # where output l (0: dK, 1: dV) takes these rows
+                    if not split:
+                        return outs[l].at[batch, cols, kv_head]
+
+                    def store(buf):
+                        first, rest = outs[l], outs[2 + l]
+                        pl.when(col0 < split)(lambda: plgpu.copy_smem_to_gmem(
+                            buf, first.at[batch, cols, kv_head]))
+                        pl.when(col0 >= split)(lambda: plgpu.copy_smem_to_gmem(
+                            buf, rest.at[batch, pl.ds(col0 - split, bk), kv_head]))
+                    return store
+
+                _store_outputs([(out_k, (dk * cfg.scale).astype(dtype), dst(0)),
+                                (out_v, dv.astype(dtype), dst(1))], persistent)
                 return base + num_steps if persistent else None
 
             if persistent:
@@ -515,8 +536,10 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
     scratch += out_scratch
     if cfg.interpret:
         scratch.append(smem((_COMPUTE_WGS, 2, bk, bq), dtype))
-    kv = jax.ShapeDtypeStruct(k.shape, dtype)
+    kv = lambda rows: jax.ShapeDtypeStruct((b, rows, hkv, d), dtype)
+    out_type = (kv(split), kv(split), kv(tk - split), kv(tk - split)) if split else (kv(tk),
+                                                                                       kv(tk))
     return plgpu.kernel(
-        kernel, out_type=(kv, kv), scratch_types=scratch, grid=grid, grid_names=grid_names,
+        kernel, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
         num_threads=_COMPUTE_WGS + 1, thread_name="wg", **_params(cfg),
     )(q, k, v, dout, lse2, delta, order, offsets, items, *schedule)

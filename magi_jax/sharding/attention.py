@@ -116,10 +116,12 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
     stage's rows start with the local ones, which it adds; ``final``: nothing else adds to
     the result, so it may come in the inputs' dtype) can overlap the host stage's backward.
     A ``send_back`` with a ``start(i, final)`` method (:func:`group_send_back`) may start the
-    last remote stage's reduce instead: ``start`` returns ``rows -> (token, done)`` (or
-    ``None``), the stage's backward computes dK/dV first, starts it, runs dQ, and
-    ``done(token)`` comes after the host stage's backward. Returns ``dq`` (float32) and the
-    local ``(dk, dv)`` (float32, or kv's dtype when one stage made them)."""
+    last remote stage's reduce instead: ``start`` returns ``(rows, own) -> (token, done)``
+    (or ``None``), the stage's backward computes dK/dV first, starts it, runs dQ, and
+    ``done(token)`` comes after the host stage's backward. A combined stage's dK/dV come
+    from the kernel in two parts, the local rows (``own``, which the done call sums into in
+    place) and the fetched ones (``rows``). Returns ``dq`` (float32) and the local
+    ``(dk, dv)`` (float32, or kv's dtype when one stage made them)."""
     be, kw = get_backend(cfg.backend), dict(cfg.kw)
     acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     up = lambda tree: jax.tree.map(lambda a: a.astype(acc), tree)
@@ -136,12 +138,18 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
         args = ((out, lse), q, kk, vv, ffa_arrays, cts)
         if starter is not None and i == remote[-1]:
             pending = {}
+            own_rows = kv[0].shape[0] if stage.combined else 0
 
             def between(dk, dv):
-                pending["token"], pending["done"] = starter((dk, dv))
+                if own_rows:     # (local rows, fetched rows) each
+                    rows, own = (dk[1], dv[1]), (dk[0], dv[0])
+                else:
+                    rows, own = (dk, dv), None
+                pending["token"], pending["done"] = starter(rows, own)
                 return pending["token"]
 
-            dq_i, _, _, token = be.split_bwd(*args, between_dkv_dq=between, **kw)
+            dq_i, _, _, token = be.split_bwd(*args, between_dkv_dq=between,
+                                             split_kv_at=own_rows, **kw)
             finish = functools.partial(pending["done"], token)
         else:
             dq_i, dk_i, dv_i = be.split_bwd(*args, **kw)
@@ -161,7 +169,8 @@ def group_fetch(kv, stage_arrays, cfg):
 class group_send_back:
     """``send_back(i, rows, final)`` of :func:`rank_stages`: group-reduce onto the owners.
     ``start(i, final)``: where the native transport can start stage ``i``'s reduce
-    (:func:`magi_jax.native.can_start_reduce`), ``rows -> (token, done)``; else ``None``."""
+    (:func:`magi_jax.native.can_start_reduce`), ``(rows, own) -> (token, done)`` (``own``:
+    a combined stage's local rows, apart from its fetched ``rows``); else ``None``."""
 
     def __init__(self, kv, stage_arrays, cfg):
         self.rows, self.stage_arrays, self.cfg = kv[0].shape[0], stage_arrays, cfg
@@ -179,8 +188,8 @@ class group_send_back:
         spec = self.cfg.stages[i].cast
         if spec.transport != "native" or not native.can_start_reduce(spec):
             return None
-        args, kw = self._args(i, final)
-        return lambda rows: _start_reduce(rows, *args, **kw)
+        args, _ = self._args(i, final)
+        return lambda rows, own: _start_reduce(rows, *args, own=own, round_to_input=final)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

@@ -347,14 +347,16 @@ def _reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, prefix: bool =
         for i, a in enumerate(leaves)])
 
 
-def _start_reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, prefix: bool = False,
+def _start_reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, own=None,
                   round_to_input: bool = False):
     """:func:`_reduce` started (:func:`magi_jax.native.group_reduce_start`; call it where
     ``spec``'s transport is native and :func:`magi_jax.native.can_start_reduce`):
-    ``(token, done)`` with ``done(token)`` giving ``_reduce``'s result."""
+    ``(token, done)`` with ``done(token)`` giving ``_reduce``'s result. ``own``: the owner's
+    own rows, y's structure of ``[num_rows, ...]`` arrays, added to the sums (``_reduce``'s
+    prefix, apart: with ``round_to_input`` the sums are written into them in place)."""
     leaves, tree = jax.tree.flatten(y)
     token, done = native.group_reduce_start(
-        leaves, tables, spec, num_rows, prefix=prefix,
+        leaves, tables, spec, num_rows, own=None if own is None else tree.flatten_up_to(own),
         out_dtype=leaves[0].dtype if round_to_input else None)
     return token, lambda t: tree.unflatten(done(t))
 

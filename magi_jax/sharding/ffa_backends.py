@@ -32,7 +32,9 @@ class FFABackend:
     merged result of several calls, whose backward each call can then run on its own. With
     ``between_dkv_dq=fn`` it returns ``(dq, dk, dv, token)``, ``token = fn(dk, dv)``: the
     pallas backend computes dK/dV, calls ``fn``, then runs its dQ kernel and orders the token
-    after it, so that a collective started in ``fn`` moves beside the dQ kernel."""
+    after it, so that a collective started in ``fn`` moves beside the dQ kernel. With
+    ``split_kv_at=n`` too, ``fn`` gets (and the call returns) dK and dV each as a pair of
+    arrays, rows ``[:n]`` and ``[n:]`` (the pallas kernel stores them apart)."""
 
     name: str
     build: Callable       # (shapes, total_q, total_k, block_q, block_k) -> plan arrays
@@ -51,11 +53,13 @@ def _xla() -> FFABackend:
         out, lse = X.xla_ffa_forward(q, k, v, plan, **kw)
         return (out, lse), (out, lse)
 
-    def split_bwd(saved, q, k, v, plan, cts, *, between_dkv_dq=None, **kw):
+    def split_bwd(saved, q, k, v, plan, cts, *, between_dkv_dq=None, split_kv_at=0, **kw):
         out, lse = saved
         dq, dk, dv = X.xla_ffa_backward(q, k, v, out, lse, *cts, plan, **kw)
         if between_dkv_dq is None:
             return dq, dk, dv
+        if split_kv_at:
+            dk, dv = (dk[:split_kv_at], dk[split_kv_at:]), (dv[:split_kv_at], dv[split_kv_at:])
         return dq, dk, dv, between_dkv_dq(dk, dv)
 
     return FFABackend(
@@ -79,11 +83,11 @@ def _pallas(interpret: bool = False) -> FFABackend:
         return (out, lse), (out, lse)
 
     def split_bwd(saved, q, k, v, plan, cts, *, softmax_scale, softcap, block_q, block_k,
-                  between_dkv_dq=None):
+                  between_dkv_dq=None, split_kv_at=0):
         del block_q, block_k
         return ffa_pallas_backward(q, k, v, plan, *saved, *cts, softmax_scale=softmax_scale,
                                    softcap=softcap, interpret=interpret,
-                                   between_dkv_dq=between_dkv_dq)
+                                   between_dkv_dq=between_dkv_dq, split_kv_at=split_kv_at)
 
     def call(q, k, v, plan, *, softmax_scale, softcap, block_q, block_k):
         del block_q, block_k            # the kernels tile with their own block sizes

@@ -175,9 +175,18 @@ def main(rank, nprocs, port):
         a1, a0, _ = jax.lax.optimization_barrier((y1[0], y0[0], first))
         tok2, done2 = native.group_reduce_start([a1, a0], t, spec_s, t_loc, prefix=True)
         second = done2(tok2)
-        return tuple(o[None] for o in (*first, *second, cast, red))
+        # The own rows apart, summed in place (rows nobody sends to are not touched), started
+        # and synchronous.
+        b0, b1, _ = jax.lax.optimization_barrier((y0[0], y1[0], second))
+        own = [b0[:t_loc], b1[:t_loc]]
+        tok3, done3 = native.group_reduce_start([b0[t_loc:], b1[t_loc:]], t, spec_s, t_loc,
+                                                own=own, out_dtype=jnp.bfloat16)
+        third = done3(tok3)
+        apart = native.group_reduce(b0[t_loc:], t, spec_s, t_loc, own=b0[:t_loc],
+                                    out_dtype=jnp.bfloat16)
+        return tuple(o[None] for o in (*first, *second, cast, red, *third, apart))
     f = jax.jit(jax.shard_map(started, mesh=mesh, in_specs=(P("cp"),) * 5,
-                              out_specs=(P("cp"),) * 6, check_vma=False))
+                              out_specs=(P("cp"),) * 9, check_vma=False))
     for _ in range(3):
         outs = [_local(o)[0] for o in f(g(xs[0]), g(ys[0]), g(ys[1]), g(table.send_index),
                                         g(table.recv_index))]
@@ -191,6 +200,8 @@ def main(rank, nprocs, port):
         np.testing.assert_array_equal(
             outs[4], np.concatenate([xs[0][rank], cast_model(xs[0], table)[rank]]), "cast")
         np.testing.assert_array_equal(outs[5], sums[0], "reduce between")
+        for i, name in ((6, "own apart 0"), (7, "own apart 1"), (8, "own apart, sync")):
+            np.testing.assert_array_equal(outs[i], sums[(i - 6) % 2].astype(jnp.bfloat16), name)
     print(f"rank {rank}: started reduces OK", flush=True)
 
     # Every data path / staging / grid variant of the CUDA kernels on one layout (tiny chunks
@@ -277,9 +288,11 @@ def main(rank, nprocs, port):
     res_c = grads(key_c)
     for name, a, b in zip(("out", "dq", "dk", "dv"), res_c, grads(key_cx)):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4, err_msg=f"combined {name}")
-    # The Mosaic GPU kernels in bf16: their backward computes dK/dV, starts the reduce (copy
-    # engines), runs dQ, then ends it. Against the XLA transport, and against the reduce
-    # where it is called (jax.clear_caches: jit keys do not hold the tuning), bit for bit.
+    # The Mosaic GPU kernels in bf16: their backward computes dK/dV (a combined stage's in
+    # two parts, local and fetched rows), starts the reduce (a copy kernel on a side
+    # stream), runs dQ, then ends it (summing into the local part in place). Against the
+    # XLA transport, and against the reduce where it is called (jax.clear_caches: jit keys
+    # do not hold the tuning), bit for bit.
     qkv16, do16 = qkv.astype(jnp.bfloat16), do.astype(jnp.bfloat16)
 
     def grads16(comm, degree):

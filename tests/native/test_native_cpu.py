@@ -298,6 +298,52 @@ def test_started_reduce_matches_reduce(cp):
         run(dataclasses.replace(spec, runs=(shifted, offsets)))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_reduce_with_own_rows_apart(dtype):
+    # own= (the owner's rows as arrays of their own) gives prefix=True's result bit for bit,
+    # synchronous and started; in the own rows' dtype the call aliases them (in place), and
+    # an own array used afterwards still holds its values (XLA copies it first).
+    cp = 2
+    rng = np.random.default_rng(21)
+    table, t_loc = _random_table(rng, cp, 3, 2, 1)
+    spec = CastSpec("cp", cp, table.shifts, table.widths, "native", native.reduce_runs(table))
+    y = rng.standard_normal((cp, t_loc + table.buffer_len, 2, 4)).astype(dtype)
+    mesh = _mesh(cp)
+
+    def body(y_, send, recv):
+        t = CastArrays(send[0], recv[0])
+        ys = [y_[0], 2 * y_[0]]
+        own, buf = [a[:t_loc] for a in ys], [a[t_loc:] for a in ys]
+        want = native.group_reduce(ys, t, spec, t_loc, prefix=True, out_dtype=dtype)
+        sync = native.group_reduce(buf, t, spec, t_loc, own=own, out_dtype=dtype)
+        token, done = native.group_reduce_start(buf, t, spec, t_loc, own=own, out_dtype=dtype)
+        wide = native.group_reduce(buf, t, spec, t_loc, own=own)    # float32 sums
+        return tuple(a[None] for a in (*want, *sync, *done(token), *wide, own[0]))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 3,
+                              out_specs=(P("cp"),) * 9, check_vma=False))
+    put = lambda a: jax.device_put(a, jax.NamedSharding(mesh, P("cp")))
+    args = (put(y), put(table.send_index), put(table.recv_index))
+    hlo = f.lower(*args).as_text()
+    assert "output_operand_aliases" in hlo
+    got = [np.asarray(o) for o in f(*args)]
+    for g in got[2:6]:
+        assert g.dtype == y.dtype
+    np.testing.assert_array_equal(got[2], got[0])
+    np.testing.assert_array_equal(got[3], got[1])
+    np.testing.assert_array_equal(got[4], got[0])
+    np.testing.assert_array_equal(got[5], got[1])
+    assert got[6].dtype == np.float32
+    np.testing.assert_allclose(got[6], y[:, :t_loc].astype(np.float32) + reduce_model(
+        y[:, t_loc:].astype(np.float32), table, t_loc), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[8], y[:, :t_loc])
+    with pytest.raises(ValueError, match="either in y"):
+        jax.eval_shape(lambda: native.group_reduce(
+            jnp.zeros((t_loc + table.buffer_len, 2)), CastArrays(table.send_index[0],
+                                                                  table.recv_index[0]),
+            spec, t_loc, prefix=True, own=jnp.zeros((t_loc, 2))))
+
+
 def test_reduce_runs_of_scattered_tables_are_refused():
     # More than MAX_RUNS runs on a rank: no started reduce (each run is a host-queued copy).
     b = 2 * native.MAX_RUNS + 2

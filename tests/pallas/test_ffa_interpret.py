@@ -300,3 +300,30 @@ def test_backward_with_work_between_dkv_and_dq():
     np.testing.assert_allclose(np.asarray(token)[0], float(
         np.asarray(want[1], np.float32).sum() + np.asarray(want[2], np.float32).sum()),
         rtol=1e-5)
+
+
+@pytest.mark.parametrize("split", [128, 100])
+def test_backward_hook_with_dkv_in_two_parts(split):
+    # split_kv_at: the hook gets dK and dV as (rows [:split], rows [split:]); an aligned split
+    # is stored apart by the kernel (128), another sliced (100); the same values either way.
+    from magi_jax.pallas import DKV_SPLIT_ALIGN, ffa_pallas_backward
+    assert (split % DKV_SPLIT_ALIGN == 0) == (split == 128)
+    plan = kernel_plan_for_mask(IRREGULAR).arrays()
+    q, k, v, dout, dlse = random_inputs(jax.random.key(13), IRREGULAR, 2, 1, 64,
+                                        jnp.bfloat16)
+    out, lse = ffa_pallas(q, k, v, plan, softmax_scale=0.125, interpret=True)
+    _, dk, dv = ffa_pallas_backward(q, k, v, plan, out, lse, dout, dlse, softmax_scale=0.125,
+                                    interpret=True)
+    seen = []
+
+    def hook(dk2, dv2):
+        seen.append((dk2, dv2))
+        return jnp.zeros((1,), jnp.int32)
+    _, dk2, dv2, _ = ffa_pallas_backward(q, k, v, plan, out, lse, dout, dlse,
+                                         softmax_scale=0.125, interpret=True,
+                                         between_dkv_dq=hook, split_kv_at=split)
+    assert seen[0][0] is dk2 and seen[0][1] is dv2
+    for name, parts, whole in (("dk", dk2, dk), ("dv", dv2, dv)):
+        assert [p.shape[0] for p in parts] == [split, k.shape[0] - split], name
+        np.testing.assert_array_equal(np.asarray(jnp.concatenate(parts), np.float32),
+                                      np.asarray(whole, np.float32), err_msg=name)
