@@ -50,7 +50,7 @@ OPS = ("native_cast", "xla_cast", "ppermute", "all_to_all", "ragged_all_to_all",
 # one staging region): the other data path, double buffering, chunk sizes, and the split of
 # blocks between sending and receiving (a block of the kernels takes a whole SM: keep send +
 # receive <= 132 on an H200 so that every block is resident at once).
-DEFAULT_VARIANTS = ("push:memcpy_cast=1,pull,push:double_buffer=1,pull:double_buffer=1,push:chunk_kib=64,"
+DEFAULT_VARIANTS = ("pull,push:double_buffer=1,pull:double_buffer=1,push:chunk_kib=64,"
                     "push:chunk_kib=1024,pull:chunk_kib=1024,push:send_blocks=32,"
                     "push:send_blocks=96:recv_blocks=32,push:recv_blocks=32,"
                     "pull:send_blocks=32:recv_blocks=96,pull:send_blocks=16:recv_blocks=112")
@@ -70,7 +70,7 @@ def _tuning_fields(fields) -> dict:
     for f in fields:
         k, v = f.split("=")
         out[k] = (v if k == "mode" or not v.isdigit() else
-                  bool(int(v)) if k in ("double_buffer", "started_reduce", "memcpy_cast") else int(v))
+                  bool(int(v)) if k in ("double_buffer", "started_reduce") else int(v))
     return out
 
 
@@ -270,7 +270,7 @@ def worker(args):
         xgs = [make_x(t, i) for i in range(k)]
         xg = xgs[0]
         xg2 = g(np.ones((2, 2, t, feat), jnp.bfloat16))
-        spec_n = CastSpec("cp", 2, (1,), (t,), "native", None, native.cast_runs(table))
+        spec_n = CastSpec("cp", 2, (1,), (t,), "native")
         spec_x = CastSpec("cp", 2, (1,), (t,), "ppermute")
         row = {"bytes": nbytes, "rows": t}
         native_in = [(x_, send, recv) for x_ in xgs]

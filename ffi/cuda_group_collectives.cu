@@ -82,12 +82,6 @@ struct Context {
   uint64_t epoch = 0;            // host: native collectives enqueued so far
   int64_t prev_lo = 0, prev_hi = 0;  // host: staging region [lo, hi) of the previous call
   bool prev_top = true;              // host: the previous call used the top of staging
-  // Casts whose sends are the driver's copies (CastByCopies): a side stream, its fork and
-  // join events, and 64-bit stream memory operations (driver API, resolved at init).
-  cudaStream_t copy_side = nullptr;
-  cudaEvent_t copy_fork = nullptr, copy_join = nullptr;
-  CUresult (*wait64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
-  CUresult (*write64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
 };
 Context g;
 
@@ -159,9 +153,7 @@ struct CollectiveState {
   bool own_apart = false;        // reduce: the own rows are arrays of their own (prefix)
   int64_t timeout_ns = 0;
   int64_t call_id = 0;           // a started reduce's start and done share it
-  // Started reduce: this PE's (b0, e0, len) runs of the receive table. Cast: its
-  // (j, p0, r0, len) runs of the send table when the sends are copies, else empty.
-  std::vector<int64_t> runs;
+  std::vector<int64_t> runs;     // started reduce: this PE's (b0, e0, len) runs
 };
 ffi::TypeId CollectiveState::id = XLA_FFI_UNKNOWN_TYPE_ID;
 XLA_FFI_TypeInfo g_state_info = ffi::MakeTypeInfo<CollectiveState>();
@@ -430,63 +422,6 @@ ffi::ErrorOr<Leaves> GetLeaves(const char* op, ffi::RemainingArgs args, ffi::Rem
   return L;
 }
 
-// A cast's sends as the driver's copies (CudaTuning.memcpy_cast): on a side stream forked
-// from XLA's, wait (stream memory waits) until every PE has read the staging region this call
-// overwrites, then copy each run of the send table (j, p0, r0, len: rows r0.. of x to slot j's
-// positions p0..) into the receiver's staging, one 2D copy per array and chunk, and raise
-// each chunk's arrival flag on the receiver after its last copy (a stream memory write, which
-// a memory barrier precedes). Chunks without a real row are neither written nor flagged, as
-// with send blocks. The runs come in slot and position order, so every chunk's copies are
-// queued before its flag. The caller launches the receive blocks on XLA's stream, which then
-// waits for the copies (copy_join).
-ffi::Error QueueCopySends(cudaStream_t stream, const CollectiveState& st, const Plan& P,
-                          const Leaves& L, int64_t x_rows) {
-  cudaEventRecord(g.copy_fork, stream);
-  cudaStreamWaitEvent(g.copy_side, g.copy_fork, 0);
-  for (int q = 0; q < P.cp && P.ack_wait > 0; ++q) {
-    if (g.wait64(g.copy_side, reinterpret_cast<CUdeviceptr>(P.acks + q), P.ack_wait,
-                 CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {
-      return ffi::Error::Internal("magi_jax native group_cast: cuStreamWaitValue64");
-    }
-  }
-  auto flag = [&](int c, int peer) {
-    return g.write64(g.copy_side, reinterpret_cast<CUdeviceptr>(nvshmem_ptr(P.flags + c, peer)),
-                     P.epoch, CU_STREAM_WRITE_VALUE_DEFAULT) == CUDA_SUCCESS;
-  };
-  int pending = -1, pending_peer = 0;  // the chunk whose copies are queued, not yet flagged
-  for (size_t i = 0; i + 3 < st.runs.size(); i += 4) {
-    const int64_t j = st.runs[i], p0 = st.runs[i + 1], r0 = st.runs[i + 2], len = st.runs[i + 3];
-    if (j < 0 || j >= st.n || p0 < 0 || len < 1 || p0 + len > st.widths[j] || r0 < 0 ||
-        r0 + len > x_rows) {
-      return ffi::Error::InvalidArgument(
-          "magi_jax native group_cast: run (" + std::to_string(j) + ", " + std::to_string(p0) +
-          ", " + std::to_string(r0) + ", " + std::to_string(len) + ") is outside the tables");
-    }
-    const int peer = P.send_to[j];
-    char* region = static_cast<char*>(nvshmem_ptr(P.stage, peer)) + P.stage_off;
-    for (int64_t p = p0; p < p0 + len;) {
-      const int c = P.chunk_base[j] + static_cast<int>(p / P.R);
-      const int64_t end = std::min(p0 + len, (p / P.R + 1) * P.R);
-      if (c != pending && pending >= 0 && !flag(pending, pending_peer)) {
-        return ffi::Error::Internal("magi_jax native group_cast: cuStreamWriteValue64");
-      }
-      for (int l = 0; l < L.n; ++l) {
-        cudaMemcpy2DAsync(region + (j * P.S + p) * P.row_bytes + L.off[l], P.row_bytes,
-                          L.src[l] + (r0 + p - p0) * L.bytes[l], L.bytes[l], L.bytes[l],
-                          end - p, cudaMemcpyDeviceToDevice, g.copy_side);
-      }
-      pending = c;
-      pending_peer = peer;
-      p = end;
-    }
-  }
-  if (pending >= 0 && !flag(pending, pending_peer)) {
-    return ffi::Error::Internal("magi_jax native group_cast: cuStreamWriteValue64");
-  }
-  cudaEventRecord(g.copy_join, g.copy_side);
-  return LaunchError("group_cast (copies)");
-}
-
 ffi::Error CastExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi::S32> send,
                        ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
@@ -506,14 +441,9 @@ ffi::Error CastExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi
   const int rows_per_warp = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>(kRowsPerWarp, kernel_rows / warps)));
   Plan P = MakePlan(*st, /*reverse=*/false, row_bytes, x_rows);
-  if (!st->runs.empty()) {
-    if (auto e = QueueCopySends(stream, *st, P, L, x_rows); !e.success()) return e;
-    P.send_blocks = 0;  // the kernel only receives
-  }
   CastKernel<<<P.send_blocks + recv_blocks, kThreads, 0, stream>>>(
       P, L, send.typed_data(), recv.typed_data(), where.typed_data(), prefix_rows, B,
       recv_blocks, rows_per_warp);
-  if (!st->runs.empty()) cudaStreamWaitEvent(stream, g.copy_join, 0);  // x is read until then
   return LaunchError("group_cast");
 }
 
@@ -757,36 +687,8 @@ ffi::Error DoneExecute(cudaStream_t stream, CollectiveState* st, ffi::Buffer<ffi
       .Attr<bool>("double_buffer")                 \
       .Attr<bool>("prefix")
 
-namespace {
-// A cast keeps this PE's send runs (quadruples; PE q's are [run_offsets[q],
-// run_offsets[q + 1])) when its sends are copies, which needs every PE load/store reachable.
-ffi::ErrorOr<std::unique_ptr<CollectiveState>> InstantiateCast(
-    int64_t cp, ffi::Span<const int64_t> shifts, int64_t call_id, int64_t timeout_ms,
-    ffi::Span<const int64_t> widths, int64_t slot_len, int64_t rows_per_chunk,
-    int64_t send_blocks, int64_t recv_blocks, int64_t mode, bool double_buffer, bool prefix,
-    ffi::Span<const int64_t> runs, ffi::Span<const int64_t> run_offsets) {
-  auto st = Instantiate(cp, shifts, call_id, timeout_ms, widths, slot_len, rows_per_chunk,
-                        send_blocks, recv_blocks, mode, double_buffer, prefix);
-  if (!st.has_value()) return st;
-  if (run_offsets.size() != static_cast<size_t>(cp + 1) || run_offsets[cp] > runs.size() ||
-      (run_offsets[cp] - run_offsets[0]) % 4 != 0) {
-    return ffi::Error::InvalidArgument(
-        "magi_jax native group_cast: run_offsets must hold cp + 1 offsets into runs");
-  }
-  if (run_offsets[g.me + 1] > run_offsets[g.me]) {
-    if (!g.all_mapped || g.copy_side == nullptr) {
-      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-          "magi_jax native group_cast: sends by copies need every PE load/store reachable");
-    }
-    (*st)->runs.assign(runs.begin() + run_offsets[g.me], runs.begin() + run_offsets[g.me + 1]);
-  }
-  return st;
-}
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCudaInstantiate, InstantiateCast,
-                              MAGI_INSTANTIATE_BINDING.Attr<ffi::Span<const int64_t>>("runs")
-                                  .Attr<ffi::Span<const int64_t>>("run_offsets"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCudaInstantiate, Instantiate,
+                              MAGI_INSTANTIATE_BINDING);
 
 namespace {
 ffi::ErrorOr<std::unique_ptr<CollectiveState>> InstantiateReduce(
@@ -943,25 +845,6 @@ int magi_nv_init(const char* uid, int rank, int npes, size_t stage_bytes, size_t
   }
   // Every PE in NVSHMEM_TEAM_SHARED is reachable with loads and stores (nvshmem_ptr).
   g.all_mapped = nvshmem_team_n_pes(NVSHMEM_TEAM_SHARED) == npes;
-  // Casts that send by copies (QueueCopySends): without 64-bit stream memory operations
-  // there is no side stream, and such a cast fails at instantiation with a clear error.
-  void* wait64 = nullptr;
-  void* write64 = nullptr;
-  cudaDriverEntryPointQueryResult q64a, q64b;
-  if (g.all_mapped && g.copy_side == nullptr &&
-      cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &wait64, 12000, cudaEnableDefault,
-                                       &q64a) == cudaSuccess &&
-      cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &write64, 12000,
-                                       cudaEnableDefault, &q64b) == cudaSuccess &&
-      wait64 != nullptr && write64 != nullptr) {
-    g.wait64 = reinterpret_cast<decltype(g.wait64)>(wait64);
-    g.write64 = reinterpret_cast<decltype(g.write64)>(write64);
-    if (cudaStreamCreateWithFlags(&g.copy_side, cudaStreamNonBlocking) != cudaSuccess ||
-        cudaEventCreateWithFlags(&g.copy_fork, cudaEventDisableTiming) != cudaSuccess ||
-        cudaEventCreateWithFlags(&g.copy_join, cudaEventDisableTiming) != cudaSuccess) {
-      return Fail(err, err_len, "stream / event creation failed", 4);
-    }
-  }
   // The lane of started reduces (symmetric allocations: every PE makes the same calls).
   if (started_bytes > 0) {
     lane.stage_bytes = started_bytes;
@@ -1024,12 +907,6 @@ int magi_nv_finalize() {
   nvshmem_free(g.flags);
   nvshmem_free(g.acks);
   cudaFree(g.done);
-  if (g.copy_side != nullptr) {
-    cudaStreamDestroy(g.copy_side);
-    cudaEventDestroy(g.copy_fork);
-    cudaEventDestroy(g.copy_join);
-    g.copy_side = nullptr;
-  }
   if (lane.stage != nullptr) {
     nvshmem_free(lane.stage);
     nvshmem_free(lane.flags);

@@ -57,7 +57,7 @@ import numpy as np
 __all__ = ["available", "unavailable_reason", "group_cast", "group_reduce", "MAX_ARRAYS",
            "check_table", "initialize", "finalize", "staging_bytes", "auto_reason",
            "DEFAULT_TIMEOUT_S", "CudaTuning", "tuning", "cuda_tuning", "group_reduce_start",
-           "can_start_reduce", "reduce_runs", "cast_runs", "MAX_RUNS"]
+           "can_start_reduce", "reduce_runs", "MAX_RUNS"]
 
 DEFAULT_TIMEOUT_S = 60.0
 _LIBS = {"cpu": "_magi_native_cpu.so", "cuda": "_magi_native_cuda.so"}
@@ -95,16 +95,10 @@ class CudaTuning:
     (:func:`group_reduce_start`): a copy kernel of 16 blocks on a high-priority stream moves
     the rows beside the dQ kernel. Needs the runs of ``CastSpec.runs`` and every PE
     load/store reachable; otherwise the reduce runs where it is called.
-    ``memcpy_cast``: a cast whose sends are known runs (``CastSpec.cast_runs``) queues them
-    as the driver's copies (``cudaMemcpy2DAsync`` into the peer's staging, on a side stream,
-    each chunk of about 1/16 of a slot followed by its arrival flag, a stream memory write),
-    and its kernel has only receive blocks. Needs every PE load/store reachable; otherwise,
-    or without runs, the send blocks move the rows.
 
     Defaults come from ``MAGI_NATIVE_CAST_MODE``, ``MAGI_NATIVE_SEND_BLOCKS``,
     ``MAGI_NATIVE_RECV_BLOCKS``, ``MAGI_NATIVE_CHUNK_KIB``, ``MAGI_NATIVE_DOUBLE_BUFFER``,
-    ``MAGI_NATIVE_STREAM``, ``MAGI_NATIVE_STARTED_REDUCE``, ``MAGI_NATIVE_MEMCPY_CAST``
-    (read at import); :func:`tuning`
+    ``MAGI_NATIVE_STREAM``, ``MAGI_NATIVE_STARTED_REDUCE`` (read at import); :func:`tuning`
     changes them for the collectives traced inside it.
     """
 
@@ -117,7 +111,6 @@ class CudaTuning:
     double_buffer: bool = False
     stream: int | str = 0
     started_reduce: bool = True
-    memcpy_cast: bool = False
 
     def __post_init__(self):
         if self.mode not in _MODES:
@@ -144,9 +137,7 @@ def _tuning_from_env() -> CudaTuning:
                       not in ("0", "false"),
                       stream=_stream(env("MAGI_NATIVE_STREAM", str(d.stream))),
                       started_reduce=env("MAGI_NATIVE_STARTED_REDUCE",
-                                         str(int(d.started_reduce))) not in ("0", "false"),
-                      memcpy_cast=env("MAGI_NATIVE_MEMCPY_CAST",
-                                      str(int(d.memcpy_cast))) not in ("0", "false"))
+                                         str(int(d.started_reduce))) not in ("0", "false"))
 
 
 _tuning = [_tuning_from_env()]
@@ -465,23 +456,6 @@ def _cuda_attrs(spec, n_rows_per_slot, row_bytes):
                 double_buffer=bool(t.double_buffer))
 
 
-# Chunks (arrival flags) per slot of a cast whose sends are the driver's copies: each is a few
-# host-queued copies, and the receive blocks copy a chunk out while the next arrives.
-_MEMCPY_CHUNKS = 16
-
-
-def _memcpy_attrs(spec, attrs):
-    """A CUDA cast's ``runs`` / ``run_offsets``: :attr:`CudaTuning.memcpy_cast` with the
-    sends' runs known (``spec.cast_runs``) and every PE load/store reachable, else none (one
-    dummy entry: the send blocks move the rows). Sets coarse chunks for the copies."""
-    if not (cuda_tuning().memcpy_cast and spec.cast_runs is not None and _nv["all_mapped"]):
-        return dict(runs=np.zeros(1, np.int64), run_offsets=np.zeros(spec.cp + 1, np.int64))
-    runs, offsets = spec.cast_runs
-    rows = max(1, -(-max(spec.widths) // _MEMCPY_CHUNKS))
-    return dict(runs=np.asarray(runs, np.int64), run_offsets=np.asarray(offsets, np.int64),
-                rows_per_chunk=np.int64(max(rows, int(attrs["rows_per_chunk"]))))
-
-
 def _on_stream(plat, call):
     """``call`` on the XLA GPU stream of :attr:`CudaTuning.stream` (unless 0)."""
     n = cuda_tuning().stream
@@ -547,7 +521,6 @@ def group_cast(x, tables, spec, *, prefix: bool = False, timeout_s: float | None
     if plat == "cuda":
         _ensure_staging(send, _row_bytes(xs), _row_desc(xs))
         attrs.update(_cuda_attrs(spec, send.shape[1], _row_bytes(xs)))
-        attrs.update(_memcpy_attrs(spec, attrs))
     rows = recv.shape[0] + (xs[0].shape[0] if prefix else 0)
     flat = [a.reshape(a.shape[0], -1) for a in xs]
     outs = [jax.ShapeDtypeStruct((rows, f.shape[1]), f.dtype) for f in flat]
@@ -683,32 +656,6 @@ def reduce_runs(table) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
             return None
         lens = np.diff(np.append(first, len(b)))
         flat.extend(np.stack([b[first], eb[first], lens], 1).reshape(-1).tolist())
-        offsets.append(len(flat))
-    return tuple(flat), tuple(offsets)
-
-
-def cast_runs(table) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """What a cast sends as copies (:attr:`CudaTuning.memcpy_cast`), from a stacked
-    ``CastTable``: per rank, the maximal runs ``(j, p0, r0, length)`` of its send table
-    (``send_index[j, p0 + i] = r0 + i``), flattened in slot and position order, and the
-    offsets of each rank's runs in them (``cp + 1``). ``None`` when some rank has more than
-    :data:`MAX_RUNS` runs."""
-    send = np.asarray(table.send_index, np.int64)
-    flat, offsets = [], [0]
-    for rank in send:
-        count = 0
-        for j, row in enumerate(rank):
-            p = np.nonzero(row >= 0)[0]
-            r = row[p]
-            start = np.ones(len(p), bool)
-            start[1:] = (np.diff(p) != 1) | (np.diff(r) != 1)
-            first = np.nonzero(start)[0]
-            count += len(first)
-            if count > MAX_RUNS:
-                return None
-            lens = np.diff(np.append(first, len(p)))
-            flat.extend(np.stack([np.full(len(first), j), p[first], r[first], lens],
-                                 1).reshape(-1).tolist())
         offsets.append(len(flat))
     return tuple(flat), tuple(offsets)
 

@@ -92,9 +92,7 @@ class CastSpec:
     """Static part of a cast: mesh axis, its size, slot shifts/widths and the transport.
     ``runs``: for the native transport, the contiguous runs of every rank's receive table
     (:func:`magi_jax.native.reduce_runs`), with which its reduce can be started
-    (:func:`magi_jax.native.group_reduce_start`); ``None`` if unknown or too many.
-    ``cast_runs``: the same for every rank's send table (:func:`magi_jax.native.cast_runs`),
-    with which its cast can send by copies (:attr:`magi_jax.native.CudaTuning.memcpy_cast`)."""
+    (:func:`magi_jax.native.group_reduce_start`); ``None`` if unknown or too many."""
 
     axis_name: str
     cp: int
@@ -102,7 +100,6 @@ class CastSpec:
     widths: tuple[int, ...]
     transport: str = "ppermute"
     runs: tuple | None = None
-    cast_runs: tuple | None = None
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:

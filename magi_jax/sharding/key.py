@@ -246,12 +246,11 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
             continue
         transport = (choose_transport(st.cast) if comm_backend in ("auto", "xla")
                      else comm_backend)
-        runs = cast_runs = None
+        runs = None
         if transport == "native":
             native.check_table(st.cast)
-            runs, cast_runs = native.reduce_runs(st.cast), native.cast_runs(st.cast)
-        spec = CastSpec(cp_axis, cp, st.cast.shifts, st.cast.widths, transport, runs,
-                        cast_runs)
+            runs = native.reduce_runs(st.cast)
+        spec = CastSpec(cp_axis, cp, st.cast.shifts, st.cast.widths, transport, runs)
         combined = st.kv_len != st.cast.buffer_len
         statics.append(StageStatic(st.kv_len, combined, spec))
         arrays.append((ffa, CastArrays(put(st.cast.send_index), put(st.cast.recv_index))))

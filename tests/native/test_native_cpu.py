@@ -344,32 +344,6 @@ def test_reduce_with_own_rows_apart(dtype):
             spec, t_loc, prefix=True, own=jnp.zeros((t_loc, 2))))
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_cast_runs_rebuild_the_send_tables(cp):
-    # cast_runs: every rank's send table from its runs (j, p0, r0, len), in slot and position
-    # order; with memcpy_cast the native cast on CPU is unchanged (the CPU handler moves the
-    # rows itself) and a key's specs carry the runs.
-    rng = np.random.default_rng(30 + cp)
-    table, _ = _random_table(rng, cp, 3, 2, 1)
-    flat, offsets = native.cast_runs(table)
-    for r in range(cp):
-        rebuilt = np.full(table.send_index.shape[1:], -1)
-        quads = np.reshape(flat[offsets[r]:offsets[r + 1]], (-1, 4))
-        assert [tuple(q[:2]) for q in quads] == sorted(tuple(q[:2]) for q in quads)
-        for j, p0, r0, n in quads:
-            assert n >= 1 and (rebuilt[j, p0:p0 + n] == -1).all()
-            rebuilt[j, p0:p0 + n] = r0 + np.arange(n)
-        np.testing.assert_array_equal(rebuilt, table.send_index[r])
-    scattered = CastTable(np.tile(np.arange(0, 4 * native.MAX_RUNS, 2, dtype=np.int32),
-                                  (2, 1, 1)), table.recv_index, (1,), (2 * native.MAX_RUNS,))
-    assert native.cast_runs(scattered) is None
-    key = make_flex_key(ZOO["doc_causal"], _mesh(2), "cp", overlap_degree=0,
-                        comm_backend="native")
-    assert all(s.cast.cast_runs is not None for s in key.stages if s.cast is not None)
-    with native.tuning(memcpy_cast=True):
-        _check(ZOO["doc_causal"], 2, 0, comm_backend="native")
-
-
 def test_reduce_runs_of_scattered_tables_are_refused():
     # More than MAX_RUNS runs on a rank: no started reduce (each run is a host-queued copy).
     b = 2 * native.MAX_RUNS + 2
