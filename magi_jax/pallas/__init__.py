@@ -26,10 +26,8 @@ from magi_jax.pallas.plan import (DKV_BLOCK_K, FWD_BLOCK_K, FWD_BLOCK_Q, KernelP
                                   WorkList, kernel_plan_for_mask, persistent_schedule)
 
 __all__ = ["flex_flash_attention_pallas", "ffa_pallas", "ffa_pallas_backward", "supported",
-           "DKV_SPLIT_ALIGN",
-           "device_supported",
-           "KernelPlanArrays", "kernel_plan_for_mask", "SUPPORTED_HEAD_DIMS",
-           "SUPPORTED_DTYPES"]
+           "device_supported", "DKV_SPLIT_ALIGN", "KernelPlanArrays", "kernel_plan_for_mask",
+           "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES"]
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
