@@ -28,7 +28,7 @@ reserve. :func:`available` / :func:`unavailable_reason` say whether a platform c
 
 Limits today: on GPU the cp axis must be the mesh's only axis of size > 1, over all processes
 in process order (:func:`check_mesh`); up to 64 slots per cast; reduce input bf16/f16/f32.
-Measured on two H200s (``benchmarks/results/collective_notes.md``, Run 9, five runs of
+Measured on two H200s (``benchmarks/results/collective_notes.md``, Run 9, six runs of
 2026-11-30), GPU time per op at 256 MiB per rank: cast 304-337 GB/s (0.79-0.87x a peer copy;
 ppermute 268-310), reduce 314-331 GB/s; 1 MiB cast 20-40 us.
 
