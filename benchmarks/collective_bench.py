@@ -10,8 +10,8 @@ Every rank sends ``size`` bytes (bf16 rows of ``--row-kib`` KiB) to the other ra
   peer_copy                     torch: one tensor copied GPU0 -> GPU1 (copy engine), one process
 GB/s = bytes sent per rank / time per operation; each time is the best of ``--reps`` runs of
 ``K`` back-to-back operations inside one jitted program (so launch gaps count, host sync not).
-The native rows get a different input per operation and every output of the chain is checked
-against the peer's rows (column ``ok``), so a race between back-to-back calls shows.
+Every row but all_to_all gets a different input per operation and every output of the chain
+is checked against the peer's rows (column ``ok``), so a race between back-to-back calls shows.
 At ``--variant-sizes`` the native cast (and reduce, ``--reduce-variants``) is also timed with
 other ``magi_jax.native.CudaTuning`` settings: ``--variants`` is a comma-separated list of
 ``MODE[:field=value...]``, e.g. ``pull``, ``push:double_buffer=0``, ``pull:chunk_kib=1024``.
@@ -83,6 +83,8 @@ def _args(argv=None):
     ap.add_argument("--row-kib", type=int, default=8, help="row size (a KV token: 2·Hkv·D·2 B)")
     ap.add_argument("--ragged-max-mib", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--ops", type=int, default=0,
+                    help="ops per timed chain (0: 20 up to 4 MiB, 10 up to 64, 5 above)")
     ap.add_argument("--e2e-rounds", type=int, default=5,
                     help="end to end: rounds over every row, in a rotating order (median)")
     ap.add_argument("--e2e-steps", type=int, default=8,
@@ -116,8 +118,9 @@ def _args(argv=None):
     return ap.parse_args(argv)
 
 
-def _k_for(mib: float) -> int:
-    return 20 if mib <= 4 else (10 if mib <= 64 else 5)
+def _k_for(mib: float, ops: int = 0) -> int:
+    """Ops per timed chain: ``--ops``, or by size."""
+    return ops if ops > 0 else 20 if mib <= 4 else (10 if mib <= 64 else 5)
 
 
 # ---- peer copy (one process, both GPUs) -----------------------------------------------------
@@ -137,7 +140,7 @@ def peer_copy(args) -> dict:
         b.copy_(a)
         torch.cuda.synchronize(0)
         torch.cuda.synchronize(1)
-        k, best = _k_for(mib), float("inf")
+        k, best = _k_for(mib, args.ops), float("inf")
         for _ in range(args.reps):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.device(0):
@@ -261,30 +264,31 @@ def worker(args):
             break
         t = max(1, int(mib * 2**20) // (feat * 2))
         nbytes = t * feat * 2
-        k = _k_for(mib)
+        k = _k_for(mib, args.ops)
         # Distinct bf16-exact inputs per operation of a chain, made on the device: op i of
         # rank r sends pattern(r, i); the peer must receive exactly those rows.
         table = CastTable(np.tile(np.arange(t, dtype=np.int32), (2, 1, 1)),
                           np.tile(np.arange(t, dtype=np.int32), (2, 1)), (1,), (t,))
         send, recv = g(table.send_index), g(table.recv_index)
         xgs = [make_x(t, i) for i in range(k)]
-        xg = xgs[0]
         xg2 = g(np.ones((2, 2, t, feat), jnp.bfloat16))
         spec_n = CastSpec("cp", 2, (1,), (t,), "native")
         spec_x = CastSpec("cp", 2, (1,), (t,), "ppermute")
         row = {"bytes": nbytes, "rows": t}
-        native_in = [(x_, send, recv) for x_ in xgs]
+        # Every op of a chain gets its own input (all_to_all: one block of ones), so no op
+        # can reuse what an earlier one read, and its output is checked.
+        tabled = [(x_, send, recv) for x_ in xgs]
+        plain = [(x_,) for x_ in xgs]
         ops = {
             "native_cast": (lambda x_, s_, r_: group_cast(x_, CastArrays(s_, r_), spec_n),
-                            native_in),
-            "xla_cast": (lambda x_, s_, r_: group_cast(x_, CastArrays(s_, r_), spec_x),
-                         (xg, send, recv)),
-            "ppermute": (lambda x_: jax.lax.ppermute(x_, "cp", [(0, 1), (1, 0)]), (xg,)),
-            "all_to_all": (lambda x2_: jax.lax.all_to_all(x2_, "cp", 0, 0), (xg2,)),
+                            tabled),
+            "xla_cast": (lambda x_, s_, r_: group_cast(x_, CastArrays(s_, r_), spec_x), tabled),
+            "ppermute": (lambda x_: jax.lax.ppermute(x_, "cp", [(0, 1), (1, 0)]), plain),
+            "all_to_all": (lambda x2_: jax.lax.all_to_all(x2_, "cp", 0, 0), [(xg2,)] * k),
             "native_reduce": (lambda x_, s_, r_: group_reduce(x_, CastArrays(s_, r_), spec_n, t),
-                              native_in),
+                              tabled),
             "xla_reduce": (lambda x_, s_, r_: group_reduce(x_, CastArrays(s_, r_), spec_x, t),
-                           (xg, send, recv)),
+                           tabled),
         }
         if mib in variant_sizes and not args.skip_native:
             for spec in variants:
@@ -296,7 +300,7 @@ def worker(args):
                             if op == "cast":
                                 return fn(x_, CastArrays(s_, r_), spec_n)
                             return fn(x_, CastArrays(s_, r_), spec_n, t)
-                    ops[f"native_{op}[{spec}]"] = (body, native_in)
+                    ops[f"native_{op}[{spec}]"] = (body, tabled)
         if mib <= args.ragged_max_mib:
             def ragged(x_):
                 r = jax.lax.axis_index("cp")
@@ -304,7 +308,7 @@ def worker(args):
                 zeros = jnp.zeros(2, jnp.int32)
                 return jax.lax.ragged_all_to_all(x_, jnp.zeros_like(x_), zeros, to_peer,
                                                  zeros, to_peer, axis_name="cp")
-            ops["ragged_all_to_all"] = (ragged, (xg,))
+            ops["ragged_all_to_all"] = (ragged, plain)
         for name in OPS + tuple(n for n in ops if "[" in n):
             if name not in ops or (args.skip_native and name.startswith("native")):
                 continue
@@ -313,16 +317,13 @@ def worker(args):
                 continue
             body, arrays = ops[name]
             try:
-                if name.startswith("native"):
-                    s_, outs, run = timed(body, None, k, per_op=arrays)
-                    ok = check(outs, t)
-                    row[name] = {"s": s_, "GBps": nbytes / s_ / 1e9, "ok": ok}
+                s_, outs, run = timed(body, None, k, per_op=arrays)
+                row[name] = {"s": s_, "GBps": nbytes / s_ / 1e9}
+                if name != "all_to_all":   # every other op delivers the peer's rows
+                    row[name]["ok"] = ok = check(outs, t)
                     if not ok:
                         failures.append(f"{mib} MiB {name}")
                         print(f"rank {me}: CHECK FAILED {mib} MiB {name}", flush=True)
-                else:
-                    s_, outs, run = timed(body, arrays, k)
-                    row[name] = {"s": s_, "GBps": nbytes / s_ / 1e9}
                 del outs      # free the chain's outputs before tracing it again
                 if mib in profile_sizes and name in _PROFILED:
                     tr = row[name]["trace"] = trace_summary(run, calls=3)
@@ -332,12 +333,21 @@ def worker(args):
                         # it, like the peer copy's): no program launch or sync around it.
                         row[name]["gpu_s"] = tr["gpu_us"] / k / 1e6
                         row[name]["GBps_gpu"] = nbytes / row[name]["gpu_s"] / 1e9
+                    top = (tr.get("top_kernels") or [{}])[0]
+                    if top.get("count_per_call") == k:
+                        # The chain's first op also absorbs the two processes' start skew;
+                        # these leave it out: one op's median kernel time, and the steady
+                        # time per op after the first (gaps between the ops included).
+                        row[name]["kernel_s"] = top["median_us"] / 1e6
+                        row[name]["GBps_kernel"] = nbytes / row[name]["kernel_s"] / 1e9
+                        row[name]["steady_s"] = tr["steady_op_us"] / 1e6
+                        row[name]["GBps_steady"] = nbytes / row[name]["steady_s"] / 1e9
             except Exception as e:  # noqa: BLE001 - a row that fails is reported, not fatal
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             if me == 0:
                 print(f"{mib:6.0f} MiB {name:34s} {row[name]}", flush=True)
         rows[str(mib)] = row
-        del xg, xg2, xgs, ops, native_in
+        del xg2, xgs, ops, tabled, plain
     result = {"sizes": rows}
     if not args.no_e2e and time.time() - t_start < args.budget_s + 20:
         result["e2e"] = e2e(args, mesh, me)
@@ -348,7 +358,7 @@ def worker(args):
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "_worker0.json").write_text(json.dumps(result))
     if failures:
-        print(f"rank {me}: {len(failures)} native rows delivered wrong data: {failures}",
+        print(f"rank {me}: {len(failures)} rows delivered wrong data: {failures}",
               flush=True)
         sys.exit(3)
 
@@ -482,6 +492,7 @@ def launch(args):
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     base = [sys.executable, str(Path(__file__).resolve())]
     passthru = ["--sizes", args.sizes, "--row-kib", str(args.row_kib), "--reps", str(args.reps),
+                "--ops", str(args.ops),
                 "--ragged-max-mib", str(args.ragged_max_mib), "--out", args.out,
                 "--budget-s", str(args.budget_s), "--e2e-tokens", str(args.e2e_tokens),
                 "--e2e-backends", args.e2e_backends, "--e2e-modes", args.e2e_modes,
@@ -553,7 +564,7 @@ def markdown(res) -> str:
              "GB/s = bytes sent per rank / time per op (best of reps, ops back to back).", ""]
     cols = ["native_cast", "native_reduce", "xla_cast", "xla_reduce", "ppermute", "all_to_all",
             "ragged_all_to_all", "peer_copy"]
-    lines.append("| MiB/rank | " + " | ".join(cols) + " | native cast µs | native ok |")
+    lines.append("| MiB/rank | " + " | ".join(cols) + " | native cast µs | outputs ok |")
     lines.append("|---" * (len(cols) + 3) + "|")
     for mib, row in res.get("sizes", {}).items():
         cells = []
@@ -561,8 +572,7 @@ def markdown(res) -> str:
             v = row.get(c)
             cells.append("" if v is None else (f"{v['GBps']:.1f}" if "GBps" in v else "error"))
         us = row.get("native_cast", {}).get("s")
-        oks = [v.get("ok") for n, v in row.items() if n.startswith("native")
-               and isinstance(v, dict) and "ok" in v]
+        oks = [v.get("ok") for v in row.values() if isinstance(v, dict) and "ok" in v]
         lines.append(f"| {float(mib):g} | " + " | ".join(cells) +
                      (f" | {us * 1e6:.1f} |" if us else " | |") +
                      (" all |" if oks and all(oks) else (" **NO** |" if oks else " |")))
@@ -597,10 +607,15 @@ def markdown(res) -> str:
                if isinstance(v, dict) and "gpu_s" in v]
         if gpu:
             lines += ["", "The same chains by GPU time per op (the peer copy is timed so too, "
-                      "with CUDA events):", "", "| MiB/rank | row | µs per op | GB/s |",
-                      "|---|---|---|---|"]
-            lines += [f"| {float(mib):g} | {n} | {v['gpu_s'] * 1e6:.1f} | {v['GBps_gpu']:.1f} |"
-                      for mib, n, v in gpu]
+                      "with CUDA events): the call's span / ops; steady, from the end of the "
+                      "first op to the end of the last / (ops - 1); one op's median kernel "
+                      "time:", "",
+                      "| MiB/rank | row | span µs/op | GB/s | steady µs/op | GB/s | kernel µs "
+                      "| GB/s |", "|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {float(mib):g} | {n} | {v['gpu_s'] * 1e6:.1f} | {v['GBps_gpu']:.1f} | "
+                      + (f"{v['steady_s'] * 1e6:.1f} | {v['GBps_steady']:.1f} | "
+                         f"{v['kernel_s'] * 1e6:.1f} | {v['GBps_kernel']:.1f} |"
+                         if "kernel_s" in v else " | | | |") for mib, n, v in gpu]
     if res.get("check_failures"):
         lines += ["", f"**Wrong data delivered:** {res['check_failures']}"]
     if "e2e" in res:

@@ -57,7 +57,10 @@ for mib in (256, 1):
         if isinstance(v, dict) and "gpu_s" in v:
             print(f"  {mib:3d} MiB {n:40s} GPU time {v['gpu_s'] * 1e6:7.1f} us/op "
                   f"{v['GBps_gpu']:6.1f} GB/s" + (f"  {v['GBps_gpu'] / peer:.2f}x peer copy"
-                                                  if peer and mib == 256 else ""))
+                                                  if peer and mib == 256 else "")
+                  + (f"; steady {v['steady_s'] * 1e6:7.1f} us {v['GBps_steady']:6.1f} GB/s; "
+                     f"kernel median {v['kernel_s'] * 1e6:7.1f} us {v['GBps_kernel']:6.1f} GB/s"
+                     if "kernel_s" in v else ""))
 for mib in (256, 1):
     red = rows(mib, "native_reduce")
     cast = rows(mib, "native_cast")

@@ -95,11 +95,10 @@ def summarize(events, calls: int, top: int = 8, timeline_min_us: float | None = 
     lined = events
     events = [ev[:3] for ev in events]
     by_cat = defaultdict(list)
-    per_kernel = defaultdict(lambda: [0, 0.0])
+    per_kernel = defaultdict(list)   # name -> durations of its launches
     for name, s, e in events:
         by_cat[_category(name)].append((s, e))
-        per_kernel[name][0] += 1
-        per_kernel[name][1] += e - s
+        per_kernel[name].append(e - s)
     unions = {c: _union(np.asarray(v, np.float64)) for c, v in by_cat.items()}
     every = _union(np.asarray([(s, e) for _, s, e in events], np.float64))
     comm = _union(np.concatenate([unions[c] for c in COMM if c in unions] or
@@ -111,7 +110,7 @@ def summarize(events, calls: int, top: int = 8, timeline_min_us: float | None = 
     spans = [every[b[-1], 1] - every[b[0], 0] for b in bounds if len(b)]
     inner_idle = sum(spans) - _length(every)
     us = lambda ns: round(float(ns) / calls / 1e3, 2)
-    heavy = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
+    heavy = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
     copy = unions.get("copy", np.zeros((0, 2)))
     out = {"calls": calls, "gpu_us": round(float(np.median(spans)) / 1e3, 2),
             "span_us": us(sum(spans)),
@@ -121,8 +120,29 @@ def summarize(events, calls: int, top: int = 8, timeline_min_us: float | None = 
             "copy_under_compute_us": us(_intersection(copy, unions.get("compute",
                                                                        np.zeros((0, 2))))),
             "idle_us": us(inner_idle),
-            "top_kernels": [{"name": n[:80], "count_per_call": c / calls, "us_per_call": us(t)}
-                            for n, (c, t) in heavy]}
+            # median_us: one launch's median duration. In a chain of back-to-back ops it is
+            # the op's time in steady state: the first op of a call, which also waits for
+            # the other process to start, is one launch of many.
+            "top_kernels": [{"name": n[:80], "count_per_call": len(d) / calls,
+                             "us_per_call": us(sum(d)),
+                             "median_us": round(float(np.median(d)) / 1e3, 2)}
+                            for n, d in heavy]}
+    if heavy:
+        # The heaviest kernel's steady rate inside a call (a chain of back-to-back ops):
+        # from the end of its first launch to the end of its last, per launch after the
+        # first. Unlike the span it leaves out the first launch, which in a collective also
+        # waits for the other processes to start, and like the span it counts the gaps.
+        name = heavy[0][0]
+        ends = np.sort([e for n, _, e in events if n == name])
+        steady = []
+        for b in bounds:
+            if len(b):
+                lo, hi = every[b[0], 0], every[b[-1], 1]
+                mine = ends[(ends >= lo) & (ends <= hi)]
+                if len(mine) > 1:
+                    steady.append((mine[-1] - mine[0]) / (len(mine) - 1))
+        if steady:
+            out["steady_op_us"] = round(float(np.median(steady)) / 1e3, 2)
     if timeline_min_us is not None and bounds and len(bounds[-1]):
         # The last call's kernels of at least timeline_min_us: (name, stream line, start
         # after the call's first kernel, duration), in µs.
