@@ -28,9 +28,9 @@ reserve. :func:`available` / :func:`unavailable_reason` say whether a platform c
 
 Limits today: on GPU the cp axis must be the mesh's only axis of size > 1, over all processes
 in process order (:func:`check_mesh`); up to 64 slots per cast; reduce input bf16/f16/f32.
-Measured on two H200s (``benchmarks/results/collective_notes.md``, Run 9, six runs of
-2026-11-30), GPU time per op at 256 MiB per rank: cast 304-337 GB/s (0.79-0.87x a peer copy;
-ppermute 268-310), reduce 314-331 GB/s; 1 MiB cast 20-40 us.
+Measured on two H200s (``benchmarks/results/collective_notes.md``, Run 10, 2026-11-30), GPU
+time per op of back-to-back ops at 256 MiB per rank: cast 343-345 GB/s (0.89x a peer copy;
+ppermute 307), reduce 325-330 GB/s; 1 MiB cast 18 us.
 
 A reduce can also run in two calls (:func:`group_reduce_start`): its sends go out beside other
 kernels (the attention's backward puts its dQ kernel there) and the done call sums. Started
