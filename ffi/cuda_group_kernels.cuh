@@ -332,17 +332,25 @@ __device__ void CheckRank(const Plan& P, const int32_t* where) {
   }
 }
 
+// The start both kernels share: a send block sends its chunks and is done (false); a
+// receive block finds where each slot's staged rows are (true).
+__device__ bool ReceiveBlock(const Plan& P, const Leaves& L, const int32_t* src_of,
+                             const int32_t* where, const char** staged) {
+  CheckRank(P, where);
+  if (blockIdx.x < P.send_blocks) {
+    SendChunks(P, L, src_of);
+    return false;
+  }
+  StagedBases(P, staged);
+  return true;
+}
+
 __global__ void __launch_bounds__(kThreads)
 CastKernel(Plan P, Leaves L, const int32_t* send, const int32_t* recv, const int32_t* where,
            int64_t prefix_rows, int64_t B, int recv_blocks,
            int rows_per_warp) {
-  CheckRank(P, where);
-  if (blockIdx.x < P.send_blocks) {
-    SendChunks(P, L, send);
-    return;
-  }
   __shared__ const char* staged[kMaxSlots];
-  StagedBases(P, staged);
+  if (!ReceiveBlock(P, L, send, where, staged)) return;
   const int rb = blockIdx.x - P.send_blocks;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // Output rows: the input's own rows first (prefix_rows of them; copied while the peers'
@@ -479,13 +487,8 @@ template <typename T, typename OutT>
 __global__ void __launch_bounds__(kThreads)
 ReduceKernel(Plan P, Leaves L, const int32_t* rinv, const int32_t* inv, const int32_t* where,
              int64_t T_rows, int recv_blocks) {
-  CheckRank(P, where);
-  if (blockIdx.x < P.send_blocks) {
-    SendChunks(P, L, rinv);
-    return;
-  }
   __shared__ const char* staged[kMaxSlots];
-  StagedBases(P, staged);
+  if (!ReceiveBlock(P, L, rinv, where, staged)) return;
   const int rb = blockIdx.x - P.send_blocks;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t F = P.row_bytes / static_cast<int64_t>(sizeof(T));  // elements of a staged row
