@@ -83,12 +83,15 @@ if c1:
     target("cast@1MiB <= 30 us (wall clock)", f"best {best:.1f}", best <= 30)
 g256 = sizes.get("256.0", {}).get("native_cast", {})
 g1 = sizes.get("1.0", {}).get("native_cast", {})
-if "GBps_gpu" in g256:
-    ratio = g256["GBps_gpu"] / peer if peer else float("nan")
-    target("cast@256MiB >= 335 GB/s and >= 0.85x peer copy (GPU time)",
-           f"{g256['GBps_gpu']:.1f} GB/s, {ratio:.2f}x", g256["GBps_gpu"] >= 335 and ratio >= 0.85)
-if "gpu_s" in g1:
-    target("cast@1MiB <= 30 us (GPU time)", f"{g1['gpu_s'] * 1e6:.1f}", g1["gpu_s"] <= 30e-6)
+for key, clock in (("GBps_gpu", "GPU time, chain span"),
+                   ("GBps_steady", "GPU time, ops after the first")):
+    if key in g256:
+        ratio = g256[key] / peer if peer else float("nan")
+        target(f"cast@256MiB >= 335 GB/s and >= 0.85x peer copy ({clock})",
+               f"{g256[key]:.1f} GB/s, {ratio:.2f}x", g256[key] >= 335 and ratio >= 0.85)
+for key, clock in (("gpu_s", "GPU time, chain span"), ("steady_s", "GPU time, ops after the first")):
+    if key in g1:
+        target(f"cast@1MiB <= 30 us ({clock})", f"{g1[key] * 1e6:.1f}", g1[key] <= 30e-6)
 e2e = res.get("e2e", {})
 nat, xla = e2e.get("pallas/native/attn", {}), e2e.get("pallas/ppermute/attn", {})
 if "s" in nat and "s" in xla:
