@@ -186,21 +186,20 @@ def worker(args):
                                                lambda i: a[i])
     me = args.rank
 
-    def timed(body, arrays, k, per_op=None):
-        """Best time of one op: ``body(*local arrays)`` k times in one program, each call
-        ordered after the previous one by an optimization barrier over its whole output (no
-        data pass between them, nothing for XLA to fuse, slice or drop). ``per_op``: k tuples
-        of arrays, one per operation, instead of ``arrays`` for all. Returns (seconds, the
-        outputs of the last run)."""
-        groups = list(per_op) if per_op is not None else [tuple(arrays)] * k
-        n = len(groups[0])
-        flat = [a for grp in groups for a in grp] if per_op is not None else list(arrays)
+    def timed(body, per_op, k):
+        """Best time of one op: ``body(*local arrays of op i)`` for the k tuples of arrays of
+        ``per_op``, in one program, each call ordered after the previous one by an
+        optimization barrier over its whole output (no data pass between them, nothing for
+        XLA to fuse, slice or drop). Returns (seconds, the outputs of the last run, a
+        function that runs the program again)."""
+        n = len(per_op[0])
+        flat = [a for grp in per_op for a in grp]
 
         def prog(*xs):
             xs = [x[0] for x in xs]
             outs = []
             for i in range(k):
-                xi = xs[i * n:(i + 1) * n] if per_op is not None else xs
+                xi = xs[i * n:(i + 1) * n]
                 if outs:
                     xi, _ = jax.lax.optimization_barrier((xi, outs[-1]))
                 outs.append(body(*xi))
@@ -308,7 +307,7 @@ def worker(args):
                 continue
             body, arrays = ops[name]
             try:
-                s_, outs, run = timed(body, None, k, per_op=arrays)
+                s_, outs, run = timed(body, arrays, k)
                 row[name] = {"s": s_, "GBps": nbytes / s_ / 1e9}
                 if name != "all_to_all":   # every other op delivers the peer's rows
                     row[name]["ok"] = ok = check(outs, t)
