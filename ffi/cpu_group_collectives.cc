@@ -511,6 +511,14 @@ ffi::Future DoneImpl(ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> send,
 
 }  // namespace
 
+// The attributes of every collective, and those of a reduce (its done call takes the same).
+#define MAGI_COLLECTIVE_ATTRS                                                           \
+  .Attr<int64_t>("cp").Attr<ffi::Span<const int64_t>>("shifts").Attr<int64_t>("call_id") \
+      .Attr<int64_t>("timeout_ms").Attr<bool>("prefix")
+#define MAGI_REDUCE_ATTRS                                                              \
+  MAGI_COLLECTIVE_ATTRS.Attr<bool>("accumulate").Attr<bool>("out_input_dtype")        \
+      .Attr<bool>("own_apart")
+
 // Cast: send, recv, where, then the arrays x_0.. (RemainingArgs); outputs out_0..
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCpu, CastImpl,
                               ffi::Ffi::Bind()
@@ -519,11 +527,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCpu, CastImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<int64_t>("cp")
-                                  .Attr<ffi::Span<const int64_t>>("shifts")
-                                  .Attr<int64_t>("call_id")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<bool>("prefix"));
+                                  MAGI_COLLECTIVE_ATTRS);
 
 // Reduce: send, recv, where, then (own_apart) the own rows own_0.., the arrays y_0.. and
 // (accumulate) their initial sums acc_0.. (RemainingArgs); outputs out_0..
@@ -534,14 +538,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceCpu, ReduceImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<int64_t>("cp")
-                                  .Attr<ffi::Span<const int64_t>>("shifts")
-                                  .Attr<int64_t>("call_id")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<bool>("prefix")
-                                  .Attr<bool>("accumulate")
-                                  .Attr<bool>("out_input_dtype")
-                                  .Attr<bool>("own_apart"));
+                                  MAGI_REDUCE_ATTRS);
 
 // Started reduce: recv, where, then the arrays y_0.. (RemainingArgs); output a token.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceStartCpu, StartImpl,
@@ -564,11 +561,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceDoneCpu, DoneImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<int64_t>("cp")
-                                  .Attr<ffi::Span<const int64_t>>("shifts")
-                                  .Attr<int64_t>("call_id")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<bool>("prefix")
-                                  .Attr<bool>("accumulate")
-                                  .Attr<bool>("out_input_dtype")
-                                  .Attr<bool>("own_apart"));
+                                  MAGI_REDUCE_ATTRS);
