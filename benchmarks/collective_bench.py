@@ -22,7 +22,7 @@ adds GPU traces (``benchmarks/gpu_trace.py``) of those and of the 1 and 256 MiB 
     python benchmarks/collective_bench.py                       # launches everything
     python benchmarks/collective_bench.py --sizes 1,16,256 --no-e2e --variants pull
 
-Writes ``benchmarks/results/collective_<date>_<device>.{json,md}`` (or ``--out``).
+Writes ``benchmarks/results/collectives/collective_<date>_<device>.{json,md}`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _args(argv=None):
                     help="with --profile: keep the end-to-end rows' kernels of at least this "
                          "many µs of one step, in order, with their streams")
     ap.add_argument("--budget-s", type=float, default=200.0, help="stop starting new rows after")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "collectives"))
     return ap.parse_args(argv)
 
 

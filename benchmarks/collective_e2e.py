@@ -41,10 +41,9 @@ def e2e(args, mesh, me):
     from magi_jax.mask import AttnMask
     from magi_jax.sharding import dispatch, magi_attention, make_flex_key, undispatch
 
-    docs = (7040, 5376, 4352, 2560, 2816, 768, 1024, 512, 1792, 6528)
+    from magi_jax.mask_zoo import scaled_doc_lengths
     total = args.e2e_tokens
-    lens = [max(128, d * total // 32768) for d in docs]
-    lens[-1] += total - sum(lens)
+    lens = scaled_doc_lengths(total)          # PERF.md's documents (mask_zoo.DOC_LENGTHS)
     mask = AttnMask.varlen(np.cumsum([0] + lens), causal=True)
     H, D = 16, 128
     rep = NamedSharding(mesh, P())

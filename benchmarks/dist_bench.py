@@ -9,7 +9,7 @@ On a 2-GPU box (one process drives both GPUs; about 5 minutes, never more than ~
 Further passes fill what the budget skipped: ``--resume`` carries over the cases a previous
 result file measured completely (each pass writes a new file holding everything so far):
 
-    python3 benchmarks/dist_bench.py --out $OUT --resume benchmarks/results/dist_<...>.json
+    python3 benchmarks/dist_bench.py --out $OUT --resume benchmarks/results/cp/dist_<...>.json
 
 or pick cases directly, e.g. ``--heads 64:8 --masks doc_causal,causal --modes fwd+bwd``.
 
@@ -91,7 +91,7 @@ def _parse(argv):
     p.add_argument("--min-time-s", type=float, default=None,
                    help="time each measurement over at least this long (default 0.3; >= 2 "
                    "calls; smoke: one call)")
-    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
+    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results", "cp"))
     p.add_argument("--tag", default="")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--resume", default=None, metavar="JSON",

@@ -1,11 +1,11 @@
 """Kernel benchmark: FFA (pallas, xla) against cuDNN, tokamax and dense XLA over the mask zoo.
 
 TFLOP/s are counted from the mask area: ``4·area·Hq·D·B`` forward, 3.5× that for
-forward+backward (PERF.md), 2.5× for the backward alone (``--modes bwd``). Writes ``benchmarks/results/kernel_<date>_<device>.{json,md}``.
+forward+backward (PERF.md), 2.5× for the backward alone (``--modes bwd``). Writes ``benchmarks/results/kernel/kernel_<date>_<device>.{json,md}``.
 
     PYTHONPATH=. python benchmarks/kernel_bench.py --lengths 16384 --masks full,causal
     PYTHONPATH=. python benchmarks/kernel_bench.py --preset acceptance
-    PYTHONPATH=. python benchmarks/kernel_bench.py --judge benchmarks/results/kernel_<...>.json
+    PYTHONPATH=. python benchmarks/kernel_bench.py --judge benchmarks/results/kernel/kernel_<...>.json
 
 The markdown ends with the acceptance lines of issue 3 that the run measured.
 """
@@ -31,13 +31,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from magi_jax.mask import AttnMask  # noqa: E402
+from magi_jax.mask_zoo import make_mask as zoo_mask  # noqa: E402
 
-# Documents of PERF.md's doc-causal mask (32k tokens); scaled for other lengths.
-PERF_DOCS = (7040, 5376, 4352, 2560, 2816, 768, 1024, 512, 1792, 6528)
+# The zoo of magi_jax.mask_zoo under this benchmark's names (mask_zoo.DOC_LENGTHS documents).
 ZOO = ("full", "causal", "doc_causal", "doc_full", "swa_causal_1024", "swa_causal_4096",
        "block_causal", "shared_question", "prefix_lm", "causal_blockwise")
 IMPLS = ("ffa_pallas", "ffa_xla", "cudnn", "tokamax", "xla_dense")
-# The forward knobs of the pallas kernel (kernel_notes.md, "Knobs in the code"): the forward
+# The forward knobs of the pallas kernel (results/kernel/kernel_notes.md, "Knobs"): the forward
 # alone, the default against the loop without the intra-warpgroup overlap (alone and with its
 # own knob), 3 slots (one program per tile) and one program per tile; the two knobs that
 # also change the backward kernels, fwd+bwd at full/causal 16k.
@@ -79,42 +79,21 @@ ISSUE_LINES = (("full", 16384, "fwd", "cudnn", 0.95), ("full", 16384, "fwd+bwd",
 ZOO_LINE = 0.8
 
 
-def docs_for(total: int) -> list[int]:
-    """PERF.md's documents scaled to ``total`` tokens (multiples of 128 from 16k on)."""
-    g = 128 if total >= 16384 else 1
-    scaled = [max(g, int(round(d * total / 32768 / g)) * g) for d in PERF_DOCS]
-    scaled[-1] += total - sum(scaled)
-    assert scaled[-1] > 0 and sum(scaled) == total
-    return scaled
-
-
 def make_mask(name: str, total: int) -> AttnMask:
-    if name == "full":
-        return AttnMask.full(total)
-    if name == "causal":
-        return AttnMask.causal(total)
-    docs = docs_for(total)
-    cu = np.concatenate([[0], np.cumsum(docs)])
-    if name == "doc_causal":
-        return AttnMask.varlen(cu, causal=True)
-    if name == "doc_full":
-        return AttnMask.varlen(cu, causal=False)
+    """A mask of :data:`ZOO` (``magi_jax.mask_zoo``; documents in multiples of 128 from 16k
+    on, blocks of 2048, any ``swa_causal_<window>``), or aligned full blocks
+    ``block_full_<block>``."""
     if name.startswith("block_full_"):
         # Aligned full blocks (the last one shorter): rows as short as a sliding window's
         # without a single masked tile — what short rows cost apart from the predicate.
         block = int(name.rsplit("_", 1)[1])
         return AttnMask.varlen(np.append(np.arange(0, total, block), total), causal=False)
     if name.startswith("swa_causal_"):
-        return AttnMask.varlen([0, total], causal=True, window=int(name.rsplit("_", 1)[1]))
-    if name == "block_causal":
-        return AttnMask.block_causal(docs, 2048)
-    if name == "shared_question":
-        return AttnMask.shared_question(docs)
-    if name == "prefix_lm":
-        return AttnMask.prefix_lm(docs, [d // 4 for d in docs])
-    if name == "causal_blockwise":
-        return AttnMask.causal_blockwise(docs)
-    raise ValueError(f"unknown mask {name!r}; one of {ZOO}")
+        return zoo_mask("sliding-window", total, window=int(name.rsplit("_", 1)[1]))
+    if name not in ZOO:
+        raise ValueError(f"unknown mask {name!r}; one of {ZOO}")
+    return zoo_mask(name.replace("_", "-"), total, block=2048,
+                    multiple=128 if total >= 16384 else 1)
 
 
 def row_intervals(mask: AttnMask):
@@ -286,7 +265,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tokens-per-batch", type=int, default=32768,
                    help="batch = max(1, this // length) (PERF.md: B=2 at 16k, 1 at 32k)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kernel"))
     p.add_argument("--tag", default="")
     p.add_argument("--judge", metavar="JSON", default=None,
                    help="print the issue's acceptance lines of a results file and exit "

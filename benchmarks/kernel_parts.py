@@ -105,7 +105,7 @@ def main(argv=None):
     p.add_argument("--bwd-registers", default="232/40",
                    help="consumer/producer registers of the backward kernels, comma-separated "
                    "pairs (each a separate set of rows)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kernel"))
     a = p.parse_args(argv)
     dev = jax.devices()[0]
     programs = a.programs or int(getattr(dev, "core_count", 0) or 132)

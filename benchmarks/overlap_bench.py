@@ -53,7 +53,7 @@ def _parse(argv):
     p.add_argument("--schedule", action="store_true",
                    help="also write the order in which XLA scheduled the collectives and the "
                         "FFA kernels of magi_attention (<out>/overlap_..._schedule.txt)")
-    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
+    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results", "overlap"))
     return p.parse_args(argv)
 
 

@@ -7,7 +7,7 @@ attention moves (every rank receives every other rank's KV). With ``--dist_plan`
 times the distributed part of the plan for the magi dispatch (per-rank stages and the
 group-cast tables, without the per-rank FFA tiling).
 
-Writes ``benchmarks/results/solver_<date>.{json,md}``.
+Writes ``benchmarks/results/solver/solver_<date>.{json,md}``.
 
     PYTHONPATH=. python benchmarks/solver_bench.py                       # S1 sweep
     PYTHONPATH=. python benchmarks/solver_bench.py --lengths 262144 --cps 8 --masks causal
@@ -26,60 +26,26 @@ import time
 import numpy as np
 
 from magi_jax.mask import AttnMask
+from magi_jax.mask_zoo import make_mask as zoo_mask
 from magi_jax.sharding import dist_plan as D
 from magi_jax.sharding import solver as S
 from magi_jax.sharding.collectives import build_cast_table
 
-# Documents of PERF.md's doc-causal mask (32k tokens); scaled for other lengths.
-PERF_DOCS = (7040, 5376, 4352, 2560, 2816, 768, 1024, 512, 1792, 6528)
+# The zoo of magi_jax.mask_zoo under this benchmark's names (mask_zoo.DOC_LENGTHS documents).
 ZOO = ("full", "causal", "doc_causal", "doc_full", "swa_causal_4096", "block_causal",
        "prefix_lm", "shared_question", "causal_blockwise", "global_sliding_window",
        "many_docs_causal")
 ALGORITHMS = ("magi", "greedy", "contiguous", "zigzag", "striped")
 
 
-def docs_for(total: int) -> list[int]:
-    """PERF.md's documents scaled to ``total`` tokens (multiples of 128)."""
-    scaled = [max(128, int(round(d * total / 32768 / 128)) * 128) for d in PERF_DOCS]
-    scaled[-1] += total - sum(scaled)
-    return scaled
-
-
-def many_docs(total: int, n: int = 64, seed: int = 0) -> list[int]:
-    """``n`` documents of random lengths (1/4 to 4 times the mean)."""
-    rng = np.random.default_rng(seed)
-    w = np.exp(rng.uniform(np.log(0.25), np.log(4.0), n))
-    lens = np.maximum(1, (w / w.sum() * total).astype(int))
-    lens[-1] += total - lens.sum()
-    return lens.tolist()
-
-
 def make_mask(name: str, total: int) -> AttnMask:
-    docs = docs_for(total)
-    cu = np.concatenate([[0], np.cumsum(docs)])
-    if name == "full":
-        return AttnMask.full(total)
-    if name == "causal":
-        return AttnMask.causal(total)
-    if name == "doc_causal":
-        return AttnMask.varlen(cu, causal=True)
-    if name == "doc_full":
-        return AttnMask.varlen(cu)
-    if name == "swa_causal_4096":
-        return AttnMask.sliding_window(total, 4096, 0)
-    if name == "block_causal":
-        return AttnMask.block_causal(docs, 2048)
-    if name == "prefix_lm":
-        return AttnMask.prefix_lm(docs, [d // 4 for d in docs])
-    if name == "shared_question":
-        return AttnMask.shared_question(docs)
-    if name == "causal_blockwise":
-        return AttnMask.causal_blockwise(docs)
-    if name == "global_sliding_window":
-        return AttnMask.global_sliding_window(total, 4096, 64)
-    if name == "many_docs_causal":
-        return AttnMask.varlen(np.concatenate([[0], np.cumsum(many_docs(total))]), causal=True)
-    raise ValueError(f"unknown mask {name!r}; choose from {ZOO}")
+    """A mask of :data:`ZOO` (``magi_jax.mask_zoo``; documents in multiples of 128, blocks of
+    2048, windows of 4096, 64 global tokens, 64 random documents)."""
+    if name not in ZOO:
+        raise ValueError(f"unknown mask {name!r}; choose from {ZOO}")
+    zoo_name = {"swa_causal_4096": "sliding-window", "many_docs_causal": "many-docs"}.get(
+        name, name.replace("_", "-"))
+    return zoo_mask(zoo_name, total, block=2048, num_global=64, multiple=128)
 
 
 def time_dist_plan(mask: AttnMask, meta: S.DispatchMeta, degree: int = 1) -> float:
@@ -165,7 +131,7 @@ def main(argv=None):
     p.add_argument("--masks", default=",".join(ZOO), help=f"comma-separated, from {ZOO}")
     p.add_argument("--dist_plan", action="store_true",
                    help="also time the per-rank stages and cast tables (magi only)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "solver"))
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     cps = [int(x) for x in args.cps.split(",")]

@@ -28,9 +28,9 @@ reserve. :func:`available` / :func:`unavailable_reason` say whether a platform c
 
 Limits today: on GPU the cp axis must be the mesh's only axis of size > 1, over all processes
 in process order (:func:`check_mesh`); up to 64 slots per cast; reduce input bf16/f16/f32.
-Measured on two H200s (``benchmarks/results/collective_notes.md``, Run 10, 2026-11-30), GPU
-time per op of back-to-back ops at 256 MiB per rank: cast 343-345 GB/s (0.89x a peer copy;
-ppermute 307), reduce 325-330 GB/s; 1 MiB cast 18 us.
+Measured on two H200s (``benchmarks/results/collectives/collective_notes.md``, Run 10,
+2026-11-30), GPU time per op of back-to-back ops at 256 MiB per rank: cast 343-345 GB/s
+(0.89x a peer copy; ppermute 307), reduce 325-330 GB/s; 1 MiB cast 18 us.
 
 A reduce can also run in two calls (:func:`group_reduce_start`): its sends go out beside other
 kernels (the attention's backward puts its dQ kernel there) and the done call sums. Started
@@ -89,7 +89,8 @@ class CudaTuning:
     ``n`` (``compute_on("gpu_stream:n")``, an async call XLA joins before the consumers);
     ``"collective"`` on XLA's collective stream (``compute_on("gpu_stream:collective")``,
     DESIGN.md §7). On 2 H200s with jax 0.11.2 neither stream overlapped the attention: XLA
-    joined each call right after starting it (``collective_notes.md``, Run 7).
+    joined each call right after starting it (Run 7 of
+    ``benchmarks/results/collectives/collective_notes.md``).
     ``started_reduce``: the attention's backward starts the group-reduce of its last remote
     stage between its dK/dV and dQ kernels and ends it after dQ
     (:func:`group_reduce_start`): a copy kernel of 16 blocks on a high-priority stream moves
@@ -106,8 +107,8 @@ class CudaTuning:
     send_blocks: int = 64
     recv_blocks: int = 64
     chunk_kib: int = 256
-    # One staging region: on 2 H200s (collective_20261130_0849) a second region measured no
-    # gain (256 MiB: 311.8 GB/s with it, 318.7 without; 1 MiB: 31.9 vs 30.6 us).
+    # One staging region: on 2 H200s (results/collectives/collective_20261130_0849_*) a second
+    # region measured no gain (256 MiB: 311.8 GB/s with it, 318.7 without; 1 MiB: 31.9 vs 30.6 us).
     double_buffer: bool = False
     stream: int | str = 0
     started_reduce: bool = True

@@ -16,21 +16,13 @@ import re
 import sys
 import time
 
-import numpy as np
-
-from magi_jax.mask import AttnMask
+from magi_jax.mask_zoo import MASKS, make_mask   # the zoo of --mask (re-exported)
 from magi_jax.sharding.dist_plan import build_dist_plan
 from magi_jax.sharding.key import default_overlap_degree
 from magi_jax.sharding.solver import ALGORITHMS, remote_kv_tokens, solve_dispatch
 from magi_jax.xla_ffa import default_block_sizes
 
 __all__ = ["MASKS", "make_mask", "parse_tokens", "main"]
-
-# Document lengths of PERF.md's document-causal mask (32k tokens), scaled to --seqlen.
-_PERF_DOCS = (7040, 5376, 4352, 2560, 2816, 768, 1024, 512, 1792, 6528)
-MASKS = ("doc-causal", "doc-full", "causal", "full", "sliding-window", "doc-window",
-         "block-causal", "prefix-lm", "shared-question", "causal-blockwise",
-         "global-sliding-window", "many-docs")
 
 
 def parse_tokens(text: str) -> int:
@@ -40,53 +32,6 @@ def parse_tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 4096, 128k, 1M)")
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20}[m.group(2).lower()]
     return int(float(m.group(1)) * scale)
-
-
-def _docs(total: int, num_docs: int | None, seed: int) -> list[int]:
-    if num_docs is None:
-        lens = [max(1, int(round(d * total / 32768))) for d in _PERF_DOCS]
-    else:
-        rng = np.random.default_rng(seed)
-        w = np.exp(rng.uniform(np.log(0.25), np.log(4.0), num_docs))
-        lens = np.maximum(1, (w / w.sum() * total).astype(int)).tolist()
-    lens[-1] += total - sum(lens)
-    if lens[-1] < 1:
-        raise ValueError(f"{total} tokens are too few for {len(lens)} documents")
-    return lens
-
-
-def make_mask(name: str, total: int, *, window: int = 4096, num_docs: int | None = None,
-              seed: int = 0) -> AttnMask:
-    """One of :data:`MASKS` over ``total`` tokens. Documents follow PERF.md's 10-document
-    layout scaled to ``total`` (``many-docs``: 64 random lengths, or ``num_docs``)."""
-    if name == "many-docs" and num_docs is None:
-        num_docs = 64
-    docs = _docs(total, num_docs, seed)
-    cu = np.concatenate([[0], np.cumsum(docs)])
-    w = min(window, total)
-    if name in ("doc-causal", "many-docs"):
-        return AttnMask.varlen(cu, causal=True)
-    if name == "doc-full":
-        return AttnMask.varlen(cu)
-    if name == "causal":
-        return AttnMask.causal(total)
-    if name == "full":
-        return AttnMask.full(total)
-    if name == "sliding-window":
-        return AttnMask.sliding_window(total, w, 0)
-    if name == "doc-window":
-        return AttnMask.varlen(cu, causal=True, window=(w, 0))
-    if name == "block-causal":
-        return AttnMask.block_causal(docs, max(1, min(w, total // 16)))
-    if name == "prefix-lm":
-        return AttnMask.prefix_lm(docs, [d // 4 for d in docs])
-    if name == "shared-question":
-        return AttnMask.shared_question(docs)
-    if name == "causal-blockwise":
-        return AttnMask.causal_blockwise(docs)
-    if name == "global-sliding-window":
-        return AttnMask.global_sliding_window(total, w, max(1, min(64, total // 64)))
-    raise ValueError(f"--mask {name!r} is not one of {MASKS}")
 
 
 def _fmt(x: float) -> str:

@@ -3,6 +3,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from magi_jax.mask import AttnMask
+from magi_jax.mask_zoo import DOC_LENGTHS
 from magi_jax.tiling import EMPTY_ITEM, ITEM_FIELDS, LanePlan, lane_plan, tile_items
 from tests.strategies import slice_masks
 
@@ -80,7 +81,7 @@ def test_lanes_split_long_rows():
 def test_cost_follows_area_32k_document_mask(block):
     """A 32k document-causal mask: the plan visits the tiles that hold cells, no more —
     at most area/(bq·bk) full tiles plus the boundary tiles — not (Tq/bq)·(Tk/bk)."""
-    lens = [7040, 5376, 4352, 2560, 2816, 768, 1024, 512, 1792, 6528]   # PERF.md documents
+    lens = list(DOC_LENGTHS)   # PERF.md documents
     m = AttnMask.varlen(np.cumsum([0] + lens), causal=True)
     items = tile_items(m.shapes, m.total_q, m.total_k, block, block)
     nt = -(-m.total_q // block)

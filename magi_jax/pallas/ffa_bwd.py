@@ -55,7 +55,7 @@ class BwdConfig:
     # the end), each consumer loads its next unit's own inputs (dQ: Q, dO, lse, delta;
     # dK/dV: its K, V) as soon as the last wgmma pair that reads them is done, and outputs
     # leave through buffers of their own, so the store of one unit overlaps the next.
-    # Measured slower than one program per unit on the H200 (kernel_notes.md), so off.
+    # Slower than one program per unit on the H200 (benchmarks/results/kernel/kernel_notes.md): off.
     persistent: int = 0
     # Registers per thread of a consumer and of the producer warpgroup after the split
     # (setmaxnreg; multiples of 8, 2·consumer + producer <= 504 for 3 warpgroups).

@@ -32,7 +32,7 @@ COMM_BACKENDS = ("auto", "xla") + TRANSPORTS
 # Cost model of the default overlap degree (H200 figures of PERF.md, bf16, Hq = Hkv = 16,
 # D = 128): seconds per attended cell, per fetched KV token, per stage (fixed, and per local
 # token: the stage's merge and the second kernel's tail), and the share of the ideal overlap
-# that XLA achieves. The last three from benchmarks/results/overlap_20261130_0800 (2 H200s,
+# that XLA achieves. The last three from benchmarks/results/overlap/overlap_20261130_0800 (2 H200s,
 # doc-causal 128k: +0.35 ms of compute per extra stage on 65k local tokens; 30-50 % of the
 # communication hidden).
 _SEC_PER_CELL = 4 * 16 * 128 / 400e12

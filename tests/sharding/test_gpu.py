@@ -123,8 +123,8 @@ def test_pallas_cp_at_64k_matches_single_gpu_ffa(name):
     mesh = jax.make_mesh((len(gpus),), ("cp",), devices=gpus,
                          axis_types=(jax.sharding.AxisType.Auto,))
     total = 65536 + 1000
-    docs = [7040, 5376, 4352, 2560, 2816, 768, 1024, 512, 1792, 6528]
-    docs = [d * 2 for d in docs]
+    from magi_jax.mask_zoo import DOC_LENGTHS
+    docs = [d * 2 for d in DOC_LENGTHS]
     docs[-1] += total - sum(docs)
     mask = (AttnMask.varlen(np.cumsum([0] + docs), causal=True) if name == "doc_causal"
             else AttnMask.causal(total))
