@@ -1,4 +1,4 @@
-// CPU handlers of the native group collectives (magi_jax/native.py, DESIGN.md §8).
+// CPU handlers of the native group collectives (magi_jax/sharding/native/, DESIGN.md §8).
 //
 // Same semantics as the CUDA/NVSHMEM handlers and the NumPy models `cast_model` /
 // `reduce_model` of magi_jax/sharding/collectives.py, for the host devices of ONE process:
@@ -32,6 +32,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "cpu_rendezvous.h"
+#include "ffi_attrs.h"
 
 namespace ffi = xla::ffi;
 
@@ -456,11 +457,11 @@ ffi::Future ReduceImpl(ffi::Buffer<ffi::S32> send, ffi::Buffer<ffi::S32> recv,
   return future;
 }
 
-// A started reduce (magi_jax/native.py, group_reduce_start): on the host devices nothing
+// A started reduce (magi_jax/sharding/native/, group_reduce_start): on the host devices nothing
 // moves until its done call, which is the reduce above with the start's token in front. The
-// start checks the runs the CUDA handlers would copy against this rank's
-// receive table: run (b0, e0, len) stands for recv[b0 + i] = e0 + i, i < len, within one
-// slot, and the runs cover every real entry once, in order.
+// start checks the runs the CUDA handlers would copy against this rank's receive table: run
+// (b0, e0, len) stands for recv[b0 + i] = e0 + i, i < len, within one slot, and the runs cover
+// every real entry once, in order.
 ffi::Error StartImpl(ffi::Buffer<ffi::S32> recv, ffi::Buffer<ffi::S32> where,
                      ffi::RemainingArgs ys, ffi::Result<ffi::Buffer<ffi::S32>> token, int64_t cp,
                      int64_t slot_len, ffi::Span<const int64_t> runs,
@@ -511,13 +512,7 @@ ffi::Future DoneImpl(ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> send,
 
 }  // namespace
 
-// The attributes of every collective, and those of a reduce (its done call takes the same).
-#define MAGI_COLLECTIVE_ATTRS                                                           \
-  .Attr<int64_t>("cp").Attr<ffi::Span<const int64_t>>("shifts").Attr<int64_t>("call_id") \
-      .Attr<int64_t>("timeout_ms").Attr<bool>("prefix")
-#define MAGI_REDUCE_ATTRS                                                              \
-  MAGI_COLLECTIVE_ATTRS.Attr<bool>("accumulate").Attr<bool>("out_input_dtype")        \
-      .Attr<bool>("own_apart")
+// ---- FFI symbols (attributes: ffi_attrs.h) ---------------------------------------------
 
 // Cast: send, recv, where, then the arrays x_0.. (RemainingArgs); outputs out_0..
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCpu, CastImpl,
@@ -527,7 +522,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupCastCpu, CastImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  MAGI_COLLECTIVE_ATTRS);
+                                  MAGI_CPU_CAST_ATTRS);
 
 // Reduce: send, recv, where, then (own_apart) the own rows own_0.., the arrays y_0.. and
 // (accumulate) their initial sums acc_0.. (RemainingArgs); outputs out_0..
@@ -538,7 +533,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceCpu, ReduceImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  MAGI_REDUCE_ATTRS);
+                                  MAGI_CPU_REDUCE_ATTRS);
 
 // Started reduce: recv, where, then the arrays y_0.. (RemainingArgs); output a token.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceStartCpu, StartImpl,
@@ -547,10 +542,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceStartCpu, StartImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("cp")
-                                  .Attr<int64_t>("slot_len")
-                                  .Attr<ffi::Span<const int64_t>>("runs")
-                                  .Attr<ffi::Span<const int64_t>>("run_offsets"));
+                                  MAGI_CPU_START_ATTRS);
 
 // Its done call: the start's token, then the arguments of MagiGroupReduceCpu.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceDoneCpu, DoneImpl,
@@ -561,4 +553,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceDoneCpu, DoneImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  MAGI_REDUCE_ATTRS);
+                                  MAGI_CPU_REDUCE_ATTRS);

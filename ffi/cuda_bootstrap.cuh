@@ -1,11 +1,25 @@
-// Bootstrap of the native group collectives (ctypes entry points, magi_jax/native_lib.py):
+// Bootstrap of the native group collectives (ctypes entry points, magi_jax/sharding/native/):
 // NVSHMEM initialisation from a unique id, the symmetric staging, flags and
-// acknowledgements, the started reduces' lane, and their release. Included once, at the end
-// of cuda_group_collectives.cu (its process-wide state `g` and `lane` are defined there).
+// acknowledgements, the started reduces' lane, and their release. Part of the one
+// translation unit cuda_group_collectives.cu, which defines the process-wide state `g` and
+// `lane` that this sets up (cuda_state.cuh).
 
 #pragma once
 
-// ---- bootstrap (ctypes, magi_jax/native.py) --------------------------------------------
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "cuda_plan.cuh"
+#include "cuda_state.cuh"
+
+// ---- bootstrap (ctypes) ----------------------------------------------------------------
 
 extern "C" {
 

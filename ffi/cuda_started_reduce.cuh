@@ -1,19 +1,18 @@
-// Started group-reduces of the native collectives (magi_jax/native.py, group_reduce_start).
-// One translation unit: cuda_group_collectives.cu includes this file once, after its
-// synchronous handlers, state and FFI symbols (it uses CollectiveState, Context g,
-// GetLeaves, LaunchReduce and MAGI_INSTANTIATE_BINDING from there).
+// Started group-reduces of the native collectives (magi_jax/sharding/native/,
+// group_reduce_start): their start and done handlers and FFI symbols. Part of the one
+// translation unit cuda_group_collectives.cu, which defines the state they use (the lane,
+// cuda_state.cuh).
 //
-// A reduce can be split in two calls so that XLA runs other kernels between them
-// (magi_jax/native.py, group_reduce_start): the start queues, on a high-priority side stream
-// forked from XLA's, copies of the rows to send (contiguous runs of the receive table, known
-// on the host and passed as an attribute) straight into the owners' staging by a kernel of
-// a few blocks (CopyKernel: they take their SMs first and leave the rest to the kernel XLA
-// runs next, e.g. the dQ kernel), then raises a 32-bit flag per slot on the owner with a
-// stream memory write (a system-scope fence comes first). The staging is planar (each
-// array's rows in a block of their own), so that every run of every array is one contiguous
-// copy. The done call makes XLA's stream wait for the side stream (the start's inputs stay
-// in use until then: the done call takes them too) and runs the reduce kernel's receive
-// blocks, which wait for the slot flags and sum as a synchronous reduce does.
+// A reduce can be split in two calls so that XLA runs other kernels between them: the start
+// queues, on a high-priority side stream forked from XLA's, copies of the rows to send
+// (contiguous runs of the receive table, known on the host and passed as an attribute) straight
+// into the owners' staging by a kernel of a few blocks (CopyKernel: they take their SMs first
+// and leave the rest to the kernel XLA runs next, e.g. the dQ kernel), then raises a 32-bit
+// flag per slot on the owner with a stream memory write (a system-scope fence comes first). The
+// staging is planar (each array's rows in a block of their own), so that every run of every
+// array is one contiguous copy. The done call makes XLA's stream wait for the side stream (the
+// start's inputs stay in use until then: the done call takes them too) and runs the reduce
+// kernel's receive blocks, which wait for the slot flags and sum as a synchronous reduce does.
 //
 // Started reduces have their own lane: staging, flags, acknowledgements and epochs of their
 // own, so the synchronous collectives that XLA may place between a start and its done never
@@ -26,33 +25,26 @@
 
 #pragma once
 
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+#include "cuda_group_kernels.cuh"
+#include "cuda_host.cuh"
+#include "cuda_plan.cuh"
+#include "cuda_state.cuh"
+#include "ffi_attrs.h"
+
+namespace ffi = xla::ffi;
+
 namespace {
-
-constexpr int kMaxPending = 4;
-
-struct Pending {
-  int64_t call_id;
-  uint32_t epoch;
-  int event;                       // index of the side stream's "sent" event
-  const char* src[kMaxLeaves];     // the start's inputs (the done call must get the same)
-};
-
-struct Lane {
-  char* stage = nullptr;           // symmetric
-  size_t stage_bytes = 0;
-  uint32_t* flags = nullptr;       // symmetric [kMaxSlots]: rows of slot j arrived, = epoch
-  uint32_t* acks = nullptr;        // symmetric [npes]: acks[q] = last epoch q has summed
-  unsigned int* done = nullptr;    // device counter of finished receive blocks
-  uint32_t epoch = 0;              // host: started reduces so far
-  cudaStream_t side = nullptr;
-  cudaEvent_t fork = nullptr;
-  cudaEvent_t sent[kMaxPending + 1] = {};
-  std::deque<Pending> pending;
-  // Stream memory operations (driver API, resolved at initialization).
-  CUresult (*wait32)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
-  CUresult (*write32)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
-};
-Lane lane;
 
 // Start of a started reduce: recv, where, then the arrays y_0.. (the synchronous reduce's
 // inputs); writes nothing to its token, which only orders the done call after it.
@@ -228,9 +220,9 @@ ffi::ErrorOr<std::unique_ptr<CollectiveState>> InstantiateStart(
 
 }  // namespace
 
+// Attributes: ffi_attrs.h.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceStartCudaInstantiate, InstantiateStart,
-                              MAGI_INSTANTIATE_BINDING.Attr<ffi::Span<const int64_t>>("runs")
-                                  .Attr<ffi::Span<const int64_t>>("run_offsets"));
+                              ffi::Ffi::BindInstantiate() MAGI_CUDA_START_ATTRS);
 
 // Started reduce: recv, where, then the arrays y_0.. (RemainingArgs); a token output.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceStartCudaExecute, StartExecute,
@@ -244,9 +236,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceStartCudaExecute, StartExecute,
 
 // Its done call: the token, then the arguments of the reduce above (same attributes).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceDoneCudaInstantiate, InstantiateReduce,
-                              MAGI_INSTANTIATE_BINDING.Attr<bool>("accumulate")
-                                  .Attr<bool>("out_input_dtype")
-                                  .Attr<bool>("own_apart"));
+                              ffi::Ffi::BindInstantiate() MAGI_CUDA_REDUCE_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiGroupReduceDoneCudaExecute, DoneExecute,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
