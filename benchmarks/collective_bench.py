@@ -2,7 +2,7 @@
 and a peer copy, on 2 GPUs with one process per GPU (issue 5, PERF.md target C1).
 
 Every rank sends ``size`` bytes (bf16 rows of ``--row-kib`` KiB) to the other rank:
-  native_cast / native_reduce   magi_jax.native through group_cast / group_reduce (reduce:
+  native_cast / native_reduce   magi_jax.sharding.native through group_cast / group_reduce (reduce:
                                 bf16 in, float32 sums out)
   xla_cast / xla_reduce         the same group_cast / group_reduce with the ppermute transport
   ppermute, all_to_all          jax.lax on the raw rows
@@ -13,7 +13,7 @@ GB/s = bytes sent per rank / time per operation; each time is the best of ``--re
 Every row but all_to_all gets a different input per operation and every output of the chain
 is checked against the peer's rows (column ``ok``), so a race between back-to-back calls shows.
 At ``--variant-sizes`` the native cast (and reduce, ``--reduce-variants``) is also timed with
-other ``magi_jax.native.CudaTuning`` settings: ``--variants`` is a comma-separated list of
+other ``magi_jax.sharding.native.CudaTuning`` settings: ``--variants`` is a comma-separated list of
 ``MODE[:field=value...]``, e.g. ``pull``, ``push:double_buffer=0``, ``pull:chunk_kib=1024``.
 Then ``magi_attention`` forward+backward with ``comm_backend="native"`` vs the XLA transport,
 on dispatched q/k/v (``attn``) and through dispatch and undispatch (``step``); ``--profile``
@@ -159,9 +159,9 @@ def worker(args):
                                    process_id=args.rank)
     # else: one process over 2 local devices (a CPU dry run of the worker:
     # XLA_FLAGS=--xla_force_host_platform_device_count=2 ... --mode worker --no-e2e)
-    from magi_jax import native
-    from magi_jax.sharding.collectives import (CastArrays, CastSpec, CastTable, group_cast,
-                                               group_reduce)
+    from magi_jax.planning.cast_table import CastTable
+    from magi_jax.sharding import native
+    from magi_jax.sharding.collectives import CastArrays, CastSpec, group_cast, group_reduce
     t_start = time.time()
     sizes = [float(s) for s in args.sizes.split(",") if s]
     variant_sizes = {float(s) for s in args.variant_sizes.split(",") if s}

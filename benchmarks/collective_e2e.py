@@ -37,7 +37,7 @@ def e2e(args, mesh, me):
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from magi_jax import native
+    from magi_jax.sharding import native
     from magi_jax.mask import AttnMask
     from magi_jax.sharding import dispatch, magi_attention, make_flex_key, undispatch
 

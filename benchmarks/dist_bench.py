@@ -33,7 +33,7 @@ What is measured, per (mask, length, heads, mode):
     ``compute_ms`` (its heaviest rank's area at the single-GPU rate), ``exposed_ms`` (the
     rest: communication not hidden, merges, imbalance of per-rank overheads), and
     ``kv_recv`` (KV tokens each rank receives in the forward);
-  * ``magi_nocomm`` (``magi_jax.sharding.probe.nocomm_attention``): magi's stages, merge
+  * ``magi_nocomm`` (``benchmarks.probe.nocomm_attention``): magi's stages, merge
     and backward with the remote KV buffers filled locally (a timing probe, its numbers are
     not attention): magi − magi_nocomm is magi's exposed communication, magi_nocomm − single
     its stage/merge overhead.
@@ -126,8 +126,8 @@ from benchmarks.baselines.ulysses import make_ulysses_plan, ulysses_attention  #
 from benchmarks.kernel_bench import make_mask  # noqa: E402
 from magi_jax.sharding import key as key_mod  # noqa: E402
 from magi_jax.sharding import magi_attention, make_flex_key  # noqa: E402
-from magi_jax.sharding.dist_plan import build_dist_plan  # noqa: E402
-from magi_jax.sharding.probe import nocomm_attention  # noqa: E402
+from magi_jax.planning.stages import build_dist_plan  # noqa: E402
+from benchmarks.probe import nocomm_attention  # noqa: E402
 
 IMPLS = ("single", "magi", "ring", "allgather", "ulysses", "magi_nocomm")
 FWD_BWD = 3.5                      # PERF.md: fwd+bwd FLOPs = 3.5 x forward

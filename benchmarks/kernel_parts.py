@@ -31,7 +31,7 @@ from magi_jax.pallas import kernel_plan_for_mask  # noqa: E402
 from magi_jax.pallas.common import LOG2E  # noqa: E402
 from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq  # noqa: E402
 from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward  # noqa: E402
-from magi_jax.pallas.plan import BAND, GENERAL, persistent_schedule  # noqa: E402
+from magi_jax.planning.work_list import BAND, GENERAL, persistent_schedule  # noqa: E402
 
 
 def general_kinds(work):

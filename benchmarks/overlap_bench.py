@@ -1,6 +1,6 @@
 """Does communication overlap compute in ``magi_attention``? (DESIGN.md §7, issue 4.)
 
-For each case, three separately jitted programs over the mesh (``magi_jax.sharding.probe``):
+For each case, three separately jitted programs over the mesh (``benchmarks.probe``):
 ``comm`` alone (the group-casts; with the backward also the group-reduces), ``compute`` alone
 (FFA stages and merge on pre-fetched KV) and ``both`` (``magi_attention`` itself), each the
 median of ``--iters`` blocked calls after warm-up. ``hidden = comm + compute − both`` is the
@@ -35,7 +35,7 @@ from benchmarks.dist_bench import versions  # noqa: E402
 from benchmarks.kernel_bench import make_mask  # noqa: E402
 from benchmarks.baselines.common import pick_backend  # noqa: E402
 from magi_jax.sharding import make_flex_key  # noqa: E402
-from magi_jax.sharding.probe import measure_overlap, overlap_probe  # noqa: E402
+from benchmarks.probe import measure_overlap, overlap_probe  # noqa: E402
 
 
 def _parse(argv):

@@ -27,9 +27,9 @@ import numpy as np
 
 from magi_jax.mask import AttnMask
 from magi_jax.mask_zoo import make_mask as zoo_mask
-from magi_jax.sharding import dist_plan as D
-from magi_jax.sharding import solver as S
-from magi_jax.sharding.collectives import build_cast_table
+from magi_jax.planning import solver as S
+from magi_jax.planning import stages as D
+from magi_jax.planning.cast_table import build_cast_table
 
 # The zoo of magi_jax.mask_zoo under this benchmark's names (mask_zoo.DOC_LENGTHS documents).
 ZOO = ("full", "causal", "doc_causal", "doc_full", "swa_causal_4096", "block_causal",

@@ -1,10 +1,48 @@
-"""magi-jax: exact attention over ultra-long packed sequences with irregular slice masks."""
+"""magi-jax: exact attention over ultra-long packed sequences with irregular slice masks.
 
-from magi_jax.ffa import flex_flash_attention, select_backend
+Layers (folders): :mod:`magi_jax.planning` (host planning, pure NumPy, no JAX),
+:mod:`magi_jax.ffa` (single-device attention), :mod:`magi_jax.pallas` (Mosaic GPU kernels),
+:mod:`magi_jax.sharding` (context parallelism), :mod:`magi_jax.nn` (Flax modules).
+
+The public names below are imported on first use, so that ``import magi_jax.mask`` or
+``import magi_jax.planning`` (host planning) does not import JAX.
+"""
+
+import importlib
+
 from magi_jax.mask import AttnMask, AttnMaskType
-from magi_jax.reference import reference_attention
+
+__version__ = "0.1.0"
+
+# public name -> the module that defines it (imported on first access)
+_LAZY = {
+    "flex_flash_attention": "magi_jax.ffa",
+    "select_backend": "magi_jax.ffa",
+    "reference_attention": "magi_jax.ffa",
+    "dispatch": "magi_jax.sharding",
+    "magi_attention": "magi_jax.sharding",
+    "make_flex_key": "magi_jax.sharding",
+    "make_varlen_key": "magi_jax.sharding",
+    "position_ids": "magi_jax.sharding",
+    "undispatch": "magi_jax.sharding",
+}
+_SUBPACKAGES = ("cli", "ffa", "mask", "nn", "pallas", "planning", "plot", "sharding")
 
 __all__ = ["AttnMask", "AttnMaskType", "flex_flash_attention", "reference_attention",
-           "select_backend"]
-from magi_jax.sharding import dispatch, magi_attention, make_flex_key, make_varlen_key, position_ids, undispatch; __all__ += ["dispatch", "magi_attention", "make_flex_key", "make_varlen_key", "position_ids", "undispatch"]  # noqa: E402,E501,E702
-__version__ = "0.1.0"
+           "select_backend", "dispatch", "magi_attention", "make_flex_key", "make_varlen_key",
+           "position_ids", "undispatch"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"magi_jax.{name}")
+    else:
+        raise AttributeError(f"module 'magi_jax' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__) | set(_SUBPACKAGES))

@@ -135,7 +135,7 @@ def remote_kv_matrix(cast) -> np.ndarray:
 
 def plot_plan(plan, path=None, *, mask: AttnMask | None = None, title: str | None = None,
               figsize=(12, 10), dpi: int = 100):
-    """Draws a distributed plan (:class:`~magi_jax.sharding.dist_plan.DistPlan`): (1) which
+    """Draws a distributed plan (:class:`~magi_jax.planning.stages.DistPlan`): (1) which
     rank owns each chunk, (2) attention work per rank split into the host stage (local KV)
     and the remote stages, against the mean, (3) per remote stage, KV tokens moved from every
     rank to every rank. Writes a PNG of ``figsize × dpi`` pixels to ``path`` (when given) and

@@ -20,9 +20,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from magi_jax.mask import AttnMask, SliceShapes
-from magi_jax.sharding.dist_plan import _clip_to_segments, rank_views
-from magi_jax.sharding.solver import DispatchMeta, solve_dispatch
-from magi_jax.xla_ffa import build_xla_plan, stack_plans
+from magi_jax.planning.stages import _clip_to_segments, rank_views
+from magi_jax.planning.solver import DispatchMeta, solve_dispatch
+from magi_jax.planning.lanes import build_xla_plan, stack_plans
 
 __all__ = ["BACKENDS", "LocalFFA", "Layout", "make_layout", "pick_backend", "sub_shapes"]
 
@@ -66,14 +66,14 @@ class LocalFFA:
     def plan(self, shapes: SliceShapes, tq: int, tk: int):
         if self.backend == "xla":
             return build_xla_plan(shapes, tq, tk, self.block_q, self.block_k).arrays()
-        from magi_jax.pallas.plan import build_kernel_plan
+        from magi_jax.planning.work_list import build_kernel_plan
         return build_kernel_plan(shapes, tq, tk).arrays()
 
     def stack(self, plans):
         """Stacks per-rank plans along a new leading axis (padded to the largest)."""
         if self.backend == "xla":
             return stack_plans(list(plans))
-        from magi_jax.pallas.plan import KernelPlanArrays
+        from magi_jax.planning.work_list import KernelPlanArrays
         sizes = [max(len(p[i]) for p in plans) for i in (0, 2, 3, 5)]
         padded = [KernelPlanArrays(*p).pad_to(*sizes) for p in plans]
         return KernelPlanArrays(*(np.stack(a) for a in zip(*padded)))
@@ -82,7 +82,7 @@ class LocalFFA:
     def forward(self, q, k, v, plan, *, scale: float, softcap: float):
         """q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> ``(out, lse [Tq, Hq] float32)``."""
         if self.backend == "xla":
-            from magi_jax.xla_ffa import xla_ffa
+            from magi_jax.ffa.xla import xla_ffa
             return xla_ffa(q, k, v, plan, softmax_scale=scale, softcap=softcap,
                            block_q=self.block_q, block_k=self.block_k)
         from magi_jax.pallas import ffa_pallas
@@ -92,7 +92,7 @@ class LocalFFA:
     def backward(self, q, k, v, out, lse, dout, dlse, plan, *, scale: float, softcap: float):
         """FFA backward of one KV block given the merged ``(out, lse)``: ``(dq, dk, dv)``."""
         if self.backend == "xla":
-            from magi_jax.xla_ffa import xla_ffa_backward
+            from magi_jax.ffa.xla import xla_ffa_backward
             return xla_ffa_backward(q, k, v, out, lse, dout, dlse, plan, softmax_scale=scale,
                                     softcap=softcap, block_q=self.block_q,
                                     block_k=self.block_k)

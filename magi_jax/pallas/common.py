@@ -8,7 +8,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.plan import BAND, FULL, GENERAL
+from magi_jax.planning.work_list import BAND, FULL, GENERAL
 
 __all__ = ["LOG2E", "LN2", "SMEM_BYTES", "smem", "smem_bytes", "check_smem", "mma_lhs",
            "tile_predicate", "mask_scores", "launch_grid", "kernel_grid", "scheduled_units",
@@ -104,7 +104,7 @@ def tile_predicate(item, row0, col0, shape, layout, transposed=False):
 
 def mask_scores(s, item, kind, row0, col0, layout, transposed=False):
     """``s`` with the cells outside the item's slice set to ``-inf``, by the item's ``kind``
-    (:data:`~magi_jax.pallas.plan.GENERAL`, ``FULL``, ``BAND``); arguments as
+    (:data:`~magi_jax.planning.work_list.GENERAL`, ``FULL``, ``BAND``); arguments as
     :func:`tile_predicate`."""
     def general():
         return jnp.where(tile_predicate(item, row0, col0, s.shape, layout, transposed), s,
@@ -149,7 +149,7 @@ def kernel_grid(persistent: int, head_major: bool, num_tiles: int, batch: int, h
 def scheduled_units(schedule_refs, num_tiles: int, batch: int, order_ref):
     """``(num_mine, coords)`` of a persistent program: how many units it walks, and
     ``coords(j)``, the (tile, batch, head) of its ``j``-th, from the ``(offsets, units)`` of
-    :func:`magi_jax.pallas.plan.persistent_schedule` (units numbered in the head-major launch
+    :func:`magi_jax.planning.work_list.persistent_schedule` (units numbered in the head-major launch
     order, ``(head·B + batch)·N + rank`` with ``rank`` a position of ``order_ref``)."""
     prog = lax.axis_index("prog")
     off_ref, units_ref = schedule_refs

@@ -1,7 +1,7 @@
 """FFA backward as Mosaic GPU kernels (Hopper, sm90), over the same work lists.
 
 * ``delta = rowsum(out · dout) − dlse`` is a fused XLA reduction in :mod:`magi_jax.pallas`
-  (memory bound; the lse cotangent enters here exactly as in :mod:`magi_jax.xla_ffa`).
+  (memory bound; the lse cotangent enters here exactly as in :mod:`magi_jax.ffa.xla`).
 * dQ: one program per (q-tile of 128 rows, batch, query head) walks the q-tile's key tiles
   (the forward work list); a producer warpgroup streams K/V, two consumer warpgroups of 64
   rows recompute ``P`` from the saved lse and accumulate ``dQ += dS·K`` in float32.
@@ -10,7 +10,7 @@
   are summed in float32 registers and written once (no atomics, no second reduction).
 
 Persistent mode (``BwdConfig.persistent = N``): N programs walk these units in a static
-schedule instead (the host's :func:`~magi_jax.pallas.plan.persistent_schedule`), so one
+schedule instead (the host's :func:`~magi_jax.planning.work_list.persistent_schedule`), so one
 unit's prologue (its own inputs) and epilogue (the output store) hide under its neighbours'
 work.
 """
@@ -27,7 +27,7 @@ from jax import lax
 
 from magi_jax.pallas.common import (LOG2E, check_pipeline, check_smem, kernel_grid,
                                     mask_scores, mma_lhs, scheduled_units, smem)
-from magi_jax.pallas.plan import DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K, FWD_BLOCK_Q
+from magi_jax.planning.work_list import DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["BwdConfig", "ffa_dq", "ffa_dkv"]
 
@@ -188,7 +188,7 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
     is the lse times log2(e) with ``+inf`` on rows that see no key (so P = 0 there);
     ``delta [B, Hq, Tq]`` float32; the forward work list. With ``cfg.persistent``,
     ``schedule`` is the ``(offsets, units)`` of
-    :func:`magi_jax.pallas.plan.persistent_schedule` for ``B·Hq`` groups. Returns dq like
+    :func:`magi_jax.planning.work_list.persistent_schedule` for ``B·Hq`` groups. Returns dq like
     q."""
     b, tq, hq, d = q.shape
     hkv = k.shape[2]

@@ -24,7 +24,7 @@ from jax import lax
 
 from magi_jax.pallas.common import (LN2, LOG2E, check_pipeline, check_smem, kernel_grid,
                                     mask_scores, mma_lhs, scheduled_units, smem)
-from magi_jax.pallas.plan import FULL, FWD_BLOCK_K, FWD_BLOCK_Q, NUM_FIELDS
+from magi_jax.planning.work_list import FULL, FWD_BLOCK_K, FWD_BLOCK_Q, NUM_FIELDS
 
 __all__ = ["FwdConfig", "ffa_forward"]
 
@@ -58,7 +58,7 @@ class FwdConfig:
     intra_wg_overlap: bool = True
     # 0: one program per (q-tile, batch, head), in the order of :func:`launch_grid`. N > 0:
     # N programs (the SM count, 132 on an H200) walk the (q-tile, batch, head) units of a
-    # host schedule (:func:`magi_jax.pallas.plan.persistent_schedule`). Across units the
+    # host schedule (:func:`magi_jax.planning.work_list.persistent_schedule`). Across units the
     # K/V ring runs on, each consumer loads its next Q as soon as the last Q·Kᵀ of the
     # current unit is done, and outputs leave through their own buffer, so a unit's
     # prologue and epilogue hide under its neighbours' work (what short rows need).
@@ -77,7 +77,7 @@ class FwdConfig:
 def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
     """q ``[B, Tq, Hq, D]``, k/v ``[B, Tk, Hkv, D]`` (Tq, Tk multiples of 128; bf16/fp16),
     plan arrays of the forward work list; with ``cfg.persistent``, ``schedule`` is the
-    ``(offsets, units)`` pair of :func:`magi_jax.pallas.plan.persistent_schedule` for
+    ``(offsets, units)`` pair of :func:`magi_jax.planning.work_list.persistent_schedule` for
     ``B·Hq`` groups. Returns ``out [B, Tq, Hq, D]`` and ``lse [B, Hq, Tq]`` float32 (natural
     log; ``-inf`` for rows that see no key)."""
     b, tq, hq, d = q.shape

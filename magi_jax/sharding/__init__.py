@@ -9,11 +9,14 @@ attention and keys (DESIGN.md §3).
     out, lse = mj.magi_attention(q, k, v, key)        # [padded_total, H, D], [.., H]
     y = mj.undispatch(out, key)                       # back to natural order
 
-Layers: :mod:`solver` (which chunks each rank owns), :mod:`dist_plan` (per-rank stages and
-exactly-needed remote KV), :mod:`collectives` (``group_cast``/``group_reduce`` over static
-int32 tables; XLA transports), :mod:`attention` (the per-rank pipeline under ``shard_map``),
-:mod:`key` (keys, dispatch), :mod:`ffa_backends` (per-rank FFA: ``xla`` | ``pallas``),
-:mod:`probe` (comm/compute/both timings for overlap measurements).
+Host planning lives in :mod:`magi_jax.planning`: :mod:`~magi_jax.planning.solver` (which
+chunks each rank owns), :mod:`~magi_jax.planning.stages` (per-rank stages and exactly-needed
+remote KV), :mod:`~magi_jax.planning.cast_table` (the group-cast tables). Here, on the device:
+:mod:`collectives` (``group_cast``/``group_reduce`` over static int32 tables; XLA
+transports), :mod:`native` (the C++ FFI transport), :mod:`attention` (the per-rank pipeline
+under ``shard_map``), :mod:`key` (keys, dispatch), :mod:`ffa_backends` (per-rank FFA:
+``xla`` | ``pallas``). Comm/compute/both timings for overlap measurements are in
+``benchmarks/probe.py``.
 
 Dispatch gathers over the whole sequence: dispatch token ids (or the embedding output) once
 and keep activations in dispatched order between layers, rather than dispatching large
@@ -24,7 +27,7 @@ from magi_jax.sharding.attention import magi_attention, magi_attention_local
 from magi_jax.sharding.collectives import group_cast, group_reduce
 from magi_jax.sharding.key import (MagiKey, dispatch, make_flex_key, make_varlen_key,
                                    position_ids, undispatch)
-from magi_jax.sharding.solver import solve_dispatch
+from magi_jax.planning.solver import solve_dispatch
 
 __all__ = ["MagiKey", "dispatch", "group_cast", "group_reduce", "magi_attention",
            "magi_attention_local", "make_flex_key", "make_varlen_key", "position_ids",

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from magi_jax import native
+from magi_jax.sharding import native
 from magi_jax.sharding.collectives import _cast, _reduce, _start_reduce, group_cast
 from magi_jax.sharding.ffa_backends import get_backend
 from magi_jax.sharding.key import MagiKey, _check_key
@@ -169,7 +169,7 @@ def group_fetch(kv, stage_arrays, cfg):
 class group_send_back:
     """``send_back(i, rows, final)`` of :func:`rank_stages`: group-reduce onto the owners.
     ``start(i, final)``: where the native transport can start stage ``i``'s reduce
-    (:func:`magi_jax.native.can_start_reduce`), ``(rows, own) -> (token, done)`` (``own``:
+    (:func:`magi_jax.sharding.native.can_start_reduce`), ``(rows, own) -> (token, done)`` (``own``:
     a combined stage's local rows, apart from its fetched ``rows``); else ``None``."""
 
     def __init__(self, kv, stage_arrays, cfg):

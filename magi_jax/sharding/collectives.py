@@ -3,9 +3,10 @@ it) and its adjoint ``group_reduce`` (sum the partial gradients back to the owne
 
 The contract every transport implements
 =======================================
-A cast is described by static int32 tables (built on the host, :func:`build_cast_table`) and
-static metadata (:class:`CastSpec`). Seen from one rank ``r`` (under ``shard_map`` the stacked
-``[cp, ...]`` tables are sharded so each rank sees its own row):
+A cast is described by static int32 tables (built on the host,
+:func:`magi_jax.planning.cast_table.build_cast_table`) and static metadata (:class:`CastSpec`).
+Seen from one rank ``r`` (under ``shard_map`` the stacked ``[cp, ...]`` tables are sharded so
+each rank sees its own row):
 
 - ``send_index [n_slots, S]``: slot ``j`` is a block of up to ``S`` rows of the local input
   sent to rank ``(r + shifts[j]) % cp``; entry = local row, ``-1`` = padding (sends zeros).
@@ -26,8 +27,8 @@ Transports: ``"ppermute"`` (one ``lax.ppermute`` per slot, sending only its ``wi
 columns; partly overlappable with compute on GPU, PERF.md) and ``"all_to_all"`` (one padded
 ``lax.all_to_all``; fewer launches when nearly every pair talks). ``ragged_all_to_all`` is not
 used: ~100x slower than the link on H200 and unsupported on CPU (PERF.md). ``"native"``: the
-C++ XLA FFI custom calls of :mod:`magi_jax.native` (NVSHMEM on GPU, a rendezvous of the host
-devices on CPU) take the same tables and replace the whole gather/exchange/scatter.
+C++ XLA FFI custom calls of :mod:`magi_jax.sharding.native` (NVSHMEM on GPU, a rendezvous of
+the host devices on CPU) take the same tables and replace the whole gather/exchange/scatter.
 """
 
 from __future__ import annotations
@@ -40,43 +41,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magi_jax import native
-from magi_jax.sharding.solver import DispatchMeta, ranges_repeat
+from magi_jax.sharding import native
 
-__all__ = ["CastTable", "CastArrays", "CastSpec", "TRANSPORTS", "build_cast_table",
-           "choose_transport", "group_cast", "group_reduce", "cast_model", "reduce_model"]
+__all__ = ["CastArrays", "CastSpec", "TRANSPORTS", "group_cast", "group_reduce"]
 
 TRANSPORTS = ("ppermute", "all_to_all", "native")
-# Mean piece length from which cast tables are written run by run (slice writes) rather
-# than token by token (fancy indexing): same tables, no token-sized temporaries.
-_RUN_WRITE_MIN = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class CastTable:
-    """Host tables of one cast, stacked over ranks (see the module docstring).
-    ``send_index`` int32 ``[cp, n_slots, S]``, ``recv_index`` int32 ``[cp, B]``."""
-
-    send_index: np.ndarray
-    recv_index: np.ndarray
-    shifts: tuple[int, ...]
-    widths: tuple[int, ...]
-
-    @property
-    def cp(self) -> int:
-        return self.send_index.shape[0]
-
-    @property
-    def buffer_len(self) -> int:
-        return self.recv_index.shape[1]
-
-    @property
-    def slot_len(self) -> int:
-        return self.send_index.shape[2]
-
-    def tokens_moved(self) -> int:
-        """Real rows moved over the network in total (no padding)."""
-        return int((self.send_index >= 0).sum())
 
 
 class CastArrays(NamedTuple):
@@ -91,8 +60,8 @@ class CastArrays(NamedTuple):
 class CastSpec:
     """Static part of a cast: mesh axis, its size, slot shifts/widths and the transport.
     ``runs``: for the native transport, the contiguous runs of every rank's receive table
-    (:func:`magi_jax.native.reduce_runs`), with which its reduce can be started
-    (:func:`magi_jax.native.group_reduce_start`); ``None`` if unknown or too many."""
+    (:func:`magi_jax.sharding.native.reduce_runs`), with which its reduce can be started
+    (:func:`magi_jax.sharding.native.group_reduce_start`); ``None`` if unknown or too many."""
 
     axis_name: str
     cp: int
@@ -106,95 +75,6 @@ class CastSpec:
             raise ValueError(f"transport={self.transport!r} is not one of {TRANSPORTS}")
         if len(self.shifts) != len(self.widths):
             raise ValueError("shifts and widths must have one entry per slot")
-
-
-def choose_transport(table: CastTable) -> str:
-    """``ppermute`` unless nearly every pair of ranks talks with even block sizes, where one
-    padded ``all_to_all`` moves little extra and launches once."""
-    n = len(table.shifts)
-    if n >= 8 and table.cp * table.slot_len <= 1.5 * sum(table.widths):
-        return "all_to_all"
-    return "ppermute"
-
-
-def build_cast_table(meta: DispatchMeta, remote: list[np.ndarray], buffer_len: int) -> CastTable:
-    """Tables of one stage. ``remote[r]``: rank ``r``'s pieces ``[p, 5]`` = (global start,
-    global end, owner rank, stage, offset in the stage buffer); ``buffer_len`` >= every
-    rank's buffer."""
-    cp, c = meta.cp, meta.chunk_size
-    # Work per piece first (few), then expand to tokens once: a piece's rows sit in the block
-    # (owner -> receiver) after the earlier pieces of that owner, in global-position order.
-    pieces = [np.column_stack([rem[:, :3], np.full(len(rem), r), rem[:, 4]])
-              for r, rem in enumerate(remote) if len(rem)]
-    pieces = np.concatenate(pieces) if pieces else np.zeros((0, 5), np.int64)
-    g0, g1, src, dst, off_b = (pieces[:, i].astype(np.int64) for i in range(5))
-    order = np.lexsort((g0, dst, src))
-    g0, g1, src, dst, off_b = g0[order], g1[order], src[order], dst[order], off_b[order]
-    length = g1 - g0
-    pair = src * cp + dst
-    first = np.searchsorted(pair, pair, side="left")
-    cum = np.concatenate([[0], np.cumsum(length)])
-    off_block = cum[:-1] - cum[first]                         # piece start inside its block
-    block_len = np.zeros(cp * cp, np.int64)
-    np.add.at(block_len, pair, length)
-    shift = (dst - src) % cp
-    shifts = np.unique(shift)
-    slot = np.searchsorted(shifts, shift)
-    widths = np.zeros(len(shifts), np.int64)
-    np.maximum.at(widths, slot, off_block + length)
-    s_len = max(int(block_len.max(initial=0)), 1)
-    send = np.full((cp, len(shifts), s_len), -1, np.int32)
-    recv = np.full((cp, max(int(buffer_len), 1)), -1, np.int32)
-    # Every piece lies inside one chunk, so it is one run on both sides: consecutive local
-    # rows of the owner into consecutive block positions, consecutive block entries into
-    # consecutive buffer rows.
-    first_row = meta.chunk_slot[g0 // c] * c + g0 % c
-    first_entry = slot * s_len + off_block
-    if len(length) and length.sum() >= _RUN_WRITE_MIN * len(length):
-        # Long runs: slice writes (no token-sized temporaries).
-        for k in range(len(length)):
-            n_k = int(length[k])
-            send[src[k], slot[k], off_block[k]:off_block[k] + n_k] = np.arange(
-                first_row[k], first_row[k] + n_k)
-            recv[dst[k], off_b[k]:off_b[k] + n_k] = np.arange(first_entry[k],
-                                                               first_entry[k] + n_k)
-    else:
-        pi, step = ranges_repeat(np.zeros_like(length), length)
-        send[src[pi], slot[pi], off_block[pi] + step] = first_row[pi] + step
-        recv[dst[pi], off_b[pi] + step] = first_entry[pi] + step
-    return CastTable(send, recv, tuple(int(s) for s in shifts), tuple(int(w) for w in widths))
-
-
-# ---- NumPy models (the meaning of the tables; used by tests) ---------------------------------
-
-def _moves(table: CastTable):
-    """Every real move of a cast: ``(dst rank, dst buffer row, src rank, src row)``."""
-    cp, _, s = table.send_index.shape
-    for r in range(cp):
-        for b, e in enumerate(table.recv_index[r]):
-            if e < 0:
-                continue
-            j, p = divmod(int(e), s)
-            src = (r - table.shifts[j]) % cp
-            row = table.send_index[src, j, p]
-            if row >= 0:
-                yield r, b, src, row
-
-
-def cast_model(x: np.ndarray, table: CastTable) -> np.ndarray:
-    """``x [cp, T, ...]`` (every rank's input) -> ``[cp, B, ...]``, by the table semantics."""
-    out = np.zeros((table.cp, table.buffer_len) + x.shape[2:], x.dtype)
-    for r, b, src, row in _moves(table):
-        out[r, b] = x[src, row]
-    return out
-
-
-def reduce_model(y: np.ndarray, table: CastTable, num_rows: int) -> np.ndarray:
-    """Adjoint of :func:`cast_model`: ``y [cp, B, ...]`` -> ``[cp, num_rows, ...]`` float64."""
-    out = np.zeros((table.cp, num_rows) + y.shape[2:], np.float64)
-    for r, b, src, row in _moves(table):
-        out[src, row] += y[r, b]
-    return out
 
 
 # ---- device code (inside shard_map over spec.axis_name) -------------------------------------
@@ -349,8 +229,8 @@ def _reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, prefix: bool =
 
 def _start_reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, own=None,
                   round_to_input: bool = False):
-    """:func:`_reduce` started (:func:`magi_jax.native.group_reduce_start`; call it where
-    ``spec``'s transport is native and :func:`magi_jax.native.can_start_reduce`):
+    """:func:`_reduce` started (:func:`magi_jax.sharding.native.group_reduce_start`; call it where
+    ``spec``'s transport is native and :func:`magi_jax.sharding.native.can_start_reduce`):
     ``(token, done)`` with ``done(token)`` giving ``_reduce``'s result. ``own``: the owner's
     own rows, y's structure of ``[num_rows, ...]`` arrays, added to the sums (``_reduce``'s
     prefix, apart: with ``round_to_input`` the sums are written into them in place)."""

@@ -4,8 +4,9 @@ Each backend says how to plan (host: canonical shapes of one rank's stage -> int
 arrays), how to stack the plans of all ranks along a leading ``cp`` axis, and how to run
 (device: ``call(q, k, v, plan, softmax_scale=, softcap=, block_q=, block_k=) -> (out, lse)``,
 differentiable, ``lse`` float32). ``xla`` is the portable blockwise implementation
-(:mod:`magi_jax.xla_ffa`); ``pallas`` the Mosaic GPU kernels (:mod:`magi_jax.pallas`, Hopper,
-bf16/fp16, D 64/128), imported only when asked for. (The kernels' Mosaic GPU interpret mode
+(:mod:`magi_jax.ffa.xla`); ``pallas`` the Mosaic GPU kernels (:mod:`magi_jax.pallas`, Hopper,
+bf16/fp16, D 64/128), imported only when asked for. The host half (build, stack) is that of
+:mod:`magi_jax.planning.backends`. (The kernels' Mosaic GPU interpret mode
 does not run under a multi-device ``shard_map`` on CPU — its barrier bookkeeping is per
 device — so the pallas path is planned and checked on CPU but run only on GPUs.)
 """
@@ -16,7 +17,8 @@ import dataclasses
 import functools
 from typing import Callable
 
-from magi_jax.xla_ffa import build_xla_plan, stack_plans, xla_ffa
+from magi_jax.ffa.xla import xla_ffa
+from magi_jax.planning.backends import HOST_PLANNERS
 
 __all__ = ["FFABackend", "FFA_BACKENDS", "get_backend"]
 
@@ -47,7 +49,7 @@ class FFABackend:
 def _xla() -> FFABackend:
     # The split VJP is xla_ffa's own forward and backward (xla_ffa_forward/_backward), so the
     # arithmetic is exactly that of xla_ffa; tests/sharding checks it end to end.
-    from magi_jax import xla_ffa as X
+    from magi_jax.ffa import xla as X
 
     def split_fwd(q, k, v, plan, **kw):
         out, lse = X.xla_ffa_forward(q, k, v, plan, **kw)
@@ -62,17 +64,17 @@ def _xla() -> FFABackend:
             dk, dv = (dk[:split_kv_at], dk[split_kv_at:]), (dv[:split_kv_at], dv[split_kv_at:])
         return dq, dk, dv, between_dkv_dq(dk, dv)
 
+    host = HOST_PLANNERS["xla"]
     return FFABackend(
         "xla",
-        build=lambda sh, tq, tk, bq, bk: build_xla_plan(sh, tq, tk, bq, bk).arrays(),
-        stack=stack_plans,
+        build=host.build,
+        stack=host.stack,
         call=xla_ffa,
         split_fwd=split_fwd, split_bwd=split_bwd)
 
 
 def _pallas(interpret: bool = False) -> FFABackend:
     from magi_jax.pallas import ffa_pallas, ffa_pallas_backward
-    from magi_jax.pallas.plan import build_kernel_plan, stack_kernel_plans
 
     # Split VJP: the forward saves its (out, lse); each stage's backward runs against the
     # merged (out, lse). Plans are traced here, so the kernels run one program per unit.
@@ -94,10 +96,11 @@ def _pallas(interpret: bool = False) -> FFABackend:
         return ffa_pallas(q, k, v, plan, softmax_scale=softmax_scale, softcap=softcap,
                           interpret=interpret)
 
+    host = HOST_PLANNERS["pallas"]
     return FFABackend(
         "pallas_interpret" if interpret else "pallas",
-        build=lambda sh, tq, tk, bq, bk: build_kernel_plan(sh, tq, tk).arrays(),
-        stack=stack_kernel_plans,
+        build=host.build,
+        stack=host.stack,
         call=call, split_fwd=split_fwd, split_bwd=split_bwd)
 
 

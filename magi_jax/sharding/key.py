@@ -17,13 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from magi_jax import native
 from magi_jax.mask import AttnMask
-from magi_jax.sharding.collectives import TRANSPORTS, CastArrays, CastSpec, choose_transport
-from magi_jax.sharding.dist_plan import DistPlan, build_dist_plan, split_areas
-from magi_jax.sharding.solver import ALGORITHMS, DispatchMeta, solve_dispatch
+from magi_jax.planning.cast_table import choose_transport
+from magi_jax.planning.lanes import default_block_sizes
+from magi_jax.planning.solver import ALGORITHMS, DispatchMeta, solve_dispatch
+from magi_jax.planning.stages import DistPlan, build_dist_plan, split_areas
+from magi_jax.sharding import native
+from magi_jax.sharding.collectives import TRANSPORTS, CastArrays, CastSpec
 from magi_jax.sharding.ffa_backends import FFA_BACKENDS
-from magi_jax.xla_ffa import default_block_sizes
 
 __all__ = ["MagiKey", "StageStatic", "make_flex_key", "make_varlen_key", "dispatch",
            "undispatch", "position_ids", "default_overlap_degree", "COMM_BACKENDS"]
@@ -73,7 +74,7 @@ class MagiKey:
 
     Attributes: ``mesh``, ``cp_axis``, ``cp``, ``total`` (real tokens), ``padded_total``
     (dispatched length), ``local_len`` (tokens per rank), ``overlap_degree``, ``plan`` (the
-    host :class:`~magi_jax.sharding.dist_plan.DistPlan`), ``stages`` (static per-stage info).
+    host :class:`~magi_jax.planning.stages.DistPlan`), ``stages`` (static per-stage info).
     Leaves: ``order`` int32 ``[padded_total]`` (global position of each dispatched token),
     ``inverse`` int32 ``[total]`` (dispatched index of each natural position) and per stage
     ``(FFAPlanArrays, CastArrays | None)`` stacked ``[cp, ...]``.
@@ -162,10 +163,11 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
       overlap_degree: number of remote stages (0: fetch all remote KV, then one FFA call);
         default from a compute/communication cost model.
       comm_backend: ``"xla"`` (XLA collectives, transport per stage), ``"ppermute"``,
-        ``"all_to_all"``, ``"native"`` (the FFI transport of :mod:`magi_jax.native`) or
-        ``"auto"``: ``native`` on GPUs with one process per GPU when its CUDA library was
-        built, else ``xla`` (``magi_jax.native.auto_reason(mesh, cp_axis)`` says why).
-      dispatch_algorithm: one of :data:`~magi_jax.sharding.solver.ALGORITHMS`.
+        ``"all_to_all"``, ``"native"`` (the FFI transport of :mod:`magi_jax.sharding.native`)
+        or ``"auto"``: ``native`` on GPUs with one process per GPU when its CUDA library was
+        built, else ``xla`` (``magi_jax.sharding.native.auto_reason(mesh, cp_axis)`` says
+        why).
+      dispatch_algorithm: one of :data:`~magi_jax.planning.solver.ALGORITHMS`.
       dispatch_from: reuse this key's dispatch (same chunks on the same ranks) for another
         mask over the same sequence — layers with different masks share one dispatch.
       block_q, block_k: FFA tile sizes (default 128, smaller for short local lengths).

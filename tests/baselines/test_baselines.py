@@ -17,9 +17,10 @@ from benchmarks.baselines.common import LocalFFA, make_layout, pick_backend
 from benchmarks.baselines.ring import make_ring_plan, ring_attention
 from benchmarks.baselines.ulysses import kv_repeat, make_ulysses_plan, ulysses_attention
 from magi_jax.mask import AttnMask
-from magi_jax.testing import assert_matches_reference, random_inputs
-from magi_jax.tiling import LanePlan
-from magi_jax.xla_ffa import FFAPlanArrays, plan_for_mask, xla_ffa
+from magi_jax.ffa.testing import assert_matches_reference, random_inputs
+from magi_jax.planning.tiling import LanePlan
+from magi_jax.ffa.xla import xla_ffa
+from magi_jax.planning.lanes import FFAPlanArrays, plan_for_mask
 
 CP = 8
 LENS = [13, 1, 22, 9, 19]                      # 64 tokens, documents cut across ranks

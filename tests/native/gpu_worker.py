@@ -24,11 +24,11 @@ def _local(a):
 
 def main(rank, nprocs, port):
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nprocs, process_id=rank)
-    from magi_jax import native
     from magi_jax.mask import AttnMask
+    from magi_jax.planning.cast_table import cast_model, reduce_model
     from magi_jax.sharding import dispatch, magi_attention, make_flex_key, undispatch
-    from magi_jax.sharding.collectives import (CastArrays, CastSpec, cast_model, group_cast,
-                                               group_reduce, reduce_model)
+    from magi_jax.sharding import native
+    from magi_jax.sharding.collectives import CastArrays, CastSpec, group_cast, group_reduce
     from tests.sharding.test_collectives import _random_table
 
     assert native.available("cuda"), native.unavailable_reason("cuda")

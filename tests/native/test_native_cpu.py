@@ -1,6 +1,7 @@
-"""The native transport's CPU FFI handlers (magi_jax/native.py, ffi/cpu_group_collectives.cc)
-on 8 host devices: against the NumPy model of the tables and the XLA transports, on
-hand-checked and random tables; errors; magi_attention with comm_backend="native"."""
+"""The native transport's CPU FFI handlers (magi_jax/sharding/native/,
+ffi/cpu_group_collectives.cc) on 8 host devices: against the NumPy model of the tables and
+the XLA transports, on hand-checked and random tables; errors; magi_attention with
+comm_backend="native"."""
 
 import dataclasses
 import functools
@@ -12,10 +13,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jax.sharding import PartitionSpec as P
 
-from magi_jax import native
+from magi_jax.planning.cast_table import CastTable, build_cast_table, cast_model, reduce_model
 from magi_jax.sharding import make_flex_key
-from magi_jax.sharding.collectives import (CastArrays, CastSpec, CastTable, build_cast_table,
-                                           cast_model, group_cast, group_reduce, reduce_model)
+from magi_jax.sharding.collectives import CastArrays, CastSpec, group_cast, group_reduce
+from magi_jax.sharding.native import transport as native
 from tests.sharding.masks import ZOO
 from tests.sharding.test_attention import _check, _mesh
 from tests.sharding.test_collectives import _meta, _random_table, _run
@@ -363,7 +364,7 @@ def test_magi_attention_starts_its_last_reduce():
     # Native transport: the backward starts the last remote stage's group-reduce between the
     # dK/dV and dQ work and ends it after; the result equals the synchronous reduce's.
     from tests.sharding.test_attention import _end_to_end
-    from magi_jax.testing import random_inputs
+    from magi_jax.ffa.testing import random_inputs
     mask = ZOO["doc_causal"]
     key = make_flex_key(mask, _mesh(2), "cp", overlap_degree=0, comm_backend="native")
     assert all(s.cast.runs is not None for s in key.stages if s.cast is not None)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from magi_jax import native
+from magi_jax.sharding.native import library
 
 
 def _gpu_count() -> int:
@@ -28,7 +28,7 @@ def _gpu_count() -> int:
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(_gpu_count() < 2, reason="needs 2 NVIDIA GPUs"),
-    pytest.mark.skipif(native._find("_magi_native_cuda.so") is None,
+    pytest.mark.skipif(library.find_library("_magi_native_cuda.so") is None,
                        reason="the CUDA/NVSHMEM library was not built"),
 ]
 

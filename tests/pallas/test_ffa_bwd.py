@@ -15,8 +15,8 @@ from magi_jax.mask import AttnMask
 from magi_jax.pallas import ffa_pallas, flex_flash_attention_pallas, kernel_plan_for_mask
 from magi_jax.pallas.common import smem
 from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq
-from magi_jax.pallas.plan import WorkList, persistent_schedule
-from magi_jax.testing import assert_matches_reference, random_inputs
+from magi_jax.planning.work_list import WorkList, persistent_schedule
+from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 
 # Units without work in both kernels: q-tile [128, 256) sees no key (dQ) and k-tile
 # [128, 256) is seen by no query (dK/dV); rows [100, 128) and [330, 384) see nothing; q-tile

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from magi_jax.mask import AttnMask
-from magi_jax.testing import assert_matches_reference, random_inputs
+from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 
 pallas = pytest.importorskip("magi_jax.pallas")
 pytestmark = [pytest.mark.gpu,

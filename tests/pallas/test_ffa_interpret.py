@@ -12,8 +12,8 @@ import pytest
 from magi_jax.mask import AttnMask
 from magi_jax.pallas import (ffa_pallas, flex_flash_attention_pallas, kernel_plan_for_mask,
                              supported)
-from magi_jax.pallas.plan import BAND
-from magi_jax.testing import assert_matches_reference, random_inputs
+from magi_jax.planning.work_list import BAND
+from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 
 # Non-square slices, rows covered by several slices, rows [190, 200) covered by none, and
 # lengths that are not multiples of the 128-row tiles.
@@ -137,7 +137,7 @@ def test_stacked_per_rank_plans():
     one shape), drives the kernels exactly like the rank's own plan. (Under ``shard_map``
     each rank sees its slice; GPU interpret mode keeps global state, so running two devices'
     kernels concurrently on the CPU is not reliable and this checks rank by rank.)"""
-    from magi_jax.pallas.plan import KernelPlanArrays, stack_kernel_plans
+    from magi_jax.planning.work_list import KernelPlanArrays, stack_kernel_plans
     masks = [AttnMask.causal(128), AttnMask.varlen([0, 50, 128], causal=True)]
     qkv = [jax.random.normal(kk, (2, 128, 1, 64), jnp.float32).astype(jnp.bfloat16)
            for kk in jax.random.split(jax.random.key(7), 3)]
@@ -230,7 +230,7 @@ def test_default_persistent_programs(monkeypatch):
     """``persistent=None``: one program per SM of the GPU when the plan is on the host, its
     rows are short and the kernels run there; none in interpret mode, with traced (per-rank)
     plans or on long rows."""
-    import magi_jax.pallas as P
+    import magi_jax.pallas.api as P
 
     class _Gpu:
         core_count = 132

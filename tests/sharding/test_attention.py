@@ -13,7 +13,7 @@ import magi_jax as mj
 from magi_jax.mask import AttnMask
 from magi_jax.sharding import (dispatch, magi_attention, magi_attention_local, make_flex_key,
                                make_varlen_key, position_ids, undispatch)
-from magi_jax.testing import assert_matches_reference, random_inputs
+from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 from tests.sharding.masks import CU, T, ZOO, self_attention_masks
 
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jax.sharding import PartitionSpec as P
 
-from magi_jax.sharding import solver as S
-from magi_jax.sharding.collectives import (CastArrays, CastSpec, CastTable, build_cast_table,
-                                           cast_model, group_cast, group_reduce, reduce_model)
+from magi_jax.planning import solver as S
+from magi_jax.planning.cast_table import CastTable, build_cast_table, cast_model, reduce_model
+from magi_jax.sharding.collectives import CastArrays, CastSpec, group_cast, group_reduce
 
 
 def _mesh(cp):

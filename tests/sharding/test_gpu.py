@@ -9,7 +9,7 @@ import pytest
 from magi_jax.mask import AttnMask
 from magi_jax.sharding import dispatch, magi_attention, make_flex_key, undispatch
 from magi_jax.sharding.ffa_backends import get_backend
-from magi_jax.testing import assert_matches_reference, random_inputs
+from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 
 
 def _gpus():

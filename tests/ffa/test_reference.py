@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from magi_jax.mask import AttnMask
-from magi_jax.reference import reference_attention, reference_attention_vjp
+from magi_jax.ffa.reference import reference_attention, reference_attention_vjp
 
 
 def _loop_reference(q, k, v, dense, scale, softcap=0.0):

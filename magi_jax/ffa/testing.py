@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from magi_jax.mask import AttnMask
-from magi_jax.reference import dense_attention
+from magi_jax.ffa.reference import dense_attention
 
 __all__ = ["reference_results", "assert_matches_reference", "random_inputs", "FLOORS"]
 

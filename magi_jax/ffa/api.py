@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from magi_jax.mask import AttnMask
-from magi_jax.xla_ffa import default_block_sizes, plan_for_mask, xla_ffa
+from magi_jax.ffa.xla import xla_ffa
+from magi_jax.planning.lanes import default_block_sizes, plan_for_mask
 
 __all__ = ["flex_flash_attention", "BACKENDS", "select_backend"]
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from magi_jax.mask import AttnMask
-from magi_jax.sharding import solver as S
+from magi_jax.planning import solver as S
 from tests.sharding.masks import ZOO, self_attention_masks
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, strategies as st
 
 import magi_jax as mj
 from magi_jax.mask import AttnMask
-from magi_jax.testing import assert_matches_reference, random_inputs
+from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 from tests.strategies import slice_masks
 
 LENS = [13, 1, 22, 9, 19]

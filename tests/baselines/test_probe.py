@@ -6,8 +6,8 @@ import numpy as np
 
 from magi_jax.sharding import dispatch, make_flex_key
 from magi_jax.sharding import magi_attention
-from magi_jax.sharding.probe import measure_overlap, nocomm_attention, overlap_probe, time_ms
-from magi_jax.testing import random_inputs
+from benchmarks.probe import measure_overlap, nocomm_attention, overlap_probe, time_ms
+from magi_jax.ffa.testing import random_inputs
 from tests.sharding.masks import ZOO
 
 

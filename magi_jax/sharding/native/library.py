@@ -1,5 +1,5 @@
 """Finding, loading and registering the native collectives' FFI library
-(:mod:`magi_jax.native`), and whether a platform or a mesh can run it."""
+(:mod:`magi_jax.sharding.native`), and whether a platform or a mesh can run it."""
 
 from __future__ import annotations
 
@@ -13,21 +13,23 @@ import jax
 import numpy as np
 
 _LIBS = {"cpu": "_magi_native_cpu.so", "cuda": "_magi_native_cuda.so"}
-_CAST, _REDUCE = "magi_group_cast", "magi_group_reduce"
-_START, _DONE = "magi_group_reduce_start", "magi_group_reduce_done"
+CAST_TARGET, REDUCE_TARGET = "magi_group_cast", "magi_group_reduce"
+START_TARGET, DONE_TARGET = "magi_group_reduce_start", "magi_group_reduce_done"
 
 
 class NativeUnavailable(RuntimeError):
     """The native library for a platform cannot be used (the message says why)."""
 
 
-def _platform_key(platform: str) -> str:
+def platform_key(platform: str) -> str:
     p = platform.lower()
     return "cuda" if p in ("cuda", "gpu", "rocm") else p
 
 
 def _search_dirs():
-    here = Path(__file__).resolve().parent
+    # The build installs the libraries into the magi_jax package folder (CMakeLists.txt),
+    # two levels above this module (magi_jax/sharding/native/).
+    here = Path(__file__).resolve().parents[2]
     seen = [here]
     for p in sys.path:
         d = Path(p or ".").resolve() / "magi_jax"
@@ -39,7 +41,7 @@ def _search_dirs():
     return seen
 
 
-def _find(name: str) -> Path | None:
+def find_library(name: str) -> Path | None:
     for d in _search_dirs():
         if (d / name).is_file():
             return d / name
@@ -54,13 +56,13 @@ def _capsule(ptr: int):
 
 
 @functools.cache
-def _load(platform: str):
+def load_library(platform: str):
     """Loads and registers the library of ``platform`` ('cpu' or 'cuda'); raises
     :class:`NativeUnavailable` with the reason."""
     name = _LIBS.get(platform)
     if name is None:
         raise NativeUnavailable(f"no native group collectives for platform {platform!r}")
-    path = _find(name)
+    path = find_library(name)
     if path is None:
         hint = ("install the package with `pip install -e .` (it compiles ffi/ with CMake)"
                 if platform == "cpu" else
@@ -77,9 +79,10 @@ def _load(platform: str):
         raise NativeUnavailable(f"could not load {path}: {e}") from e
     plat = "cpu" if platform == "cpu" else "CUDA"
     if platform == "cpu":
-        for target, sym in ((_CAST, "MagiGroupCastCpu"), (_REDUCE, "MagiGroupReduceCpu"),
-                            (_START, "MagiGroupReduceStartCpu"),
-                            (_DONE, "MagiGroupReduceDoneCpu")):
+        for target, sym in ((CAST_TARGET, "MagiGroupCastCpu"),
+                            (REDUCE_TARGET, "MagiGroupReduceCpu"),
+                            (START_TARGET, "MagiGroupReduceStartCpu"),
+                            (DONE_TARGET, "MagiGroupReduceDoneCpu")):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, sym)),
                                         platform=plat)
     else:
@@ -89,9 +92,10 @@ def _load(platform: str):
             "magi_jax.nvshmem_collective_state",
             {"type_id": _capsule(lib.MagiNvStateTypeId()),
              "type_info": _capsule(lib.MagiNvStateTypeInfo())}, platform=plat)
-        for target, stem in ((_CAST, "MagiGroupCastCuda"), (_REDUCE, "MagiGroupReduceCuda"),
-                             (_START, "MagiGroupReduceStartCuda"),
-                             (_DONE, "MagiGroupReduceDoneCuda")):
+        for target, stem in ((CAST_TARGET, "MagiGroupCastCuda"),
+                             (REDUCE_TARGET, "MagiGroupReduceCuda"),
+                             (START_TARGET, "MagiGroupReduceStartCuda"),
+                             (DONE_TARGET, "MagiGroupReduceDoneCuda")):
             jax.ffi.register_ffi_target(
                 target, {"instantiate": jax.ffi.pycapsule(getattr(lib, stem + "Instantiate")),
                          "execute": jax.ffi.pycapsule(getattr(lib, stem + "Execute"))},
@@ -127,7 +131,7 @@ def unavailable_reason(platform: str | None = None) -> str | None:
     """``None`` when the native collectives can run on ``platform`` (default: JAX's default
     backend), else why not."""
     try:
-        _load(_platform_key(platform or jax.default_backend()))
+        load_library(platform_key(platform or jax.default_backend()))
     except NativeUnavailable as e:
         return str(e)
     return None

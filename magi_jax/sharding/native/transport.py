@@ -51,11 +51,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The library's loading and the platform / mesh checks live in native_lib; the public ones
+# The library's loading and the platform / mesh checks live in library.py; the public ones
 # are this module's API too.
-from magi_jax.native_lib import (_CAST, _DONE, _REDUCE, _START, NativeUnavailable, _find,
-                                 _load, _platform_key, auto_reason, available, check_mesh,
-                                 unavailable_reason)
+from magi_jax.sharding.native.library import (CAST_TARGET, DONE_TARGET, REDUCE_TARGET,
+                                              START_TARGET, auto_reason, available, check_mesh,
+                                              load_library, platform_key, unavailable_reason)
 
 __all__ = ["available", "unavailable_reason", "group_cast", "group_reduce", "MAX_ARRAYS",
            "check_table", "initialize", "finalize", "staging_bytes", "auto_reason",
@@ -200,10 +200,10 @@ def initialize(symmetric_bytes: int = _DEFAULT_SYMMETRIC_BYTES,
         if symmetric_bytes > _nv["bytes"]:
             raise ValueError(f"NVSHMEM is already initialized with {_nv['bytes']} bytes of "
                              f"staging; {symmetric_bytes} were asked for. Call "
-                             "magi_jax.native.initialize(symmetric_bytes=...) with the largest "
-                             "need before the first native collective")
+                             "magi_jax.sharding.native.initialize(symmetric_bytes=...) with "
+                             "the largest need before the first native collective")
         return
-    lib = _load("cuda")
+    lib = load_library("cuda")
     rank, n = jax.process_index(), jax.process_count()
     size = lib.magi_nv_uid_size()
     if n > 1:
@@ -244,7 +244,7 @@ def finalize() -> None:
     """Frees the symmetric buffers and leaves NVSHMEM (registered at exit)."""
     if _nv["initialized"]:
         _nv["initialized"] = False
-        _load("cuda").magi_nv_finalize()
+        load_library("cuda").magi_nv_finalize()
 
 
 def staging_bytes(n_slots: int, slot_len: int, row_shape, dtype) -> int:
@@ -270,7 +270,7 @@ def _where(axis_name: str):
 def _platform() -> str:
     mesh = jax.sharding.get_abstract_mesh()
     plat = getattr(mesh, "_platform", None) or getattr(mesh, "platform", None)
-    return _platform_key(plat or jax.default_backend())
+    return platform_key(plat or jax.default_backend())
 
 
 def _common_attrs(spec, timeout_s, prefix):
@@ -319,8 +319,8 @@ def _ensure_staging(send, row_bytes: int, what: str):
             f"this native collective stages {need / 2**20:.1f} MiB per GPU ({n} "
             f"slots x {s} rows of {what}) but only "
             f"{_nv['bytes'] / 2**20:.1f} MiB of NVSHMEM symmetric memory were reserved; call "
-            f"magi_jax.native.initialize(symmetric_bytes={need}) (or more) before the first "
-            "native collective, or use more overlap stages (smaller casts)")
+            f"magi_jax.sharding.native.initialize(symmetric_bytes={need}) (or more) before "
+            "the first native collective, or use more overlap stages (smaller casts)")
 
 
 # Arrays one native collective moves at once (the handlers' kMaxLeaves).
@@ -357,7 +357,7 @@ def group_cast(x, tables, spec, *, prefix: bool = False, timeout_s: float | None
     concatenation: the kernel copies x's rows while the peers' rows are on their way."""
     send, recv = tables
     plat = _platform()
-    _load(plat)
+    load_library(plat)
     xs, single = _arrays(x, "group_cast")
     attrs = _common_attrs(spec, timeout_s, prefix)
     if plat == "cuda":
@@ -366,7 +366,7 @@ def group_cast(x, tables, spec, *, prefix: bool = False, timeout_s: float | None
     rows = recv.shape[0] + (xs[0].shape[0] if prefix else 0)
     flat = [a.reshape(a.shape[0], -1) for a in xs]
     outs = [jax.ShapeDtypeStruct((rows, f.shape[1]), f.dtype) for f in flat]
-    got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(_CAST, outs)(*a, **attrs))(
+    got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(CAST_TARGET, outs)(*a, **attrs))(
         send, recv, _where(spec.axis_name), *flat)
     got = [g.reshape((rows,) + a.shape[1:]) for g, a in zip(got, xs)]
     return got[0] if single else got
@@ -379,7 +379,7 @@ def _reduce_call(y, tables, spec, num_rows, acc, prefix, out_dtype, timeout_s, o
     ``input_output_aliases`` of the call (the own rows, where the sums go in place)."""
     send, recv = tables
     plat = _platform()
-    _load(plat)
+    load_library(plat)
     ys, single = _arrays(y, "group_reduce")
     if len({a.dtype for a in ys}) != 1:
         raise TypeError("native group_reduce sums arrays of one dtype at a time; got "
@@ -475,7 +475,7 @@ def group_reduce(y, tables, spec, num_rows: int, *, acc=None, prefix: bool = Fal
     plat, ys, single, args, outs, attrs, _, aliases = _reduce_call(
         y, tables, spec, num_rows, acc, prefix, out_dtype, timeout_s, own)
     got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(
-        _REDUCE, outs, input_output_aliases=aliases)(*a, **attrs))(*args)
+        REDUCE_TARGET, outs, input_output_aliases=aliases)(*a, **attrs))(*args)
     return _unflat(got, ys, num_rows, single)
 
 
@@ -529,7 +529,7 @@ def group_reduce_start(y, tables, spec, num_rows: int, *, prefix: bool = False, 
     done call does the whole reduce."""
     if not can_start_reduce(spec):
         raise ValueError("group_reduce_start: this reduce cannot be started here (see "
-                         "magi_jax.native.can_start_reduce); call group_reduce")
+                         "magi_jax.sharding.native.can_start_reduce); call group_reduce")
     plat, ys, single, args, outs, attrs, flat, aliases = _reduce_call(
         y, tables, spec, num_rows, None, prefix, out_dtype, timeout_s, own)
     if plat == "cuda" and (not _nv["all_mapped"] or _nv["started_bytes"] <
@@ -537,7 +537,7 @@ def group_reduce_start(y, tables, spec, num_rows: int, *, prefix: bool = False, 
         raise ValueError(
             "group_reduce_start needs every PE load/store reachable and staging for started "
             f"reduces of {staging_bytes(*tables[0].shape, (_row_bytes(ys),), np.uint8)} "
-            f"bytes; {_nv['started_bytes']} were reserved (magi_jax.native.initialize("
+            f"bytes; {_nv['started_bytes']} were reserved (magi_jax.sharding.native.initialize("
             "started_bytes=...))")
     runs, offsets = spec.runs
     start_attrs = dict(cp=attrs["cp"], slot_len=np.int64(tables[0].shape[1]),
@@ -547,11 +547,11 @@ def group_reduce_start(y, tables, spec, num_rows: int, *, prefix: bool = False, 
         start_attrs.update({k: v for k, v in attrs.items()
                             if k not in ("accumulate", "out_input_dtype", "own_apart")})
     _, recv, where = args[:3]
-    token = jax.ffi.ffi_call(_START, jax.ShapeDtypeStruct((1,), jnp.int32))(
+    token = jax.ffi.ffi_call(START_TARGET, jax.ShapeDtypeStruct((1,), jnp.int32))(
         recv, where, *flat, **start_attrs)
 
     def done(token):
-        got = jax.ffi.ffi_call(_DONE, outs, input_output_aliases={
+        got = jax.ffi.ffi_call(DONE_TARGET, outs, input_output_aliases={
             i + 1: o for i, o in aliases.items()})(token, *args, **attrs)
         return _unflat(got, ys, num_rows, single)
 

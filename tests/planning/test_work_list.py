@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from magi_jax.mask import AttnMask
-from magi_jax.pallas.plan import (BAND, FULL, GENERAL, ITEM_FIELDS, NUM_FIELDS,
+from magi_jax.planning.work_list import (BAND, FULL, GENERAL, ITEM_FIELDS, NUM_FIELDS,
                                   build_kernel_plan, build_work_list, kernel_plan_for_mask,
                                   persistent_schedule)
 from tests.strategies import slice_masks
@@ -127,7 +127,7 @@ def test_kernel_plan_cached_and_padded():
 
 
 def test_stack_kernel_plans():
-    from magi_jax.pallas.plan import stack_kernel_plans
+    from magi_jax.planning.work_list import stack_kernel_plans
     a = kernel_plan_for_mask(AttnMask.causal(300)).arrays()
     b = kernel_plan_for_mask(AttnMask.varlen([0, 100, 300], causal=True)).arrays()
     st = stack_kernel_plans([a, b])

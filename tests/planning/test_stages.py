@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from magi_jax.mask import AttnMask
-from magi_jax.sharding import dist_plan as D, solver as S
-from magi_jax.sharding.collectives import cast_model
+from magi_jax.planning import solver as S, stages as D
+from magi_jax.planning.cast_table import cast_model
 from tests.sharding.masks import ZOO, self_attention_masks
 
 
@@ -98,14 +98,14 @@ def test_cached_and_errors():
 
 @pytest.mark.parametrize("name", ["causal", "doc_causal", "shared_question"])
 def test_cast_tables_same_by_runs_and_by_tokens(name, monkeypatch):
-    from magi_jax.sharding import collectives
+    from magi_jax.planning import cast_table
     mask = ZOO[name]
     meta = S.solve_dispatch(mask, 4, 4)
     views = D.rank_views(mask, meta, 2)
     tables = []
     for threshold in (0, 1 << 30):          # always slice writes / always token writes
-        monkeypatch.setattr(collectives, "_RUN_WRITE_MIN", threshold)
-        tables.append([collectives.build_cast_table(
+        monkeypatch.setattr(cast_table, "_RUN_WRITE_MIN", threshold)
+        tables.append([cast_table.build_cast_table(
             meta, [v.remote[v.remote[:, 3] == s] for v in views], 40) for s in range(2)])
     for a, b in zip(*tables):
         np.testing.assert_array_equal(a.send_index, b.send_index)

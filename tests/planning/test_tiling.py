@@ -4,7 +4,7 @@ from hypothesis import given, strategies as st
 
 from magi_jax.mask import AttnMask
 from magi_jax.mask_zoo import DOC_LENGTHS
-from magi_jax.tiling import EMPTY_ITEM, ITEM_FIELDS, LanePlan, lane_plan, tile_items
+from magi_jax.planning.tiling import EMPTY_ITEM, ITEM_FIELDS, LanePlan, lane_plan, tile_items
 from tests.strategies import slice_masks
 
 
@@ -109,8 +109,8 @@ def test_cost_follows_area_32k_document_mask(block):
 def test_stacked_plans_share_one_lane_length():
     """Stacking re-packs every plan with one lane length: a plan with a few very long rows
     next to a plan of many short rows stays small, and every item survives."""
-    from magi_jax.tiling import unpack_lanes
-    from magi_jax.xla_ffa import build_xla_plan, stack_plans
+    from magi_jax.planning.tiling import unpack_lanes
+    from magi_jax.planning.lanes import build_xla_plan, stack_plans
     masks = [AttnMask.from_ranges([[496, 512]], [[0, 512]], "full", total_q=512),
              AttnMask.varlen(np.arange(0, 513, 16))]
     plans = [build_xla_plan(m.shapes, m.total_q, m.total_k, 16, 16).arrays() for m in masks]

@@ -1,14 +1,14 @@
 """Distributed plan: what every rank computes and which KV tokens travel (host NumPy).
 
-Given a dispatch (:class:`~magi_jax.sharding.solver.DispatchMeta`), every rank's queries see
+Given a dispatch (:class:`~magi_jax.planning.solver.DispatchMeta`), every rank's queries see
 a set of global key intervals. The keys it owns form the *host stage* (its local KV); the
 others — exactly the keys some local query needs, each fetched once — form the *remote
 buffer*, ordered by global position and cut into ``overlap_degree`` stages of nearly equal
 size. Per stage, the rank's slices are clipped to the stage's key segments, split at kinks
 (canonical, kink-free shapes) and re-expressed in local coordinates: query ``i`` = local
 token ``i``, key ``j`` = position ``j`` in that stage's KV buffer. Each stage then gets an FFA
-plan (of the chosen backend, :mod:`magi_jax.sharding.ffa_backends`) and a group-cast table
-(:class:`~magi_jax.sharding.collectives.CastTable`). Everything is stacked over ranks into
+plan (of the chosen backend, :mod:`magi_jax.planning.backends`) and a group-cast table
+(:class:`~magi_jax.planning.cast_table.CastTable`). Everything is stacked over ranks into
 ``[cp, ...]`` int32 arrays padded to the maxima, and cached by (mask fingerprint, dispatch,
 options). Every process builds the whole plan itself.
 
@@ -25,10 +25,10 @@ import threading
 import numpy as np
 
 from magi_jax.mask import AttnMask, SliceShapes
-from magi_jax.sharding.collectives import CastTable, build_cast_table
-from magi_jax.sharding.solver import (DispatchMeta, merge_intervals, ranges_repeat,
+from magi_jax.planning.backends import host_planner
+from magi_jax.planning.cast_table import CastTable, build_cast_table
+from magi_jax.planning.solver import (DispatchMeta, merge_intervals, ranges_repeat,
                                       slice_chunk_pairs)
-from magi_jax.sharding.ffa_backends import get_backend
 
 __all__ = ["DistPlan", "StagePlan", "build_dist_plan", "RankView", "rank_views", "split_areas"]
 
@@ -175,7 +175,7 @@ def build_dist_plan(mask: AttnMask, meta: DispatchMeta, overlap_degree: int, blo
     if int(overlap_degree) < 0:
         raise ValueError(f"overlap_degree={overlap_degree} must be >= 0 (0: one FFA call "
                          "after fetching all remote KV; k: host stage + k remote stages)")
-    backend = get_backend(ffa_backend)
+    backend = host_planner(ffa_backend)
     key = (mask.fingerprint, meta.fingerprint(), int(overlap_degree), int(block_q),
            int(block_k), backend.name)
     with _CACHE_LOCK:

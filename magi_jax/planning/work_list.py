@@ -22,14 +22,14 @@ from typing import NamedTuple
 import numpy as np
 
 from magi_jax.mask import AttnMask, SliceShapes
-from magi_jax.tiling import EMPTY_ITEM as _EMPTY_ITEM, ITEM_FIELDS, tile_items
+from magi_jax.planning.tiling import EMPTY_ITEM as _EMPTY_ITEM, ITEM_FIELDS, tile_items
 
 __all__ = ["ITEM_FIELDS", "NUM_FIELDS", "WorkList", "KernelPlan", "KernelPlanArrays",
            "build_work_list", "build_kernel_plan", "kernel_plan_for_mask",
            "stack_kernel_plans", "persistent_schedule", "FWD_BLOCK_Q", "FWD_BLOCK_K",
            "DKV_BLOCK_Q", "DKV_BLOCK_K", "GENERAL", "FULL", "BAND"]
 
-# Items have the columns of magi_jax.tiling.ITEM_FIELDS (the tile on the other side, the
+# Items have the columns of magi_jax.planning.tiling.ITEM_FIELDS (the tile on the other side, the
 # slice's canonical geometry, the mask kind below); padding items are tiling.EMPTY_ITEM.
 NUM_FIELDS = len(ITEM_FIELDS)
 _I32 = np.iinfo(np.int32)

@@ -1,0 +1,132 @@
+"""Command-line planner: how a mask would be spread over ``cp`` ranks, without any devices.
+
+    python -m magi_jax.plan --mask doc-causal --seqlen 1M --cp 64 --out plan.png
+
+Prints the dispatch (chunks per rank), the balance of attention work (max/mean mask cells per
+rank, next to the contiguous / zigzag / striped baselines), the remote-KV volume (next to what
+ring attention moves), the overlap stages and the planning time; writes the picture of
+:func:`magi_jax.plot.plot_plan` (and, with ``--mask-out``, of the mask). The plan is the one
+:func:`magi_jax.make_flex_key` builds on a real mesh with the same options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+
+from magi_jax.mask_zoo import MASKS, make_mask   # the zoo of --mask (re-exported)
+from magi_jax.planning.stages import build_dist_plan
+from magi_jax.sharding.key import default_overlap_degree
+from magi_jax.planning.solver import ALGORITHMS, remote_kv_tokens, solve_dispatch
+from magi_jax.planning.lanes import default_block_sizes
+
+__all__ = ["MASKS", "make_mask", "parse_tokens", "main"]
+
+
+def parse_tokens(text: str) -> int:
+    """``"1M"`` -> 1048576, ``"128k"`` -> 131072, ``"5000"`` -> 5000."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 4096, 128k, 1M)")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def _fmt(x: float) -> str:
+    for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.4g}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m magi_jax.plan",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mask", default="doc-causal", choices=MASKS)
+    ap.add_argument("--seqlen", type=parse_tokens, default="128k",
+                    help="packed tokens, e.g. 32768, 128k, 1M (default 128k)")
+    ap.add_argument("--cp", type=int, default=8, help="context-parallel ranks (default 8)")
+    ap.add_argument("--window", type=parse_tokens, default="4k",
+                    help="window / block size of the windowed masks (default 4k)")
+    ap.add_argument("--docs", type=int, default=None,
+                    help="number of random-length documents (default: PERF.md's 10)")
+    ap.add_argument("--chunk-size", type=int, default=None,
+                    help="dispatch chunk in tokens (default: the solver's choice)")
+    ap.add_argument("--overlap-degree", type=int, default=None,
+                    help="remote stages (default: the cost model's choice, as in make_flex_key)")
+    ap.add_argument("--algorithm", default="magi", choices=ALGORITHMS)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="plan.png", help="picture of the plan (PNG); '' for none")
+    ap.add_argument("--mask-out", default="", help="also draw the mask to this PNG")
+    args = ap.parse_args(argv)
+    if args.cp < 1:
+        ap.error(f"--cp {args.cp} must be >= 1")
+
+    t0 = time.perf_counter()
+    mask = make_mask(args.mask, args.seqlen, window=args.window, num_docs=args.docs,
+                     seed=args.seed)
+    t_mask = time.perf_counter() - t0
+    print(f"mask      {args.mask}: {mask.num_slices} slices over {mask.total_q:,} tokens, "
+          f"area {_fmt(mask.area)} cells ({100 * mask.area / mask.total_q ** 2:.2f}% of dense)"
+          f"  [{t_mask:.2f} s]")
+
+    t0 = time.perf_counter()
+    meta = solve_dispatch(mask, args.cp, args.chunk_size, args.algorithm)
+    t_solve = time.perf_counter() - t0
+    bq, bk = default_block_sizes(meta.local_len, meta.local_len)
+    t0 = time.perf_counter()
+    degree = (default_overlap_degree(mask, meta) if args.overlap_degree is None
+              else args.overlap_degree)
+    t_degree = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    plan = build_dist_plan(mask, meta, degree, bq, bk)
+    t_plan = time.perf_counter() - t0
+
+    pad = meta.padded_total - meta.total
+    print(f"dispatch  '{meta.algorithm}': {meta.num_chunks} chunks of {meta.chunk_size:,} tokens,"
+          f" {meta.chunks_per_rank} per rank = {meta.local_len:,} tokens per rank"
+          + (f" ({pad:,} padding tokens)" if pad else ""))
+    ring = (args.cp - 1) * meta.local_len
+    print("balance   work per rank (mask cells), max/mean; remote KV tokens per rank, max:")
+    rows = [(meta.algorithm, meta.imbalance(), int(plan.remote_tokens.max()))]
+    for alg in ("contiguous", "zigzag", "striped"):
+        if alg == meta.algorithm:
+            continue
+        try:
+            other = solve_dispatch(mask, args.cp, meta.chunk_size, alg)
+        except ValueError:
+            continue
+        rows.append((alg, other.imbalance(), int(remote_kv_tokens(mask, other).max())))
+    for alg, imb, rem in rows:
+        print(f"          {alg:<11} max/mean {imb:7.4f}   remote KV {_fmt(rem):>7} "
+              f"({100 * rem / max(ring, 1):5.1f}% of ring attention's {_fmt(ring)})")
+    rem = plan.remote_tokens
+    print(f"remote KV per rank: max {_fmt(int(rem.max()))}, mean {_fmt(float(rem.mean()))}; "
+          f"total {_fmt(int(rem.sum()))} tokens over the network")
+    print(f"stages    overlap degree {plan.overlap_degree}: {len(plan.stages)} FFA call(s) per "
+          f"rank (tiles {bq}x{bk})")
+    for i, st in enumerate(plan.stages):
+        kind = ("host (local KV)" if st.cast is None else
+                "local + all remote KV" if len(plan.stages) == 1 else f"remote {i - 1}")
+        moved = "" if st.cast is None else f", {_fmt(st.cast.tokens_moved())} KV tokens cast"
+        print(f"          stage {i}: {kind:<22} max area {_fmt(int(st.area.max()))} cells, "
+              f"KV length {st.kv_len:,}{moved}")
+    print(f"time      solve {t_solve:.2f} s, overlap-degree model {t_degree:.2f} s, "
+          f"distributed plan {t_plan:.2f} s (total {t_solve + t_degree + t_plan:.2f} s)")
+
+    if args.out or args.mask_out:
+        from magi_jax.plot import plot_mask, plot_plan
+        if args.out:
+            plot_plan(plan, args.out, mask=mask,
+                      title=f"{args.mask}, {mask.total_q:,} tokens over cp = {args.cp}")
+            print(f"wrote     {args.out}")
+        if args.mask_out:
+            plot_mask(mask, args.mask_out)
+            print(f"wrote     {args.mask_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

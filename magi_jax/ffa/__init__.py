@@ -1,0 +1,10 @@
+"""Single-device flexible-mask attention: the front door :func:`flex_flash_attention`
+(:mod:`~magi_jax.ffa.api`), the portable ``xla`` backend (:mod:`~magi_jax.ffa.xla`), the dense
+reference (:mod:`~magi_jax.ffa.reference`) and the correctness rule of the tests
+(:mod:`~magi_jax.ffa.testing`). The ``pallas`` backend is :mod:`magi_jax.pallas`."""
+
+from magi_jax.ffa.api import BACKENDS, flex_flash_attention, select_backend
+from magi_jax.ffa.reference import dense_attention, reference_attention, reference_attention_vjp
+
+__all__ = ["flex_flash_attention", "select_backend", "BACKENDS", "reference_attention",
+           "reference_attention_vjp", "dense_attention"]

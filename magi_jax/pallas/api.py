@@ -1,0 +1,348 @@
+"""The logic of the ``pallas`` backend (:mod:`magi_jax.pallas`): input checks, the
+``custom_vjp`` over the forward, dQ and dK/dV kernels, persistent schedules and defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from magi_jax.pallas.common import LOG2E
+from magi_jax.pallas.ffa_bwd import DKV_SPLIT_ALIGN, BwdConfig, ffa_dkv, ffa_dq
+from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward
+from magi_jax.planning.work_list import (DKV_BLOCK_K, FWD_BLOCK_K, FWD_BLOCK_Q,
+                                         KernelPlanArrays, WorkList, kernel_plan_for_mask,
+                                         persistent_schedule)
+
+__all__ = ["flex_flash_attention_pallas", "ffa_pallas", "ffa_pallas_backward", "supported",
+           "device_supported", "DKV_SPLIT_ALIGN", "KernelPlanArrays", "kernel_plan_for_mask",
+           "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES"]
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+_MAX_GRID_TILES = 65535   # tiles sit on a grid dimension limited to 2**16 - 1 blocks
+
+
+def device_supported() -> tuple[bool, str]:
+    """Whether the default JAX device is an sm90 (Hopper) GPU: ``(ok, reason)``."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError as e:  # pragma: no cover - no backend at all
+        return False, f"no JAX device ({e})"
+    if dev.platform != "gpu":
+        return False, f"the default device is {dev.platform}, not an NVIDIA GPU"
+    cc = getattr(dev, "compute_capability", None)
+    if cc is None or not str(cc).startswith("9"):
+        return False, (f"the GPU {dev.device_kind} has compute capability {cc}; the Mosaic GPU "
+                       "FFA kernels are written for Hopper (9.0)")
+    return True, ""
+
+
+def supported(q, k, v, mask=None, *, check_device: bool = True) -> tuple[bool, str]:
+    """Whether the pallas kernels take these inputs: ``(ok, reason)`` (reason empty when ok).
+
+    q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]``; bf16 or fp16, ``D`` in
+    :data:`SUPPORTED_HEAD_DIMS`, ``Hq % Hkv == 0``. ``check_device`` also requires that the
+    default device is an sm90 GPU."""
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False, (f"dtype {q.dtype}/{k.dtype}/{v.dtype}: the pallas kernels take "
+                       "bfloat16 or float16 q, k, v of one dtype")
+    d = q.shape[-1]
+    if d not in SUPPORTED_HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:
+        return False, (f"head dim {d}: the pallas kernels support D in {SUPPORTED_HEAD_DIMS} "
+                       "(D = 256 does not fit the shared-memory plan yet)")
+    if q.shape[-2] % k.shape[-2]:
+        return False, f"Hq={q.shape[-2]} is not a multiple of Hkv={k.shape[-2]}"
+    tq, tk = q.shape[-3], k.shape[-3]
+    if not tq or not tk:
+        return False, f"empty sequence (Tq={tq}, Tk={tk})"
+    if max(-(-tq // FWD_BLOCK_Q), -(-tk // DKV_BLOCK_K)) > _MAX_GRID_TILES:
+        return False, (f"Tq={tq}/Tk={tk} give more than {_MAX_GRID_TILES} tiles of 128 tokens "
+                       "(a CUDA grid dimension); split the work (context parallelism)")
+    if check_device:
+        ok, why = device_supported()
+        if not ok:
+            return False, why
+    return True, ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    scale: float
+    softcap: float
+    interpret: bool
+    num_stages: int = 2
+    dq_num_stages: int = 2
+    dkv_num_stages: int = 2
+    fused_acc: bool = True
+    fma_softmax: bool = True
+    head_major: bool = True
+    k_wait_under_pv: bool = False
+    persistent: int = 0
+    dq_persistent: int = 0
+    dkv_persistent: int = 0
+    intra_wg_overlap: bool = True
+
+
+def _pad_rows(x, multiple):
+    t = x.shape[1]
+    pad = -t % multiple
+    if not pad:
+        return x
+    return jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+
+
+class _Schedules(NamedTuple):
+    """Host schedules of the persistent kernels: ``(offsets, units)`` of
+    :func:`~magi_jax.planning.work_list.persistent_schedule`, or ``()`` where a kernel is not
+    persistent."""
+
+    fwd: tuple
+    dq: tuple
+    dkv: tuple
+
+
+_NO_SCHEDULES = _Schedules((), (), ())
+
+
+def _on_host(plan: KernelPlanArrays) -> bool:
+    """Whether the plan is NumPy arrays (persistent schedules are built from it there)."""
+    return all(isinstance(a, np.ndarray) for a in plan)
+
+
+def _schedules(plan: KernelPlanArrays, cfg: _Config, batch: int, hq: int,
+               hkv: int) -> _Schedules:
+    if not (cfg.persistent or cfg.dq_persistent or cfg.dkv_persistent):
+        return _NO_SCHEDULES
+    if not _on_host(plan):
+        raise ValueError(f"persistent={cfg.persistent}, bwd_persistent="
+                         f"{cfg.dq_persistent or cfg.dkv_persistent}: the persistent kernels "
+                         "schedule their units on the host, so the plan must be NumPy arrays "
+                         "(not traced or device arrays); pass 0 here")
+    fwd_list = WorkList(plan.q_order, plan.q_offsets, plan.q_items)
+    dkv_list = WorkList(plan.k_order, plan.k_offsets, plan.k_items)
+    sched = lambda work, groups, n: persistent_schedule(work, groups, n) if n else ()
+    return _Schedules(sched(fwd_list, batch * hq, cfg.persistent),
+                      sched(fwd_list, batch * hq, cfg.dq_persistent),
+                      sched(dkv_list, batch * hkv, cfg.dkv_persistent))
+
+
+def _forward(q, k, v, plan: KernelPlanArrays, sched: _Schedules, cfg: _Config):
+    tq = q.shape[1]
+    qp = _pad_rows(q, FWD_BLOCK_Q)
+    kp, vp = _pad_rows(k, FWD_BLOCK_K), _pad_rows(v, FWD_BLOCK_K)
+    out, lse_bht = ffa_forward(qp, kp, vp, plan.q_order, plan.q_offsets, plan.q_items,
+                               FwdConfig(cfg.scale, cfg.softcap, num_stages=cfg.num_stages,
+                                         fused_acc=cfg.fused_acc, fma_softmax=cfg.fma_softmax,
+                                         head_major=cfg.head_major,
+                                         k_wait_under_pv=cfg.k_wait_under_pv,
+                                         intra_wg_overlap=cfg.intra_wg_overlap,
+                                         persistent=cfg.persistent, interpret=cfg.interpret),
+                               sched.fwd)
+    return out[:, :tq], lse_bht[:, :, :tq]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ffa(q, k, v, plan, sched, cfg):
+    out, lse_bht = _forward(q, k, v, plan, sched, cfg)
+    return out, jnp.swapaxes(lse_bht, 1, 2)
+
+
+def _ffa_fwd(q, k, v, plan, sched, cfg):
+    out, lse_bht = _forward(q, k, v, plan, sched, cfg)
+    return (out, jnp.swapaxes(lse_bht, 1, 2)), (q, k, v, plan, sched, out, lse_bht)
+
+
+def _ffa_bwd(cfg, res, cts, between_dkv_dq=None, split_kv_at=0):
+    q, k, v, plan, sched, out, lse_bht = res
+    dout, dlse = cts
+    tq, tk = q.shape[1], k.shape[1]
+    finite = jnp.isfinite(lse_bht)
+    # delta = rowsum(out·dout) − dlse: d lse / d s = p, so the lse cotangent shifts delta.
+    delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), dout.astype(jnp.float32))
+    delta = delta - jnp.where(finite, jnp.swapaxes(dlse, 1, 2).astype(jnp.float32), 0.0)
+    # Rows that see no key: lse = +inf makes P = 0 there, so their gradients are 0.
+    lse2 = jnp.where(finite, lse_bht * LOG2E, jnp.inf)
+    pad_q = lambda x: _pad_rows(x, FWD_BLOCK_Q)
+    pad_k = lambda x: _pad_rows(x, max(FWD_BLOCK_K, DKV_BLOCK_K))
+    pad_stat = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -tq % FWD_BLOCK_Q)))
+    args = (pad_q(q), pad_k(k), pad_k(v), pad_q(dout.astype(q.dtype)), pad_stat(lse2),
+            pad_stat(delta))
+    bcfg = lambda stages, progs: BwdConfig(cfg.scale, cfg.softcap, num_stages=stages,
+                                           fma_softmax=cfg.fma_softmax,
+                                           head_major=cfg.head_major, persistent=progs,
+                                           interpret=cfg.interpret)
+    dq_kernel = lambda args: ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items,
+                                    bcfg(cfg.dq_num_stages, cfg.dq_persistent), sched.dq)
+    if between_dkv_dq is None:
+        dq = dq_kernel(args)
+    dkv_kernel = functools.partial(ffa_dkv, *args, plan.k_order, plan.k_offsets, plan.k_items,
+                                   bcfg(cfg.dkv_num_stages, cfg.dkv_persistent), sched.dkv)
+    if split_kv_at and split_kv_at % DKV_SPLIT_ALIGN == 0:
+        # Each tile stored straight into its part: no slicing copy of the first part.
+        dk0, dv0, dk1, dv1 = dkv_kernel(split=split_kv_at)
+        rest = tk - split_kv_at
+        dk, dv = (dk0, dk1[:, :rest]), (dv0, dv1[:, :rest])
+    else:
+        dk, dv = dkv_kernel()
+        dk, dv = dk[:, :tk], dv[:, :tk]
+        if split_kv_at:
+            dk, dv = (dk[:, :split_kv_at], dk[:, split_kv_at:]), (dv[:, :split_kv_at],
+                                                                 dv[:, split_kv_at:])
+    if between_dkv_dq is None:
+        return dq[:, :tq], dk, dv, None, None
+    # dK/dV first, then the hook (e.g. a started collective of dK/dV), then dQ. Only the
+    # hook's token carries the order: through a barrier with dQ's inputs (so the dQ kernel
+    # comes after the hook) and one with dQ's output (so what ends the hook's work comes
+    # after the dQ kernel). dK/dV themselves pass through no barrier.
+    token = between_dkv_dq(dk, dv)
+    token, args = jax.lax.optimization_barrier((token, args))
+    dq = dq_kernel(args)
+    token, dq = jax.lax.optimization_barrier((token, dq))
+    return dq[:, :tq], dk, dv, token
+
+
+_ffa.defvjp(_ffa_fwd, _ffa_bwd)
+
+
+# Persistent programs hide each unit's prologue and epilogue under its neighbours' work,
+# which pays on short rows; on long ones one program per unit was faster. H200, 2026-11-30,
+# same-run A/Bs: forward (kernel_fwd_overlap_*) persistent +11 % on SWA 1024 16k (~9 items
+# per q-tile), +0.5-3 % on doc-causal 32k (~19); one program per unit +1.5-2 % on causal
+# (~65) and full (128) 16k. dK/dV (kernel_parts_*_1356, _1624; items of half the size):
+# persistent 3-5 % faster on SWA 1024, doc-causal and prefix-LM 16k, 3 % slower on causal.
+# The persistent dQ was slower on every mask, so it is never the default.
+PERSISTENT_MAX_MEAN_ITEMS = 32
+DKV_PERSISTENT_MAX_MEAN_ITEMS = 64
+
+
+def _default_programs(plan: KernelPlanArrays, interpret: bool, kernel: str = "fwd") -> int:
+    """Programs of the persistent forward (``kernel="fwd"``) or dK/dV kernel (``"dkv"``) by
+    default: one per SM of the default GPU when the plan is on the host (the schedule is
+    built there) and its tiles that own any item walk fewer than
+    :data:`PERSISTENT_MAX_MEAN_ITEMS` (dK/dV: :data:`DKV_PERSISTENT_MAX_MEAN_ITEMS`) items on
+    average; 0 otherwise."""
+    if interpret or not _on_host(plan):
+        return 0
+    offsets, limit = ((plan.q_offsets, PERSISTENT_MAX_MEAN_ITEMS) if kernel == "fwd"
+                      else (plan.k_offsets, DKV_PERSISTENT_MAX_MEAN_ITEMS))
+    counts = np.diff(offsets)
+    counts = counts[counts > 0]
+    if counts.size and counts.mean() >= limit:
+        return 0
+    return int(getattr(jax.devices()[0], "core_count", 0) or 0)
+
+
+def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap: float = 0.0,
+               interpret: bool = False, num_stages: int = 2, dq_num_stages: int = 2,
+               dkv_num_stages: int = 2, fused_acc: bool = True, fma_softmax: bool = True,
+               head_major: bool = True, k_wait_under_pv: bool = False,
+               persistent: int | None = None, bwd_persistent: int | None = None,
+               intra_wg_overlap: bool = True):
+    """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
+
+    q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64 or 128); ``plan`` from
+    :func:`kernel_plan_for_mask` (``.arrays()``) for these ``Tq``/``Tk``, as int32 arrays.
+    Returns ``out`` (q's shape and dtype) and ``lse [(B,) Tq, Hq]`` float32 (natural log,
+    ``-inf`` for rows that see no key). Differentiable in q, k, v, also through lse.
+    ``interpret=True`` runs the kernels in Mosaic GPU interpret mode (CPU, tests only).
+    Tuning (results do not depend on it beyond rounding): ``num_stages`` (forward),
+    ``dq_num_stages``, ``dkv_num_stages``: shared-memory slots of the producer rings (with
+    D = 128 only the dK/dV kernel fits 3); ``fused_acc``: the forward lets wgmma accumulate
+    into the rescaled output registers; ``fma_softmax``: the softmax scale applied inside
+    ``exp2`` (one FMA per score); ``head_major``: launch order (see
+    :func:`magi_jax.pallas.common.launch_grid`); forward only: ``k_wait_under_pv``: the
+    consumers wait for the next K tile underneath the P·V wgmma rather than at the top of the
+    step (only with ``intra_wg_overlap=False``); ``intra_wg_overlap``: each item's Q·Kᵀ is
+    issued with the previous item's P·V, which runs under this item's softmax
+    (FlashAttention-3's intra-warpgroup overlap; +3-7 % on the H200, 2026-11-30);
+    ``persistent``: 0 (one program per q-tile and head) or the number of programs (the
+    SM count) that walk the (q-tile, batch, head) units of a host schedule
+    (:func:`~magi_jax.planning.work_list.persistent_schedule`), the K/V pipeline running on across
+    units and each unit's Q loaded under the previous unit's last matmuls, so the plan must be
+    NumPy arrays here; ``None`` (default): the SM count of the default GPU when the plan is
+    NumPy arrays, its q-tiles are short (:data:`PERSISTENT_MAX_MEAN_ITEMS`), the kernels run
+    on a GPU and ``num_stages`` <= 2 (its output buffer takes the shared memory of a third
+    slot), else 0 (measured on an H200, 2026-11-30: +11 % on SWA 1024, 1.5-2 % slower on
+    full and causal 16k); backward only: ``bwd_persistent``: the
+    same for the dQ and dK/dV kernels (dQ units: q-tile, batch, query head; dK/dV: k-tile,
+    batch, key head), storing through output buffers of their own (with D = 128 that leaves
+    room for ``dq_num_stages`` <= 2 and ``dkv_num_stages`` <= 3); ``None`` (default): dQ one
+    program per unit (its persistent mode measured slower on every mask), dK/dV persistent
+    on short k-tiles (:data:`DKV_PERSISTENT_MAX_MEAN_ITEMS`, 3-5 % faster there) when
+    ``dkv_num_stages`` <= 3, like the forward's default."""
+    if persistent is None:
+        persistent = _default_programs(plan, interpret) if num_stages <= 2 else 0
+    if bwd_persistent is None:
+        dq_persistent = 0
+        dkv_persistent = _default_programs(plan, interpret, "dkv") if dkv_num_stages <= 3 else 0
+    else:
+        dq_persistent = dkv_persistent = int(bwd_persistent)
+    cfg = _Config(float(softmax_scale), float(softcap), bool(interpret), int(num_stages),
+                  int(dq_num_stages), int(dkv_num_stages), bool(fused_acc),
+                  bool(fma_softmax), bool(head_major), bool(k_wait_under_pv),
+                  int(persistent), dq_persistent, dkv_persistent, bool(intra_wg_overlap))
+    batched = q.ndim == 4
+    sched = _schedules(plan, cfg, q.shape[0] if batched else 1, q.shape[-2], k.shape[-2])
+    sched = jax.tree.map(lambda a: jnp.asarray(a, jnp.int32), sched)
+    plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
+    if not batched:
+        out, lse = _ffa(q[None], k[None], v[None], plan, sched, cfg)
+        return out[0], lse[0]
+    return _ffa(q, k, v, plan, sched, cfg)
+
+
+def ffa_pallas_backward(q, k, v, plan: KernelPlanArrays, out, lse, dout, dlse, *,
+                        softmax_scale: float, softcap: float = 0.0, interpret: bool = False,
+                        between_dkv_dq=None, split_kv_at: int = 0):
+    """The backward of :func:`ffa_pallas` from a forward's ``(out, lse)``, which may be the
+    merged result of several calls (context parallelism runs each stage's backward against
+    the merged output). Shapes as :func:`ffa_pallas`: q/out/dout ``[(B,) Tq, Hq, D]``, k/v
+    ``[(B,) Tk, Hkv, D]``, lse/dlse ``[(B,) Tq, Hq]`` float32. Returns ``(dq, dk, dv)``. The
+    kernels run one program per unit (the plan may be traced).
+
+    ``between_dkv_dq(dk, dv) -> token`` (an array): the dK/dV kernel runs first, then this
+    hook, then the dQ kernel; the token comes back as a fourth output, ordered after dQ.
+    Context parallelism starts the group-reduce of dK/dV there, to move beside the dQ
+    kernel, and ends it with the token. ``split_kv_at=n`` (with the hook): the hook gets,
+    and the call returns, dK and dV each as two arrays, rows ``[:n]`` and ``[n:]``; where
+    ``n`` is a multiple of ``DKV_SPLIT_ALIGN`` the kernel stores them apart (no copy)."""
+    cfg = _Config(float(softmax_scale), float(softcap), bool(interpret))
+    plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
+    lift = (lambda x: x) if q.ndim == 4 else (lambda x: x[None])
+    unlift = (lambda x: x) if q.ndim == 4 else (lambda x: x[0])
+    res = (lift(q), lift(k), lift(v), plan, _NO_SCHEDULES, lift(out),
+           jnp.swapaxes(lift(lse), 1, 2))
+    if between_dkv_dq is None:
+        if split_kv_at:
+            raise ValueError("ffa_pallas_backward: split_kv_at goes with between_dkv_dq")
+        dq, dk, dv, _, _ = _ffa_bwd(cfg, res, (lift(dout), lift(dlse)))
+        return unlift(dq), unlift(dk), unlift(dv)
+    # The hook's dK/dV are the ones returned (one value each: a started collective's inputs
+    # must reach its end as the same buffers).
+    held = []
+
+    def hook(dk, dv):
+        held.extend(jax.tree.map(unlift, (dk, dv)))
+        return between_dkv_dq(*held)
+
+    dq, _, _, token = _ffa_bwd(cfg, res, (lift(dout), lift(dlse)), hook, split_kv_at)
+    return unlift(dq), held[0], held[1], token
+
+
+def flex_flash_attention_pallas(q, k, v, mask, *, softmax_scale: float | None = None,
+                                softcap: float = 0.0, interpret: bool = False, **tuning):
+    """:func:`magi_jax.flex_flash_attention` on the Mosaic GPU kernels. Same contract;
+    raises ``ValueError`` naming the reason when the inputs are not supported."""
+    ok, why = supported(q, k, v, mask, check_device=not interpret)
+    if not ok:
+        raise ValueError(f"backend='pallas' cannot run these inputs: {why}; use backend='xla'")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    plan = kernel_plan_for_mask(mask).arrays()
+    return ffa_pallas(q, k, v, plan, softmax_scale=scale, softcap=softcap, interpret=interpret,
+                      **tuning)

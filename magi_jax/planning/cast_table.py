@@ -1,0 +1,136 @@
+"""Group-cast tables (host NumPy, no JAX): which rows of which rank fill each rank's remote KV
+buffer, as static int32 tables, and their NumPy models.
+
+The meaning of the tables (the contract every transport implements) is described in
+:mod:`magi_jax.sharding.collectives`, which moves the data on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from magi_jax.planning.solver import DispatchMeta, ranges_repeat
+
+__all__ = ["CastTable", "build_cast_table", "choose_transport", "cast_model", "reduce_model"]
+
+# Mean piece length from which cast tables are written run by run (slice writes) rather
+# than token by token (fancy indexing): same tables, no token-sized temporaries.
+_RUN_WRITE_MIN = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class CastTable:
+    """Host tables of one cast, stacked over ranks (see :mod:`magi_jax.sharding.collectives`).
+    ``send_index`` int32 ``[cp, n_slots, S]``, ``recv_index`` int32 ``[cp, B]``."""
+
+    send_index: np.ndarray
+    recv_index: np.ndarray
+    shifts: tuple[int, ...]
+    widths: tuple[int, ...]
+
+    @property
+    def cp(self) -> int:
+        return self.send_index.shape[0]
+
+    @property
+    def buffer_len(self) -> int:
+        return self.recv_index.shape[1]
+
+    @property
+    def slot_len(self) -> int:
+        return self.send_index.shape[2]
+
+    def tokens_moved(self) -> int:
+        """Real rows moved over the network in total (no padding)."""
+        return int((self.send_index >= 0).sum())
+
+
+def choose_transport(table: CastTable) -> str:
+    """``ppermute`` unless nearly every pair of ranks talks with even block sizes, where one
+    padded ``all_to_all`` moves little extra and launches once."""
+    n = len(table.shifts)
+    if n >= 8 and table.cp * table.slot_len <= 1.5 * sum(table.widths):
+        return "all_to_all"
+    return "ppermute"
+
+
+def build_cast_table(meta: DispatchMeta, remote: list[np.ndarray], buffer_len: int) -> CastTable:
+    """Tables of one stage. ``remote[r]``: rank ``r``'s pieces ``[p, 5]`` = (global start,
+    global end, owner rank, stage, offset in the stage buffer); ``buffer_len`` >= every
+    rank's buffer."""
+    cp, c = meta.cp, meta.chunk_size
+    # Work per piece first (few), then expand to tokens once: a piece's rows sit in the block
+    # (owner -> receiver) after the earlier pieces of that owner, in global-position order.
+    pieces = [np.column_stack([rem[:, :3], np.full(len(rem), r), rem[:, 4]])
+              for r, rem in enumerate(remote) if len(rem)]
+    pieces = np.concatenate(pieces) if pieces else np.zeros((0, 5), np.int64)
+    g0, g1, src, dst, off_b = (pieces[:, i].astype(np.int64) for i in range(5))
+    order = np.lexsort((g0, dst, src))
+    g0, g1, src, dst, off_b = g0[order], g1[order], src[order], dst[order], off_b[order]
+    length = g1 - g0
+    pair = src * cp + dst
+    first = np.searchsorted(pair, pair, side="left")
+    cum = np.concatenate([[0], np.cumsum(length)])
+    off_block = cum[:-1] - cum[first]                         # piece start inside its block
+    block_len = np.zeros(cp * cp, np.int64)
+    np.add.at(block_len, pair, length)
+    shift = (dst - src) % cp
+    shifts = np.unique(shift)
+    slot = np.searchsorted(shifts, shift)
+    widths = np.zeros(len(shifts), np.int64)
+    np.maximum.at(widths, slot, off_block + length)
+    s_len = max(int(block_len.max(initial=0)), 1)
+    send = np.full((cp, len(shifts), s_len), -1, np.int32)
+    recv = np.full((cp, max(int(buffer_len), 1)), -1, np.int32)
+    # Every piece lies inside one chunk, so it is one run on both sides: consecutive local
+    # rows of the owner into consecutive block positions, consecutive block entries into
+    # consecutive buffer rows.
+    first_row = meta.chunk_slot[g0 // c] * c + g0 % c
+    first_entry = slot * s_len + off_block
+    if len(length) and length.sum() >= _RUN_WRITE_MIN * len(length):
+        # Long runs: slice writes (no token-sized temporaries).
+        for k in range(len(length)):
+            n_k = int(length[k])
+            send[src[k], slot[k], off_block[k]:off_block[k] + n_k] = np.arange(
+                first_row[k], first_row[k] + n_k)
+            recv[dst[k], off_b[k]:off_b[k] + n_k] = np.arange(first_entry[k],
+                                                               first_entry[k] + n_k)
+    else:
+        pi, step = ranges_repeat(np.zeros_like(length), length)
+        send[src[pi], slot[pi], off_block[pi] + step] = first_row[pi] + step
+        recv[dst[pi], off_b[pi] + step] = first_entry[pi] + step
+    return CastTable(send, recv, tuple(int(s) for s in shifts), tuple(int(w) for w in widths))
+
+
+# ---- NumPy models (the meaning of the tables; used by tests) ---------------------------------
+
+def _moves(table: CastTable):
+    """Every real move of a cast: ``(dst rank, dst buffer row, src rank, src row)``."""
+    cp, _, s = table.send_index.shape
+    for r in range(cp):
+        for b, e in enumerate(table.recv_index[r]):
+            if e < 0:
+                continue
+            j, p = divmod(int(e), s)
+            src = (r - table.shifts[j]) % cp
+            row = table.send_index[src, j, p]
+            if row >= 0:
+                yield r, b, src, row
+
+
+def cast_model(x: np.ndarray, table: CastTable) -> np.ndarray:
+    """``x [cp, T, ...]`` (every rank's input) -> ``[cp, B, ...]``, by the table semantics."""
+    out = np.zeros((table.cp, table.buffer_len) + x.shape[2:], x.dtype)
+    for r, b, src, row in _moves(table):
+        out[r, b] = x[src, row]
+    return out
+
+
+def reduce_model(y: np.ndarray, table: CastTable, num_rows: int) -> np.ndarray:
+    """Adjoint of :func:`cast_model`: ``y [cp, B, ...]`` -> ``[cp, num_rows, ...]`` float64."""
+    out = np.zeros((table.cp, num_rows) + y.shape[2:], np.float64)
+    for r, b, src, row in _moves(table):
+        out[src, row] += y[r, b]
+    return out

@@ -1,0 +1,20 @@
+"""The ``native`` transport of the group collectives: a C++ XLA FFI library (``ffi/``).
+
+:mod:`~magi_jax.sharding.native.transport` holds the collectives (``group_cast``,
+``group_reduce``, a started reduce, NVSHMEM set-up); :mod:`~magi_jax.sharding.native.library`
+finds, loads and registers the compiled library and says whether a platform or a mesh can
+run it.
+"""
+
+from magi_jax.sharding.native.library import NativeUnavailable, check_mesh
+from magi_jax.sharding.native.transport import (DEFAULT_TIMEOUT_S, MAX_ARRAYS, MAX_RUNS,
+                                                CudaTuning, auto_reason, available,
+                                                can_start_reduce, check_table, cuda_tuning,
+                                                finalize, group_cast, group_reduce,
+                                                group_reduce_start, initialize, reduce_runs,
+                                                staging_bytes, tuning, unavailable_reason)
+
+__all__ = ["available", "unavailable_reason", "group_cast", "group_reduce", "MAX_ARRAYS",
+           "check_table", "initialize", "finalize", "staging_bytes", "auto_reason",
+           "DEFAULT_TIMEOUT_S", "CudaTuning", "tuning", "cuda_tuning", "group_reduce_start",
+           "can_start_reduce", "reduce_runs", "MAX_RUNS", "check_mesh", "NativeUnavailable"]
