@@ -364,6 +364,59 @@ class AttnMask:
         return cls._from_list(slices, total, total)
 
     @classmethod
+    def from_segment_ids(cls, segment_ids, causal: bool = True,
+                         window: int | tuple[int, int] | None = None) -> "AttnMask":
+        """Packed documents given by per-token segment ids (``jax.nn``'s / Flax's
+        ``segment_ids``).
+
+        ``segment_ids``: int ``[T]`` or ``[B, T]``. Every maximal run of one nonzero id is a
+        document that attends only to itself; id 0 is padding: its tokens attend nothing and
+        are attended by nothing. A ``[B, T]`` array packs its rows into one sequence of
+        ``B·T`` tokens (row ``b`` at ``[b·T, (b+1)·T)``, see
+        :func:`magi_jax.ffa.segments.pack_rows`); documents never cross rows.
+        ``causal`` (default ``True``, like :func:`magi_jax.make_varlen_key`; note that
+        :meth:`varlen` defaults to ``False``): causal inside each document. ``window``: as in
+        :meth:`varlen` — ``(left, right)``, query ``q`` sees keys ``[q - left, q + right]``
+        of its document, or an int ``w`` meaning ``(w, 0)`` when causal, ``(w, w)``
+        otherwise. Raises ``ValueError`` when one nonzero id appears in two separate runs of
+        a row (segment ids must be contiguous runs).
+
+        >>> AttnMask.from_segment_ids([1, 1, 1, 2, 2, 0]).area
+        9
+        """
+        ids = np.asarray(segment_ids)
+        if ids.ndim not in (1, 2):
+            raise ValueError(f"segment_ids must be [T] or [B, T]; got shape {ids.shape}")
+        if not (np.issubdtype(ids.dtype, np.integer) or np.issubdtype(ids.dtype, np.bool_)):
+            raise ValueError(f"segment_ids must be integers; got dtype {ids.dtype}")
+        rows = ids.reshape(1, -1) if ids.ndim == 1 else ids
+        batch, t = rows.shape
+        left, right = _window(window, causal)
+        dlo = None if left is None else -left
+        slices = []
+        for b in range(batch):
+            row = rows[b].astype(np.int64)
+            cut = np.flatnonzero(row[1:] != row[:-1]) + 1
+            starts = np.concatenate([[0], cut]) if t else np.zeros((0,), np.int64)
+            ends = np.concatenate([cut, [t]]) if t else np.zeros((0,), np.int64)
+            keep = row[starts] != 0
+            starts, ends, vals = starts[keep], ends[keep], row[starts[keep]]
+            by_id = np.argsort(vals, kind="stable")
+            dup = np.flatnonzero(vals[by_id][1:] == vals[by_id][:-1])
+            if dup.size:
+                i, j = by_id[dup[0]], by_id[dup[0] + 1]
+                where = f" of row {b}" if ids.ndim == 2 else ""
+                raise ValueError(
+                    f"segment id {int(vals[i])} appears in two separate runs{where}: "
+                    f"positions [{int(starts[i])}, {int(ends[i])}) and [{int(starts[j])}, "
+                    f"{int(ends[j])}); segment ids must be contiguous runs (packed "
+                    "documents) — give every document its own id, or build the mask from "
+                    "slices (AttnMask.from_ranges)")
+            for s, e in zip((starts + b * t).tolist(), (ends + b * t).tolist()):
+                slices += shape_to_slices(s, e, s, e, dlo, right)
+        return cls._from_list(slices, batch * t, batch * t)
+
+    @classmethod
     def sliding_window(cls, total: int, left: int, right: int) -> "AttnMask":
         """Query ``q`` sees keys ``[q - left, q + right]`` of one sequence; at most three
         slices (causal top, band middle, inverse-causal bottom).
