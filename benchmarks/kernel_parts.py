@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from kernel_bench import bench, make_mask, versions  # noqa: E402
 
-from magi_jax.pallas import kernel_plan_for_mask  # noqa: E402
+from magi_jax.pallas import plan_for_mask  # noqa: E402
 from magi_jax.pallas.common import LOG2E  # noqa: E402
 from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq  # noqa: E402
 from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward  # noqa: E402
@@ -47,15 +47,15 @@ def parts(name, total, heads, d, programs, bands=True, stages=2, registers=(232,
     treated as general; ``stages``, ``registers``: of the backward kernels (BwdConfig)."""
     mask = make_mask(name, total)
     batch = max(1, 32768 // total)
-    plan = kernel_plan_for_mask(mask)
+    plan = plan_for_mask(mask, "pallas")
     if not bands:
-        plan = dataclasses.replace(plan, fwd=general_kinds(plan.fwd), dkv=general_kinds(plan.dkv))
+        plan = FFAPlanArrays(*general_kinds(plan.fwd), *general_kinds(plan.bwd))
     ks = jax.random.split(jax.random.key(0), 5)
     shape = (batch, total, heads, d)
     q, k, v, do = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in ks[:4])
     scale = d ** -0.5
     fwd_lists = tuple(jnp.asarray(a) for a in plan.fwd)
-    dkv_lists = tuple(jnp.asarray(a) for a in plan.dkv)
+    dkv_lists = tuple(jnp.asarray(a) for a in plan.bwd)
     flops = 4.0 * mask.area * heads * d * batch
     rows = []
     for progs in (0, programs):
@@ -79,7 +79,7 @@ def parts(name, total, heads, d, programs, bands=True, stages=2, registers=(232,
         bcfg = BwdConfig(scale, 0.0, num_stages=stages, fma_softmax=True, head_major=True,
                          persistent=progs, registers=registers)
         dq = jax.jit(lambda *a: ffa_dq(*a, *fwd_lists, bcfg, sched(plan.fwd)))
-        dkv = jax.jit(lambda *a: ffa_dkv(*a, *dkv_lists, bcfg, sched(plan.dkv)))
+        dkv = jax.jit(lambda *a: ffa_dkv(*a, *dkv_lists, bcfg, sched(plan.bwd)))
         args = (q, k, v, do, lse2, delta)
         rows.append(dict(part="dq", programs=progs, ms=bench(dq, args) * 1e3,
                          flops=1.5 * flops))

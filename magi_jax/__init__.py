@@ -19,6 +19,11 @@ _LAZY = {
     "flex_flash_attention": "magi_jax.ffa",
     "select_backend": "magi_jax.ffa",
     "reference_attention": "magi_jax.ffa",
+    "dot_product_attention": "magi_jax.ffa.segments",
+    "plan_attention": "magi_jax.ffa.plan",
+    "AttnPlan": "magi_jax.ffa.plan",
+    "PlanCapacity": "magi_jax.planning.capacity",
+    "CapacityError": "magi_jax.planning.capacity",
     "dispatch": "magi_jax.sharding",
     "magi_attention": "magi_jax.sharding",
     "make_flex_key": "magi_jax.sharding",
@@ -29,7 +34,8 @@ _LAZY = {
 _SUBPACKAGES = ("cli", "ffa", "mask", "nn", "pallas", "planning", "plot", "sharding")
 
 __all__ = ["AttnMask", "AttnMaskType", "flex_flash_attention", "reference_attention",
-           "select_backend", "dispatch", "magi_attention", "make_flex_key", "make_varlen_key",
+           "select_backend", "dot_product_attention", "plan_attention", "AttnPlan",
+           "PlanCapacity", "CapacityError", "dispatch", "magi_attention", "make_flex_key", "make_varlen_key",
            "position_ids", "undispatch"]
 
 

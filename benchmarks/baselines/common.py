@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from magi_jax.mask import AttnMask, SliceShapes
 from magi_jax.planning.stages import _clip_to_segments, rank_views
 from magi_jax.planning.solver import DispatchMeta, solve_dispatch
-from magi_jax.planning.lanes import build_xla_plan, stack_plans
+from magi_jax.planning.work_list import backend_blocks, build_plan_arrays, stack_plans
 
 __all__ = ["BACKENDS", "LocalFFA", "Layout", "make_layout", "pick_backend", "sub_shapes"]
 
@@ -64,19 +64,12 @@ class LocalFFA:
 
     # ---- host ----
     def plan(self, shapes: SliceShapes, tq: int, tk: int):
-        if self.backend == "xla":
-            return build_xla_plan(shapes, tq, tk, self.block_q, self.block_k).arrays()
-        from magi_jax.planning.work_list import build_kernel_plan
-        return build_kernel_plan(shapes, tq, tk).arrays()
+        blocks = backend_blocks(self.backend, tq, tk, self.block_q, self.block_k)
+        return build_plan_arrays(shapes, tq, tk, *blocks)
 
     def stack(self, plans):
         """Stacks per-rank plans along a new leading axis (padded to the largest)."""
-        if self.backend == "xla":
-            return stack_plans(list(plans))
-        from magi_jax.planning.work_list import KernelPlanArrays
-        sizes = [max(len(p[i]) for p in plans) for i in (0, 2, 3, 5)]
-        padded = [KernelPlanArrays(*p).pad_to(*sizes) for p in plans]
-        return KernelPlanArrays(*(np.stack(a) for a in zip(*padded)))
+        return stack_plans(list(plans))
 
     # ---- device ----
     def forward(self, q, k, v, plan, *, scale: float, softcap: float):

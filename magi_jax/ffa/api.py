@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 
-import jax
 import jax.numpy as jnp
 
 from magi_jax.mask import AttnMask
+from magi_jax.ffa.plan import AttnPlan
 from magi_jax.ffa.xla import xla_ffa
-from magi_jax.planning.lanes import default_block_sizes, plan_for_mask
+from magi_jax.planning.work_list import backend_blocks, plan_for_mask
 
 __all__ = ["flex_flash_attention", "BACKENDS", "select_backend"]
 
@@ -48,8 +48,12 @@ def select_backend(backend: str = "auto", q=None, k=None, v=None,
 
 def _check_inputs(q, k, v, mask: AttnMask):
     if not isinstance(mask, AttnMask):
-        raise TypeError(f"mask must be an AttnMask (e.g. AttnMask.varlen(...)); got "
-                        f"{type(mask).__name__}")
+        raise TypeError(f"mask must be an AttnMask (e.g. AttnMask.varlen(...)) or an AttnPlan "
+                        f"(mj.plan_attention); got {type(mask).__name__}")
+    _check_shapes(q, k, v, mask.total_q, mask.total_k, "the mask")
+
+
+def _check_shapes(q, k, v, total_q: int, total_k: int, what: str):
     if q.ndim not in (3, 4):
         raise ValueError(f"q must be [T, H, D] or [B, T, H, D]; got shape {q.shape}")
     for name, x in (("k", k), ("v", v)):
@@ -62,10 +66,9 @@ def _check_inputs(q, k, v, mask: AttnMask):
         raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
     tq, hq, d = q.shape[-3:]
     tk, hkv, dk = k.shape[-3:]
-    if tq != mask.total_q or tk != mask.total_k:
-        raise ValueError(f"q has {tq} tokens and k has {tk}, but the mask is over "
-                         f"total_q={mask.total_q}, total_k={mask.total_k}; build the mask for "
-                         "these lengths")
+    if tq != total_q or tk != total_k:
+        raise ValueError(f"q has {tq} tokens and k has {tk}, but {what} is over "
+                         f"total_q={total_q}, total_k={total_k}; build it for these lengths")
     if dk != d:
         raise ValueError(f"head dims differ: q has D={d}, k/v have D={dk}")
     if d % 8 or not 8 <= d <= _MAX_HEAD_DIM:
@@ -81,7 +84,7 @@ def _check_inputs(q, k, v, mask: AttnMask):
         raise TypeError(f"dtype {q.dtype} is not supported; use bfloat16, float16 or float32")
 
 
-def flex_flash_attention(q, k, v, mask: AttnMask, *, softmax_scale: float | None = None,
+def flex_flash_attention(q, k, v, mask: AttnMask | AttnPlan, *, softmax_scale: float | None = None,
                          softcap: float = 0.0, backend: str = "auto",
                          block_q: int | None = None, block_k: int | None = None):
     """Exact attention of ``q`` over ``k``/``v`` restricted to ``mask``.
@@ -90,8 +93,11 @@ def flex_flash_attention(q, k, v, mask: AttnMask, *, softmax_scale: float | None
       q: ``[Tq, Hq, D]`` or ``[B, Tq, Hq, D]``, bfloat16/float16/float32.
       k, v: ``[Tk, Hkv, D]`` (or ``[B, Tk, Hkv, D]``), ``Hq % Hkv == 0`` (GQA: query head
         ``h`` uses key head ``h // (Hq / Hkv)``); D a multiple of 8 up to 256.
-      mask: an :class:`AttnMask` over ``total_q = Tq``, ``total_k = Tk``; one mask for the
-        whole batch.
+      mask: an :class:`AttnMask` over ``total_q = Tq``, ``total_k = Tk`` (one mask for the
+        whole batch; a compile-time constant: a new mask under ``jit`` compiles anew), or an
+        :class:`~magi_jax.ffa.plan.AttnPlan` from :func:`~magi_jax.ffa.plan.plan_attention`
+        (the mask as data: a jitted function taking the plan as an argument compiles once
+        for every mask within the plan's capacity; the plan fixes the backend).
       softmax_scale: defaults to ``D ** -0.5``.
       softcap: tanh soft-capping of the scores (``c·tanh(s/c)``); 0 disables it.
       backend: ``"auto"``, ``"xla"`` (portable) or ``"pallas"`` (Mosaic GPU, Hopper).
@@ -103,19 +109,60 @@ def flex_flash_attention(q, k, v, mask: AttnMask, *, softmax_scale: float | None
       Rows that see no key get ``out = 0``, ``lse = -inf`` and zero gradients.
       Differentiable in q, k, v; works under ``jit``, ``grad`` and ``vmap``.
     """
+    if softcap != softcap or softcap < 0:
+        raise ValueError(f"softcap={softcap} must be a number >= 0 (0 disables soft-capping)")
+    if softmax_scale is not None and not float(softmax_scale) == float(softmax_scale):
+        raise ValueError(f"softmax_scale={softmax_scale} must be a number (or None for "
+                         "D ** -0.5)")
+    for name, value in (("block_q", block_q), ("block_k", block_k)):
+        if value is not None and (int(value) != value or value < 1):
+            raise ValueError(f"{name}={value} must be a positive tile size (or None for the "
+                             "default)")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if isinstance(mask, AttnPlan):
+        return _attend_plan(q, k, v, mask, scale, float(softcap), backend, block_q, block_k)
     _check_inputs(q, k, v, mask)
     name, reason = select_backend(backend, q, k, v, mask)
     _log.debug("flex_flash_attention: backend %s (%s)", name, reason)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if softcap < 0:
-        raise ValueError(f"softcap={softcap} must be >= 0 (0 disables soft-capping)")
     if name == "pallas":
-        from magi_jax.pallas import ffa_pallas, kernel_plan_for_mask
-        return ffa_pallas(q, k, v, kernel_plan_for_mask(mask).arrays(), softmax_scale=scale,
+        from magi_jax.pallas import ffa_pallas
+        return ffa_pallas(q, k, v, plan_for_mask(mask, "pallas"), softmax_scale=scale,
                           softcap=float(softcap))
-    auto_q, auto_k = default_block_sizes(mask.total_q, mask.total_k)
-    bq, bk = block_q or auto_q, block_k or auto_k
-    plan = plan_for_mask(mask, bq, bk)
-    arrays = jax.tree.map(jnp.asarray, plan.arrays())
-    return xla_ffa(q, k, v, arrays, softmax_scale=scale, softcap=float(softcap),
+    (bq, bk), _ = backend_blocks("xla", mask.total_q, mask.total_k, block_q, block_k)
+    plan = plan_for_mask(mask, "xla", bq, bk)
+    return xla_ffa(q, k, v, plan, softmax_scale=scale, softcap=float(softcap),
                    block_q=bq, block_k=bk)
+
+
+def _attend_plan(q, k, v, plan: AttnPlan, scale, softcap, backend, block_q, block_k):
+    """:func:`flex_flash_attention` from an :class:`AttnPlan` (masks as data)."""
+    st = plan.static
+    cap = st.capacity
+    if block_q is not None or block_k is not None:
+        raise ValueError("block_q/block_k are fixed by the plan's tiles; leave them None when "
+                         "passing an AttnPlan")
+    if backend not in ("auto", st.backend):
+        raise ValueError(f"backend={backend!r} but the plan was built for {st.backend!r}; "
+                         f"pass backend='auto' or plan_attention(..., backend={backend!r})")
+    _check_shapes(q, k, v, cap.total_q, cap.total_k, "the plan's capacity")
+    if st.backend == "pallas":
+        from magi_jax import pallas
+        ok, why = pallas.supported(q, k, v)
+        if not ok:
+            raise ValueError(f"the plan was built for backend 'pallas', which cannot run these "
+                             f"inputs: {why}; build it with plan_attention(..., "
+                             "backend='xla')")
+        groups = _groups(q, k)
+        if st.groups is not None and st.groups != groups:
+            raise ValueError(f"the plan's persistent schedules are for (B·Hq, B·Hkv) = "
+                             f"{st.groups} but the inputs have {groups}; pass num_heads="
+                             "(Hq, Hkv) and batch=B of these inputs to plan_attention")
+        return pallas.ffa_pallas(q, k, v, plan.lists, softmax_scale=scale, softcap=softcap,
+                                 schedules=plan.schedules)
+    return xla_ffa(q, k, v, plan.lists, softmax_scale=scale, softcap=softcap,
+                   block_q=st.fwd_block[0], block_k=st.fwd_block[1], lane_len=st.lane_len)
+
+
+def _groups(q, k):
+    batch = q.shape[0] if q.ndim == 4 else 1
+    return batch * q.shape[-2], batch * k.shape[-2]

@@ -1,16 +1,17 @@
-"""Portable flexible-mask flash attention: blockwise online softmax in plain JAX.
+"""The ``xla`` backend: flexible-mask flash attention as a blockwise online softmax in plain
+JAX, on any JAX device.
 
-The ``xla`` backend of :func:`magi_jax.flex_flash_attention` and the test oracle of the
-kernels. It is driven by a host-built plan (:class:`~magi_jax.planning.lanes.XlaFFAPlan`):
-lanes of work items (see :mod:`magi_jax.planning.tiling`), so the work follows the mask area
-and the memory ``T·H·D`` — nothing of size ``Tq·Tk`` is ever built. The device entry point
-:func:`xla_ffa` takes the plan as int32 arrays of static shape
-(:class:`~magi_jax.planning.lanes.FFAPlanArrays`), never a mask, so context
-parallelism can feed it each rank's own plan, stacked and sharded, under ``shard_map``.
+It reads the same work lists as the Mosaic GPU kernels (:class:`FFAPlanArrays`: CSR lists of
+work items over q-tiles and k-tiles, :mod:`magi_jax.planning.work_list`), built for its own
+tile sizes. On the device each tile's run of items is cut into *lanes* of at most
+``lane_len`` items, so that a few long rows do not set the length of every row; lanes run
+``lanes_per_block`` at a time, each scanning its items with a float32 running max / sum /
+accumulator, and a block's partial results are merged into the tiles' accumulators by
+log-sum-exp. The loop over blocks runs only as many blocks as the plan's real lanes fill, so
+padded capacity costs no compute. Nothing of size ``Tq·Tk`` is built; the memory is
+``O(T·H·D)`` plus one block of tiles.
 
-Forward: every lane scans its items, keeps a float32 running max/sum/accumulator, and the
-partial results of the lanes of one q-tile are merged by their log-sum-exp. Backward
-recomputes the tiles: dQ over q-lanes, dK/dV over k-lanes (each output tile has its lanes),
+Backward recomputes the tiles: dQ over the q-tile lanes, dK/dV over the k-tile lanes,
 accumulating in float32.
 """
 
@@ -22,36 +23,118 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from magi_jax.planning.lanes import FFAPlanArrays
+from magi_jax.planning.work_list import EMPTY_ITEM, FFAPlanArrays, ITEM_FIELDS
 
-__all__ = ["xla_ffa", "xla_ffa_forward", "xla_ffa_backward"]
+__all__ = ["xla_ffa", "xla_ffa_forward", "xla_ffa_backward", "XlaConfig"]
+
+_F = {name: i for i, name in enumerate(ITEM_FIELDS)}
+# Items per lane: long enough that a lane's state and its merge are cheap beside its items,
+# short enough that the last lane of a tile wastes little.
+_LANE_LEN = 16
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class XlaConfig:
+    """Static configuration of the ``xla`` backend.
+
+    ``fwd_block``: ``(block_q, block_k)`` of the q-tile list (forward and dQ);
+    ``bwd_block``: that of the k-tile list (dK/dV); ``lane_len``: items per lane;
+    ``lanes_per_block``: lanes computed side by side (0: one per owned tile)."""
+
     scale: float
     softcap: float
-    block_q: int
-    block_k: int
+    fwd_block: tuple[int, int]
+    bwd_block: tuple[int, int]
+    lane_len: int = _LANE_LEN
+    lanes_per_block: int = 0
+
+    def __post_init__(self):
+        if self.softcap < 0 or self.softcap != self.softcap:
+            raise ValueError(f"softcap={self.softcap} must be a number >= 0 (0 disables it)")
+        for name in ("fwd_block", "bwd_block"):
+            bq, bk = getattr(self, name)
+            if bq < 1 or bk < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive tile sizes")
+        if self.lane_len < 1 or self.lanes_per_block < 0:
+            raise ValueError(f"lane_len={self.lane_len} must be >= 1 and lanes_per_block="
+                             f"{self.lanes_per_block} >= 0")
 
 
 def _acc_dtype(dtype):
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
-def _allowed(items, rows, cols):
-    """Predicate of each lane's item on its tile: items [V, 8], rows [V, bq], cols [V, bk]
-    -> bool [V, bq, bk]. Evaluated from the slice geometry; full tiles come out all-true."""
-    q0, q1, k0, k1, dlo, dhi = (items[:, i, None, None] for i in range(1, 7))
+def _tiles(x, block):
+    """[T, ...] -> [ceil(T / block), block, ...], zero-padded."""
+    t = x.shape[0]
+    n = -(-t // block)
+    x = jnp.pad(x, ((0, n * block - t),) + ((0, 0),) * (x.ndim - 1))
+    return x.reshape((n, block) + x.shape[1:])
+
+
+class _Lanes:
+    """Lanes of a CSR work list, cut on the device: lane ``v`` owns ``tile[v]`` and visits
+    items ``start[v] .. start[v] + count[v] - 1``; lanes past ``num_real`` visit nothing."""
+
+    def __init__(self, offsets, lane_len: int, num_lanes: int):
+        counts = offsets[1:] - offsets[:-1]
+        per_tile = (counts + lane_len - 1) // lane_len
+        ends = jnp.cumsum(per_tile)
+        v = jnp.arange(num_lanes, dtype=jnp.int32)
+        tile = jnp.minimum(jnp.searchsorted(ends, v, side="right"), counts.shape[0] - 1)
+        first = ends[tile] - per_tile[tile]
+        start = offsets[tile] + (v - first) * lane_len
+        self.num_real = ends[-1]
+        real = v < self.num_real
+        self.tile = jnp.where(real, tile, 0).astype(jnp.int32)
+        self.start = jnp.where(real, start, 0).astype(jnp.int32)
+        self.count = jnp.where(real, jnp.clip(offsets[tile + 1] - start, 0, lane_len),
+                               0).astype(jnp.int32)
+
+
+def _num_lanes(num_items: int, num_tiles: int, lane_len: int) -> int:
+    """Lanes that any list of ``num_items`` items over ``num_tiles`` tiles can need."""
+    return max(1, -(-num_items // lane_len) + num_tiles)
+
+
+def _blocks(lanes: _Lanes, width: int, body, init):
+    """``body(tile [W], start [W], count [W], carry) -> carry`` over the blocks of ``width``
+    lanes that hold real lanes (a loop whose trip count is data)."""
+    total = lanes.tile.shape[0]
+    pad = -total % width
+    tile, start, count = (jnp.pad(a, (0, pad)) for a in (lanes.tile, lanes.start, lanes.count))
+    num_blocks = (lanes.num_real + width - 1) // width
+
+    def step(b, carry):
+        sl = lambda a: jax.lax.dynamic_slice_in_dim(a, b * width, width)
+        return body(sl(tile), sl(start), sl(count), carry)
+
+    return jax.lax.fori_loop(0, num_blocks, step, init)
+
+
+def _item(items, start, count, j):
+    """Item ``j`` of every lane of a block, ``[W, 8]``; lanes with fewer items get an item
+    that holds no cell (``q1 = q0``)."""
+    idx = jnp.clip(start + j, 0, items.shape[0] - 1)
+    it = items[idx]
+    live = (j < count)[:, None]
+    return jnp.where(live, it, jnp.zeros_like(it))
+
+
+def _allowed(item, rows, cols):
+    """Predicate of each lane's item on its tile: item [W, 8], rows [W, bq], cols [W, bk]
+    -> bool [W, bq, bk], from the slice geometry (full tiles come out all-true)."""
+    g = lambda name: item[:, _F[name], None, None]
     r = rows[:, :, None]
     c = cols[:, None, :]
     d = c - r
-    return (r >= q0) & (r < q1) & (c >= k0) & (c < k1) & (d >= dlo) & (d <= dhi)
+    return ((r >= g("q0")) & (r < g("q1")) & (c >= g("k0")) & (c < g("k1"))
+            & (d >= g("dlo")) & (d <= g("dhi")))
 
 
-def _scores(qb, kb, items, rows, cols, cfg):
-    """Scores of a tile. qb [V, bq, Hkv, G, D], kb [V, bk, Hkv, D] -> s [V, Hkv, G, bq, bk]
-    (masked cells -inf), the raw capped-input tanh (for the softcap derivative) and the
+def _scores(qb, kb, item, rows, cols, cfg):
+    """Scores of a tile: qb [W, bq, Hkv, G, D], kb [W, bk, Hkv, D] -> s [W, Hkv, G, bq, bk]
+    (masked cells -inf), the tanh of the capped scores (for the softcap derivative) and the
     predicate."""
     acc = _acc_dtype(qb.dtype)
     s = jnp.einsum("vqhgd,vkhd->vhgqk", qb, kb, preferred_element_type=acc) * cfg.scale
@@ -59,152 +142,167 @@ def _scores(qb, kb, items, rows, cols, cfg):
     if cfg.softcap:
         tanh = jnp.tanh(s / cfg.softcap)
         s = cfg.softcap * tanh
-    allowed = _allowed(items, rows, cols)[:, None, None]
+    allowed = _allowed(item, rows, cols)[:, None, None]
     return jnp.where(allowed, s, -jnp.inf), tanh, allowed
 
 
-def _tiles(x, block):
-    """[T, H, D] -> [T_pad / block, block, H, D], zero-padded."""
-    t = x.shape[0]
-    n = -(-t // block)
-    x = jnp.pad(x, ((0, n * block - t),) + ((0, 0),) * (x.ndim - 1))
-    return x.reshape((n, block) + x.shape[1:])
-
-
-def _merge_lanes(lane_tile, lane_lse, lane_out, num_tiles):
-    """Merges partial (out, lse) of lanes into their tiles by log-sum-exp.
-    lane_lse [V, Hkv, G, bq], lane_out [V, bq, Hkv, G, D] (float32)."""
-    m = jax.ops.segment_max(lane_lse, lane_tile, num_segments=num_tiles)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0)
-    w = jnp.exp(lane_lse - m_safe[lane_tile])            # 0 for lanes without cells
-    total = jax.ops.segment_sum(w, lane_tile, num_segments=num_tiles)
-    lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1)), -jnp.inf)
-    scale = jnp.where(total > 0, 1 / jnp.where(total > 0, total, 1), 0)
-    out = jax.ops.segment_sum(lane_out * jnp.moveaxis(w, -1, 1)[..., None], lane_tile,
-                              num_segments=num_tiles)
-    out = out * jnp.moveaxis(scale, -1, 1)[..., None]
-    return out, lse
-
-
-def _forward(q, k, v, plan: FFAPlanArrays, cfg: _Config):
+def _forward(q, k, v, plan: FFAPlanArrays, cfg: XlaConfig):
     tq, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    bq, bk = cfg.block_q, cfg.block_k
+    bq, bk = cfg.fwd_block
     acc = _acc_dtype(q.dtype)
     qt = _tiles(q, bq).reshape(-1, bq, hkv, g, d)
     kt, vt = _tiles(k, bk), _tiles(v, bk)
-    lane_tile = plan.q_lane_tile
-    num_lanes = lane_tile.shape[0]
-    qb = qt[lane_tile]
-    rows = lane_tile[:, None] * bq + jnp.arange(bq, dtype=jnp.int32)
+    nq = qt.shape[0]
+    lanes = _Lanes(plan.q_offsets, cfg.lane_len,
+                   _num_lanes(plan.q_items.shape[0], nq, cfg.lane_len))
+    width = min(cfg.lanes_per_block or nq, lanes.tile.shape[0])
+    sub = jnp.arange(bq, dtype=jnp.int32)
+    subk = jnp.arange(bk, dtype=jnp.int32)
 
-    def visit(carry, item):
-        m, l, o = carry
-        ktile = item[:, 0]
-        cols = ktile[:, None] * bk + jnp.arange(bk, dtype=jnp.int32)
-        s, _, _ = _scores(qb, kt[ktile], item, rows, cols, cfg)
-        m_new = jnp.maximum(m, s.max(-1))
+    def block(tile, start, count, carry):
+        m_acc, l_acc, o_acc = carry
+        qb = qt[tile]
+        rows = tile[:, None] * bq + sub
+
+        def visit(state, j):
+            m, l, o = state
+            item = _item(plan.q_items, start, count, j)
+            ktile = item[:, _F["other_tile"]]
+            cols = ktile[:, None] * bk + subk
+            s, _, _ = _scores(qb, kt[ktile], item, rows, cols, cfg)
+            m_new = jnp.maximum(m, s.max(-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
+            p = jnp.exp(s - m_safe[..., None])
+            alpha = jnp.exp(m - m_safe)
+            l = alpha * l + p.sum(-1)
+            pv = jnp.einsum("vhgqk,vkhd->vqhgd", p.astype(v.dtype), vt[ktile],
+                            preferred_element_type=acc)
+            return (m_new, l, o * jnp.moveaxis(alpha, -1, 1)[..., None] + pv), None
+
+        w = tile.shape[0]
+        init = (jnp.full((w, hkv, g, bq), -jnp.inf, acc), jnp.zeros((w, hkv, g, bq), acc),
+                jnp.zeros((w, bq, hkv, g, d), acc))
+        (m, l, o), _ = jax.lax.scan(visit, init, jnp.arange(cfg.lane_len, dtype=jnp.int32))
+        # Merge the block's lanes into their tiles (several lanes may own one tile).
+        m_new = m_acc.at[tile].max(m)
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
-        p = jnp.exp(s - m_safe[..., None])
-        alpha = jnp.exp(m - m_safe)
-        l = alpha * l + p.sum(-1)
-        pv = jnp.einsum("vhgqk,vkhd->vqhgd", p.astype(v.dtype), vt[ktile],
-                        preferred_element_type=acc)
-        o = o * jnp.moveaxis(alpha, -1, 1)[..., None] + pv
-        return (m_new, l, o), None
+        alpha = jnp.exp(m_acc - m_safe)
+        wl = jnp.exp(m - m_safe[tile])
+        l_acc = (l_acc * alpha).at[tile].add(l * wl)
+        o_acc = (o_acc * jnp.moveaxis(alpha, -1, 1)[..., None]).at[tile].add(
+            o * jnp.moveaxis(wl, -1, 1)[..., None])
+        return m_new, l_acc, o_acc
 
-    init = (jnp.full((num_lanes, hkv, g, bq), -jnp.inf, acc),
-            jnp.zeros((num_lanes, hkv, g, bq), acc),
-            jnp.zeros((num_lanes, bq, hkv, g, d), acc))
-    (m, l, o), _ = jax.lax.scan(visit, init, jnp.moveaxis(plan.q_items, 1, 0))
+    init = (jnp.full((nq, hkv, g, bq), -jnp.inf, acc), jnp.zeros((nq, hkv, g, bq), acc),
+            jnp.zeros((nq, bq, hkv, g, d), acc))
+    m, l, o = _blocks(lanes, width, block, init)
     has = l > 0
-    lane_lse = jnp.where(has, m + jnp.log(jnp.where(has, l, 1)), -jnp.inf)
-    lane_out = o / jnp.moveaxis(jnp.where(has, l, 1), -1, 1)[..., None]
-    out, lse = _merge_lanes(lane_tile, lane_lse, lane_out, qt.shape[0])
+    lse = jnp.where(has, m + jnp.log(jnp.where(has, l, 1)), -jnp.inf)
+    out = o / jnp.moveaxis(jnp.where(has, l, 1), -1, 1)[..., None]
     out = out.reshape(-1, hq, d)[:tq].astype(q.dtype)
     lse = jnp.moveaxis(lse, -1, 1).reshape(-1, hq)[:tq]
     return out, lse
 
 
 def _tile_grads(qb, kb, vb, dob, lse_b, delta_b, item, rows, cols, cfg):
-    """Recomputes a tile and returns (p, ds) [V, Hkv, G, bq, bk] in float32.
-    lse_b, delta_b: [V, Hkv, G, bq]."""
+    """Recomputes a tile: ``(p, ds)`` ``[W, Hkv, G, bq, bk]`` in float32 (lse_b, delta_b:
+    ``[W, Hkv, G, bq]``)."""
     s, tanh, allowed = _scores(qb, kb, item, rows, cols, cfg)
     finite = jnp.isfinite(lse_b)
     lse_safe = jnp.where(finite, lse_b, 0)
     p = jnp.where(allowed & finite[..., None], jnp.exp(s - lse_safe[..., None]), 0)
-    acc = p.dtype
-    dp = jnp.einsum("vqhgd,vkhd->vhgqk", dob, vb, preferred_element_type=acc)
+    dp = jnp.einsum("vqhgd,vkhd->vhgqk", dob, vb, preferred_element_type=p.dtype)
     ds = p * (dp - delta_b[..., None])
     if tanh is not None:
         ds = ds * (1 - tanh * tanh)
     return p, ds
 
 
-def _backward(q, k, v, out, lse, dout, dlse, plan: FFAPlanArrays, cfg: _Config):
+def _backward(q, k, v, out, lse, dout, dlse, plan: FFAPlanArrays, cfg: XlaConfig):
     tq, hq, d = q.shape
     tk, hkv = k.shape[:2]
     g = hq // hkv
-    bq, bk = cfg.block_q, cfg.block_k
     acc = _acc_dtype(q.dtype)
     # delta = rowsum(out * dout); the lse cotangent enters as -dlse (d lse / d s = p).
     delta = jnp.einsum("thd,thd->th", out.astype(acc), dout.astype(acc))
     delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(acc), 0)
-    qt = _tiles(q, bq).reshape(-1, bq, hkv, g, d)
-    dot = _tiles(dout, bq).reshape(-1, bq, hkv, g, d)
+    lse = jnp.where(jnp.isfinite(lse), lse, -jnp.inf).astype(acc)
 
-    def row_stat(x):   # [Tq, Hq] -> [nq, Hkv, G, bq]
-        t = _tiles(x, bq).reshape(-1, bq, hkv, g)
-        return jnp.moveaxis(t, 1, -1)
+    def q_side(block):
+        """q, dout and the row statistics in tiles of ``block`` rows."""
+        tiles = lambda x: _tiles(x, block).reshape(-1, block, hkv, g, *x.shape[2:])
+        stat = lambda x: jnp.moveaxis(_tiles(x, block).reshape(-1, block, hkv, g), 1, -1)
+        return tiles(q), tiles(dout), stat(lse), stat(delta)
 
-    lse_t = row_stat(jnp.where(jnp.isfinite(lse), lse, -jnp.inf).astype(acc))
-    delta_t = row_stat(delta)
+    # dQ: lanes over the q-tiles of the forward list.
+    bq, bk = cfg.fwd_block
+    qt, dot, lse_t, delta_t = q_side(bq)
     kt, vt = _tiles(k, bk), _tiles(v, bk)
-    lanes_q = jnp.arange(bq, dtype=jnp.int32)
-    lanes_k = jnp.arange(bk, dtype=jnp.int32)
+    nq = qt.shape[0]
+    lanes = _Lanes(plan.q_offsets, cfg.lane_len,
+                   _num_lanes(plan.q_items.shape[0], nq, cfg.lane_len))
+    sub, subk = jnp.arange(bq, dtype=jnp.int32), jnp.arange(bk, dtype=jnp.int32)
 
-    # dQ: lanes over q-tiles.
-    lt = plan.q_lane_tile
-    qb, dob, lse_b, delta_b = qt[lt], dot[lt], lse_t[lt], delta_t[lt]
-    rows = lt[:, None] * bq + lanes_q
+    def dq_block(tile, start, count, dq_acc):
+        qb, dob, lse_b, delta_b = qt[tile], dot[tile], lse_t[tile], delta_t[tile]
+        rows = tile[:, None] * bq + sub
 
-    def visit_dq(dq, item):
-        ktile = item[:, 0]
-        cols = ktile[:, None] * bk + lanes_k
-        kb = kt[ktile]
-        _, ds = _tile_grads(qb, kb, vt[ktile], dob, lse_b, delta_b, item, rows, cols, cfg)
-        dq = dq + jnp.einsum("vhgqk,vkhd->vqhgd", ds.astype(k.dtype), kb,
-                             preferred_element_type=acc)
-        return dq, None
+        def visit(dq, j):
+            item = _item(plan.q_items, start, count, j)
+            ktile = item[:, _F["other_tile"]]
+            cols = ktile[:, None] * bk + subk
+            kb = kt[ktile]
+            _, ds = _tile_grads(qb, kb, vt[ktile], dob, lse_b, delta_b, item, rows, cols, cfg)
+            return dq + jnp.einsum("vhgqk,vkhd->vqhgd", ds.astype(k.dtype), kb,
+                                   preferred_element_type=acc), None
 
-    dq_l, _ = jax.lax.scan(visit_dq, jnp.zeros(qb.shape, acc), jnp.moveaxis(plan.q_items, 1, 0))
-    dq = jax.ops.segment_sum(dq_l, lt, num_segments=qt.shape[0])
+        dq, _ = jax.lax.scan(visit, jnp.zeros(qb.shape, acc),
+                             jnp.arange(cfg.lane_len, dtype=jnp.int32))
+        return dq_acc.at[tile].add(dq)
+
+    width = min(cfg.lanes_per_block or nq, lanes.tile.shape[0])
+    dq = _blocks(lanes, width, dq_block, jnp.zeros(qt.shape, acc))
     dq = (dq.reshape(-1, hq, d)[:tq] * cfg.scale).astype(q.dtype)
 
-    # dK, dV: lanes over k-tiles.
-    lt = plan.k_lane_tile
-    kb, vb = kt[lt], vt[lt]
-    cols = lt[:, None] * bk + lanes_k
-
-    def visit_dkv(carry, item):
-        dk, dv = carry
-        qtile = item[:, 0]
-        rows = qtile[:, None] * bq + lanes_q
-        qb, dob = qt[qtile], dot[qtile]
-        p, ds = _tile_grads(qb, kb, vb, dob, lse_t[qtile], delta_t[qtile], item, rows, cols,
-                            cfg)
-        dk = dk + jnp.einsum("vhgqk,vqhgd->vkhd", ds.astype(q.dtype), qb,
-                             preferred_element_type=acc)
-        dv = dv + jnp.einsum("vhgqk,vqhgd->vkhd", p.astype(dout.dtype), dob,
-                             preferred_element_type=acc)
-        return (dk, dv), None
-
-    init = (jnp.zeros(kb.shape, acc), jnp.zeros(vb.shape, acc))
-    (dk_l, dv_l), _ = jax.lax.scan(visit_dkv, init, jnp.moveaxis(plan.k_items, 1, 0))
+    # dK, dV: lanes over the k-tiles of the backward list.
+    bq, bk = cfg.bwd_block
+    qt, dot, lse_t, delta_t = q_side(bq)
+    kt, vt = _tiles(k, bk), _tiles(v, bk)
     nk = kt.shape[0]
-    dk = jax.ops.segment_sum(dk_l, lt, num_segments=nk).reshape(-1, hkv, d)[:tk] * cfg.scale
-    dv = jax.ops.segment_sum(dv_l, lt, num_segments=nk).reshape(-1, hkv, d)[:tk]
+    lanes = _Lanes(plan.k_offsets, cfg.lane_len,
+                   _num_lanes(plan.k_items.shape[0], nk, cfg.lane_len))
+    sub, subk = jnp.arange(bq, dtype=jnp.int32), jnp.arange(bk, dtype=jnp.int32)
+
+    def dkv_block(tile, start, count, carry):
+        kb, vb = kt[tile], vt[tile]
+        cols = tile[:, None] * bk + subk
+
+        def visit(state, j):
+            dk, dv = state
+            item = _item(plan.k_items, start, count, j)
+            qtile = item[:, _F["other_tile"]]
+            rows = qtile[:, None] * bq + sub
+            qb, dob = qt[qtile], dot[qtile]
+            p, ds = _tile_grads(qb, kb, vb, dob, lse_t[qtile], delta_t[qtile], item, rows,
+                                cols, cfg)
+            dk = dk + jnp.einsum("vhgqk,vqhgd->vkhd", ds.astype(q.dtype), qb,
+                                 preferred_element_type=acc)
+            dv = dv + jnp.einsum("vhgqk,vqhgd->vkhd", p.astype(dout.dtype), dob,
+                                 preferred_element_type=acc)
+            return (dk, dv), None
+
+        init = (jnp.zeros(kb.shape, acc), jnp.zeros(vb.shape, acc))
+        (dk, dv), _ = jax.lax.scan(visit, init, jnp.arange(cfg.lane_len, dtype=jnp.int32))
+        dk_acc, dv_acc = carry
+        return dk_acc.at[tile].add(dk), dv_acc.at[tile].add(dv)
+
+    width = min(cfg.lanes_per_block or nk, lanes.tile.shape[0])
+    init = (jnp.zeros(kt.shape, acc), jnp.zeros(vt.shape, acc))
+    dk, dv = _blocks(lanes, width, dkv_block, init)
+    dk = dk.reshape(-1, hkv, d)[:tk] * cfg.scale
+    dv = dv.reshape(-1, hkv, d)[:tk]
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -220,9 +318,8 @@ def _ffa_fwd(q, k, v, plan, cfg):
 
 def _ffa_bwd(cfg, res, cts):
     q, k, v, plan, out, lse = res
-    dout, dlse = cts
-    dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, plan, cfg)
-    return dq, dk, dv, None
+    dq, dk, dv = _backward(q, k, v, out, lse, *cts, plan, cfg)
+    return dq, dk, dv, jax.tree.map(lambda _: None, plan)
 
 
 _ffa.defvjp(_ffa_fwd, _ffa_bwd)
@@ -231,20 +328,25 @@ _ffa.defvjp(_ffa_fwd, _ffa_bwd)
 _ffa_jit = jax.jit(_ffa, static_argnums=(4,))
 
 
-def xla_ffa(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: float,
-            block_q: int, block_k: int):
-    """Flexible-mask attention from plan arrays (no mask object): the entry point that context
-    parallelism calls on every rank.
+def _config(softmax_scale, softcap, block_q, block_k, lane_len=_LANE_LEN) -> XlaConfig:
+    block = (int(block_q), int(block_k))
+    return XlaConfig(float(softmax_scale), float(softcap), block, block, int(lane_len))
 
-    q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` (or with a leading batch axis shared by the
-    plan); ``plan`` built for tiles ``block_q x block_k`` over these ``Tq``/``Tk``.
-    Returns ``out`` (q's shape and dtype) and ``lse`` ``[(B,) Tq, Hq]`` float32.
-    Differentiable in q, k, v (and through lse).
-    """
-    cfg = _Config(float(softmax_scale), float(softcap), int(block_q), int(block_k))
+
+def xla_ffa(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: float,
+            block_q: int, block_k: int, lane_len: int = _LANE_LEN):
+    """Flexible-mask attention from plan arrays (no mask object): the entry point of the
+    front door and of every context-parallel rank.
+
+    q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` (or with a leading batch axis that shares the
+    plan); ``plan``: both work lists built on ``block_q x block_k`` tiles over these
+    ``Tq``/``Tk`` (:func:`magi_jax.planning.work_list.build_plan_arrays`), int32 NumPy, device
+    or traced arrays. Returns ``out`` (q's shape and dtype) and ``lse`` ``[(B,) Tq, Hq]``
+    float32. Differentiable in q, k, v (and through lse)."""
+    cfg = _config(softmax_scale, softcap, block_q, block_k, lane_len)
     if q.ndim == 4:
         return _batched(q, k, v, plan, cfg)
-    return _ffa_jit(q, k, v, plan, cfg)
+    return _ffa_jit(q, k, v, _device(plan), cfg)
 
 
 def xla_ffa_forward(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: float,
@@ -252,8 +354,7 @@ def xla_ffa_forward(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softc
     """The forward of :func:`xla_ffa` alone (3-D inputs, not differentiable): ``(out, lse)``.
     With :func:`xla_ffa_backward`, for callers that keep only ``(out, lse)`` between the two
     passes (context-parallel stages that re-fetch KV, ring attention)."""
-    cfg = _Config(float(softmax_scale), float(softcap), int(block_q), int(block_k))
-    return _forward(q, k, v, plan, cfg)
+    return _forward(q, k, v, _device(plan), _config(softmax_scale, softcap, block_q, block_k))
 
 
 def xla_ffa_backward(q, k, v, out, lse, dout, dlse, plan: FFAPlanArrays, *,
@@ -261,8 +362,15 @@ def xla_ffa_backward(q, k, v, out, lse, dout, dlse, plan: FFAPlanArrays, *,
     """``(dq, dk, dv)`` of :func:`xla_ffa` from the forward's ``(out, lse)`` and the
     cotangents ``(dout, dlse)`` (3-D inputs); the tiles are recomputed, nothing else is
     needed from the forward."""
-    cfg = _Config(float(softmax_scale), float(softcap), int(block_q), int(block_k))
-    return _backward(q, k, v, out, lse, dout, dlse, plan, cfg)
+    return _backward(q, k, v, out, lse, dout, dlse, _device(plan),
+                     _config(softmax_scale, softcap, block_q, block_k))
+
+
+def _device(plan):
+    plan = FFAPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
+    # A list without items (an empty mask) gets one empty item, so item gathers have a row.
+    pad = lambda items: (jnp.asarray(EMPTY_ITEM)[None] if items.shape[0] == 0 else items)
+    return plan._replace(q_items=pad(plan.q_items), k_items=pad(plan.k_items))
 
 
 def _batched(q, k, v, plan, cfg):
@@ -271,7 +379,7 @@ def _batched(q, k, v, plan, cfg):
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1:3]
     fold = lambda x, t, h: jnp.moveaxis(x, 0, 1).reshape(t, b * h, d)
-    out, lse = _ffa_jit(fold(q, tq, hq), fold(k, tk, hkv), fold(v, tk, hkv), plan, cfg)
+    out, lse = _ffa_jit(fold(q, tq, hq), fold(k, tk, hkv), fold(v, tk, hkv), _device(plan), cfg)
     out = jnp.moveaxis(out.reshape(tq, b, hq, d), 1, 0)
     lse = jnp.moveaxis(lse.reshape(tq, b, hq), 1, 0)
     return out, lse

@@ -11,11 +11,11 @@ Entry points (:mod:`magi_jax.pallas.api`):
 
 from magi_jax.pallas.api import (DKV_PERSISTENT_MAX_MEAN_ITEMS, DKV_SPLIT_ALIGN,
                                  PERSISTENT_MAX_MEAN_ITEMS, SUPPORTED_DTYPES,
-                                 SUPPORTED_HEAD_DIMS, KernelPlanArrays, device_supported,
+                                 SUPPORTED_HEAD_DIMS, FFAPlanArrays, device_supported,
                                  ffa_pallas, ffa_pallas_backward, flex_flash_attention_pallas,
-                                 kernel_plan_for_mask, supported)
+                                 plan_for_mask, supported)
 
 __all__ = ["flex_flash_attention_pallas", "ffa_pallas", "ffa_pallas_backward", "supported",
-           "device_supported", "DKV_SPLIT_ALIGN", "KernelPlanArrays", "kernel_plan_for_mask",
+           "device_supported", "DKV_SPLIT_ALIGN", "FFAPlanArrays", "plan_for_mask",
            "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "PERSISTENT_MAX_MEAN_ITEMS",
            "DKV_PERSISTENT_MAX_MEAN_ITEMS"]

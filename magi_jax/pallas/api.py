@@ -16,11 +16,11 @@ from magi_jax.pallas.common import LOG2E
 from magi_jax.pallas.ffa_bwd import DKV_SPLIT_ALIGN, BwdConfig, ffa_dkv, ffa_dq
 from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward
 from magi_jax.planning.work_list import (DKV_BLOCK_K, FWD_BLOCK_K, FWD_BLOCK_Q,
-                                         KernelPlanArrays, WorkList, kernel_plan_for_mask,
+                                         FFAPlanArrays, WorkList, plan_for_mask,
                                          persistent_schedule)
 
 __all__ = ["flex_flash_attention_pallas", "ffa_pallas", "ffa_pallas_backward", "supported",
-           "device_supported", "DKV_SPLIT_ALIGN", "KernelPlanArrays", "kernel_plan_for_mask",
+           "device_supported", "DKV_SPLIT_ALIGN", "FFAPlanArrays", "plan_for_mask",
            "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES"]
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -110,12 +110,12 @@ class _Schedules(NamedTuple):
 _NO_SCHEDULES = _Schedules((), (), ())
 
 
-def _on_host(plan: KernelPlanArrays) -> bool:
+def _on_host(plan: FFAPlanArrays) -> bool:
     """Whether the plan is NumPy arrays (persistent schedules are built from it there)."""
     return all(isinstance(a, np.ndarray) for a in plan)
 
 
-def _schedules(plan: KernelPlanArrays, cfg: _Config, batch: int, hq: int,
+def _schedules(plan: FFAPlanArrays, cfg: _Config, batch: int, hq: int,
                hkv: int) -> _Schedules:
     if not (cfg.persistent or cfg.dq_persistent or cfg.dkv_persistent):
         return _NO_SCHEDULES
@@ -132,7 +132,7 @@ def _schedules(plan: KernelPlanArrays, cfg: _Config, batch: int, hq: int,
                       sched(dkv_list, batch * hkv, cfg.dkv_persistent))
 
 
-def _forward(q, k, v, plan: KernelPlanArrays, sched: _Schedules, cfg: _Config):
+def _forward(q, k, v, plan: FFAPlanArrays, sched: _Schedules, cfg: _Config):
     tq = q.shape[1]
     qp = _pad_rows(q, FWD_BLOCK_Q)
     kp, vp = _pad_rows(k, FWD_BLOCK_K), _pad_rows(v, FWD_BLOCK_K)
@@ -221,7 +221,7 @@ PERSISTENT_MAX_MEAN_ITEMS = 32
 DKV_PERSISTENT_MAX_MEAN_ITEMS = 64
 
 
-def _default_programs(plan: KernelPlanArrays, interpret: bool, kernel: str = "fwd") -> int:
+def _default_programs(plan: FFAPlanArrays, interpret: bool, kernel: str = "fwd") -> int:
     """Programs of the persistent forward (``kernel="fwd"``) or dK/dV kernel (``"dkv"``) by
     default: one per SM of the default GPU when the plan is on the host (the schedule is
     built there) and its tiles that own any item walk fewer than
@@ -238,16 +238,17 @@ def _default_programs(plan: KernelPlanArrays, interpret: bool, kernel: str = "fw
     return int(getattr(jax.devices()[0], "core_count", 0) or 0)
 
 
-def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap: float = 0.0,
+def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: float = 0.0,
                interpret: bool = False, num_stages: int = 2, dq_num_stages: int = 2,
                dkv_num_stages: int = 2, fused_acc: bool = True, fma_softmax: bool = True,
                head_major: bool = True, k_wait_under_pv: bool = False,
                persistent: int | None = None, bwd_persistent: int | None = None,
-               intra_wg_overlap: bool = True):
+               intra_wg_overlap: bool = True, schedules: tuple | None = None):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
-    q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64 or 128); ``plan`` from
-    :func:`kernel_plan_for_mask` (``.arrays()``) for these ``Tq``/``Tk``, as int32 arrays.
+    q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64 or 128); ``plan``:
+    the work lists of :func:`~magi_jax.planning.work_list.plan_for_mask` (``"pallas"``) for
+    these ``Tq``/``Tk``, as int32 arrays.
     Returns ``out`` (q's shape and dtype) and ``lse [(B,) Tq, Hq]`` float32 (natural log,
     ``-inf`` for rows that see no key). Differentiable in q, k, v, also through lse.
     ``interpret=True`` runs the kernels in Mosaic GPU interpret mode (CPU, tests only).
@@ -275,7 +276,18 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
     room for ``dq_num_stages`` <= 2 and ``dkv_num_stages`` <= 3); ``None`` (default): dQ one
     program per unit (its persistent mode measured slower on every mask), dK/dV persistent
     on short k-tiles (:data:`DKV_PERSISTENT_MAX_MEAN_ITEMS`, 3-5 % faster there) when
-    ``dkv_num_stages`` <= 3, like the forward's default."""
+    ``dkv_num_stages`` <= 3, like the forward's default.
+
+    ``schedules``: schedules built beforehand (a plan as data, whose arrays may be traced:
+    :func:`magi_jax.ffa.plan.plan_attention`): ``()`` runs one program per unit, ``(fwd
+    offsets, fwd units, dK/dV offsets, dK/dV units)`` the persistent forward and dK/dV
+    kernels over them; ``persistent``/``bwd_persistent`` are then not used."""
+    if schedules is not None:
+        if len(schedules) not in (0, 4):
+            raise ValueError("schedules must be () or (fwd_offsets, fwd_units, dkv_offsets, "
+                             f"dkv_units); got {len(schedules)} arrays")
+        return _ffa_scheduled(q, k, v, plan, tuple(schedules), float(softmax_scale),
+                              float(softcap), bool(interpret))
     if persistent is None:
         persistent = _default_programs(plan, interpret) if num_stages <= 2 else 0
     if bwd_persistent is None:
@@ -290,14 +302,31 @@ def ffa_pallas(q, k, v, plan: KernelPlanArrays, *, softmax_scale: float, softcap
     batched = q.ndim == 4
     sched = _schedules(plan, cfg, q.shape[0] if batched else 1, q.shape[-2], k.shape[-2])
     sched = jax.tree.map(lambda a: jnp.asarray(a, jnp.int32), sched)
-    plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
+    plan = FFAPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     if not batched:
         out, lse = _ffa(q[None], k[None], v[None], plan, sched, cfg)
         return out[0], lse[0]
     return _ffa(q, k, v, plan, sched, cfg)
 
 
-def ffa_pallas_backward(q, k, v, plan: KernelPlanArrays, out, lse, dout, dlse, *,
+def _ffa_scheduled(q, k, v, plan, schedules, scale, softcap, interpret):
+    """:func:`ffa_pallas` over schedules that travel with the plan (the default kernels'
+    tuning; dQ one program per unit)."""
+    programs = (int(schedules[0].shape[0]) - 1, int(schedules[2].shape[0]) - 1) \
+        if schedules else (0, 0)
+    cfg = _Config(scale, softcap, interpret, persistent=programs[0], dkv_persistent=programs[1])
+    as_i32 = lambda a: jnp.asarray(a, jnp.int32)
+    sched = (_Schedules((as_i32(schedules[0]), as_i32(schedules[1])), (),
+                        (as_i32(schedules[2]), as_i32(schedules[3])))
+             if schedules else _NO_SCHEDULES)
+    plan = FFAPlanArrays(*(as_i32(a) for a in plan))
+    if q.ndim == 3:
+        out, lse = _ffa(q[None], k[None], v[None], plan, sched, cfg)
+        return out[0], lse[0]
+    return _ffa(q, k, v, plan, sched, cfg)
+
+
+def ffa_pallas_backward(q, k, v, plan: FFAPlanArrays, out, lse, dout, dlse, *,
                         softmax_scale: float, softcap: float = 0.0, interpret: bool = False,
                         between_dkv_dq=None, split_kv_at: int = 0):
     """The backward of :func:`ffa_pallas` from a forward's ``(out, lse)``, which may be the
@@ -313,7 +342,7 @@ def ffa_pallas_backward(q, k, v, plan: KernelPlanArrays, out, lse, dout, dlse, *
     and the call returns, dK and dV each as two arrays, rows ``[:n]`` and ``[n:]``; where
     ``n`` is a multiple of ``DKV_SPLIT_ALIGN`` the kernel stores them apart (no copy)."""
     cfg = _Config(float(softmax_scale), float(softcap), bool(interpret))
-    plan = KernelPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
+    plan = FFAPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     lift = (lambda x: x) if q.ndim == 4 else (lambda x: x[None])
     unlift = (lambda x: x) if q.ndim == 4 else (lambda x: x[0])
     res = (lift(q), lift(k), lift(v), plan, _NO_SCHEDULES, lift(out),
@@ -343,6 +372,6 @@ def flex_flash_attention_pallas(q, k, v, mask, *, softmax_scale: float | None = 
     if not ok:
         raise ValueError(f"backend='pallas' cannot run these inputs: {why}; use backend='xla'")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    plan = kernel_plan_for_mask(mask).arrays()
+    plan = plan_for_mask(mask, "pallas")
     return ffa_pallas(q, k, v, plan, softmax_scale=scale, softcap=softcap, interpret=interpret,
                       **tuning)

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from magi_jax.planning.lanes import build_xla_plan, stack_plans
-from magi_jax.planning.work_list import build_kernel_plan, stack_kernel_plans
+from magi_jax.planning.work_list import backend_blocks, build_plan_arrays, stack_plans
 
 __all__ = ["HostPlanner", "HOST_PLANNERS", "FFA_BACKENDS", "host_planner"]
 
@@ -22,15 +21,17 @@ class HostPlanner(NamedTuple):
     stack: Callable       # [plan arrays per rank] -> stacked plan arrays
 
 
-HOST_PLANNERS = {
-    "xla": HostPlanner(
-        "xla", build=lambda sh, tq, tk, bq, bk: build_xla_plan(sh, tq, tk, bq, bk).arrays(),
-        stack=stack_plans),
-    # The kernels tile with their own block sizes (bq, bk unused).
-    "pallas": HostPlanner(
-        "pallas", build=lambda sh, tq, tk, bq, bk: build_kernel_plan(sh, tq, tk).arrays(),
-        stack=stack_kernel_plans),
-}
+def _build(backend):
+    def build(shapes, total_q, total_k, block_q, block_k):
+        blocks = backend_blocks(backend, total_q, total_k, block_q, block_k)
+        return build_plan_arrays(shapes, total_q, total_k, *blocks)
+    return build
+
+
+# One plan format for both: the work lists, on each backend's own tiles (the Mosaic GPU
+# kernels tile with fixed block sizes, so block_q/block_k only reach the xla backend).
+HOST_PLANNERS = {name: HostPlanner(name, build=_build(name), stack=stack_plans)
+                 for name in ("xla", "pallas")}
 FFA_BACKENDS = tuple(HOST_PLANNERS)
 
 

@@ -1,15 +1,18 @@
-"""Work lists of the Mosaic GPU FFA kernels (host NumPy, no JAX inside).
+"""Work lists: the one host plan format of every FFA backend (host NumPy, no JAX inside).
 
-The kernels own one output tile per program (DESIGN.md §2.2): the forward and dQ programs
-own a q-tile and walk the key tiles it sees; the dK/dV programs own a k-tile and walk the
-query tiles that see it. A :class:`WorkList` stores these runs in CSR form over the tiles,
-with every item carrying the slice geometry needed for its in-kernel predicate and its mask
-kind (:data:`FULL`: no predicate; :data:`BAND`: only the diagonal bounds cut the tile;
-:data:`GENERAL`). Programs are launched heaviest tile first (``order``), so a few long rows
-start early instead of finishing last.
+An attention call is cut into tiles; a program owns one output tile. The forward and dQ
+own a q-tile and walk the key tiles it sees; dK/dV own a k-tile and walk the query tiles
+that see it. A :class:`WorkList` stores these runs in CSR form over the tiles, every item
+carrying the slice geometry of its in-kernel predicate and its mask kind (:data:`FULL`: no
+predicate; :data:`BAND`: only the diagonal bounds cut the tile; :data:`GENERAL`). Tiles are
+launched heaviest first (``order``), so a few long rows start early instead of finishing
+last.
 
-All arrays are int32 of shapes fixed by the plan; :meth:`KernelPlanArrays.pad_to` pads them
-(empty tiles, empty items) so the plans of several context-parallel ranks can be stacked.
+The Mosaic GPU kernels read the lists as they are; the ``xla`` backend cuts each tile's run
+into lanes on the device. Both take :class:`FFAPlanArrays`, built for their own tile sizes
+(:func:`backend_blocks`). Item arrays may be padded (to a plan capacity, or to stack the
+plans of several context-parallel ranks): padding sits past ``offsets[-1]`` and is never
+visited.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ from typing import NamedTuple
 import numpy as np
 
 from magi_jax.mask import AttnMask, SliceShapes
-from magi_jax.planning.tiling import EMPTY_ITEM as _EMPTY_ITEM, ITEM_FIELDS, tile_items
+from magi_jax.planning.tiling import EMPTY_ITEM, ITEM_FIELDS, tile_items
 
-__all__ = ["ITEM_FIELDS", "NUM_FIELDS", "WorkList", "KernelPlan", "KernelPlanArrays",
-           "build_work_list", "build_kernel_plan", "kernel_plan_for_mask",
-           "stack_kernel_plans", "persistent_schedule", "FWD_BLOCK_Q", "FWD_BLOCK_K",
-           "DKV_BLOCK_Q", "DKV_BLOCK_K", "GENERAL", "FULL", "BAND"]
+__all__ = ["ITEM_FIELDS", "NUM_FIELDS", "EMPTY_ITEM", "WorkList", "FFAPlanArrays",
+           "build_work_list", "build_plan_arrays", "plan_for_mask", "pad_work_list",
+           "stack_plans", "persistent_schedule", "backend_blocks", "default_block_sizes",
+           "FWD_BLOCK_Q", "FWD_BLOCK_K", "DKV_BLOCK_Q", "DKV_BLOCK_K", "GENERAL", "FULL",
+           "BAND"]
 
 # Items have the columns of magi_jax.planning.tiling.ITEM_FIELDS (the tile on the other side, the
 # slice's canonical geometry, the mask kind below); padding items are tiling.EMPTY_ITEM.
@@ -39,8 +43,10 @@ _I32 = np.iinfo(np.int32)
 # warpgroups of 64) and steps over 64 query rows.
 FWD_BLOCK_Q, FWD_BLOCK_K = 128, 128
 DKV_BLOCK_Q, DKV_BLOCK_K = 64, 128
+# Tiles of the xla backend (its vectorised tile loop is the same at any size).
+_XLA_BLOCK, _XLA_MIN_BLOCK = 128, 8
 
-# The last item field (``full`` in ITEM_FIELDS) holds the item's mask kind: every cell of the
+# The last item field (``kind`` in ITEM_FIELDS) holds the item's mask kind: every cell of the
 # tile in the slice (FULL, no predicate), only the slice's diagonal bounds cut the tile (BAND:
 # it lies inside the slice's query and key ranges; one range check per cell), or any bound
 # may cut it (GENERAL: three range checks per cell).
@@ -67,11 +73,13 @@ class WorkList(NamedTuple):
         return np.diff(self.offsets)
 
 
-class KernelPlanArrays(NamedTuple):
-    """The device view of a kernel plan: the forward/dQ list (q-tiles of
-    :data:`FWD_BLOCK_Q`, k-steps of :data:`FWD_BLOCK_K`) and the dK/dV list (k-tiles of
-    :data:`DKV_BLOCK_K`, q-steps of :data:`DKV_BLOCK_Q`). Under context parallelism every
-    array gets a leading ``cp`` axis."""
+class FFAPlanArrays(NamedTuple):
+    """The device view of one attention call's plan, for every backend: the q-tile list
+    (forward and dQ) and the k-tile list (dK/dV), each ``order [N]``, ``offsets [N + 1]``,
+    ``items [W, 8]`` int32 (:class:`WorkList`). Each backend builds them for its own tile
+    sizes (:func:`backend_blocks`). Items past ``offsets[-1]`` are padding (capacity, or
+    stacking) and are never visited. Under context parallelism every array gets a leading
+    ``cp`` axis."""
 
     q_order: np.ndarray
     q_offsets: np.ndarray
@@ -80,23 +88,35 @@ class KernelPlanArrays(NamedTuple):
     k_offsets: np.ndarray
     k_items: np.ndarray
 
-    def pad_to(self, num_q_tiles: int, num_q_items: int, num_k_tiles: int,
-               num_k_items: int) -> "KernelPlanArrays":
-        """The same plan for more (empty) tiles and more (empty) items, for stacking plans of
-        several ranks. Extra tiles own no item; extra items are never visited."""
-        def pad(order, offsets, items, n, w):
-            if n < len(order) or w < len(items):
-                raise ValueError(f"cannot pad a plan of {len(order)} tiles / {len(items)} "
-                                 f"items down to {n} / {w}")
-            order = np.concatenate([order, np.arange(len(order), n, dtype=np.int32)])
-            offsets = np.concatenate([offsets, np.full(n - len(offsets) + 1, offsets[-1],
-                                                       np.int32)])
-            extra = np.broadcast_to(_EMPTY_ITEM, (w - len(items), NUM_FIELDS))
-            return order, offsets, np.concatenate([items, extra]).astype(np.int32)
-        return KernelPlanArrays(*pad(self.q_order, self.q_offsets, self.q_items, num_q_tiles,
-                                     num_q_items),
-                                *pad(self.k_order, self.k_offsets, self.k_items, num_k_tiles,
-                                     num_k_items))
+    @property
+    def fwd(self) -> WorkList:
+        """The q-tile list (forward and dQ)."""
+        return WorkList(*self[:3])
+
+    @property
+    def bwd(self) -> WorkList:
+        """The k-tile list (dK/dV)."""
+        return WorkList(*self[3:])
+
+    def pad_to(self, num_q_items: int, num_k_items: int) -> "FFAPlanArrays":
+        """The same plan with its item arrays padded to ``num_q_items`` / ``num_k_items``."""
+        return FFAPlanArrays(*pad_work_list(WorkList(*self[:3]), num_q_items),
+                             *pad_work_list(WorkList(*self[3:]), num_k_items))
+
+
+def pad_work_list(work: WorkList, num_items: int, field: str = "items") -> WorkList:
+    """``work`` with its items padded to ``num_items`` by the empty item; raises
+    :class:`~magi_jax.planning.capacity.CapacityError` naming ``field`` when it holds more."""
+    have = len(work.items)
+    if have > num_items:
+        from magi_jax.planning.capacity import CapacityError
+        raise CapacityError(f"this mask needs PlanCapacity.{field}>={have} work items on one "
+                            f"list, but the capacity holds {num_items}; build the capacity "
+                            "with more items (or PlanCapacity.from_masks over a sample of your "
+                            "masks)")
+    extra = np.broadcast_to(EMPTY_ITEM, (num_items - have, NUM_FIELDS))
+    items = np.concatenate([work.items, extra]).astype(np.int32)
+    return WorkList(work.order.astype(np.int32), work.offsets.astype(np.int32), items)
 
 
 def build_work_list(shapes: SliceShapes, total_q: int, total_k: int, block_q: int,
@@ -134,37 +154,53 @@ def build_work_list(shapes: SliceShapes, total_q: int, total_k: int, block_q: in
     return WorkList(launch, offsets.astype(np.int32), items)
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelPlan:
-    """Host plan of the ``pallas`` backend for one mask: forward/dQ and dK/dV lists."""
-
-    fwd: WorkList
-    dkv: WorkList
-    total_q: int
-    total_k: int
-
-    def arrays(self) -> KernelPlanArrays:
-        return KernelPlanArrays(*self.fwd, *self.dkv)
+def default_block_sizes(total_q: int, total_k: int) -> tuple[int, int]:
+    """Tiles of the ``xla`` backend: 128 x 128, shrunk (to a power of two >= 8) for short
+    sequences."""
+    def pick(t):
+        return int(min(_XLA_BLOCK, max(_XLA_MIN_BLOCK, 1 << max(int(t) - 1, 0).bit_length())))
+    return pick(total_q), pick(total_k)
 
 
-def build_kernel_plan(shapes: SliceShapes, total_q: int, total_k: int) -> KernelPlan:
-    fwd = build_work_list(shapes, total_q, total_k, FWD_BLOCK_Q, FWD_BLOCK_K, "q")
-    dkv = build_work_list(shapes, total_q, total_k, DKV_BLOCK_Q, DKV_BLOCK_K, "k")
-    return KernelPlan(fwd, dkv, total_q, total_k)
+def backend_blocks(backend: str, total_q: int, total_k: int, block_q: int | None = None,
+                   block_k: int | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``(q-list tiles, k-list tiles)`` as ``(block_q, block_k)`` pairs for ``backend``:
+    the Mosaic GPU kernels' fixed tiles, or the ``xla`` backend's (``block_q``/``block_k``
+    override its defaults)."""
+    if backend.startswith("pallas"):
+        return (FWD_BLOCK_Q, FWD_BLOCK_K), (DKV_BLOCK_Q, DKV_BLOCK_K)
+    if backend != "xla":
+        raise ValueError(f"backend={backend!r}: use 'xla' or 'pallas'")
+    auto_q, auto_k = default_block_sizes(total_q, total_k)
+    block = (int(block_q or auto_q), int(block_k or auto_k))
+    return block, block
+
+
+def build_plan_arrays(shapes: SliceShapes, total_q: int, total_k: int,
+                      fwd_block: tuple[int, int], bwd_block: tuple[int, int]) -> FFAPlanArrays:
+    """Both work lists of one call: the q-tile list on ``fwd_block`` tiles and the k-tile
+    list on ``bwd_block`` tiles."""
+    fwd = build_work_list(shapes, total_q, total_k, *fwd_block, "q")
+    bwd = build_work_list(shapes, total_q, total_k, *bwd_block, "k")
+    return FFAPlanArrays(*fwd, *bwd)
 
 
 @functools.lru_cache(maxsize=256)
-def kernel_plan_for_mask(mask: AttnMask) -> KernelPlan:
-    """The kernel plan of ``mask``, cached by the mask's fingerprint."""
-    return build_kernel_plan(mask.shapes, mask.total_q, mask.total_k)
+def plan_for_mask(mask: AttnMask, backend: str, block_q: int | None = None,
+                  block_k: int | None = None) -> FFAPlanArrays:
+    """The exact-size work lists of ``mask`` for ``backend``, cached by the mask's
+    fingerprint."""
+    fwd_block, bwd_block = backend_blocks(backend, mask.total_q, mask.total_k, block_q,
+                                          block_k)
+    return build_plan_arrays(mask.shapes, mask.total_q, mask.total_k, fwd_block, bwd_block)
 
 
-def stack_kernel_plans(plans: list[KernelPlanArrays]) -> KernelPlanArrays:
+def stack_plans(plans: list[FFAPlanArrays]) -> FFAPlanArrays:
     """Stacks the plans of several ranks along a new leading axis (for ``shard_map``), padding
     every plan's item lists to the longest. The ranks must hold sequences of one length, so
     their tile counts already agree."""
     if not plans:
-        raise ValueError("stack_kernel_plans needs at least one plan")
+        raise ValueError("stack_plans needs at least one plan")
     nq = {len(p.q_order) for p in plans}
     nk = {len(p.k_order) for p in plans}
     if len(nq) != 1 or len(nk) != 1:
@@ -172,9 +208,8 @@ def stack_kernel_plans(plans: list[KernelPlanArrays]) -> KernelPlanArrays:
                          f"{sorted(nk)}); every rank must hold the same local Tq and Tk")
     wq = max(len(p.q_items) for p in plans)
     wk = max(len(p.k_items) for p in plans)
-    padded = [p.pad_to(len(p.q_order), wq, len(p.k_order), wk)
-              for p in plans]
-    return KernelPlanArrays(*(np.stack(parts) for parts in zip(*padded)))
+    padded = [p.pad_to(wq, wk) for p in plans]
+    return FFAPlanArrays(*(np.stack(parts) for parts in zip(*padded)))
 
 
 # What a unit costs a persistent program beyond its items, in items: the epilogue and the

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from magi_jax.mask import AttnMask
 from magi_jax.planning.cast_table import choose_transport
-from magi_jax.planning.lanes import default_block_sizes
+from magi_jax.planning.work_list import default_block_sizes
 from magi_jax.planning.solver import ALGORITHMS, DispatchMeta, solve_dispatch
 from magi_jax.planning.stages import DistPlan, build_dist_plan, split_areas
 from magi_jax.sharding import native

@@ -18,9 +18,8 @@ from benchmarks.baselines.ring import make_ring_plan, ring_attention
 from benchmarks.baselines.ulysses import kv_repeat, make_ulysses_plan, ulysses_attention
 from magi_jax.mask import AttnMask
 from magi_jax.ffa.testing import assert_matches_reference, random_inputs
-from magi_jax.planning.tiling import LanePlan
 from magi_jax.ffa.xla import xla_ffa
-from magi_jax.planning.lanes import FFAPlanArrays, plan_for_mask
+from magi_jax.planning.work_list import EMPTY_ITEM, FFAPlanArrays, plan_for_mask
 
 CP = 8
 LENS = [13, 1, 22, 9, 19]                      # 64 tokens, documents cut across ranks
@@ -49,20 +48,18 @@ def _mesh(cp=CP):
 
 
 def _pad_plan(plan: FFAPlanArrays, sizes) -> FFAPlanArrays:
-    """Pads stacked xla plan arrays (any leading axes) to ``sizes = (V, L, V', L')``."""
-    def pad(tiles, items, v, l):
-        lead = tiles.shape[:-1]
-        t2, i2 = np.asarray(tiles).reshape(-1, tiles.shape[-1]), \
-            np.asarray(items).reshape((-1,) + items.shape[-3:])
-        out = [LanePlan(t, i).pad_to(v, l) for t, i in zip(t2, i2)]
-        return (np.stack([o.lane_tile for o in out]).reshape(lead + (v,)),
-                np.stack([o.items for o in out]).reshape(lead + (v, l, items.shape[-1])))
-    return FFAPlanArrays(*pad(plan.q_lane_tile, plan.q_items, *sizes[:2]),
-                         *pad(plan.k_lane_tile, plan.k_items, *sizes[2:]))
+    """Pads stacked plan arrays (any leading axes) to ``sizes = (Wq, Wk)`` items."""
+    def pad(items, w):
+        items = np.asarray(items)
+        extra = np.zeros(items.shape[:-2] + (w - items.shape[-2], items.shape[-1]), np.int32)
+        extra[..., :] = EMPTY_ITEM
+        return np.concatenate([items, extra], axis=-2)
+    return plan._replace(q_items=pad(plan.q_items, sizes[0]), k_items=pad(plan.k_items,
+                                                                          sizes[1]))
 
 
 def _plan_sizes(p: FFAPlanArrays):
-    return (p.q_items.shape[-3], p.q_items.shape[-2], p.k_items.shape[-3], p.k_items.shape[-2])
+    return (p.q_items.shape[-2], p.k_items.shape[-2])
 
 
 def _arrays_of(plan):
@@ -171,7 +168,7 @@ def test_local_ffa_backward_matches_autodiff():
     the public per-rank entry point (guards the private backend functions it calls)."""
     mask = MASKS["shared_question"]
     q, k, v, dout, dlse = random_inputs(jax.random.key(3), mask, 4, 2, 16, jnp.float32)
-    plan = jax.tree.map(jnp.asarray, plan_for_mask(mask, 8, 8).arrays())
+    plan = jax.tree.map(jnp.asarray, plan_for_mask(mask, "xla", 8, 8))
     fwd = lambda q_, k_, v_: xla_ffa(q_, k_, v_, plan, softmax_scale=0.3, softcap=0.0,
                                      block_q=8, block_k=8)
 

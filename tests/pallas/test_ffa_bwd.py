@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from magi_jax.mask import AttnMask
-from magi_jax.pallas import ffa_pallas, flex_flash_attention_pallas, kernel_plan_for_mask
+from magi_jax.pallas import ffa_pallas, flex_flash_attention_pallas, plan_for_mask
 from magi_jax.pallas.common import smem
 from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq
 from magi_jax.planning.work_list import WorkList, persistent_schedule
@@ -86,7 +86,7 @@ def test_persistent_kernels_race_free_and_equal_to_plain(capfd):
     _racy_store(jnp.ones((64, 64), jnp.bfloat16)).block_until_ready()
     assert "RACE DETECTED" in capfd.readouterr().out, "the race detector is not reporting"
 
-    plan = kernel_plan_for_mask(HOLES).arrays()
+    plan = plan_for_mask(HOLES, "pallas")
     q, k, v, dout, _ = _inputs()
     b, t, hq = q.shape[:3]
     ks = jax.random.split(jax.random.key(9), 2)
@@ -120,7 +120,7 @@ def test_shared_memory_budget_and_config_errors():
     """Persistent mode's output buffers must fit the 227 KiB of an sm90 block: at D = 128
     dQ takes 2 stages and dK/dV 3; more is refused on the host, naming the knob."""
     mask = AttnMask.causal(256)
-    plan = kernel_plan_for_mask(mask).arrays()
+    plan = plan_for_mask(mask, "pallas")
     q = jax.ShapeDtypeStruct((256, 2, 128), jnp.bfloat16)
 
     def trace_grad(**tuning):
@@ -143,7 +143,7 @@ def test_backward_lowers_for_sm90(d):
     Mosaic GPU kernels for CUDA on this host (layout inference and Mosaic GPU's own
     shared-memory check run there, no GPU needed)."""
     mask = HOLES
-    plan = kernel_plan_for_mask(mask).arrays()
+    plan = plan_for_mask(mask, "pallas")
     q = jax.ShapeDtypeStruct((2, mask.total_q, 4, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, mask.total_k, 2, d), jnp.bfloat16)
     for tuning in [{}, dict(bwd_persistent=132), dict(bwd_persistent=5, dkv_num_stages=3),

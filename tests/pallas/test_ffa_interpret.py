@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from magi_jax.mask import AttnMask
-from magi_jax.pallas import (ffa_pallas, flex_flash_attention_pallas, kernel_plan_for_mask,
+from magi_jax.pallas import (ffa_pallas, flex_flash_attention_pallas, plan_for_mask,
                              supported)
 from magi_jax.planning.work_list import BAND
 from magi_jax.ffa.testing import assert_matches_reference, random_inputs
@@ -64,8 +64,8 @@ def test_band_items():
     items (only the diagonal bounds cut them; both bounds on the diagonal tiles, the upper
     one alone beside them), tiles past the key range general ones; forward and backward."""
     mask = AttnMask.from_ranges([[0, 256]], [[0, 320]], ["bi_causal"], 256, 320)
-    plan = kernel_plan_for_mask(mask)
-    for items in (plan.fwd.items, plan.dkv.items):
+    plan = plan_for_mask(mask, "pallas")
+    for items in (plan.fwd.items, plan.bwd.items):
         assert (items[:, -1] == BAND).sum() >= 2 and (items[:, -1] != BAND).any()
     _run(mask, jnp.bfloat16, hq=2, hkv=1, d=64, seed=5)
 
@@ -81,9 +81,8 @@ def test_plan_arrays_entry_point_with_padded_items():
     result with extra padding items appended to its plan."""
     mask = IRREGULAR
     q, k, v, _, _ = random_inputs(jax.random.key(1), mask, 1, 1, 64, jnp.bfloat16)
-    arr = kernel_plan_for_mask(mask).arrays()
-    padded = arr.pad_to(len(arr.q_order), len(arr.q_items) + 3, len(arr.k_order),
-                        len(arr.k_items) + 2)
+    arr = plan_for_mask(mask, "pallas")
+    padded = arr.pad_to(len(arr.q_items) + 3, len(arr.k_items) + 2)
     run = lambda plan: ffa_pallas(q, k, v, plan, softmax_scale=0.125, interpret=True)
     (o1, l1), (o2, l2) = run(arr), run(padded)
     np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
@@ -137,17 +136,17 @@ def test_stacked_per_rank_plans():
     one shape), drives the kernels exactly like the rank's own plan. (Under ``shard_map``
     each rank sees its slice; GPU interpret mode keeps global state, so running two devices'
     kernels concurrently on the CPU is not reliable and this checks rank by rank.)"""
-    from magi_jax.planning.work_list import KernelPlanArrays, stack_kernel_plans
+    from magi_jax.planning.work_list import FFAPlanArrays, stack_plans
     masks = [AttnMask.causal(128), AttnMask.varlen([0, 50, 128], causal=True)]
     qkv = [jax.random.normal(kk, (2, 128, 1, 64), jnp.float32).astype(jnp.bfloat16)
            for kk in jax.random.split(jax.random.key(7), 3)]
-    stacked = stack_kernel_plans([kernel_plan_for_mask(m).arrays() for m in masks])
+    stacked = stack_plans([plan_for_mask(m, "pallas") for m in masks])
     run = jax.jit(lambda q, k, v, plan: ffa_pallas(q, k, v, plan, softmax_scale=0.125,
                                                    interpret=True))
     for r, m in enumerate(masks):
-        mine = KernelPlanArrays(*(jnp.asarray(a[r]) for a in stacked))
+        mine = FFAPlanArrays(*(jnp.asarray(a[r]) for a in stacked))
         o1, l1 = run(*(x[r] for x in qkv), mine)
-        o2, l2 = ffa_pallas(*(x[r] for x in qkv), kernel_plan_for_mask(m).arrays(),
+        o2, l2 = ffa_pallas(*(x[r] for x in qkv), plan_for_mask(m, "pallas"),
                             softmax_scale=0.125, interpret=True)
         np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
         np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
@@ -204,7 +203,7 @@ def test_forward_persistent_units(programs):
 def test_forward_shared_memory_budget_error():
     q = jax.ShapeDtypeStruct((WIDE.total_q, 1, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((WIDE.total_k, 1, 128), jnp.bfloat16)
-    plan = kernel_plan_for_mask(WIDE).arrays()
+    plan = plan_for_mask(WIDE, "pallas")
     f = jax.jit(lambda q, k, v: ffa_pallas(q, k, v, plan, softmax_scale=0.1, num_stages=3,
                                            persistent=132))
     with pytest.raises(ValueError, match="forward kernel with num_stages=3, persistent=132, "
@@ -218,7 +217,7 @@ def test_forward_knobs_lower_for_sm90(d):
     inference and the shared-memory budget are checked there, no GPU needed); 3 slots fit
     D = 128."""
     mask = WIDE
-    plan = kernel_plan_for_mask(mask).arrays()
+    plan = plan_for_mask(mask, "pallas")
     q = jax.ShapeDtypeStruct((mask.total_q, 2, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((mask.total_k, 1, d), jnp.bfloat16)
     for tuning in [{}, *_FWD_KNOBS]:
@@ -235,7 +234,7 @@ def test_default_persistent_programs(monkeypatch):
     class _Gpu:
         core_count = 132
 
-    plan = kernel_plan_for_mask(WIDE).arrays()
+    plan = plan_for_mask(WIDE, "pallas")
     monkeypatch.setattr(jax, "devices", lambda *a: [_Gpu()])
     assert P._default_programs(plan, interpret=False) == 132
     assert P._default_programs(plan, interpret=True) == 0
@@ -248,9 +247,9 @@ def test_default_persistent_programs(monkeypatch):
     # Long rows (full 8k: 64 items per q-tile) run one program per unit; a window of 1024
     # (at most 9 items per q-tile) runs persistent.
     monkeypatch.setattr(jax, "devices", lambda *a: [_Gpu()])
-    full = kernel_plan_for_mask(AttnMask.full(8192)).arrays()
+    full = plan_for_mask(AttnMask.full(8192), "pallas")
     assert P._default_programs(full, interpret=False) == 0
-    swa = kernel_plan_for_mask(AttnMask.varlen([0, 8192], causal=True, window=1024)).arrays()
+    swa = plan_for_mask(AttnMask.varlen([0, 8192], causal=True, window=1024), "pallas")
     assert np.diff(swa.q_offsets).max() < P.PERSISTENT_MAX_MEAN_ITEMS
     assert P._default_programs(swa, interpret=False) == 132
     # dK/dV: a k-tile of SWA 1024 meets at most 18 q-steps of 64 rows, one of full 8k 128.
@@ -262,7 +261,7 @@ def test_backward_entry_point_equals_the_vjp():
     """``ffa_pallas_backward`` from the forward's own (out, lse) is the VJP of
     ``ffa_pallas``, bit for bit (batched; CP uses it unbatched, tests/sharding)."""
     from magi_jax.pallas import ffa_pallas_backward
-    plan = kernel_plan_for_mask(IRREGULAR).arrays()
+    plan = plan_for_mask(IRREGULAR, "pallas")
     q, k, v, dout, dlse = random_inputs(jax.random.key(11), IRREGULAR, 2, 1, 64,
                                         jnp.bfloat16, 2)
     f = lambda a, b, c: ffa_pallas(a, b, c, plan, softmax_scale=0.125, interpret=True)
@@ -279,7 +278,7 @@ def test_backward_with_work_between_dkv_and_dq():
     # dK/dV first, then the hook (context parallelism starts the dK/dV reduce there), then
     # dQ: the same gradients; the hook saw the dK/dV that come back, and its token returns.
     from magi_jax.pallas import ffa_pallas_backward
-    plan = kernel_plan_for_mask(IRREGULAR).arrays()
+    plan = plan_for_mask(IRREGULAR, "pallas")
     q, k, v, dout, dlse = random_inputs(jax.random.key(12), IRREGULAR, 2, 1, 64,
                                         jnp.bfloat16)                   # unbatched, as CP
     out, lse = ffa_pallas(q, k, v, plan, softmax_scale=0.125, interpret=True)
@@ -308,7 +307,7 @@ def test_backward_hook_with_dkv_in_two_parts(split):
     # is stored apart by the kernel (128), another sliced (100); the same values either way.
     from magi_jax.pallas import DKV_SPLIT_ALIGN, ffa_pallas_backward
     assert (split % DKV_SPLIT_ALIGN == 0) == (split == 128)
-    plan = kernel_plan_for_mask(IRREGULAR).arrays()
+    plan = plan_for_mask(IRREGULAR, "pallas")
     q, k, v, dout, dlse = random_inputs(jax.random.key(13), IRREGULAR, 2, 1, 64,
                                         jnp.bfloat16)
     out, lse = ffa_pallas(q, k, v, plan, softmax_scale=0.125, interpret=True)

@@ -24,7 +24,7 @@ def _loaded_after(modules):
 
 
 def test_planning_modules_are_found():
-    for name in ("tiling", "lanes", "work_list", "backends", "solver", "cast_table", "stages"):
+    for name in ("tiling", "work_list", "capacity", "backends", "solver", "cast_table", "stages"):
         assert f"magi_jax.planning.{name}" in MODULES
 
 

@@ -6,9 +6,11 @@ import pytest
 from hypothesis import given, strategies as st
 
 from magi_jax.mask import AttnMask
-from magi_jax.planning.work_list import (BAND, FULL, GENERAL, ITEM_FIELDS, NUM_FIELDS,
-                                  build_kernel_plan, build_work_list, kernel_plan_for_mask,
-                                  persistent_schedule)
+from magi_jax.planning.capacity import CapacityError
+from magi_jax.planning.work_list import (BAND, DKV_BLOCK_K, DKV_BLOCK_Q, EMPTY_ITEM, FULL,
+                                         FWD_BLOCK_K, FWD_BLOCK_Q, GENERAL, ITEM_FIELDS,
+                                         NUM_FIELDS, build_plan_arrays, build_work_list,
+                                         pad_work_list, persistent_schedule, plan_for_mask)
 from tests.strategies import slice_masks
 
 
@@ -111,32 +113,33 @@ def test_every_cell_exactly_once(mask, blocks, by):
 
 def test_kernel_plan_cached_and_padded():
     mask = AttnMask.varlen([0, 100, 300], causal=True)
-    plan = kernel_plan_for_mask(mask)
-    assert kernel_plan_for_mask(AttnMask.varlen([0, 100, 300], causal=True)) is plan
-    arr = plan.arrays()
-    padded = arr.pad_to(len(arr.q_order) + 2, len(arr.q_items) + 5, len(arr.k_order),
-                        len(arr.k_items) + 1)
-    assert padded.q_order.shape == (len(arr.q_order) + 2,)
-    np.testing.assert_array_equal(np.diff(padded.q_offsets)[-2:], [0, 0])
-    np.testing.assert_array_equal(padded.q_offsets[:len(arr.q_offsets)], arr.q_offsets)
+    arr = plan_for_mask(mask, "pallas")
+    assert plan_for_mask(AttnMask.varlen([0, 100, 300], causal=True), "pallas") is arr
+    padded = arr.pad_to(len(arr.q_items) + 5, len(arr.k_items) + 1)
+    np.testing.assert_array_equal(padded.q_offsets, arr.q_offsets)
+    np.testing.assert_array_equal(padded.q_order, arr.q_order)
     assert padded.q_items.shape == (len(arr.q_items) + 5, NUM_FIELDS)
-    with pytest.raises(ValueError, match="cannot pad"):
-        arr.pad_to(1, 1, 1, 1)
-    built = build_kernel_plan(mask.shapes, 300, 300)
-    np.testing.assert_array_equal(built.fwd.items, plan.fwd.items)
+    assert (padded.q_items[len(arr.q_items):] == EMPTY_ITEM).all()
+    with pytest.raises(CapacityError, match="PlanCapacity.items>=") as err:
+        pad_work_list(arr.fwd, 1)
+    assert isinstance(err.value, ValueError)
+    built = build_plan_arrays(mask.shapes, 300, 300, (FWD_BLOCK_Q, FWD_BLOCK_K),
+                              (DKV_BLOCK_Q, DKV_BLOCK_K))
+    np.testing.assert_array_equal(built.fwd.items, arr.fwd.items)
+    np.testing.assert_array_equal(built.bwd.items, arr.bwd.items)
 
 
-def test_stack_kernel_plans():
-    from magi_jax.planning.work_list import stack_kernel_plans
-    a = kernel_plan_for_mask(AttnMask.causal(300)).arrays()
-    b = kernel_plan_for_mask(AttnMask.varlen([0, 100, 300], causal=True)).arrays()
-    st = stack_kernel_plans([a, b])
+def test_stack_plans():
+    from magi_jax.planning.work_list import stack_plans
+    a = plan_for_mask(AttnMask.causal(300), "pallas")
+    b = plan_for_mask(AttnMask.varlen([0, 100, 300], causal=True), "pallas")
+    st = stack_plans([a, b])
     assert st.q_items.shape == (2, max(len(a.q_items), len(b.q_items)), NUM_FIELDS)
     assert st.k_offsets.shape == (2, len(a.k_offsets))
     np.testing.assert_array_equal(st.q_offsets[1], b.q_offsets)
     np.testing.assert_array_equal(st.q_items[1, :len(b.q_items)], b.q_items)
     with pytest.raises(ValueError, match="same local Tq"):
-        stack_kernel_plans([a, kernel_plan_for_mask(AttnMask.causal(100)).arrays()])
+        stack_plans([a, plan_for_mask(AttnMask.causal(100), "pallas")])
 
 
 def _schedule_loads(work, groups, progs, overhead):
@@ -176,7 +179,7 @@ def test_persistent_schedule_hand_checked():
 @given(slice_masks(), st.integers(1, 4), st.integers(1, 9))
 def test_persistent_schedule_balanced(mask, groups, progs):
     """List scheduling: no program ends later than the mean load plus one unit."""
-    work = kernel_plan_for_mask(mask).fwd
+    work = plan_for_mask(mask, "pallas").fwd
     _, _, loads = _schedule_loads(work, groups, progs, 1.0)
     heaviest = work.counts().max() + 1.0
     assert loads.max() <= loads.sum() / len(loads) + heaviest + 1e-9

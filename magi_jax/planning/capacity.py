@@ -1,0 +1,162 @@
+"""Plan capacities: the bounds that fix the shapes of a plan's arrays (host NumPy, no JAX).
+
+A plan built *at a capacity* has arrays whose shapes, and a static part, that depend on the
+capacity alone, never on the mask: a jitted step that takes the plan (or the context-parallel
+key) as an argument then compiles once for every mask within the capacity. The kernels walk
+only the real work of a plan (its CSR offsets say where each tile's items end), so capacity
+that a mask does not use costs memory, not time.
+
+A mask that needs more than its capacity holds is rejected with a ``ValueError`` that names
+the field and the value the mask needs (:class:`CapacityError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import numpy as np
+
+from magi_jax.mask import AttnMask
+
+__all__ = ["PlanCapacity", "CapacityError", "CAPACITY_TILE", "tile_count", "default_items"]
+
+# Work items are counted on tiles of this size (the forward list of the Mosaic GPU kernels):
+# a (slice, q-tile, k-tile) triple whose intersection holds a cell.
+CAPACITY_TILE = 128
+# Default headroom of PlanCapacity.from_masks over the largest sample.
+_HEADROOM = 1.25
+# Per row of tiles, boundary items the default item count allows beyond the dense tile count
+# (tiles cut by several slices give one item per slice).
+_BOUNDARY_ITEMS_PER_TILE_ROW = 32
+
+
+class CapacityError(ValueError):
+    """A mask needs more than its plan capacity holds."""
+
+
+def tile_count(tokens: int, block: int = CAPACITY_TILE) -> int:
+    return max(1, -(-int(tokens) // block))
+
+
+def default_items(total_q: int, total_k: int) -> int:
+    """Work items of the default capacity: every tile of the dense ``Tq × Tk`` rectangle plus
+    room for slices that cut tiles (a tile cut by ``n`` slices holds ``n`` items)."""
+    nq, nk = tile_count(total_q), tile_count(total_k)
+    return nq * nk + _BOUNDARY_ITEMS_PER_TILE_ROW * (nq + nk)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-int(x) // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCapacity:
+    """Bounds of a plan. All counts are per call of the attention kernels (for context
+    parallelism: per rank and stage).
+
+    Args:
+      total_q, total_k: sequence lengths (``total_k`` defaults to ``total_q``). Single-device
+        plans are for exactly these lengths; context-parallel keys for this packed total.
+      items: work items per call, counted as (slice, q-tile, k-tile) triples on tiles of
+        :data:`CAPACITY_TILE` tokens (:func:`magi_jax.planning.tiling.tile_items`); each
+        backend sizes its own lists from it. Default :func:`default_items`: any mask whose
+        slices cut few tiles fits, dense ones included.
+      remote_kv: context parallelism: KV tokens one rank fetches from the others, all remote
+        stages together (default: every token it does not own).
+      cast_width: context parallelism: KV tokens one rank sends to one other rank in one
+        stage (default: a whole stage's buffer). The ``xla`` transports move this many rows
+        per pair and stage whatever the mask needs; tighten it with :meth:`from_masks`.
+      overlap_degree: context parallelism: remote stages (default: the cost model's choice
+        for a causal mask of this length).
+      chunk_size: context parallelism: dispatch granularity in tokens (default: 16 chunks
+        per rank).
+      persistent: let the Mosaic GPU forward and dK/dV kernels run persistent programs over
+        a host schedule that travels with the plan (faster on short rows: documents of a
+        few thousand tokens; slightly slower on long ones).
+    """
+
+    total_q: int
+    total_k: int | None = None
+    items: int | None = None
+    remote_kv: int | None = None
+    cast_width: int | None = None
+    overlap_degree: int | None = None
+    chunk_size: int | None = None
+    persistent: bool = True
+
+    def __post_init__(self):
+        if self.total_k is None:
+            object.__setattr__(self, "total_k", self.total_q)
+        for name in ("total_q", "total_k"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"PlanCapacity.{name}={value!r} must be a positive number "
+                                 "of tokens")
+            object.__setattr__(self, name, int(value))
+        if self.items is None:
+            object.__setattr__(self, "items", default_items(self.total_q, self.total_k))
+        for name in ("items", "remote_kv", "cast_width", "chunk_size"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"PlanCapacity.{name}={value!r} must be a positive integer "
+                                 "(or None for the default)")
+            object.__setattr__(self, name, int(value))
+        if self.overlap_degree is not None:
+            if not isinstance(self.overlap_degree, (int, np.integer)) or \
+                    not 0 <= self.overlap_degree <= 8:
+                raise ValueError(f"PlanCapacity.overlap_degree={self.overlap_degree!r} must "
+                                 "be an integer in [0, 8] (or None for the cost model's)")
+            object.__setattr__(self, "overlap_degree", int(self.overlap_degree))
+        object.__setattr__(self, "persistent", bool(self.persistent))
+
+    @classmethod
+    def from_masks(cls, masks: Iterable[AttnMask], *, headroom: float = _HEADROOM,
+                   mesh_size: int | None = None, **fixed) -> "PlanCapacity":
+        """The tightest capacity that holds every mask of a sample, times ``headroom``.
+
+        ``masks``: a sample of the masks a loader produces (same lengths). Without
+        ``mesh_size`` it bounds single-device plans; with ``mesh_size=cp`` it also plans
+        each mask for ``cp`` ranks (:func:`magi_jax.planning.stages.capacity_needs`) and
+        bounds the per-rank fields. ``fixed``: fields to set rather than measure."""
+        masks = list(masks)
+        if not masks:
+            raise ValueError("PlanCapacity.from_masks needs at least one mask")
+        if headroom < 1:
+            raise ValueError(f"headroom={headroom} must be >= 1")
+        tq = {m.total_q for m in masks}
+        tk = {m.total_k for m in masks}
+        if len(tq) != 1 or len(tk) != 1:
+            raise ValueError(f"masks cover different lengths (total_q {sorted(tq)}, total_k "
+                             f"{sorted(tk)}); a capacity is for one length")
+        total_q, total_k = tq.pop(), tk.pop()
+        grow = lambda x: max(1, int(np.ceil(x * headroom)))
+        fields = dict(total_q=total_q, total_k=total_k)
+        if mesh_size is None:
+            from magi_jax.planning.tiling import count_items
+            fields["items"] = grow(max(count_items(m.shapes, total_q, total_k) for m in masks))
+            # Persistent programs pay on short rows (the kernels' rule: fewer than 32 items
+            # per q-tile on average).
+            mean = np.mean([count_items(m.shapes, total_q, total_k) for m in masks])
+            fields["persistent"] = bool(mean < 32 * tile_count(total_q))
+        else:
+            from magi_jax.planning.stages import capacity_needs
+            need = capacity_needs(masks, int(mesh_size), fixed.get("chunk_size"),
+                                  fixed.get("overlap_degree"))
+            fields.update(items=grow(need["items"]), remote_kv=grow(need["remote_kv"]),
+                          cast_width=grow(need["cast_width"]),
+                          overlap_degree=need["overlap_degree"],
+                          chunk_size=need["chunk_size"])
+        fields.update(fixed)
+        return cls(**fields)
+
+    def check(self, field: str, needed: int, what: str = "this mask"):
+        """Raises :class:`CapacityError` when ``needed`` exceeds the capacity's ``field``."""
+        have = getattr(self, field)
+        if have is not None and needed > have:
+            raise CapacityError(
+                f"{what} needs PlanCapacity.{field}={needed}, but the capacity holds {have}; "
+                f"build the capacity with {field}>={needed} (or PlanCapacity.from_masks over "
+                "a sample of your masks)")
