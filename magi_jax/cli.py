@@ -18,7 +18,7 @@ import time
 
 from magi_jax.mask_zoo import MASKS, make_mask   # the zoo of --mask (re-exported)
 from magi_jax.planning.stages import build_dist_plan
-from magi_jax.sharding.key import default_overlap_degree
+from magi_jax.planning.defaults import default_overlap_degree
 from magi_jax.planning.solver import ALGORITHMS, remote_kv_tokens, solve_dispatch
 from magi_jax.planning.work_list import default_block_sizes
 

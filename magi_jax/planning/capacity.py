@@ -119,7 +119,7 @@ class PlanCapacity:
 
         ``masks``: a sample of the masks a loader produces (same lengths). Without
         ``mesh_size`` it bounds single-device plans; with ``mesh_size=cp`` it also plans
-        each mask for ``cp`` ranks (:func:`magi_jax.planning.stages.capacity_needs`) and
+        each mask for ``cp`` ranks (:func:`magi_jax.planning.defaults.capacity_needs`) and
         bounds the per-rank fields. ``fixed``: fields to set rather than measure."""
         masks = list(masks)
         if not masks:
@@ -142,7 +142,7 @@ class PlanCapacity:
             mean = np.mean([count_items(m.shapes, total_q, total_k) for m in masks])
             fields["persistent"] = bool(mean < 32 * tile_count(total_q))
         else:
-            from magi_jax.planning.stages import capacity_needs
+            from magi_jax.planning.defaults import capacity_needs
             need = capacity_needs(masks, int(mesh_size), fixed.get("chunk_size"),
                                   fixed.get("overlap_degree"))
             fields.update(items=grow(need["items"]), remote_kv=grow(need["remote_kv"]),

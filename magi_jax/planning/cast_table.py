@@ -13,7 +13,7 @@ import numpy as np
 
 from magi_jax.planning.solver import DispatchMeta, ranges_repeat
 
-__all__ = ["CastTable", "build_cast_table", "choose_transport", "cast_model", "reduce_model"]
+__all__ = ["widen_cast_table", "CastTable", "build_cast_table", "choose_transport", "cast_model", "reduce_model"]
 
 # Mean piece length from which cast tables are written run by run (slice writes) rather
 # than token by token (fancy indexing): same tables, no token-sized temporaries.
@@ -105,6 +105,33 @@ def build_cast_table(meta: DispatchMeta, remote: list[np.ndarray], buffer_len: i
 
 
 # ---- NumPy models (the meaning of the tables; used by tests) ---------------------------------
+
+def widen_cast_table(table: CastTable, width: int) -> CastTable:
+    """``table`` with a slot for every other rank (shifts ``1 .. cp-1``), each ``width`` rows
+    wide, so that its shapes and static part depend on ``(cp, width, buffer_len)`` alone
+    (plans at a capacity). Raises :class:`~magi_jax.planning.capacity.CapacityError` when a
+    rank sends another more than ``width`` rows."""
+    from magi_jax.planning.capacity import CapacityError
+    cp = table.cp
+    need = max(table.widths, default=0)
+    if need > width:
+        raise CapacityError(f"this mask needs PlanCapacity.cast_width>={need} (KV tokens one "
+                            f"rank sends another in one stage), but the capacity holds "
+                            f"{width}; build the capacity with cast_width>={need} (or "
+                            "PlanCapacity.from_masks over a sample of your masks)")
+    shifts = tuple(range(1, cp))
+    send = np.full((cp, len(shifts), max(width, 1)), -1, np.int32)
+    s_len = table.slot_len
+    new_slot = np.array([sh - 1 for sh in table.shifts], np.int64)
+    for j, w in enumerate(table.widths):
+        send[:, new_slot[j], :w] = table.send_index[:, j, :w]
+    recv = table.recv_index.astype(np.int64)
+    real = recv >= 0
+    j, p = recv // s_len, recv % s_len
+    moved = np.where(real, new_slot[np.clip(j, 0, max(len(new_slot) - 1, 0))] * max(width, 1)
+                     + p, -1) if len(new_slot) else np.full_like(recv, -1)
+    return CastTable(send, moved.astype(np.int32), shifts, (int(width),) * len(shifts))
+
 
 def _moves(table: CastTable):
     """Every real move of a cast: ``(dst rank, dst buffer row, src rank, src row)``."""

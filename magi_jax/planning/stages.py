@@ -26,7 +26,9 @@ import numpy as np
 
 from magi_jax.mask import AttnMask, SliceShapes
 from magi_jax.planning.backends import host_planner
-from magi_jax.planning.cast_table import CastTable, build_cast_table
+from magi_jax.planning.capacity import PlanCapacity
+from magi_jax.planning.work_list import backend_blocks
+from magi_jax.planning.cast_table import CastTable, build_cast_table, widen_cast_table
 from magi_jax.planning.solver import (DispatchMeta, merge_intervals, ranges_repeat,
                                       slice_chunk_pairs)
 
@@ -169,20 +171,28 @@ def _clip_to_segments(sh: SliceShapes, pairs, seg_g0, seg_g1, seg_shift, q_shift
 
 
 def build_dist_plan(mask: AttnMask, meta: DispatchMeta, overlap_degree: int, block_q: int,
-                    block_k: int, ffa_backend: str = "xla") -> DistPlan:
+                    block_k: int, ffa_backend: str = "xla",
+                    capacity: PlanCapacity | None = None) -> DistPlan:
     """The distributed plan of ``mask`` over the dispatch ``meta``; cached by (mask
-    fingerprint, dispatch, overlap_degree, block sizes, FFA backend)."""
+    fingerprint, dispatch, overlap_degree, block sizes, FFA backend, capacity).
+
+    With a ``capacity``, every array's shape depends on the capacity alone: each remote
+    stage's KV buffer holds ``ceil(capacity.remote_kv / stages)`` tokens, every cast has a
+    slot for every other rank of ``capacity.cast_width`` rows, every FFA plan's item lists
+    hold the capacity's items, and the stages exist whether or not this mask needs remote
+    KV. A mask that needs more raises :class:`~magi_jax.planning.capacity.CapacityError`."""
     if int(overlap_degree) < 0:
         raise ValueError(f"overlap_degree={overlap_degree} must be >= 0 (0: one FFA call "
                          "after fetching all remote KV; k: host stage + k remote stages)")
     backend = host_planner(ffa_backend)
     key = (mask.fingerprint, meta.fingerprint(), int(overlap_degree), int(block_q),
-           int(block_k), backend.name)
+           int(block_k), backend.name, capacity)
     with _CACHE_LOCK:
         hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    plan = _build(mask, meta, int(overlap_degree), int(block_q), int(block_k), backend)
+    plan = _build(mask, meta, int(overlap_degree), int(block_q), int(block_k), backend,
+                  capacity)
     with _CACHE_LOCK:
         if len(_CACHE) >= _CACHE_MAX:
             _CACHE.pop(next(iter(_CACHE)))
@@ -258,25 +268,45 @@ def split_areas(mask: AttnMask, meta: DispatchMeta):
     return host, remote, tokens
 
 
-def _build(mask, meta, degree, bq, bk, backend) -> DistPlan:
+def stage_buffer_len(capacity: PlanCapacity, meta: DispatchMeta, num_remote: int) -> int:
+    """KV tokens of one remote stage's buffer at ``capacity``."""
+    most = max(meta.padded_total - meta.local_len, 1)       # every token the rank does not own
+    remote = min(capacity.remote_kv or most, most)
+    return max(1, -(-remote // num_remote))
+
+
+def cast_width(capacity: PlanCapacity, buffer_len: int) -> int:
+    """Rows one rank sends one other rank per stage at ``capacity``."""
+    return min(capacity.cast_width or buffer_len, buffer_len)
+
+
+def _build(mask, meta, degree, bq, bk, backend, capacity=None) -> DistPlan:
     cp, t_loc = meta.cp, meta.local_len
     num_remote = max(degree, 1)
     views = rank_views(mask, meta, num_remote)
     stage_len = np.array([v.stage_len for v in views]).reshape(cp, num_remote)
-    buf_len = np.maximum(stage_len.max(axis=0), 1)                        # per remote stage
+    if capacity is None:
+        buf_len = np.maximum(stage_len.max(axis=0), 1)                    # per remote stage
+    else:
+        buf_len = np.full(num_remote, stage_buffer_len(capacity, meta, num_remote))
+        capacity.check("remote_kv", int(stage_len.max(initial=0)) * num_remote)
     casts = [build_cast_table(meta, [v.remote[v.remote[:, 3] == s] for v in views],
                               int(buf_len[s])) for s in range(num_remote)]
-    any_remote = bool(stage_len.sum())
+    if capacity is not None and cp > 1:
+        casts = [widen_cast_table(c, cast_width(capacity, int(buf_len[0]))) for c in casts]
+    # At a capacity the stages exist whatever this mask needs (their shapes are static).
+    any_remote = bool(stage_len.sum()) or (capacity is not None and cp > 1)
     stage_shapes = functools.partial(_stage_shapes, mask, meta, views)
 
     def make_stage(which, kv_len, cast):
         shapes = [stage_shapes(r, which) for r in range(cp)]
         plans = [backend.build(x, t_loc, kv_len, bq, bk) for x in shapes]
+        if capacity is not None:
+            plans = [_at_capacity(p, capacity, backend.name, t_loc, kv_len) for p in plans]
         return StagePlan(ffa=backend.stack(plans), kv_len=kv_len, cast=cast,
                          num_slices=np.array([len(x.q0) for x in shapes], np.int64),
                          area=np.array([int(x.areas().sum()) for x in shapes], np.int64),
                          shapes=tuple(shapes))
-
     if degree == 0 or not any_remote:
         if any_remote:
             stages = (make_stage("combined", t_loc + int(buf_len[0]), casts[0]),)
@@ -288,3 +318,12 @@ def _build(mask, meta, degree, bq, bk, backend) -> DistPlan:
     return DistPlan(meta=meta, overlap_degree=degree if any_remote else 0, block_q=bq,
                     block_k=bk, stages=stages, remote_tokens=stage_len.sum(axis=1),
                     needed=tuple(v.needed for v in views))
+
+
+def _at_capacity(plan, capacity: PlanCapacity, backend: str, t_loc: int, kv_len: int):
+    """One rank's stage plan with its item lists padded to the capacity. The k-tile list
+    steps over tiles of fewer rows where the backend's two lists differ (the Mosaic GPU
+    kernels: 64 against 128), and every q-list item holds at most that ratio of them."""
+    fwd_block, bwd_block = backend_blocks(backend, t_loc, kv_len)
+    ratio = max(1, fwd_block[0] // bwd_block[0])
+    return plan.pad_to(capacity.items, capacity.items * ratio)

@@ -9,8 +9,10 @@ Building one is host work, cached by (mask fingerprint, mesh, options).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -20,30 +22,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from magi_jax.mask import AttnMask
 from magi_jax.planning.cast_table import choose_transport
 from magi_jax.planning.work_list import default_block_sizes
-from magi_jax.planning.solver import ALGORITHMS, DispatchMeta, solve_dispatch
-from magi_jax.planning.stages import DistPlan, build_dist_plan, split_areas
+from magi_jax.planning.capacity import PlanCapacity
+from magi_jax.planning.defaults import (capacity_chunk_size, capacity_overlap_degree,
+                                        default_overlap_degree)
+from magi_jax.planning.solver import ALGORITHMS, solve_dispatch
+from magi_jax.planning.stages import DistPlan, build_dist_plan
 from magi_jax.sharding import native
 from magi_jax.sharding.collectives import TRANSPORTS, CastArrays, CastSpec
 from magi_jax.sharding.ffa_backends import FFA_BACKENDS
 
-__all__ = ["MagiKey", "StageStatic", "make_flex_key", "make_varlen_key", "dispatch",
-           "undispatch", "position_ids", "default_overlap_degree", "COMM_BACKENDS"]
+__all__ = ["MagiKey", "KeyStatic", "StageStatic", "make_flex_key", "make_varlen_key",
+           "dispatch", "undispatch", "position_ids", "default_overlap_degree",
+           "ffa_backend_reason", "clear_key_cache", "COMM_BACKENDS"]
 
 COMM_BACKENDS = ("auto", "xla") + TRANSPORTS
-# Cost model of the default overlap degree (H200 figures of PERF.md, bf16, Hq = Hkv = 16,
-# D = 128): seconds per attended cell, per fetched KV token, per stage (fixed, and per local
-# token: the stage's merge and the second kernel's tail), and the share of the ideal overlap
-# that XLA achieves. The last three from benchmarks/results/overlap/overlap_20261130_0800 (2 H200s,
-# doc-causal 128k: +0.35 ms of compute per extra stage on 65k local tokens; 30-50 % of the
-# communication hidden).
-_SEC_PER_CELL = 4 * 16 * 128 / 400e12
-_SEC_PER_TOKEN = 2 * 16 * 128 * 2 / 250e9
-_SEC_PER_STAGE = 30e-6
-_SEC_PER_STAGE_TOKEN = 5e-9
-_OVERLAP_EFFICIENCY = 0.5
-_MAX_DEGREE = 4
-
-
 @dataclasses.dataclass(frozen=True)
 class StageStatic:
     """Static description of one stage: its KV length, whether its KV is local KV followed
@@ -54,86 +46,97 @@ class StageStatic:
     cast: CastSpec | None
 
 
-class _Static:
-    """Hashable static half of a key (compared by its token)."""
+@dataclasses.dataclass(frozen=True)
+class KeyStatic:
+    """The static part of a :class:`MagiKey` (its pytree aux data: part of every jit cache
+    key). For a key built at a :class:`~magi_jax.planning.capacity.PlanCapacity` it depends
+    on (mesh, axis, capacity, options) only, so one compilation serves every mask within the
+    capacity; for a key of one mask, ``fingerprint`` names the mask and its dispatch."""
 
-    def __init__(self, token, **fields):
-        self.token = token
-        self.__dict__.update(fields)
-
-    def __hash__(self):
-        return hash(self.token)
-
-    def __eq__(self, other):
-        return isinstance(other, _Static) and self.token == other.token
+    mesh: Mesh
+    cp_axis: str
+    cp: int
+    total: int
+    padded_total: int
+    local_len: int
+    chunk_size: int
+    overlap_degree: int
+    block_q: int
+    block_k: int
+    stages: tuple[StageStatic, ...]
+    ffa_backend: str
+    comm_backend: str
+    backward_refetch: bool
+    capacity: PlanCapacity | None
+    fingerprint: tuple | None
 
 
 @jax.tree_util.register_pytree_node_class
 class MagiKey:
     """Context-parallel plan of one mask on one mesh (see :func:`make_flex_key`).
 
-    Attributes: ``mesh``, ``cp_axis``, ``cp``, ``total`` (real tokens), ``padded_total``
-    (dispatched length), ``local_len`` (tokens per rank), ``overlap_degree``, ``plan`` (the
-    host :class:`~magi_jax.planning.stages.DistPlan`), ``stages`` (static per-stage info).
-    Leaves: ``order`` int32 ``[padded_total]`` (global position of each dispatched token),
-    ``inverse`` int32 ``[total]`` (dispatched index of each natural position) and per stage
-    ``(FFAPlanArrays, CastArrays | None)`` stacked ``[cp, ...]``.
+    Leaves (data): ``order`` int32 ``[padded_total]`` (global position of each dispatched
+    token), ``inverse`` int32 ``[total]`` (dispatched index of each natural position) and per
+    stage ``stage_arrays[i] = (FFAPlanArrays, CastArrays | None)`` stacked ``[cp, ...]``.
+    Static: :class:`KeyStatic` (``key.static``; its fields are also attributes of the key).
+    Host only (``None`` on a key rebuilt inside a traced function): ``plan`` (the
+    :class:`~magi_jax.planning.stages.DistPlan`) and ``mask``, for pictures and inspection.
     """
 
-    def __init__(self, static: _Static, order, inverse, stage_arrays):
-        self._static = static
+    def __init__(self, static: KeyStatic, order, inverse, stage_arrays, *, plan=None,
+                 mask=None):
+        self.static = static
         self.order = order
         self.inverse = inverse
         self.stage_arrays = stage_arrays
+        self.plan = plan
+        self.mask = mask
 
     def tree_flatten(self):
-        return (self.order, self.inverse, self.stage_arrays), self._static
+        return (self.order, self.inverse, self.stage_arrays), self.static
 
     @classmethod
     def tree_unflatten(cls, static, children):
         return cls(static, *children)
 
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        try:
-            return self._static.__dict__[name]
-        except KeyError:
-            raise AttributeError(name) from None
+    mesh = property(lambda self: self.static.mesh)
+    cp_axis = property(lambda self: self.static.cp_axis)
+    cp = property(lambda self: self.static.cp)
+    total = property(lambda self: self.static.total)
+    padded_total = property(lambda self: self.static.padded_total)
+    local_len = property(lambda self: self.static.local_len)
+    chunk_size = property(lambda self: self.static.chunk_size)
+    overlap_degree = property(lambda self: self.static.overlap_degree)
+    block_q = property(lambda self: self.static.block_q)
+    block_k = property(lambda self: self.static.block_k)
+    stages = property(lambda self: self.static.stages)
+    ffa_backend = property(lambda self: self.static.ffa_backend)
+    comm_backend = property(lambda self: self.static.comm_backend)
+    backward_refetch = property(lambda self: self.static.backward_refetch)
+    capacity = property(lambda self: self.static.capacity)
+
+    def nbytes(self) -> int:
+        """Bytes of the key's device arrays (all ranks together)."""
+        return int(sum(a.nbytes for a in jax.tree.leaves(self)))
 
     def plot(self, path=None, **kwargs):
         """Picture of the plan (PNG at ``path``); see :func:`magi_jax.plot.plot_plan`."""
+        if self.plan is None:
+            raise ValueError("this key carries no host plan (it was rebuilt inside a traced "
+                             "function); plot the key make_flex_key returned")
         from magi_jax.plot import plot_key
         return plot_key(self, path, **kwargs)
 
     def __repr__(self):
-        p = self.plan
+        extra = ""
+        if self.plan is not None:
+            p = self.plan
+            extra = (f", imbalance={p.meta.imbalance():.4f}, "
+                     f"max_remote_kv={int(p.remote_tokens.max(initial=0))}")
+        cap = "" if self.capacity is None else ", capacity"
         return (f"MagiKey(cp={self.cp}, total={self.total}, padded_total={self.padded_total}, "
-                f"chunk_size={p.meta.chunk_size}, overlap_degree={self.overlap_degree}, "
-                f"imbalance={p.meta.imbalance():.4f}, "
-                f"max_remote_kv={int(p.remote_tokens.max())})")
-
-
-def default_overlap_degree(mask: AttnMask, meta: DispatchMeta) -> int:
-    """Overlap degree minimising a simple per-rank pipeline model: stage 0 computes the host
-    area while remote stage 0 arrives; each later stage computes its share while the next
-    arrives — of which ideal overlap only a measured share is realised; every stage costs a
-    fixed overhead plus one per local token. Degree 0 fetches everything, then computes.
-    Needs no kernel plan (areas from the clipped slices)."""
-    host, rem, tokens = (x.astype(np.float64) for x in split_areas(mask, meta))
-    if not tokens.any():
-        return 0
-    host, rem, comm = host * _SEC_PER_CELL, rem * _SEC_PER_CELL, tokens * _SEC_PER_TOKEN
-    stage = _SEC_PER_STAGE + _SEC_PER_STAGE_TOKEN * meta.padded_total / meta.cp
-    serial = comm + host + rem
-    best, best_t = 0, float(np.max(serial)) + stage
-    for k in range(1, _MAX_DEGREE + 1):
-        c, r = comm / k, rem / k
-        ideal = np.maximum(c, host) + (k - 1) * np.maximum(c, r) + r
-        t = serial - _OVERLAP_EFFICIENCY * (serial - ideal) + (k + 1) * stage
-        if float(t.max()) < best_t * 0.98:
-            best, best_t = k, float(t.max())
-    return best
+                f"chunk_size={self.chunk_size}, overlap_degree={self.overlap_degree}"
+                f"{extra}{cap})")
 
 
 def _check_mesh(mesh, cp_axis):
@@ -149,8 +152,9 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
                   chunk_size: int | None = None, overlap_degree: int | None = None,
                   comm_backend: str = "auto", dispatch_algorithm: str = "magi",
                   dispatch_from: MagiKey | None = None, block_q: int | None = None,
-                  block_k: int | None = None, ffa_backend: str = "xla",
-                  backward_refetch: bool = True) -> MagiKey:
+                  block_k: int | None = None, ffa_backend: str = "auto",
+                  backward_refetch: bool = True,
+                  capacity: PlanCapacity | None = None) -> MagiKey:
     """Plans context-parallel attention of ``mask`` over ``mesh``'s ``cp_axis``.
 
     Args:
@@ -171,14 +175,24 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
       dispatch_from: reuse this key's dispatch (same chunks on the same ranks) for another
         mask over the same sequence — layers with different masks share one dispatch.
       block_q, block_k: FFA tile sizes (default 128, smaller for short local lengths).
-      ffa_backend: per-rank FFA implementation: ``"xla"`` (portable) or ``"pallas"`` (Mosaic
-        GPU kernels: Hopper, bf16/fp16, D 64/128).
+      ffa_backend: per-rank FFA implementation: ``"auto"`` (default: ``"pallas"`` when the
+        default device is an sm90 GPU, else ``"xla"``; :func:`ffa_backend_reason` says why),
+        ``"xla"`` (portable) or ``"pallas"`` (Mosaic GPU kernels: Hopper, bf16/fp16, D 64/128;
+        :func:`~magi_jax.sharding.magi_attention` rejects other inputs, naming the fix).
       backward_refetch: the backward re-fetches each remote stage's KV (one more group-cast
         per stage) instead of keeping every stage's buffer from the forward (memory: local
         KV plus the stage in flight; DESIGN.md §2.5). ``False`` keeps the buffers (less
         communication, more memory).
+      capacity: a :class:`~magi_jax.planning.capacity.PlanCapacity` over ``total`` tokens:
+        the key's arrays and static part then depend on (mesh, axis, capacity, options)
+        only, so a jitted step that takes the key as an argument compiles once for every
+        mask within the capacity (chunk size and overlap degree come from the capacity). A
+        mask that needs more raises :class:`~magi_jax.planning.capacity.CapacityError`
+        naming the field. ``None``: a key sized for this mask alone (its static part names
+        the mask: a new mask compiles anew).
 
-    Returns a :class:`MagiKey`; cached by (mask fingerprint, mesh, options).
+    Returns a :class:`MagiKey`; cached by (mask fingerprint, mesh, options, capacity), in a
+    cache bounded by the bytes of its keys' arrays (:func:`clear_key_cache`).
     """
     if not isinstance(mask, AttnMask):
         raise TypeError(f"mask must be an AttnMask (e.g. AttnMask.varlen(...)); got "
@@ -190,8 +204,14 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
         native.check_mesh(mesh, cp_axis)
     elif comm_backend == "auto" and native.auto_reason(mesh, cp_axis) is None:
         comm_backend = "native"
-    if ffa_backend not in FFA_BACKENDS:
-        raise ValueError(f"ffa_backend={ffa_backend!r} is not one of {FFA_BACKENDS}")
+    if ffa_backend not in ("auto",) + FFA_BACKENDS:
+        raise ValueError(f"ffa_backend={ffa_backend!r} is not one of "
+                         f"{('auto',) + FFA_BACKENDS}")
+    if ffa_backend == "auto":
+        ffa_backend = "xla" if ffa_backend_reason() else "pallas"
+    if capacity is not None:
+        chunk_size, overlap_degree = _capacity_options(capacity, mask, cp, chunk_size,
+                                                       overlap_degree)
     if dispatch_algorithm not in ALGORITHMS:
         raise ValueError(f"dispatch_algorithm={dispatch_algorithm!r} is not one of "
                          f"{ALGORITHMS}")
@@ -205,10 +225,94 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
                 f"dispatch_from was made for {dispatch_from.total} tokens on axis "
                 f"{dispatch_from.cp_axis!r} of its mesh, but this mask has {mask.total_q} "
                 f"tokens (axis {cp_axis!r}); a shared dispatch needs the same sequence and mesh")
-    return _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend,
-                     dispatch_algorithm,
-                     None if dispatch_from is None else _MetaRef(dispatch_from.plan.meta),
-                     block_q, block_k, ffa_backend, cp, bool(backward_refetch))
+    if dispatch_from is not None and dispatch_from.plan is None:
+        raise ValueError("dispatch_from carries no host plan (it was rebuilt inside a traced "
+                         "function); pass the key make_flex_key returned")
+    args = (mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, dispatch_algorithm,
+            None if dispatch_from is None else _MetaRef(dispatch_from.plan.meta),
+            block_q, block_k, ffa_backend, cp, bool(backward_refetch), capacity)
+    return _KEYS.get(args, lambda: _make_key(*args))
+
+
+def ffa_backend_reason() -> str | None:
+    """``None`` when ``ffa_backend="auto"`` picks ``"pallas"`` (the default device is an sm90
+    GPU), else why it picks ``"xla"``."""
+    from magi_jax.pallas.api import device_supported
+    ok, why = device_supported()
+    return None if ok else f"pallas (Mosaic GPU) not used: {why}"
+
+
+def _capacity_options(capacity, mask, cp, chunk_size, overlap_degree):
+    """Chunk size and overlap degree of a key at ``capacity`` (never from the mask)."""
+    if not isinstance(capacity, PlanCapacity):
+        raise TypeError(f"capacity must be a PlanCapacity; got {type(capacity).__name__}")
+    if (capacity.total_q, capacity.total_k) != (mask.total_q, mask.total_k):
+        raise ValueError(f"capacity is for total_q={capacity.total_q}, total_k="
+                         f"{capacity.total_k} but the mask is over {mask.total_q} tokens; "
+                         "build the capacity for the packed length")
+    for name, given, fixed in (("chunk_size", chunk_size, capacity.chunk_size),
+                               ("overlap_degree", overlap_degree, capacity.overlap_degree)):
+        if given is not None and fixed is not None and int(given) != fixed:
+            raise ValueError(f"{name}={given} but capacity.{name}={fixed}; set it in one "
+                             "place (the capacity fixes the key's static part)")
+    chunk = int(chunk_size or capacity.chunk_size
+                or capacity_chunk_size(capacity.total_q, cp))
+    if overlap_degree is None:
+        overlap_degree = (capacity.overlap_degree if capacity.overlap_degree is not None
+                          else capacity_overlap_degree(capacity.total_q, cp, chunk))
+    return chunk, int(overlap_degree)
+
+
+class _KeyCache:
+    """Keys by their arguments, least recently used first out, bounded by the bytes of the
+    keys' device arrays (each key holds ``[cp, ...]`` plan arrays on every device)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self._keys: collections.OrderedDict = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, args, build):
+        with self._lock:
+            key = self._keys.get(args)
+            if key is not None:
+                self._keys.move_to_end(args)
+                return key
+        key = build()
+        size = key.nbytes()
+        with self._lock:
+            if args not in self._keys:
+                self._keys[args] = key
+                self._bytes += size
+            while self._bytes > self.max_bytes and len(self._keys) > 1:
+                _, old = self._keys.popitem(last=False)
+                self._bytes -= old.nbytes()
+        return key
+
+    def clear(self):
+        with self._lock:
+            self._keys.clear()
+            self._bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+
+# 1 GiB of key arrays: a few hundred keys of 32k tokens, a handful at 1M.
+_KEYS = _KeyCache(1 << 30)
+
+
+def clear_key_cache(max_bytes: int | None = None):
+    """Drops every cached key (and with ``max_bytes``, sets the cache's bound in bytes of
+    device arrays; default 1 GiB). Cached host plans are cleared by
+    :func:`magi_jax.clear_caches`."""
+    _KEYS.clear()
+    if max_bytes is not None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes={max_bytes} must be >= 0")
+        _KEYS.max_bytes = int(max_bytes)
 
 
 class _MetaRef:
@@ -225,9 +329,9 @@ class _MetaRef:
         return isinstance(other, _MetaRef) and self._fp == other._fp
 
 
-@functools.lru_cache(maxsize=64)
 def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, algorithm,
-              meta_ref, block_q, block_k, ffa_backend, cp, backward_refetch) -> MagiKey:
+              meta_ref, block_q, block_k, ffa_backend, cp, backward_refetch,
+              capacity) -> MagiKey:
     if meta_ref is not None:
         meta = meta_ref.meta
     else:
@@ -236,7 +340,7 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
     bq, bk = int(block_q or auto_q), int(block_k or auto_k)
     degree = (default_overlap_degree(mask, meta) if overlap_degree is None
               else int(overlap_degree))
-    plan: DistPlan = build_dist_plan(mask, meta, degree, bq, bk, ffa_backend)
+    plan: DistPlan = build_dist_plan(mask, meta, degree, bq, bk, ffa_backend, capacity)
     shard = NamedSharding(mesh, P(cp_axis))
     put = lambda a: _put(a, shard)
     statics, arrays = [], []
@@ -251,7 +355,9 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
         runs = None
         if transport == "native":
             native.check_table(st.cast)
-            runs = native.reduce_runs(st.cast)
+            # The started reduce needs the receive table's runs as static data: a key of one
+            # mask only.
+            runs = native.reduce_runs(st.cast) if capacity is None else None
         spec = CastSpec(cp_axis, cp, st.cast.shifts, st.cast.widths, transport, runs)
         combined = st.kv_len != st.cast.buffer_len
         statics.append(StageStatic(st.kv_len, combined, spec))
@@ -260,15 +366,15 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
     inverse = np.empty(meta.padded_total, np.int64)
     inverse[order] = np.arange(meta.padded_total)
     replicated = NamedSharding(mesh, P())
-    token = (mask.fingerprint, meta.fingerprint(), id(mesh), cp_axis, degree, bq, bk,
-             comm_backend, ffa_backend, backward_refetch)
-    static = _Static(token, mesh=mesh, cp_axis=cp_axis, cp=cp, total=meta.total,
-                     padded_total=meta.padded_total, local_len=meta.local_len,
-                     overlap_degree=plan.overlap_degree, block_q=bq, block_k=bk,
-                     stages=tuple(statics), plan=plan, mask=mask, ffa_backend=ffa_backend,
-                     backward_refetch=backward_refetch)
+    fingerprint = None if capacity is not None else (mask.fingerprint, meta.fingerprint())
+    static = KeyStatic(mesh=mesh, cp_axis=cp_axis, cp=cp, total=meta.total,
+                       padded_total=meta.padded_total, local_len=meta.local_len,
+                       chunk_size=meta.chunk_size, overlap_degree=plan.overlap_degree,
+                       block_q=bq, block_k=bk, stages=tuple(statics), ffa_backend=ffa_backend,
+                       comm_backend=comm_backend, backward_refetch=backward_refetch,
+                       capacity=capacity, fingerprint=fingerprint)
     return MagiKey(static, _put(order, replicated), _put(inverse[:meta.total], replicated),
-                   tuple(arrays))
+                   tuple(arrays), plan=plan, mask=mask)
 
 
 def _put(a: np.ndarray, sharding: NamedSharding) -> jax.Array:

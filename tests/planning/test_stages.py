@@ -114,7 +114,7 @@ def test_cast_tables_same_by_runs_and_by_tokens(name, monkeypatch):
 
 
 def test_split_areas_and_default_overlap_degree():
-    from magi_jax.sharding.key import default_overlap_degree
+    from magi_jax.planning.defaults import default_overlap_degree
     mask = AttnMask.causal(4096)
     meta = S.solve_dispatch(mask, 4)
     host, remote, tokens = D.split_areas(mask, meta)

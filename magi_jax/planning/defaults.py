@@ -1,0 +1,94 @@
+"""Defaults of context-parallel planning (host NumPy, no JAX): the overlap degree's cost
+model and the chunk size and degree of keys at a capacity. One place for them, so that a
+key of one mask and a key at a capacity choose by the same rules."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from magi_jax.mask import AttnMask
+from magi_jax.planning.solver import DispatchMeta, auto_chunk_size, solve_dispatch
+from magi_jax.planning.stages import split_areas
+
+__all__ = ["default_overlap_degree", "capacity_chunk_size", "capacity_overlap_degree"]
+
+# Cost model of the default overlap degree (H200 figures of PERF.md, bf16, Hq = Hkv = 16,
+# D = 128): seconds per attended cell, per fetched KV token, per stage (fixed, and per local
+# token: the stage's merge and the second kernel's tail), and the share of the ideal overlap
+# that XLA achieves. The last three from benchmarks/results/overlap/overlap_20261130_0800 (2 H200s,
+# doc-causal 128k: +0.35 ms of compute per extra stage on 65k local tokens; 30-50 % of the
+# communication hidden).
+_SEC_PER_CELL = 4 * 16 * 128 / 400e12
+_SEC_PER_TOKEN = 2 * 16 * 128 * 2 / 250e9
+_SEC_PER_STAGE = 30e-6
+_SEC_PER_STAGE_TOKEN = 5e-9
+_OVERLAP_EFFICIENCY = 0.5
+_MAX_DEGREE = 4
+
+
+def default_overlap_degree(mask: AttnMask, meta: DispatchMeta) -> int:
+    """Overlap degree minimising a simple per-rank pipeline model: stage 0 computes the host
+    area while remote stage 0 arrives; each later stage computes its share while the next
+    arrives — of which ideal overlap only a measured share is realised; every stage costs a
+    fixed overhead plus one per local token. Degree 0 fetches everything, then computes.
+    Needs no kernel plan (areas from the clipped slices)."""
+    host, rem, tokens = (x.astype(np.float64) for x in split_areas(mask, meta))
+    if not tokens.any():
+        return 0
+    host, rem, comm = host * _SEC_PER_CELL, rem * _SEC_PER_CELL, tokens * _SEC_PER_TOKEN
+    stage = _SEC_PER_STAGE + _SEC_PER_STAGE_TOKEN * meta.padded_total / meta.cp
+    serial = comm + host + rem
+    best, best_t = 0, float(np.max(serial)) + stage
+    for k in range(1, _MAX_DEGREE + 1):
+        c, r = comm / k, rem / k
+        ideal = np.maximum(c, host) + (k - 1) * np.maximum(c, r) + r
+        t = serial - _OVERLAP_EFFICIENCY * (serial - ideal) + (k + 1) * stage
+        if float(t.max()) < best_t * 0.98:
+            best, best_t = k, float(t.max())
+    return best
+
+
+def capacity_chunk_size(total: int, cp: int) -> int:
+    """The dispatch chunk of keys at a capacity: about 16 chunks per rank."""
+    return auto_chunk_size(total, cp, 16)
+
+
+@functools.lru_cache(maxsize=64)
+def capacity_overlap_degree(total: int, cp: int, chunk_size: int) -> int:
+    """The overlap degree of keys at a capacity: the cost model's choice for a causal mask
+    of the packed length (a mask-independent stand-in for document-causal training data)."""
+    proxy = AttnMask.causal(total)
+    return default_overlap_degree(proxy, solve_dispatch(proxy, cp, chunk_size, "magi"))
+
+
+def capacity_needs(masks, cp: int, chunk_size: int | None = None,
+                   overlap_degree: int | None = None) -> dict:
+    """What keys of ``masks`` (one packed length) over ``cp`` ranks need, per rank and
+    stage: ``items`` (the longest q-tile list, on the ``xla`` backend's tiles, which are
+    never larger than the kernels'), ``remote_kv`` (remote KV tokens, all stages), and
+    ``cast_width`` (tokens one rank sends another in one stage), with the ``chunk_size`` and
+    ``overlap_degree`` the keys use — the inputs of :meth:`PlanCapacity.from_masks`."""
+    from magi_jax.planning.stages import build_dist_plan
+    from magi_jax.planning.work_list import default_block_sizes
+    masks = list(masks)
+    total = masks[0].total_q
+    chunk = int(chunk_size or capacity_chunk_size(total, cp))
+    degree = int(overlap_degree if overlap_degree is not None
+                 else capacity_overlap_degree(total, cp, chunk))
+    need = dict(items=1, remote_kv=1, cast_width=1, chunk_size=chunk, overlap_degree=degree)
+    for mask in masks:
+        meta = solve_dispatch(mask, cp, chunk, "magi")
+        bq, bk = default_block_sizes(meta.local_len, meta.local_len)
+        plan = build_dist_plan(mask, meta, degree, bq, bk, "xla")
+        stages = max(degree, 1)
+        remote = [st for st in plan.stages if st.cast is not None]
+        need["items"] = max(need["items"], max(st.ffa.q_items.shape[-2] for st in plan.stages))
+        if remote:
+            # Stages split a rank's remote KV evenly: the longest stage bounds them all.
+            longest = max(int((st.cast.recv_index >= 0).sum(axis=1).max()) for st in remote)
+            need["remote_kv"] = max(need["remote_kv"], longest * stages)
+            need["cast_width"] = max(need["cast_width"],
+                                     max(max(st.cast.widths, default=1) for st in remote))
+    return need

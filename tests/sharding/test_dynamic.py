@@ -1,0 +1,86 @@
+"""Masks as data under context parallelism on 8 CPU devices: a jitted training step that
+takes the key as an argument compiles once over 20 packings (document-causal, and mixed zoo
+kinds) within one capacity, and matches the float64 reference at every step, forward and
+gradients; over-capacity masks name the field."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import magi_jax as mj
+from magi_jax.ffa.testing import assert_matches_reference, random_inputs
+from tests.dynamic_masks import mixed_packings, varlen_packings
+
+T = 256
+CP = 8
+
+
+def _mesh():
+    return jax.make_mesh((CP,), ("cp",), devices=jax.devices()[:CP],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@jax.jit
+def _step(q, k, v, dout, dlse, key):
+    def loss(q, k, v):
+        o, lse = mj.magi_attention(*(mj.dispatch(x, key) for x in (q, k, v)), key)
+        out, lse = mj.undispatch(o, key), mj.undispatch(lse, key)
+        total = (out * dout).sum() + (jnp.where(jnp.isfinite(lse), lse, 0) * dlse).sum()
+        return total, (out, lse)
+
+    (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, lse, grads
+
+
+@pytest.mark.parametrize("packings", ["varlen", "mixed"])
+def test_twenty_packings_compile_once(packings):
+    masks = list((varlen_packings if packings == "varlen" else mixed_packings)(T, 20, seed=5))
+    capacity = mj.PlanCapacity.from_masks(masks, mesh_size=CP)
+    mesh = _mesh()
+    size = _step._cache_size()
+    for i, mask in enumerate(masks):
+        key = mj.make_flex_key(mask, mesh, "cp", capacity=capacity, ffa_backend="xla")
+        q, k, v, dout, dlse = random_inputs(jax.random.key(i), mask, 4, 2, 16, jnp.float32)
+        out, lse, (dq, dk, dv) = _step(q, k, v, dout, dlse, key)
+        assert_matches_reference(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, mask,
+                                 dout, dlse)
+    assert _step._cache_size() == size + 1
+
+
+def test_key_static_part_depends_on_capacity_only():
+    a, b = varlen_packings(T, 2, seed=7)
+    cap = mj.PlanCapacity(T)
+    ka = mj.make_flex_key(a, _mesh(), "cp", capacity=cap, ffa_backend="xla")
+    kb = mj.make_flex_key(b, _mesh(), "cp", capacity=cap, ffa_backend="xla")
+    assert ka.static == kb.static and hash(ka.static) == hash(kb.static)
+    assert jax.tree.structure(ka) == jax.tree.structure(kb)
+    assert [x.shape for x in jax.tree.leaves(ka)] == [x.shape for x in jax.tree.leaves(kb)]
+    # Without a capacity the static part names the mask.
+    assert (mj.make_flex_key(a, _mesh(), "cp", ffa_backend="xla").static
+            != mj.make_flex_key(b, _mesh(), "cp", ffa_backend="xla").static)
+
+
+def test_over_capacity_names_the_field():
+    mask = mj.AttnMask.full(T)
+    mesh = _mesh()
+    for field, cap in (("remote_kv", mj.PlanCapacity(T, remote_kv=8)),
+                       ("cast_width", mj.PlanCapacity(T, cast_width=2)),
+                       ("items", mj.PlanCapacity(T, items=1))):
+        with pytest.raises(mj.CapacityError, match=rf"PlanCapacity\.{field}"):
+            mj.make_flex_key(mask, mesh, "cp", capacity=cap, ffa_backend="xla")
+    with pytest.raises(ValueError, match="overlap_degree=2 but capacity.overlap_degree=1"):
+        mj.make_flex_key(mask, mesh, "cp", capacity=mj.PlanCapacity(T, overlap_degree=1),
+                         overlap_degree=2, ffa_backend="xla")
+
+
+def test_key_cache_is_bounded_by_bytes():
+    from magi_jax.sharding.key import _KEYS, clear_key_cache
+    mesh = _mesh()
+    try:
+        clear_key_cache(max_bytes=1)          # room for one key at a time
+        for mask in varlen_packings(T, 3, seed=9):
+            mj.make_flex_key(mask, mesh, "cp", ffa_backend="xla")
+        assert len(_KEYS._keys) == 1
+    finally:
+        clear_key_cache(max_bytes=1 << 30)
