@@ -24,6 +24,8 @@ _LAZY = {
     "AttnPlan": "magi_jax.ffa.plan",
     "PlanCapacity": "magi_jax.planning.capacity",
     "CapacityError": "magi_jax.planning.capacity",
+    "prefetch_keys": "magi_jax.prefetch",
+    "clear_caches": "magi_jax.caches",
     "dispatch": "magi_jax.sharding",
     "magi_attention": "magi_jax.sharding",
     "make_flex_key": "magi_jax.sharding",
@@ -31,11 +33,11 @@ _LAZY = {
     "position_ids": "magi_jax.sharding",
     "undispatch": "magi_jax.sharding",
 }
-_SUBPACKAGES = ("cli", "ffa", "mask", "nn", "pallas", "planning", "plot", "sharding")
+_SUBPACKAGES = ("caches", "cli", "ffa", "mask", "nn", "pallas", "planning", "plot", "sharding")
 
 __all__ = ["AttnMask", "AttnMaskType", "flex_flash_attention", "reference_attention",
            "select_backend", "dot_product_attention", "plan_attention", "AttnPlan",
-           "PlanCapacity", "CapacityError", "dispatch", "magi_attention", "make_flex_key", "make_varlen_key",
+           "PlanCapacity", "CapacityError", "prefetch_keys", "clear_caches", "dispatch", "magi_attention", "make_flex_key", "make_varlen_key",
            "position_ids", "undispatch"]
 
 

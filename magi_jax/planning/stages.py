@@ -32,7 +32,8 @@ from magi_jax.planning.cast_table import CastTable, build_cast_table, widen_cast
 from magi_jax.planning.solver import (DispatchMeta, merge_intervals, ranges_repeat,
                                       slice_chunk_pairs)
 
-__all__ = ["DistPlan", "StagePlan", "build_dist_plan", "RankView", "rank_views", "split_areas"]
+__all__ = ["DistPlan", "StagePlan", "build_dist_plan", "RankView", "rank_views", "split_areas",
+           "clear_cache", "stage_buffer_len", "cast_width"]
 
 # Diagonal bounds beyond this magnitude are "unbounded" sentinels and are never shifted.
 _UNBOUNDED = 1 << 39
@@ -168,6 +169,12 @@ def _clip_to_segments(sh: SliceShapes, pairs, seg_g0, seg_g1, seg_shift, q_shift
         k0=rep(k0)[keep] + sk, k1=rep(k1)[keep] + sk,
         dlo=np.where(np.abs(dlo_) >= _UNBOUNDED, dlo_, dlo_ + d),
         dhi=np.where(np.abs(dhi_) >= _UNBOUNDED, dhi_, dhi_ + d))
+
+
+def clear_cache():
+    """Drops the cached distributed plans."""
+    with _CACHE_LOCK:
+        _CACHE.clear()
 
 
 def build_dist_plan(mask: AttnMask, meta: DispatchMeta, overlap_degree: int, block_q: int,
