@@ -71,3 +71,23 @@ def test_from_masks_is_tight():
     assert cap.items == max(count_items(m.shapes, T, T) for m in masks)
     for m in masks:
         mj.plan_attention(m, cap, backend="xla")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not mj.pallas.device_supported()[0], reason="needs an sm90 GPU")
+@pytest.mark.parametrize("persistent", [True, False])
+def test_pallas_packings_compile_once(persistent):
+    """The Mosaic GPU kernels on plans as data, with and without the persistent schedules
+    that travel with the plan."""
+    total = 2048
+    masks = list(varlen_packings(total, 6, seed=11)) + list(mixed_packings(total, 6, seed=11))
+    capacity = mj.PlanCapacity.from_masks(masks, persistent=persistent)
+    step = _step()
+    for i, mask in enumerate(masks):
+        q, k, v, dout, dlse = random_inputs(jax.random.key(i), mask, 4, 2, 64, jnp.bfloat16)
+        plan = mj.plan_attention(mask, capacity, backend="pallas", num_heads=(4, 2))
+        assert bool(plan.schedules) == persistent
+        (_, (out, lse)), (dq, dk, dv) = step(q, k, v, plan, dout, dlse)
+        assert_matches_reference(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, mask,
+                                 dout, dlse)
+    assert step._cache_size() == 1
