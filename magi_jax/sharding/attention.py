@@ -1,6 +1,6 @@
 """``magi_attention``: context-parallel flexible-mask attention under ``shard_map``.
 
-Per rank (DESIGN.md §3): stage 0 runs FFA on the local KV while remote stage 0 is
+Per rank: stage 0 runs FFA on the local KV while remote stage 0 is
 group-cast; every remote stage runs FFA on its fetched KV buffer; the partial ``(out, lse)``
 are merged in float32. With ``overlap_degree = 0`` all remote KV is fetched first and one FFA
 call covers ``concat(local KV, remote KV)``. The backward is one custom VJP per rank: every
@@ -9,8 +9,8 @@ only the final output and lse are kept), remote stages first, and ``group_cast``
 ``group_reduce`` sums their partial dK/dV (float32) back onto the owners. By default
 (``backward_refetch=True`` on the key) the backward re-fetches each remote stage's KV
 (group-cast again) rather than keeping it — memory stays at local KV plus the stage in
-flight; ``backward_refetch=False`` keeps the buffers instead. Batched inputs take autodiff
-through the stages and the merge (remote stages rematerialised when re-fetching).
+flight; ``backward_refetch=False`` keeps the buffers instead. Batched inputs
+``[B, T, H, D]`` take the same pipeline with the batch folded into the heads.
 """
 
 from __future__ import annotations
@@ -20,16 +20,15 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from magi_jax.sharding import native
 from magi_jax.sharding.collectives import _cast, _reduce, _start_reduce, group_cast
 from magi_jax.sharding.ffa_backends import get_backend
-from magi_jax.sharding.key import MagiKey, _check_key
+from magi_jax.sharding.key import MagiKey, _check_key, _checked, _rows_desc
 
 __all__ = ["magi_attention", "magi_attention_local", "merge_partials"]
-_REMOTE_KV = "magi_remote_kv"
 
 
 def merge_partials(outs, lses, dtype):
@@ -49,24 +48,6 @@ def merge_partials(outs, lses, dtype):
     merged_lse = jnp.where(has, m + jnp.log(safe), -jnp.inf)
     out = sum(o.astype(acc) * (wi / safe)[..., None] for o, wi in zip(outs, w))
     return out.astype(dtype), merged_lse.astype(lses[0].dtype)
-
-
-def _stage_ffa(q, k_local, v_local, ffa_arrays, cast_arrays, stage, key, scale, softcap):
-    ffa = get_backend(key.ffa_backend).call
-    seq = q.ndim - 3                                   # 1 with a leading batch axis
-    if stage.cast is None:
-        kk, vv = k_local, v_local
-    else:
-        # The cast moves rows of its first axis: put the sequence first for batched inputs.
-        # A combined stage's KV is the local rows followed by the fetched ones (prefix).
-        kk, vv = group_cast((jnp.moveaxis(k_local, seq, 0), jnp.moveaxis(v_local, seq, 0)),
-                            cast_arrays, stage.cast, stage.combined)
-        kk, vv = jnp.moveaxis(kk, 0, seq), jnp.moveaxis(vv, 0, seq)
-        # The values FFA keeps for its backward are named, so the stage's checkpoint policy
-        # (backward_refetch) re-fetches them instead of holding every stage's KV buffer.
-        kk, vv = checkpoint_name(kk, _REMOTE_KV), checkpoint_name(vv, _REMOTE_KV)
-    return ffa(q, kk, vv, ffa_arrays, softmax_scale=scale, softcap=softcap,
-               block_q=key.block_q, block_k=key.block_k)
 
 
 def _fetch(kv, cast_arrays, stage):
@@ -231,36 +212,32 @@ def stages_cfg(key: MagiKey, scale: float, softcap: float) -> _StagesCfg:
 
 
 def _local(q, k, v, stage_arrays, key: MagiKey, scale: float, softcap: float):
-    """One rank: q/k/v ``[(B,) local_len, H, D]``, ``stage_arrays`` this rank's plan arrays."""
-    if q.ndim == 3 and get_backend(key.ffa_backend).split_fwd is not None:
-        return rank_stages(q, (k, v), tuple(stage_arrays), stages_cfg(key, scale, softcap))
-    # Batched inputs: autodiff through the stages and the merge; with backward_refetch the
-    # remote stages are rematerialised (which also re-runs their FFA forward).
-    outs, lses = [], []
-    for stage, (ffa_arrays, cast_arrays) in zip(key.stages, stage_arrays):
-        fn = functools.partial(_stage_ffa, stage=stage, key=key, scale=scale,
-                               softcap=softcap)
-        if stage.cast is not None and key.backward_refetch:
-            fn = jax.checkpoint(
-                fn, policy=jax.checkpoint_policies.save_any_names_but_these(_REMOTE_KV))
-        o, l = fn(q, k, v, ffa_arrays, cast_arrays)
-        outs.append(o)
-        lses.append(l)
-    return merge_partials(outs, lses, q.dtype)
+    """One rank: q/k/v ``[(B,) local_len, H, D]``, ``stage_arrays`` this rank's plan arrays.
+    One pipeline for both layouts: a batch is folded into the heads (query head ``b·Hq + h``
+    keeps key head ``b·Hkv + h // G``), so the sequence stays the first axis the casts move
+    and every stage runs the same custom VJP."""
+    cfg = stages_cfg(key, scale, softcap)
+    if q.ndim == 3:
+        return rank_stages(q, (k, v), tuple(stage_arrays), cfg)
+    b, t, hq, d = q.shape
+    fold = lambda x: jnp.moveaxis(x, 0, 1).reshape(t, b * x.shape[2], d)
+    out, lse = rank_stages(fold(q), (fold(k), fold(v)), tuple(stage_arrays), cfg)
+    return (jnp.moveaxis(out.reshape(t, b, hq, d), 1, 0),
+            jnp.moveaxis(lse.reshape(t, b, hq), 1, 0))
 
 
 def _check_inputs(q, k, v, key):
     _check_key(key)
     for name, x in (("q", q), ("k", k), ("v", v)):
+        if not (hasattr(x, "ndim") and hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(f"magi_attention: {name} must be an array (dispatched tokens); "
+                            f"got {type(x).__name__}")
         if x.ndim not in (3, 4) or x.ndim != q.ndim:
             raise ValueError(f"magi_attention: {name} must be [padded_total, H, D] or "
                              f"[B, padded_total, H, D] (dispatched tokens, like q); got shape "
                              f"{tuple(x.shape)}")
         if x.shape[-3] != key.padded_total:
-            raise ValueError(
-                f"magi_attention: {name} has {x.shape[-3]} tokens but the key dispatches "
-                f"{key.padded_total} ({key.total} + padding); dispatch it first with "
-                "mj.dispatch(x, key)" + (", seq_axis=1" if x.ndim == 4 else ""))
+            raise ValueError(_length_message(name, x, key))
     if q.ndim == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     if k.shape != v.shape:
@@ -273,6 +250,159 @@ def _check_inputs(q, k, v, key):
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them "
                         "to one dtype")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise TypeError(f"magi_attention: q, k, v have dtype {q.dtype}; attention needs "
+                        "floating-point inputs (bfloat16, float16 or float32)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_dispatched_layout(name, x, key)
+
+
+_DISPATCH_FIRST = ("dispatch first: {name} = mj.dispatch(x, key{seq}) turns a natural-order "
+                   "array into the dispatched layout (rank r holds rows [r·{L}, (r+1)·{L}))")
+
+
+def _fix(name, x, key):
+    return _DISPATCH_FIRST.format(name=name, seq=", seq_axis=1" if x.ndim == 4 else "",
+                                  L=key.local_len)
+
+
+def _length_message(name, x, key):
+    n, st = x.shape[-3], key.static
+    msg = (f"magi_attention: {name} has {n} tokens (shape {tuple(x.shape)}) but the key "
+           f"dispatches {_rows_desc(key)}")
+    looks = []
+    if n == key.total:
+        looks.append("natural-order tokens")
+    if _checked(key) and n == st.padded_total:
+        looks.append("tokens dispatched with the key's unchecked twin (make_flex_key without "
+                     "check_dispatch): dispatch with this key")
+    if not _checked(key) and n == st.padded_total + st.cp:
+        looks.append("tokens dispatched with a check_dispatch=True key: use that key here too")
+    if looks:
+        msg += "; these look like " + ", or ".join(looks)
+    return f"{msg}. {_fix(name, x, key)}"
+
+
+# ---- the dispatched layout at the door --------------------------------------------------
+#
+# What magi_attention can see of an input, at no cost to the compiled program:
+# - its shape: natural-order arrays have `total` rows, dispatched ones `padded_total`. Equal
+#   whenever the sequence needs no padding, so the shape alone is not enough.
+# - on a mesh whose cp axis is Explicit, the sharding *type* of a traced array
+#   (jax.typeof(x).sharding), under jit too: an array not split over the cp axis along the
+#   sequence (replicated, on one device, split over another axis) is no dispatch output and
+#   would only fail later inside shard_map. A natural-order array typed P(cp) looks exactly
+#   like a dispatched one.
+# - for a concrete array (an eager call), where its rows live: rank r's devices must hold
+#   rows [r·local_len, (r+1)·local_len). An array that never went through dispatch is
+#   usually on one device or replicated; one that is sharded P(cp) in natural order again
+#   looks exactly like a dispatched one.
+# - under jit on an Auto mesh, nothing: the type carries no sharding.
+# Values cannot help (token-wise layers change them; magi_attention is exact on any input),
+# so the two cases that stay silent here — natural-order arrays sharded over cp, and any
+# array under jit on an Auto mesh, when padded_total == total — need a layout that differs
+# in shape: make_flex_key(..., check_dispatch=True) (or MAGI_JAX_CHECK_DISPATCH=1) returns a
+# CheckedKey whose dispatched arrays carry one hidden row per rank, so they never have the
+# natural length. The checks below are Python at trace time: the compiled program of the
+# default path is unchanged.
+
+def _check_dispatched_layout(name, x, key):
+    seq = x.ndim - 3
+    if isinstance(x, jax.core.Tracer):
+        _check_type(name, x, key, seq)
+    elif isinstance(x, jax.Array):
+        _check_placement(name, x, key, seq)
+
+
+def _entry(e) -> tuple:
+    if e is None:
+        return ()
+    return tuple(e) if isinstance(e, (tuple, list)) else (e,)
+
+
+def _check_type(name, x, key, seq):
+    """A traced input on a mesh whose cp axis is Explicit: its sharding type."""
+    types = dict(zip(key.mesh.axis_names, key.mesh.axis_types))
+    if types[key.cp_axis] != AxisType.Explicit:
+        return                                  # Auto: the type says nothing
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return
+    spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
+    got = _entry(spec[seq])
+    want = P(*([None] * seq), key.cp_axis)
+    if key.cp_axis not in sharding.mesh.axis_names:
+        where = "is not on the key's mesh (its type names no mesh axis)"
+    elif got == ():
+        where = (f"is typed {sharding.spec}: not split over {key.cp_axis!r} (replicated along "
+                 "the sequence)")
+    elif got != (key.cp_axis,):
+        where = (f"is typed {sharding.spec}: its sequence axis is split over {got}, not "
+                 f"over ({key.cp_axis!r},)")
+    else:
+        others = [i for i, e in enumerate(spec) if i != seq and _entry(e)]
+        if not others:
+            return
+        raise ValueError(
+            f"magi_attention: {name} is typed {sharding.spec}, but magi_attention shards only "
+            f"the sequence axis of its inputs (over {key.cp_axis!r}); reshard {name} to "
+            f"{want}: jax.sharding.reshard({name}, NamedSharding(key.mesh, {want}))")
+    raise ValueError(f"magi_attention: {name} {where}, so it is not in the dispatched layout "
+                     f"{want}. {_fix(name, x, key)}")
+
+
+def _check_placement(name, x, key, seq):
+    """A concrete input (eager call): the rows each rank's devices hold."""
+    want = NamedSharding(key.mesh, P(*([None] * seq), key.cp_axis))
+    sharding = x.sharding
+    if sharding.is_equivalent_to(want, x.ndim):
+        return
+    local = key.local_len
+    mesh_devices = key.mesh.devices
+    cp_index = key.mesh.axis_names.index(key.cp_axis)
+    rank = {d: pos[cp_index] for pos, d in np.ndenumerate(mesh_devices)}
+    held = sharding.devices_indices_map(tuple(x.shape))
+    n = x.shape[seq]
+    if set(held) != set(rank):
+        where = (f"lives on {len(held)} device(s) ({sharding}), not on the key's mesh of "
+                 f"{mesh_devices.size}")
+    else:
+        where = None
+        for d, index in held.items():
+            a, b, _ = index[seq].indices(n)
+            r = rank[d]
+            if (a, b) != (r * local, (r + 1) * local):
+                where = ("is replicated along the sequence" if (a, b) == (0, n) else
+                         f"has rows [{a}, {b}) on {d}")
+                where += (f", but rank {r} of {key.cp_axis!r} must hold rows "
+                          f"[{r * local}, {(r + 1) * local})")
+                break
+        if where is None:
+            return
+    raise ValueError(
+        f"magi_attention: {name} {where}, so it is not in the dispatched layout. "
+        f"{_fix(name, x, key)}. If {name} already is in dispatched order, shard it: "
+        f"jax.device_put({name}, {want})")
+
+
+def _check_options(softmax_scale, softcap):
+    if not softcap >= 0:
+        raise ValueError(f"softcap={softcap} must be a number >= 0 (0 disables soft-capping)")
+    if softmax_scale is not None and not np.isfinite(float(softmax_scale)):
+        raise ValueError(f"softmax_scale={softmax_scale} must be a finite number (or None for "
+                         "D ** -0.5)")
+
+
+def _strip_hidden(x, key):
+    """A :class:`CheckedKey`'s local rows without the hidden one (sequence axis ``-3``)."""
+    return jax.lax.slice_in_dim(x, 0, key.static.local_len, axis=x.ndim - 3)
+
+
+def _add_hidden(out, lse):
+    """The hidden row back: ``out = 0``, ``lse = -inf`` (like padding)."""
+    pad = lambda a, axis, value: jnp.pad(
+        a, [(0, 1) if i == axis else (0, 0) for i in range(a.ndim)], constant_values=value)
+    return pad(out, out.ndim - 3, 0), pad(lse, lse.ndim - 2, -jnp.inf)
 
 
 def magi_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
@@ -290,17 +420,28 @@ def magi_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
     Returns ``(out, lse)`` in dispatched order: ``out`` like ``q``, ``lse``
     ``[(B,) padded_total, Hq]`` float32; padding rows give ``out = 0``, ``lse = -inf``.
     Differentiable in q, k, v; works under ``jax.jit``.
+
+    Inputs that are visibly not dispatched raise ``ValueError`` ("dispatch first"): the
+    wrong number of rows, a sharding type that does not split the sequence over the cp axis
+    (meshes with Explicit axes, under ``jit`` too), or concrete arrays whose rows are not
+    where the dispatched layout puts them (eager calls). A natural-order array sharded over
+    the cp axis, or any array under ``jit`` on an Auto mesh, cannot be told from a dispatched
+    one when the sequence needs no padding; a key made with ``check_dispatch=True`` (or
+    ``MAGI_JAX_CHECK_DISPATCH=1``) rejects those too (:class:`~magi_jax.sharding.key.CheckedKey`).
     """
     _check_inputs(q, k, v, key)
-    if softcap < 0:
-        raise ValueError(f"softcap={softcap} must be >= 0 (0 disables soft-capping)")
+    _check_options(softmax_scale, softcap)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     spec = P(key.cp_axis) if q.ndim == 3 else P(None, key.cp_axis)
     plan_spec = P(key.cp_axis)
+    hidden = _checked(key)
 
     def body(q, k, v, stage_arrays):
         stage_arrays = jax.tree.map(lambda a: a[0], stage_arrays)
-        return _local(q, k, v, stage_arrays, key, scale, float(softcap))
+        if hidden:
+            q, k, v = (_strip_hidden(x, key) for x in (q, k, v))
+        out = _local(q, k, v, stage_arrays, key, scale, float(softcap))
+        return _add_hidden(*out) if hidden else out
 
     arr_specs = jax.tree.map(lambda _: plan_spec, key.stage_arrays)
     fn = jax.shard_map(body, mesh=key.mesh, in_specs=(spec, spec, spec, arr_specs),
@@ -314,7 +455,19 @@ def magi_attention_local(q, k, v, key: MagiKey, *, softmax_scale: float | None =
     q/k/v are this rank's ``[local_len, H, D]`` tokens; the rank's plan rows are picked with
     ``lax.axis_index`` from the (replicated) stacked plan. Returns ``(out, lse)`` local."""
     _check_key(key)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim in (3, 4) and x.shape[-3] != key.local_len:
+            raise ValueError(
+                f"magi_attention_local: {name} has {x.shape[-3]} tokens (shape "
+                f"{tuple(x.shape)}) but every rank of the key holds local_len={key.local_len}"
+                f"; pass one rank's block of dispatched tokens (shard_map in_specs "
+                f"P({key.cp_axis!r}) over arrays from mj.dispatch(x, key)). "
+                f"{_fix(name, x, key)}")
+    _check_options(softmax_scale, softcap)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     r = jax.lax.axis_index(key.cp_axis)
     stage_arrays = jax.tree.map(lambda a: jnp.asarray(a)[r], key.stage_arrays)
-    return _local(q, k, v, stage_arrays, key, scale, float(softcap))
+    if not _checked(key):
+        return _local(q, k, v, stage_arrays, key, scale, float(softcap))
+    q, k, v = (_strip_hidden(x, key) for x in (q, k, v))
+    return _add_hidden(*_local(q, k, v, stage_arrays, key, scale, float(softcap)))

@@ -135,7 +135,10 @@ def test_key_is_cached_and_a_pytree():
     assert make_flex_key(ZOO["causal"], mesh, "cp", overlap_degree=1) is a
     leaves, tree = jax.tree.flatten(a)
     assert all(np.asarray(x).dtype == np.int32 for x in leaves)
-    assert jax.tree.unflatten(tree, leaves).plan is a.plan
+    rebuilt = jax.tree.unflatten(tree, leaves)
+    # The static part travels; the host plan does not (it is mask data, not part of the
+    # compiled function's identity).
+    assert rebuilt.static == a.static and rebuilt.plan is None
 
 
 def test_errors_name_argument_value_and_fix():
@@ -148,7 +151,7 @@ def test_errors_name_argument_value_and_fix():
     with pytest.raises(ValueError, match="comm_backend='ragged'"):
         make_flex_key(ZOO["causal"], mesh, "cp", comm_backend="ragged")
     q = jnp.zeros((key.padded_total - 1, 2, 8))
-    with pytest.raises(ValueError, match="dispatch it first"):
+    with pytest.raises(ValueError, match="dispatch first"):
         magi_attention(q, q, q, key)
     with pytest.raises(ValueError, match="dispatch: x has shape"):
         dispatch(jnp.zeros((T + 1, 2)), key)
