@@ -323,7 +323,8 @@ class AttnMask:
         >>> AttnMask.full(4, 6).area
         24
         """
-        total_k = total_q if total_k is None else total_k
+        total_q = _check_total("total_q", total_q)
+        total_k = total_q if total_k is None else _check_total("total_k", total_k)
         return cls([[0, total_q]], [[0, total_k]], [AttnMaskType.FULL], total_q, total_k)
 
     @classmethod
@@ -334,26 +335,28 @@ class AttnMask:
         >>> AttnMask.causal(4).area
         10
         """
-        total_k = total_q if total_k is None else total_k
+        total_q = _check_total("total_q", total_q)
+        total_k = total_q if total_k is None else _check_total("total_k", total_k)
         return cls([[0, total_q]], [[0, total_k]], [AttnMaskType.CAUSAL], total_q, total_k)
 
     @classmethod
-    def varlen(cls, cu_seqlens, causal: bool = False,
+    def varlen(cls, cu_seqlens, causal: bool = True,
                window: int | tuple[int, int] | None = None) -> "AttnMask":
         """Packed documents, each attending only to itself (FlashAttention's varlen).
 
-        ``cu_seqlens``: cumulative lengths ``[0, n0, n0+n1, ...]``. ``causal``: causal inside
-        each document. ``window``: a sliding window inside each document, ``(left, right)``
-        — query ``q`` sees keys ``[q - left, q + right]`` — or an int ``w``, meaning
-        ``(w, 0)`` when causal and ``(w, w)`` otherwise.
+        ``cu_seqlens``: 1-D cumulative lengths ``[0, n0, n0+n1, ...]``. ``causal`` (default
+        ``True``, as for :func:`magi_jax.make_varlen_key` and :meth:`from_segment_ids`: one
+        default for packed documents everywhere): causal inside each document; pass
+        ``causal=False`` for bidirectional documents. ``window``: a sliding window inside
+        each document, ``(left, right)`` — query ``q`` sees keys ``[q - left, q + right]``
+        — or an int ``w``, meaning ``(w, 0)`` when causal and ``(w, w)`` otherwise.
 
-        >>> AttnMask.varlen([0, 3, 5], causal=True).area
+        >>> AttnMask.varlen([0, 3, 5]).area                 # causal documents of 3 and 2
         9
+        >>> AttnMask.varlen([0, 3, 5], causal=False).area   # 3*3 + 2*2
+        13
         """
-        cu = np.asarray(cu_seqlens, dtype=np.int64).reshape(-1)
-        if cu.size < 1 or cu[0] != 0 or np.any(np.diff(cu) < 0):
-            raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing; got "
-                             f"{cu.tolist()[:16]}")
+        cu = _cu_seqlens(cu_seqlens)
         total = int(cu[-1])
         left, right = _window(window, causal)
         slices = []
@@ -374,8 +377,8 @@ class AttnMask:
         are attended by nothing. A ``[B, T]`` array packs its rows into one sequence of
         ``B·T`` tokens (row ``b`` at ``[b·T, (b+1)·T)``, see
         :func:`magi_jax.ffa.segments.pack_rows`); documents never cross rows.
-        ``causal`` (default ``True``, like :func:`magi_jax.make_varlen_key`; note that
-        :meth:`varlen` defaults to ``False``): causal inside each document. ``window``: as in
+        ``causal`` (default ``True``, like :meth:`varlen` and
+        :func:`magi_jax.make_varlen_key`): causal inside each document. ``window``: as in
         :meth:`varlen` — ``(left, right)``, query ``q`` sees keys ``[q - left, q + right]``
         of its document, or an int ``w`` meaning ``(w, 0)`` when causal, ``(w, w)``
         otherwise. Raises ``ValueError`` when one nonzero id appears in two separate runs of
@@ -424,9 +427,10 @@ class AttnMask:
         >>> AttnMask.sliding_window(5, 1, 0).area
         9
         """
+        total = _check_total("total", total)
         if left < 0 or right < 0:
             raise ValueError(f"left={left} and right={right} must be >= 0")
-        return cls.varlen([0, total], window=(left, right))
+        return cls.varlen([0, total], causal=False, window=(left, right))
 
     @classmethod
     def block_causal(cls, doc_lens, block_size: int) -> "AttnMask":
@@ -519,6 +523,7 @@ class AttnMask:
         >>> AttnMask.global_sliding_window(6, 1, 1).area   # rows see 1,2,2+1,2+1,2+1,2+1
         15
         """
+        total = _check_total("total", total)
         if window < 0 or num_global < 0:
             raise ValueError(f"window={window} and num_global={num_global} must be >= 0")
         slices = shape_to_slices(0, total, 0, total, -window, 0)
@@ -628,6 +633,41 @@ def _check_band_pairs(mask, idx, pair_slice, pair_band, bounds):
             f"{_fmt_slice(i1, qr[i1], kr[i1], ty[i1])} and "
             f"{_fmt_slice(i2, qr[i2], kr[i2], ty[i2])} overlap (first shared cells near query "
             f"row {row}); slices must cover disjoint cells — split or trim one of them")
+
+
+def _check_total(name: str, value) -> int:
+    """A sequence length argument: a non-negative integer."""
+    value = value.item() if isinstance(value, np.generic) else value
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        if not (isinstance(value, (float, np.floating)) and float(value).is_integer()):
+            raise ValueError(f"{name}={value!r} must be an integer number of tokens")
+    if value < 0:
+        raise ValueError(f"{name}={int(value)} must be >= 0 (a number of tokens)")
+    return int(value)
+
+
+def _cu_seqlens(cu_seqlens) -> np.ndarray:
+    """``cu_seqlens`` as int64 ``[num_docs + 1]``, validated (1-D, integers, starts at 0,
+    non-decreasing)."""
+    arr = np.asarray(cu_seqlens)
+    if arr.ndim != 1:
+        raise ValueError(
+            f"cu_seqlens must be 1-D [num_docs + 1] cumulative lengths [0, n0, n0+n1, ...]; "
+            f"got shape {arr.shape}. For a batch of rows, pack them into one sequence (one "
+            "cu_seqlens over all the documents, row after row) or use "
+            "AttnMask.from_segment_ids with [B, T] segment ids")
+    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer)
+                                   or np.issubdtype(arr.dtype, np.floating)):
+        raise ValueError(f"cu_seqlens must hold integers; got dtype {arr.dtype}")
+    if np.issubdtype(arr.dtype, np.floating) and not np.all(np.mod(arr, 1) == 0):
+        bad = int(np.argmax(np.mod(arr, 1) != 0))
+        raise ValueError(f"cu_seqlens[{bad}] = {arr[bad].item()!r} is not an integer; "
+                         "cu_seqlens are token offsets")
+    cu = arr.astype(np.int64)
+    if cu.size < 1 or cu[0] != 0 or np.any(np.diff(cu) < 0):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing; got "
+                         f"{cu.tolist()[:16]}")
+    return cu
 
 
 def _doc_lens(doc_lens) -> list[int]:

@@ -80,7 +80,7 @@ def make_mask(name: str, total: int, *, window: int = 4096, num_docs: int | None
     if name in ("doc-causal", "many-docs"):
         return AttnMask.varlen(cu, causal=True)
     if name == "doc-full":
-        return AttnMask.varlen(cu)
+        return AttnMask.varlen(cu, causal=False)
     if name == "doc-window":
         return AttnMask.varlen(cu, causal=True, window=(w, 0))
     if name == "block-causal":

@@ -85,14 +85,14 @@ def _expected(name):
     doc, pos = _docs(LENS)
     same = doc[:, None] == doc[None, :]
     if name == "varlen_full":
-        return AttnMask.varlen(np.cumsum([0] + LENS)), same
+        return AttnMask.varlen(np.cumsum([0] + LENS), causal=False), same
     if name == "varlen_causal":
         return AttnMask.varlen(np.cumsum([0] + LENS), causal=True), same & (k <= q)
     if name == "varlen_causal_window":
         return (AttnMask.varlen(np.cumsum([0] + LENS), causal=True, window=3),
                 same & (k <= q) & (q - k <= 3))
     if name == "varlen_window_2_1":
-        return (AttnMask.varlen(np.cumsum([0] + LENS), window=(2, 1)),
+        return (AttnMask.varlen(np.cumsum([0] + LENS), causal=False, window=(2, 1)),
                 same & (q - k <= 2) & (k - q <= 1))
     if name == "sliding_window":
         return AttnMask.sliding_window(total, 4, 2), (q - k <= 4) & (k - q <= 2)
@@ -253,7 +253,7 @@ def test_types_and_strings():
 def test_immutable_hashable_fingerprint():
     a = AttnMask.varlen([0, 3, 8], causal=True)
     b = AttnMask.varlen([0, 3, 8], causal=True)
-    c = AttnMask.varlen([0, 3, 8])
+    c = AttnMask.varlen([0, 3, 8], causal=False)
     assert a == b and hash(a) == hash(b) and a.fingerprint == b.fingerprint
     assert a != c and a.fingerprint != c.fingerprint
     assert len({a, b, c}) == 2

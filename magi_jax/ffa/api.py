@@ -66,6 +66,13 @@ def _check_shapes(q, k, v, total_q: int, total_k: int, what: str):
         raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
     tq, hq, d = q.shape[-3:]
     tk, hkv, dk = k.shape[-3:]
+    for name, x in (("q", q), ("k", k)):
+        if 0 in x.shape:
+            axes = ["B", "T", "H", "D"][4 - x.ndim:]
+            empty = ", ".join(f"{a} = 0" for a, n in zip(axes, x.shape) if n == 0)
+            raise ValueError(f"{name} has shape {x.shape} ({empty}): flex_flash_attention "
+                             "needs at least one token, head and batch row; skip the call "
+                             "for an empty sequence or batch (its output is empty)")
     if tq != total_q or tk != total_k:
         raise ValueError(f"q has {tq} tokens and k has {tk}, but {what} is over "
                          f"total_q={total_q}, total_k={total_k}; build it for these lengths")

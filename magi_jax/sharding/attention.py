@@ -353,7 +353,8 @@ def _check_type(name, x, key, seq):
 
 def _check_placement(name, x, key, seq):
     """A concrete input (eager call): the rows each rank's devices hold."""
-    want = NamedSharding(key.mesh, P(*([None] * seq), key.cp_axis))
+    spec = P(*([None] * seq), key.cp_axis)
+    want = NamedSharding(key.mesh, spec)
     sharding = x.sharding
     if sharding.is_equivalent_to(want, x.ndim):
         return
@@ -364,8 +365,9 @@ def _check_placement(name, x, key, seq):
     held = sharding.devices_indices_map(tuple(x.shape))
     n = x.shape[seq]
     if set(held) != set(rank):
-        where = (f"lives on {len(held)} device(s) ({sharding}), not on the key's mesh of "
-                 f"{mesh_devices.size}")
+        where = (f"lives on one device ({next(iter(held))})" if len(held) == 1 else
+                 f"lives on {len(held)} devices")
+        where += f", not on the key's mesh of {mesh_devices.size} devices"
     else:
         where = None
         for d, index in held.items():
@@ -382,7 +384,7 @@ def _check_placement(name, x, key, seq):
     raise ValueError(
         f"magi_attention: {name} {where}, so it is not in the dispatched layout. "
         f"{_fix(name, x, key)}. If {name} already is in dispatched order, shard it: "
-        f"jax.device_put({name}, {want})")
+        f"jax.device_put({name}, NamedSharding(key.mesh, {spec}))")
 
 
 def _check_options(softmax_scale, softcap):

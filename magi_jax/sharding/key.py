@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
 import threading
 
 import jax
@@ -31,11 +32,17 @@ from magi_jax.sharding import native
 from magi_jax.sharding.collectives import TRANSPORTS, CastArrays, CastSpec
 from magi_jax.sharding.ffa_backends import FFA_BACKENDS
 
-__all__ = ["MagiKey", "KeyStatic", "StageStatic", "make_flex_key", "make_varlen_key",
-           "dispatch", "undispatch", "position_ids", "default_overlap_degree",
-           "ffa_backend_reason", "clear_key_cache", "COMM_BACKENDS"]
+__all__ = ["MagiKey", "KeyStatic", "StageStatic", "CheckedKey", "make_flex_key",
+           "make_varlen_key", "dispatch", "undispatch", "position_ids",
+           "default_overlap_degree", "ffa_backend_reason", "clear_key_cache", "COMM_BACKENDS",
+           "MAX_OVERLAP_DEGREE", "CHECK_DISPATCH_ENV"]
 
 COMM_BACKENDS = ("auto", "xla") + TRANSPORTS
+# Largest overlap degree a key accepts (the bound of PlanCapacity.overlap_degree): every stage
+# costs a kernel launch, a merge and a collective, and the cost model never picks more than 4.
+MAX_OVERLAP_DEGREE = 8
+# Environment variable that turns on check_dispatch for every key make_flex_key builds.
+CHECK_DISPATCH_ENV = "MAGI_JAX_CHECK_DISPATCH"
 @dataclasses.dataclass(frozen=True)
 class StageStatic:
     """Static description of one stage: its KV length, whether its KV is local KV followed
@@ -154,7 +161,8 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
                   dispatch_from: MagiKey | None = None, block_q: int | None = None,
                   block_k: int | None = None, ffa_backend: str = "auto",
                   backward_refetch: bool = True,
-                  capacity: PlanCapacity | None = None) -> MagiKey:
+                  capacity: PlanCapacity | None = None,
+                  check_dispatch: bool | None = None) -> MagiKey:
     """Plans context-parallel attention of ``mask`` over ``mesh``'s ``cp_axis``.
 
     Args:
@@ -190,6 +198,15 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
         mask that needs more raises :class:`~magi_jax.planning.capacity.CapacityError`
         naming the field. ``None``: a key sized for this mask alone (its static part names
         the mask: a new mask compiles anew).
+      check_dispatch: debug mode that makes natural-order inputs of
+        :func:`~magi_jax.sharding.magi_attention` impossible to mistake for dispatched ones
+        (default: the ``MAGI_JAX_CHECK_DISPATCH`` environment variable, off). Returns a
+        :class:`CheckedKey`: same plan, same results, but its dispatched layout carries one
+        hidden row at the end of every rank's block (``key.padded_total`` and
+        ``key.local_len`` count it), so an array that skipped :func:`dispatch` — even one
+        sharded over the cp axis, even under ``jit`` on an Auto mesh — never has the
+        dispatched length and is rejected ("dispatch first"). Costs a slice and a pad of
+        q/k/v/out per call; for debugging, not for training runs.
 
     Returns a :class:`MagiKey`; cached by (mask fingerprint, mesh, options, capacity), in a
     cache bounded by the bytes of its keys' arrays (:func:`clear_key_cache`).
@@ -198,6 +215,18 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
         raise TypeError(f"mask must be an AttnMask (e.g. AttnMask.varlen(...)); got "
                         f"{type(mask).__name__}")
     cp = _check_mesh(mesh, cp_axis)
+    if mask.total_q == 0 and mask.total_k == 0:
+        raise ValueError("the mask has no tokens (total_q = total_k = 0): context-parallel "
+                         "attention needs a packed sequence of at least one token")
+    chunk_size = _check_int("chunk_size", chunk_size, 1, "a positive number of tokens")
+    block_q = _check_int("block_q", block_q, 1, "a positive tile size")
+    block_k = _check_int("block_k", block_k, 1, "a positive tile size")
+    overlap_degree = _check_int(
+        "overlap_degree", overlap_degree, 0,
+        f"in [0, {MAX_OVERLAP_DEGREE}] (0: fetch all remote KV, then one FFA call; k: the "
+        "host stage plus k remote stages, each costing a kernel, a merge and a collective)",
+        hi=MAX_OVERLAP_DEGREE)
+    check = _check_dispatch_flag(check_dispatch)
     if comm_backend not in COMM_BACKENDS:
         raise ValueError(f"comm_backend={comm_backend!r} is not one of {COMM_BACKENDS}")
     if comm_backend == "native":
@@ -231,7 +260,36 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
     args = (mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, dispatch_algorithm,
             None if dispatch_from is None else _MetaRef(dispatch_from.plan.meta),
             block_q, block_k, ffa_backend, cp, bool(backward_refetch), capacity)
-    return _KEYS.get(args, lambda: _make_key(*args))
+    key = _KEYS.get(args, lambda: _make_key(*args))
+    return CheckedKey.of(key) if check else key
+
+
+def _check_int(name, value, lo, what, hi=None):
+    """``None`` or an integer in ``[lo, hi]`` (an option of :func:`make_flex_key`)."""
+    if value is None:
+        return None
+    value = value.item() if isinstance(value, np.generic) else value
+    ok = not isinstance(value, bool) and (
+        isinstance(value, (int, np.integer))
+        or (isinstance(value, (float, np.floating)) and float(value).is_integer()))
+    if not ok or value < lo or (hi is not None and value > hi):
+        default = "the cost model's choice" if name == "overlap_degree" else "the default"
+        raise ValueError(f"{name}={value!r} must be an integer {what} (or None for {default})"
+                         if hi is not None else
+                         f"{name}={value!r} must be {what} (or None for {default})")
+    return int(value)
+
+
+def _check_dispatch_flag(value) -> bool:
+    if value is not None:
+        return bool(value)
+    env = os.environ.get(CHECK_DISPATCH_ENV, "").strip().lower()
+    if env in ("", "0", "false", "no", "off"):
+        return False
+    if env in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{CHECK_DISPATCH_ENV}={os.environ[CHECK_DISPATCH_ENV]!r}: use 1 (check "
+                     "that magi_attention's inputs were dispatched) or 0")
 
 
 def ffa_backend_reason() -> str | None:
@@ -387,7 +445,8 @@ def _put(a: np.ndarray, sharding: NamedSharding) -> jax.Array:
 def make_varlen_key(cu_seqlens, mesh: Mesh, cp_axis: str = "cp", *, causal: bool = True,
                     window=None, **options) -> MagiKey:
     """:func:`make_flex_key` for packed documents (``AttnMask.varlen(cu_seqlens, causal,
-    window)``); ``options`` as for :func:`make_flex_key`."""
+    window)``; causal by default, like ``AttnMask.varlen``); ``options`` as for
+    :func:`make_flex_key`."""
     return make_flex_key(AttnMask.varlen(cu_seqlens, causal=causal, window=window), mesh,
                          cp_axis, **options)
 
@@ -398,39 +457,138 @@ def _check_key(key):
                         f"{type(key).__name__}")
 
 
+@jax.tree_util.register_pytree_node_class
+class CheckedKey(MagiKey):
+    """A :class:`MagiKey` whose dispatched layout cannot be mistaken (``make_flex_key(...,
+    check_dispatch=True)`` or ``MAGI_JAX_CHECK_DISPATCH=1``).
+
+    Why a layout and not a check: a natural-order array sharded over the cp axis (and, under
+    ``jit`` on an Auto mesh, any array) has the same shape, sharding type and — after the
+    model's token-wise layers — no values that tell it from a dispatched one, whenever the
+    sequence needs no padding (``padded_total == total``). Only the shape survives every
+    token-wise layer, so this key's dispatched arrays carry one hidden row after each rank's
+    ``local_len`` rows: ``padded_total + cp`` rows in all, never ``total``. ``dispatch``
+    writes zeros there, ``magi_attention`` drops the hidden rows before the per-rank pipeline
+    and gives them ``out = 0``, ``lse = -inf`` (like padding), ``undispatch`` skips them and
+    ``position_ids`` gives them positions ``>= total``. The plan, the kernels and the results
+    in natural order are those of the unchecked key; ``key.padded_total`` / ``key.local_len``
+    count the hidden rows (``key.static`` keeps the plan's). A distinct pytree type, so
+    ``jit`` caches never mix it with the unchecked key."""
+
+    padded_total = property(lambda self: self.static.padded_total + self.static.cp)
+    local_len = property(lambda self: self.static.local_len + 1)
+
+    @classmethod
+    def of(cls, key: MagiKey) -> "CheckedKey":
+        """The checked view of ``key`` (shares its arrays and host plan)."""
+        if isinstance(key, CheckedKey):
+            return key
+        return cls(key.static, key.order, key.inverse, key.stage_arrays, plan=key.plan,
+                   mask=key.mask)
+
+    def __repr__(self):
+        return super().__repr__()[:-1] + ", check_dispatch=True)"
+
+
+def _checked(key) -> bool:
+    return isinstance(key, CheckedKey)
+
+
+def _rows_desc(key) -> str:
+    """How the key's dispatched rows add up, for messages."""
+    st = key.static
+    extra = (f" + {st.cp} hidden check rows (check_dispatch=True)" if _checked(key) else "")
+    return (f"{key.padded_total} rows ({st.total} tokens + {st.padded_total - st.total} "
+            f"padding{extra})")
+
+
+def _dispatch_index(key):
+    """``(index, rows)``: dispatched row ``i`` is row ``index[i]`` of the natural-order array
+    zero-padded to ``rows`` rows."""
+    st = key.static
+    if not _checked(key):
+        return key.order, st.padded_total
+    blocks = key.order.reshape(st.cp, st.local_len)
+    hidden = jnp.full((st.cp, 1), st.padded_total, blocks.dtype)   # a zero row
+    return jnp.concatenate([blocks, hidden], axis=1).reshape(-1), st.padded_total + 1
+
+
+def _undispatch_index(key):
+    """Natural position ``p`` is dispatched row ``index[p]``."""
+    if not _checked(key):
+        return key.inverse
+    return key.inverse + key.inverse // key.static.local_len     # skip one row per rank
+
+
+def _as_array(x, fn):
+    if hasattr(x, "ndim") and hasattr(x, "shape"):
+        return x
+    try:
+        return jnp.asarray(x)
+    except TypeError:
+        raise TypeError(f"{fn}: x must be an array; got {type(x).__name__}") from None
+
+
+def _length_error(fn, x, axis, seq_axis, want, what, other=None):
+    """A ValueError for an array whose ``seq_axis`` does not hold ``want`` rows, with the
+    likely fix: another axis that has them, or the other layout."""
+    n = x.shape[axis]
+    msg = (f"{fn}: x has shape {tuple(x.shape)}; its axis {axis} (seq_axis={seq_axis}) has "
+           f"{n} rows but {what}")
+    fits = [i for i, d in enumerate(x.shape) if d == want and i != axis]
+    if fits:
+        msg += (f". Axis {fits[0]} has {want} rows: pass seq_axis={fits[0]} (the axis of "
+                "the packed sequence)")
+    elif other is not None and n == other[0]:
+        msg += f". {other[1]}"
+    else:
+        msg += "; x must hold the packed sequence the key was made for"
+    return ValueError(msg)
+
+
 def dispatch(x, key: MagiKey, seq_axis: int = 0):
     """Natural order -> dispatched order along ``seq_axis`` (``total`` -> ``padded_total``
     rows), sharded over the cp axis: rank ``r`` holds rows ``[r·local_len, (r+1)·local_len)``;
     padding rows are zero. Differentiable (the VJP gathers the cotangent back)."""
     _check_key(key)
+    x = _as_array(x, "dispatch")
     axis = _axis(x, seq_axis, "dispatch")
     if x.shape[axis] != key.total:
-        raise ValueError(f"dispatch: x has shape {tuple(x.shape)} but the key is for "
-                         f"{key.total} tokens; seq_axis={seq_axis} must be the packed sequence")
-    pad = key.padded_total - key.total
+        raise _length_error(
+            "dispatch", x, axis, seq_axis, key.total,
+            f"the key is for {key.total} tokens in natural order",
+            (key.padded_total, "That is the key's dispatched length: x looks dispatched "
+             "already (pass it to magi_attention as it is, or undispatch it first)"))
+    index, rows = _dispatch_index(key)
+    pad = rows - key.total
     if pad:
         widths = [(0, 0)] * x.ndim
         widths[axis] = (0, pad)
         x = jnp.pad(x, widths)
-    return _shard_rows(jnp.take(x, key.order, axis=axis), key, axis)
+    return _shard_rows(jnp.take(x, index, axis=axis), key, axis)
 
 
 def undispatch(x, key: MagiKey, seq_axis: int = 0):
     """Dispatched -> natural order along ``seq_axis`` (``padded_total`` -> ``total`` rows,
     padding dropped). Differentiable (padding rows get zero cotangent)."""
     _check_key(key)
+    x = _as_array(x, "undispatch")
     axis = _axis(x, seq_axis, "undispatch")
     if x.shape[axis] != key.padded_total:
-        raise ValueError(f"undispatch: x has shape {tuple(x.shape)} but the key dispatches "
-                         f"{key.padded_total} rows ({key.total} tokens + padding) along "
-                         f"seq_axis={seq_axis}; pass an array produced by dispatch/"
-                         "magi_attention with this key")
+        raise _length_error(
+            "undispatch", x, axis, seq_axis, key.padded_total,
+            f"the key dispatches {_rows_desc(key)}",
+            (key.total, "That is the natural-order length: x looks undispatched already "
+             "(undispatch takes outputs of dispatch / magi_attention with this key)"))
     if any(t == jax.sharding.AxisType.Explicit for t in key.mesh.axis_types):
         x = jax.sharding.reshard(x, NamedSharding(key.mesh, P()))
-    return jnp.take(x, key.inverse, axis=axis)
+    return jnp.take(x, _undispatch_index(key), axis=axis)
 
 
 def _axis(x, seq_axis, fn):
+    if isinstance(seq_axis, (bool, np.bool_)) or not isinstance(seq_axis, (int, np.integer)):
+        raise TypeError(f"{fn}: seq_axis={seq_axis!r} must be an int (the axis of the packed "
+                        "sequence)")
     if not -x.ndim <= seq_axis < x.ndim:
         raise ValueError(f"{fn}: seq_axis={seq_axis} is out of range for an array of shape "
                          f"{tuple(x.shape)}")
@@ -439,9 +597,18 @@ def _axis(x, seq_axis, fn):
 
 def position_ids(key: MagiKey):
     """int32 ``[padded_total]``: the global position of every dispatched token (for RoPE);
-    padding tokens get positions ``>= total``. Sharded like dispatched arrays."""
+    padding tokens get positions ``>= total``. Sharded like dispatched arrays: on a mesh
+    with Explicit axes it is typed ``P(cp_axis)`` like them (so RoPE's products stay
+    sharded), and JAX then asks for an ``out_sharding`` to index it; look at it with
+    ``np.asarray(pos)`` or ``jax.sharding.reshard(pos, NamedSharding(key.mesh, P()))``."""
     _check_key(key)
-    return _shard_rows(key.order, key)
+    order = key.order
+    if _checked(key):
+        st = key.static
+        hidden = st.padded_total + jnp.arange(st.cp, dtype=order.dtype)[:, None]
+        order = jnp.concatenate([order.reshape(st.cp, st.local_len), hidden], axis=1)
+        order = order.reshape(-1)
+    return _shard_rows(order, key)
 
 
 def _shard_rows(x, key: MagiKey, axis: int = 0):

@@ -22,7 +22,7 @@ ZOO = {
     "causal": AttnMask.causal(T),
     "causal_rect": AttnMask.causal(24, 53),
     "doc_causal": AttnMask.varlen(CU, causal=True),
-    "doc_full": AttnMask.varlen(CU),
+    "doc_full": AttnMask.varlen(CU, causal=False),
     "sliding_window": AttnMask.sliding_window(T, 7, 3),
     "doc_window": AttnMask.varlen(CU, causal=True, window=5),
     "block_causal": AttnMask.block_causal(LENS, 6),

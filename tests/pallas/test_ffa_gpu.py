@@ -21,7 +21,7 @@ ZOO = {
     "causal": AttnMask.causal(2048),
     "causal_rect": AttnMask.causal(1000, 2600),
     "doc_causal": AttnMask.varlen(CU, causal=True),
-    "doc_full": AttnMask.varlen(CU),
+    "doc_full": AttnMask.varlen(CU, causal=False),
     "swa_causal": AttnMask.varlen([0, T], causal=True, window=300),
     "sliding_window": AttnMask.sliding_window(T, 200, 77),
     "block_causal": AttnMask.block_causal(DOCS, 200),

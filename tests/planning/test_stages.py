@@ -82,8 +82,8 @@ def test_stages_split_remote_kv_evenly_and_stack():
 
 
 def test_no_remote_kv_gives_single_host_stage():
-    plan = D.build_dist_plan(AttnMask.varlen([0, 16, 32]), S.solve_dispatch(
-        AttnMask.varlen([0, 16, 32]), 2, 16, "contiguous"), 2, 8, 8)
+    plan = D.build_dist_plan(AttnMask.varlen([0, 16, 32], causal=False), S.solve_dispatch(
+        AttnMask.varlen([0, 16, 32], causal=False), 2, 16, "contiguous"), 2, 8, 8)
     assert len(plan.stages) == 1 and plan.stages[0].cast is None
     assert plan.overlap_degree == 0 and plan.remote_tokens.tolist() == [0, 0]
 
