@@ -1,6 +1,7 @@
-"""The examples and tools a newcomer runs: the training example (a few steps, loss falls,
-step-0 check passes), the shard_map notebook (executes), the pictures (non-empty PNGs of the
-expected size) and the command-line planner (1M tokens over cp 64)."""
+"""The examples and tools a newcomer runs: the training example (a few steps, a new packing
+every step and one compilation, loss falls, step-0 check passes), the shard_map notebook
+(executes), the pictures (non-empty PNGs of the expected size) and the command-line planner
+(1M tokens over cp 64)."""
 
 import json
 import os
@@ -52,6 +53,13 @@ def test_train_example_runs_loss_falls_and_matches_single_device(tmp_path):
     assert len(loss) == 12 and np.isfinite(loss).all()
     assert np.mean(loss[-3:]) < np.mean(loss[:3]) - 0.1, loss
     assert log["devices"] == 4 and log["tokens_per_second"] > 0
+    # A new packing every step, one compilation of the train step (keys at one capacity).
+    layouts = log["layouts"]
+    assert len(layouts) == 12 and all(sum(x) == 1024 and len(x) == 6 for x in layouts)
+    assert len({tuple(x) for x in layouts}) == 12, layouts
+    assert log["compilations"] == 1
+    assert "train step compiled 1 time for 12 steps with 12 different layouts" in res.stdout
+    assert log["attn_dtype"] == "float32" and log["ffa_backend"] == "xla"     # CPU
 
 
 def test_notebook_executes(tmp_path):
