@@ -106,8 +106,10 @@ def main(argv=None):
     # Segment ids: [1, T] layout, the plan built on the device from traced ids.
     ids = [jnp.asarray(_segment_ids(m, t))[None] for m in masks]
     q4, k4, v4, do4 = (x[None] for x in (q, k, v, do))
+    # The same capacity as the host plans (the default bound fits every packing of the
+    # length and costs the device builder its sort over that many items).
     seg = jax.jit(_fwd_bwd(lambda q_, k_, v_, s: mj.dot_product_attention(
-        q_, k_, v_, segment_ids=s, is_causal=True)))
+        q_, k_, v_, segment_ids=s, is_causal=True, capacity=cap)))
     jax.block_until_ready(seg(q4, k4, v4, do4, ids[0]))
     seg_calls = [(seg, (q4, k4, v4, do4, s)) for s in ids]
     host_calls = [(dyn, (q, k, v, do, p)) for p in plans]   # same packings, host plans

@@ -22,8 +22,15 @@ def _step():
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
 
+@pytest.fixture
+def float32_matmuls():
+    """float32 tests mean float32 matmuls (GPUs default to TF32 otherwise)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 @pytest.mark.parametrize("packings", ["varlen", "mixed"])
-def test_twenty_packings_compile_once(packings):
+def test_twenty_packings_compile_once(packings, float32_matmuls):
     masks = list((varlen_packings if packings == "varlen" else mixed_packings)(T, 20, seed=3))
     capacity = mj.PlanCapacity.from_masks(masks)
     step = _step()
