@@ -301,3 +301,19 @@ def test_position_ids_on_either_mesh():
         if kind == "explicit":       # typed P("cp"): JAX asks for an out_sharding to index
             rep = jax.sharding.reshard(pos, NamedSharding(key.mesh, P()))
             np.testing.assert_array_equal(np.asarray(rep[:10]), head)
+
+
+def test_pallas_key_names_unsupported_inputs():
+    """A key on the Mosaic GPU kernels (the default on sm90) rejects inputs they cannot take,
+    naming the fix, before any kernel is traced."""
+    import jax
+    import jax.numpy as jnp
+    import pytest
+
+    import magi_jax as mj
+    mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    key = mj.make_flex_key(mj.AttnMask.causal(256), mesh, "cp", ffa_backend="pallas")
+    x = mj.dispatch(jnp.zeros((256, 2, 64), jnp.float32), key)
+    with pytest.raises(ValueError, match="ffa_backend='xla'"):
+        mj.magi_attention(x, x, x, key)

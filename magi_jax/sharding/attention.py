@@ -253,6 +253,14 @@ def _check_inputs(q, k, v, key):
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise TypeError(f"magi_attention: q, k, v have dtype {q.dtype}; attention needs "
                         "floating-point inputs (bfloat16, float16 or float32)")
+    if key.ffa_backend == "pallas":
+        from magi_jax.pallas.api import supported
+        ok, why = supported(q, k, v, check_device=False)
+        if not ok:
+            raise ValueError(f"magi_attention: the key runs the Mosaic GPU kernels "
+                             f"(ffa_backend='pallas', the default on sm90 GPUs), which cannot "
+                             f"take these inputs: {why}; cast q, k, v to bfloat16, or build "
+                             "the key with ffa_backend='xla'")
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_dispatched_layout(name, x, key)
 
