@@ -1,5 +1,6 @@
 """Collective benchmark: the native group collectives (NVSHMEM FFI) against XLA's collectives
-and a peer copy, on 2 GPUs with one process per GPU (issue 5, PERF.md target C1).
+and a peer copy, on 2 GPUs with one process per GPU (target: a 256 MiB cast at ≥ 335 GB/s
+and ≥ 0.85× the peer copy; benchmarks/results/collectives/LATEST.md).
 
 Every rank sends ``size`` bytes (bf16 rows of ``--row-kib`` KiB) to the other rank:
   native_cast / native_reduce   magi_jax.sharding.native through group_cast / group_reduce (reduce:

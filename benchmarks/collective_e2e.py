@@ -43,7 +43,7 @@ def e2e(args, mesh, me):
 
     from magi_jax.mask_zoo import scaled_doc_lengths
     total = args.e2e_tokens
-    lens = scaled_doc_lengths(total)          # PERF.md's documents (mask_zoo.DOC_LENGTHS)
+    lens = scaled_doc_lengths(total)          # the benchmark documents (mask_zoo.DOC_LENGTHS)
     mask = AttnMask.varlen(np.cumsum([0] + lens), causal=True)
     H, D = 16, 128
     rep = NamedSharding(mesh, P())

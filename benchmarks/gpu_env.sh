@@ -1,6 +1,6 @@
 # Source this on a GPU machine before the benchmarks: puts the repository on PYTHONPATH and,
-# when the anchor wheels were carried along (.anchors/wheels, .anchors/stubs: a copy of
-# ../shared/anchors, which .git/info/exclude keeps out of the repository), installs them
+# when the anchor wheels were carried along (.anchors/wheels, .anchors/stubs: a copy of the
+# anchor wheels (tokamax) carried to the GPU machine, kept out of git), installs them
 # (tokamax and its pure-Python dependencies) into a scratch site and adds it and the xprof
 # stub too. Prints whether tokamax imports, so a run without the anchor is visible at once.
 _root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -1,13 +1,14 @@
 """Kernel benchmark: FFA (pallas, xla) against cuDNN, tokamax and dense XLA over the mask zoo.
 
 TFLOP/s are counted from the mask area: ``4·area·Hq·D·B`` forward, 3.5× that for
-forward+backward (PERF.md), 2.5× for the backward alone (``--modes bwd``). Writes ``benchmarks/results/kernel/kernel_<date>_<device>.{json,md}``.
+forward+backward, 2.5× for the backward alone (``--modes bwd``). Writes ``benchmarks/results/kernel/kernel_<date>_<device>.{json,md}``.
 
     PYTHONPATH=. python benchmarks/kernel_bench.py --lengths 16384 --masks full,causal
     PYTHONPATH=. python benchmarks/kernel_bench.py --preset acceptance
     PYTHONPATH=. python benchmarks/kernel_bench.py --judge benchmarks/results/kernel/kernel_<...>.json
 
-The markdown ends with the acceptance lines of issue 3 that the run measured.
+The markdown ends with the acceptance lines (``ISSUE_LINES``: FFA against cuDNN, and absolute
+TFLOP/s) that the run measured.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ _PERSISTENT_IMPLS = ("ffa_pallas:persistent=0", "ffa_pallas:persistent=132",
 _BWD_KNOB_IMPLS = ("ffa_pallas", "ffa_pallas:head_major=1:fma_softmax=1:dkv_num_stages=3")
 # (mask, length, impls or None for --impls[, modes instead of --modes]).
 PRESETS = {
-    # The acceptance lines of issue 3: full/causal 16k (B=2) and doc-causal 32k against the
+    # The acceptance lines: full/causal 16k (B=2) and doc-causal 32k against the
     # anchors; every other zoo mask at 16k for FFA itself (ratio to its causal rate).
     "acceptance": [("full", 16384, None), ("causal", 16384, None), ("doc_causal", 32768, None)]
                   + [(m, 16384, ("ffa_pallas",)) for m in ZOO if m not in ("full", "causal")],
@@ -68,7 +69,7 @@ PRESETS = {
 }
 
 
-# Issue 3's acceptance lines on FFA pallas: (mask, length, mode, against, target), against
+# The acceptance lines on FFA pallas: (mask, length, mode, against, target), against
 # "cudnn" (a ratio to cuDNN in the same run) or "tflops" (absolute). Every other zoo mask:
 # forward+backward >= 0.8x FFA's own causal rate at the same length.
 ISSUE_LINES = (("full", 16384, "fwd", "cudnn", 0.95), ("full", 16384, "fwd+bwd", "cudnn", 0.85),
@@ -137,8 +138,8 @@ def attention_fn(impl: str, mask: AttnMask, name: str):
             return functools.partial(jax.nn.dot_product_attention, is_causal=name == "causal",
                                      implementation=kind)
         if t > 32768 or (impl == "cudnn" and name != "doc_causal"):
-            raise NotImplementedError("dense bool mask: only doc_causal up to 32k (PERF.md's "
-                                      "comparison; ~23 TFLOP/s, the cost is Tq·Tk)")
+            raise NotImplementedError("dense bool mask: only doc_causal up to 32k (the "
+                                      "benchmark's comparison; ~23 TFLOP/s, the cost is Tq·Tk)")
         dense = jnp.asarray(mask.to_dense(max_cells=1 << 31))[None, None]
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense,
                                                             implementation=kind)
@@ -264,7 +265,7 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tokens-per-batch", type=int, default=32768,
-                   help="batch = max(1, this // length) (PERF.md: B=2 at 16k, 1 at 32k)")
+                   help="batch = max(1, this // length) (default: B=2 at 16k, 1 at 32k)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kernel"))
     p.add_argument("--tag", default="")
     p.add_argument("--judge", metavar="JSON", default=None,

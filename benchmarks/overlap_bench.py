@@ -1,4 +1,4 @@
-"""Does communication overlap compute in ``magi_attention``? (DESIGN.md §7, issue 4.)
+"""Does communication overlap compute in ``magi_attention``? (docs/design.md §3.2.)
 
 For each case, three separately jitted programs over the mesh (``benchmarks.probe``):
 ``comm`` alone (the group-casts; with the backward also the group-reduces), ``compute`` alone

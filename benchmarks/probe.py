@@ -1,5 +1,5 @@
 """Overlap probe: the pieces of ``magi_attention`` as separately jitted programs, to prove
-(or disprove) that communication overlaps compute (DESIGN.md §7): time ``comm`` alone,
+(or disprove) that communication overlaps compute (docs/design.md §3.2): time ``comm`` alone,
 ``compute`` alone (FFA stages on pre-fetched KV), and ``both`` (the real thing). Overlap
 hides ``comm + compute − both`` of the communication.
 
@@ -189,7 +189,7 @@ def measure_overlap(key: MagiKey, q, k, v, *, backward: bool = False, iters: int
     """Timings (ms) of ``comm`` alone, ``compute`` alone and ``both``, the communication they
     hide (``hidden_ms = comm + compute − both``, clipped at 0; ``hidden_fraction`` of comm),
     and the per-device TFLOP/s of ``both`` counted on the most loaded rank's area
-    (``4·area·Hq·D``, ×3.5 with the backward; PERF.md) — the figure to compare with
+    (``4·area·Hq·D``, ×3.5 with the backward) — the figure to compare with
     single-device FFA on the same per-device work."""
     fns = overlap_probe(key, q, k, v, backward=backward, **attention_kwargs)
     bufs = fns["comm"](k, v)

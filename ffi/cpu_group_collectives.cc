@@ -1,4 +1,4 @@
-// CPU handlers of the native group collectives (magi_jax/sharding/native/, DESIGN.md §8).
+// CPU handlers of the native group collectives (magi_jax/sharding/native/, docs/design.md §3.2).
 //
 // Same semantics as the CUDA/NVSHMEM handlers and the NumPy models `cast_model` /
 // `reduce_model` of magi_jax/sharding/collectives.py, for the host devices of ONE process:

@@ -51,7 +51,8 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=parse_tokens, default="4k",
                     help="window / block size of the windowed masks (default 4k)")
     ap.add_argument("--docs", type=int, default=None,
-                    help="number of random-length documents (default: PERF.md's 10)")
+                    help="number of random-length documents (default: the benchmark's 10, "
+                         "mask_zoo.DOC_LENGTHS)")
     ap.add_argument("--chunk-size", type=int, default=None,
                     help="dispatch chunk in tokens (default: the solver's choice)")
     ap.add_argument("--overlap-degree", type=int, default=None,

@@ -1,4 +1,4 @@
-"""Attention masks as lists of slices: what a mask *is* (DESIGN.md §1).
+"""Attention masks as lists of slices: what a mask *is* (docs/masks.md).
 
 A mask over packed queries ``[0, total_q)`` and keys ``[0, total_k)`` is the union of slices
 ``(q_range, k_range, type)``. Every slice, whatever its type, is one *shape*: the lattice cells
@@ -33,7 +33,7 @@ _OVERLAP_CHUNK = 1 << 22
 
 
 class AttnMaskType(enum.IntEnum):
-    """Type of one slice; see DESIGN.md §1 for the exact cells of each."""
+    """Type of one slice; see docs/masks.md for the exact cells of each."""
 
     FULL = 0
     CAUSAL = 1
@@ -249,7 +249,7 @@ class AttnMask:
 
     @functools.cached_property
     def area(self) -> int:
-        """Exact number of attended (q, k) cells (DESIGN.md §1), as a Python int."""
+        """Exact number of attended (q, k) cells (docs/masks.md), as a Python int."""
         return int(self.shapes.areas().sum())
 
     def __hash__(self) -> int:

@@ -18,7 +18,7 @@ from magi_jax.mask import AttnMask
 __all__ = ["DOC_LENGTHS", "REFERENCE_TOTAL", "MASKS", "scaled_doc_lengths",
            "random_doc_lengths", "make_mask", "zoo"]
 
-# The ten documents of PERF.md's document-causal mask: 32768 tokens in all.
+# The ten documents of the benchmarks' document-causal mask: 32768 tokens in all.
 DOC_LENGTHS = (7040, 5376, 4352, 2560, 2816, 768, 1024, 512, 1792, 6528)
 REFERENCE_TOTAL = sum(DOC_LENGTHS)
 # The masks of the zoo, by the names the planner CLI accepts (``--mask``).

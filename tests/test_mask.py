@@ -9,7 +9,7 @@ from tests.strategies import slice_masks
 
 
 def _slice_dense(sq, sk, t):
-    """DESIGN.md §1 table, cell by cell."""
+    """docs/masks.md's matrices, cell by cell."""
     i = np.arange(sq)[:, None]
     j = np.arange(sk)[None, :]
     return {0: np.ones((sq, sk), bool), 1: j <= i + (sk - sq), 2: j >= i,
@@ -24,7 +24,7 @@ def _dense_count(mask):
     return cnt
 
 
-# ---- the exact matrices of DESIGN.md §1 ------------------------------------------------------
+# ---- the exact matrices of docs/masks.md ------------------------------------------------------
 
 DESIGN_EXAMPLES = {
     (5, 2, "causal"): "00 00 00 10 11",

@@ -2,7 +2,8 @@
 
 Materialises the ``[Tq, Tk]`` mask and scores, so it is for tests and small problems only.
 It runs in the inputs' dtype (``float64`` too, with ``jax_enable_x64``), which makes it both
-the float64 oracle and the "straightforward low-precision computation" of DESIGN.md §6.
+the float64 oracle and the "straightforward low-precision computation" of the correctness
+rule (docs/design.md §5).
 """
 
 from __future__ import annotations

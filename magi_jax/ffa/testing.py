@@ -1,4 +1,4 @@
-"""How correctness is judged (DESIGN.md §6), as reusable test helpers.
+"""How correctness is judged (docs/design.md §5), as reusable test helpers.
 
 For ``out``, ``lse``, ``dq``, ``dk``, ``dv``: ``‖x − ref64‖∞ ≤ max(floor, 2·‖ref_lp − ref64‖∞)``
 where ``ref64`` is the dense reference in float64 and ``ref_lp`` the same reference run in the
@@ -76,7 +76,8 @@ def _max_err(x, ref):
 def assert_matches_reference(results: dict, q, k, v, mask: AttnMask, dout=None, dlse=None, *,
                              softmax_scale=None, softcap=0.0, floor: float | None = None,
                              ref64: dict | None = None, ref_lp: dict | None = None) -> dict:
-    """Checks ``results`` (any of out, lse, dq, dk, dv) against the rule of DESIGN.md §6.
+    """Checks ``results`` (any of out, lse, dq, dk, dv) against the correctness rule
+    (docs/design.md §5).
 
     Returns the per-quantity ``(error, bound)`` table; raises ``AssertionError`` naming every
     quantity that fails. Pass ``ref64``/``ref_lp`` to reuse references across calls.

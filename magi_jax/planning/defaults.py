@@ -14,7 +14,7 @@ from magi_jax.planning.stages import split_areas
 
 __all__ = ["default_overlap_degree", "capacity_chunk_size", "capacity_overlap_degree"]
 
-# Cost model of the default overlap degree (H200 figures of PERF.md, bf16, Hq = Hkv = 16,
+# Cost model of the default overlap degree (H200 figures, bf16, Hq = Hkv = 16,
 # D = 128): seconds per attended cell, per fetched KV token, per stage (fixed, and per local
 # token: the stage's merge and the second kernel's tail), and the share of the ideal overlap
 # that XLA achieves. The last three from benchmarks/results/overlap/overlap_20261130_0800 (2 H200s,

@@ -1,5 +1,5 @@
 """Context parallelism: dispatch solver, distributed plan, group collectives, ``shard_map``
-attention and keys (DESIGN.md §3).
+attention and keys (docs/design.md §3.2, §4.2).
 
     mesh = jax.make_mesh((8,), ("cp",))
     key = mj.make_flex_key(mask, mesh, "cp")          # host planning, cached

@@ -176,7 +176,7 @@ class group_send_back:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def rank_stages(q, kv, stage_arrays, cfg: _StagesCfg, fetcher=group_fetch,
                 sender=group_send_back):
-    """One rank's stages and merge -> ``(out, lse)``. Backward (DESIGN.md §2.5): re-fetch
+    """One rank's stages and merge -> ``(out, lse)``. Backward (docs/design.md §3.2): re-fetch
     each remote stage's KV (``cfg.refetch``; else keep the forward's buffers), FFA backward
     per stage from the merged ``(out, lse)``, partial dK/dV sent back to the owners.
     ``fetcher`` / ``sender`` (static) make the ``fetch`` / ``send_back`` of

@@ -189,7 +189,7 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
         :func:`~magi_jax.sharding.magi_attention` rejects other inputs, naming the fix).
       backward_refetch: the backward re-fetches each remote stage's KV (one more group-cast
         per stage) instead of keeping every stage's buffer from the forward (memory: local
-        KV plus the stage in flight; DESIGN.md §2.5). ``False`` keeps the buffers (less
+        KV plus the stage in flight; docs/design.md §3.2). ``False`` keeps the buffers (less
         communication, more memory).
       capacity: a :class:`~magi_jax.planning.capacity.PlanCapacity` over ``total`` tokens:
         the key's arrays and static part then depend on (mesh, axis, capacity, options)

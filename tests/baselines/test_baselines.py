@@ -1,5 +1,6 @@
 """The context-parallel baselines (ring attention, all-gather CP, Ulysses) on 8 CPU host devices
-against the float64 dense reference, by DESIGN.md §6 (forward and gradients).
+against the float64 dense reference, by the correctness rule of docs/design.md §5 (forward and
+gradients).
 
 Compilation dominates on CPU, so each baseline is compiled once for all four masks: the masks'
 plans are padded to one shape and passed as arguments, the data is (un)dispatched on the host.

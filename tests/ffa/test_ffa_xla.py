@@ -1,4 +1,4 @@
-"""The xla backend of flex_flash_attention against the float64 reference (DESIGN.md §6)."""
+"""The xla backend of flex_flash_attention against the float64 reference (docs/design.md §5)."""
 
 import functools
 

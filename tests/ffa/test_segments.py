@@ -178,7 +178,7 @@ def test_overflow_reports_needed_and_contiguity_check():
 
 def test_pallas_interpret_on_device_lists():
     """The Mosaic GPU kernels in interpret mode, driven by lists built in the same jit from
-    traced segment ids (forward and backward), against the reference by DESIGN.md §6."""
+    traced segment ids (forward and backward), against the reference by docs/design.md §5."""
     from magi_jax.ffa.testing import assert_matches_reference, random_inputs
     from magi_jax.pallas import ffa_pallas
     from magi_jax.planning.work_list import (DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K,
@@ -303,7 +303,7 @@ def test_over_capacity_and_split_ids_raise():
 @pytest.mark.parametrize("backend", ["pallas", "xla"])
 def test_gpu_backends_against_reference(backend):
     """On a GPU: both backends from device-built lists, one compilation over packings, judged
-    by DESIGN.md §6 against the dense reference of the same packed mask."""
+    by docs/design.md §5 against the dense reference of the same packed mask."""
     from magi_jax.ffa.testing import assert_matches_reference
     from magi_jax.pallas import device_supported
     if backend == "pallas" and not device_supported()[0]:

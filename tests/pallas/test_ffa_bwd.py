@@ -1,5 +1,5 @@
 """The backward kernels' persistent mode (``bwd_persistent``) in Mosaic GPU interpret mode on
-the CPU (tiny shapes): against the float64 reference by DESIGN.md §6, bit for bit against one
+the CPU (tiny shapes): against the float64 reference by docs/design.md §5, bit for bit against one
 program per unit, free of races by the interpreter's race detector, and lowered for sm90."""
 
 import contextlib

@@ -1,5 +1,5 @@
 """The pallas kernels on a real sm90 GPU at realistic sizes, against the float64 reference
-(DESIGN.md §6). Skipped without a Hopper GPU."""
+(docs/design.md §5). Skipped without a Hopper GPU."""
 
 import jax
 import jax.numpy as jnp

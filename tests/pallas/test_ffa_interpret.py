@@ -1,5 +1,5 @@
 """The pallas kernels in Mosaic GPU interpret mode on the CPU (tiny shapes), against the
-float64 reference by DESIGN.md §6. Interpret mode fills fresh buffers with NaN, so an output
+float64 reference by docs/design.md §5. Interpret mode fills fresh buffers with NaN, so an output
 element the kernels forget to write fails the NaN check: the outputs are poisoned."""
 
 import functools

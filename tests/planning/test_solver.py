@@ -93,8 +93,8 @@ def _zoo_large(t):
 
 @pytest.mark.parametrize("cp", [8, 64])
 def test_s1_balance_and_remote_kv_on_zoo(cp):
-    """S1 (PERF.md) at 128k tokens: max/mean ≤ 1.02, remote KV ≤ ring attention's, and the
-    refinements do not lose to plain greedy (balance) or to no comm pass (remote KV)."""
+    """The solver's target at 128k tokens: max/mean ≤ 1.02, remote KV ≤ ring attention's, and
+    the refinements do not lose to plain greedy (balance) or to no comm pass (remote KV)."""
     t = 1 << 17
     totals = [0, 0]
     for name, mask in _zoo_large(t).items():

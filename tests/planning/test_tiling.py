@@ -45,7 +45,7 @@ def test_hand_checked_causal():
 def test_cost_follows_area_32k_document_mask(block):
     """A 32k document-causal mask: the plan visits the tiles that hold cells, no more —
     at most area/(bq·bk) full tiles plus the boundary tiles — not (Tq/bq)·(Tk/bk)."""
-    lens = list(DOC_LENGTHS)   # PERF.md documents
+    lens = list(DOC_LENGTHS)   # the benchmark documents
     m = AttnMask.varlen(np.cumsum([0] + lens), causal=True)
     items = tile_items(m.shapes, m.total_q, m.total_k, block, block)
     nt = -(-m.total_q // block)

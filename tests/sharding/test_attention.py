@@ -1,5 +1,5 @@
 """magi_attention through dispatch/undispatch on 8 CPU host devices vs the single-device
-float64 reference, by DESIGN.md §6 (forward and gradients)."""
+float64 reference, by the correctness rule of docs/design.md §5 (forward and gradients)."""
 
 import functools
 

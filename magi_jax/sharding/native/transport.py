@@ -3,7 +3,7 @@
 Two shared libraries, built by the package build (``CMakeLists.txt``):
 
 - ``_magi_native_cpu.so`` — CPU handlers. The host devices of one process meet in a
-  rendezvous, publish their buffers and each pulls what its tables say (DESIGN.md §8). It
+  rendezvous, publish their buffers and each pulls what its tables say (docs/design.md §3.2). It
   exists so that the FFI path runs in CI; it is not a fast path.
 - ``_magi_native_cuda.so`` — CUDA handlers over NVSHMEM, one process per GPU. One kernel per
   collective: some blocks move their rows chunk by chunk through a symmetric staging buffer
@@ -88,7 +88,7 @@ class CudaTuning:
     (serialised with the attention kernels); ``n > 0`` places it on XLA's explicit GPU stream
     ``n`` (``compute_on("gpu_stream:n")``, an async call XLA joins before the consumers);
     ``"collective"`` on XLA's collective stream (``compute_on("gpu_stream:collective")``,
-    DESIGN.md §7). On 2 H200s with jax 0.11.2 neither stream overlapped the attention: XLA
+    docs/design.md §3.2). On 2 H200s with jax 0.11.2 neither stream overlapped the attention: XLA
     joined each call right after starting it (Run 7 of
     ``benchmarks/results/collectives/collective_notes.md``).
     ``started_reduce``: the attention's backward starts the group-reduce of its last remote
