@@ -7,7 +7,7 @@ forward+backward, 2.5× for the backward alone (``--modes bwd``). Writes ``bench
     PYTHONPATH=. python benchmarks/kernel_bench.py --preset acceptance
     PYTHONPATH=. python benchmarks/kernel_bench.py --judge benchmarks/results/kernel/kernel_<...>.json
 
-The markdown ends with the acceptance lines (``ISSUE_LINES``: FFA against cuDNN, and absolute
+The markdown ends with the acceptance lines (``TARGET_LINES``: FFA against cuDNN, and absolute
 TFLOP/s) that the run measured.
 """
 
@@ -72,7 +72,7 @@ PRESETS = {
 # The acceptance lines on FFA pallas: (mask, length, mode, against, target), against
 # "cudnn" (a ratio to cuDNN in the same run) or "tflops" (absolute). Every other zoo mask:
 # forward+backward >= 0.8x FFA's own causal rate at the same length.
-ISSUE_LINES = (("full", 16384, "fwd", "cudnn", 0.95), ("full", 16384, "fwd+bwd", "cudnn", 0.85),
+TARGET_LINES = (("full", 16384, "fwd", "cudnn", 0.95), ("full", 16384, "fwd+bwd", "cudnn", 0.85),
                ("causal", 16384, "fwd", "cudnn", 0.95),
                ("causal", 16384, "fwd+bwd", "cudnn", 0.85),
                ("doc_causal", 32768, "fwd", "tflops", 550.0),
@@ -274,7 +274,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.judge:
         with open(a.judge) as f:
-            checks = issue_lines(json.load(f)["rows"])
+            checks = target_lines(json.load(f)["rows"])
         for c in checks:
             print(f"{c['line']:32s} {c['target']:22s} {c['value']:9.3f}  "
                   f"{'holds' if c['holds'] else 'FAILS'}")
@@ -323,13 +323,13 @@ def main(argv=None):
     return rows
 
 
-def issue_lines(rows):
+def target_lines(rows):
     """The acceptance lines that ``rows`` measure: dicts of ``line``, ``target``, ``value``
     (a ratio, or TFLOP/s for an absolute target) and ``holds``."""
     rate = {(r["mask"], r["length"], r["mode"], r["impl"]): r["tflops"]
             for r in rows if "tflops" in r}
     out = []
-    for mask, length, mode, against, target in ISSUE_LINES:
+    for mask, length, mode, against, target in TARGET_LINES:
         mine = rate.get((mask, length, mode, "ffa_pallas"))
         if mine is None:
             continue
@@ -365,9 +365,9 @@ def markdown(rows, meta) -> str:
             why = r.get("skipped") or r.get("error")
             lines.append(f"| {r['mask']} | {r['length']} | - | {r['impl']} | - | "
                          f"{'skipped' if 'skipped' in r else 'ERROR'}: {why} |")
-    checks = issue_lines(rows)
+    checks = target_lines(rows)
     if checks:
-        lines += ["", "Issue 3 acceptance lines measured in this run:", "",
+        lines += ["", "Kernel targets measured in this run:", "",
                   "| line | target | value | holds |", "|---|---|---|---|"]
         lines += [f"| {c['line']} | {c['target']} | {c['value']:.3f} | "
                   f"{'yes' if c['holds'] else 'no'} |" for c in checks]

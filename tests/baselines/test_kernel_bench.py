@@ -7,7 +7,7 @@ def _row(mask, length, mode, impl, tflops):
     return dict(mask=mask, length=length, mode=mode, impl=impl, tflops=tflops, ms=1.0)
 
 
-def test_issue_lines_ratios_absolutes_and_zoo():
+def test_target_lines_ratios_absolutes_and_zoo():
     rows = [_row("full", 16384, "fwd", "ffa_pallas", 570.0),
             _row("full", 16384, "fwd", "cudnn", 600.0),       # 0.95: holds at the line
             _row("full", 16384, "fwd+bwd", "ffa_pallas", 400.0),
@@ -19,7 +19,7 @@ def test_issue_lines_ratios_absolutes_and_zoo():
             _row("prefix_lm", 16384, "fwd+bwd", "tokamax", 10.0),
             dict(mask="doc_full", length=16384, impl="cudnn", mode="-", skipped="no mask")]
     got = {c["line"]: (c["target"], round(c["value"], 4), c["holds"])
-           for c in kb.issue_lines(rows)}
+           for c in kb.target_lines(rows)}
     assert got == {
         "full 16384 fwd": (">= 0.95x cudnn", 0.95, True),
         "full 16384 fwd+bwd": (">= 0.85x cudnn", 0.8, False),
@@ -33,11 +33,11 @@ def test_issue_lines_ratios_absolutes_and_zoo():
     assert "| full 16384 fwd+bwd | >= 0.85x cudnn | 0.800 | no |" in md
 
 
-def test_issue_lines_skip_what_was_not_measured():
+def test_target_lines_skip_what_was_not_measured():
     # No cuDNN row for the ratio lines, no causal row for the zoo line: nothing to judge.
     rows = [_row("full", 16384, "fwd", "ffa_pallas", 570.0),
             _row("block_causal", 8192, "fwd+bwd", "ffa_pallas", 400.0)]
-    assert kb.issue_lines(rows) == []
+    assert kb.target_lines(rows) == []
     assert "acceptance lines" not in kb.markdown(rows, dict(
         date="d", device="dev", versions={}, heads=1, kv_heads=1, head_dim=64,
         dtype="bfloat16", tokens_per_batch=1, flops="f"))
