@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from magi_jax.mask import AttnMask
 from magi_jax.ffa.plan import AttnPlan
+from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.ffa.xla import xla_ffa
 from magi_jax.planning.work_list import backend_blocks, plan_for_mask
 
@@ -91,9 +92,10 @@ def _check_shapes(q, k, v, total_q: int, total_k: int, what: str):
         raise TypeError(f"dtype {q.dtype} is not supported; use bfloat16, float16 or float32")
 
 
-def flex_flash_attention(q, k, v, mask: AttnMask | AttnPlan, *, softmax_scale: float | None = None,
-                         softcap: float = 0.0, backend: str = "auto",
-                         block_q: int | None = None, block_k: int | None = None):
+def flex_flash_attention(q, k, v, mask: AttnMask | AttnPlan, *,
+                         softmax_scale: float | None = None, softcap: float = 0.0,
+                         backend: str = "auto", block_q: int | None = None,
+                         block_k: int | None = None, sink=None):
     """Exact attention of ``q`` over ``k``/``v`` restricted to ``mask``.
 
     Args:
@@ -111,11 +113,21 @@ def flex_flash_attention(q, k, v, mask: AttnMask | AttnPlan, *, softmax_scale: f
       block_q, block_k: tile sizes of the ``xla`` backend (default: 128, smaller for
         short sequences).
 
+      sink: optional attention-sink logits ``[S, Hq]`` (float32, 1 <= S <= 8): they join
+        every row's softmax denominator and add nothing to the output; differentiable
+        (:mod:`magi_jax.ffa.sinks`). ``lse`` then includes them.
+
     Returns:
       ``(out, lse)``: ``out`` like ``q``; ``lse`` ``[(B,) Tq, Hq]`` float32, natural log.
       Rows that see no key get ``out = 0``, ``lse = -inf`` and zero gradients.
       Differentiable in q, k, v; works under ``jit``, ``grad`` and ``vmap``.
     """
+    if sink is not None:
+        check_sink(sink, q.shape[-2])
+        out, lse = flex_flash_attention(q, k, v, mask, softmax_scale=softmax_scale,
+                                        softcap=softcap, backend=backend, block_q=block_q,
+                                        block_k=block_k)
+        return apply_sink(out, lse, sink)
     if softcap != softcap or softcap < 0:
         raise ValueError(f"softcap={softcap} must be a number >= 0 (0 disables soft-capping)")
     if softmax_scale is not None and not float(softmax_scale) == float(softmax_scale):

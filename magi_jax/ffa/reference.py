@@ -16,8 +16,10 @@ from magi_jax.mask import AttnMask
 __all__ = ["reference_attention", "reference_attention_vjp", "dense_attention"]
 
 
-def _attend(q, k, v, dense, scale, softcap):
-    """q [..., Tq, Hq, D], k/v [..., Tk, Hkv, D], dense bool [Tq, Tk] -> out, lse [..., Tq, Hq]."""
+def _attend(q, k, v, dense, scale, softcap, sink=None):
+    """q [..., Tq, Hq, D], k/v [..., Tk, Hkv, D], dense bool [Tq, Tk] -> out, lse [..., Tq, Hq].
+    ``sink`` [S, Hq]: logits that join every row's softmax denominator and add nothing to
+    the output."""
     hq, hkv = q.shape[-2], k.shape[-2]
     group = hq // hkv
     k = jnp.repeat(k, group, axis=-2)
@@ -28,9 +30,14 @@ def _attend(q, k, v, dense, scale, softcap):
     allowed = jnp.asarray(dense)
     s = jnp.where(allowed, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
+    if sink is not None:
+        sink = jnp.asarray(sink, s.dtype)                         # [S, Hq]
+        m = jnp.maximum(m, jnp.max(sink, axis=0)[:, None, None])
     m = jnp.where(jnp.isfinite(m), m, 0)
     e = jnp.where(allowed, jnp.exp(s - m), 0)
     denom = jnp.sum(e, axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + jnp.sum(jnp.exp(sink[:, :, None, None] - m), axis=0)
     has_key = denom > 0
     p = e / jnp.where(has_key, denom, 1)
     out = jnp.einsum("...hqk,...khd->...qhd", p, v)
@@ -38,23 +45,26 @@ def _attend(q, k, v, dense, scale, softcap):
     return out, jnp.swapaxes(lse, -1, -2)
 
 
-def reference_attention(q, k, v, mask: AttnMask, *, softmax_scale=None, softcap: float = 0.0):
+def reference_attention(q, k, v, mask: AttnMask, *, softmax_scale=None, softcap: float = 0.0,
+                        sink=None):
     """Dense attention ``(out, lse)`` over ``mask``, computed in ``q``'s dtype.
 
     q: ``[Tq, Hq, D]`` or ``[B, Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]`` (same leading batch).
     Returns ``out`` like ``q`` and ``lse`` ``[(B,) Tq, Hq]`` float32 (float64 for float64
     inputs). Rows that see no key give ``out = 0``, ``lse = -inf`` and zero gradients.
-    Differentiable with ``jax.grad`` / ``jax.vjp``.
+    Differentiable with ``jax.grad`` / ``jax.vjp``. ``sink`` ``[S, Hq]``: attention-sink
+    logits in every row's denominator (then a row that sees no key has ``out = 0`` and
+    ``lse = logsumexp(sink)``).
     """
     return dense_attention(q, k, v, mask.to_dense(), softmax_scale=softmax_scale,
-                           softcap=softcap)
+                           softcap=softcap, sink=sink)
 
 
-def dense_attention(q, k, v, dense, *, softmax_scale=None, softcap: float = 0.0):
+def dense_attention(q, k, v, dense, *, softmax_scale=None, softcap: float = 0.0, sink=None):
     """:func:`reference_attention` with the mask given as a bool ``[Tq, Tk]`` array (may be
     traced, so one compilation serves every mask of a size)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    out, lse = _attend(q, k, v, dense, scale, softcap)
+    out, lse = _attend(q, k, v, dense, scale, softcap, sink)
     lse_dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     return out.astype(q.dtype), lse.astype(lse_dtype)
 

@@ -25,6 +25,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from magi_jax.sharding import native
 from magi_jax.sharding.collectives import _cast, _reduce, _start_reduce, group_cast
+from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.sharding.ffa_backends import get_backend
 from magi_jax.sharding.key import MagiKey, _check_key, _checked, _rows_desc
 
@@ -416,7 +417,7 @@ def _add_hidden(out, lse):
 
 
 def magi_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
-                   softcap: float = 0.0):
+                   softcap: float = 0.0, sink=None):
     """Context-parallel attention of dispatched tokens.
 
     Args:
@@ -426,6 +427,9 @@ def magi_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
         batch; dispatch with ``seq_axis=1``).
       key: from :func:`make_flex_key` / :func:`make_varlen_key`.
       softmax_scale: default ``D ** -0.5``; softcap: tanh soft-capping (0 = off).
+
+    ``sink``: optional attention-sink logits ``[S, Hq]`` (float32), applied once to the
+    merged result (:mod:`magi_jax.ffa.sinks`); their gradient sums over every rank.
 
     Returns ``(out, lse)`` in dispatched order: ``out`` like ``q``, ``lse``
     ``[(B,) padded_total, Hq]`` float32; padding rows give ``out = 0``, ``lse = -inf``.
@@ -456,7 +460,10 @@ def magi_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
     arr_specs = jax.tree.map(lambda _: plan_spec, key.stage_arrays)
     fn = jax.shard_map(body, mesh=key.mesh, in_specs=(spec, spec, spec, arr_specs),
                        out_specs=(spec, spec), check_vma=False)
-    return fn(q, k, v, key.stage_arrays)
+    if sink is None:
+        return fn(q, k, v, key.stage_arrays)
+    check_sink(sink, q.shape[-2])
+    return apply_sink(*fn(q, k, v, key.stage_arrays), sink)
 
 
 def magi_attention_local(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
