@@ -1,6 +1,6 @@
 """Dispatch solver: which chunks of the packed sequence each context-parallel rank owns.
 
-Host-only NumPy, pure and deterministic (DESIGN.md §2.1). The packed sequence (queries and
+Host-only NumPy, pure and deterministic (docs/design.md). The packed sequence (queries and
 keys share positions: self-attention) is padded to ``num_chunks · chunk_size`` tokens and cut
 into equal chunks; every rank gets the same number of chunks (hence of tokens). The compute of
 a rank is the mask area of its *query* rows, so each chunk's weight is the exact area of the
@@ -48,6 +48,9 @@ _AUTO_TARGET = 1.01
 _MAX_SWAPS_PER_RANK = 64
 # Candidate swaps the communication pass may score, per chunk (bounds planning time).
 _COMM_EVALS_PER_CHUNK = 8
+# Chunk counts (squared) up to which held key counts are summed by a product with the
+# incidence matrix (float32, exact) rather than by cumulative sums over the CSR.
+_SEEN_SUMS_MATMUL_MAX = 1 << 22
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +299,14 @@ def _refine_swaps(assign: np.ndarray, area: np.ndarray, locality=None) -> np.nda
         need = np.zeros((cp, n), np.int64)
         np.add.at(need, (owner[np.repeat(np.arange(n), np.diff(indptr))], kc), 1)
         seg = np.repeat(np.arange(n), np.diff(indptr))          # chunk of each CSR entry
+        # Which chunks' keys each rank holds (owns or needs); a swap changes two rows.
+        hold = (need > 0) | (owner[None, :] == np.arange(cp)[:, None])         # [cp, n]
+        # has[q, x]: keys of chunk x that rank q holds; kept up to date through the key
+        # chunks -> query chunks CSR (those whose rows see each key chunk).
+        has = _seen_sums(hold, indptr, kc)
+        by_key = np.argsort(kc, kind="stable")
+        key_ptr = np.searchsorted(kc[by_key], np.arange(n + 1))
+        key_of = seg[by_key]                                    # query chunk of each entry
     for _ in range(_MAX_SWAPS_PER_RANK * cp):
         top = int(np.argmax(loads))
         gap = loads[top] - loads                                # [cp]
@@ -304,9 +315,11 @@ def _refine_swaps(assign: np.ndarray, area: np.ndarray, locality=None) -> np.nda
         a = area[assign[top]]                                   # [m]
         # Ideal partner area: a_i - gap_r / 2 (the swap then evens the pair).
         target = a[None, :] - gap[:, None] // 2                 # [cp, m]
-        j = np.stack([_row_searchsorted(b, target), _row_searchsorted(b, target) - 1], -1)
+        above = _row_searchsorted(b, target)
+        j = np.stack([above, above - 1], -1)
         j = np.clip(j, 0, m - 1)                                # [cp, m, 2]
-        bj = np.take_along_axis(b[:, None, :].repeat(m, 1), j, axis=2)
+        rows = np.arange(cp)[:, None, None]
+        bj = b[rows, j]                                         # [cp, m, 2]
         d = a[None, :, None] - bj
         new_max = np.maximum(loads[top] - d, loads[:, None, None] + d)
         ok = (d > 0) & (new_max < loads[top])
@@ -320,13 +333,10 @@ def _refine_swaps(assign: np.ndarray, area: np.ndarray, locality=None) -> np.nda
         else:
             best = new_max[ok].min()
             good = ok & (new_max <= best + (loads[top] - best) // 2)
-            hold = (need > 0) | (owner[None, :] == np.arange(cp)[:, None])     # [cp, n]
             # Keys of chunk y already held by the top rank; keys of x held by each rank.
-            top_has = np.bincount(seg, weights=hold[top, kc], minlength=n)
-            y = np.take_along_axis(assign[:, None, :].repeat(m, 1),
-                                   np.take_along_axis(order[:, None, :].repeat(m, 1), j, 2), 2)
-            xs = assign[top]
-            r_has = np.stack([hold[:, kc[indptr[x]:indptr[x + 1]]].sum(1) for x in xs], 1)
+            top_has = has[top]
+            y = assign[rows, order[rows, j]]
+            r_has = has[:, assign[top]]
             gain = top_has[y] + r_has[:, :, None]
             score = np.where(good, gain * 2.0 ** 40 - new_max / max(loads[top], 1), -np.inf)
             r, i, t = np.unravel_index(int(np.argmax(score)), d.shape)
@@ -339,10 +349,33 @@ def _refine_swaps(assign: np.ndarray, area: np.ndarray, locality=None) -> np.nda
             np.add.at(need[r], sy, -1)
             np.add.at(need[top], sy, 1)
             owner[x], owner[y_] = r, top
+            for q in (top, r):
+                row = (need[q] > 0) | (owner == q)
+                changed = np.nonzero(row != hold[q])[0]
+                if len(changed):
+                    step = np.where(row[changed], 1, -1)
+                    i_, pos = ranges_repeat(key_ptr[changed], key_ptr[changed + 1])
+                    has[q] += np.bincount(key_of[pos], weights=step[i_],
+                                          minlength=n).astype(np.int64)
+                    hold[q] = row
         assign[top, i], assign[r, jj] = assign[r, jj], assign[top, i]
         loads[top] -= d[r, i, t]
         loads[r] += d[r, i, t]
     return assign
+
+
+def _seen_sums(hold: np.ndarray, indptr: np.ndarray, kc: np.ndarray) -> np.ndarray:
+    """int64 ``[R, n]``: per row of ``hold`` (bool ``[R, n]``) and chunk ``x``, how many of
+    the key chunks ``kc[indptr[x]:indptr[x + 1]]`` it holds."""
+    n = len(indptr) - 1
+    if n * n <= _SEEN_SUMS_MATMUL_MAX:
+        # hold @ incidence (exact: sums of ones below 2**24 in float32).
+        incidence = np.zeros((hold.shape[1], n), np.float32)
+        incidence[kc, np.repeat(np.arange(n), np.diff(indptr))] = 1
+        return (hold.astype(np.float32) @ incidence).astype(np.int64)
+    cum = np.zeros((hold.shape[0], len(kc) + 1), np.int32)
+    np.cumsum(hold[:, kc], axis=1, dtype=np.int32, out=cum[:, 1:])
+    return (cum[:, indptr[1:]] - cum[:, indptr[:-1]]).astype(np.int64)
 
 
 def _row_searchsorted(b: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -361,8 +394,20 @@ def _chunk_kv_extents(mask: AttnMask, chunk_size: int, n: int):
     """Per chunk, the key chunks its rows see, as a CSR (indptr, key-chunk ids); cached (the
     communication-aware passes of one solve share it)."""
     s, chunk, a, b, k0, k1 = slice_chunk_pairs(mask.shapes, chunk_size)
-    owner, kc = ranges_repeat(k0 // chunk_size, (k1 - 1) // chunk_size + 1)
-    pairs = np.unique(chunk[owner] * n + kc)
+    # (query chunk, key chunk) pairs as keys qc * n + kc: each (slice, chunk) pair sees a
+    # range of them; their union, sorted, is np.unique of every range's keys.
+    lo = chunk * n + k0 // chunk_size
+    hi = chunk * n + (k1 - 1) // chunk_size + 1
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], hi[order]
+    if len(lo):
+        reach = np.maximum.accumulate(hi)
+        new = np.ones(len(lo), bool)
+        new[1:] = lo[1:] > reach[:-1]
+        first = np.nonzero(new)[0]
+        last = np.append(first[1:], len(lo)) - 1
+        lo, hi = lo[first], reach[last]
+    _, pairs = ranges_repeat(lo, hi)
     qc, kc = pairs // n, pairs % n
     indptr = np.searchsorted(qc, np.arange(n + 1))
     return indptr, kc
@@ -520,7 +565,7 @@ def _solve(mask: AttnMask, cp: int, chunk_size: int, algorithm: str) -> Dispatch
     n = m * cp
     area = chunk_areas(mask, chunk_size, n)
     if algorithm in ("magi", "balance"):
-        assign = _refine_swaps(_greedy(n, cp, area), area)
+        assign = _balanced(n, cp, area)
         if algorithm == "magi":
             alt = _greedy_affinity(n, cp, area, mask, chunk_size)
             indptr, kc = _chunk_kv_extents(mask, chunk_size, n)
@@ -533,6 +578,20 @@ def _solve(mask: AttnMask, cp: int, chunk_size: int, algorithm: str) -> Dispatch
     else:
         assign = _ASSIGN[algorithm](n, cp, area)
     return _meta(mask, cp, chunk_size, assign, area, algorithm)
+
+
+def _balanced(n: int, cp: int, area: np.ndarray) -> np.ndarray:
+    """``_refine_swaps(_greedy(n, cp, area), area)``, cached by the areas (the automatic chunk
+    size's balance solve and the magi solve of the chunking it picks share it)."""
+    return _balanced_cached(n, cp, np.ascontiguousarray(area, np.int64).tobytes())
+
+
+@functools.lru_cache(maxsize=32)
+def _balanced_cached(n: int, cp: int, area_bytes: bytes) -> np.ndarray:
+    area = np.frombuffer(area_bytes, np.int64)
+    assign = _refine_swaps(_greedy(n, cp, area), area)
+    assign.setflags(write=False)
+    return assign
 
 
 def _meta(mask, cp, chunk_size, assign, area, algorithm) -> DispatchMeta:

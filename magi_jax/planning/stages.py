@@ -10,7 +10,13 @@ token ``i``, key ``j`` = position ``j`` in that stage's KV buffer. Each stage th
 plan (of the chosen backend, :mod:`magi_jax.planning.backends`) and a group-cast table
 (:class:`~magi_jax.planning.cast_table.CastTable`). Everything is stacked over ranks into
 ``[cp, ...]`` int32 arrays padded to the maxima, and cached by (mask fingerprint, dispatch,
-options). Every process builds the whole plan itself.
+options; bounded by count and bytes). Every process builds the whole plan itself.
+
+Planning is per training step when masks are data, so it works on all ranks at once: each
+rank's arrays lie back to back in one array grouped by rank (positions offset by rank, so
+one sort or search serves every rank), what the stages and the overlap cost model share is
+derived once per (mask, dispatch), work lists are ordered as runs of items before any item
+is written, and items and cast rows are written once, straight into the stacked arrays.
 
 ``overlap_degree = 0`` makes one stage whose KV is ``concat(local KV, whole remote buffer)``
 (one FFA call); ``overlap_degree = k >= 1`` makes the host stage plus ``k`` remote stages.
@@ -18,28 +24,66 @@ options). Every process builds the whole plan itself.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import threading
+import time
 
 import numpy as np
 
 from magi_jax.mask import AttnMask, SliceShapes
-from magi_jax.planning.backends import host_planner
+from magi_jax.planning.backends import HOST_PLANNERS, host_planner
 from magi_jax.planning.capacity import PlanCapacity
-from magi_jax.planning.work_list import backend_blocks
-from magi_jax.planning.cast_table import CastTable, build_cast_table, widen_cast_table
-from magi_jax.planning.solver import (DispatchMeta, merge_intervals, ranges_repeat,
-                                      slice_chunk_pairs)
+from magi_jax.planning.cast_table import CastTable, cast_table_from_pieces
+from magi_jax.planning.solver import DispatchMeta, ranges_repeat, slice_chunk_pairs
+from magi_jax.planning.work_list import (FFAPlanArrays, backend_blocks, check_items,
+                                         emit_work_lists, work_list_runs)
 
 __all__ = ["DistPlan", "StagePlan", "build_dist_plan", "RankView", "rank_views", "split_areas",
-           "clear_cache", "stage_buffer_len", "cast_width"]
+           "clear_cache", "stage_buffer_len", "cast_width", "phase_times", "PHASES"]
 
 # Diagonal bounds beyond this magnitude are "unbounded" sentinels and are never shifted.
 _UNBOUNDED = 1 << 39
 _CACHE: dict = {}
 _CACHE_LOCK = threading.Lock()
 _CACHE_MAX = 64
+# Host bytes of plan arrays the cache keeps (at least the newest plan): a key at a capacity
+# over 1M tokens and 64 ranks holds ~2.6 GB of them.
+_CACHE_MAX_BYTES = 2 << 30
+# Phases of build_dist_plan that phase_times() reports (seconds each).
+PHASES = ("rank_views", "stage_shapes", "work_lists", "cast_tables", "stack_pad")
+_TIMES = threading.local()
+
+
+@contextlib.contextmanager
+def phase_times():
+    """Seconds spent in each of :data:`PHASES` by the :func:`build_dist_plan` calls of this
+    thread inside the block (for benchmarks; cached plans cost nothing)::
+
+        with phase_times() as t:
+            build_dist_plan(...)
+        t["work_lists"]
+    """
+    times = dict.fromkeys(PHASES, 0.0)
+    prev = getattr(_TIMES, "times", None)
+    _TIMES.times = times
+    try:
+        yield times
+    finally:
+        _TIMES.times = prev
+
+
+@contextlib.contextmanager
+def _phase(name):
+    times = getattr(_TIMES, "times", None)
+    if times is None:
+        yield
+        return
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[name] += time.perf_counter() - t0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,60 +135,199 @@ def _split_even(total: int, parts: int) -> np.ndarray:
     return (np.arange(parts + 1) * total) // parts
 
 
+class _Flat:
+    """Per-rank arrays of one kind back to back, grouped by rank (``rank`` nondecreasing,
+    ``bounds [cp + 1]``): every rank's planning in one pass of NumPy over all ranks."""
+
+    def __init__(self, rank: np.ndarray, cp: int):
+        self.rank = rank
+        self.bounds = np.searchsorted(rank, np.arange(cp + 1))
+
+    def split(self, x):
+        """``x`` (flat, grouped like ``rank``) as one view per rank."""
+        b = self.bounds
+        return tuple(x[b[r]:b[r + 1]] for r in range(len(b) - 1))
+
+
+class _Geometry:
+    """What every stage and every overlap degree of one (mask, dispatch) share, flat over
+    ranks: each rank's (slice, query chunk) pairs, the key intervals they see, the remote
+    pieces (owned elsewhere, in buffer order), the merged pairs the stages clip, and the
+    host stage's shapes. Built once per (mask fingerprint, dispatch) and cached, so the
+    overlap cost model (:func:`split_areas`) and :func:`build_dist_plan` derive it once."""
+
+    def __init__(self, mask: AttnMask, meta: DispatchMeta):
+        cp, c = meta.cp, meta.chunk_size
+        self.mask, self.meta = mask, meta
+        # Offsets that keep the ranks apart in one sorted array: rank r's positions live in
+        # [r * big, (r + 1) * big).
+        self.big = big = int(meta.padded_total) + 1
+        pairs = slice_chunk_pairs(mask.shapes, c)
+        rank = meta.chunk_owner[pairs[1]]
+        order = np.lexsort((pairs[4], rank))
+        self.pairs = tuple(p[order] for p in pairs)
+        self.pair_rank = _Flat(rank[order], cp)
+        rank = self.pair_rank.rank
+        # Needed keys per rank: the union of its pairs' key extents (sorted by start).
+        e0, e1 = self.pairs[4], self.pairs[5]
+        if len(e0):
+            run_end = np.maximum.accumulate(e1 + rank * big)
+            new = np.ones(len(e0), bool)
+            new[1:] = e0[1:] + rank[1:] * big > run_end[:-1]
+            first = np.nonzero(new)[0]
+            last = np.append(first[1:], len(e0)) - 1
+            need_rank = rank[first]
+            self.needed = np.stack([e0[first], run_end[last] - need_rank * big],
+                                   axis=1).astype(np.int64)
+        else:
+            need_rank = np.zeros(0, np.int64)
+            self.needed = np.zeros((0, 2), np.int64)
+        self.need_rank = _Flat(need_rank, cp)
+        # Cut the needed intervals at chunk boundaries; keep the pieces owned elsewhere.
+        nd = self.needed
+        iv, ch = ranges_repeat(nd[:, 0] // c, (nd[:, 1] - 1) // c + 1)
+        g0 = np.maximum(nd[iv, 0], ch * c)
+        g1 = np.minimum(nd[iv, 1], (ch + 1) * c)
+        own = meta.chunk_owner[ch]
+        keep = own != need_rank[iv]
+        self.pieces = (g0[keep], g1[keep], own[keep])
+        self.piece_rank = _Flat(need_rank[iv][keep], cp)
+        # Query chunk -> local rows: local index minus global position.
+        self.q_shift = meta.chunk_slot * c - np.arange(meta.num_chunks) * c
+        self.merged, self.merged_rank = _merge_pairs_flat(self.pairs, rank, self.q_shift)
+        self._cuts = {}
+        self._shapes = {}
+
+    def cut(self, k: int):
+        """The remote pieces cut into ``k`` stages: ``(remote [p, 5] (g0, g1, owner, stage,
+        offset), its ranks (:class:`_Flat`), stage_len [cp, k])``; cached per ``k``."""
+        if k not in self._cuts:
+            self._cuts[k] = _cut_stages_flat(*self.pieces, self.piece_rank, self.meta.cp, k,
+                                             self.big)
+        return self._cuts[k]
+
+    def stage_shapes(self, which, k: int = 1):
+        """Local-coordinate shapes of every rank for ``which`` = ``"host"``, ``"combined"``
+        or a remote stage index (of ``k`` stages): ``(SliceShapes, ranks)``; cached."""
+        key = (which, 1 if which == "host" else k)
+        if key not in self._shapes:
+            self._shapes[key] = self._stage_shapes(which, k)
+        return self._shapes[key]
+
+    def _stage_shapes(self, which, k):
+        meta, c, t_loc, cp = self.meta, self.meta.chunk_size, self.meta.local_len, self.meta.cp
+        local_g0 = (meta.rank_chunks * c).reshape(-1)
+        local_shift = np.tile(np.arange(meta.chunks_per_rank) * c, cp) - local_g0
+        local_rank = np.repeat(np.arange(cp), meta.chunks_per_rank)
+        if which == "host":
+            g0, g1, sk, rank = local_g0, local_g0 + c, local_shift, local_rank
+        else:
+            rem, rem_rank, _ = self.cut(k)
+            rank = rem_rank.rank
+            if which != "combined":
+                sel = rem[:, 3] == which
+                rem, rank = rem[sel], rank[sel]
+            g0, g1, sk = rem[:, 0], rem[:, 1], rem[:, 4] - rem[:, 0]
+            if which == "combined":
+                g0 = np.concatenate([g0, local_g0])
+                g1 = np.concatenate([g1, local_g0 + c])
+                sk = np.concatenate([sk + t_loc, local_shift])
+                rank = np.concatenate([rank, local_rank])
+            order = np.lexsort((g0, rank))
+            g0, g1, sk, rank = g0[order], g1[order], sk[order], rank[order]
+        g0, g1, sk, rank = _merge_runs_flat(g0, g1, sk, rank)
+        shapes, shape_rank = _clip_flat(self.mask.shapes, self.merged, self.merged_rank, g0, g1,
+                                        sk, rank, self.q_shift, self.big)
+        return shapes, _Flat(shape_rank, cp)
+
+
+_GEOMETRY: dict = {}
+_GEOMETRY_MAX = 4
+
+
+def _geometry(mask: AttnMask, meta: DispatchMeta) -> _Geometry:
+    key = (mask.fingerprint, meta.fingerprint())
+    with _CACHE_LOCK:
+        hit = _GEOMETRY.get(key)
+    if hit is not None:
+        return hit
+    geo = _Geometry(mask, meta)
+    with _CACHE_LOCK:
+        while len(_GEOMETRY) >= _GEOMETRY_MAX:
+            _GEOMETRY.pop(next(iter(_GEOMETRY)))
+        _GEOMETRY[key] = geo
+    return geo
+
+
 def rank_views(mask: AttnMask, meta: DispatchMeta, num_remote_stages: int) -> list[RankView]:
     """Every rank's :class:`RankView`; remote keys cut into ``num_remote_stages`` stages of
     nearly equal token counts (by buffer position)."""
-    c = meta.chunk_size
-    pairs = slice_chunk_pairs(mask.shapes, c)
-    rank = meta.chunk_owner[pairs[1]]
-    order = np.lexsort((pairs[4], rank))
-    pairs = tuple(p[order] for p in pairs)
-    rank = rank[order]
-    bounds = np.searchsorted(rank, np.arange(meta.cp + 1))
-    views = []
-    for r in range(meta.cp):
-        sl = slice(bounds[r], bounds[r + 1])
-        p = tuple(x[sl] for x in pairs)
-        needed = merge_intervals(p[4], p[5])
-        # Cut the needed intervals at chunk boundaries; keep the pieces owned elsewhere.
-        iv, ch = ranges_repeat(needed[:, 0] // c, (needed[:, 1] - 1) // c + 1)
-        g0 = np.maximum(needed[iv, 0], ch * c)
-        g1 = np.minimum(needed[iv, 1], (ch + 1) * c)
-        own = meta.chunk_owner[ch]
-        keep = own != r
-        g0, g1, own = g0[keep], g1[keep], own[keep]
-        views.append(RankView(p, needed, *_cut_stages(g0, g1, own, num_remote_stages)))
-    return views
-
-
-def _cut_stages(g0, g1, own, k):
-    """Splits the remote pieces (in buffer order) into ``k`` stages of nearly equal size."""
-    lengths = g1 - g0
-    total = int(lengths.sum())
+    geo = _geometry(mask, meta)
+    cp, k = meta.cp, int(num_remote_stages)
+    pairs = [geo.pair_rank.split(p) for p in geo.pairs]
+    needed = geo.need_rank.split(geo.needed)
     if k == 0:
-        return np.zeros((0, 5), np.int64), np.zeros((0,), np.int64)
-    stage_bounds = _split_even(total, k)
-    start = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    cuts = np.unique(np.concatenate([start, stage_bounds[:-1]]))
-    cuts = cuts[cuts < total]
-    ends = np.append(cuts[1:], total)
-    piece = np.searchsorted(start, cuts, side="right") - 1
-    stage = np.searchsorted(stage_bounds, cuts, side="right") - 1
+        return [RankView(tuple(p[r] for p in pairs), needed[r], np.zeros((0, 5), np.int64),
+                         np.zeros((0,), np.int64)) for r in range(cp)]
+    remote, remote_rank, stage_len = geo.cut(k)
+    remote = remote_rank.split(remote)
+    return [RankView(tuple(p[r] for p in pairs), needed[r], remote[r], stage_len[r])
+            for r in range(cp)]
+
+
+def _cut_stages_flat(g0, g1, own, piece_rank: _Flat, cp: int, k: int, big: int):
+    """Every rank's remote pieces (in buffer order) split into ``k`` stages of nearly equal
+    size, at once: ``(remote [p, 5], ranks, stage_len [cp, k])``."""
+    rank = piece_rank.rank
+    lengths = g1 - g0
+    cum = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    base = cum[piece_rank.bounds[:-1]]                           # per rank
+    total = cum[piece_rank.bounds[1:]] - base                    # remote tokens per rank
+    if k == 0:
+        return (np.zeros((0, 5), np.int64), _Flat(np.zeros(0, np.int64), cp),
+                np.zeros((cp, 0), np.int64))
+    stage_bounds = (np.arange(k + 1)[None, :] * total[:, None]) // k       # [cp, k + 1]
+    start = cum[:-1] - base[rank]                                # piece start in its buffer
+    # Cuts: piece starts and stage starts, per rank, below the rank's total.
+    sb_rank = np.repeat(np.arange(cp), k)
+    keys = np.unique(np.concatenate([start + rank * big,
+                                     stage_bounds[:, :-1].reshape(-1) + sb_rank * big]))
+    cut_rank = keys // big
+    cuts = keys - cut_rank * big
+    keep = cuts < total[cut_rank]
+    keys, cut_rank, cuts = keys[keep], cut_rank[keep], cuts[keep]
+    last = np.ones(len(keys), bool)
+    last[:-1] = cut_rank[1:] != cut_rank[:-1]
+    ends = np.where(last, total[cut_rank], np.append(cuts[1:], 0))
+    piece = np.searchsorted(start + rank * big, keys, side="right") - 1
+    sb_keys = (stage_bounds + (np.arange(cp) * big)[:, None]).reshape(-1)
+    stage = np.searchsorted(sb_keys, keys, side="right") - 1 - cut_rank * (k + 1)
     a = g0[piece] + (cuts - start[piece])
     b = a + (ends - cuts)
-    remote = np.stack([a, b, own[piece], stage, cuts - stage_bounds[stage]], axis=1)
-    return remote.astype(np.int64), np.diff(stage_bounds).astype(np.int64)
+    remote = np.stack([a, b, own[piece], stage, cuts - stage_bounds[cut_rank, stage]], axis=1)
+    return (remote.astype(np.int64), _Flat(cut_rank.astype(np.int64), cp),
+            np.diff(stage_bounds, axis=1).astype(np.int64))
 
 
 def _clip_to_segments(sh: SliceShapes, pairs, seg_g0, seg_g1, seg_shift, q_shift_of_chunk):
     """Clips each (slice, query chunk) pair to the key segments ``[g0, g1)`` (sorted,
     disjoint), splits at kinks and shifts into local coordinates: ``q += q_shift``,
     ``k += seg_shift``. Returns a :class:`SliceShapes` (kink-free pieces)."""
+    shapes, _ = _clip_flat(sh, pairs, np.zeros(len(pairs[0]), np.int64), seg_g0, seg_g1,
+                           seg_shift, np.zeros(len(seg_g0), np.int64), q_shift_of_chunk, 0)
+    return shapes
+
+
+def _clip_flat(sh: SliceShapes, pairs, pair_rank, seg_g0, seg_g1, seg_shift, seg_rank,
+               q_shift_of_chunk, big):
+    """:func:`_clip_to_segments` of every rank at once: pairs and segments grouped by rank
+    (each rank's segments sorted, disjoint), a pair clipped to its rank's segments only.
+    Returns ``(SliceShapes, rank of each piece)``, ranks in order."""
     s, chunk, a, b, e0, e1 = pairs
-    lo = np.searchsorted(seg_g1, e0, side="right")
-    hi = np.searchsorted(seg_g0, e1, side="left")
+    lo = np.searchsorted(seg_g1 + seg_rank * big, e0 + pair_rank * big, side="right")
+    hi = np.searchsorted(seg_g0 + seg_rank * big, e1 + pair_rank * big, side="left")
     pi, si = ranges_repeat(lo, hi)
-    s, chunk = s[pi], chunk[pi]
+    s, chunk, rank = s[pi], chunk[pi], pair_rank[pi]
     q0, q1 = a[pi], b[pi]
     k0 = np.maximum(sh.k0[s], seg_g0[si])
     k1 = np.minimum(sh.k1[s], seg_g1[si])
@@ -168,13 +351,63 @@ def _clip_to_segments(sh: SliceShapes, pairs, seg_g0, seg_g1, seg_shift, q_shift
         q0=band_a[keep] + sq, q1=band_b[keep] + sq,
         k0=rep(k0)[keep] + sk, k1=rep(k1)[keep] + sk,
         dlo=np.where(np.abs(dlo_) >= _UNBOUNDED, dlo_, dlo_ + d),
-        dhi=np.where(np.abs(dhi_) >= _UNBOUNDED, dhi_, dhi_ + d))
+        dhi=np.where(np.abs(dhi_) >= _UNBOUNDED, dhi_, dhi_ + d)), rep(rank)[keep]
+
+
+def _merge_runs_flat(g0, g1, shift, rank):
+    """Merges consecutive segments of one rank that abut both globally and locally (same
+    shift), e.g. neighbouring chunks a rank owns side by side, so slices are not cut where no
+    cut is needed."""
+    if len(g0) < 2:
+        return g0, g1, shift, rank
+    new = np.ones(len(g0), bool)
+    new[1:] = (g0[1:] != g1[:-1]) | (shift[1:] != shift[:-1]) | (rank[1:] != rank[:-1])
+    first = np.nonzero(new)[0]
+    last = np.append(first[1:], len(g0)) - 1
+    return g0[first], g1[last], shift[first], rank[first]
+
+
+def _merge_pairs_flat(pairs, rank, q_shift):
+    """Merges (slice, query chunk) pairs of one rank and slice whose rows abut globally and
+    locally (neighbouring chunks held side by side): one pair, rows ``[a, b)`` and key extent
+    the union (still contiguous: rows are consecutive). Pairs come out sorted by (rank,
+    slice, first row)."""
+    s, chunk, a, b, e0, e1 = pairs
+    if len(s) < 2:
+        return pairs, rank
+    order = np.lexsort((a, s, rank))
+    s, chunk, a, b, e0, e1, rank = (x[order] for x in (s, chunk, a, b, e0, e1, rank))
+    sh = q_shift[chunk]
+    new = np.ones(len(s), bool)
+    new[1:] = ((s[1:] != s[:-1]) | (a[1:] != b[:-1]) | (sh[1:] != sh[:-1])
+               | (rank[1:] != rank[:-1]))
+    first = np.nonzero(new)[0]
+    last = np.append(first[1:], len(s)) - 1
+    return (s[first], chunk[first], a[first], b[last], np.minimum.reduceat(e0, first),
+            np.maximum.reduceat(e1, first)), rank[first]
+
+
+def _rank_sums(x: np.ndarray, flat: _Flat) -> np.ndarray:
+    """int64 [cp]: exact sums of ``x`` (grouped like ``flat``) per rank."""
+    cum = np.concatenate([[0], np.cumsum(x)]).astype(np.int64)
+    return cum[flat.bounds[1:]] - cum[flat.bounds[:-1]]
 
 
 def clear_cache():
-    """Drops the cached distributed plans."""
+    """Drops the cached distributed plans (and the geometry they were derived from)."""
     with _CACHE_LOCK:
         _CACHE.clear()
+        _GEOMETRY.clear()
+
+
+def _plan_bytes(plan: "DistPlan") -> int:
+    """Bytes of a plan's stacked arrays (work lists and cast tables)."""
+    total = 0
+    for st in plan.stages:
+        total += sum(a.nbytes for a in st.ffa)
+        if st.cast is not None:
+            total += st.cast.send_index.nbytes + st.cast.recv_index.nbytes
+    return total
 
 
 def build_dist_plan(mask: AttnMask, meta: DispatchMeta, overlap_degree: int, block_q: int,
@@ -204,6 +437,9 @@ def build_dist_plan(mask: AttnMask, meta: DispatchMeta, overlap_degree: int, blo
         if len(_CACHE) >= _CACHE_MAX:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = plan
+        while len(_CACHE) > 1 and sum(_plan_bytes(p) for p in _CACHE.values()) > \
+                _CACHE_MAX_BYTES:
+            _CACHE.pop(next(iter(_CACHE)))
     return plan
 
 
@@ -266,13 +502,12 @@ def _merge_pairs(pairs, q_shift):
 def split_areas(mask: AttnMask, meta: DispatchMeta):
     """Per rank: area on local KV, area on remote KV and remote KV tokens (int64 ``[cp]``
     each) — the inputs of the overlap cost model, without building any kernel plan."""
-    views = rank_views(mask, meta, 1)
-    host = np.array([_stage_shapes(mask, meta, views, r, "host").areas().sum()
-                     for r in range(meta.cp)], np.int64)
-    remote = np.array([_stage_shapes(mask, meta, views, r, 0).areas().sum()
-                       for r in range(meta.cp)], np.int64)
-    tokens = np.array([int(v.stage_len.sum()) for v in views], np.int64)
-    return host, remote, tokens
+    geo = _geometry(mask, meta)
+    host, host_rank = geo.stage_shapes("host")
+    remote, remote_rank = geo.stage_shapes(0, 1)
+    tokens = geo.cut(1)[2].sum(axis=1).astype(np.int64)
+    return (_rank_sums(host.areas(), host_rank), _rank_sums(remote.areas(), remote_rank),
+            tokens)
 
 
 def stage_buffer_len(capacity: PlanCapacity, meta: DispatchMeta, num_remote: int) -> int:
@@ -290,30 +525,38 @@ def cast_width(capacity: PlanCapacity, buffer_len: int) -> int:
 def _build(mask, meta, degree, bq, bk, backend, capacity=None) -> DistPlan:
     cp, t_loc = meta.cp, meta.local_len
     num_remote = max(degree, 1)
-    views = rank_views(mask, meta, num_remote)
-    stage_len = np.array([v.stage_len for v in views]).reshape(cp, num_remote)
+    with _phase("rank_views"):
+        geo = _geometry(mask, meta)
+        remote, remote_rank, stage_len = geo.cut(num_remote)
+        needed = geo.need_rank.split(geo.needed)
     if capacity is None:
         buf_len = np.maximum(stage_len.max(axis=0), 1)                    # per remote stage
     else:
         buf_len = np.full(num_remote, stage_buffer_len(capacity, meta, num_remote))
         capacity.check("remote_kv", int(stage_len.max(initial=0)) * num_remote)
-    casts = [build_cast_table(meta, [v.remote[v.remote[:, 3] == s] for v in views],
-                              int(buf_len[s])) for s in range(num_remote)]
-    if capacity is not None and cp > 1:
-        casts = [widen_cast_table(c, cast_width(capacity, int(buf_len[0]))) for c in casts]
+    with _phase("cast_tables"):
+        # At a capacity (cp > 1) every cast has a slot for every other rank.
+        width = (cast_width(capacity, int(buf_len[0])) if capacity is not None and cp > 1
+                 else None)
+        casts = []
+        for s in range(num_remote):
+            sel = remote[:, 3] == s
+            casts.append(cast_table_from_pieces(
+                meta, remote[sel, 0], remote[sel, 1], remote[sel, 2], remote_rank.rank[sel],
+                remote[sel, 4], buffer_len=int(buf_len[s]), width=width))
     # At a capacity the stages exist whatever this mask needs (their shapes are static).
     any_remote = bool(stage_len.sum()) or (capacity is not None and cp > 1)
-    stage_shapes = functools.partial(_stage_shapes, mask, meta, views)
 
     def make_stage(which, kv_len, cast):
-        shapes = [stage_shapes(r, which) for r in range(cp)]
-        plans = [backend.build(x, t_loc, kv_len, bq, bk) for x in shapes]
-        if capacity is not None:
-            plans = [_at_capacity(p, capacity, backend.name, t_loc, kv_len) for p in plans]
-        return StagePlan(ffa=backend.stack(plans), kv_len=kv_len, cast=cast,
-                         num_slices=np.array([len(x.q0) for x in shapes], np.int64),
-                         area=np.array([int(x.areas().sum()) for x in shapes], np.int64),
-                         shapes=tuple(shapes))
+        with _phase("stage_shapes"):
+            flat, rank = geo.stage_shapes(which, num_remote)
+            shapes = tuple(SliceShapes(*x) for x in zip(*(rank.split(getattr(flat, f)) for f in
+                                                          _SHAPE_FIELDS)))
+            num_slices = np.diff(rank.bounds).astype(np.int64)
+            area = _rank_sums(flat.areas(), rank)
+        ffa = _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, shapes)
+        return StagePlan(ffa=ffa, kv_len=kv_len, cast=cast, num_slices=num_slices, area=area,
+                         shapes=shapes)
     if degree == 0 or not any_remote:
         if any_remote:
             stages = (make_stage("combined", t_loc + int(buf_len[0]), casts[0]),)
@@ -324,13 +567,46 @@ def _build(mask, meta, degree, bq, bk, backend, capacity=None) -> DistPlan:
             make_stage(s, int(buf_len[s]), casts[s]) for s in range(num_remote))
     return DistPlan(meta=meta, overlap_degree=degree if any_remote else 0, block_q=bq,
                     block_k=bk, stages=stages, remote_tokens=stage_len.sum(axis=1),
-                    needed=tuple(v.needed for v in views))
+                    needed=needed)
+
+
+_SHAPE_FIELDS = ("q0", "q1", "k0", "k1", "dlo", "dhi")
+
+
+def _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, shapes):
+    """One stage's FFA plan of every rank, stacked ``[cp, ...]`` (at ``capacity``, its item
+    lists padded to the capacity's items)."""
+    if HOST_PLANNERS.get(backend.name) is not backend:      # another planner: rank by rank
+        with _phase("work_lists"):
+            plans = [backend.build(x, t_loc, kv_len, bq, bk) for x in shapes]
+        with _phase("stack_pad"):
+            if capacity is not None:
+                plans = [_at_capacity(p, capacity, backend.name, t_loc, kv_len) for p in plans]
+            return backend.stack(plans)
+    fwd_block, bwd_block = backend_blocks(backend.name, t_loc, kv_len, bq, bk)
+    with _phase("work_lists"):
+        runs_q = work_list_runs(flat, rank.rank, cp, t_loc, kv_len, *fwd_block, "q")
+        runs_k = work_list_runs(flat, rank.rank, cp, t_loc, kv_len, *bwd_block, "k")
+    num_q = num_k = None
+    if capacity is not None:
+        num_q, num_k = _capacity_items(capacity, backend.name, t_loc, kv_len)
+        for r in range(cp):          # the first rank and list over the capacity, as padding
+            check_items(runs_q.per_rank[r:r + 1], num_q)
+            check_items(runs_k.per_rank[r:r + 1], num_k)
+    with _phase("stack_pad"):
+        return FFAPlanArrays(*emit_work_lists(runs_q, num_q), *emit_work_lists(runs_k, num_k))
+
+
+def _capacity_items(capacity: PlanCapacity, backend: str, t_loc: int, kv_len: int):
+    """Items of the q-tile and k-tile lists at ``capacity``. The k-tile list steps over
+    tiles of fewer rows where the backend's two lists differ (the Mosaic GPU kernels: 64
+    against 128), and every q-list item holds at most that ratio of them."""
+    fwd_block, bwd_block = backend_blocks(backend, t_loc, kv_len)
+    ratio = max(1, fwd_block[0] // bwd_block[0])
+    return capacity.items, capacity.items * ratio
 
 
 def _at_capacity(plan, capacity: PlanCapacity, backend: str, t_loc: int, kv_len: int):
-    """One rank's stage plan with its item lists padded to the capacity. The k-tile list
-    steps over tiles of fewer rows where the backend's two lists differ (the Mosaic GPU
-    kernels: 64 against 128), and every q-list item holds at most that ratio of them."""
-    fwd_block, bwd_block = backend_blocks(backend, t_loc, kv_len)
-    ratio = max(1, fwd_block[0] // bwd_block[0])
-    return plan.pad_to(capacity.items, capacity.items * ratio)
+    """One rank's stage plan with its item lists padded to the capacity
+    (:func:`_capacity_items`)."""
+    return plan.pad_to(*_capacity_items(capacity, backend, t_loc, kv_len))

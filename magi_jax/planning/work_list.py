@@ -28,7 +28,8 @@ from magi_jax.mask import AttnMask, SliceShapes
 from magi_jax.planning.tiling import EMPTY_ITEM, ITEM_FIELDS, tile_items
 
 __all__ = ["ITEM_FIELDS", "NUM_FIELDS", "EMPTY_ITEM", "WorkList", "FFAPlanArrays",
-           "build_work_list", "build_plan_arrays", "plan_for_mask", "pad_work_list",
+           "build_work_list", "build_work_lists", "work_list_runs", "emit_work_lists",
+           "check_items", "ListRuns", "build_plan_arrays", "plan_for_mask", "pad_work_list",
            "stack_plans", "persistent_schedule", "backend_blocks", "default_block_sizes",
            "FWD_BLOCK_Q", "FWD_BLOCK_K", "DKV_BLOCK_Q", "DKV_BLOCK_K", "GENERAL", "FULL",
            "BAND"]
@@ -123,6 +124,293 @@ def build_work_list(shapes: SliceShapes, total_q: int, total_k: int, block_q: in
                     block_k: int, by: str) -> WorkList:
     """Items of tiles ``block_q x block_k`` owned by q-tiles (``by="q"``) or k-tiles
     (``by="k"``)."""
+    _check_blocks(block_q, block_k, by)
+    work = build_work_lists(shapes, np.zeros(len(shapes.q0), np.int64), 1, total_q, total_k,
+                            block_q, block_k, by)
+    return WorkList(work.order[0], work.offsets[0], work.items[0])
+
+
+def _check_blocks(block_q, block_k, by):
+    if block_q <= 0 or block_k <= 0:
+        raise ValueError(f"block_q={block_q} and block_k={block_k} must be positive")
+    if by not in ("q", "k"):
+        raise ValueError(f"by={by!r}: use 'q' or 'k'")
+
+
+def build_work_lists(shapes: SliceShapes, slice_rank: np.ndarray, cp: int, total_q: int,
+                     total_k: int, block_q: int, block_k: int, by: str,
+                     num_items: int | None = None, field: str = "items") -> WorkList:
+    """The work lists of ``cp`` calls at once, stacked: ``order [cp, N]``, ``offsets
+    [cp, N + 1]``, ``items [cp, W, 8]`` int32 — exactly ``stack_plans`` of
+    :func:`build_work_list` of each call's slices, each list padded to ``W = num_items``
+    (:func:`pad_work_list`, raising its :class:`~magi_jax.planning.capacity.CapacityError`
+    naming ``field`` for the first call that holds more) or, without ``num_items``, to the
+    longest.
+
+    ``shapes`` holds the slices of every call, grouped by call: ``slice_rank`` (int,
+    nondecreasing) says whose each is, and a call's slices keep their order. One pass over
+    all calls: every (slice, owned tile) pair is cut into runs of consecutive other tiles of
+    one mask kind, the runs are ordered (per call and owned tile: FULL first, then by other
+    tile and slice) and only then expanded into items, each call's straight into its row of
+    the stacked arrays (:func:`work_list_runs`, :func:`emit_work_lists`)."""
+    runs = work_list_runs(shapes, slice_rank, cp, total_q, total_k, block_q, block_k, by)
+    if num_items is not None:
+        check_items(runs.per_rank, num_items, field)
+    return emit_work_lists(runs, num_items)
+
+
+class ListRuns(NamedTuple):
+    """Stacked work lists before their items are written: ``rows [R, 8]`` int32, the first
+    item of every run, runs ordered as the items (per call: by owned tile, FULL first, by
+    other tile, by slice) and grouped by call (``run_bounds [cp + 1]``); ``length [R]`` items
+    per run (the other tile steps by one along a run); ``per_rank [cp]`` items per call;
+    ``order``, ``offsets`` as in the stacked :class:`WorkList`."""
+
+    rows: np.ndarray
+    length: np.ndarray
+    run_bounds: np.ndarray
+    per_rank: np.ndarray
+    order: np.ndarray
+    offsets: np.ndarray
+
+
+def check_items(per_rank: np.ndarray, num_items: int, field: str = "items"):
+    """:func:`pad_work_list`'s :class:`~magi_jax.planning.capacity.CapacityError` for the
+    first call whose list holds more than ``num_items`` items."""
+    over = np.nonzero(np.asarray(per_rank) > int(num_items))[0]
+    if len(over):
+        have = int(per_rank[over[0]])
+        pad_work_list(WorkList(np.zeros(0, np.int32), np.zeros(1, np.int32),
+                               np.zeros((have, NUM_FIELDS), np.int32)), num_items, field)
+
+
+def work_list_runs(shapes: SliceShapes, slice_rank: np.ndarray, cp: int, total_q: int,
+                   total_k: int, block_q: int, block_k: int, by: str) -> ListRuns:
+    """The runs of :func:`build_work_lists` (its arguments; no items written yet)."""
+    _check_blocks(block_q, block_k, by)
+    bo, bx = (block_q, block_k) if by == "q" else (block_k, block_q)
+    num = -(-(total_q if by == "q" else total_k) // bo)          # owned tiles per call
+    n_other = -(-(total_k if by == "q" else total_q) // bx)
+    slice_rank = np.asarray(slice_rank, np.int64)
+    live = np.nonzero(shapes.nonempty)[0]
+    if by == "k" and not _rows_nonempty(shapes, live):
+        return _runs_fallback(shapes, slice_rank, cp, total_q, total_k, block_q, block_k, by)
+    rank, own, start, length, kind, s = _item_runs(shapes, live, slice_rank, total_q, total_k,
+                                                   block_q, block_k, by)
+    # Order: call, owned tile, FULL first, other tile, slice. Full runs of one tile never
+    # share an other tile (slices are disjoint), masked runs rarely do: those that share one
+    # with another run of their tile are cut into single items, so that sorting runs by their
+    # first other tile orders every item.
+    rank, own, start, length, kind, s = _order_runs(rank, own, start, length, kind, s, cp,
+                                                    num, n_other, len(shapes.q0))
+    counts = np.bincount(rank * num + own, weights=length, minlength=cp * num)[:cp * num]
+    counts = counts.astype(np.int64).reshape(cp, num)
+    # One row per run: the item its first tile gives (the other tile, the slice, the kind).
+    clip = lambda x: np.clip(x, -_I32.max, _I32.max)
+    rows = np.empty((len(s), NUM_FIELDS), np.int32)
+    rows[:, 0] = start
+    for j, f in enumerate((shapes.q0, shapes.q1, shapes.k0, shapes.k1)):
+        rows[:, 1 + j] = f[s]
+    rows[:, 5] = clip(shapes.dlo[s])
+    rows[:, 6] = clip(shapes.dhi[s])
+    rows[:, 7] = kind
+    return _with_tiles(rows, length, np.searchsorted(rank, np.arange(cp + 1)), counts)
+
+
+def _with_tiles(rows, length, run_bounds, counts) -> ListRuns:
+    cp, num = counts.shape
+    per_rank = counts.sum(axis=1)
+    if per_rank.max(initial=0) > _I32.max:
+        raise ValueError(f"{int(per_rank.max())} work items do not fit int32 offsets; use a "
+                         "smaller problem per call (e.g. context parallelism)")
+    offsets = np.zeros((cp, num + 1), np.int64)
+    np.cumsum(counts, axis=1, out=offsets[:, 1:])
+    # Heaviest first; ties by tile index (per call).
+    launch = np.lexsort((np.tile(np.arange(num), cp), -counts.reshape(-1),
+                         np.repeat(np.arange(cp), num))).reshape(cp, num) % max(num, 1)
+    return ListRuns(rows, length, run_bounds, per_rank, launch.astype(np.int32),
+                    offsets.astype(np.int32))
+
+
+def emit_work_lists(runs: ListRuns, num_items: int | None = None) -> WorkList:
+    """The stacked :class:`WorkList` of ``runs``, items padded to ``num_items`` (default:
+    the longest call's; :func:`check_items` first when it may hold fewer)."""
+    rows, length, run_bounds, per_rank = runs.rows, runs.length, runs.run_bounds, runs.per_rank
+    cp = len(per_rank)
+    width = int(per_rank.max(initial=0)) if num_items is None else int(num_items)
+    items = np.empty((cp, width, NUM_FIELDS), np.int32)
+    pad = _padding(width - int(per_rank.min(initial=width)))
+    for r in range(cp):
+        a, b = run_bounds[r], run_bounds[r + 1]
+        n = int(per_rank[r])
+        if n:
+            # Every item of a run is its first row; the other tile then steps by one.
+            dst = items[r, :n]
+            lens = length[a:b]
+            if n == b - a:
+                dst[...] = rows[a:b]
+            else:
+                np.take(rows[a:b], np.repeat(np.arange(b - a), lens), axis=0, out=dst,
+                        mode="clip")
+                first = rows[a:b, 0].astype(np.int64)
+                step = np.ones(n, np.int32)
+                step[0] = first[0]
+                step[(np.cumsum(lens) - lens)[1:]] = np.diff(first) - (lens[:-1] - 1)
+                np.cumsum(step, out=dst[:, 0])
+        items[r, n:] = pad[:width - n]
+    return WorkList(runs.order, runs.offsets, items)
+
+
+def _padding(n: int) -> np.ndarray:
+    """``n`` empty items (copied by doubling: memcpy speed)."""
+    pad = np.empty((max(n, 1), NUM_FIELDS), np.int32)
+    pad[0] = EMPTY_ITEM
+    k = 1
+    while k < n:
+        m = min(k, n - k)
+        pad[k:k + m] = pad[:m]
+        k += m
+    return pad[:n]
+
+
+def _rows_nonempty(sh: SliceShapes, live: np.ndarray) -> bool:
+    """Whether every row of the live slices sees a key (canonical shapes: the k-tile lists
+    enumerate the q-tiles of each (slice, k-tile) pair from it). ``hi - lo`` is concave in
+    the row, so its two end rows decide."""
+    if not len(live):
+        return True
+    first, last = sh.q0[live], sh.q1[live] - 1
+    return bool(np.all(sh.lo(first, live) <= sh.hi(first, live))
+                and np.all(sh.lo(last, live) <= sh.hi(last, live)))
+
+
+def _ceil_div(a, b):
+    return -((-a) // b)
+
+
+def _item_runs(sh, live, slice_rank, total_q, total_k, bq, bk, by):
+    """Runs of items: every (slice, owned tile) pair with cells, its other tiles
+    ``[start, start + length)`` cut where the mask kind changes. Int64 arrays
+    ``(rank, own, start, length, kind, slice)``, pairs in slice order, runs in tile order.
+
+    An item (slice, q-tile, k-tile) holds a cell when the tile's rows see a key of its
+    columns (:func:`magi_jax.planning.tiling.tile_items`); it is FULL when the q-tile's rows
+    lie in the slice's, the last row's first key is at most the tile's first column and the
+    first row's last key at least its last column (inside the sequence); BAND when the tile
+    lies inside the slice's row and key ranges (:func:`build_work_list`). Along the other
+    tile each of these holds on one interval, so a pair has at most five runs."""
+    if by == "q":
+        owner, own = _ranges_incl(sh.q0[live] // bq, (sh.q1[live] - 1) // bq)
+        s = live[owner]
+        q0, q1, k0, k1, dlo, dhi = (f[s] for f in (sh.q0, sh.q1, sh.k0, sh.k1, sh.dlo, sh.dhi))
+        lo = lambda r: np.maximum(k0, r + dlo)
+        hi = lambda r: np.minimum(k1 - 1, r + dhi)
+        t0 = own * bq
+        oa = lo(np.maximum(q0, t0)) // bk
+        ob = hi(np.minimum(q1, t0 + bq) - 1) // bk + 1
+        own_in = (q0 <= t0) & (t0 + bq <= q1)
+        fa = _ceil_div(lo(t0 + bq - 1), bk)
+        fb = (np.minimum(hi(t0), total_k - 1) + 1) // bk
+        full_ok = own_in
+        ia, ib = _ceil_div(k0, bk), k1 // bk
+    else:
+        q0, q1 = sh.q0[live], sh.q1[live]
+        owner, own = _ranges_incl(sh.lo(q0, live) // bk, sh.hi(q1 - 1, live) // bk)
+        s = live[owner]
+        q0, q1, k0, k1, dlo, dhi = (f[s] for f in (sh.q0, sh.q1, sh.k0, sh.k1, sh.dlo, sh.dhi))
+        c0 = own * bk
+        c1 = c0 + bk - 1
+        # Rows that see a column of the k-tile: hi(r) >= c0 and lo(r) <= c1.
+        oa = np.maximum(q0, c0 - dhi) // bq
+        ob = np.minimum(q1 - 1, c1 - dlo) // bq + 1
+        own_in = (k0 <= c0) & (c0 + bk <= k1)
+        full_ok = own_in & (c1 < total_k)
+        fa = np.maximum(_ceil_div(q0, bq), _ceil_div(c1 - dhi, bq))
+        fb = np.minimum(q1 // bq, (c0 - dlo + 1) // bq)
+        ia, ib = _ceil_div(q0, bq), q1 // bq
+    ob = np.maximum(ob, oa)               # rows that see no key (shapes not canonical)
+    fa = np.where(full_ok, np.clip(fa, oa, ob), oa)
+    fb = np.where(full_ok, np.clip(fb, oa, ob), oa)
+    fb = np.maximum(fa, fb)
+    ia, ib = np.clip(ia, oa, ob), np.clip(ib, oa, ob)
+    bounds = np.sort(np.stack([oa, fa, fb, ia, ib, ob], axis=1), axis=1)
+    start, stop = bounds[:, :-1], bounds[:, 1:]
+    keep = stop > start
+    pair = np.broadcast_to(np.arange(len(s))[:, None], keep.shape)[keep]
+    start, length = start[keep], (stop - start)[keep]
+    full = (start >= fa[pair]) & (start < fb[pair])
+    inside = own_in[pair] & (start >= ia[pair]) & (start < ib[pair])
+    kind = np.where(full, FULL, np.where(inside, BAND, GENERAL)).astype(np.int64)
+    s = s[pair]
+    return slice_rank[s], own[pair], start, length, kind, s
+
+
+def _ranges_incl(start, stop):
+    """For each i, the integers ``[start[i], stop[i]]``: (owner index, value)."""
+    n = np.maximum(stop - start + 1, 0)
+    owner = np.repeat(np.arange(len(start)), n)
+    value = np.repeat(start, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
+    return owner, value
+
+
+def _order_runs(rank, own, start, length, kind, s, cp, num, n_other, n_slices):
+    """Runs sorted by (call, owned tile, FULL first, other tile, slice); runs that share an
+    other tile with an earlier run of their (call, tile, FULL or not) group are first cut
+    into single items, as are those they share it with."""
+    masked = (kind != FULL).astype(np.int64)
+
+    def order_of(rank, own, masked, start, s):
+        bound = float(max(cp, 1)) * max(num, 1) * 2 * max(n_other, 1) * max(n_slices, 1)
+        if bound < 2.0 ** 62:
+            key = (((rank * num + own) * 2 + masked) * n_other + start) * n_slices + s
+            return np.argsort(key, kind="stable")
+        return np.lexsort((s, start, masked, own, rank))
+
+    o = order_of(rank, own, masked, start, s)
+    rank, own, start, length, kind, s, masked = (x[o] for x in (rank, own, start, length,
+                                                                 kind, s, masked))
+    if len(s) > 1:
+        group = (rank * num + own) * 2 + masked
+        g0 = group * n_other
+        reach = np.maximum.accumulate(g0 + start + length - 1)
+        shared = np.zeros(len(s), bool)
+        shared[1:] = g0[1:] + start[1:] <= reach[:-1]
+        if shared.any():
+            cluster = np.cumsum(~shared)
+            cut = np.bincount(cluster)[cluster] > 1
+            keep = ~cut
+            i, step = _ranges_incl(np.zeros(int(cut.sum()), np.int64), length[cut] - 1)
+            idx = np.nonzero(cut)[0][i]
+            rank, own, kind, s, masked = (np.concatenate([x[keep], x[idx]]) for x in
+                                          (rank, own, kind, s, masked))
+            start = np.concatenate([start[keep], start[idx] + step])
+            length = np.concatenate([length[keep], np.ones(len(idx), np.int64)])
+            o = order_of(rank, own, masked, start, s)
+            rank, own, start, length, kind, s = (x[o] for x in (rank, own, start, length,
+                                                                kind, s))
+    return rank, own, start, length, kind, s
+
+
+def _runs_fallback(shapes, slice_rank, cp, total_q, total_k, block_q, block_k, by):
+    """Runs of one item each, from the item-by-item lists of every call (shapes that are not
+    canonical)."""
+    bounds = np.searchsorted(slice_rank, np.arange(cp + 1))
+    lists = []
+    for r in range(cp):
+        sl = slice(bounds[r], bounds[r + 1])
+        sub = SliceShapes(*(getattr(shapes, f)[sl] for f in ("q0", "q1", "k0", "k1", "dlo",
+                                                             "dhi")))
+        lists.append(_build_work_list_items(sub, total_q, total_k, block_q, block_k, by))
+    rows = np.concatenate([w.items for w in lists]).reshape(-1, NUM_FIELDS)
+    sizes = np.array([len(w.items) for w in lists], np.int64)
+    run_bounds = np.concatenate([[0], np.cumsum(sizes)])
+    counts = np.stack([np.diff(w.offsets.astype(np.int64)) for w in lists])
+    return _with_tiles(rows, np.ones(len(rows), np.int64), run_bounds, counts)
+
+
+def _build_work_list_items(shapes: SliceShapes, total_q: int, total_k: int, block_q: int,
+                           block_k: int, by: str) -> WorkList:
+    """:func:`build_work_list` item by item (from :func:`tiling.tile_items`)."""
     ti = tile_items(shapes, total_q, total_k, block_q, block_k)
     if by == "q":
         own, other, num = ti.q_tile, ti.k_tile, ti.num_q_tiles
