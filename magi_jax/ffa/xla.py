@@ -97,6 +97,13 @@ def _num_lanes(num_items: int, num_tiles: int, lane_len: int) -> int:
     return max(1, -(-num_items // lane_len) + num_tiles)
 
 
+def _list_lanes(offsets, items, num_tiles: int, cfg: XlaConfig) -> tuple[_Lanes, int]:
+    """The lanes of one work list and how many of them run side by side (by default one
+    per owned tile)."""
+    lanes = _Lanes(offsets, cfg.lane_len, _num_lanes(items.shape[0], num_tiles, cfg.lane_len))
+    return lanes, min(cfg.lanes_per_block or num_tiles, lanes.tile.shape[0])
+
+
 def _blocks(lanes: _Lanes, width: int, body, init):
     """``body(tile [W], start [W], count [W], carry) -> carry`` over the blocks of ``width``
     lanes that hold real lanes (a loop whose trip count is data)."""
@@ -155,9 +162,7 @@ def _forward(q, k, v, plan: FFAPlanArrays, cfg: XlaConfig):
     qt = _tiles(q, bq).reshape(-1, bq, hkv, g, d)
     kt, vt = _tiles(k, bk), _tiles(v, bk)
     nq = qt.shape[0]
-    lanes = _Lanes(plan.q_offsets, cfg.lane_len,
-                   _num_lanes(plan.q_items.shape[0], nq, cfg.lane_len))
-    width = min(cfg.lanes_per_block or nq, lanes.tile.shape[0])
+    lanes, width = _list_lanes(plan.q_offsets, plan.q_items, nq, cfg)
     sub = jnp.arange(bq, dtype=jnp.int32)
     subk = jnp.arange(bk, dtype=jnp.int32)
 
@@ -241,8 +246,7 @@ def _backward(q, k, v, out, lse, dout, dlse, plan: FFAPlanArrays, cfg: XlaConfig
     qt, dot, lse_t, delta_t = q_side(bq)
     kt, vt = _tiles(k, bk), _tiles(v, bk)
     nq = qt.shape[0]
-    lanes = _Lanes(plan.q_offsets, cfg.lane_len,
-                   _num_lanes(plan.q_items.shape[0], nq, cfg.lane_len))
+    lanes, width = _list_lanes(plan.q_offsets, plan.q_items, nq, cfg)
     sub, subk = jnp.arange(bq, dtype=jnp.int32), jnp.arange(bk, dtype=jnp.int32)
 
     def dq_block(tile, start, count, dq_acc):
@@ -262,7 +266,6 @@ def _backward(q, k, v, out, lse, dout, dlse, plan: FFAPlanArrays, cfg: XlaConfig
                              jnp.arange(cfg.lane_len, dtype=jnp.int32))
         return dq_acc.at[tile].add(dq)
 
-    width = min(cfg.lanes_per_block or nq, lanes.tile.shape[0])
     dq = _blocks(lanes, width, dq_block, jnp.zeros(qt.shape, acc))
     dq = (dq.reshape(-1, hq, d)[:tq] * cfg.scale).astype(q.dtype)
 
@@ -271,8 +274,7 @@ def _backward(q, k, v, out, lse, dout, dlse, plan: FFAPlanArrays, cfg: XlaConfig
     qt, dot, lse_t, delta_t = q_side(bq)
     kt, vt = _tiles(k, bk), _tiles(v, bk)
     nk = kt.shape[0]
-    lanes = _Lanes(plan.k_offsets, cfg.lane_len,
-                   _num_lanes(plan.k_items.shape[0], nk, cfg.lane_len))
+    lanes, width = _list_lanes(plan.k_offsets, plan.k_items, nk, cfg)
     sub, subk = jnp.arange(bq, dtype=jnp.int32), jnp.arange(bk, dtype=jnp.int32)
 
     def dkv_block(tile, start, count, carry):
@@ -298,7 +300,6 @@ def _backward(q, k, v, out, lse, dout, dlse, plan: FFAPlanArrays, cfg: XlaConfig
         dk_acc, dv_acc = carry
         return dk_acc.at[tile].add(dk), dv_acc.at[tile].add(dv)
 
-    width = min(cfg.lanes_per_block or nk, lanes.tile.shape[0])
     init = (jnp.zeros(kt.shape, acc), jnp.zeros(vt.shape, acc))
     dk, dv = _blocks(lanes, width, dkv_block, init)
     dk = dk.reshape(-1, hkv, d)[:tk] * cfg.scale
