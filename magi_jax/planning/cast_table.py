@@ -18,7 +18,8 @@ from magi_jax.planning.solver import DispatchMeta, ranges_repeat
 # temporaries.
 _RUN_WRITE_MIN = 64
 
-__all__ = ["widen_cast_table", "CastTable", "build_cast_table", "cast_table_from_pieces", "choose_transport", "cast_model", "reduce_model"]
+__all__ = ["CastTable", "build_cast_table", "cast_table_from_pieces", "choose_transport",
+           "cast_model", "reduce_model"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +62,10 @@ def build_cast_table(meta: DispatchMeta, remote: list[np.ndarray], buffer_len: i
                      width: int | None = None) -> CastTable:
     """Tables of one stage. ``remote[r]``: rank ``r``'s pieces ``[p, 5]`` = (global start,
     global end, owner rank, stage, offset in the stage buffer); ``buffer_len`` >= every
-    rank's buffer. With ``width``: the table widened to every shift at ``width`` rows,
-    ``widen_cast_table(build_cast_table(meta, remote, buffer_len), width)`` built at once."""
+    rank's buffer. With ``width`` (keys at a capacity): a slot for every other rank (shifts
+    ``1 .. cp-1``), each ``width`` rows wide, so the table's shapes and static part depend on
+    ``(cp, width, buffer_len)`` alone; a rank that sends another more rows raises
+    :class:`~magi_jax.planning.capacity.CapacityError` naming ``cast_width``."""
     pieces = [np.column_stack([rem[:, :3], np.full(len(rem), r), rem[:, 4]])
               for r, rem in enumerate(remote) if len(rem)]
     pieces = np.concatenate(pieces) if pieces else np.zeros((0, 5), np.int64)
@@ -175,29 +178,6 @@ def _width_error(need: int, width: int):
 
 
 # ---- NumPy models (the meaning of the tables; used by tests) ---------------------------------
-
-def widen_cast_table(table: CastTable, width: int) -> CastTable:
-    """``table`` with a slot for every other rank (shifts ``1 .. cp-1``), each ``width`` rows
-    wide, so that its shapes and static part depend on ``(cp, width, buffer_len)`` alone
-    (plans at a capacity). Raises :class:`~magi_jax.planning.capacity.CapacityError` when a
-    rank sends another more than ``width`` rows."""
-    cp = table.cp
-    need = max(table.widths, default=0)
-    if need > width:
-        _width_error(need, width)
-    shifts = tuple(range(1, cp))
-    send = np.full((cp, len(shifts), max(width, 1)), -1, np.int32)
-    s_len = table.slot_len
-    new_slot = np.array([sh - 1 for sh in table.shifts], np.int64)
-    for j, w in enumerate(table.widths):
-        send[:, new_slot[j], :w] = table.send_index[:, j, :w]
-    recv = table.recv_index.astype(np.int64)
-    real = recv >= 0
-    j, p = recv // s_len, recv % s_len
-    moved = np.where(real, new_slot[np.clip(j, 0, max(len(new_slot) - 1, 0))] * max(width, 1)
-                     + p, -1) if len(new_slot) else np.full_like(recv, -1)
-    return CastTable(send, moved.astype(np.int32), shifts, (int(width),) * len(shifts))
-
 
 def _moves(table: CastTable):
     """Every real move of a cast: ``(dst rank, dst buffer row, src rank, src row)``."""
