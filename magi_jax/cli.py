@@ -1,6 +1,8 @@
 """Command-line planner: how a mask would be spread over ``cp`` ranks, without any devices.
 
     python -m magi_jax.plan --mask doc-causal --seqlen 1M --cp 64 --out plan.png
+    python -m magi_jax.plan --cu-seqlens 0,3000,8192 --cp 4     # your own packed documents
+    python -m magi_jax.plan --slices mask.npz --cp 8            # any mask (AttnMask.save)
 
 Prints the dispatch (chunks per rank), the balance of attention work (max/mean mask cells per
 rank, next to the contiguous / zigzag / striped baselines), the remote-KV volume (next to what
@@ -16,13 +18,14 @@ import re
 import sys
 import time
 
+from magi_jax.mask import AttnMask
 from magi_jax.mask_zoo import MASKS, make_mask   # the zoo of --mask (re-exported)
 from magi_jax.planning.stages import build_dist_plan
 from magi_jax.planning.defaults import default_overlap_degree
 from magi_jax.planning.solver import ALGORITHMS, remote_kv_tokens, solve_dispatch
 from magi_jax.planning.work_list import default_block_sizes
 
-__all__ = ["MASKS", "make_mask", "parse_tokens", "main"]
+__all__ = ["MASKS", "make_mask", "parse_tokens", "parse_cu_seqlens", "main"]
 
 
 def parse_tokens(text: str) -> int:
@@ -32,6 +35,16 @@ def parse_tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 4096, 128k, 1M)")
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20}[m.group(2).lower()]
     return int(float(m.group(1)) * scale)
+
+
+def parse_cu_seqlens(text: str) -> list[int]:
+    """``"0,1000,4096"`` -> ``[0, 1000, 4096]`` (token counts may use k / M)."""
+    try:
+        return [parse_tokens(t) for t in str(text).split(",") if t.strip()]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"--cu-seqlens {text!r} is not a comma-separated list of cumulative lengths "
+            "(e.g. 0,1000,4096)") from None
 
 
 def _fmt(x: float) -> str:
@@ -44,7 +57,17 @@ def _fmt(x: float) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m magi_jax.plan",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mask", default="doc-causal", choices=MASKS)
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--mask", default="doc-causal", choices=MASKS,
+                       help="a mask of the built-in zoo (default doc-causal)")
+    which.add_argument("--cu-seqlens", type=parse_cu_seqlens, default=None,
+                       help="your packed documents, cumulative lengths 0,n0,n0+n1,... "
+                            "(AttnMask.varlen; --seqlen, --docs do not apply)")
+    which.add_argument("--slices", default=None, metavar="NPZ",
+                       help="any mask, from a .npz of q_ranges / k_ranges / types "
+                            "(AttnMask.save writes one)")
+    ap.add_argument("--bidirectional", action="store_true",
+                    help="with --cu-seqlens: documents attend both ways (default causal)")
     ap.add_argument("--seqlen", type=parse_tokens, default="128k",
                     help="packed tokens, e.g. 32768, 128k, 1M (default 128k)")
     ap.add_argument("--cp", type=int, default=8, help="context-parallel ranks (default 8)")
@@ -65,11 +88,29 @@ def main(argv=None) -> int:
     if args.cp < 1:
         ap.error(f"--cp {args.cp} must be >= 1")
 
+    if args.bidirectional and args.cu_seqlens is None:
+        ap.error("--bidirectional applies to --cu-seqlens only")
     t0 = time.perf_counter()
-    mask = make_mask(args.mask, args.seqlen, window=args.window, num_docs=args.docs,
-                     seed=args.seed)
+    try:
+        if args.cu_seqlens is not None:
+            name = f"{len(args.cu_seqlens) - 1} documents (--cu-seqlens)"
+            mask = AttnMask.varlen(args.cu_seqlens, causal=not args.bidirectional)
+        elif args.slices is not None:
+            name = args.slices
+            mask = AttnMask.load(args.slices)
+        else:
+            name = args.mask
+            mask = make_mask(args.mask, args.seqlen, window=args.window, num_docs=args.docs,
+                             seed=args.seed)
+    except (ValueError, OSError) as e:
+        ap.error(str(e))
+    if mask.total_q != mask.total_k:
+        ap.error(f"{name}: total_q={mask.total_q} != total_k={mask.total_k}; the planner "
+                 "spreads self-attention masks (total_q == total_k)")
+    if mask.total_q == 0:
+        ap.error(f"{name}: the mask has no tokens")
     t_mask = time.perf_counter() - t0
-    print(f"mask      {args.mask}: {mask.num_slices} slices over {mask.total_q:,} tokens, "
+    print(f"mask      {name}: {mask.num_slices} slices over {mask.total_q:,} tokens, "
           f"area {_fmt(mask.area)} cells ({100 * mask.area / mask.total_q ** 2:.2f}% of dense)"
           f"  [{t_mask:.2f} s]")
 
@@ -121,7 +162,7 @@ def main(argv=None) -> int:
         from magi_jax.plot import plot_mask, plot_plan
         if args.out:
             plot_plan(plan, args.out, mask=mask,
-                      title=f"{args.mask}, {mask.total_q:,} tokens over cp = {args.cp}")
+                      title=f"{name}, {mask.total_q:,} tokens over cp = {args.cp}")
             print(f"wrote     {args.out}")
         if args.mask_out:
             plot_mask(mask, args.mask_out)

@@ -298,6 +298,29 @@ class AttnMask:
             dense[sh.q0[s]:sh.q1[s]] |= (cols[None, :] >= lo) & (cols[None, :] <= hi)
         return dense
 
+    def save(self, path) -> None:
+        """Writes the mask to ``path`` as a ``.npz`` (``q_ranges``, ``k_ranges``, ``types``,
+        ``total_q``, ``total_k``); :meth:`load` reads it back, and ``python -m magi_jax.plan
+        --slices path`` plans it."""
+        np.savez(path, q_ranges=self._q_ranges, k_ranges=self._k_ranges, types=self._types,
+                 total_q=np.int64(self._total_q), total_k=np.int64(self._total_k))
+
+    @classmethod
+    def load(cls, path) -> "AttnMask":
+        """The mask of a ``.npz`` with arrays ``q_ranges`` ``[N, 2]``, ``k_ranges`` ``[N, 2]``
+        and ``types`` ``[N]`` (names or :class:`AttnMaskType` values), and optionally
+        ``total_q`` / ``total_k`` (default: the largest range end), as :meth:`save` writes."""
+        with np.load(path, allow_pickle=False) as z:
+            missing = [k for k in ("q_ranges", "k_ranges", "types") if k not in z.files]
+            if missing:
+                raise ValueError(f"{path}: a mask file needs arrays q_ranges, k_ranges and "
+                                 f"types; {missing} missing (it holds {z.files})")
+            totals = {k: int(z[k]) for k in ("total_q", "total_k") if k in z.files}
+            types = z["types"]
+            types = types.tolist() if types.dtype.kind in "US" else types
+            return cls(z["q_ranges"], z["k_ranges"], types, totals.get("total_q"),
+                       totals.get("total_k"))
+
     # ---- constructors -----------------------------------------------------------------------
     @classmethod
     def from_ranges(cls, q_ranges, k_ranges, types, total_q: int | None = None,

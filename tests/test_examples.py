@@ -1,7 +1,7 @@
 """The examples and tools a newcomer runs: the training example (a few steps, a new packing
 every step and one compilation, loss falls, step-0 check passes), the shard_map notebook
 (executes), the pictures (non-empty PNGs of the expected size) and the command-line planner
-(1M tokens over cp 64)."""
+(1M tokens over cp 64; the user's own masks)."""
 
 import json
 import os
@@ -111,3 +111,30 @@ def test_planner_cli_million_tokens_cp64(tmp_path):
     imbalance = float(re.search(r"magi\s+max/mean\s+([\d.]+)", res.stdout).group(1))
     assert imbalance < 1.02, res.stdout
     _assert_picture(out, (1200, 1000))
+
+
+def test_planner_cli_plans_the_users_mask(tmp_path, capsys):
+    from magi_jax.cli import main
+    assert main(["--cu-seqlens", "0,3000,8k,20000", "--cp", "4", "--out", ""]) == 0
+    out = capsys.readouterr().out
+    assert "3 documents (--cu-seqlens): 3 slices over 20,000 tokens" in out, out
+    assert re.search(r"magi\s+max/mean\s+1\.0", out), out
+
+    mask = mj.AttnMask.varlen([0, 700, 2048], causal=False)
+    path = tmp_path / "mask.npz"
+    mask.save(path)
+    assert mj.AttnMask.load(path) == mask
+    assert main(["--slices", str(path), "--cp", "2", "--out", ""]) == 0
+    out = capsys.readouterr().out
+    assert f"{mask.num_slices} slices over 2,048 tokens" in out, out
+    assert f"area {mask.area / 1e6:.3g}M cells" in out, out
+
+    np.savez(tmp_path / "bad.npz", q_ranges=np.zeros((1, 2), np.int32))
+    for argv, message in ((["--slices", str(tmp_path / "bad.npz")], "k_ranges"),
+                          (["--cu-seqlens", "0,10,5"], "cu_seqlens"),
+                          (["--cu-seqlens", "0,x"], "--cu-seqlens"),
+                          (["--bidirectional"], "--cu-seqlens only")):
+        with pytest.raises(SystemExit) as e:
+            main(argv + ["--out", ""])
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err
