@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -67,6 +68,11 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--packings", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time what the segment-id path adds: the device builder alone, "
+                         "the path without its run-time check, host plans without "
+                         "persistent schedules")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "planning"))
     args = ap.parse_args(argv)
@@ -114,10 +120,13 @@ def main(argv=None):
     seg_calls = [(seg, (q4, k4, v4, do4, s)) for s in ids]
     host_calls = [(dyn, (q, k, v, do, p)) for p in plans]   # same packings, host plans
 
-    times = bench_interleaved([(_Cycle(static_fns), ()), (_Cycle(dyn_calls), ()),
-                               (_Cycle(seg_calls), ()), (_Cycle(host_calls), ())],
-                              n=len(masks), reps=7)
+    entries = [(_Cycle(static_fns), ()), (_Cycle(dyn_calls), ()),
+               (_Cycle(seg_calls), ()), (_Cycle(host_calls), ())]
     names = ["static", "dynamic", "segment_ids", "segment_ids_host"]
+    if args.breakdown:
+        entries += _breakdown(masks, ids, cap, (q, k, v, do), (q4, k4, v4, do4), (h, hkv))
+        names += ["seg_builder_only", "segment_ids_unchecked", "host_not_persistent"]
+    times = bench_interleaved(entries, n=len(masks), reps=args.reps)
     for name, sec in zip(names, times):
         rows.append(dict(row=name, ms=sec * 1e3, tflops=flops / sec / 1e12))
     ratio = times[0] / times[1]
@@ -132,7 +141,7 @@ def main(argv=None):
                 segment_ids_over_host=seg_ratio)
     print(json.dumps(meta, indent=1))
     for r in rows:
-        print(f"{r['row']:>18}  {r['ms']:8.3f} ms  {r['tflops']:6.1f} TFLOP/s")
+        print(f"{r['row']:>22}  {r['ms']:8.3f} ms  {r['tflops']:6.1f} TFLOP/s")
     print(f"dynamic / static rate {ratio:.3f} (target >= 0.97); segment ids / host-planned "
           f"{seg_ratio:.3f} (target >= 0.9); compilations: dynamic {dyn._cache_size()}, "
           f"segment ids {seg._cache_size()}")
@@ -142,6 +151,40 @@ def main(argv=None):
     with open(path + ".json", "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print("wrote", path + ".json")
+
+
+def _breakdown(masks, ids, cap, inputs3, inputs4, heads):
+    """Rows that split the segment-id path's extra time: its device builder alone (both
+    lists and the run-time check), the path with the builder but without the check (no host
+    callback), and host plans at the same capacity without persistent schedules."""
+    import dataclasses
+    from magi_jax.ffa.plan import AttnPlan, PlanStatic
+    from magi_jax.ffa.segments import _checked_lists, _work_lists
+    from magi_jax.planning.work_list import FFAPlanArrays, backend_blocks
+    t = ids[0].shape[1]
+    name = "pallas" if jax.default_backend() == "gpu" else "xla"
+    fb, bb = backend_blocks(name, t, t)
+    per = max(1, fb[0] // bb[0])
+    kw = dict(fwd_block=tuple(fb), bwd_block=tuple(bb), fwd_cap=cap.items,
+              bwd_cap=per * cap.items)
+    builder = jax.jit(lambda s: _checked_lists(s, t, 0, check_ids=True, **kw))
+
+    def unchecked(q_, k_, v_, s):
+        b = functools.partial(_work_lists, s.reshape(-1), jnp.int32(t), jnp.int32(0),
+                              row_len=t)
+        *f, _ = b(block_q=fb[0], block_k=fb[1], by="q", capacity_items=cap.items)
+        *g, _ = b(block_q=bb[0], block_k=bb[1], by="k", capacity_items=per * cap.items)
+        plan = AttnPlan(FFAPlanArrays(*f, *g), (), PlanStatic(cap, name, tuple(fb), tuple(bb)))
+        return mj.flex_flash_attention(q_[0], k_[0], v_[0], plan)[0][None]
+    unc = jax.jit(_fwd_bwd(unchecked))
+    q, k, v, do = inputs3
+    q4, k4, v4, do4 = inputs4
+    flat = dataclasses.replace(cap, persistent=False)
+    plans = [jax.device_put(mj.plan_attention(m, flat, num_heads=heads)) for m in masks]
+    dyn = jax.jit(_fwd_bwd(lambda q_, k_, v_, p: mj.flex_flash_attention(q_, k_, v_, p)[0]))
+    return [(_Cycle([(builder, (s,)) for s in ids]), ()),
+            (_Cycle([(unc, (q4, k4, v4, do4, s)) for s in ids]), ()),
+            (_Cycle([(dyn, (q, k, v, do, p)) for p in plans]), ())]
 
 
 def _segment_ids(mask, total):

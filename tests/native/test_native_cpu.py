@@ -495,3 +495,25 @@ def test_chain_of_mixed_tuning_matches_model():
             np.testing.assert_allclose(np.asarray(o), want, rtol=1e-5, atol=1e-5)
         else:
             np.testing.assert_array_equal(np.asarray(o), cast_model(x * (i + 1), table))
+
+
+def test_auto_falls_back_when_nvshmem_fails_to_initialize(monkeypatch):
+    # comm_backend="auto" joins NVSHMEM at key time over several GPUs; a failure there makes
+    # it pick xla, with the reason in a warning and in auto_reason, and is not retried.
+    from magi_jax.sharding.native import library, transport
+    calls = []
+
+    def failing_init(*args, **kwargs):
+        calls.append(args)
+        raise RuntimeError("NVSHMEM initialization failed (7): out of symmetric memory")
+    monkeypatch.setattr(transport, "initialize", failing_init)
+    monkeypatch.setattr(library, "_INIT_FAILURE", None)
+    with pytest.warns(RuntimeWarning, match="comm_backend='auto' uses 'xla'.*out of symmetric"):
+        reason = library.init_problem()
+    assert "NVSHMEM failed to initialize" in reason and "out of symmetric memory" in reason
+    assert library.init_problem() == reason and len(calls) == 1
+
+    monkeypatch.setattr(transport, "initialize", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(library, "_INIT_FAILURE", None)
+    assert library.init_problem() is None and library.init_problem() is None
+    assert len(calls) == 2

@@ -194,14 +194,18 @@ def initialize(symmetric_bytes: int = _DEFAULT_SYMMETRIC_BYTES,
     collectives) and reserves ``symmetric_bytes`` of staging per GPU, plus ``started_bytes``
     for started reduces (default: as much when :attr:`CudaTuning.started_reduce` is on, else
     none). Call after ``jax.distributed.initialize``; leave GPU memory free for it (e.g.
-    ``XLA_PYTHON_CLIENT_MEM_FRACTION``). Called lazily by the first native collective with
-    max(its need (twice with :attr:`CudaTuning.double_buffer`), 1 GiB)."""
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION``). Called with the default by the first
+    ``make_flex_key(comm_backend="auto")`` over several GPUs (which picks ``xla`` if it
+    fails), else lazily by the first native collective with max(its need (twice with
+    :attr:`CudaTuning.double_buffer`), 1 GiB)."""
     if _nv["initialized"]:
         if symmetric_bytes > _nv["bytes"]:
             raise ValueError(f"NVSHMEM is already initialized with {_nv['bytes']} bytes of "
                              f"staging; {symmetric_bytes} were asked for. Call "
                              "magi_jax.sharding.native.initialize(symmetric_bytes=...) with "
-                             "the largest need before the first native collective")
+                             "the largest need before the first native collective and the "
+                             "first make_flex_key(comm_backend='auto') on GPUs (which joins "
+                             "NVSHMEM with the default staging)")
         return
     lib = load_library("cuda")
     rank, n = jax.process_index(), jax.process_count()
