@@ -31,6 +31,7 @@ _LAZY = {
     "make_flex_key": "magi_jax.sharding",
     "make_varlen_key": "magi_jax.sharding",
     "position_ids": "magi_jax.sharding",
+    "roll": "magi_jax.sharding",
     "undispatch": "magi_jax.sharding",
 }
 _SUBPACKAGES = ("caches", "cli", "ffa", "mask", "nn", "pallas", "planning", "plot", "sharding")
@@ -38,7 +39,7 @@ _SUBPACKAGES = ("caches", "cli", "ffa", "mask", "nn", "pallas", "planning", "plo
 __all__ = ["AttnMask", "AttnMaskType", "flex_flash_attention", "reference_attention",
            "select_backend", "dot_product_attention", "plan_attention", "AttnPlan",
            "PlanCapacity", "CapacityError", "prefetch_keys", "clear_caches", "dispatch", "magi_attention", "make_flex_key", "make_varlen_key",
-           "position_ids", "undispatch"]
+           "position_ids", "roll", "undispatch"]
 
 
 def __getattr__(name):

@@ -22,3 +22,6 @@ def clear_caches():
     key = sys.modules.get("magi_jax.sharding.key")
     if key is not None:
         key.clear_key_cache()
+    roll = sys.modules.get("magi_jax.sharding.roll")
+    if roll is not None:
+        roll.clear_roll_cache()

@@ -1,0 +1,338 @@
+"""``roll``: ``jnp.roll`` of the packed sequence for arrays in dispatched order.
+
+``roll(x, shift, key)`` is ``dispatch(jnp.roll(undispatch(x, key), shift), key)`` without
+leaving the dispatched layout: only the tokens whose source lives on another rank travel,
+by one ``ppermute`` per rank offset that carries any, and every rank then fills its rows
+with one local gather. Nothing is gathered over the whole sequence.
+
+The host half (:func:`roll_tables`) is NumPy: from the dispatch (which chunks each rank
+holds) and the static shift it computes, per destination row, the source rank and row, and
+packs them into int32 tables of static shape, cached by (dispatch, shift, mesh).
+
+Semantics of padding: the roll is over the ``total`` real tokens in natural order (position
+``p`` receives position ``(p - shift) mod total``), as the definition above says; padding
+rows (positions ``>= total``) and the hidden rows of a ``check_dispatch`` key come out zero
+whatever they held, and nothing is read from them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from magi_jax.sharding.key import MagiKey, _axis, _check_key, _checked, _put, _rows_desc
+
+__all__ = ["roll", "roll_tables", "RollTables", "clear_roll_cache"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RollTables:
+    """Where every dispatched row of a roll comes from, as per-rank int32 tables.
+
+    ``deltas``: the rank offsets ``d > 0`` that carry tokens (rank ``r`` sends to rank
+    ``(r + d) % cp``). ``send[j]``: int32 ``[cp, width_j]``, the local rows rank ``r`` sends
+    for ``deltas[j]``, in the order the receiver stores them (entries past what a rank sends
+    are 0 and never read). ``gather``: int32 ``[cp, rows]``, per destination row its row in
+    the rank's buffer ``concat(local rows, received for deltas[0], ..., one zero row)``."""
+
+    deltas: tuple[int, ...]
+    send: tuple[np.ndarray, ...]
+    gather: np.ndarray
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(int(s.shape[1]) for s in self.send)
+
+
+def roll_tables(rank_chunks: np.ndarray, chunk_size: int, total: int, shift: int,
+                rows: int | None = None) -> RollTables:
+    """Host plan of a roll by ``shift`` over a dispatch (pure NumPy).
+
+    Args:
+      rank_chunks: int ``[cp, chunks_per_rank]``, the chunks each rank holds, back to back
+        (``DispatchMeta.rank_chunks``); chunk ``c`` is positions ``[c·chunk_size,
+        (c+1)·chunk_size)``, positions ``>= total`` are padding.
+      chunk_size, total: of the dispatch; shift: any int (taken modulo ``total``).
+      rows: local rows of the dispatched array (default ``chunks_per_rank · chunk_size``;
+        one more for a ``check_dispatch`` key, whose extra row is zero).
+
+    Destination position ``p < total`` takes the token at ``(p - shift) mod total``; padding
+    rows and extra rows take the zero row.
+    """
+    rank_chunks = np.asarray(rank_chunks, np.int64)
+    cp, per_rank = rank_chunks.shape
+    c = int(chunk_size)
+    local = per_rank * c
+    rows = local if rows is None else int(rows)
+    owner = np.empty(cp * per_rank, np.int64)
+    owner[rank_chunks.reshape(-1)] = np.repeat(np.arange(cp), per_rank)
+    slot = np.empty(cp * per_rank, np.int64)
+    slot[rank_chunks.reshape(-1)] = np.tile(np.arange(per_rank), cp)
+
+    pos = (rank_chunks[:, :, None] * c + np.arange(c)).reshape(cp, local)
+    dst_rank = np.broadcast_to(np.arange(cp)[:, None], pos.shape)
+    real = pos < total
+    src = (pos[real] - shift) % total
+    src_rank = owner[src // c]
+    src_row = slot[src // c] * c + src % c
+    r = dst_rank[real]
+    delta = (r - src_rank) % cp
+
+    # Group the real rows by (delta, destination rank), each group in destination-row order
+    # (a stable sort of a row-major scan): a row's place in its group is its place in the
+    # received buffer of that delta.
+    group = delta * cp + r
+    order = np.argsort(group, kind="stable")
+    counts = np.bincount(group, minlength=cp * cp)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    place = np.empty_like(group)
+    place[order] = np.arange(group.size) - starts[group[order]]
+    width = counts.reshape(cp, cp).max(axis=1)
+
+    deltas = tuple(int(d) for d in range(1, cp) if width[d] > 0)
+    offset = np.zeros(cp, np.int64)
+    send = []
+    at = rows
+    for d in deltas:
+        offset[d] = at
+        table = np.zeros((cp, int(width[d])), np.int32)
+        sel = delta == d
+        table[(r[sel] - d) % cp, place[sel]] = src_row[sel]
+        send.append(table)
+        at += int(width[d])
+    zero_row = at
+    gather = np.full((cp, rows), zero_row, np.int64)
+    gather_real = np.where(delta == 0, src_row, offset[delta] + place)
+    gather[:, :local][real] = gather_real
+    gather = gather.astype(np.int32)
+    for a in (gather, *send):
+        a.setflags(write=False)
+    return RollTables(deltas, tuple(send), gather)
+
+
+# ---- where the host knows the dispatch ----------------------------------------------------
+
+def _dispatch_of(key: MagiKey):
+    """``(rank_chunks, fingerprint)`` of the key's dispatch, from host data only.
+
+    A key of one mask names its dispatch in its static part (so a key passed to a jitted
+    function as an argument still tells it); otherwise the host plan or concrete arrays of
+    the key are read."""
+    st = key.static
+    if st.fingerprint is not None:
+        meta_fp = st.fingerprint[1]
+        total, cp, chunk, chunks = meta_fp
+        n = st.padded_total // chunk
+        itemsize = len(chunks) // n
+        rank_chunks = np.frombuffer(chunks, np.dtype(f"<i{itemsize}")).reshape(cp, -1)
+        return rank_chunks, meta_fp
+    if key.plan is not None:
+        meta = key.plan.meta
+        return meta.rank_chunks, meta.fingerprint()
+    if isinstance(key.order, jax.core.Tracer):
+        raise ValueError(
+            "roll: the key was built at a PlanCapacity and is traced (passed to a jitted "
+            "function as an argument), so its dispatch is data the host cannot see, and roll "
+            "plans its transfers on the host. Close over the key instead (jax.jit(lambda x: "
+            "mj.roll(x, shift, key))), pass a key built without capacity=, or, for label "
+            "shifts, roll the token ids in natural order before mj.dispatch")
+    order = np.asarray(key.order).astype(np.int64)
+    chunk = st.chunk_size
+    rank_chunks = (order[::chunk] // chunk).reshape(st.cp, -1)
+    return rank_chunks, (st.total, st.cp, chunk, rank_chunks.tobytes())
+
+
+class _TableCache:
+    """Device tables by (dispatch, shift, mesh, axis, rows), least recently used out."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._items: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, args, build):
+        with self._lock:
+            if args in self._items:
+                self._items.move_to_end(args)
+                return self._items[args]
+        value = build()
+        with self._lock:
+            self._items[args] = value
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return value
+
+    def clear(self):
+        with self._lock:
+            self._items.clear()
+
+
+_TABLES = _TableCache(64)
+
+
+def clear_roll_cache():
+    """Drops the cached roll tables (host and device)."""
+    _TABLES.clear()
+
+
+def _device_tables(key: MagiKey, shift: int):
+    """``(deltas, send arrays, gather array)`` for ``key`` and ``shift``, sharded over the cp
+    axis (rank ``r`` holds row ``r`` of each table)."""
+    st = key.static
+    rows = key.local_len
+    rank_chunks, fp = _dispatch_of(key)
+
+    def build():
+        t = roll_tables(rank_chunks, st.chunk_size, st.total, shift, rows)
+        shard = NamedSharding(st.mesh, P(st.cp_axis))
+        return t.deltas, tuple(_put(s, shard) for s in t.send), _put(t.gather, shard)
+
+    return _TABLES.get((fp, shift, st.mesh, st.cp_axis, rows), build)
+
+
+# ---- the device half ----------------------------------------------------------------------
+
+def _move(x, send, gather, deltas, cp, cp_axis, axis):
+    """One rank: send each delta's rows, then fill every row from local + received + zero."""
+    parts = [x]
+    for d, table in zip(deltas, send):
+        out = jnp.take(x, table[0], axis=axis, mode="clip")
+        parts.append(jax.lax.ppermute(out, cp_axis, [(r, (r + d) % cp) for r in range(cp)]))
+    zero_shape = list(x.shape)
+    zero_shape[axis] = 1
+    parts.append(jnp.zeros(zero_shape, x.dtype))
+    return jnp.take(jnp.concatenate(parts, axis=axis), gather[0], axis=axis, mode="clip")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Route:
+    """The static part of one roll: its mesh axis and the rank offsets of the forward
+    (``fwd``) and of its transpose, the roll by ``-shift`` (``bwd``)."""
+
+    mesh: jax.sharding.Mesh
+    cp_axis: str
+    cp: int
+    axis: int
+    fwd: tuple[int, ...]
+    bwd: tuple[int, ...]
+
+    def move(self, x, deltas, send, gather):
+        spec = P(*([None] * self.axis), self.cp_axis)
+        table_spec = P(self.cp_axis)
+
+        def body(x, send, gather):
+            return _move(x, send, gather, deltas, self.cp, self.cp_axis, self.axis)
+
+        fn = jax.shard_map(body, mesh=self.mesh,
+                           in_specs=(spec, tuple(table_spec for _ in deltas), table_spec),
+                           out_specs=spec, check_vma=False)
+        return fn(x, send, gather)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _roll_linear(route, x, fwd, bwd):
+    return route.move(x, route.fwd, *fwd)
+
+
+def _roll_linear_fwd(route, x, fwd, bwd):
+    return route.move(x, route.fwd, *fwd), bwd
+
+
+def _roll_linear_bwd(route, bwd, ct):
+    # The roll is linear; its transpose is the roll by -shift (padding rows: zero both ways).
+    return route.move(ct, route.bwd, *bwd), None, None
+
+
+_roll_linear.defvjp(_roll_linear_fwd, _roll_linear_bwd)
+
+
+def _check_shift(shift):
+    if isinstance(shift, np.generic):
+        shift = shift.item()
+    if isinstance(shift, bool) or not isinstance(shift, int):
+        if isinstance(shift, jax.core.Tracer) or isinstance(shift, jax.Array):
+            raise TypeError(
+                f"roll: shift must be a static Python int; got a JAX array "
+                f"({getattr(shift, 'dtype', '?')}{tuple(getattr(shift, 'shape', ()))}). The "
+                "transfers are planned on the host per shift: pass an int (under jit, mark "
+                "it static, e.g. jax.jit(f, static_argnums=...))")
+        raise TypeError(f"roll: shift={shift!r} must be a Python int (positive or negative, "
+                        f"any size); got {type(shift).__name__}")
+    return shift
+
+
+def roll(x, shift: int, key: MagiKey, *, seq_axis: int = 0):
+    """``jnp.roll`` of the packed sequence, on an array in dispatched order.
+
+    Equals ``dispatch(jnp.roll(undispatch(x, key, seq_axis), shift, axis=seq_axis), key,
+    seq_axis)``: the token at natural position ``p`` moves to position ``(p + shift) mod
+    total`` (the roll is over the ``total`` real tokens, wrapping around at ``total``);
+    padding rows come out zero. Only tokens whose source is on another rank travel, by
+    point-to-point ``ppermute`` (one per rank offset that carries tokens), so a rank holds
+    its own rows plus what it receives, never the whole sequence.
+
+    Args:
+      x: an array in the layout :func:`~magi_jax.sharding.dispatch` returns for ``key``
+        (``padded_total`` rows along ``seq_axis``, sharded over ``key.cp_axis``), any dtype:
+        activations ``[padded_total, ...]``, a batch ``[B, padded_total, ...]`` with
+        ``seq_axis=1``, or int32 token ids.
+      shift: a Python int, positive or negative, any size (taken modulo ``total``); 0 gives
+        ``x`` with its padding rows zeroed. The transfers are planned on the host per shift
+        (NumPy, cached by dispatch and shift), so under ``jit`` it must be static.
+      key: the :class:`~magi_jax.sharding.MagiKey` ``x`` was dispatched with. Eager, closed
+        over in ``jit``, or passed to a jitted function as an argument (a key of one mask
+        names its dispatch in its static part). A key built at a ``PlanCapacity`` passed as
+        an argument hides its dispatch from the host: roll raises then, saying what to do.
+      seq_axis: the axis of the packed sequence, as for ``dispatch``.
+
+    Returns an array like ``x`` (shape, dtype, dispatched layout). Differentiable: the VJP is
+    the roll of the cotangent by ``-shift``.
+
+    Multi-token prediction: the label of the ``k``-th extra head (``k = 1, 2, ...``) at
+    position ``p`` is the token at ``p + k + 1``. Dispatch the token ids once, shift them by
+    ``-(k + 1)``, and keep the positions whose target lies in the same document (which also
+    drops the targets that wrap around and the padding)::
+
+        ids = mj.dispatch(tokens, key)                       # int32 [padded_total]
+        pos = mj.position_ids(key)
+        cu = jnp.asarray(cu_seqlens)                         # document starts, then total
+        doc_end = cu[jnp.searchsorted(cu, pos, side="right").clip(max=cu.size - 1)]
+        labels = mj.roll(ids, -(k + 1), key)                 # token at p + k + 1
+        valid = pos + k + 1 < doc_end                        # same document, not padding
+        loss_k = cross_entropy(head_k(h), labels, where=valid)
+
+    The hidden states of the main model can be shifted the same way
+    (``mj.roll(h, -1, key)``), and gradients flow back through the roll.
+    """
+    _check_key(key)
+    shift = _check_shift(shift)
+    if not (hasattr(x, "ndim") and hasattr(x, "shape")):
+        try:
+            x = jnp.asarray(x)
+        except TypeError:
+            raise TypeError(f"roll: x must be an array; got {type(x).__name__}") from None
+    axis = _axis(x, seq_axis, "roll")
+    if x.shape[axis] != key.padded_total:
+        msg = (f"roll: x has shape {tuple(x.shape)}; its axis {axis} (seq_axis={seq_axis}) "
+               f"has {x.shape[axis]} rows but the key dispatches {_rows_desc(key)}")
+        if x.shape[axis] == key.total and key.total != key.padded_total:
+            msg += ("; x looks like natural-order tokens: mj.dispatch(x, key) first, or use "
+                    "jnp.roll on the natural-order array")
+        else:
+            fits = [i for i, n in enumerate(x.shape) if n == key.padded_total and i != axis]
+            msg += (f"; axis {fits[0]} has {key.padded_total} rows: pass seq_axis={fits[0]}"
+                    if fits else "; pass an array dispatched with this key")
+        raise ValueError(msg)
+    s = shift % key.total
+    fwd_deltas, fwd_send, fwd_gather = _device_tables(key, s)
+    bwd_deltas, bwd_send, bwd_gather = _device_tables(key, (-s) % key.total)
+    st = key.static
+    route = _Route(st.mesh, st.cp_axis, st.cp, axis, fwd_deltas, bwd_deltas)
+    return _roll_linear(route, x, (fwd_send, fwd_gather), (bwd_send, bwd_gather))
