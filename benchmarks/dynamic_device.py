@@ -125,7 +125,8 @@ def main(argv=None):
     names = ["static", "dynamic", "segment_ids", "segment_ids_host"]
     if args.breakdown:
         entries += _breakdown(masks, ids, cap, (q, k, v, do), (q4, k4, v4, do4), (h, hkv))
-        names += ["seg_builder_only", "segment_ids_unchecked", "host_not_persistent"]
+        names += ["seg_builder_only", "segment_ids_raising", "segment_ids_unchecked",
+                  "host_not_persistent"]
     times = bench_interleaved(entries, n=len(masks), reps=args.reps)
     for name, sec in zip(names, times):
         rows.append(dict(row=name, ms=sec * 1e3, tflops=flops / sec / 1e12))
@@ -155,8 +156,9 @@ def main(argv=None):
 
 def _breakdown(masks, ids, cap, inputs3, inputs4, heads):
     """Rows that split the segment-id path's extra time: its device builder alone (both
-    lists and the run-time check), the path with the builder but without the check (no host
-    callback), and host plans at the same capacity without persistent schedules."""
+    lists and the contiguity flag), the path with the raising check (a host callback), the
+    path without any check, and host plans at the same capacity without persistent
+    schedules."""
     import dataclasses
     from magi_jax.ffa.plan import AttnPlan, PlanStatic
     from magi_jax.ffa.segments import _checked_lists, _work_lists
@@ -168,6 +170,8 @@ def _breakdown(masks, ids, cap, inputs3, inputs4, heads):
     kw = dict(fwd_block=tuple(fb), bwd_block=tuple(bb), fwd_cap=cap.items,
               bwd_cap=per * cap.items)
     builder = jax.jit(lambda s: _checked_lists(s, t, 0, check_ids=True, **kw))
+    raising = jax.jit(_fwd_bwd(lambda q_, k_, v_, s: mj.dot_product_attention(
+        q_, k_, v_, segment_ids=s, is_causal=True, capacity=cap, check_segment_ids=True)))
 
     def unchecked(q_, k_, v_, s):
         b = functools.partial(_work_lists, s.reshape(-1), jnp.int32(t), jnp.int32(0),
@@ -183,6 +187,7 @@ def _breakdown(masks, ids, cap, inputs3, inputs4, heads):
     plans = [jax.device_put(mj.plan_attention(m, flat, num_heads=heads)) for m in masks]
     dyn = jax.jit(_fwd_bwd(lambda q_, k_, v_, p: mj.flex_flash_attention(q_, k_, v_, p)[0]))
     return [(_Cycle([(builder, (s,)) for s in ids]), ()),
+            (_Cycle([(raising, (q4, k4, v4, do4, s)) for s in ids]), ()),
             (_Cycle([(unc, (q4, k4, v4, do4, s)) for s in ids]), ()),
             (_Cycle([(dyn, (q, k, v, do, p)) for p in plans]), ())]
 

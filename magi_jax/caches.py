@@ -16,6 +16,7 @@ def clear_caches():
     work_list.plan_for_mask.cache_clear()
     work_list._schedule.cache_clear()
     solver.solve_dispatch.cache_clear()
+    solver._solve_kv.cache_clear()
     defaults.capacity_overlap_degree.cache_clear()
     stages.clear_cache()
     import sys

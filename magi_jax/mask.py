@@ -53,6 +53,8 @@ class AttnMaskType(enum.IntEnum):
                     f"unknown mask type {value!r}; use one of "
                     f"{[t.name.lower() for t in cls]} or their ints 0-3") from None
         try:
+            if isinstance(value, (bool, np.bool_)) or int(value) != value:
+                raise ValueError
             return cls(int(value))
         except (ValueError, TypeError):
             raise ValueError(
@@ -172,6 +174,8 @@ def _as_ranges(name: str, ranges) -> np.ndarray:
     if arr.ndim != 2 or arr.shape[1] != 2:
         raise ValueError(f"{name} must have shape [N, 2] (start, end) pairs; got shape "
                          f"{arr.shape}")
+    if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+        raise ValueError(f"{name} must hold integer token positions; got dtype {arr.dtype}")
     if not np.issubdtype(arr.dtype, np.integer):
         if not np.all(np.equal(np.mod(arr, 1), 0)):
             raise ValueError(f"{name} must hold integer token positions; got dtype "
@@ -212,10 +216,10 @@ class AttnMask:
             raise ValueError(f"q_ranges has {len(qr)} slices but k_ranges has {len(kr)}; give "
                              "one k_range per q_range")
         types = _as_types(types, len(qr))
-        total_q = int(qr[:, 1].max(initial=0)) if total_q is None else int(total_q)
-        total_k = int(kr[:, 1].max(initial=0)) if total_k is None else int(total_k)
-        if total_q < 0 or total_k < 0:
-            raise ValueError(f"total_q={total_q} and total_k={total_k} must be >= 0")
+        total_q = (int(qr[:, 1].max(initial=0)) if total_q is None
+                   else _check_total("total_q", total_q))
+        total_k = (int(kr[:, 1].max(initial=0)) if total_k is None
+                   else _check_total("total_k", total_k))
         _check_bounds("q_ranges", qr, total_q, "total_q", kr, types)
         _check_bounds("k_ranges", kr, total_k, "total_k", qr, types)
         self._q_ranges = _frozen(qr.astype(np.int32))
@@ -451,8 +455,7 @@ class AttnMask:
         9
         """
         total = _check_total("total", total)
-        if left < 0 or right < 0:
-            raise ValueError(f"left={left} and right={right} must be >= 0")
+        left, right = _check_total("left", left), _check_total("right", right)
         return cls.varlen([0, total], causal=False, window=(left, right))
 
     @classmethod
@@ -465,7 +468,7 @@ class AttnMask:
         17
         """
         lens = _doc_lens(doc_lens)
-        if block_size <= 0:
+        if _check_total("block_size", block_size) == 0:
             raise ValueError(f"block_size={block_size} must be positive")
         slices, start = [], 0
         for n in lens:
@@ -485,7 +488,12 @@ class AttnMask:
         16
         """
         lens = _doc_lens(doc_lens)
-        prefixes = np.broadcast_to(np.asarray(prefix_lens, np.int64), (len(lens),))
+        prefixes = np.asarray(prefix_lens)
+        if prefixes.ndim > 1 or prefixes.size not in (1, len(lens)) or not (
+                np.issubdtype(prefixes.dtype, np.integer)):
+            raise ValueError(f"prefix_lens must be one int or {len(lens)} ints (one per "
+                             f"document); got {prefix_lens!r}")
+        prefixes = np.broadcast_to(prefixes.astype(np.int64).reshape(-1), (len(lens),))
         slices, start = [], 0
         for i, (n, p) in enumerate(zip(lens, prefixes.tolist())):
             if not 0 <= p <= n:
@@ -547,8 +555,8 @@ class AttnMask:
         15
         """
         total = _check_total("total", total)
-        if window < 0 or num_global < 0:
-            raise ValueError(f"window={window} and num_global={num_global} must be >= 0")
+        window = _check_total("window", window)
+        num_global = _check_total("num_global", num_global)
         slices = shape_to_slices(0, total, 0, total, -window, 0)
         # Global keys not already inside the window: k < num_global and k < q - window.
         slices += shape_to_slices(0, total, 0, min(num_global, total), None, -window - 1)
@@ -566,7 +574,11 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 def _as_types(types, n: int) -> np.ndarray:
     if isinstance(types, (str, AttnMaskType, int, np.integer)):
         return np.full((n,), int(AttnMaskType.coerce(types)), np.int64)
-    seq = list(types) if not isinstance(types, np.ndarray) else types.reshape(-1).tolist()
+    try:
+        seq = list(types) if not isinstance(types, np.ndarray) else types.reshape(-1).tolist()
+    except TypeError:
+        raise ValueError(f"types={types!r} must be one mask type (a name such as 'causal', an "
+                         "int 0-3 or an AttnMaskType) or one per slice") from None
     if len(seq) != n:
         raise ValueError(f"types has {len(seq)} entries but there are {n} slices; give one "
                          "type per slice or a single type for all")
@@ -694,7 +706,11 @@ def _cu_seqlens(cu_seqlens) -> np.ndarray:
 
 
 def _doc_lens(doc_lens) -> list[int]:
-    lens = np.asarray(doc_lens, np.int64).reshape(-1)
+    arr = np.asarray(doc_lens)
+    if not (np.issubdtype(arr.dtype, np.integer) or (
+            np.issubdtype(arr.dtype, np.floating) and np.all(np.mod(arr, 1) == 0))):
+        raise ValueError(f"doc_lens must be integer document lengths; got {doc_lens!r}")
+    lens = arr.astype(np.int64).reshape(-1)
     if np.any(lens < 0):
         raise ValueError(f"doc_lens must be >= 0; got {lens.tolist()[:16]}")
     return lens.tolist()
@@ -702,15 +718,21 @@ def _doc_lens(doc_lens) -> list[int]:
 
 def _window(window, causal: bool) -> tuple[int | None, int | None]:
     """(left, right) extents; None = unbounded."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal={causal!r} must be True or False")
     if window is None:
         return (None, 0) if causal else (None, None)
-    if isinstance(window, (int, np.integer)):
+    if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
         left, right = int(window), (0 if causal else int(window))
     else:
         try:
-            left, right = (int(w) for w in window)
+            left, right = window
+            if any(isinstance(w, bool) or int(w) != w for w in (left, right)):
+                raise ValueError
+            left, right = int(left), int(right)
         except (TypeError, ValueError):
-            raise ValueError(f"window must be an int or a (left, right) pair; got {window!r}")
+            raise ValueError(f"window must be an int or a (left, right) pair of ints; got "
+                             f"{window!r}") from None
     if left < 0 or right < 0:
         raise ValueError(f"window=(left={left}, right={right}) must be >= 0")
     if causal and right != 0:

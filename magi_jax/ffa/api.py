@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import jax.numpy as jnp
 
@@ -12,7 +13,7 @@ from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.ffa.xla import xla_ffa
 from magi_jax.planning.work_list import backend_blocks, plan_for_mask
 
-__all__ = ["flex_flash_attention", "BACKENDS", "select_backend"]
+__all__ = ["flex_flash_attention", "BACKENDS", "select_backend", "check_options"]
 
 BACKENDS = ("auto", "xla", "pallas")
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
@@ -54,7 +55,47 @@ def _check_inputs(q, k, v, mask: AttnMask):
     _check_shapes(q, k, v, mask.total_q, mask.total_k, "the mask")
 
 
+def _finite(value) -> float | None:
+    """``value`` as a finite float; ``None`` for anything else (strings, NaN, inf, arrays of
+    several elements, traced values)."""
+    if isinstance(value, (str, bytes)):
+        return None
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def check_options(softmax_scale=None, softcap=0.0, block_q=None, block_k=None) -> None:
+    """The scalar options of the attention entry points: ``softcap`` a finite number >= 0,
+    ``softmax_scale`` ``None`` or a finite number, ``block_q``/``block_k`` ``None`` or
+    positive integers. Raises ``ValueError`` naming the option, its value and the fix."""
+    cap = _finite(softcap)
+    if cap is None or cap < 0:
+        raise ValueError(f"softcap={softcap!r} must be a number >= 0 and finite (0 disables "
+                         "soft-capping)")
+    if softmax_scale is not None and _finite(softmax_scale) is None:
+        raise ValueError(f"softmax_scale={softmax_scale!r} must be a finite number (or None "
+                         "for D ** -0.5)")
+    for name, value in (("block_q", block_q), ("block_k", block_k)):
+        if value is None:
+            continue
+        tile = _finite(value)
+        if isinstance(value, bool) or tile is None or tile != int(tile) or tile < 1:
+            raise ValueError(f"{name}={value!r} must be a positive tile size (or None for the "
+                             "default)")
+
+
+def _check_arrays(q, k, v):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not all(hasattr(x, a) for a in ("ndim", "shape", "dtype")):
+            raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got "
+                            f"{type(x).__name__}")
+
+
 def _check_shapes(q, k, v, total_q: int, total_k: int, what: str):
+    _check_arrays(q, k, v)
     if q.ndim not in (3, 4):
         raise ValueError(f"q must be [T, H, D] or [B, T, H, D]; got shape {q.shape}")
     for name, x in (("k", k), ("v", v)):
@@ -89,13 +130,15 @@ def _check_shapes(q, k, v, total_q: int, total_k: int, what: str):
         raise TypeError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them "
                         "to one dtype")
     if q.dtype not in _DTYPES:
-        raise TypeError(f"dtype {q.dtype} is not supported; use bfloat16, float16 or float32")
+        raise TypeError(f"q, k, v have dtype {q.dtype}, which is not supported; use bfloat16, "
+                        "float16 or float32 (float64 with jax_enable_x64)")
 
 
 def flex_flash_attention(q, k, v, mask: AttnMask | AttnPlan, *,
                          softmax_scale: float | None = None, softcap: float = 0.0,
                          backend: str = "auto", block_q: int | None = None,
-                         block_k: int | None = None, sink=None):
+                         block_k: int | None = None, sink=None,
+                         return_max_logits: bool = False):
     """Exact attention of ``q`` over ``k``/``v`` restricted to ``mask``.
 
     Args:
@@ -116,44 +159,48 @@ def flex_flash_attention(q, k, v, mask: AttnMask | AttnPlan, *,
       sink: optional attention-sink logits ``[S, Hq]`` (float32, 1 <= S <= 8): they join
         every row's softmax denominator and add nothing to the output; differentiable
         (:mod:`magi_jax.ffa.sinks`). ``lse`` then includes them.
+      return_max_logits: also return each head's largest logit (for QK-clip).
 
     Returns:
       ``(out, lse)``: ``out`` like ``q``; ``lse`` ``[(B,) Tq, Hq]`` float32, natural log.
       Rows that see no key get ``out = 0``, ``lse = -inf`` and zero gradients.
       Differentiable in q, k, v; works under ``jit``, ``grad`` and ``vmap``.
+      With ``return_max_logits=True``, ``(out, lse, max_logits)``: ``max_logits``
+      ``[(B,) Hq]`` float32 is, per batch row and query head, the largest scaled logit
+      ``softmax_scale·q·k`` over the mask's cells, taken before the softcap (the quantity
+      QK-clip bounds; ``max_logits.max(0)`` is the per-head figure over a batch). Sink
+      logits are not logits of a key and do not enter it. ``-inf`` for a head that sees no
+      cell. The kernels take it from the forward's running row maxima (no second pass over
+      the scores); it has no gradient.
     """
+    return_max_logits = bool(return_max_logits)
+    _check_arrays(q, k, v)
     if sink is not None:
         check_sink(sink, q.shape[-2])
-        out, lse = flex_flash_attention(q, k, v, mask, softmax_scale=softmax_scale,
-                                        softcap=softcap, backend=backend, block_q=block_q,
-                                        block_k=block_k)
-        return apply_sink(out, lse, sink)
-    if softcap != softcap or softcap < 0:
-        raise ValueError(f"softcap={softcap} must be a number >= 0 (0 disables soft-capping)")
-    if softmax_scale is not None and not float(softmax_scale) == float(softmax_scale):
-        raise ValueError(f"softmax_scale={softmax_scale} must be a number (or None for "
-                         "D ** -0.5)")
-    for name, value in (("block_q", block_q), ("block_k", block_k)):
-        if value is not None and (int(value) != value or value < 1):
-            raise ValueError(f"{name}={value} must be a positive tile size (or None for the "
-                             "default)")
+        res = flex_flash_attention(q, k, v, mask, softmax_scale=softmax_scale,
+                                   softcap=softcap, backend=backend, block_q=block_q,
+                                   block_k=block_k, return_max_logits=return_max_logits)
+        return apply_sink(*res[:2], sink) + tuple(res[2:])
+    check_options(softmax_scale, softcap, block_q, block_k)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if isinstance(mask, AttnPlan):
-        return _attend_plan(q, k, v, mask, scale, float(softcap), backend, block_q, block_k)
+        return _attend_plan(q, k, v, mask, scale, float(softcap), backend, block_q, block_k,
+                            return_max_logits)
     _check_inputs(q, k, v, mask)
     name, reason = select_backend(backend, q, k, v, mask)
     _log.debug("flex_flash_attention: backend %s (%s)", name, reason)
     if name == "pallas":
         from magi_jax.pallas import ffa_pallas
         return ffa_pallas(q, k, v, plan_for_mask(mask, "pallas"), softmax_scale=scale,
-                          softcap=float(softcap))
+                          softcap=float(softcap), return_max_logits=return_max_logits)
     (bq, bk), _ = backend_blocks("xla", mask.total_q, mask.total_k, block_q, block_k)
     plan = plan_for_mask(mask, "xla", bq, bk)
     return xla_ffa(q, k, v, plan, softmax_scale=scale, softcap=float(softcap),
-                   block_q=bq, block_k=bk)
+                   block_q=bq, block_k=bk, return_max_logits=return_max_logits)
 
 
-def _attend_plan(q, k, v, plan: AttnPlan, scale, softcap, backend, block_q, block_k):
+def _attend_plan(q, k, v, plan: AttnPlan, scale, softcap, backend, block_q, block_k,
+                 return_max_logits):
     """:func:`flex_flash_attention` from an :class:`AttnPlan` (masks as data)."""
     st = plan.static
     cap = st.capacity
@@ -177,9 +224,10 @@ def _attend_plan(q, k, v, plan: AttnPlan, scale, softcap, backend, block_q, bloc
                              f"{st.groups} but the inputs have {groups}; pass num_heads="
                              "(Hq, Hkv) and batch=B of these inputs to plan_attention")
         return pallas.ffa_pallas(q, k, v, plan.lists, softmax_scale=scale, softcap=softcap,
-                                 schedules=plan.schedules)
+                                 schedules=plan.schedules, return_max_logits=return_max_logits)
     return xla_ffa(q, k, v, plan.lists, softmax_scale=scale, softcap=softcap,
-                   block_q=st.fwd_block[0], block_k=st.fwd_block[1], lane_len=st.lane_len)
+                   block_q=st.fwd_block[0], block_k=st.fwd_block[1], lane_len=st.lane_len,
+                   return_max_logits=return_max_logits)
 
 
 def _groups(q, k):

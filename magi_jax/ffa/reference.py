@@ -17,17 +17,19 @@ __all__ = ["reference_attention", "reference_attention_vjp", "dense_attention"]
 
 
 def _attend(q, k, v, dense, scale, softcap, sink=None):
-    """q [..., Tq, Hq, D], k/v [..., Tk, Hkv, D], dense bool [Tq, Tk] -> out, lse [..., Tq, Hq].
-    ``sink`` [S, Hq]: logits that join every row's softmax denominator and add nothing to
-    the output."""
+    """q [..., Tq, Hq, D], k/v [..., Tk, Hkv, D], dense bool [Tq, Tk] -> out, lse [..., Tq, Hq]
+    and the max logits [..., Hq]. ``sink`` [S, Hq]: logits that join every row's softmax
+    denominator and add nothing to the output."""
     hq, hkv = q.shape[-2], k.shape[-2]
     group = hq // hkv
     k = jnp.repeat(k, group, axis=-2)
     v = jnp.repeat(v, group, axis=-2)
     s = jnp.einsum("...qhd,...khd->...hqk", q, k) * jnp.asarray(scale, q.dtype)
+    allowed = jnp.asarray(dense)
+    # Before the softcap, over the allowed cells only; a statistic, never differentiated.
+    max_logits = jax.lax.stop_gradient(jnp.max(jnp.where(allowed, s, -jnp.inf), axis=(-2, -1)))
     if softcap:
         s = softcap * jnp.tanh(s / softcap)
-    allowed = jnp.asarray(dense)
     s = jnp.where(allowed, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     if sink is not None:
@@ -42,11 +44,11 @@ def _attend(q, k, v, dense, scale, softcap, sink=None):
     p = e / jnp.where(has_key, denom, 1)
     out = jnp.einsum("...hqk,...khd->...qhd", p, v)
     lse = jnp.where(has_key, m + jnp.log(jnp.where(has_key, denom, 1)), -jnp.inf)[..., 0]
-    return out, jnp.swapaxes(lse, -1, -2)
+    return out, jnp.swapaxes(lse, -1, -2), max_logits
 
 
 def reference_attention(q, k, v, mask: AttnMask, *, softmax_scale=None, softcap: float = 0.0,
-                        sink=None):
+                        sink=None, return_max_logits: bool = False):
     """Dense attention ``(out, lse)`` over ``mask``, computed in ``q``'s dtype.
 
     q: ``[Tq, Hq, D]`` or ``[B, Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]`` (same leading batch).
@@ -55,17 +57,25 @@ def reference_attention(q, k, v, mask: AttnMask, *, softmax_scale=None, softcap:
     Differentiable with ``jax.grad`` / ``jax.vjp``. ``sink`` ``[S, Hq]``: attention-sink
     logits in every row's denominator (then a row that sees no key has ``out = 0`` and
     ``lse = logsumexp(sink)``).
+
+    ``return_max_logits=True`` returns ``(out, lse, max_logits)``: per query head, the
+    largest scaled logit ``softmax_scale·q·k`` (before any softcap; sinks are not logits of
+    a key) over the mask's cells, ``[(B,) Hq]`` in ``lse``'s dtype, ``-inf`` for a head that
+    sees no cell; not differentiated.
     """
     return dense_attention(q, k, v, mask.to_dense(), softmax_scale=softmax_scale,
-                           softcap=softcap, sink=sink)
+                           softcap=softcap, sink=sink, return_max_logits=return_max_logits)
 
 
-def dense_attention(q, k, v, dense, *, softmax_scale=None, softcap: float = 0.0, sink=None):
+def dense_attention(q, k, v, dense, *, softmax_scale=None, softcap: float = 0.0, sink=None,
+                    return_max_logits: bool = False):
     """:func:`reference_attention` with the mask given as a bool ``[Tq, Tk]`` array (may be
     traced, so one compilation serves every mask of a size)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    out, lse = _attend(q, k, v, dense, scale, softcap, sink)
+    out, lse, max_logits = _attend(q, k, v, dense, scale, softcap, sink)
     lse_dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    if return_max_logits:
+        return out.astype(q.dtype), lse.astype(lse_dtype), max_logits.astype(lse_dtype)
     return out.astype(q.dtype), lse.astype(lse_dtype)
 
 

@@ -38,7 +38,7 @@ from magi_jax.planning.tiling import EMPTY_ITEM
 from magi_jax.planning.work_list import BAND, FULL, GENERAL
 
 __all__ = ["dot_product_attention", "segment_work_lists", "segment_items_bound",
-           "noncontiguous_ids", "check_capacity", "pack_rows", "unpack_rows"]
+           "noncontiguous_ids", "check_capacity", "unplannable", "pack_rows", "unpack_rows"]
 
 _I32_MAX = int(np.iinfo(np.int32).max)
 # Slices' typed pieces (AttnMaskType values).
@@ -69,7 +69,9 @@ def _ragged(counts, size):
     total get an in-bounds owner and are to be masked by the caller."""
     ends = jnp.cumsum(counts)
     slot = jnp.arange(size, dtype=jnp.int32)
-    owner = jnp.minimum(jnp.searchsorted(ends, slot, side="right").astype(jnp.int32),
+    # Unrolled binary search: no device loop (on GPUs a while loop syncs with the host).
+    owner = jnp.minimum(jnp.searchsorted(ends, slot, side="right",
+                                         method="scan_unrolled").astype(jnp.int32),
                         counts.shape[0] - 1)
     return owner, slot - _take(ends - counts, owner), ends[-1]
 
@@ -215,17 +217,33 @@ def _work_lists(ids, left, right, *, row_len: int, block_q: int, block_k: int, b
     own = jnp.where(ok, own, num_tiles)
 
     # CSR order: (owned tile, FULL first, other tile), ties in slice order (a stable sort of
-    # an enumeration that is already in slice order, as the host breaks them).
-    own, _, other, kind, s = jax.lax.sort(
-        (own, (kind != FULL).astype(jnp.int32), other, kind, s), num_keys=3, is_stable=True)
+    # an enumeration that is already in slice order, as the host breaks them). The three
+    # keys fit one int32 below 2**31: a (key, index) sort, which XLA runs as one radix sort
+    # on GPUs, instead of a comparison sort of five operands.
+    num_other = nk if by == "q" else nq
+    notfull = (kind != FULL).astype(jnp.int32)
+    if (2 * num_tiles + 2) * num_other < 1 << 31:
+        packed = (own * 2 + notfull) * num_other + other
+        packed, perm = jax.lax.sort((packed, jnp.arange(cap, dtype=jnp.int32)), num_keys=1,
+                                    is_stable=True)
+        kind, s = _take(kind, perm), _take(s, perm)
+        own, other = packed // (2 * num_other), packed % num_other
+    else:
+        own, _, other, kind, s = jax.lax.sort((own, notfull, other, kind, s), num_keys=3,
+                                              is_stable=True)
     geo = _take(tab, s)
     fields = jnp.concatenate([other[:, None], geo[:, 0:4], geo[:, 6:8], kind[:, None]],
                              axis=1)
     items = jnp.where((own < num_tiles)[:, None], fields, empty)
     counts = jnp.zeros((num_tiles + 1,), jnp.int32).at[own].add(1)[:num_tiles]
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts)])
-    order = jax.lax.sort((-counts, jnp.arange(num_tiles, dtype=jnp.int32)), num_keys=2,
-                         is_stable=True)[1]
+    # Launch order: heaviest first, ties by tile; one int32 key when it fits.
+    if (cap + 1) * num_tiles < 1 << 31:
+        order = jax.lax.sort((cap - counts) * num_tiles +
+                             jnp.arange(num_tiles, dtype=jnp.int32)) % num_tiles
+    else:
+        order = jax.lax.sort((-counts, jnp.arange(num_tiles, dtype=jnp.int32)), num_keys=2,
+                             is_stable=True)[1]
     return order, offsets, items, needed.astype(jnp.int32)
 
 
@@ -244,10 +262,21 @@ def noncontiguous_ids(segment_ids):
     pos = jnp.arange(t, dtype=jnp.int32)
     change = (pos % row_len == 0) | (ids != jnp.roll(ids, 1))
     live = change & (ids != 0)
-    row = jnp.where(live, pos // row_len, t)          # dead positions sort last
-    row, val, start = jax.lax.sort((row, jnp.where(live, ids, 0), pos), num_keys=2)
-    dup = (row[1:] < t) & (row[1:] == row[:-1]) & (val[1:] == val[:-1])
+    if row_len == 1:                                   # one-token rows: one run each
+        z = jnp.zeros((), jnp.int32)
+        return jnp.zeros((), bool), z, z, z
+    # Per row, run starts sorted by id (a (key, index) sort along rows: a radix sort on
+    # GPUs); positions that start no run carry the largest key and are told apart by `live`.
+    rows = t // row_len
+    key = jnp.where(live, ids, jnp.iinfo(jnp.int32).max).astype(jnp.int32)
+    val, start = jax.lax.sort((key.reshape(rows, row_len), pos.reshape(rows, row_len)),
+                              num_keys=1, is_stable=True)
+    ok = _take(live, start)
+    dup = (ok[:, 1:] & ok[:, :-1] & (val[:, 1:] == val[:, :-1])).reshape(-1)
+    val, start = val.reshape(-1), start.reshape(-1)
+    # Indices into the flat arrays: pair j of row r is (r * row_len + j, ... + 1).
     j = jnp.argmax(dup)
+    j = j + j // (row_len - 1)
     return dup.any(), val[j], start[j], start[j + 1]
 
 
@@ -288,6 +317,15 @@ def _raise_if_bad(fwd_needed, bwd_needed, bad, bad_id, first, second, *, fwd_cap
             "(capacity=None: a bound that always fits)")
 
 
+def unplannable(fwd_needed, bwd_needed, *, fwd_cap: int, bwd_cap: int, contiguity=None):
+    """A traced bool: the device lists cannot represent these segment ids — they overflow
+    their capacity, or (with ``contiguity``, :func:`noncontiguous_ids`' result) an id sits
+    in two runs of a row. No host round trip: :func:`dot_product_attention` turns its output
+    into NaN with it."""
+    bad = (fwd_needed > fwd_cap) | (bwd_needed > bwd_cap)
+    return bad if contiguity is None else bad | contiguity[0]
+
+
 def check_capacity(fwd_needed, bwd_needed, *, fwd_cap: int, bwd_cap: int, total: int,
                    row_len: int, contiguity=None):
     """Raises at run time (a ``jax.debug.callback``, so also under ``jit``) when the device
@@ -320,9 +358,12 @@ def _window_of(is_causal: bool, local_window_size):
     return left, (0 if is_causal else right)
 
 
-def _segment_plan(segment_ids, left, right, name: str, capacity, check_ids: bool = True):
+def _segment_plan(segment_ids, left, right, name: str, capacity, check_ids: bool = True,
+                  raise_now: bool = False):
     """The :class:`~magi_jax.ffa.plan.AttnPlan` of ``segment_ids [B, T]`` (packed), built on
-    the device, and its run-time check."""
+    the device, and a traced bool that says the plan cannot represent the ids
+    (:func:`unplannable`); with ``raise_now`` also the run-time check that raises
+    (:func:`check_capacity`)."""
     from magi_jax.ffa.plan import AttnPlan, PlanStatic
     from magi_jax.planning.capacity import PlanCapacity
     from magi_jax.planning.work_list import backend_blocks
@@ -345,19 +386,21 @@ def _segment_plan(segment_ids, left, right, name: str, capacity, check_ids: bool
         raise ValueError(f"capacity is for total_q={capacity.total_q}, total_k="
                          f"{capacity.total_k}, but the packed rows hold B·T = {total} "
                          "tokens; build it with PlanCapacity(total_q=B*T)")
-    lists = _checked_lists(segment_ids, min(window[0], total), min(window[1], total),
-                           fwd_block=tuple(fwd_block), bwd_block=tuple(bwd_block),
-                           fwd_cap=capacity.items, bwd_cap=per_item * capacity.items,
-                           check_ids=check_ids)
-    return AttnPlan(lists, (), PlanStatic(capacity, name, tuple(fwd_block), tuple(bwd_block)))
+    lists, bad = _checked_lists(segment_ids, min(window[0], total), min(window[1], total),
+                                fwd_block=tuple(fwd_block), bwd_block=tuple(bwd_block),
+                                fwd_cap=capacity.items, bwd_cap=per_item * capacity.items,
+                                check_ids=check_ids, raise_now=raise_now)
+    plan = AttnPlan(lists, (), PlanStatic(capacity, name, tuple(fwd_block), tuple(bwd_block)))
+    return plan, bad
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2), static_argnames=(
-    "fwd_block", "bwd_block", "fwd_cap", "bwd_cap", "check_ids"))
+    "fwd_block", "bwd_block", "fwd_cap", "bwd_cap", "check_ids", "raise_now"))
 def _checked_lists(segment_ids, left, right, *, fwd_block, bwd_block, fwd_cap, bwd_cap,
-                   check_ids):
-    """Both lists of ``segment_ids [B, T]`` and their run-time check, compiled once (eager
-    callers do not run the builder op by op; under an outer ``jit`` it is inlined)."""
+                   check_ids, raise_now=False):
+    """Both lists of ``segment_ids [B, T]`` and whether they fail to represent the ids,
+    compiled once (eager callers do not run the builder op by op; under an outer ``jit`` it
+    is inlined); ``raise_now`` adds the raising host check."""
     t = segment_ids.shape[1]
     build = functools.partial(_work_lists, segment_ids.reshape(-1), jnp.int32(left),
                               jnp.int32(right), row_len=max(t, 1))
@@ -365,16 +408,19 @@ def _checked_lists(segment_ids, left, right, *, fwd_block, bwd_block, fwd_cap, b
                              capacity_items=fwd_cap)
     *bwd, bwd_needed = build(block_q=bwd_block[0], block_k=bwd_block[1], by="k",
                              capacity_items=bwd_cap)
-    check_capacity(fwd_needed, bwd_needed, fwd_cap=fwd_cap, bwd_cap=bwd_cap,
-                   total=segment_ids.size, row_len=max(t, 1),
-                   contiguity=noncontiguous_ids(segment_ids) if check_ids else None)
+    contiguity = noncontiguous_ids(segment_ids) if check_ids else None
+    if raise_now:
+        check_capacity(fwd_needed, bwd_needed, fwd_cap=fwd_cap, bwd_cap=bwd_cap,
+                       total=segment_ids.size, row_len=max(t, 1), contiguity=contiguity)
     from magi_jax.planning.work_list import FFAPlanArrays
-    return FFAPlanArrays(*fwd, *bwd)
+    return FFAPlanArrays(*fwd, *bwd), unplannable(fwd_needed, bwd_needed, fwd_cap=fwd_cap,
+                                                  bwd_cap=bwd_cap, contiguity=contiguity)
 
 
 def dot_product_attention(query, key, value, *, segment_ids=None, is_causal: bool = False,
                           local_window_size=None, scale: float | None = None,
-                          softcap: float = 0.0, capacity=None, backend: str = "auto"):
+                          softcap: float = 0.0, capacity=None, backend: str = "auto",
+                          check_segment_ids: bool = False):
     """``jax.nn.dot_product_attention``'s interface on the exact flexible-mask kernels.
 
     Args:
@@ -382,7 +428,8 @@ def dot_product_attention(query, key, value, *, segment_ids=None, is_causal: boo
       segment_ids: optional int ``[B, T]`` (may be traced: one compilation serves every
         packing). Each maximal run of one nonzero id in a row is a document that attends
         only to itself; id 0 is padding (attends nothing, attended by nothing). One id must
-        not appear in two separate runs of a row (raises at run time). Needs ``T == S``.
+        not appear in two separate runs of a row (see ``check_segment_ids``). Needs
+        ``T == S``.
         The rows are packed into one ``B·T`` sequence and the plan is built on the device
         (:func:`segment_work_lists`). Without ``segment_ids`` every row is one document and
         the plan is built once on the host.
@@ -394,11 +441,16 @@ def dot_product_attention(query, key, value, *, segment_ids=None, is_causal: boo
       scale: defaults to ``H ** -0.5``. softcap: tanh soft-capping (0: off).
       capacity: work items the device-built lists hold (an int or a
         :class:`~magi_jax.planning.capacity.PlanCapacity` over ``B·T`` tokens); default
-        :func:`segment_items_bound`, which every packing fits. More items than the capacity
-        raise at run time (``PlanCapacity.items`` and the value needed in the message).
-        Unused without ``segment_ids``.
+        :func:`segment_items_bound`, which every packing fits. Unused without
+        ``segment_ids``.
       backend: ``"auto"``, ``"xla"`` or ``"pallas"``, as
         :func:`magi_jax.flex_flash_attention`.
+      check_segment_ids: ids the device plan cannot represent — an id in two separate runs
+        of a row, or more work items than ``capacity`` holds — make the whole output NaN
+        (never a wrong finite answer). With ``True`` they raise instead, an error naming the
+        id and positions or ``PlanCapacity.items`` and the value needed (under ``jit`` a
+        ``JaxRuntimeError`` carrying it). The raising check is a host round trip inside the
+        step (2.3 ms at 32k on an H200, 40 % of a fwd+bwd): turn it on to debug a loader.
 
     Returns the output ``[B, T, N, H]`` in ``query``'s dtype. Rows that see no key (padding
     tokens, id 0) give 0 — ``jax.nn`` may return something else for fully masked rows.
@@ -416,6 +468,9 @@ def dot_product_attention(query, key, value, *, segment_ids=None, is_causal: boo
                          "key/value heads")
     batch, tq, _, h = q.shape
     tk = k.shape[1]
+    from magi_jax.ffa.api import _finite
+    if scale is not None and _finite(scale) is None:
+        raise ValueError(f"scale={scale!r} must be a finite number (or None for H ** -0.5)")
     scale = h ** -0.5 if scale is None else float(scale)
     left, right = _window_of(is_causal, local_window_size)
     name, _ = select_backend(backend, q, k, v)
@@ -435,7 +490,9 @@ def dot_product_attention(query, key, value, *, segment_ids=None, is_causal: boo
                          f"{segment_ids.shape}")
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise ValueError(f"segment_ids must be integers; got dtype {segment_ids.dtype}")
-    plan = _segment_plan(segment_ids, left, right, name, capacity)
+    plan, bad = _segment_plan(segment_ids, left, right, name, capacity,
+                              raise_now=bool(check_segment_ids))
     out = flex_flash_attention(pack_rows(q), pack_rows(k), pack_rows(v), plan,
                                softmax_scale=scale, softcap=softcap)[0]
+    out = jnp.where(jax.lax.stop_gradient(bad), jnp.asarray(jnp.nan, out.dtype), out)
     return unpack_rows(out, batch)

@@ -1,9 +1,9 @@
 """How correctness is judged (docs/design.md §5), as reusable test helpers.
 
-For ``out``, ``lse``, ``dq``, ``dk``, ``dv``: ``‖x − ref64‖∞ ≤ max(floor, 2·‖ref_lp − ref64‖∞)``
+For ``out``, ``lse``, ``dq``, ``dk``, ``dv`` (and ``max_logits``): ``‖x − ref64‖∞ ≤ max(floor, 2·‖ref_lp − ref64‖∞)``
 where ``ref64`` is the dense reference in float64 and ``ref_lp`` the same reference run in the
 inputs' precision. Also: no NaN, rows that see no key give exactly ``out = 0`` and
-``lse = -inf``.
+``lse = -inf`` (heads that see no cell: ``max_logits = -inf``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ __all__ = ["reference_results", "assert_matches_reference", "random_inputs", "FL
 # Absolute error floors, relative to max(1, ‖ref64‖∞): what a correct implementation may
 # always differ by, even where the low-precision reference happens to be very accurate.
 FLOORS = {"float64": 1e-9, "float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
-_NAMES = ("out", "lse", "dq", "dk", "dv")
+_NAMES = ("out", "lse", "dq", "dk", "dv", "max_logits")
 
 
 def random_inputs(key, mask: AttnMask, hq: int, hkv: int, d: int, dtype, batch: int | None = None):
@@ -39,8 +39,8 @@ def random_inputs(key, mask: AttnMask, hq: int, hkv: int, d: int, dtype, batch: 
 
 def reference_results(q, k, v, mask, dout, dlse=None, *, softmax_scale=None, softcap=0.0,
                       float64: bool = True) -> dict[str, np.ndarray]:
-    """The reference's out, lse, dq, dk, dv as NumPy arrays, in float64 (``float64=True``)
-    or in the inputs' precision."""
+    """The reference's out, lse, dq, dk, dv and max_logits as NumPy arrays, in float64
+    (``float64=True``) or in the inputs' precision."""
     dense = mask.to_dense()
 
     def run(q_, k_, v_, do_, dl_):
@@ -53,18 +53,21 @@ def reference_results(q, k, v, mask, dout, dlse=None, *, softmax_scale=None, sof
             res = run(*(cast(x) for x in (q, k, v, dout, dlse)))
             return {n: np.asarray(x, np.float64) for n, x in res.items()}
     res = run(q, k, v, dout, dlse)
-    return {n: np.asarray(jnp.asarray(x, jnp.float32), np.float64) for n, x in res.items()}
+    return {n: np.asarray(x).astype(np.float64) for n, x in res.items()}
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "softcap"))
 def _reference_vjp(q, k, v, dout, dlse, dense, *, softmax_scale, softcap):
     """Jitted with the dense mask as an argument, so masks of one size share a compilation."""
-    fn = lambda q_, k_, v_: dense_attention(q_, k_, v_, dense, softmax_scale=softmax_scale,
-                                            softcap=softcap)
-    (out, lse), vjp = jax.vjp(fn, q, k, v)
+    def fn(q_, k_, v_):
+        out, lse, max_logits = dense_attention(q_, k_, v_, dense, softmax_scale=softmax_scale,
+                                               softcap=softcap, return_max_logits=True)
+        return (out, lse), max_logits
+
+    (out, lse), vjp, max_logits = jax.vjp(fn, q, k, v, has_aux=True)
     if dlse is None:
         dlse = jnp.zeros(lse.shape, lse.dtype)
-    return (out, lse) + vjp((dout.astype(out.dtype), dlse.astype(lse.dtype)))
+    return (out, lse) + vjp((dout.astype(out.dtype), dlse.astype(lse.dtype))) + (max_logits,)
 
 
 def _max_err(x, ref):
@@ -76,7 +79,7 @@ def _max_err(x, ref):
 def assert_matches_reference(results: dict, q, k, v, mask: AttnMask, dout=None, dlse=None, *,
                              softmax_scale=None, softcap=0.0, floor: float | None = None,
                              ref64: dict | None = None, ref_lp: dict | None = None) -> dict:
-    """Checks ``results`` (any of out, lse, dq, dk, dv) against the correctness rule
+    """Checks ``results`` (any of out, lse, dq, dk, dv, max_logits) against the correctness rule
     (docs/design.md §5).
 
     Returns the per-quantity ``(error, bound)`` table; raises ``AssertionError`` naming every
@@ -90,7 +93,7 @@ def assert_matches_reference(results: dict, q, k, v, mask: AttnMask, dout=None, 
     base = FLOORS[jnp.dtype(q.dtype).name] if floor is None else floor
     table, failures = {}, []
     for name, x in results.items():
-        x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+        x = np.asarray(x).astype(np.float64)
         r64 = ref64[name]
         if x.shape != r64.shape:
             failures.append(f"{name}: shape {x.shape} != reference {r64.shape}")
@@ -105,12 +108,13 @@ def assert_matches_reference(results: dict, q, k, v, mask: AttnMask, dout=None, 
         table[name] = (err, bound)
         if err > bound:
             failures.append(f"{name}: max error {err:.3e} > bound {bound:.3e}")
-        if name == "lse" and not np.array_equal(np.isneginf(x), np.isneginf(r64)):
-            failures.append("lse: -inf exactly where no key is seen: "
-                            f"{int((np.isneginf(x) != np.isneginf(r64)).sum())} rows differ")
+        if name in ("lse", "max_logits") and not np.array_equal(np.isneginf(x),
+                                                                 np.isneginf(r64)):
+            failures.append(f"{name}: -inf exactly where no key is seen: "
+                            f"{int((np.isneginf(x) != np.isneginf(r64)).sum())} entries differ")
     empty = np.isneginf(ref64["lse"])               # [..., Tq, Hq] rows that see no key
     if "out" in results and empty.any():
-        out = np.asarray(jnp.asarray(results["out"], jnp.float32))
+        out = np.asarray(results["out"]).astype(np.float64)
         if np.any(out[empty] != 0):
             failures.append("out: rows that see no key are not exactly 0")
     if failures:

@@ -39,7 +39,9 @@ class XlaConfig:
 
     ``fwd_block``: ``(block_q, block_k)`` of the q-tile list (forward and dQ);
     ``bwd_block``: that of the k-tile list (dK/dV); ``lane_len``: items per lane;
-    ``lanes_per_block``: lanes computed side by side (0: one per owned tile)."""
+    ``lanes_per_block``: lanes computed side by side (0: one per owned tile);
+    ``max_logits``: the forward also returns each head's largest scaled logit (before the
+    softcap) over the allowed cells."""
 
     scale: float
     softcap: float
@@ -47,6 +49,7 @@ class XlaConfig:
     bwd_block: tuple[int, int]
     lane_len: int = _LANE_LEN
     lanes_per_block: int = 0
+    max_logits: bool = False
 
     def __post_init__(self):
         if self.softcap < 0 or self.softcap != self.softcap:
@@ -141,16 +144,16 @@ def _allowed(item, rows, cols):
 
 def _scores(qb, kb, item, rows, cols, cfg):
     """Scores of a tile: qb [W, bq, Hkv, G, D], kb [W, bk, Hkv, D] -> s [W, Hkv, G, bq, bk]
-    (masked cells -inf), the tanh of the capped scores (for the softcap derivative) and the
-    predicate."""
+    (masked cells -inf), the tanh of the capped scores (for the softcap derivative), the
+    predicate and the scores before the softcap (unmasked)."""
     acc = _acc_dtype(qb.dtype)
-    s = jnp.einsum("vqhgd,vkhd->vhgqk", qb, kb, preferred_element_type=acc) * cfg.scale
+    s = raw = jnp.einsum("vqhgd,vkhd->vhgqk", qb, kb, preferred_element_type=acc) * cfg.scale
     tanh = None
     if cfg.softcap:
         tanh = jnp.tanh(s / cfg.softcap)
         s = cfg.softcap * tanh
     allowed = _allowed(item, rows, cols)[:, None, None]
-    return jnp.where(allowed, s, -jnp.inf), tanh, allowed
+    return jnp.where(allowed, s, -jnp.inf), tanh, allowed, raw
 
 
 def _forward(q, k, v, plan: FFAPlanArrays, cfg: XlaConfig):
@@ -165,18 +168,24 @@ def _forward(q, k, v, plan: FFAPlanArrays, cfg: XlaConfig):
     lanes, width = _list_lanes(plan.q_offsets, plan.q_items, nq, cfg)
     sub = jnp.arange(bq, dtype=jnp.int32)
     subk = jnp.arange(bk, dtype=jnp.int32)
+    # The running max m is that of the capped scores; with a softcap the max logits need
+    # the raw ones, so a per-head peak of them rides along (None: not tracked).
+    track_peak = cfg.max_logits and bool(cfg.softcap)
+    no_peak = jnp.full((hkv, g), -jnp.inf, acc) if track_peak else None
 
     def block(tile, start, count, carry):
-        m_acc, l_acc, o_acc = carry
+        m_acc, l_acc, o_acc, peak_acc = carry
         qb = qt[tile]
         rows = tile[:, None] * bq + sub
 
         def visit(state, j):
-            m, l, o = state
+            m, l, o, peak = state
             item = _item(plan.q_items, start, count, j)
             ktile = item[:, _F["other_tile"]]
             cols = ktile[:, None] * bk + subk
-            s, _, _ = _scores(qb, kt[ktile], item, rows, cols, cfg)
+            s, _, allowed, raw = _scores(qb, kt[ktile], item, rows, cols, cfg)
+            if track_peak:
+                peak = jnp.maximum(peak, jnp.where(allowed, raw, -jnp.inf).max((0, 3, 4)))
             m_new = jnp.maximum(m, s.max(-1))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
             p = jnp.exp(s - m_safe[..., None])
@@ -184,12 +193,13 @@ def _forward(q, k, v, plan: FFAPlanArrays, cfg: XlaConfig):
             l = alpha * l + p.sum(-1)
             pv = jnp.einsum("vhgqk,vkhd->vqhgd", p.astype(v.dtype), vt[ktile],
                             preferred_element_type=acc)
-            return (m_new, l, o * jnp.moveaxis(alpha, -1, 1)[..., None] + pv), None
+            return (m_new, l, o * jnp.moveaxis(alpha, -1, 1)[..., None] + pv, peak), None
 
         w = tile.shape[0]
         init = (jnp.full((w, hkv, g, bq), -jnp.inf, acc), jnp.zeros((w, hkv, g, bq), acc),
-                jnp.zeros((w, bq, hkv, g, d), acc))
-        (m, l, o), _ = jax.lax.scan(visit, init, jnp.arange(cfg.lane_len, dtype=jnp.int32))
+                jnp.zeros((w, bq, hkv, g, d), acc), peak_acc)
+        (m, l, o, peak), _ = jax.lax.scan(visit, init,
+                                          jnp.arange(cfg.lane_len, dtype=jnp.int32))
         # Merge the block's lanes into their tiles (several lanes may own one tile).
         m_new = m_acc.at[tile].max(m)
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
@@ -198,23 +208,28 @@ def _forward(q, k, v, plan: FFAPlanArrays, cfg: XlaConfig):
         l_acc = (l_acc * alpha).at[tile].add(l * wl)
         o_acc = (o_acc * jnp.moveaxis(alpha, -1, 1)[..., None]).at[tile].add(
             o * jnp.moveaxis(wl, -1, 1)[..., None])
-        return m_new, l_acc, o_acc
+        return m_new, l_acc, o_acc, peak
 
     init = (jnp.full((nq, hkv, g, bq), -jnp.inf, acc), jnp.zeros((nq, hkv, g, bq), acc),
-            jnp.zeros((nq, bq, hkv, g, d), acc))
-    m, l, o = _blocks(lanes, width, block, init)
+            jnp.zeros((nq, bq, hkv, g, d), acc), no_peak)
+    m, l, o, peak = _blocks(lanes, width, block, init)
     has = l > 0
     lse = jnp.where(has, m + jnp.log(jnp.where(has, l, 1)), -jnp.inf)
     out = o / jnp.moveaxis(jnp.where(has, l, 1), -1, 1)[..., None]
     out = out.reshape(-1, hq, d)[:tq].astype(q.dtype)
     lse = jnp.moveaxis(lse, -1, 1).reshape(-1, hq)[:tq]
-    return out, lse
+    if not cfg.max_logits:
+        return out, lse
+    # Without a softcap the rows' running maxima are the raw scaled logits themselves
+    # (-inf on rows, padding included, that see no cell).
+    peak = m.max((0, 3)) if peak is None else peak
+    return out, lse, jax.lax.stop_gradient(peak.reshape(hq))
 
 
 def _tile_grads(qb, kb, vb, dob, lse_b, delta_b, item, rows, cols, cfg):
     """Recomputes a tile: ``(p, ds)`` ``[W, Hkv, G, bq, bk]`` in float32 (lse_b, delta_b:
     ``[W, Hkv, G, bq]``)."""
-    s, tanh, allowed = _scores(qb, kb, item, rows, cols, cfg)
+    s, tanh, allowed, _ = _scores(qb, kb, item, rows, cols, cfg)
     finite = jnp.isfinite(lse_b)
     lse_safe = jnp.where(finite, lse_b, 0)
     p = jnp.where(allowed & finite[..., None], jnp.exp(s - lse_safe[..., None]), 0)
@@ -313,13 +328,14 @@ def _ffa(q, k, v, plan, cfg):
 
 
 def _ffa_fwd(q, k, v, plan, cfg):
-    out, lse = _forward(q, k, v, plan, cfg)
-    return (out, lse), (q, k, v, plan, out, lse)
+    res = _forward(q, k, v, plan, cfg)
+    return res, (q, k, v, plan) + tuple(res[:2])
 
 
 def _ffa_bwd(cfg, res, cts):
     q, k, v, plan, out, lse = res
-    dq, dk, dv = _backward(q, k, v, out, lse, *cts, plan, cfg)
+    # The max logits (a third output with cfg.max_logits) are a statistic: no gradient.
+    dq, dk, dv = _backward(q, k, v, out, lse, *cts[:2], plan, cfg)
     return dq, dk, dv, jax.tree.map(lambda _: None, plan)
 
 
@@ -329,13 +345,16 @@ _ffa.defvjp(_ffa_fwd, _ffa_bwd)
 _ffa_jit = jax.jit(_ffa, static_argnums=(4,))
 
 
-def _config(softmax_scale, softcap, block_q, block_k, lane_len=_LANE_LEN) -> XlaConfig:
+def _config(softmax_scale, softcap, block_q, block_k, lane_len=_LANE_LEN,
+            max_logits=False) -> XlaConfig:
     block = (int(block_q), int(block_k))
-    return XlaConfig(float(softmax_scale), float(softcap), block, block, int(lane_len))
+    return XlaConfig(float(softmax_scale), float(softcap), block, block, int(lane_len),
+                     max_logits=bool(max_logits))
 
 
 def xla_ffa(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: float,
-            block_q: int, block_k: int, lane_len: int = _LANE_LEN):
+            block_q: int, block_k: int, lane_len: int = _LANE_LEN,
+            return_max_logits: bool = False):
     """Flexible-mask attention from plan arrays (no mask object): the entry point of the
     front door and of every context-parallel rank.
 
@@ -343,19 +362,26 @@ def xla_ffa(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: floa
     plan); ``plan``: both work lists built on ``block_q x block_k`` tiles over these
     ``Tq``/``Tk`` (:func:`magi_jax.planning.work_list.build_plan_arrays`), int32 NumPy, device
     or traced arrays. Returns ``out`` (q's shape and dtype) and ``lse`` ``[(B,) Tq, Hq]``
-    float32. Differentiable in q, k, v (and through lse)."""
-    cfg = _config(softmax_scale, softcap, block_q, block_k, lane_len)
+    float32. Differentiable in q, k, v (and through lse).
+
+    ``return_max_logits=True`` adds a third output, each query head's largest scaled logit
+    ``softmax_scale·q·k`` (before the softcap) over the allowed cells, ``[(B,) Hq]`` float32
+    (``-inf`` for a head that sees none), from the forward's own running maxima; it has no
+    gradient."""
+    cfg = _config(softmax_scale, softcap, block_q, block_k, lane_len, return_max_logits)
     if q.ndim == 4:
         return _batched(q, k, v, plan, cfg)
     return _ffa_jit(q, k, v, _device(plan), cfg)
 
 
 def xla_ffa_forward(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: float,
-                    block_q: int, block_k: int):
-    """The forward of :func:`xla_ffa` alone (3-D inputs, not differentiable): ``(out, lse)``.
-    With :func:`xla_ffa_backward`, for callers that keep only ``(out, lse)`` between the two
-    passes (context-parallel stages that re-fetch KV, ring attention)."""
-    return _forward(q, k, v, _device(plan), _config(softmax_scale, softcap, block_q, block_k))
+                    block_q: int, block_k: int, return_max_logits: bool = False):
+    """The forward of :func:`xla_ffa` alone (3-D inputs, not differentiable): ``(out, lse)``
+    (and the max logits ``[Hq]`` with ``return_max_logits``). With :func:`xla_ffa_backward`,
+    for callers that keep only ``(out, lse)`` between the two passes (context-parallel
+    stages that re-fetch KV, ring attention)."""
+    return _forward(q, k, v, _device(plan), _config(softmax_scale, softcap, block_q, block_k,
+                                                    max_logits=return_max_logits))
 
 
 def xla_ffa_backward(q, k, v, out, lse, dout, dlse, plan: FFAPlanArrays, *,
@@ -380,7 +406,7 @@ def _batched(q, k, v, plan, cfg):
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1:3]
     fold = lambda x, t, h: jnp.moveaxis(x, 0, 1).reshape(t, b * h, d)
-    out, lse = _ffa_jit(fold(q, tq, hq), fold(k, tk, hkv), fold(v, tk, hkv), _device(plan), cfg)
-    out = jnp.moveaxis(out.reshape(tq, b, hq, d), 1, 0)
-    lse = jnp.moveaxis(lse.reshape(tq, b, hq), 1, 0)
-    return out, lse
+    res = _ffa_jit(fold(q, tq, hq), fold(k, tk, hkv), fold(v, tk, hkv), _device(plan), cfg)
+    out = jnp.moveaxis(res[0].reshape(tq, b, hq, d), 1, 0)
+    lse = jnp.moveaxis(res[1].reshape(tq, b, hq), 1, 0)
+    return (out, lse) + tuple(x.reshape(b, hq) for x in res[2:])

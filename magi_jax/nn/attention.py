@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from magi_jax.ffa import flex_flash_attention
+from magi_jax.ffa.sinks import MAX_SINKS, apply_sink, check_sink
 from magi_jax.mask import AttnMask
 from magi_jax.sharding.attention import magi_attention, magi_attention_local
 from magi_jax.sharding.key import MagiKey, position_ids
@@ -92,26 +93,43 @@ def make_attention_fn(mask_or_key: AttnMask | MagiKey, *, softmax_scale: float |
 
 
 def attend(q, k, v, mask_or_key, *, softmax_scale=None, softcap=0.0, backend="auto",
-           local=False):
+           local=False, sink=None, return_max_logits=False):
     """Attention of ``q [..., T, Hq, D]``, ``k, v [..., T, Hkv, D]`` under a mask (natural
     order, one device) or a key (dispatched tokens, context parallel); returns ``out`` like
-    ``q``. This is what the adapters and :class:`SelfAttention` call."""
+    ``q``. This is what the adapters and :class:`SelfAttention` call.
+
+    ``sink``: attention-sink logits ``[S, Hq]`` (:mod:`magi_jax.ffa.sinks`), shared by every
+    batch row. ``return_max_logits=True`` returns ``(out, max_logits)``, the per-head max
+    logits of :func:`~magi_jax.flex_flash_attention` shaped ``[..., Hq]`` (q's batch axes;
+    under context parallelism already the max over ranks)."""
     _check_layout(q, k, v, mask_or_key, local)
+    if sink is not None:
+        check_sink(sink, q.shape[-2])
     dtype = jnp.result_type(q, k, v)
     q, k, v = (x.astype(dtype) for x in (q, k, v))
+    batch, hq = q.shape[:-3], q.shape[-2]
+    opts = dict(softmax_scale=softmax_scale, softcap=softcap,
+                return_max_logits=bool(return_max_logits))
     if isinstance(mask_or_key, AttnMask):
-        batch = q.shape[:-3]
         flat = lambda x: x.reshape((-1,) + x.shape[-3:]) if len(batch) > 1 else x
-        out, _ = flex_flash_attention(flat(q), flat(k), flat(v), mask_or_key,
-                                      softmax_scale=softmax_scale, softcap=softcap,
-                                      backend=backend)
-        return out.reshape(q.shape)
-    key = mask_or_key
-    _check_mesh(key, q, k, v)
-    fn = magi_attention_local if local else magi_attention
-    out, _ = fn(_fold(q), _fold(k), _fold(v), key, softmax_scale=softmax_scale,
-                softcap=softcap)
-    return _unfold(out, q.shape)
+        res = flex_flash_attention(flat(q), flat(k), flat(v), mask_or_key, backend=backend,
+                                   sink=sink, **opts)
+        out = res[0].reshape(q.shape)
+    else:
+        key = mask_or_key
+        _check_mesh(key, q, k, v)
+        # The batch is folded into the heads (query head b·Hq + h), so the sinks repeat.
+        folded_sink = None if sink is None else jnp.tile(sink, (1, _fold(q).shape[1] // hq))
+        if local:
+            res = magi_attention_local(_fold(q), _fold(k), _fold(v), key, **opts)
+            if folded_sink is not None:
+                res = apply_sink(*res[:2], folded_sink) + tuple(res[2:])
+        else:
+            res = magi_attention(_fold(q), _fold(k), _fold(v), key, sink=folded_sink, **opts)
+        out = _unfold(res[0], q.shape)
+    if not return_max_logits:
+        return out
+    return out, res[2].reshape(batch + (hq,))
 
 
 def _fold(x):
@@ -231,11 +249,19 @@ class SelfAttention(nnx.Module):
       rope_theta: RoPE base; ``None`` disables RoPE.
       softmax_scale, softcap: as for :func:`~magi_jax.flex_flash_attention`.
       use_bias, dtype, param_dtype, kernel_init: as for :class:`flax.nnx.Linear`.
+      num_sinks: learnable attention sinks (0 = none, at most 8): a parameter ``sink``
+        ``[num_sinks, num_heads]`` float32 of sink logits that join every row's softmax
+        denominator and add nothing to the output (:mod:`magi_jax.ffa.sinks`), on one
+        device and under context parallelism alike.
+      sink_init: initialiser of the sink logits (default zeros: each sink starts with the
+        weight of a key whose logit is 0).
 
     Call ``layer(x, mask_or_key, positions=None)`` with ``x [..., T, F]``: natural-order
     tokens and an :class:`AttnMask` (one device), or dispatched tokens and a
     :class:`MagiKey` (context parallel; positions default to ``position_ids(key)``).
-    Returns ``[..., T, F]`` in the same order.
+    Returns ``[..., T, F]`` in the same order; with ``return_max_logits=True``, ``(y,
+    max_logits)``: the per-head max logits (before the softcap, sinks not included;
+    ``[..., num_heads]`` float32 over x's batch axes, no gradient), what QK-clip needs.
     """
 
     def __init__(self, in_features: int, num_heads: int, *, num_kv_heads: int | None = None,
@@ -243,7 +269,12 @@ class SelfAttention(nnx.Module):
                  softmax_scale: float | None = None, softcap: float = 0.0,
                  use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
                  kernel_init=nnx.initializers.lecun_normal(), backend: str = "auto",
+                 num_sinks: int = 0, sink_init=nnx.initializers.zeros_init(),
                  rngs: nnx.Rngs):
+        if isinstance(num_sinks, bool) or not isinstance(num_sinks, int) \
+                or not 0 <= num_sinks <= MAX_SINKS:
+            raise ValueError(f"num_sinks={num_sinks!r} must be an int in [0, {MAX_SINKS}] "
+                             "(0: no attention sinks)")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of "
@@ -256,6 +287,10 @@ class SelfAttention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_theta, self.softmax_scale, self.softcap = rope_theta, softmax_scale, softcap
         self.backend = backend
+        # Sink logits stay float32 whatever param_dtype is (they enter the fp32 softmax).
+        self.sink = (nnx.Param(jnp.asarray(sink_init(rngs.params(), (num_sinks, num_heads),
+                                                     jnp.float32), jnp.float32))
+                     if num_sinks else None)
         lin = lambda i, o: nnx.Linear(i, o, use_bias=use_bias, dtype=dtype,
                                       param_dtype=param_dtype, kernel_init=kernel_init,
                                       rngs=rngs)
@@ -264,7 +299,8 @@ class SelfAttention(nnx.Module):
         self.v_proj = lin(in_features, num_kv_heads * head_dim)
         self.o_proj = lin(num_heads * head_dim, in_features)
 
-    def __call__(self, x, mask_or_key: AttnMask | MagiKey, positions=None):
+    def __call__(self, x, mask_or_key: AttnMask | MagiKey, positions=None, *,
+                 return_max_logits: bool = False):
         if not isinstance(mask_or_key, (AttnMask, MagiKey)):
             raise TypeError(f"SelfAttention needs an AttnMask or a MagiKey; got "
                             f"{type(mask_or_key).__name__}")
@@ -281,6 +317,11 @@ class SelfAttention(nnx.Module):
                 positions = rope_positions(mask_or_key, q.shape[-3])
             q = apply_rope(q, positions, self.rope_theta)
             k = apply_rope(k, positions, self.rope_theta)
+        sink = None if self.sink is None else self.sink[...]
         out = attend(q, k, v, mask_or_key, softmax_scale=self.softmax_scale,
-                     softcap=self.softcap, backend=self.backend)
-        return self.o_proj(out.reshape(out.shape[:-2] + (-1,)))
+                     softcap=self.softcap, backend=self.backend, sink=sink,
+                     return_max_logits=return_max_logits)
+        if not return_max_logits:
+            return self.o_proj(out.reshape(out.shape[:-2] + (-1,)))
+        out, max_logits = out
+        return self.o_proj(out.reshape(out.shape[:-2] + (-1,))), max_logits

@@ -87,6 +87,7 @@ class _Config:
     dq_persistent: int = 0
     dkv_persistent: int = 0
     intra_wg_overlap: bool = True
+    max_logits: bool = False
 
 
 def _pad_rows(x, multiple):
@@ -136,31 +137,35 @@ def _forward(q, k, v, plan: FFAPlanArrays, sched: _Schedules, cfg: _Config):
     tq = q.shape[1]
     qp = _pad_rows(q, FWD_BLOCK_Q)
     kp, vp = _pad_rows(k, FWD_BLOCK_K), _pad_rows(v, FWD_BLOCK_K)
-    out, lse_bht = ffa_forward(qp, kp, vp, plan.q_order, plan.q_offsets, plan.q_items,
+    out, lse_bht, *res = ffa_forward(qp, kp, vp, plan.q_order, plan.q_offsets, plan.q_items,
                                FwdConfig(cfg.scale, cfg.softcap, num_stages=cfg.num_stages,
                                          fused_acc=cfg.fused_acc, fma_softmax=cfg.fma_softmax,
                                          head_major=cfg.head_major,
                                          k_wait_under_pv=cfg.k_wait_under_pv,
                                          intra_wg_overlap=cfg.intra_wg_overlap,
-                                         persistent=cfg.persistent, interpret=cfg.interpret),
+                                         persistent=cfg.persistent, row_max=cfg.max_logits,
+                                         interpret=cfg.interpret),
                                sched.fwd)
-    return out[:, :tq], lse_bht[:, :, :tq]
+    # With cfg.max_logits the kernel's per-row maxima become per-head ones: [B, Hq].
+    return (out[:, :tq], lse_bht[:, :, :tq]) + tuple(
+        jax.lax.stop_gradient(r[:, :, :tq].max(axis=-1)) for r in res)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _ffa(q, k, v, plan, sched, cfg):
-    out, lse_bht = _forward(q, k, v, plan, sched, cfg)
-    return out, jnp.swapaxes(lse_bht, 1, 2)
+    out, lse_bht, *max_logits = _forward(q, k, v, plan, sched, cfg)
+    return (out, jnp.swapaxes(lse_bht, 1, 2), *max_logits)
 
 
 def _ffa_fwd(q, k, v, plan, sched, cfg):
-    out, lse_bht = _forward(q, k, v, plan, sched, cfg)
-    return (out, jnp.swapaxes(lse_bht, 1, 2)), (q, k, v, plan, sched, out, lse_bht)
+    out, lse_bht, *max_logits = _forward(q, k, v, plan, sched, cfg)
+    return ((out, jnp.swapaxes(lse_bht, 1, 2), *max_logits),
+            (q, k, v, plan, sched, out, lse_bht))
 
 
 def _ffa_bwd(cfg, res, cts, between_dkv_dq=None, split_kv_at=0):
     q, k, v, plan, sched, out, lse_bht = res
-    dout, dlse = cts
+    dout, dlse = cts[:2]           # the max logits, if returned, have no gradient
     tq, tk = q.shape[1], k.shape[1]
     finite = jnp.isfinite(lse_bht)
     # delta = rowsum(out·dout) − dlse: d lse / d s = p, so the lse cotangent shifts delta.
@@ -243,7 +248,8 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
                dkv_num_stages: int = 2, fused_acc: bool = True, fma_softmax: bool = True,
                head_major: bool = True, k_wait_under_pv: bool = False,
                persistent: int | None = None, bwd_persistent: int | None = None,
-               intra_wg_overlap: bool = True, schedules: tuple | None = None):
+               intra_wg_overlap: bool = True, schedules: tuple | None = None,
+               return_max_logits: bool = False):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
     q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64 or 128); ``plan``:
@@ -281,13 +287,19 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
     ``schedules``: schedules built beforehand (a plan as data, whose arrays may be traced:
     :func:`magi_jax.ffa.plan.plan_attention`): ``()`` runs one program per unit, ``(fwd
     offsets, fwd units, dK/dV offsets, dK/dV units)`` the persistent forward and dK/dV
-    kernels over them; ``persistent``/``bwd_persistent`` are then not used."""
+    kernels over them; ``persistent``/``bwd_persistent`` are then not used.
+
+    ``return_max_logits=True`` adds a third output, ``max_logits [(B,) Hq]`` float32: each
+    head's largest ``softmax_scale·q·k`` (before the softcap) over the allowed cells,
+    ``-inf`` where a head sees none. The forward kernel writes every row's maximum beside
+    its lse (with a softcap it then keeps the raw running max, whose tanh is the softmax's);
+    one reduction over the rows gives the heads'. No gradient."""
     if schedules is not None:
         if len(schedules) not in (0, 4):
             raise ValueError("schedules must be () or (fwd_offsets, fwd_units, dkv_offsets, "
                              f"dkv_units); got {len(schedules)} arrays")
         return _ffa_scheduled(q, k, v, plan, tuple(schedules), float(softmax_scale),
-                              float(softcap), bool(interpret))
+                              float(softcap), bool(interpret), bool(return_max_logits))
     if persistent is None:
         persistent = _default_programs(plan, interpret) if num_stages <= 2 else 0
     if bwd_persistent is None:
@@ -298,31 +310,31 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
     cfg = _Config(float(softmax_scale), float(softcap), bool(interpret), int(num_stages),
                   int(dq_num_stages), int(dkv_num_stages), bool(fused_acc),
                   bool(fma_softmax), bool(head_major), bool(k_wait_under_pv),
-                  int(persistent), dq_persistent, dkv_persistent, bool(intra_wg_overlap))
+                  int(persistent), dq_persistent, dkv_persistent, bool(intra_wg_overlap),
+                  bool(return_max_logits))
     batched = q.ndim == 4
     sched = _schedules(plan, cfg, q.shape[0] if batched else 1, q.shape[-2], k.shape[-2])
     sched = jax.tree.map(lambda a: jnp.asarray(a, jnp.int32), sched)
     plan = FFAPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     if not batched:
-        out, lse = _ffa(q[None], k[None], v[None], plan, sched, cfg)
-        return out[0], lse[0]
+        return tuple(x[0] for x in _ffa(q[None], k[None], v[None], plan, sched, cfg))
     return _ffa(q, k, v, plan, sched, cfg)
 
 
-def _ffa_scheduled(q, k, v, plan, schedules, scale, softcap, interpret):
+def _ffa_scheduled(q, k, v, plan, schedules, scale, softcap, interpret, max_logits):
     """:func:`ffa_pallas` over schedules that travel with the plan (the default kernels'
     tuning; dQ one program per unit)."""
     programs = (int(schedules[0].shape[0]) - 1, int(schedules[2].shape[0]) - 1) \
         if schedules else (0, 0)
-    cfg = _Config(scale, softcap, interpret, persistent=programs[0], dkv_persistent=programs[1])
+    cfg = _Config(scale, softcap, interpret, persistent=programs[0], dkv_persistent=programs[1],
+                  max_logits=max_logits)
     as_i32 = lambda a: jnp.asarray(a, jnp.int32)
     sched = (_Schedules((as_i32(schedules[0]), as_i32(schedules[1])), (),
                         (as_i32(schedules[2]), as_i32(schedules[3])))
              if schedules else _NO_SCHEDULES)
     plan = FFAPlanArrays(*(as_i32(a) for a in plan))
     if q.ndim == 3:
-        out, lse = _ffa(q[None], k[None], v[None], plan, sched, cfg)
-        return out[0], lse[0]
+        return tuple(x[0] for x in _ffa(q[None], k[None], v[None], plan, sched, cfg))
     return _ffa(q, k, v, plan, sched, cfg)
 
 

@@ -63,6 +63,11 @@ class FwdConfig:
     # current unit is done, and outputs leave through their own buffer, so a unit's
     # prologue and epilogue hide under its neighbours' work (what short rows need).
     persistent: int = 0
+    # Also write every row's largest scaled logit (before the softcap, allowed cells only),
+    # the per-head max logits of QK-clip once reduced over the rows. Without a softcap it is
+    # the running row max the softmax keeps anyway; with one the running max is kept of the
+    # raw scores instead (the softmax's is its tanh, a monotone map, so this is exact).
+    row_max: bool = False
     interpret: bool = False
 
     def __post_init__(self):
@@ -79,7 +84,8 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
     plan arrays of the forward work list; with ``cfg.persistent``, ``schedule`` is the
     ``(offsets, units)`` pair of :func:`magi_jax.planning.work_list.persistent_schedule` for
     ``B·Hq`` groups. Returns ``out [B, Tq, Hq, D]`` and ``lse [B, Hq, Tq]`` float32 (natural
-    log; ``-inf`` for rows that see no key)."""
+    log; ``-inf`` for rows that see no key); with ``cfg.row_max`` also ``row_max [B, Hq, Tq]``
+    float32, each row's largest ``scale·q·k`` over its allowed cells (``-inf`` where none)."""
     b, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
     group = hq // hkv
@@ -96,14 +102,23 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
     # Scores are kept in the log2 domain: s2 = S·log2(e), so exp2 needs one FMA.
     s2_scale = cfg.scale * LOG2E if not softcap else cfg.scale / softcap
     last_item = items.shape[0] - 1
+    # With a softcap and row_max the running max m is of the raw scores S·scale/softcap;
+    # the softmax's max is then its capped image (-inf stays -inf).
+    raw_m = bool(softcap) and cfg.row_max
+
+    def capped(m):
+        return jnp.where(m == -jnp.inf, -jnp.inf, jnp.tanh(m) * (softcap * LOG2E))
 
     def kernel(*refs):
         q_ref, k_ref, v_ref, order_ref, off_ref, items_ref, *refs = refs
         sched_off_ref, sched_ref = (refs.pop(0), refs.pop(0)) if persistent else (None, None)
-        (out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready,
+        out_ref, lse_ref, *refs = refs
+        row_max_ref = refs.pop(0) if cfg.row_max else None
+        (q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready,
          k_free, v_free, schedule, *extra) = refs
         o_smem = extra.pop(0) if persistent else q_smem
         p_stage = extra.pop(0) if cfg.interpret else None
+        row_max_smem = extra.pop(0) if cfg.row_max else None
         wg = lax.axis_index("wg")
         if persistent:
             num_mine, unit_coords = scheduled_units((sched_off_ref, sched_ref), num_tiles, b,
@@ -194,23 +209,38 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     (float32), the factor that moves the running output to the new row
                     maxima, and the running maxima and sums."""
                     exp_scale = None   # the scale still to apply inside exp2
-                    if softcap:
-                        s = jnp.tanh(s * s2_scale) * (softcap * LOG2E)
-                    elif cfg.fma_softmax:
-                        exp_scale = s2_scale
-                    else:
-                        s = s * s2_scale
-                    if masked:
+
+                    def mask(s):
+                        if not masked:
+                            return s
                         geom = tuple(items_ref[first + i, f] for f in range(1, 7))
                         kind = items_ref[first + i, _KIND]
-                        s = mask_scores(s, geom, kind, row0, items_ref[first + i, 0] * bk,
-                                        layout)
-                    row_max = s.max(axis=1)
-                    m_new = jnp.maximum(m_i,
-                                        row_max if exp_scale is None else row_max * exp_scale)
+                        return mask_scores(s, geom, kind, row0, items_ref[first + i, 0] * bk,
+                                           layout)
+
+                    if raw_m:
+                        # Masked before the tanh, so the raw row max sees allowed cells only;
+                        # tanh(-inf) is finite, hence the select.
+                        s = mask(s * s2_scale)
+                        m_new = jnp.maximum(m_i, s.max(axis=1))
+                        cap = jnp.tanh(s) * (softcap * LOG2E)
+                        s = jnp.where(s == -jnp.inf, -jnp.inf, cap) if masked else cap
+                        m_prev, m_cur = capped(m_i), capped(m_new)
+                    else:
+                        if softcap:
+                            s = jnp.tanh(s * s2_scale) * (softcap * LOG2E)
+                        elif cfg.fma_softmax:
+                            exp_scale = s2_scale
+                        else:
+                            s = s * s2_scale
+                        s = mask(s)
+                        row_max = s.max(axis=1)
+                        m_new = jnp.maximum(
+                            m_i, row_max if exp_scale is None else row_max * exp_scale)
+                        m_prev, m_cur = m_i, m_new
                     # Rows with no cell yet keep m = -inf; use 0 there so exp2 gives 0, not NaN.
-                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                    alpha = jnp.exp2(m_i - m_use)
+                    m_use = jnp.where(m_cur == -jnp.inf, 0.0, m_cur)
+                    alpha = jnp.exp2(m_prev - m_use)
                     m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
                     p = jnp.exp2(s - m_b if exp_scale is None else s * exp_scale - m_b)
                     return p, alpha, m_new, l_i * alpha + p.sum(axis=1)
@@ -382,17 +412,24 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                 seen = l_i > 0
                 inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
                 acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-                lse = jnp.where(seen, (m_i + jnp.log2(jnp.where(seen, l_i, 1.0))) * LN2,
+                m_lse = capped(m_i) if raw_m else m_i
+                lse = jnp.where(seen, (m_lse + jnp.log2(jnp.where(seen, l_i, 1.0))) * LN2,
                                 -jnp.inf)
                 if persistent:
                     # The previous unit's stores must have read my_o and lse_smem out.
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 my_o[...] = acc.astype(dtype)
                 lse_smem[wg] = lse
+                if cfg.row_max:
+                    # m back to logits: it is S·scale/softcap (raw_m) or S·scale·log2(e).
+                    row_max_smem[wg] = m_i * (softcap if raw_m else LN2)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(my_o, out_ref.at[batch, pl.ds(row0, bq), head])
                 plgpu.copy_smem_to_gmem(lse_smem.at[wg],
                                         lse_ref.at[batch, head, pl.ds(row0, bq)])
+                if cfg.row_max:
+                    plgpu.copy_smem_to_gmem(row_max_smem.at[wg],
+                                            row_max_ref.at[batch, head, pl.ds(row0, bq)])
                 return base + num_items
 
             for_units(unit)
@@ -443,6 +480,8 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
 
     out_shape = (jax.ShapeDtypeStruct(q.shape, dtype),
                  jax.ShapeDtypeStruct((b, hq, tq), jnp.float32))
+    if cfg.row_max:
+        out_shape += (jax.ShapeDtypeStruct((b, hq, tq), jnp.float32),)
     scratch = [
         smem((_COMPUTE_WGS, bq, d), dtype),
         smem((stages, bk, d), dtype),
@@ -458,11 +497,13 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
     ]
     # Persistent: each consumer's output leaves through a buffer of its own.
     out_scratch = [smem((_COMPUTE_WGS, bq, d), dtype)] if persistent else []
-    check_smem("forward", scratch, out_scratch, stages_knob="num_stages", stages=stages,
+    row_max_scratch = [plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32)] if cfg.row_max else []
+    check_smem("forward", scratch + row_max_scratch, out_scratch, stages_knob="num_stages", stages=stages,
                persistent_knob="persistent", persistent=cfg.persistent, d=d, dtype=dtype)
     scratch += out_scratch
     if cfg.interpret:
         scratch.append(smem((_COMPUTE_WGS, bq, bk), dtype))
+    scratch += row_max_scratch
     return plgpu.kernel(
         kernel,
         out_type=out_shape,

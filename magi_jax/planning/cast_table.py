@@ -19,7 +19,7 @@ from magi_jax.planning.solver import DispatchMeta, ranges_repeat
 _RUN_WRITE_MIN = 64
 
 __all__ = ["CastTable", "build_cast_table", "cast_table_from_pieces", "choose_transport",
-           "cast_model", "reduce_model"]
+           "cast_moves", "cast_model", "reduce_model"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +175,21 @@ def _width_error(need: int, width: int):
                         f"rank sends another in one stage), but the capacity holds "
                         f"{width}; build the capacity with cast_width>={need} (or "
                         "PlanCapacity.from_masks over a sample of your masks)")
+
+
+def cast_moves(table: CastTable):
+    """Every real move of a cast at once, as int64 arrays ``(dst, dst_row, src, src_row)``:
+    rank ``dst``'s buffer row ``dst_row`` is rank ``src``'s local row ``src_row``; ordered
+    by ``(dst, dst_row)``. The input of the two-hop planner
+    (:mod:`magi_jax.planning.hierarchy`)."""
+    cp, _, s = table.send_index.shape
+    dst, row = np.nonzero(table.recv_index >= 0)
+    entry = table.recv_index[dst, row].astype(np.int64)
+    slot, pos = entry // s, entry % s
+    src = (dst - np.asarray(table.shifts, np.int64)[slot]) % cp
+    src_row = table.send_index[src, slot, pos].astype(np.int64)
+    keep = src_row >= 0
+    return dst[keep], row[keep], src[keep], src_row[keep]
 
 
 # ---- NumPy models (the meaning of the tables; used by tests) ---------------------------------

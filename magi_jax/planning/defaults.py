@@ -28,13 +28,14 @@ _OVERLAP_EFFICIENCY = 0.5
 _MAX_DEGREE = 4
 
 
-def default_overlap_degree(mask: AttnMask, meta: DispatchMeta) -> int:
+def default_overlap_degree(mask: AttnMask, meta: DispatchMeta, kv=None) -> int:
     """Overlap degree minimising a simple per-rank pipeline model: stage 0 computes the host
     area while remote stage 0 arrives; each later stage computes its share while the next
     arrives — of which ideal overlap only a measured share is realised; every stage costs a
     fixed overhead plus one per local token. Degree 0 fetches everything, then computes.
-    Needs no kernel plan (areas from the clipped slices)."""
-    host, rem, tokens = (x.astype(np.float64) for x in split_areas(mask, meta))
+    Needs no kernel plan (areas from the clipped slices). ``kv``: where a cross-attention
+    mask's keys live (:func:`~magi_jax.planning.stages.build_dist_plan`)."""
+    host, rem, tokens = (x.astype(np.float64) for x in split_areas(mask, meta, kv))
     if not tokens.any():
         return 0
     host, rem, comm = host * _SEC_PER_CELL, rem * _SEC_PER_CELL, tokens * _SEC_PER_TOKEN
@@ -70,7 +71,7 @@ def capacity_needs(masks, cp: int, chunk_size: int | None = None,
     never larger than the kernels'), ``remote_kv`` (remote KV tokens, all stages), and
     ``cast_width`` (tokens one rank sends another in one stage), with the ``chunk_size`` and
     ``overlap_degree`` the keys use — the inputs of :meth:`PlanCapacity.from_masks`."""
-    from magi_jax.planning.stages import build_dist_plan
+    from magi_jax.planning.stages import build_dist_plan, resolve_kv
     from magi_jax.planning.work_list import default_block_sizes
     masks = list(masks)
     total = masks[0].total_q
@@ -80,8 +81,11 @@ def capacity_needs(masks, cp: int, chunk_size: int | None = None,
     need = dict(items=1, remote_kv=1, cast_width=1, chunk_size=chunk, overlap_degree=degree)
     for mask in masks:
         meta = solve_dispatch(mask, cp, chunk, "magi")
-        bq, bk = default_block_sizes(meta.local_len, meta.local_len)
-        plan = build_dist_plan(mask, meta, degree, bq, bk, "xla")
+        kv = resolve_kv(mask, meta)           # cross attention: the automatic key layout
+        kv_local = (meta.local_len if kv is None else mask.total_k if isinstance(kv, str)
+                    else kv.local_len)
+        bq, bk = default_block_sizes(meta.local_len, kv_local)
+        plan = build_dist_plan(mask, meta, degree, bq, bk, "xla", kv=kv)
         stages = max(degree, 1)
         remote = [st for st in plan.stages if st.cast is not None]
         need["items"] = max(need["items"], max(st.ffa.q_items.shape[-2] for st in plan.stages))

@@ -24,6 +24,14 @@ Algorithms (``algorithm=``):
 - ``"zigzag"``: dual-chunk swap (ring/zigzag attention): rank ``r`` holds block ``r`` and block
   ``2·cp − 1 − r`` of ``2·cp`` blocks.
 - ``"striped"``: chunk ``i`` goes to rank ``i mod cp``.
+
+Cross-attention (``total_q != total_k``: queries of one sequence, keys of another) dispatches
+the queries the same way, by the area of their rows; the communication-aware passes of
+``"magi"`` compare query chunks with the key chunks they see, which only means something when
+both are chunks of one sequence, so on a cross mask ``"magi"`` balances the area alone. The
+keys then take one of two layouts (:func:`auto_kv_layout`): every rank holds all of them
+(``"replicated"``), or they are cut into chunks of their own that go to the ranks whose
+queries see them most (``"dispatched"``, :func:`solve_kv_dispatch`).
 """
 
 from __future__ import annotations
@@ -37,9 +45,19 @@ import numpy as np
 from magi_jax.mask import AttnMask, SliceShapes
 
 __all__ = ["ALGORITHMS", "DispatchMeta", "solve_dispatch", "chunk_areas", "needed_kv",
-           "remote_kv_tokens", "ranges_repeat", "auto_chunk_size"]
+           "remote_kv_tokens", "ranges_repeat", "auto_chunk_size", "KV_LAYOUTS",
+           "auto_kv_layout", "solve_kv_dispatch", "kv_chunk_size"]
 
 ALGORITHMS = ("magi", "greedy", "contiguous", "zigzag", "striped")
+# Where the keys of a cross-attention plan live (``"auto"``: :func:`auto_kv_layout`).
+KV_LAYOUTS = ("auto", "replicated", "dispatched")
+# Cross attention replicates the keys when total_k <= this times a rank's share of the
+# queries: the copy of K and V then costs each rank no more memory than its own queries' K/V
+# would, and the forward moves nothing.
+_REPLICATE_KV_RATIO = 1.0
+# Key chunks per rank of a dispatched key sequence: finer chunks follow the query chunks
+# that see them more closely (less to fetch) at the price of more, shorter cast pieces.
+_KV_CHUNKS_PER_RANK = 16
 # Candidate chunks per rank for the automatic chunk size, fewest first.
 _AUTO_CHUNKS_PER_RANK = (8, 16, 32, 64)
 # Imbalance (max/mean area) the automatic chunk size is content with.
@@ -514,11 +532,6 @@ def auto_chunk_size(total: int, cp: int, chunks_per_rank: int) -> int:
 def _validate(mask, cp, chunk_size, algorithm):
     if not isinstance(mask, AttnMask):
         raise TypeError(f"mask must be an AttnMask; got {type(mask).__name__}")
-    if mask.total_q != mask.total_k:
-        raise ValueError(
-            f"context parallelism dispatches queries and keys of one packed sequence, but the "
-            f"mask has total_q={mask.total_q} != total_k={mask.total_k}; build the mask over "
-            "one sequence (self-attention)")
     if int(cp) < 1:
         raise ValueError(f"cp={cp} must be >= 1 (the size of the context-parallel mesh axis)")
     if chunk_size is not None and int(chunk_size) < 1:
@@ -531,8 +544,8 @@ def _validate(mask, cp, chunk_size, algorithm):
 @functools.lru_cache(maxsize=128)
 def solve_dispatch(mask: AttnMask, cp: int, chunk_size: int | None = None,
                    algorithm: str = "magi") -> DispatchMeta:
-    """Assigns chunks of the (padded) sequence to ``cp`` ranks; cached by (mask fingerprint,
-    cp, chunk_size, algorithm).
+    """Assigns chunks of the (padded) sequence — of the queries, for a cross-attention mask —
+    to ``cp`` ranks; cached by (mask fingerprint, cp, chunk_size, algorithm).
 
     ``chunk_size=None`` chooses it: for ``"magi"`` the fewest of 8/16/32 chunks per rank that
     reach max/mean area ≤ 1.01 (else the best of them), for the baselines 8 per rank.
@@ -566,14 +579,15 @@ def _solve(mask: AttnMask, cp: int, chunk_size: int, algorithm: str) -> Dispatch
     area = chunk_areas(mask, chunk_size, n)
     if algorithm in ("magi", "balance"):
         assign = _balanced(n, cp, area)
-        if algorithm == "magi":
+        # Key chunks of a cross mask are not chunks of the query sequence: balance only.
+        if algorithm == "magi" and mask.total_q == mask.total_k:
             alt = _greedy_affinity(n, cp, area, mask, chunk_size)
             indptr, kc = _chunk_kv_extents(mask, chunk_size, n)
             alt = _refine_swaps(alt, area, (indptr, kc) if _local_enough(kc, n) else None)
             # Keep the affinity start when it balances as well (within 0.5% of the max).
             if area[alt].sum(1).max() <= area[assign].sum(1).max() * 1.005:
                 assign = alt
-        if algorithm == "magi":
+        if algorithm == "magi" and mask.total_q == mask.total_k:
             assign = _refine_comm(assign, area, mask, chunk_size)
     else:
         assign = _ASSIGN[algorithm](n, cp, area)
@@ -596,6 +610,90 @@ def _balanced_cached(n: int, cp: int, area_bytes: bytes) -> np.ndarray:
 
 def _meta(mask, cp, chunk_size, assign, area, algorithm) -> DispatchMeta:
     total = mask.total_q
+    assign = np.sort(assign, axis=1).astype(np.int64)
+    assign.setflags(write=False)
+    area.setflags(write=False)
+    return DispatchMeta(total=total, cp=cp, chunk_size=chunk_size, rank_chunks=assign,
+                        algorithm=algorithm, chunk_area=area)
+
+
+# ---- cross attention: where the keys live ----------------------------------------------------
+
+def kv_chunk_size(total_k: int, cp: int) -> int:
+    """The chunk of a dispatched key sequence: about 16 key chunks per rank."""
+    return auto_chunk_size(total_k, cp, _KV_CHUNKS_PER_RANK)
+
+
+def auto_kv_layout(total_q: int, total_k: int, cp: int) -> str:
+    """The key layout ``kv_layout="auto"`` picks for a cross-attention mask.
+
+    ``"replicated"`` when ``total_k <= ceil(total_q / cp)`` (the key sequence is no longer
+    than one rank's share of the queries): every rank then holds all of K and V, at a memory
+    cost no larger than its own share of a self-attention K/V, the forward moves nothing and
+    the backward sums dK/dV over the ranks once. Otherwise ``"dispatched"``: the keys are cut
+    into chunks spread evenly over the ranks (:func:`solve_kv_dispatch`) and every rank fetches
+    the remote keys its queries see, as self-attention does, so no rank holds the whole key
+    sequence. The rule reads the lengths only, never the mask, so keys at one capacity all
+    choose alike."""
+    local_q = -(-int(total_q) // int(cp))
+    return "replicated" if int(total_k) <= _REPLICATE_KV_RATIO * local_q else "dispatched"
+
+
+def solve_kv_dispatch(mask: AttnMask, meta: DispatchMeta,
+                      chunk_size: int | None = None) -> DispatchMeta:
+    """Dispatch of the *keys* of a cross-attention ``mask`` whose queries are dispatched by
+    ``meta``; cached by (mask fingerprint, query dispatch, chunk size).
+
+    The key sequence is padded to ``num_chunks · chunk_size`` tokens (default
+    :func:`kv_chunk_size`) and every rank gets the same number of key chunks, so K/V memory
+    is even. A key owner does no attention work of its own (the ranks whose queries see a key
+    compute its dK/dV partials and send them back), so there is no area to balance; the
+    assignment minimises what travels instead: key chunks go, most demanded first, to the
+    rank whose queries see most of their tokens, while it has room, and chunks no query sees
+    fill the remaining room in order. The returned meta's ``chunk_area`` holds each key
+    chunk's demand (tokens seen, summed over ranks) and its algorithm is ``"affinity"``."""
+    if not isinstance(mask, AttnMask):
+        raise TypeError(f"mask must be an AttnMask; got {type(mask).__name__}")
+    if not isinstance(meta, DispatchMeta) or meta.total != mask.total_q:
+        raise ValueError("meta must be the DispatchMeta of the mask's queries (solve_dispatch "
+                         f"of a mask with total_q={mask.total_q})")
+    if chunk_size is not None and int(chunk_size) < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be a positive number of tokens, or None "
+                         "for automatic")
+    chunk = int(chunk_size or kv_chunk_size(mask.total_k, meta.cp))
+    return _solve_kv(mask, meta.total, meta.cp, meta.chunk_size, meta.rank_chunks.tobytes(),
+                     meta.rank_chunks.shape, chunk)
+
+
+@functools.lru_cache(maxsize=64)
+def _solve_kv(mask, total_q, cp, q_chunk, rank_chunks_bytes, shape, chunk) -> DispatchMeta:
+    rank_chunks = np.frombuffer(rank_chunks_bytes, np.int64).reshape(shape)
+    q_meta = DispatchMeta(total=total_q, cp=cp, chunk_size=q_chunk, rank_chunks=rank_chunks,
+                          algorithm="", chunk_area=np.zeros(rank_chunks.size, np.int64))
+    m = max(1, -(-mask.total_k // (cp * chunk)))
+    n = m * cp
+    edges = np.arange(n + 1) * chunk
+    # demand[r, c]: tokens of key chunk c that rank r's queries see.
+    demand = np.stack([np.diff(_coverage(iv, edges)) for iv in needed_kv(mask, q_meta)])
+    owner = np.full(n, -1, np.int64)
+    room = np.full(cp, m, np.int64)
+    flat = np.nonzero(demand.reshape(-1) > 0)[0]
+    r_of, c_of = flat // n, flat % n
+    order = np.lexsort((r_of, c_of, -demand.reshape(-1)[flat]))
+    for r, c in zip(r_of[order].tolist(), c_of[order].tolist()):
+        if owner[c] < 0 and room[r] > 0:
+            owner[c] = r
+            room[r] -= 1
+    for c in np.nonzero(owner < 0)[0].tolist():
+        r = int(np.argmax(room))              # the most room left, lowest rank first
+        owner[c] = r
+        room[r] -= 1
+    assign = np.stack([np.nonzero(owner == r)[0] for r in range(cp)])
+    return _meta_over(mask.total_k, cp, chunk, assign, demand.sum(axis=0).astype(np.int64),
+                      "affinity")
+
+
+def _meta_over(total, cp, chunk_size, assign, area, algorithm) -> DispatchMeta:
     assign = np.sort(assign, axis=1).astype(np.int64)
     assign.setflags(write=False)
     area.setflags(write=False)

@@ -20,6 +20,13 @@ is written, and items and cast rows are written once, straight into the stacked 
 
 ``overlap_degree = 0`` makes one stage whose KV is ``concat(local KV, whole remote buffer)``
 (one FFA call); ``overlap_degree = k >= 1`` makes the host stage plus ``k`` remote stages.
+
+Cross attention (``total_q != total_k``) plans the queries' dispatch the same way; where the
+keys live is the ``kv`` argument of :func:`build_dist_plan`: a dispatch of their own (a
+:class:`~magi_jax.planning.solver.DispatchMeta` over ``total_k`` keys, from
+:func:`~magi_jax.planning.solver.solve_kv_dispatch`), which makes remote stages and casts
+exactly as above with the keys' chunks and owners, or ``"replicated"``: every rank's local
+KV is the whole key sequence, so there is one host stage and nothing to fetch.
 """
 
 from __future__ import annotations
@@ -35,12 +42,17 @@ from magi_jax.mask import AttnMask, SliceShapes
 from magi_jax.planning.backends import HOST_PLANNERS, host_planner
 from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.cast_table import CastTable, cast_table_from_pieces
-from magi_jax.planning.solver import DispatchMeta, ranges_repeat, slice_chunk_pairs
+from magi_jax.planning.solver import (KV_LAYOUTS, DispatchMeta, auto_kv_layout, ranges_repeat,
+                                      slice_chunk_pairs, solve_kv_dispatch)
 from magi_jax.planning.work_list import (FFAPlanArrays, backend_blocks, check_items,
                                          emit_work_lists, work_list_runs)
 
 __all__ = ["DistPlan", "StagePlan", "build_dist_plan", "RankView", "rank_views", "split_areas",
-           "clear_cache", "stage_buffer_len", "cast_width", "phase_times", "PHASES"]
+           "clear_cache", "stage_buffer_len", "cast_width", "phase_times", "PHASES",
+           "REPLICATED_KV", "resolve_kv"]
+
+# The ``kv`` of build_dist_plan for keys that every rank holds whole.
+REPLICATED_KV = "replicated"
 
 # Diagonal bounds beyond this magnitude are "unbounded" sentinels and are never shifted.
 _UNBOUNDED = 1 << 39
@@ -113,6 +125,10 @@ class DistPlan:
     stages: tuple[StagePlan, ...]
     remote_tokens: np.ndarray       # int64 [cp]: KV tokens fetched by each rank (all stages)
     needed: tuple[np.ndarray, ...]  # per rank: global key intervals its queries see [n, 2]
+    # Where the keys live: "shared" (self-attention: the queries' dispatch), "dispatched"
+    # (cross attention, keys dispatched by kv_meta) or "replicated" (every rank holds all).
+    kv_layout: str = "shared"
+    kv_meta: DispatchMeta | None = None
 
     @property
     def cp(self) -> int:
@@ -156,12 +172,18 @@ class _Geometry:
     host stage's shapes. Built once per (mask fingerprint, dispatch) and cached, so the
     overlap cost model (:func:`split_areas`) and :func:`build_dist_plan` derive it once."""
 
-    def __init__(self, mask: AttnMask, meta: DispatchMeta):
+    def __init__(self, mask: AttnMask, meta: DispatchMeta, kv=None):
         cp, c = meta.cp, meta.chunk_size
         self.mask, self.meta = mask, meta
+        # The keys' side: their dispatch (None when every rank holds them all) and the rows
+        # of a rank's local KV.
+        self.kv_meta = meta if kv is None else None if kv == REPLICATED_KV else kv
+        self.kv_local_len = (mask.total_k if self.kv_meta is None
+                             else self.kv_meta.local_len)
+        kv_rows = mask.total_k if self.kv_meta is None else self.kv_meta.padded_total
         # Offsets that keep the ranks apart in one sorted array: rank r's positions live in
         # [r * big, (r + 1) * big).
-        self.big = big = int(meta.padded_total) + 1
+        self.big = big = int(max(meta.padded_total, kv_rows)) + 1
         pairs = slice_chunk_pairs(mask.shapes, c)
         rank = meta.chunk_owner[pairs[1]]
         order = np.lexsort((pairs[4], rank))
@@ -183,13 +205,18 @@ class _Geometry:
             need_rank = np.zeros(0, np.int64)
             self.needed = np.zeros((0, 2), np.int64)
         self.need_rank = _Flat(need_rank, cp)
-        # Cut the needed intervals at chunk boundaries; keep the pieces owned elsewhere.
+        # Cut the needed intervals at key-chunk boundaries; keep the pieces owned elsewhere.
         nd = self.needed
-        iv, ch = ranges_repeat(nd[:, 0] // c, (nd[:, 1] - 1) // c + 1)
-        g0 = np.maximum(nd[iv, 0], ch * c)
-        g1 = np.minimum(nd[iv, 1], (ch + 1) * c)
-        own = meta.chunk_owner[ch]
-        keep = own != need_rank[iv]
+        kc = c if self.kv_meta is None else self.kv_meta.chunk_size
+        iv, ch = ranges_repeat(nd[:, 0] // kc, (nd[:, 1] - 1) // kc + 1)
+        g0 = np.maximum(nd[iv, 0], ch * kc)
+        g1 = np.minimum(nd[iv, 1], (ch + 1) * kc)
+        if self.kv_meta is None:                      # replicated: every key is local
+            keep = np.zeros(len(iv), bool)
+            own = np.zeros(len(iv), np.int64)
+        else:
+            own = self.kv_meta.chunk_owner[ch]
+            keep = own != need_rank[iv]
         self.pieces = (g0[keep], g1[keep], own[keep])
         self.piece_rank = _Flat(need_rank[iv][keep], cp)
         # Query chunk -> local rows: local index minus global position.
@@ -215,10 +242,15 @@ class _Geometry:
         return self._shapes[key]
 
     def _stage_shapes(self, which, k):
-        meta, c, t_loc, cp = self.meta, self.meta.chunk_size, self.meta.local_len, self.meta.cp
-        local_g0 = (meta.rank_chunks * c).reshape(-1)
-        local_shift = np.tile(np.arange(meta.chunks_per_rank) * c, cp) - local_g0
-        local_rank = np.repeat(np.arange(cp), meta.chunks_per_rank)
+        cp, t_loc, kv = self.meta.cp, self.kv_local_len, self.kv_meta
+        if kv is None:                    # replicated: local key j is global key j
+            local_g0, local_shift = np.zeros(cp, np.int64), np.zeros(cp, np.int64)
+            c, local_rank = self.mask.total_k, np.arange(cp)
+        else:
+            c = kv.chunk_size
+            local_g0 = (kv.rank_chunks * c).reshape(-1)
+            local_shift = np.tile(np.arange(kv.chunks_per_rank) * c, cp) - local_g0
+            local_rank = np.repeat(np.arange(cp), kv.chunks_per_rank)
         if which == "host":
             g0, g1, sk, rank = local_g0, local_g0 + c, local_shift, local_rank
         else:
@@ -245,13 +277,52 @@ _GEOMETRY: dict = {}
 _GEOMETRY_MAX = 4
 
 
-def _geometry(mask: AttnMask, meta: DispatchMeta) -> _Geometry:
-    key = (mask.fingerprint, meta.fingerprint())
+def resolve_kv(mask: AttnMask, meta: DispatchMeta, kv_layout: str = "auto",
+               kv_chunk_size: int | None = None):
+    """The ``kv`` of :func:`build_dist_plan` for a key layout of
+    :data:`~magi_jax.planning.solver.KV_LAYOUTS`: ``"auto"`` gives ``None`` (self-attention)
+    for a mask with ``total_q == total_k`` and
+    :func:`~magi_jax.planning.solver.auto_kv_layout`'s choice otherwise; ``"replicated"``
+    gives :data:`REPLICATED_KV`; ``"dispatched"`` the keys' own dispatch
+    (:func:`~magi_jax.planning.solver.solve_kv_dispatch`, chunks of ``kv_chunk_size``)."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout={kv_layout!r} is not one of {KV_LAYOUTS}")
+    if kv_layout == "auto":
+        if mask.total_q == mask.total_k:
+            return None
+        kv_layout = auto_kv_layout(mask.total_q, mask.total_k, meta.cp)
+    if kv_layout == "replicated":
+        return REPLICATED_KV
+    return solve_kv_dispatch(mask, meta, kv_chunk_size)
+
+
+def _kv_part(mask: AttnMask, meta: DispatchMeta, kv):
+    """Checks ``kv`` (see :func:`build_dist_plan`) and returns its part of cache keys."""
+    if kv is None:
+        if mask.total_q != mask.total_k:
+            raise ValueError(
+                f"the mask is cross attention (total_q={mask.total_q} != total_k="
+                f"{mask.total_k}): say where its keys live, kv=solve_kv_dispatch(mask, meta) "
+                f"or kv={REPLICATED_KV!r}")
+        return None
+    if isinstance(kv, str):
+        if kv != REPLICATED_KV:
+            raise ValueError(f"kv={kv!r} must be None, {REPLICATED_KV!r} or a DispatchMeta of "
+                             "the keys")
+        return kv
+    if not isinstance(kv, DispatchMeta) or kv.total != mask.total_k or kv.cp != meta.cp:
+        raise ValueError(f"kv must be a DispatchMeta over the mask's total_k={mask.total_k} "
+                         f"keys on the queries' {meta.cp} ranks (solve_kv_dispatch)")
+    return ("dispatched", kv.fingerprint())
+
+
+def _geometry(mask: AttnMask, meta: DispatchMeta, kv=None) -> _Geometry:
+    key = (mask.fingerprint, meta.fingerprint(), _kv_part(mask, meta, kv))
     with _CACHE_LOCK:
         hit = _GEOMETRY.get(key)
     if hit is not None:
         return hit
-    geo = _Geometry(mask, meta)
+    geo = _Geometry(mask, meta, kv)
     with _CACHE_LOCK:
         while len(_GEOMETRY) >= _GEOMETRY_MAX:
             _GEOMETRY.pop(next(iter(_GEOMETRY)))
@@ -259,10 +330,11 @@ def _geometry(mask: AttnMask, meta: DispatchMeta) -> _Geometry:
     return geo
 
 
-def rank_views(mask: AttnMask, meta: DispatchMeta, num_remote_stages: int) -> list[RankView]:
+def rank_views(mask: AttnMask, meta: DispatchMeta, num_remote_stages: int,
+               kv=None) -> list[RankView]:
     """Every rank's :class:`RankView`; remote keys cut into ``num_remote_stages`` stages of
-    nearly equal token counts (by buffer position)."""
-    geo = _geometry(mask, meta)
+    nearly equal token counts (by buffer position); ``kv`` as for :func:`build_dist_plan`."""
+    geo = _geometry(mask, meta, kv)
     cp, k = meta.cp, int(num_remote_stages)
     pairs = [geo.pair_rank.split(p) for p in geo.pairs]
     needed = geo.need_rank.split(geo.needed)
@@ -412,9 +484,16 @@ def _plan_bytes(plan: "DistPlan") -> int:
 
 def build_dist_plan(mask: AttnMask, meta: DispatchMeta, overlap_degree: int, block_q: int,
                     block_k: int, ffa_backend: str = "xla",
-                    capacity: PlanCapacity | None = None) -> DistPlan:
+                    capacity: PlanCapacity | None = None, kv=None) -> DistPlan:
     """The distributed plan of ``mask`` over the dispatch ``meta``; cached by (mask
-    fingerprint, dispatch, overlap_degree, block sizes, FFA backend, capacity).
+    fingerprint, dispatch, overlap_degree, block sizes, FFA backend, capacity, kv).
+
+    ``kv`` says where the keys live: ``None`` for self-attention (the keys are the queries'
+    tokens, dispatched by ``meta``); for cross attention (any ``total_k``) a
+    :class:`~magi_jax.planning.solver.DispatchMeta` of the keys
+    (:func:`~magi_jax.planning.solver.solve_kv_dispatch`: remote stages fetch what each rank
+    lacks) or :data:`REPLICATED_KV` (every rank holds all ``total_k`` keys: one host stage,
+    no casts, at a capacity too).
 
     With a ``capacity``, every array's shape depends on the capacity alone: each remote
     stage's KV buffer holds ``ceil(capacity.remote_kv / stages)`` tokens, every cast has a
@@ -426,13 +505,13 @@ def build_dist_plan(mask: AttnMask, meta: DispatchMeta, overlap_degree: int, blo
                          "after fetching all remote KV; k: host stage + k remote stages)")
     backend = host_planner(ffa_backend)
     key = (mask.fingerprint, meta.fingerprint(), int(overlap_degree), int(block_q),
-           int(block_k), backend.name, capacity)
+           int(block_k), backend.name, capacity, _kv_part(mask, meta, kv))
     with _CACHE_LOCK:
         hit = _CACHE.get(key)
     if hit is not None:
         return hit
     plan = _build(mask, meta, int(overlap_degree), int(block_q), int(block_k), backend,
-                  capacity)
+                  capacity, kv)
     with _CACHE_LOCK:
         if len(_CACHE) >= _CACHE_MAX:
             _CACHE.pop(next(iter(_CACHE)))
@@ -499,10 +578,11 @@ def _merge_pairs(pairs, q_shift):
             np.maximum.reduceat(e1, first))
 
 
-def split_areas(mask: AttnMask, meta: DispatchMeta):
+def split_areas(mask: AttnMask, meta: DispatchMeta, kv=None):
     """Per rank: area on local KV, area on remote KV and remote KV tokens (int64 ``[cp]``
-    each) — the inputs of the overlap cost model, without building any kernel plan."""
-    geo = _geometry(mask, meta)
+    each) — the inputs of the overlap cost model, without building any kernel plan; ``kv``
+    as for :func:`build_dist_plan`."""
+    geo = _geometry(mask, meta, kv)
     host, host_rank = geo.stage_shapes("host")
     remote, remote_rank = geo.stage_shapes(0, 1)
     tokens = geo.cut(1)[2].sum(axis=1).astype(np.int64)
@@ -522,30 +602,33 @@ def cast_width(capacity: PlanCapacity, buffer_len: int) -> int:
     return min(capacity.cast_width or buffer_len, buffer_len)
 
 
-def _build(mask, meta, degree, bq, bk, backend, capacity=None) -> DistPlan:
+def _build(mask, meta, degree, bq, bk, backend, capacity=None, kv=None) -> DistPlan:
     cp, t_loc = meta.cp, meta.local_len
     num_remote = max(degree, 1)
     with _phase("rank_views"):
-        geo = _geometry(mask, meta)
+        geo = _geometry(mask, meta, kv)
         remote, remote_rank, stage_len = geo.cut(num_remote)
         needed = geo.need_rank.split(geo.needed)
-    if capacity is None:
+    kv_meta, kv_loc = geo.kv_meta, geo.kv_local_len
+    # Replicated keys: nothing is remote, at a capacity too (no stages to hold the place of).
+    fetches = kv_meta is not None
+    if capacity is None or not fetches:
         buf_len = np.maximum(stage_len.max(axis=0), 1)                    # per remote stage
     else:
-        buf_len = np.full(num_remote, stage_buffer_len(capacity, meta, num_remote))
+        buf_len = np.full(num_remote, stage_buffer_len(capacity, kv_meta, num_remote))
         capacity.check("remote_kv", int(stage_len.max(initial=0)) * num_remote)
     with _phase("cast_tables"):
         # At a capacity (cp > 1) every cast has a slot for every other rank.
         width = (cast_width(capacity, int(buf_len[0])) if capacity is not None and cp > 1
                  else None)
         casts = []
-        for s in range(num_remote):
+        for s in range(num_remote if fetches else 0):
             sel = remote[:, 3] == s
             casts.append(cast_table_from_pieces(
-                meta, remote[sel, 0], remote[sel, 1], remote[sel, 2], remote_rank.rank[sel],
+                kv_meta, remote[sel, 0], remote[sel, 1], remote[sel, 2], remote_rank.rank[sel],
                 remote[sel, 4], buffer_len=int(buf_len[s]), width=width))
     # At a capacity the stages exist whatever this mask needs (their shapes are static).
-    any_remote = bool(stage_len.sum()) or (capacity is not None and cp > 1)
+    any_remote = bool(stage_len.sum()) or (capacity is not None and cp > 1 and fetches)
 
     def make_stage(which, kv_len, cast):
         with _phase("stage_shapes"):
@@ -559,15 +642,16 @@ def _build(mask, meta, degree, bq, bk, backend, capacity=None) -> DistPlan:
                          shapes=shapes)
     if degree == 0 or not any_remote:
         if any_remote:
-            stages = (make_stage("combined", t_loc + int(buf_len[0]), casts[0]),)
+            stages = (make_stage("combined", kv_loc + int(buf_len[0]), casts[0]),)
         else:
-            stages = (make_stage("host", t_loc, None),)
+            stages = (make_stage("host", kv_loc, None),)
     else:
-        stages = (make_stage("host", t_loc, None),) + tuple(
+        stages = (make_stage("host", kv_loc, None),) + tuple(
             make_stage(s, int(buf_len[s]), casts[s]) for s in range(num_remote))
+    layout = "shared" if kv is None else "replicated" if kv_meta is None else "dispatched"
     return DistPlan(meta=meta, overlap_degree=degree if any_remote else 0, block_q=bq,
                     block_k=bk, stages=stages, remote_tokens=stage_len.sum(axis=1),
-                    needed=needed)
+                    needed=needed, kv_layout=layout, kv_meta=None if kv is None else kv_meta)
 
 
 _SHAPE_FIELDS = ("q0", "q1", "k0", "k1", "dlo", "dhi")

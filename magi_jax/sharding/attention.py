@@ -27,7 +27,8 @@ from magi_jax.sharding import native
 from magi_jax.sharding.collectives import _cast, _reduce, _start_reduce, group_cast
 from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.sharding.ffa_backends import get_backend
-from magi_jax.sharding.key import MagiKey, _check_key, _checked, _rows_desc
+from magi_jax.sharding.key import (MagiKey, _check_key, _checked, _cp_names, _cp_ranks,
+                                   _rows_desc)
 
 __all__ = ["magi_attention", "magi_attention_local", "merge_partials"]
 
@@ -71,21 +72,29 @@ class _StagesCfg(NamedTuple):
     # Start the last remote stage's reduce where the transport can (CudaTuning.started_reduce
     # when the call was traced; part of the static configuration, so of trace caches' keys).
     start_reduce: bool = False
+    # Also return the rank's per-head max logits (the max over its stages').
+    max_logits: bool = False
 
 
 def stages_forward(q, kv, stage_arrays, cfg: _StagesCfg, fetch):
     """Every stage's FFA on the local ``kv = (k, v)`` or on ``fetch(i)`` (remote stage
-    ``i``'s K, V) and the float32 merge -> ``(out, lse)``, plus the KV each remote stage used
-    (for a backward that keeps it)."""
+    ``i``'s K, V) and the float32 merge -> ``(out, lse)`` (``(out, lse, max_logits [Hq])``
+    with ``cfg.max_logits``: the stages' key sets are disjoint, so the rank's max is the
+    max of theirs), plus the KV each remote stage used (for a backward that keeps it)."""
     be, kw = get_backend(cfg.backend), dict(cfg.kw)
-    outs, lses, used = [], [], []
+    if cfg.max_logits:
+        kw["return_max_logits"] = True
+    outs, lses, peaks, used = [], [], [], []
     for i, (stage, (ffa_arrays, _)) in enumerate(zip(cfg.stages, stage_arrays)):
         kk, vv = kv if stage.cast is None else fetch(i)
-        (o, l), _ = be.split_fwd(q, kk, vv, ffa_arrays, **kw)
+        (o, l, *peak), _ = be.split_fwd(q, kk, vv, ffa_arrays, **kw)
         outs.append(o)
         lses.append(l)
+        peaks += peak
         used.append(None if stage.cast is None else (kk, vv))
     out, lse = merge_partials(outs, lses, q.dtype)
+    if cfg.max_logits:
+        return (out, lse, functools.reduce(jnp.maximum, peaks)), used
     return (out, lse), used
 
 
@@ -177,7 +186,8 @@ class group_send_back:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def rank_stages(q, kv, stage_arrays, cfg: _StagesCfg, fetcher=group_fetch,
                 sender=group_send_back):
-    """One rank's stages and merge -> ``(out, lse)``. Backward (docs/design.md §3.2): re-fetch
+    """One rank's stages and merge -> ``(out, lse)`` (and the rank's max logits, with
+    ``cfg.max_logits``; they get no gradient). Backward (docs/design.md §3.2): re-fetch
     each remote stage's KV (``cfg.refetch``; else keep the forward's buffers), FFA backward
     per stage from the merged ``(out, lse)``, partial dK/dV sent back to the owners.
     ``fetcher`` / ``sender`` (static) make the ``fetch`` / ``send_back`` of
@@ -187,14 +197,14 @@ def rank_stages(q, kv, stage_arrays, cfg: _StagesCfg, fetcher=group_fetch,
 
 
 def _rank_stages_fwd(q, kv, stage_arrays, cfg, fetcher, sender):
-    (out, lse), used = stages_forward(q, kv, stage_arrays, cfg,
-                                      fetcher(kv, stage_arrays, cfg))
+    res, used = stages_forward(q, kv, stage_arrays, cfg, fetcher(kv, stage_arrays, cfg))
     kept = None if cfg.refetch else used
-    return (out, lse), (q, kv, stage_arrays, out, lse, kept)
+    return res, (q, kv, stage_arrays, res[0], res[1], kept)
 
 
 def _rank_stages_bwd(cfg, fetcher, sender, res, cts):
     q, kv, stage_arrays, out, lse, kept = res
+    cts = cts[:2]                       # the max logits, if returned, have no gradient
     fetch = fetcher(kv, stage_arrays, cfg) if kept is None else kept.__getitem__
     dq, dkv = stages_backward(q, kv, stage_arrays, cfg, out, lse, cts, fetch,
                               sender(kv, stage_arrays, cfg))
@@ -205,26 +215,34 @@ def _rank_stages_bwd(cfg, fetcher, sender, res, cts):
 rank_stages.defvjp(_rank_stages_fwd, _rank_stages_bwd)
 
 
-def stages_cfg(key: MagiKey, scale: float, softcap: float) -> _StagesCfg:
+def stages_cfg(key: MagiKey, scale: float, softcap: float,
+               max_logits: bool = False) -> _StagesCfg:
     kw = (("softmax_scale", scale), ("softcap", softcap), ("block_q", key.block_q),
           ("block_k", key.block_k))
     return _StagesCfg(key.ffa_backend, kw, tuple(key.stages), key.backward_refetch,
-                      native.cuda_tuning().started_reduce)
+                      native.cuda_tuning().started_reduce, bool(max_logits))
 
 
-def _local(q, k, v, stage_arrays, key: MagiKey, scale: float, softcap: float):
+def _local(q, k, v, stage_arrays, key: MagiKey, scale: float, softcap: float,
+           max_logits: bool = False):
     """One rank: q/k/v ``[(B,) local_len, H, D]``, ``stage_arrays`` this rank's plan arrays.
     One pipeline for both layouts: a batch is folded into the heads (query head ``b·Hq + h``
     keeps key head ``b·Hkv + h // G``), so the sequence stays the first axis the casts move
-    and every stage runs the same custom VJP."""
-    cfg = stages_cfg(key, scale, softcap)
+    and every stage runs the same custom VJP. With ``max_logits`` a third output, the max
+    logits ``[(B,) Hq]`` over all ranks (``pmax`` over the cp axis)."""
+    cfg = stages_cfg(key, scale, softcap, max_logits)
     if q.ndim == 3:
-        return rank_stages(q, (k, v), tuple(stage_arrays), cfg)
-    b, t, hq, d = q.shape
-    fold = lambda x: jnp.moveaxis(x, 0, 1).reshape(t, b * x.shape[2], d)
-    out, lse = rank_stages(fold(q), (fold(k), fold(v)), tuple(stage_arrays), cfg)
-    return (jnp.moveaxis(out.reshape(t, b, hq, d), 1, 0),
-            jnp.moveaxis(lse.reshape(t, b, hq), 1, 0))
+        res = rank_stages(q, (k, v), tuple(stage_arrays), cfg)
+    else:
+        b, t, hq, d = q.shape
+        fold = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], b * x.shape[2], d)
+        res = rank_stages(fold(q), (fold(k), fold(v)), tuple(stage_arrays), cfg)
+        res = (jnp.moveaxis(res[0].reshape(t, b, hq, d), 1, 0),
+               jnp.moveaxis(res[1].reshape(t, b, hq), 1, 0)) + tuple(
+                   x.reshape(b, hq) for x in res[2:])
+    # stop_gradient: a custom VJP's outputs all carry tangents, and pmax has no JVP.
+    return res[:2] + tuple(jax.lax.pmax(jax.lax.stop_gradient(x), key.cp_axis)
+                           for x in res[2:])
 
 
 def _check_inputs(q, k, v, key):
@@ -237,7 +255,10 @@ def _check_inputs(q, k, v, key):
             raise ValueError(f"magi_attention: {name} must be [padded_total, H, D] or "
                              f"[B, padded_total, H, D] (dispatched tokens, like q); got shape "
                              f"{tuple(x.shape)}")
-        if x.shape[-3] != key.padded_total:
+        if name != "q" and key.cross:
+            if x.shape[-3] != key.kv_padded_total:
+                raise ValueError(_kv_length_message(name, x, key))
+        elif x.shape[-3] != key.padded_total:
             raise ValueError(_length_message(name, x, key))
     if q.ndim == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
@@ -263,7 +284,26 @@ def _check_inputs(q, k, v, key):
                              f"take these inputs: {why}; cast q, k, v to bfloat16, or build "
                              "the key with ffa_backend='xla'")
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_dispatched_layout(name, x, key)
+        if name == "q" or key.kv_layout in ("shared", "dispatched"):
+            _check_dispatched_layout(name, x, key, "q" if name == "q" else "kv")
+
+
+def _kv_length_message(name, x, key):
+    """Keys/values of a cross-attention key with the wrong number of rows."""
+    n = x.shape[-3]
+    layout = ("every rank holds all of them (replicated)" if key.kv_layout == "replicated"
+              else f"dispatched: {key.kv_padded_total} rows ({key.total_k} keys + "
+              f"{key.kv_padded_total - key.total_k} padding)")
+    msg = (f"magi_attention: {name} has {n} tokens (shape {tuple(x.shape)}) but the key "
+           f"(cross attention, kv_layout={key.kv_layout!r}) takes {key.total_k} keys, "
+           f"{layout}")
+    if n == key.total_k:
+        msg += "; these look like natural-order keys"
+    elif n == key.padded_total:
+        msg += "; these look like dispatched queries (role='q')"
+    seq = ", seq_axis=1" if x.ndim == 4 else ""
+    return (f"{msg}. dispatch first: {name} = mj.dispatch(x, key{seq}, role='kv') lays out "
+            "keys and values as the key wants them")
 
 
 _DISPATCH_FIRST = ("dispatch first: {name} = mj.dispatch(x, key{seq}) turns a natural-order "
@@ -315,12 +355,12 @@ def _length_message(name, x, key):
 # natural length. The checks below are Python at trace time: the compiled program of the
 # default path is unchanged.
 
-def _check_dispatched_layout(name, x, key):
+def _check_dispatched_layout(name, x, key, role="q"):
     seq = x.ndim - 3
     if isinstance(x, jax.core.Tracer):
         _check_type(name, x, key, seq)
     elif isinstance(x, jax.Array):
-        _check_placement(name, x, key, seq)
+        _check_placement(name, x, key, seq, key.kv_local_len if role == "kv" else None)
 
 
 def _entry(e) -> tuple:
@@ -332,7 +372,8 @@ def _entry(e) -> tuple:
 def _check_type(name, x, key, seq):
     """A traced input on a mesh whose cp axis is Explicit: its sharding type."""
     types = dict(zip(key.mesh.axis_names, key.mesh.axis_types))
-    if types[key.cp_axis] != AxisType.Explicit:
+    names = _cp_names(key.cp_axis)               # cp over one mesh axis or several
+    if all(types[a] != AxisType.Explicit for a in names):
         return                                  # Auto: the type says nothing
     sharding = getattr(jax.typeof(x), "sharding", None)
     if not isinstance(sharding, NamedSharding):
@@ -340,12 +381,12 @@ def _check_type(name, x, key, seq):
     spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
     got = _entry(spec[seq])
     want = P(*([None] * seq), key.cp_axis)
-    if key.cp_axis not in sharding.mesh.axis_names:
+    if not set(names) <= set(sharding.mesh.axis_names):
         where = "is not on the key's mesh (its type names no mesh axis)"
     elif got == ():
         where = (f"is typed {sharding.spec}: not split over {key.cp_axis!r} (replicated along "
                  "the sequence)")
-    elif got != (key.cp_axis,):
+    elif got != names:
         where = (f"is typed {sharding.spec}: its sequence axis is split over {got}, not "
                  f"over ({key.cp_axis!r},)")
     else:
@@ -360,17 +401,17 @@ def _check_type(name, x, key, seq):
                      f"{want}. {_fix(name, x, key)}")
 
 
-def _check_placement(name, x, key, seq):
-    """A concrete input (eager call): the rows each rank's devices hold."""
+def _check_placement(name, x, key, seq, local=None):
+    """A concrete input (eager call): the rows each rank's devices hold (``local`` rows per
+    rank; default the queries' ``key.local_len``)."""
     spec = P(*([None] * seq), key.cp_axis)
     want = NamedSharding(key.mesh, spec)
     sharding = x.sharding
     if sharding.is_equivalent_to(want, x.ndim):
         return
-    local = key.local_len
+    local = key.local_len if local is None else local
     mesh_devices = key.mesh.devices
-    cp_index = key.mesh.axis_names.index(key.cp_axis)
-    rank = {d: pos[cp_index] for pos, d in np.ndenumerate(mesh_devices)}
+    rank = _cp_ranks(key.mesh, key.cp_axis)
     held = sharding.devices_indices_map(tuple(x.shape))
     n = x.shape[seq]
     if set(held) != set(rank):
@@ -397,11 +438,8 @@ def _check_placement(name, x, key, seq):
 
 
 def _check_options(softmax_scale, softcap):
-    if not softcap >= 0:
-        raise ValueError(f"softcap={softcap} must be a number >= 0 (0 disables soft-capping)")
-    if softmax_scale is not None and not np.isfinite(float(softmax_scale)):
-        raise ValueError(f"softmax_scale={softmax_scale} must be a finite number (or None for "
-                         "D ** -0.5)")
+    from magi_jax.ffa.api import check_options
+    check_options(softmax_scale, softcap)
 
 
 def _strip_hidden(x, key):
@@ -417,14 +455,17 @@ def _add_hidden(out, lse):
 
 
 def magi_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
-                   softcap: float = 0.0, sink=None):
+                   softcap: float = 0.0, sink=None, return_max_logits: bool = False):
     """Context-parallel attention of dispatched tokens.
 
     Args:
       q: ``[padded_total, Hq, D]``, k/v: ``[padded_total, Hkv, D]`` — outputs of
         :func:`~magi_jax.sharding.key.dispatch` (or computed from dispatched activations),
         sharded over ``key.cp_axis``; or ``[B, padded_total, H, D]`` (one mask for the
-        batch; dispatch with ``seq_axis=1``).
+        batch; dispatch with ``seq_axis=1``). Cross-attention keys (``key.kv_layout``
+        ``"replicated"`` or ``"dispatched"``): k/v are ``[(B,) key.kv_padded_total, Hkv, D]``
+        from ``dispatch(k, key, role="kv")`` (replicated: all ``total_k`` keys on every
+        rank, whose dK/dV are summed over the ranks); q and the outputs stay as above.
       key: from :func:`make_flex_key` / :func:`make_varlen_key`.
       softmax_scale: default ``D ** -0.5``; softcap: tanh soft-capping (0 = off).
 
@@ -433,7 +474,10 @@ def magi_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
 
     Returns ``(out, lse)`` in dispatched order: ``out`` like ``q``, ``lse``
     ``[(B,) padded_total, Hq]`` float32; padding rows give ``out = 0``, ``lse = -inf``.
-    Differentiable in q, k, v; works under ``jax.jit``.
+    Differentiable in q, k, v; works under ``jax.jit``. ``return_max_logits=True`` returns
+    ``(out, lse, max_logits)``, ``max_logits [(B,) Hq]`` float32 replicated over the mesh:
+    as for :func:`~magi_jax.flex_flash_attention` (before the softcap, sinks not included,
+    no gradient), each rank's from its stages' forwards, then the max over ranks.
 
     Inputs that are visibly not dispatched raise ``ValueError`` ("dispatch first"): the
     wrong number of rows, a sharding type that does not split the sequence over the cp axis
@@ -447,32 +491,52 @@ def magi_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
     _check_options(softmax_scale, softcap)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     spec = P(key.cp_axis) if q.ndim == 3 else P(None, key.cp_axis)
+    # Replicated keys enter every rank whole; shard_map's transpose sums their cotangents.
+    kv_spec = P() if key.kv_layout == "replicated" else spec
     plan_spec = P(key.cp_axis)
     hidden = _checked(key)
+
+    max_logits = bool(return_max_logits)
 
     def body(q, k, v, stage_arrays):
         stage_arrays = jax.tree.map(lambda a: a[0], stage_arrays)
         if hidden:
             q, k, v = (_strip_hidden(x, key) for x in (q, k, v))
-        out = _local(q, k, v, stage_arrays, key, scale, float(softcap))
-        return _add_hidden(*out) if hidden else out
+        res = _local(q, k, v, stage_arrays, key, scale, float(softcap), max_logits)
+        return (_add_hidden(*res[:2]) + res[2:]) if hidden else res
 
     arr_specs = jax.tree.map(lambda _: plan_spec, key.stage_arrays)
-    fn = jax.shard_map(body, mesh=key.mesh, in_specs=(spec, spec, spec, arr_specs),
-                       out_specs=(spec, spec), check_vma=False)
+    fn = jax.shard_map(body, mesh=key.mesh, in_specs=(spec, kv_spec, kv_spec, arr_specs),
+                       out_specs=(spec, spec) + ((P(),) if max_logits else ()),
+                       check_vma=False)
     if sink is None:
         return fn(q, k, v, key.stage_arrays)
     check_sink(sink, q.shape[-2])
-    return apply_sink(*fn(q, k, v, key.stage_arrays), sink)
+    res = fn(q, k, v, key.stage_arrays)
+    return apply_sink(*res[:2], sink) + tuple(res[2:])
 
 
 def magi_attention_local(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
-                         softcap: float = 0.0):
+                         softcap: float = 0.0, return_max_logits: bool = False):
     """The per-rank body, for callers already inside ``shard_map`` over ``key.cp_axis``:
     q/k/v are this rank's ``[local_len, H, D]`` tokens; the rank's plan rows are picked with
-    ``lax.axis_index`` from the (replicated) stacked plan. Returns ``(out, lse)`` local."""
+    ``lax.axis_index`` from the (replicated) stacked plan. Returns ``(out, lse)`` local
+    (with ``return_max_logits``, also the max logits ``[(B,) Hq]``, already the max over the
+    cp axis). Cross-attention keys: k/v are the rank's ``[kv_local_len, Hkv, D]`` block of
+    ``dispatch(k, key, role="kv")`` (``"dispatched"``), or all ``total_k`` keys unmapped
+    (``P()`` in ``in_specs``, so that ``shard_map`` sums their gradients: ``"replicated"``)."""
     _check_key(key)
+    for name, x in (("k", k), ("v", v)):
+        if key.cross and x.ndim in (3, 4) and x.shape[-3] != key.kv_local_len:
+            raise ValueError(
+                f"magi_attention_local: {name} has {x.shape[-3]} tokens (shape "
+                f"{tuple(x.shape)}) but every rank of this cross-attention key (kv_layout="
+                f"{key.kv_layout!r}) holds {key.kv_local_len} keys; pass the rank's keys "
+                f"from mj.dispatch(k, key, role='kv') (in_specs "
+                f"{'P()' if key.kv_layout == 'replicated' else f'P({key.cp_axis!r})'})")
     for name, x in (("q", q), ("k", k), ("v", v)):
+        if key.cross and name != "q":
+            continue
         if x.ndim in (3, 4) and x.shape[-3] != key.local_len:
             raise ValueError(
                 f"magi_attention_local: {name} has {x.shape[-3]} tokens (shape "
@@ -484,7 +548,9 @@ def magi_attention_local(q, k, v, key: MagiKey, *, softmax_scale: float | None =
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     r = jax.lax.axis_index(key.cp_axis)
     stage_arrays = jax.tree.map(lambda a: jnp.asarray(a)[r], key.stage_arrays)
+    max_logits = bool(return_max_logits)
     if not _checked(key):
-        return _local(q, k, v, stage_arrays, key, scale, float(softcap))
+        return _local(q, k, v, stage_arrays, key, scale, float(softcap), max_logits)
     q, k, v = (_strip_hidden(x, key) for x in (q, k, v))
-    return _add_hidden(*_local(q, k, v, stage_arrays, key, scale, float(softcap)))
+    res = _local(q, k, v, stage_arrays, key, scale, float(softcap), max_logits)
+    return _add_hidden(*res[:2]) + res[2:]

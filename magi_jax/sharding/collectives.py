@@ -30,6 +30,12 @@ benchmarks/results/overlap/LATEST.md) and ``"all_to_all"`` (one padded
 used: ~100x slower than the link on H200 and unsupported on CPU. ``"native"``: the
 C++ XLA FFI custom calls of :mod:`magi_jax.sharding.native` (NVSHMEM on GPU, a rendezvous of
 the host devices on CPU) take the same tables and replace the whole gather/exchange/scatter.
+
+Two-hop casts (a :class:`RelaySpec` in place of the :class:`CastSpec`, on a mesh of nodes):
+tables of their own (:mod:`magi_jax.planning.hierarchy`, which states their contract) move
+each row across nodes once, to a relay in the receiving node, then inside the node; the
+reduce runs the two hops backwards, summing inside the node before the one inter-node send.
+Both hops are ``lax.ppermute``s, one per slot.
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ import numpy as np
 
 from magi_jax.sharding import native
 
-__all__ = ["CastArrays", "CastSpec", "TRANSPORTS", "group_cast", "group_reduce"]
+__all__ = ["CastArrays", "CastSpec", "RelayArrays", "RelaySpec", "TRANSPORTS", "group_cast",
+           "group_reduce"]
 
 TRANSPORTS = ("ppermute", "all_to_all", "native")
 
@@ -76,6 +83,52 @@ class CastSpec:
             raise ValueError(f"transport={self.transport!r} is not one of {TRANSPORTS}")
         if len(self.shifts) != len(self.widths):
             raise ValueError("shifts and widths must have one entry per slot")
+
+
+class RelayArrays(NamedTuple):
+    """Device view of one rank's two-hop tables (:mod:`magi_jax.planning.hierarchy`):
+    ``inter_send [n_inter, S1]``, ``intra_send [n_intra, S2]``, ``recv_index [B]`` (with a
+    leading ``cp`` axis before sharding)."""
+
+    inter_send: jax.Array | np.ndarray
+    intra_send: jax.Array | np.ndarray
+    recv_index: jax.Array | np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class RelaySpec:
+    """Static part of a two-hop cast on a mesh of nodes: the mesh axes ``(node, local)``
+    (the cp axis is their flattening), their sizes, the slots' shifts and widths of both
+    hops (:class:`~magi_jax.planning.hierarchy.RelayTable`). Both hops move by
+    ``lax.ppermute``, one per slot: the inter-node hop over both axes, the intra-node hop
+    over ``local`` alone. ``group_cast`` / ``group_reduce`` take it in place of a
+    :class:`CastSpec`."""
+
+    axes: tuple[str, str]
+    nodes: int
+    local: int
+    inter_shifts: tuple[tuple[int, int], ...]
+    inter_widths: tuple[int, ...]
+    intra_shifts: tuple[int, ...]
+    intra_widths: tuple[int, ...]
+    transport: str = "relay"
+    runs = None
+
+    def __post_init__(self):
+        if len(self.axes) != 2:
+            raise ValueError(f"axes={self.axes!r} must name the (node, local) mesh axes")
+        if len(self.inter_shifts) != len(self.inter_widths) or \
+                len(self.intra_shifts) != len(self.intra_widths):
+            raise ValueError("shifts and widths must have one entry per slot")
+
+    @property
+    def cp(self) -> int:
+        return self.nodes * self.local
+
+    @property
+    def shifts(self) -> tuple:
+        """Every slot of both hops (empty: the cast moves nothing)."""
+        return self.inter_shifts + self.intra_shifts
 
 
 # ---- device code (inside shard_map over spec.axis_name) -------------------------------------
@@ -149,6 +202,8 @@ def _cast(x, tables: CastArrays, spec: CastSpec, prefix: bool = False):
     if prefix:
         got = jax.tree.leaves(_cast(x, tables, spec))
         return tree.unflatten([jnp.concatenate([a, g]) for a, g in zip(leaves, got)])
+    if isinstance(spec, RelaySpec):
+        return tree.unflatten(_relay_cast(leaves, tables, spec))
     send, recv = tables
     buf = recv.shape[0]
     if not spec.shifts:
@@ -197,6 +252,8 @@ def _reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, prefix: bool =
             got = [g + a[:num_rows].astype(g.dtype) for g, a in zip(got, leaves)]
         return tree.unflatten([g.astype(a.dtype) if round_to_input else g
                                for g, a in zip(got, leaves)])
+    if isinstance(spec, RelaySpec):
+        return tree.unflatten(_relay_reduce(leaves, tables, spec, num_rows))
     send, recv = tables
     if not spec.shifts:
         return tree.unflatten([jnp.zeros((num_rows,) + a.shape[1:], _acc_dtype(a.dtype))
@@ -226,6 +283,75 @@ def _reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, prefix: bool =
         jnp.zeros((num_rows,) + a.shape[1:], _acc_dtype(a.dtype)).at[idx].add(
             jnp.concatenate([blk[i] for blk in back]), mode="drop")
         for i, a in enumerate(leaves)])
+
+
+# ---- the two-hop cast on a mesh of nodes (RelaySpec) -----------------------------------------
+
+def _relay_perms(spec: RelaySpec, reverse: bool):
+    """Per slot, the ``ppermute`` pairs of both hops: inter-node over the flattened
+    ``(node, local)`` index, intra-node over ``local``."""
+    n, l, sign = spec.nodes, spec.local, -1 if reverse else 1
+    inter = []
+    for dn, dl in spec.inter_shifts:
+        pairs = [(a * l + b, ((a + dn) % n) * l + (b + dl) % l)
+                 for a in range(n) for b in range(l)]
+        inter.append([(t, s) for s, t in pairs] if reverse else pairs)
+    intra = [[(b, (b + sign * sh) % l) for b in range(l)] for sh in spec.intra_shifts]
+    return inter, intra
+
+
+def _hop(rows, send, widths, axis, perms):
+    """One hop of every leaf: slot ``j`` sends ``rows[send[j, :w_j]]`` (zeros for padding);
+    returns the received blocks packed back to back at their widths."""
+    idx = jnp.where(send < 0, rows[0].shape[0], send)
+    got = [jax.lax.ppermute(tuple(_take(a, idx[j, :w]) for a in rows), axis, perm)
+           for j, (w, perm) in enumerate(zip(widths, perms))]
+    return [jnp.concatenate([g[i] for g in got]) if got else
+            jnp.zeros((0,) + a.shape[1:], a.dtype) for i, a in enumerate(rows)]
+
+
+def _relay_cast(leaves, tables: RelayArrays, spec: RelaySpec):
+    inter_send, intra_send, recv = tables
+    inter, intra = _relay_perms(spec, reverse=False)
+    relay = _hop(leaves, inter_send, spec.inter_widths, spec.axes, inter)
+    x2 = [jnp.concatenate([r, a]) for r, a in zip(relay, leaves)]
+    fwd = _hop(x2, intra_send, spec.intra_widths, spec.axes[1], intra)
+    got = [jnp.concatenate([r, f]) for r, f in zip(relay, fwd)]
+    size = sum(spec.inter_widths) + sum(spec.intra_widths)
+    return [_take(g, jnp.where(recv < 0, size, recv)) for g in got]
+
+
+def _hop_back(ct, send, widths, axis, perms, num_rows):
+    """Transpose of :func:`_hop`: received blocks ``ct`` (packed) go back to their senders
+    and are summed into ``num_rows`` rows there."""
+    offsets = np.concatenate([[0], np.cumsum(widths)]).astype(int)
+    back = [jax.lax.ppermute(tuple(c[offsets[j]:offsets[j + 1]] for c in ct), axis, perm)
+            for j, perm in enumerate(perms)]
+    idx = jnp.concatenate([jnp.where(send[j, :w] < 0, num_rows, send[j, :w])
+                           for j, w in enumerate(widths)]) if widths else None
+    out = []
+    for i, c in enumerate(ct):
+        acc = jnp.zeros((num_rows,) + c.shape[1:], c.dtype)
+        if back:
+            acc = acc.at[idx].add(jnp.concatenate([b[i] for b in back]), mode="drop")
+        out.append(acc)
+    return out
+
+
+def _relay_reduce(leaves, tables: RelayArrays, spec: RelaySpec, num_rows: int):
+    """Adjoint of :func:`_relay_cast`: sums inside the node first (the intra-node hop
+    reversed, at the relays), then one inter-node send back per relayed row."""
+    inter_send, intra_send, recv = tables
+    inter, intra = _relay_perms(spec, reverse=True)
+    r_len = int(sum(spec.inter_widths))
+    size = r_len + int(sum(spec.intra_widths))
+    inv = _inverse(recv, size, leaves[0].shape[0])      # recv is injective: a gather
+    got = [_take(a, inv).astype(_acc_dtype(a.dtype)) for a in leaves]
+    x2 = _hop_back([g[r_len:] for g in got], intra_send, spec.intra_widths, spec.axes[1],
+                   intra, r_len + num_rows)
+    relay = [x[:r_len] + g[:r_len] for x, g in zip(x2, got)]
+    back = _hop_back(relay, inter_send, spec.inter_widths, spec.axes, inter, num_rows)
+    return [x[r_len:] + b for x, b in zip(x2, back)]
 
 
 def _start_reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, own=None,

@@ -27,7 +27,8 @@ __all__ = ["FFABackend", "FFA_BACKENDS", "get_backend"]
 class FFABackend:
     """``split_fwd``/``split_bwd`` (optional) split the FFA VJP so that K and V need not be
     kept between forward and backward (context parallelism re-fetches remote KV instead):
-    ``split_fwd(q, k, v, plan, **cfg) -> ((out, lse), saved)`` and
+    ``split_fwd(q, k, v, plan, **cfg) -> ((out, lse), saved)`` (``((out, lse, max_logits
+    [Hq]), saved)`` with ``return_max_logits=True``) and
     ``split_bwd(saved, q, k, v, plan, (dout, dlse), **cfg) -> (dq, dk, dv)``, for
     ``[T, H, D]`` inputs; ``cfg`` = ``softmax_scale, softcap, block_q, block_k``. ``saved``
     is ``(out [T, H, D], lse [T, H])``, and ``split_bwd`` takes any such pair — also the
@@ -52,8 +53,8 @@ def _xla() -> FFABackend:
     from magi_jax.ffa import xla as X
 
     def split_fwd(q, k, v, plan, **kw):
-        out, lse = X.xla_ffa_forward(q, k, v, plan, **kw)
-        return (out, lse), (out, lse)
+        res = X.xla_ffa_forward(q, k, v, plan, **kw)
+        return res, res[:2]
 
     def split_bwd(saved, q, k, v, plan, cts, *, between_dkv_dq=None, split_kv_at=0, **kw):
         out, lse = saved
@@ -78,11 +79,13 @@ def _pallas(interpret: bool = False) -> FFABackend:
 
     # Split VJP: the forward saves its (out, lse); each stage's backward runs against the
     # merged (out, lse). Plans are traced here, so the kernels run one program per unit.
-    def split_fwd(q, k, v, plan, *, softmax_scale, softcap, block_q, block_k):
+    def split_fwd(q, k, v, plan, *, softmax_scale, softcap, block_q, block_k,
+                  return_max_logits=False):
         del block_q, block_k
-        out, lse = ffa_pallas(q, k, v, plan, softmax_scale=softmax_scale, softcap=softcap,
-                              interpret=interpret, persistent=0)
-        return (out, lse), (out, lse)
+        res = ffa_pallas(q, k, v, plan, softmax_scale=softmax_scale, softcap=softcap,
+                         interpret=interpret, persistent=0,
+                         return_max_logits=return_max_logits)
+        return res, res[:2]
 
     def split_bwd(saved, q, k, v, plan, cts, *, softmax_scale, softcap, block_q, block_k,
                   between_dkv_dq=None, split_kv_at=0):

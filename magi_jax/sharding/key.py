@@ -5,6 +5,12 @@ A :class:`MagiKey` is a JAX pytree: its leaves are the stacked ``[cp, ...]`` int
 (sharded over the mesh's cp axis) and the dispatch permutation; everything else (mesh, axis,
 stage shapes, transports) is static. It can be closed over or passed through ``jax.jit``.
 Building one is host work, cached by (mask fingerprint, mesh, options).
+
+Cross attention (``total_q != total_k``) keys dispatch the queries like self-attention and
+keep the keys either whole on every rank (``key.kv_layout == "replicated"``) or dispatched
+by a permutation of their own (``"dispatched"``); ``dispatch(k, key, role="kv")`` puts keys
+and values in whichever layout the key chose (self-attention keys: ``"shared"``, one
+dispatch for both roles).
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from magi_jax.planning.work_list import default_block_sizes
 from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.defaults import (capacity_chunk_size, capacity_overlap_degree,
                                         default_overlap_degree)
-from magi_jax.planning.solver import ALGORITHMS, solve_dispatch
-from magi_jax.planning.stages import DistPlan, build_dist_plan
+from magi_jax.planning.solver import ALGORITHMS, KV_LAYOUTS, solve_dispatch
+from magi_jax.planning.stages import DistPlan, build_dist_plan, resolve_kv
 from magi_jax.sharding import native
 from magi_jax.sharding.collectives import TRANSPORTS, CastArrays, CastSpec
 from magi_jax.sharding.ffa_backends import FFA_BACKENDS
@@ -35,7 +41,7 @@ from magi_jax.sharding.ffa_backends import FFA_BACKENDS
 __all__ = ["MagiKey", "KeyStatic", "StageStatic", "CheckedKey", "make_flex_key",
            "make_varlen_key", "dispatch", "undispatch", "position_ids",
            "default_overlap_degree", "ffa_backend_reason", "clear_key_cache", "COMM_BACKENDS",
-           "MAX_OVERLAP_DEGREE", "CHECK_DISPATCH_ENV"]
+           "MAX_OVERLAP_DEGREE", "CHECK_DISPATCH_ENV", "KV_LAYOUTS", "ROLES"]
 
 COMM_BACKENDS = ("auto", "xla") + TRANSPORTS
 # Largest overlap degree a key accepts (the bound of PlanCapacity.overlap_degree): every stage
@@ -43,6 +49,8 @@ COMM_BACKENDS = ("auto", "xla") + TRANSPORTS
 MAX_OVERLAP_DEGREE = 8
 # Environment variable that turns on check_dispatch for every key make_flex_key builds.
 CHECK_DISPATCH_ENV = "MAGI_JAX_CHECK_DISPATCH"
+# What dispatch / undispatch / position_ids lay out: queries (and outputs), or keys/values.
+ROLES = ("q", "kv")
 @dataclasses.dataclass(frozen=True)
 class StageStatic:
     """Static description of one stage: its KV length, whether its KV is local KV followed
@@ -50,7 +58,7 @@ class StageStatic:
 
     kv_len: int
     combined: bool
-    cast: CastSpec | None
+    cast: CastSpec | None            # or a RelaySpec (two-hop casts, hierarchical=...)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +69,7 @@ class KeyStatic:
     capacity; for a key of one mask, ``fingerprint`` names the mask and its dispatch."""
 
     mesh: Mesh
-    cp_axis: str
+    cp_axis: str | tuple[str, ...]    # a tuple: cp over the flattened axes
     cp: int
     total: int
     padded_total: int
@@ -76,6 +84,12 @@ class KeyStatic:
     backward_refetch: bool
     capacity: PlanCapacity | None
     fingerprint: tuple | None
+    # Where the keys live: "shared" (self-attention: the queries' dispatch), "replicated"
+    # (every rank holds all total_k keys) or "dispatched" (their own permutation, kv_*).
+    kv_layout: str = "shared"
+    total_k: int | None = None
+    kv_padded_total: int | None = None
+    kv_local_len: int | None = None
 
 
 @jax.tree_util.register_pytree_node_class
@@ -88,19 +102,28 @@ class MagiKey:
     Static: :class:`KeyStatic` (``key.static``; its fields are also attributes of the key).
     Host only (``None`` on a key rebuilt inside a traced function): ``plan`` (the
     :class:`~magi_jax.planning.stages.DistPlan`) and ``mask``, for pictures and inspection.
+
+    Cross attention with ``kv_layout == "dispatched"`` adds two leaves for the keys,
+    ``kv_order`` ``[kv_padded_total]`` and ``kv_inverse`` ``[total_k]`` (``None`` otherwise:
+    self-attention keys have the leaves they always had).
     """
 
-    def __init__(self, static: KeyStatic, order, inverse, stage_arrays, *, plan=None,
-                 mask=None):
+    def __init__(self, static: KeyStatic, order, inverse, stage_arrays, kv_order=None,
+                 kv_inverse=None, *, plan=None, mask=None):
         self.static = static
         self.order = order
         self.inverse = inverse
         self.stage_arrays = stage_arrays
+        self.kv_order = kv_order
+        self.kv_inverse = kv_inverse
         self.plan = plan
         self.mask = mask
 
     def tree_flatten(self):
-        return (self.order, self.inverse, self.stage_arrays), self.static
+        children = (self.order, self.inverse, self.stage_arrays)
+        if self.kv_order is not None:
+            children += (self.kv_order, self.kv_inverse)
+        return children, self.static
 
     @classmethod
     def tree_unflatten(cls, static, children):
@@ -121,6 +144,14 @@ class MagiKey:
     comm_backend = property(lambda self: self.static.comm_backend)
     backward_refetch = property(lambda self: self.static.backward_refetch)
     capacity = property(lambda self: self.static.capacity)
+    kv_layout = property(lambda self: self.static.kv_layout)
+    cross = property(lambda self: self.static.kv_layout != "shared")
+    total_k = property(lambda self: self.static.total if self.static.total_k is None
+                       else self.static.total_k)
+    kv_padded_total = property(lambda self: self.padded_total if not self.cross
+                               else self.static.kv_padded_total)
+    kv_local_len = property(lambda self: self.local_len if not self.cross
+                            else self.static.kv_local_len)
 
     def nbytes(self) -> int:
         """Bytes of the key's device arrays (all ranks together)."""
@@ -141,18 +172,100 @@ class MagiKey:
             extra = (f", imbalance={p.meta.imbalance():.4f}, "
                      f"max_remote_kv={int(p.remote_tokens.max(initial=0))}")
         cap = "" if self.capacity is None else ", capacity"
+        cross = (f", total_k={self.total_k}, kv_layout={self.kv_layout!r}" if self.cross
+                 else "")
         return (f"MagiKey(cp={self.cp}, total={self.total}, padded_total={self.padded_total}, "
                 f"chunk_size={self.chunk_size}, overlap_degree={self.overlap_degree}"
-                f"{extra}{cap})")
+                f"{cross}{extra}{cap})")
 
 
 def _check_mesh(mesh, cp_axis):
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
-    if cp_axis not in mesh.axis_names:
+    try:
+        names = _cp_names(cp_axis)
+    except TypeError:                   # neither a name nor a tuple of names (e.g. 0, None)
+        names = ()
+    if not names or len(set(names)) != len(names) or \
+            any(not isinstance(a, str) or a not in mesh.axis_names for a in names):
         raise ValueError(f"cp_axis={cp_axis!r} is not an axis of the mesh (axes: "
-                         f"{mesh.axis_names}); pass the name of the context-parallel axis")
-    return int(mesh.shape[cp_axis])
+                         f"{mesh.axis_names}); pass the name of the context-parallel axis, "
+                         "or a tuple of distinct axis names (e.g. ('node', 'local')) to "
+                         "spread context parallelism over their flattening")
+    return int(np.prod([mesh.shape[a] for a in names]))
+
+
+# ---- cp over several mesh axes (a tuple cp_axis: the flattened axes, the first major) -------
+
+def _cp_names(cp_axis) -> tuple:
+    """The mesh axes a cp axis spans: ``("cp",)`` for ``"cp"``, the tuple itself else."""
+    return (cp_axis,) if isinstance(cp_axis, str) else tuple(cp_axis)
+
+
+def _cp_ranks(mesh: Mesh, cp_axis) -> dict:
+    """Each device's cp rank: its index along the flattened cp axes (the first major)."""
+    idx = [mesh.axis_names.index(a) for a in _cp_names(cp_axis)]
+    sizes = [int(mesh.shape[a]) for a in _cp_names(cp_axis)]
+    return {d: int(np.ravel_multi_index([pos[i] for i in idx], sizes))
+            for pos, d in np.ndenumerate(mesh.devices)}
+
+
+def _normal_cp_axis(cp_axis):
+    """A hashable cp axis: a name, or a tuple of two names or more (a 1-tuple is its name)."""
+    if isinstance(cp_axis, (tuple, list)):
+        cp_axis = tuple(cp_axis)
+        return cp_axis[0] if len(cp_axis) == 1 else cp_axis
+    return cp_axis
+
+
+HIERARCHICAL = (True, False, "auto")
+
+
+def _relay_layout(mesh, cp_axis, hierarchical, comm_backend, capacity):
+    """The :class:`~magi_jax.planning.hierarchy.NodeLayout` of a key's two-hop casts and
+    whether they are forced (``(layout, forced)``), or ``None`` for flat casts."""
+    if not (isinstance(hierarchical, bool) or (isinstance(hierarchical, str)
+                                               and hierarchical == "auto")):
+        raise ValueError(f"hierarchical={hierarchical!r} must be True, False or 'auto' (two-hop "
+                         "casts on a mesh of nodes; 'auto': where they move fewer rows between "
+                         "nodes)")
+    names = _cp_names(cp_axis)
+    if hierarchical is True:
+        if len(names) != 2:
+            raise ValueError(f"hierarchical=True needs cp_axis=(node_axis, local_axis), two "
+                             f"mesh axes; got cp_axis={cp_axis!r}: build the mesh with a node "
+                             "axis and a local axis, e.g. jax.make_mesh((nodes, gpus_per_node)"
+                             ", ('node', 'local')), or pass hierarchical=False")
+        if comm_backend in ("all_to_all", "native"):
+            raise ValueError(f"hierarchical=True runs on lax.ppermute (comm_backend='xla', "
+                             f"'ppermute' or 'auto'); got comm_backend={comm_backend!r}: "
+                             "pass one of those or hierarchical=False")
+    if hierarchical is False or len(names) != 2 or comm_backend in ("all_to_all", "native"):
+        return None
+    from magi_jax.planning.hierarchy import NodeLayout
+    layout = NodeLayout(int(mesh.shape[names[0]]), int(mesh.shape[names[1]]))
+    if hierarchical == "auto" and (layout.nodes == 1 or layout.local == 1
+                                   or capacity is not None):
+        # At a capacity every slot is padded to its width, so the two-hop cast moves as
+        # many rows between nodes as the flat one: only an explicit True turns it on.
+        return None
+    return layout, hierarchical is True
+
+
+def _relay_stage(cast, layout, forced, capacity, cp_axis):
+    """``(RelaySpec, RelayArrays of host tables)`` of a stage's cast, or ``None`` where the
+    flat cast stays (``"auto"`` and no fewer rows sent between nodes, padding included: the
+    ``ppermute`` of a slot sends its whole width)."""
+    from magi_jax.planning.hierarchy import build_relay_table, inter_node_wire_rows
+    from magi_jax.sharding.collectives import RelayArrays, RelaySpec
+    widths = ({} if capacity is None else
+              dict(inter_width=cast.slot_len, intra_width=cast.buffer_len))
+    rt = build_relay_table(cast, layout, **widths)
+    if not forced and rt.inter_node_wire_rows() >= inter_node_wire_rows(cast, layout):
+        return None
+    spec = RelaySpec(tuple(cp_axis), layout.nodes, layout.local, rt.inter_shifts,
+                     rt.inter_widths, rt.intra_shifts, rt.intra_widths)
+    return spec, RelayArrays(rt.inter_send, rt.intra_send, rt.recv_index)
 
 
 def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
@@ -162,14 +275,19 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
                   block_k: int | None = None, ffa_backend: str = "auto",
                   backward_refetch: bool = True,
                   capacity: PlanCapacity | None = None,
-                  check_dispatch: bool | None = None) -> MagiKey:
+                  check_dispatch: bool | None = None, kv_layout: str = "auto",
+                  hierarchical: bool | str = "auto") -> MagiKey:
     """Plans context-parallel attention of ``mask`` over ``mesh``'s ``cp_axis``.
 
     Args:
-      mask: a self-attention :class:`AttnMask` (``total_q == total_k``) over the packed
-        sequence in natural order. Lengths need not divide anything: the sequence is padded.
+      mask: an :class:`AttnMask` over the packed sequence in natural order: self-attention
+        (``total_q == total_k``) or cross attention (``total_q`` queries of one sequence,
+        ``total_k`` keys of another, e.g. video tokens attending to text tokens). Lengths
+        need not divide anything: the sequences are padded.
       mesh, cp_axis: the mesh and the name of its context-parallel axis (other axes, if any,
-        see the same sequence shard: replicated).
+        see the same sequence shard: replicated), or a tuple of axis names, e.g.
+        ``("node", "local")``: context parallelism over their flattening (rank
+        ``node · local_size + local``; shard arrays with ``P(("node", "local"))``).
       chunk_size: dispatch granularity in tokens (default: chosen by the solver, ≥ 8 chunks
         per rank).
       overlap_degree: number of remote stages (0: fetch all remote KV, then one FFA call);
@@ -206,7 +324,29 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
         ``key.local_len`` count it), so an array that skipped :func:`dispatch` — even one
         sharded over the cp axis, even under ``jit`` on an Auto mesh — never has the
         dispatched length and is rejected ("dispatch first"). Costs a slice and a pad of
-        q/k/v/out per call; for debugging, not for training runs.
+        q/k/v/out per call; for debugging, not for training runs. Self-attention keys only.
+      kv_layout: where the keys of a cross-attention mask live (``key.kv_layout`` says what
+        was chosen). ``"auto"`` (default): ``"shared"`` for ``total_q == total_k`` (the
+        self-attention plan: keys dispatched with the queries), otherwise
+        ``"replicated"`` when ``total_k <= ceil(total_q / cp)`` and ``"dispatched"`` beyond
+        (:func:`~magi_jax.planning.solver.auto_kv_layout`; the rule reads lengths only).
+        ``"replicated"``: every rank holds all ``total_k`` keys; the forward moves no KV and
+        the backward sums dK/dV over the ranks. ``"dispatched"``: the keys are padded, cut
+        into chunks of their own and spread evenly over the ranks (the chunks most seen by a
+        rank's queries go to that rank, :func:`~magi_jax.planning.solver.solve_kv_dispatch`),
+        and remote keys are fetched as in self-attention. Either way lay keys and values out
+        with ``dispatch(k, key, role="kv")``. Cross keys run on the XLA transports
+        (``comm_backend="auto"`` picks ``"xla"`` for them; ``"native"`` is refused).
+
+      hierarchical: two-hop casts on a mesh of nodes, for ``cp_axis=(node_axis,
+        local_axis)``: a KV row that several ranks of one node need crosses between nodes
+        once, to one of them, which forwards it inside the node; the backward sums inside
+        the node first, then sends once (:mod:`magi_jax.planning.hierarchy`). ``"auto"``
+        (default): for every stage whose two-hop cast sends fewer rows between nodes (padding
+        of the ``ppermute`` slots included), on a
+        key of one mask (at a capacity every slot is padded to its width, so it moves no
+        fewer; ``True`` turns it on there). ``True``: every stage; needs two cp axes and
+        the ``lax.ppermute`` transport. ``False``: flat casts.
 
     Returns a :class:`MagiKey`; cached by (mask fingerprint, mesh, options, capacity), in a
     cache bounded by the bytes of its keys' arrays (:func:`clear_key_cache`).
@@ -214,10 +354,19 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
     if not isinstance(mask, AttnMask):
         raise TypeError(f"mask must be an AttnMask (e.g. AttnMask.varlen(...)); got "
                         f"{type(mask).__name__}")
+    cp_axis = _normal_cp_axis(cp_axis)
     cp = _check_mesh(mesh, cp_axis)
     if mask.total_q == 0 and mask.total_k == 0:
         raise ValueError("the mask has no tokens (total_q = total_k = 0): context-parallel "
                          "attention needs a packed sequence of at least one token")
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout={kv_layout!r} is not one of {KV_LAYOUTS} (\"auto\": "
+                         "shared for self-attention, by the size rule for cross attention)")
+    cross = kv_layout != "auto" or mask.total_q != mask.total_k
+    if cross and (mask.total_q == 0 or mask.total_k == 0):
+        raise ValueError(f"the cross-attention mask has total_q={mask.total_q}, total_k="
+                         f"{mask.total_k}: context parallelism needs at least one query and "
+                         "one key")
     chunk_size = _check_int("chunk_size", chunk_size, 1, "a positive number of tokens")
     block_q = _check_int("block_q", block_q, 1, "a positive tile size")
     block_k = _check_int("block_k", block_k, 1, "a positive tile size")
@@ -227,12 +376,26 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
         "host stage plus k remote stages, each costing a kernel, a merge and a collective)",
         hi=MAX_OVERLAP_DEGREE)
     check = _check_dispatch_flag(check_dispatch)
+    if check and cross:
+        raise ValueError("check_dispatch=True is for self-attention keys; this key is cross "
+                         f"attention (total_q={mask.total_q}, total_k={mask.total_k}, "
+                         f"kv_layout={kv_layout!r}): build it with check_dispatch=False (and "
+                         f"unset {CHECK_DISPATCH_ENV})")
     if comm_backend not in COMM_BACKENDS:
         raise ValueError(f"comm_backend={comm_backend!r} is not one of {COMM_BACKENDS}")
+    if comm_backend == "native" and cross:
+        raise ValueError("comm_backend='native' does not take cross-attention keys (total_q="
+                         f"{mask.total_q}, total_k={mask.total_k}); use comm_backend='xla' "
+                         "(or 'auto', which picks it for them)")
+    if comm_backend == "native" and not isinstance(cp_axis, str):
+        raise ValueError(f"comm_backend='native' takes one cp axis; got cp_axis={cp_axis!r}: "
+                         "use comm_backend='xla' (or 'auto', which picks it here)")
     if comm_backend == "native":
         native.check_mesh(mesh, cp_axis)
-    elif comm_backend == "auto" and native.auto_reason(mesh, cp_axis) is None:
+    elif comm_backend == "auto" and not cross and isinstance(cp_axis, str) and \
+            native.auto_reason(mesh, cp_axis) is None:
         comm_backend = "native"
+    relay = _relay_layout(mesh, cp_axis, hierarchical, comm_backend, capacity)
     if ffa_backend not in ("auto",) + FFA_BACKENDS:
         raise ValueError(f"ffa_backend={ffa_backend!r} is not one of "
                          f"{('auto',) + FFA_BACKENDS}")
@@ -259,7 +422,8 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
                          "function); pass the key make_flex_key returned")
     args = (mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, dispatch_algorithm,
             None if dispatch_from is None else _MetaRef(dispatch_from.plan.meta),
-            block_q, block_k, ffa_backend, cp, bool(backward_refetch), capacity)
+            block_q, block_k, ffa_backend, cp, bool(backward_refetch), capacity, kv_layout,
+            relay)
     key = _KEYS.get(args, lambda: _make_key(*args))
     return CheckedKey.of(key) if check else key
 
@@ -306,8 +470,8 @@ def _capacity_options(capacity, mask, cp, chunk_size, overlap_degree):
         raise TypeError(f"capacity must be a PlanCapacity; got {type(capacity).__name__}")
     if (capacity.total_q, capacity.total_k) != (mask.total_q, mask.total_k):
         raise ValueError(f"capacity is for total_q={capacity.total_q}, total_k="
-                         f"{capacity.total_k} but the mask is over {mask.total_q} tokens; "
-                         "build the capacity for the packed length")
+                         f"{capacity.total_k} but the mask has total_q={mask.total_q}, "
+                         f"total_k={mask.total_k}; build the capacity for the packed lengths")
     for name, given, fixed in (("chunk_size", chunk_size, capacity.chunk_size),
                                ("overlap_degree", overlap_degree, capacity.overlap_degree)):
         if given is not None and fixed is not None and int(given) != fixed:
@@ -389,16 +553,21 @@ class _MetaRef:
 
 def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, algorithm,
               meta_ref, block_q, block_k, ffa_backend, cp, backward_refetch,
-              capacity) -> MagiKey:
+              capacity, kv_layout="auto", relay=None) -> MagiKey:
     if meta_ref is not None:
         meta = meta_ref.meta
     else:
         meta = solve_dispatch(mask, cp, chunk_size, algorithm)
-    auto_q, auto_k = default_block_sizes(meta.local_len, meta.local_len)
+    # Cross attention: where the keys live (None: self-attention, the queries' dispatch).
+    kv = resolve_kv(mask, meta, kv_layout)
+    kv_meta = kv if kv is not None and not isinstance(kv, str) else None
+    kv_local = (meta.local_len if kv is None else mask.total_k if kv_meta is None
+                else kv_meta.local_len)
+    auto_q, auto_k = default_block_sizes(meta.local_len, kv_local)
     bq, bk = int(block_q or auto_q), int(block_k or auto_k)
-    degree = (default_overlap_degree(mask, meta) if overlap_degree is None
+    degree = (default_overlap_degree(mask, meta, kv) if overlap_degree is None
               else int(overlap_degree))
-    plan: DistPlan = build_dist_plan(mask, meta, degree, bq, bk, ffa_backend, capacity)
+    plan: DistPlan = build_dist_plan(mask, meta, degree, bq, bk, ffa_backend, capacity, kv=kv)
     shard = NamedSharding(mesh, P(cp_axis))
     put = lambda a: _put(a, shard)
     statics, arrays = [], []
@@ -407,6 +576,12 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
         if st.cast is None:
             statics.append(StageStatic(st.kv_len, False, None))
             arrays.append((ffa, None))
+            continue
+        # Two-hop casts on a mesh of nodes (hierarchical=...; see _relay_stage).
+        two_hop = None if relay is None else _relay_stage(st.cast, *relay, capacity, cp_axis)
+        if two_hop is not None:
+            statics.append(StageStatic(st.kv_len, st.kv_len != st.cast.buffer_len, two_hop[0]))
+            arrays.append((ffa, type(two_hop[1])(*(put(a) for a in two_hop[1]))))
             continue
         transport = (choose_transport(st.cast) if comm_backend in ("auto", "xla")
                      else comm_backend)
@@ -431,8 +606,18 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
                        block_q=bq, block_k=bk, stages=tuple(statics), ffa_backend=ffa_backend,
                        comm_backend=comm_backend, backward_refetch=backward_refetch,
                        capacity=capacity, fingerprint=fingerprint)
+    kv_leaves = ()
+    if kv is not None:
+        kv_rows = mask.total_k if kv_meta is None else kv_meta.padded_total
+        static = dataclasses.replace(static, kv_layout=plan.kv_layout, total_k=mask.total_k,
+                                     kv_padded_total=kv_rows, kv_local_len=kv_local)
+        if kv_meta is not None:
+            kv_order = kv_meta.positions.reshape(-1)
+            kv_inverse = np.empty(kv_meta.padded_total, np.int64)
+            kv_inverse[kv_order] = np.arange(kv_meta.padded_total)
+            kv_leaves = (_put(kv_order, replicated), _put(kv_inverse[:mask.total_k], replicated))
     return MagiKey(static, _put(order, replicated), _put(inverse[:meta.total], replicated),
-                   tuple(arrays), plan=plan, mask=mask)
+                   tuple(arrays), *kv_leaves, plan=plan, mask=mask)
 
 
 def _put(a: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -480,9 +665,13 @@ class CheckedKey(MagiKey):
 
     @classmethod
     def of(cls, key: MagiKey) -> "CheckedKey":
-        """The checked view of ``key`` (shares its arrays and host plan)."""
+        """The checked view of ``key`` (shares its arrays and host plan; self-attention keys
+        only)."""
         if isinstance(key, CheckedKey):
             return key
+        if key.cross:
+            raise ValueError(f"CheckedKey.of: the key is cross attention (kv_layout="
+                             f"{key.kv_layout!r}); check_dispatch is for self-attention keys")
         return cls(key.static, key.order, key.inverse, key.stage_arrays, plan=key.plan,
                    mask=key.mask)
 
@@ -546,13 +735,61 @@ def _length_error(fn, x, axis, seq_axis, want, what, other=None):
     return ValueError(msg)
 
 
-def dispatch(x, key: MagiKey, seq_axis: int = 0):
+def _check_role(role, fn):
+    if role not in ROLES:
+        raise ValueError(f"{fn}: role={role!r} is not one of {ROLES} (\"q\": queries and "
+                         "outputs; \"kv\": keys and values)")
+
+
+def _kv_role(key, role) -> bool:
+    """Whether ``role`` takes the keys' own layout (cross-attention keys, role ``"kv"``)."""
+    return role == "kv" and key.cross
+
+
+def _kv_length_error(fn, x, axis, seq_axis, key, want, what):
+    """A ValueError for keys/values of a cross key whose ``seq_axis`` has the wrong length."""
+    err = _length_error(fn, x, axis, seq_axis, want, what)
+    if x.shape[axis] == key.total and key.total != want:
+        return ValueError(f"{err}. That is the queries' length: lay out queries with "
+                          "role='q' (the default)")
+    return err
+
+
+def _dispatch_kv(x, key, axis, seq_axis):
+    """Keys/values of a cross key, natural order -> its key layout."""
+    if x.shape[axis] != key.total_k:
+        raise _kv_length_error("dispatch", x, axis, seq_axis, key, key.total_k,
+                               f"the key's keys are {key.total_k} tokens in natural order")
+    if key.kv_layout == "replicated":
+        return _shard_rows(x, key, axis, replicated=True)
+    pad = key.kv_padded_total - key.total_k
+    if pad:
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, pad)
+        x = jnp.pad(x, widths)
+    return _shard_rows(jnp.take(x, key.kv_order, axis=axis), key, axis)
+
+
+def dispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
     """Natural order -> dispatched order along ``seq_axis`` (``total`` -> ``padded_total``
     rows), sharded over the cp axis: rank ``r`` holds rows ``[r·local_len, (r+1)·local_len)``;
-    padding rows are zero. Differentiable (the VJP gathers the cotangent back)."""
+    padding rows are zero. Differentiable (the VJP gathers the cotangent back).
+
+    ``role="kv"`` lays out keys and values (``total_k`` rows): for self-attention keys the
+    same as queries; for cross-attention keys the layout ``key.kv_layout`` names:
+    ``"replicated"`` returns ``x`` replicated on every rank (``total_k`` rows, no padding),
+    ``"dispatched"`` permutes it to ``key.kv_padded_total`` rows, rank ``r`` holding rows
+    ``[r·kv_local_len, (r+1)·kv_local_len)``. Call it for k and v whatever the layout."""
     _check_key(key)
+    _check_role(role, "dispatch")
     x = _as_array(x, "dispatch")
     axis = _axis(x, seq_axis, "dispatch")
+    if _kv_role(key, role):
+        return _dispatch_kv(x, key, axis, seq_axis)
+    if x.shape[axis] != key.total and key.cross and x.shape[axis] == key.total_k:
+        raise ValueError(f"dispatch: x has {key.total_k} rows along seq_axis={seq_axis}: the "
+                         f"key's keys, but role='q' lays out its {key.total} queries; pass "
+                         "role='kv' for keys and values")
     if x.shape[axis] != key.total:
         raise _length_error(
             "dispatch", x, axis, seq_axis, key.total,
@@ -568,12 +805,25 @@ def dispatch(x, key: MagiKey, seq_axis: int = 0):
     return _shard_rows(jnp.take(x, index, axis=axis), key, axis)
 
 
-def undispatch(x, key: MagiKey, seq_axis: int = 0):
+def undispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
     """Dispatched -> natural order along ``seq_axis`` (``padded_total`` -> ``total`` rows,
-    padding dropped). Differentiable (padding rows get zero cotangent)."""
+    padding dropped). Differentiable (padding rows get zero cotangent). ``role="kv"``: the
+    inverse of ``dispatch(..., role="kv")`` (``key.kv_padded_total`` -> ``total_k`` rows; a
+    replicated layout comes back as it is)."""
     _check_key(key)
+    _check_role(role, "undispatch")
     x = _as_array(x, "undispatch")
     axis = _axis(x, seq_axis, "undispatch")
+    if _kv_role(key, role):
+        if x.shape[axis] != key.kv_padded_total:
+            raise _kv_length_error("undispatch", x, axis, seq_axis, key, key.kv_padded_total,
+                                   f"the key lays out keys in {key.kv_padded_total} rows "
+                                   f"(kv_layout={key.kv_layout!r})")
+        if key.kv_layout == "replicated":
+            return x
+        if any(t == jax.sharding.AxisType.Explicit for t in key.mesh.axis_types):
+            x = jax.sharding.reshard(x, NamedSharding(key.mesh, P()))
+        return jnp.take(x, key.kv_inverse, axis=axis)
     if x.shape[axis] != key.padded_total:
         raise _length_error(
             "undispatch", x, axis, seq_axis, key.padded_total,
@@ -595,13 +845,20 @@ def _axis(x, seq_axis, fn):
     return seq_axis % x.ndim
 
 
-def position_ids(key: MagiKey):
+def position_ids(key: MagiKey, *, role: str = "q"):
     """int32 ``[padded_total]``: the global position of every dispatched token (for RoPE);
     padding tokens get positions ``>= total``. Sharded like dispatched arrays: on a mesh
     with Explicit axes it is typed ``P(cp_axis)`` like them (so RoPE's products stay
     sharded), and JAX then asks for an ``out_sharding`` to index it; look at it with
-    ``np.asarray(pos)`` or ``jax.sharding.reshard(pos, NamedSharding(key.mesh, P()))``."""
+    ``np.asarray(pos)`` or ``jax.sharding.reshard(pos, NamedSharding(key.mesh, P()))``.
+    ``role="kv"``: the positions of the keys in ``dispatch(..., role="kv")``'s layout
+    (``[kv_padded_total]``; ``arange(total_k)`` replicated for a replicated layout)."""
     _check_key(key)
+    _check_role(role, "position_ids")
+    if _kv_role(key, role):
+        if key.kv_layout == "replicated":
+            return _shard_rows(jnp.arange(key.total_k, dtype=jnp.int32), key, replicated=True)
+        return _shard_rows(key.kv_order, key)
     order = key.order
     if _checked(key):
         st = key.static
@@ -611,9 +868,11 @@ def position_ids(key: MagiKey):
     return _shard_rows(order, key)
 
 
-def _shard_rows(x, key: MagiKey, axis: int = 0):
-    """Constrains ``x`` to be sharded along ``axis`` over the cp axis (Auto or Explicit)."""
-    spec = P(*([None] * axis), key.cp_axis, *([None] * (x.ndim - axis - 1)))
+def _shard_rows(x, key: MagiKey, axis: int = 0, replicated: bool = False):
+    """Constrains ``x`` to be sharded along ``axis`` over the cp axis (Auto or Explicit), or
+    to be replicated."""
+    spec = P() if replicated else P(*([None] * axis), key.cp_axis,
+                                    *([None] * (x.ndim - axis - 1)))
     explicit = any(t == jax.sharding.AxisType.Explicit for t in key.mesh.axis_types)
     if explicit:
         return jax.sharding.reshard(x, NamedSharding(key.mesh, spec))

@@ -285,18 +285,29 @@ def test_without_segment_ids_and_cross_lengths():
         seg.dot_product_attention(q, k, v, segment_ids=np.ones((2, 12), np.int32))
 
 
-def test_over_capacity_and_split_ids_raise():
+def test_over_capacity_and_split_ids_raise_or_give_nan():
     b, t = 1, 64
     q, k, v = _inputs(jax.random.key(6), b, t, 1, 1, 8)
     ids = np.arange(1, t + 1, dtype=np.int32)[None]   # 64 one-token documents: 64 items
-    step = jax.jit(lambda q, k, v, ids: seg.dot_product_attention(
-        q, k, v, segment_ids=ids, capacity=8, backend="xla"))
-    with pytest.raises(Exception, match=r"PlanCapacity.items=64"):
-        jax.block_until_ready(step(q, k, v, ids))
     split = np.ones((1, t), np.int32)
     split[0, 10:20] = 2
+    good = np.repeat(np.array([[1, 2]], np.int32), t // 2, axis=1)
+    step = jax.jit(lambda q, k, v, ids: seg.dot_product_attention(
+        q, k, v, segment_ids=ids, capacity=8, backend="xla", check_segment_ids=True))
+    with pytest.raises(Exception, match=r"PlanCapacity.items=64"):
+        jax.block_until_ready(step(q, k, v, ids))
     with pytest.raises(Exception, match="segment id 1 appears in two separate runs"):
         jax.block_until_ready(step(q, k, v, split))
+    # Without the (host round trip) check: never a wrong finite answer, all NaN instead.
+    fast = jax.jit(lambda q, k, v, ids: seg.dot_product_attention(
+        q, k, v, segment_ids=ids, capacity=8, backend="xla"))
+    assert np.isnan(np.asarray(fast(q, k, v, ids))).all()
+    assert np.isnan(np.asarray(fast(q, k, v, split))).all()
+    out = np.asarray(fast(q, k, v, good))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, np.asarray(step(q, k, v, good)), rtol=0, atol=0)
+    assert "callback" not in jax.jit(fast).lower(q, k, v, good).as_text()
+    assert "callback" in jax.jit(step).lower(q, k, v, good).as_text()
 
 
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs an sm90 GPU")

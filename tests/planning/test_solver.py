@@ -148,8 +148,7 @@ def test_needed_and_remote_kv_match_dense(mask, cp, algorithm):
 
 
 def test_errors_name_the_argument():
-    with pytest.raises(ValueError, match="total_q=4 != total_k=6"):
-        S.solve_dispatch(AttnMask.full(4, 6), 2)
+    assert S.solve_dispatch(AttnMask.full(4, 6), 2).total == 4     # cross: queries dispatched
     with pytest.raises(ValueError, match="cp=0"):
         S.solve_dispatch(AttnMask.causal(8), 0)
     with pytest.raises(ValueError, match="chunk_size=0"):

@@ -146,8 +146,8 @@ def test_errors_name_argument_value_and_fix():
     key = make_flex_key(ZOO["causal"], mesh, "cp")
     with pytest.raises(ValueError, match="cp_axis='sp'.*axes"):
         make_flex_key(ZOO["causal"], mesh, "sp")
-    with pytest.raises(ValueError, match="total_q=4 != total_k=6"):
-        make_flex_key(AttnMask.full(4, 6), mesh, "cp")
+    with pytest.raises(ValueError, match="kv_layout='ring'"):
+        make_flex_key(AttnMask.full(4, 6), mesh, "cp", kv_layout="ring")
     with pytest.raises(ValueError, match="comm_backend='ragged'"):
         make_flex_key(ZOO["causal"], mesh, "cp", comm_backend="ragged")
     q = jnp.zeros((key.padded_total - 1, 2, 8))
