@@ -17,7 +17,7 @@ sample of document-causal packings, ``mesh_size=cp``) — it times every step of
     work_lists      per rank and stage: the FFA work lists         } (stages.phase_times)
     cast_tables     per stage: the group-cast tables               }
     stack_pad       stacking over ranks, padding to the capacity   }
-    key_rest        transports, dispatch order / inverse (key.py's host part)
+    key_rest        transports, the chunk permutation (key.py's host part)
     total           wall clock of all of it (``other`` = total - the phases)
 
 Every timed key is planned cold (``magi_jax.clear_caches()`` first: a new mask per step);
@@ -25,8 +25,8 @@ medians over ``--reps``. Masks: ``doc-causal`` (``magi_jax.mask_zoo``, the bench
 documents) and, at a capacity, the sample's packings (``--packings``: random document
 lengths, the spread of ``benchmarks/dynamic_device.py``). Plan bytes per rank are the
 key's ``[cp, ...]`` stage arrays (work lists, cast tables) over ``cp``, next to the rank's
-KV bytes ``local_len·Hkv·D·bytes·2`` (K and V); the replicated dispatch permutation (order,
-inverse) is listed apart.
+KV bytes ``local_len·Hkv·D·bytes·2`` (K and V); the replicated dispatch permutation (the
+key's ``chunk_order`` / ``chunk_inverse``, int32 ``[num_chunks]`` each) is listed apart.
 
     python benchmarks/dynamic_bench.py                          # 128k x cp 8, 1M x cp 64
     python benchmarks/dynamic_bench.py --cases 32k:8 --reps 3 --label quick
@@ -110,7 +110,7 @@ def packings(total: int, count: int, seed: int, num_docs: int = 10) -> list[Attn
 def host_key(mask: AttnMask, cp: int, capacity: PlanCapacity | None, ffa_backend: str):
     """What ``make_flex_key(mask, mesh, capacity=capacity, ffa_backend=ffa_backend)`` does
     on the host (magi_jax/sharding/key.py ``_make_key``), the device put left out. Returns
-    ``(plan, order, inverse, seconds per phase)``."""
+    ``(plan, chunk_order, chunk_inverse, seconds per phase)``."""
     times = dict.fromkeys(PHASES, 0.0)
     t_start = time.perf_counter()
     chunk = degree = None
@@ -133,10 +133,10 @@ def host_key(mask: AttnMask, cp: int, capacity: PlanCapacity | None, ffa_backend
     for st in plan.stages:
         if st.cast is not None:
             choose_transport(st.cast)
-    order = meta.positions.reshape(-1)
-    inverse = np.empty(meta.padded_total, np.int64)
-    inverse[order] = np.arange(meta.padded_total)
-    order, inverse = (np.ascontiguousarray(a, np.int32) for a in (order, inverse[:meta.total]))
+    order = meta.rank_chunks.reshape(-1)            # key._chunk_permutation
+    inverse = np.empty(meta.num_chunks, np.int64)
+    inverse[order] = np.arange(meta.num_chunks)
+    order, inverse = (np.ascontiguousarray(a, np.int32) for a in (order, inverse))
     times["key_rest"] = time.perf_counter() - t0
     times["total"] = time.perf_counter() - t_start
     return plan, order, inverse, times
@@ -171,18 +171,22 @@ def plan_bytes(plan, order, inverse, kv_heads: int, head_dim: int, dtype_bytes: 
     cp = plan.cp
     items = lists = send = recv = 0
     for st in plan.stages:
-        items += st.ffa.q_items.nbytes + st.ffa.k_items.nbytes
-        lists += sum(a.nbytes for a in st.ffa) - st.ffa.q_items.nbytes - st.ffa.k_items.nbytes
+        # The work lists' items (or their runs, FFAPlanRuns) and their tile arrays.
+        listed = sum(a.nbytes for f, a in zip(st.ffa._fields, st.ffa)
+                     if f.endswith(("_items", "_runs")))
+        items += listed
+        lists += sum(a.nbytes for a in st.ffa) - listed
         if st.cast is not None:
-            send += st.cast.send_index.nbytes
-            recv += st.cast.recv_index.nbytes
+            # The cast tables as the key ships them: runs (CastTable.send_runs/recv_runs).
+            send += st.cast.send_runs.nbytes
+            recv += st.cast.recv_runs.nbytes
     per_rank = dict(items=items // cp, tile_lists=lists // cp, cast_send=send // cp,
                     cast_recv=recv // cp)
     stage_total = sum(per_rank.values())
     kv = plan.meta.local_len * kv_heads * head_dim * dtype_bytes * 2
-    return dict(per_rank, plan=stage_total, order_inverse=order.nbytes + inverse.nbytes,
+    return dict(per_rank, plan=stage_total, dispatch=order.nbytes + inverse.nbytes,
                 kv=kv, ratio=stage_total / kv,
-                ratio_with_order=(stage_total + order.nbytes + inverse.nbytes) / kv)
+                ratio_with_dispatch=(stage_total + order.nbytes + inverse.nbytes) / kv)
 
 
 def cold():
@@ -211,8 +215,10 @@ def time_keys(mask, cp, capacity, args, via=None) -> tuple[dict, dict, dict]:
                               args.dtype_bytes)
             info.update(overlap_degree=plan.overlap_degree, chunk_size=plan.meta.chunk_size,
                         local_len=plan.meta.local_len,
-                        items_q=[int(st.ffa.q_items.shape[1]) for st in plan.stages],
-                        items_k=[int(st.ffa.k_items.shape[1]) for st in plan.stages])
+                        items_q=[int(st.items[0]) for st in plan.stages],
+                        items_k=[int(st.items[1]) for st in plan.stages],
+                        runs_q=[int(st.ffa[2].shape[1]) for st in plan.stages],
+                        runs_k=[int(st.ffa[5].shape[1]) for st in plan.stages])
         del plan, order, inverse
         if via is not None:
             cold()
@@ -256,7 +262,8 @@ def host_rows(args) -> list[dict]:
                            bytes_ok=info["ratio"] <= BYTES_BUDGET)
                 if capacity is not None:
                     row["capacity"] = {k: getattr(capacity, k) for k in (
-                        "items", "remote_kv", "cast_width", "overlap_degree", "chunk_size")}
+                        "items", "q_runs", "k_runs", "remote_kv", "cast_width",
+                        "overlap_degree", "chunk_size")}
                     row["from_masks_s"] = from_masks_s
                 rows.append(row)
                 print(_line(row), flush=True)
@@ -283,6 +290,7 @@ def _line(r) -> str:
 
 
 MB = lambda x: f"{x / 2 ** 20:.2f}"           # noqa: E731
+KB = lambda x: f"{x / 2 ** 10:.1f}"           # noqa: E731
 MS = lambda x: f"{x * 1e3:.1f}"               # noqa: E731
 OK = lambda x: "" if x is None else ("yes" if x else "**no**")   # noqa: E731
 HOST_COLUMNS = ([("case", "case", str), ("key", "key", str), ("mask", "mask", str),
@@ -291,7 +299,7 @@ HOST_COLUMNS = ([("case", "case", str), ("key", "key", str), ("mask", "mask", st
                                                           ("via_key", "make_flex_key ms", MS)]
                 + [("bytes.plan", "plan MiB/rank", MB), ("bytes.kv", "KV MiB/rank", MB),
                    ("bytes.ratio", "plan/KV %", lambda x: f"{100 * x:.1f}"),
-                   ("bytes.order_inverse", "order+inverse MiB (replicated)", MB),
+                   ("bytes.dispatch", "chunk order+inverse KiB (replicated)", KB),
                    ("time_ok", "time budget", OK), ("bytes_ok", "5 % budget", OK)])
 
 # name -> (rows(args) -> list[dict], columns); the lead's GPU section registers itself here.

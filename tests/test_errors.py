@@ -220,6 +220,16 @@ def test_chunk_size(value):
         mj.make_flex_key(MASK, _mesh("auto"), "cp", chunk_size=value)
 
 
+def test_head_dim_and_backward_refetch():
+    key = mj.make_flex_key(MASK, _mesh("auto"), "cp")
+    for d in (12, 264):
+        x = mj.dispatch(jnp.zeros((T, 2, d)), key)
+        with pytest.raises(ValueError, match=f"head dim D={d} is not supported"):
+            mj.magi_attention(x, x, x, key)
+    with pytest.raises(ValueError, match="backward_refetch='no' must be True or False"):
+        mj.make_flex_key(MASK, _mesh("auto"), "cp", backward_refetch="no")
+
+
 def test_softcap_and_scale():
     q = jnp.zeros((T, 2, 8))
     with pytest.raises(ValueError, match="softcap=nan must be a number >= 0"):

@@ -223,9 +223,10 @@ def _attend_plan(q, k, v, plan: AttnPlan, scale, softcap, backend, block_q, bloc
             raise ValueError(f"the plan's persistent schedules are for (B·Hq, B·Hkv) = "
                              f"{st.groups} but the inputs have {groups}; pass num_heads="
                              "(Hq, Hkv) and batch=B of these inputs to plan_attention")
-        return pallas.ffa_pallas(q, k, v, plan.lists, softmax_scale=scale, softcap=softcap,
-                                 schedules=plan.schedules, return_max_logits=return_max_logits)
-    return xla_ffa(q, k, v, plan.lists, softmax_scale=scale, softcap=softcap,
+        return pallas.ffa_pallas(q, k, v, plan.item_lists(), softmax_scale=scale,
+                                 softcap=softcap, schedules=plan.schedules,
+                                 return_max_logits=return_max_logits)
+    return xla_ffa(q, k, v, plan.item_lists(), softmax_scale=scale, softcap=softcap,
                    block_q=st.fwd_block[0], block_k=st.fwd_block[1], lane_len=st.lane_len,
                    return_max_logits=return_max_logits)
 

@@ -2,8 +2,11 @@
 
 An :class:`AttnPlan` is a JAX pytree. Its leaves are int32 work lists (and, for the Mosaic GPU
 kernels, their persistent schedules) of shapes fixed by a :class:`PlanCapacity`; its static
-part is the capacity, the backend and the tile sizes. A jitted function that takes the plan
-as an argument compiles once for all masks within the capacity::
+part is the capacity, the backend and the tile sizes. The lists travel as runs of items
+(:class:`~magi_jax.planning.work_list.FFAPlanRuns`, a fraction of the items' bytes) and are
+expanded on the device, inside the traced step, right before the kernels read them
+(:func:`expand_lists`). A jitted function that takes the plan as an argument compiles once
+for all masks within the capacity::
 
     cap = mj.PlanCapacity(total_q=32768)
     step = jax.jit(lambda q, k, v, plan: mj.flex_flash_attention(q, k, v, plan))
@@ -17,14 +20,16 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from magi_jax.mask import AttnMask
 from magi_jax.planning.capacity import PlanCapacity
-from magi_jax.planning.work_list import (FFAPlanArrays, backend_blocks, build_work_list,
-                                         pad_work_list, persistent_schedule)
+from magi_jax.planning.work_list import (EMPTY_ITEM, NUM_FIELDS, RUN_FIELDS, FFAPlanArrays,
+                                         FFAPlanRuns, backend_blocks, check_items, check_runs,
+                                         plan_runs, persistent_schedule, work_list_runs)
 
-__all__ = ["AttnPlan", "PlanStatic", "plan_attention", "PLAN_BACKENDS"]
+__all__ = ["AttnPlan", "PlanStatic", "plan_attention", "PLAN_BACKENDS", "expand_lists"]
 
 PLAN_BACKENDS = ("auto", "xla", "pallas")
 # Items per lane of the xla backend (its device-side cut of each tile's run).
@@ -38,7 +43,9 @@ class PlanStatic:
     ``fwd_block`` / ``bwd_block``: ``(block_q, block_k)`` of the q-tile and k-tile lists;
     ``groups``: ``(B·Hq, B·Hkv)`` the persistent schedules were built for (``None``: the
     plan has none, the kernels run one program per tile); ``programs``: persistent programs
-    of the forward and dK/dV kernels."""
+    of the forward and dK/dV kernels; ``items``: ``(q, k)`` widths of the item arrays that
+    runs lists (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) expand to (``None`` for
+    lists of items)."""
 
     capacity: PlanCapacity
     backend: str
@@ -47,6 +54,7 @@ class PlanStatic:
     lane_len: int = _XLA_LANE_LEN
     groups: tuple[int, int] | None = None
     programs: int = 0
+    items: tuple[int, int] | None = None
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["lists", "schedules"],
@@ -55,14 +63,21 @@ class PlanStatic:
 class AttnPlan:
     """Work lists of one mask at a capacity (see the module docstring).
 
-    ``lists``: :class:`~magi_jax.planning.work_list.FFAPlanArrays` (q-tile list for the
-    forward and dQ, k-tile list for dK/dV; items past a list's last offset are padding and
-    never visited); ``schedules``: ``()`` or the persistent schedules ``(fwd_offsets,
-    fwd_units, dkv_offsets, dkv_units)``; ``static``: :class:`PlanStatic`."""
+    ``lists``: :class:`~magi_jax.planning.work_list.FFAPlanRuns` (:func:`plan_attention`)
+    or :class:`~magi_jax.planning.work_list.FFAPlanArrays` (plans built on the device), the
+    q-tile list for the forward and dQ and the k-tile list for dK/dV; items past a list's
+    last offset are padding and never visited; ``schedules``: ``()`` or the persistent
+    schedules ``(fwd_offsets, fwd_units, dkv_offsets, dkv_units)``; ``static``:
+    :class:`PlanStatic`."""
 
-    lists: FFAPlanArrays
+    lists: FFAPlanRuns | FFAPlanArrays
     schedules: tuple
     static: PlanStatic
+
+    def item_lists(self) -> FFAPlanArrays:
+        """The work lists as items, what the kernels read (:func:`expand_lists`; traced
+        inside a jitted step)."""
+        return expand_lists(self.lists, self.static.items)
 
     @property
     def capacity(self) -> PlanCapacity:
@@ -119,10 +134,19 @@ def plan_attention(mask: AttnMask, capacity: PlanCapacity | None = None, *,
     fwd_block, bwd_block = backend_blocks(name, tq, tk)
     # The k-tile list steps over tiles of bwd_block rows; every item on fwd_block tiles holds
     # at most fwd_block[0] / bwd_block[0] of them.
-    bwd_cap = capacity.items * max(1, fwd_block[0] // bwd_block[0])
-    fwd = build_work_list(mask.shapes, tq, tk, *fwd_block, "q")
-    bwd = build_work_list(mask.shapes, tq, tk, *bwd_block, "k")
-    lists = FFAPlanArrays(*pad_work_list(fwd, capacity.items), *pad_work_list(bwd, bwd_cap))
+    items = (capacity.items, capacity.items * max(1, fwd_block[0] // bwd_block[0]))
+    one = np.zeros(len(mask.shapes.q0), np.int64)
+    runs_q = work_list_runs(mask.shapes, one, 1, tq, tk, *fwd_block, "q")
+    runs_k = work_list_runs(mask.shapes, one, 1, tq, tk, *bwd_block, "k")
+    check_items(runs_q.per_rank, items[0])
+    check_items(runs_k.per_rank, items[1])
+    num_runs = tuple(n if bound is None else min(bound, n)
+                     for bound, n in zip((capacity.q_runs, capacity.k_runs), items))
+    check_runs(runs_q, num_runs[0], "q_runs")
+    check_runs(runs_k, num_runs[1], "k_runs")
+    stacked = plan_runs(runs_q, runs_k, num_runs)
+    lists = FFAPlanRuns(*(a[0] for a in stacked))
+    fwd, bwd = lists.fwd, lists.bwd             # order and offsets: what schedules read
     schedules, groups, programs = (), None, 0
     if name == "pallas" and num_heads is not None and capacity.persistent:
         hq, hkv = (int(h) for h in num_heads)
@@ -133,8 +157,51 @@ def plan_attention(mask: AttnMask, capacity: PlanCapacity | None = None, *,
             groups = (int(batch) * hq, int(batch) * hkv)
             schedules = (*persistent_schedule(fwd, groups[0], programs),
                          *persistent_schedule(bwd, groups[1], programs))
-    static = PlanStatic(capacity, name, fwd_block, bwd_block, _XLA_LANE_LEN, groups, programs)
+    static = PlanStatic(capacity, name, fwd_block, bwd_block, _XLA_LANE_LEN, groups, programs,
+                        items)
     return AttnPlan(lists, schedules, static)
+
+
+_LENGTH = RUN_FIELDS.index("length")
+_OTHER = RUN_FIELDS.index("other_tile")
+
+
+def expand_lists(lists, items: tuple[int, int] | None):
+    """The :class:`~magi_jax.planning.work_list.FFAPlanArrays` that ``lists`` stand for, on
+    the device: runs (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) expanded to item
+    arrays ``items = (q, k)`` wide, exactly those of
+    :func:`~magi_jax.planning.work_list.expand_runs`; lists of items are returned as they
+    are. jnp, traceable, O(items) work: a ragged enumeration of the runs (cumulative lengths
+    and an unrolled binary search, no device loop) and one gather. Leading axes (stacked
+    ranks) are mapped over."""
+    if not isinstance(lists, FFAPlanRuns):
+        return lists
+    if items is None:
+        raise ValueError("lists of runs need the widths of their item arrays: items=(q, k) "
+                         "from the owner's static part (PlanStatic.items, StageStatic.items)")
+    return FFAPlanArrays(lists.q_order, lists.q_offsets, _expand(lists.q_runs, int(items[0])),
+                         lists.k_order, lists.k_offsets, _expand(lists.k_runs, int(items[1])))
+
+
+def _expand(runs, num_items: int):
+    """Items ``[..., num_items, 8]`` int32 of runs ``[..., R, 9]``; slots past the real items
+    are the empty item."""
+    runs = jnp.asarray(runs, jnp.int32)
+    if runs.ndim > 2:
+        return jax.vmap(lambda r: _expand(r, num_items))(runs)
+    empty = jnp.asarray(EMPTY_ITEM)
+    if runs.shape[0] == 0 or num_items == 0:
+        return jnp.broadcast_to(empty, (num_items, NUM_FIELDS))
+    length = runs[:, _LENGTH]
+    ends = jnp.cumsum(length)
+    slot = jnp.arange(num_items, dtype=jnp.int32)
+    # Unrolled binary search: no device loop (on GPUs a while loop syncs with the host).
+    run = jnp.minimum(jnp.searchsorted(ends, slot, side="right", method="scan_unrolled"),
+                      runs.shape[0] - 1).astype(jnp.int32)
+    first = jnp.take(runs, run, axis=0, mode="clip")
+    step = slot - jnp.take(ends - length, run, mode="clip")
+    item = first[:, :NUM_FIELDS].at[:, _OTHER].add(step)
+    return jnp.where((slot < ends[-1])[:, None], item, empty)
 
 
 def _sm_count() -> int:

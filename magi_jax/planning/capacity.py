@@ -67,6 +67,12 @@ class PlanCapacity:
       cast_width: context parallelism: KV tokens one rank sends to one other rank in one
         stage (default: a whole stage's buffer). The ``xla`` transports move this many rows
         per pair and stage whatever the mask needs; tighten it with :meth:`from_masks`.
+      send_runs: context parallelism: runs of consecutive local rows one rank sends in one
+        stage, all its slots together (the cast tables are stored and shipped as runs and
+        expanded on the device). Default: every row a run of its own.
+      recv_runs: context parallelism: runs of one rank's receive table in one stage (buffer
+        rows filled by consecutive rows of one slot, padding between them counted).
+        Default: every buffer row a run of its own.
       overlap_degree: context parallelism: remote stages (default: the cost model's choice
         for a causal mask of this length).
       chunk_size: context parallelism: dispatch granularity in tokens (default: 16 chunks
@@ -74,6 +80,12 @@ class PlanCapacity:
       persistent: let the Mosaic GPU forward and dK/dV kernels run persistent programs over
         a host schedule that travels with the plan (faster on short rows: documents of a
         few thousand tokens; slightly slower on long ones).
+      q_runs, k_runs: runs of work items per q-tile list (forward, dQ) and per k-tile list
+        (dK/dV) of one call, on each backend's own tiles: the compact form lists are stored
+        and shipped in (consecutive items of one owned tile, slice and mask kind,
+        :class:`~magi_jax.planning.work_list.FFAPlanRuns`). Default ``None``: the list's
+        item bound (always fits, saves nothing); a mask of few slices needs far fewer
+        (:meth:`from_masks` measures them).
     """
 
     total_q: int
@@ -81,9 +93,13 @@ class PlanCapacity:
     items: int | None = None
     remote_kv: int | None = None
     cast_width: int | None = None
+    send_runs: int | None = None
+    recv_runs: int | None = None
     overlap_degree: int | None = None
     chunk_size: int | None = None
     persistent: bool = True
+    q_runs: int | None = None
+    k_runs: int | None = None
 
     def __post_init__(self):
         if self.total_k is None:
@@ -96,7 +112,8 @@ class PlanCapacity:
             object.__setattr__(self, name, int(value))
         if self.items is None:
             object.__setattr__(self, "items", default_items(self.total_q, self.total_k))
-        for name in ("items", "remote_kv", "cast_width", "chunk_size"):
+        for name in ("items", "q_runs", "k_runs", "remote_kv", "cast_width", "send_runs",
+                     "recv_runs", "chunk_size"):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -136,7 +153,10 @@ class PlanCapacity:
         fields = dict(total_q=total_q, total_k=total_k)
         if mesh_size is None:
             from magi_jax.planning.tiling import count_items
+            from magi_jax.planning.work_list import count_runs
             fields["items"] = grow(max(count_items(m.shapes, total_q, total_k) for m in masks))
+            runs = np.max([count_runs(m.shapes, total_q, total_k) for m in masks], axis=0)
+            fields.update(q_runs=grow(runs[0]), k_runs=grow(runs[1]))
             # Persistent programs pay on short rows (the kernels' rule: fewer than 32 items
             # per q-tile on average).
             mean = np.mean([count_items(m.shapes, total_q, total_k) for m in masks])
@@ -145,8 +165,11 @@ class PlanCapacity:
             from magi_jax.planning.defaults import capacity_needs
             need = capacity_needs(masks, int(mesh_size), fixed.get("chunk_size"),
                                   fixed.get("overlap_degree"))
-            fields.update(items=grow(need["items"]), remote_kv=grow(need["remote_kv"]),
+            fields.update(items=grow(need["items"]), q_runs=grow(need["q_runs"]),
+                          k_runs=grow(need["k_runs"]),
+                          remote_kv=grow(need["remote_kv"]),
                           cast_width=grow(need["cast_width"]),
+                          send_runs=grow(need["send_runs"]), recv_runs=grow(need["recv_runs"]),
                           overlap_degree=need["overlap_degree"],
                           chunk_size=need["chunk_size"])
         fields.update(fixed)

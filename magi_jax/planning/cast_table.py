@@ -8,45 +8,182 @@ The meaning of the tables (the contract every transport implements) is described
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
 from magi_jax.planning.solver import DispatchMeta, ranges_repeat
 
-# Mean piece length from which cast tables are written block by block and run by run
-# (slice writes) rather than token by token (fancy indexing): same tables, no token-sized
-# temporaries.
-_RUN_WRITE_MIN = 64
 
 __all__ = ["CastTable", "build_cast_table", "cast_table_from_pieces", "choose_transport",
-           "cast_moves", "cast_model", "reduce_model"]
+           "cast_moves", "cast_model", "reduce_model", "index_runs", "expand_runs"]
 
 
 @dataclasses.dataclass(frozen=True)
 class CastTable:
-    """Host tables of one cast, stacked over ranks (see :mod:`magi_jax.sharding.collectives`).
-    ``send_index`` int32 ``[cp, n_slots, S]``, ``recv_index`` int32 ``[cp, B]``."""
+    """Host tables of one cast, stacked over ranks (see :mod:`magi_jax.sharding.collectives`),
+    stored as runs: ``send_runs`` int32 ``[cp, Rs, 2]`` and ``recv_runs`` int32 ``[cp, Rr, 2]``,
+    rows ``(first value, length)`` (:func:`expand_runs`). They expand to ``send_index`` int32
+    ``[cp, n_slots, S]`` (``S = slot_len``) and ``recv_index`` int32 ``[cp, B]``
+    (``B = buffer_len``), the tables the transports read; the key ships the runs and the
+    device expands them right before a collective
+    (:func:`magi_jax.sharding.collectives.expand_runs`)."""
 
-    send_index: np.ndarray
-    recv_index: np.ndarray
+    send_runs: np.ndarray
+    recv_runs: np.ndarray
     shifts: tuple[int, ...]
     widths: tuple[int, ...]
+    slot_len: int
+    buffer_len: int
+
+    @classmethod
+    def from_index(cls, send_index, recv_index, shifts, widths) -> "CastTable":
+        """The table of dense ``send_index [cp, n_slots, S]`` and ``recv_index [cp, B]``."""
+        send, recv = np.asarray(send_index), np.asarray(recv_index)
+        cp, _, s = send.shape
+        return cls(index_runs(send.reshape(cp, -1), split=s), index_runs(recv, value_split=s),
+                   tuple(int(x) for x in shifts), tuple(int(w) for w in widths), int(s),
+                   int(recv.shape[1]))
 
     @property
     def cp(self) -> int:
-        return self.send_index.shape[0]
+        return self.send_runs.shape[0]
 
     @property
-    def buffer_len(self) -> int:
-        return self.recv_index.shape[1]
+    def n_slots(self) -> int:
+        return len(self.shifts)
+
+    @functools.cached_property
+    def send_index(self) -> np.ndarray:
+        return expand_runs(self.send_runs, self.n_slots * self.slot_len).reshape(
+            self.cp, self.n_slots, self.slot_len)
+
+    @functools.cached_property
+    def recv_index(self) -> np.ndarray:
+        return expand_runs(self.recv_runs, self.buffer_len)
 
     @property
-    def slot_len(self) -> int:
-        return self.send_index.shape[2]
+    def nbytes(self) -> int:
+        """Bytes the key stores and ships (the runs)."""
+        return self.send_runs.nbytes + self.recv_runs.nbytes
 
     def tokens_moved(self) -> int:
         """Real rows moved over the network in total (no padding)."""
-        return int((self.send_index >= 0).sum())
+        real = self.send_runs[..., 0] >= 0
+        return int(self.send_runs[..., 1][real].sum())
+
+    def rows_received(self) -> np.ndarray:
+        """int64 ``[cp]``: real rows each rank receives (its buffer rows that are filled)."""
+        real = self.recv_runs[..., 0] >= 0
+        return np.where(real, self.recv_runs[..., 1], 0).sum(axis=1, dtype=np.int64)
+
+    def run_counts(self) -> tuple[int, int]:
+        """``(send, recv)``: the most runs of one rank's tables, as
+        :class:`~magi_jax.planning.capacity.PlanCapacity` counts them (``send_runs``: runs
+        of real rows; ``recv_runs``: every run, padding gaps included, trailing padding not)."""
+        send = ((self.send_runs[..., 0] >= 0) & (self.send_runs[..., 1] > 0)).sum(axis=1)
+        recv = (self.recv_runs[..., 1] > 0).sum(axis=1)
+        return int(send.max(initial=0)), int(recv.max(initial=0))
+
+
+def expand_runs(runs: np.ndarray, size: int) -> np.ndarray:
+    """The index table of ``runs`` (NumPy model of the device expansion): int32
+    ``[..., R, 2]`` rows ``(first value, length)`` -> int32 ``[..., size]``. Run ``i`` covers
+    the next ``length`` entries with ``value, value + 1, ...``, or with ``-1`` (padding) when
+    ``value < 0``; entries past the last run are ``-1``."""
+    runs = np.asarray(runs)
+    lead, r_len = runs.shape[:-2], runs.shape[-2]
+    flat = runs.reshape(-1, r_len, 2).astype(np.int64)
+    value, length = flat[..., 0], flat[..., 1]
+    start = np.cumsum(length, axis=1) - length
+    row, i = np.nonzero((value >= 0) & (length > 0))
+    owner, entry = ranges_repeat(start[row, i], start[row, i] + length[row, i])
+    out = np.full((flat.shape[0], int(size)), -1, np.int32)
+    out[row[owner], entry] = value[row, i][owner] + entry - start[row, i][owner]
+    return out.reshape(lead + (int(size),))
+
+
+def index_runs(index: np.ndarray, split: int | None = None, num_runs: int | None = None,
+               field: str | None = None, value_split: int | None = None) -> np.ndarray:
+    """Runs of an index table: int ``[cp, N]`` -> int32 ``[cp, R, 2]`` (:func:`expand_runs`
+    gives ``index`` back). A run is a stretch of consecutive values (or of ``-1``), cut where
+    an entry is a multiple of ``split`` or a value one of ``value_split`` (a slot
+    boundary: send tables are cut at ``split = S``, receive tables at ``value_split = S``
+    so that a run reads one slot). ``num_runs``: ``R`` (else the most
+    any rank needs); a rank that needs more raises
+    :class:`~magi_jax.planning.capacity.CapacityError` naming ``field``."""
+    index = np.asarray(index, np.int64)
+    cp, n = index.shape
+    real = index >= 0
+    new = np.ones((cp, n), bool)
+    new[:, 1:] = (real[:, 1:] != real[:, :-1]) | (real[:, 1:] & (index[:, 1:] !=
+                                                                index[:, :-1] + 1))
+    if split:
+        new[:, np.arange(n) % split == 0] = True
+    if value_split:
+        new |= real & (index % value_split == 0)
+    first = np.nonzero(new.reshape(-1))[0]            # every run, real or padding, flat
+    length = np.diff(np.append(first, cp * n))       # a rank's first entry starts a run
+    keep = real.reshape(-1)[first]
+    first, length = first[keep], length[keep]
+    return _pack_runs(cp, first // n, first % n, index.reshape(-1)[first], length, num_runs,
+                      field, split=split, value_split=value_split)
+
+
+def _pack_runs(cp, rank, start, value, length, num_runs=None, field=None, split=None,
+               value_split=None, limit=None):
+    """Real runs ``(rank, start entry, first value, length)`` (non-overlapping within a
+    rank) -> the packed runs ``[cp, R, 2]``: each rank's runs in entry order, with a padding
+    run before each run that does not start where the previous one ended, and adjoining
+    runs of consecutive values merged, not across a slot boundary (an entry that is a
+    multiple of ``split``, or a value that is a multiple of ``value_split``). ``R`` is
+    ``num_runs`` (else the most any rank needs). ``limit``: the capacity ``field``'s value;
+    with ``split`` it bounds a rank's real runs (the send table: ``num_runs`` keeps room for
+    a padding run per slot), else all its runs; a rank over it (or over ``num_runs``)
+    raises :class:`~magi_jax.planning.capacity.CapacityError`."""
+    rank, start, value, length = (np.asarray(x, np.int64) for x in (rank, start, value,
+                                                                     length))
+    keep = length > 0
+    order = np.lexsort((start[keep], rank[keep]))
+    rank, start, value, length = (x[keep][order] for x in (rank, start, value, length))
+    glue = np.zeros(len(rank), bool)
+    glue[1:] = (rank[1:] == rank[:-1]) & (start[1:] == start[:-1] + length[:-1]) & \
+        (value[1:] == value[:-1] + length[:-1])
+    if split:
+        glue &= start % split != 0
+    if value_split:
+        glue &= value % value_split != 0
+    head = np.nonzero(~glue)[0]
+    rank, start, value = rank[head], start[head], value[head]
+    length = np.add.reduceat(length, head) if len(head) else length[:0]
+    prev_end = np.zeros(len(rank), np.int64)
+    prev_end[1:] = np.where(rank[1:] == rank[:-1], (start + length)[:-1], 0)
+    gap = start - prev_end
+    if np.any(gap < 0):
+        raise ValueError("cast table runs overlap (two pieces write one entry)")
+    real = np.bincount(rank, minlength=cp)
+    count = real + np.bincount(rank[gap > 0], minlength=cp)
+    size = max(int(count.max(initial=0)) if num_runs is None else int(num_runs), 1)
+    need = int((real if split else count).max(initial=0))
+    limit = size if limit is None else int(limit)
+    if num_runs is not None and (need > limit or count.max(initial=0) > size):
+        from magi_jax.planning.capacity import CapacityError
+        raise CapacityError(
+            f"this mask needs PlanCapacity.{field}>={need} (runs of consecutive rows in one "
+            f"rank's cast table of one stage), but the capacity holds {limit}; build "
+            f"the capacity with {field}>={need} (or PlanCapacity.from_masks over a sample of "
+            "your masks)")
+    out = np.zeros((cp, size, 2), np.int32)
+    out[:, :, 0] = -1
+    # Each real run takes its place after its rank's earlier runs and padding runs.
+    emitted = 1 + (gap > 0)
+    before = np.cumsum(emitted) - emitted
+    place = before - before[np.searchsorted(rank, rank)] + (gap > 0)
+    g = gap > 0
+    out[rank[g], place[g] - 1, 1] = gap[g]
+    out[rank, place, 0] = value
+    out[rank, place, 1] = length
+    return out
 
 
 def choose_transport(table: CastTable) -> str:
@@ -74,10 +211,13 @@ def build_cast_table(meta: DispatchMeta, remote: list[np.ndarray], buffer_len: i
 
 
 def cast_table_from_pieces(meta: DispatchMeta, g0, g1, src, dst, offset, buffer_len: int,
-                           width: int | None = None) -> CastTable:
+                           width: int | None = None, send_runs: int | None = None,
+                           recv_runs: int | None = None) -> CastTable:
     """:func:`build_cast_table` from flat piece arrays: piece ``i`` moves global keys
     ``[g0[i], g1[i])`` from their owner ``src[i]`` to rank ``dst[i]``'s stage buffer at
-    ``offset[i]``."""
+    ``offset[i]``. ``send_runs`` / ``recv_runs`` (keys at a capacity, with ``width``): the
+    runs of each rank's tables (:class:`~magi_jax.planning.capacity.PlanCapacity`'s fields
+    of those names), so the run arrays' shapes depend on the capacity alone."""
     cp, c = meta.cp, meta.chunk_size
     g0, g1, src, dst, off_b = (np.asarray(x).astype(np.int64) for x in (g0, g1, src, dst,
                                                                          offset))
@@ -109,64 +249,31 @@ def cast_table_from_pieces(meta: DispatchMeta, g0, g1, src, dst, offset, buffer_
         s_len = max(int(width), 1)
         out_slot, n_slots = shift - 1, cp - 1
         out_shifts, out_widths = tuple(range(1, cp)), (int(width),) * (cp - 1)
-    send = np.full((cp, n_slots, s_len), -1, np.int32)
-    recv = np.full((cp, max(int(buffer_len), 1)), -1, np.int32)
-    if not len(length):
-        return CastTable(send, recv, out_shifts, out_widths)
+    b_len = max(int(buffer_len), 1)
+    # Runs of each table at a capacity: the send table keeps a padding run per slot besides
+    # its real runs; neither ever needs more runs than it has entries.
+    send_size = None if send_runs is None else min(int(send_runs) + n_slots, n_slots * s_len)
+    recv_size = None if recv_runs is None else min(int(recv_runs), b_len)
     # Every piece lies inside one chunk, so it is one run on both sides: consecutive local
-    # rows of the owner into consecutive block positions, consecutive block entries into
+    # rows of the owner into consecutive slot positions, consecutive slot entries into
     # consecutive buffer rows.
     first_row = meta.chunk_slot[g0 // c] * c + g0 % c
     first_entry = out_slot * s_len + off_block
-    if length.sum() < _RUN_WRITE_MIN * len(length):
-        # Short pieces: token by token (fancy indexing).
-        pi, step = ranges_repeat(np.zeros_like(length), length)
-        send[src[pi], out_slot[pi], off_block[pi] + step] = first_row[pi] + step
-        recv[dst[pi], off_b[pi] + step] = first_entry[pi] + step
-        return CastTable(send, recv, out_shifts, out_widths)
-    # Long pieces: block by block (a block fills its slot from position 0, its pieces back
-    # to back) and run by run in the buffers (a rank's pieces fill its buffer).
-    src_bounds = np.searchsorted(src, np.arange(cp + 1))
-    block_first = np.nonzero(np.diff(pair, prepend=-1))[0]       # first piece of each block
-    block_end = np.append(block_first[1:], len(pair))
-    src_blocks = np.searchsorted(block_first, src_bounds)
-    for r in range(cp):
-        a, b = src_bounds[r], src_bounds[r + 1]
-        if a == b:
-            continue
-        rows = _runs_of(first_row[a:b], length[a:b])          # the owner's rows, block order
-        base = int(cum[a])
-        for i, j in zip(block_first[src_blocks[r]:src_blocks[r + 1]].tolist(),
-                        block_end[src_blocks[r]:src_blocks[r + 1]].tolist()):
-            send[r, out_slot[i], :cum[j] - cum[i]] = rows[cum[i] - base:cum[j] - base]
+    send = _pack_runs(cp, src, first_entry, first_row, length, send_size, "send_runs",
+                      split=s_len, limit=send_runs)
     o = np.lexsort((off_b, dst))
-    d, ob, ln, fe = dst[o], off_b[o], length[o], first_entry[o]
+    d, ob, ln = dst[o], off_b[o], length[o]
     if np.any((d[1:] == d[:-1]) & (ob[1:] < ob[:-1] + ln[:-1])):     # overlapping pieces
+        # A later piece overwrites an earlier one's rows: write them in order, then runs.
+        dense = np.full((cp, b_len), -1, np.int64)
         for k in range(len(length)):
-            recv[dst[k], off_b[k]:off_b[k] + length[k]] = np.arange(
+            dense[dst[k], off_b[k]:off_b[k] + length[k]] = np.arange(
                 first_entry[k], first_entry[k] + length[k])
-        return CastTable(send, recv, out_shifts, out_widths)
-    new = np.ones(len(d), bool)
-    new[1:] = (d[1:] != d[:-1]) | (ob[1:] != ob[:-1] + ln[:-1])
-    run_first = np.nonzero(new)[0]
-    run_end = np.append(run_first[1:], len(d))
-    cum_r = np.concatenate([[0], np.cumsum(ln)])
-    entries = _runs_of(fe, ln)
-    for i, j in zip(run_first.tolist(), run_end.tolist()):
-        recv[d[i], ob[i]:ob[i] + cum_r[j] - cum_r[i]] = entries[cum_r[i]:cum_r[j]]
-    return CastTable(send, recv, out_shifts, out_widths)
-
-
-def _runs_of(first: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """int32 ``concat(arange(first[i], first[i] + length[i]) for i)``."""
-    n = int(length.sum())
-    step = np.ones(n, np.int32)
-    if n:
-        step[0] = first[0]
-        nz = length > 0
-        f, ln = first[nz], length[nz]
-        step[(np.cumsum(ln) - ln)[1:]] = f[1:] - (f[:-1] + ln[:-1] - 1)
-    return np.cumsum(step, dtype=np.int32)
+        recv = index_runs(dense, value_split=s_len, num_runs=recv_size, field="recv_runs")
+    else:
+        recv = _pack_runs(cp, dst, off_b, first_entry, length, recv_size, "recv_runs",
+                          value_split=s_len, limit=recv_runs)
+    return CastTable(send, recv, out_shifts, out_widths, s_len, b_len)
 
 
 def _width_error(need: int, width: int):

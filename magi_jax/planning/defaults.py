@@ -8,7 +8,7 @@ import functools
 
 import numpy as np
 
-from magi_jax.mask import AttnMask
+from magi_jax.mask import AttnMask, SliceShapes
 from magi_jax.planning.solver import DispatchMeta, auto_chunk_size, solve_dispatch
 from magi_jax.planning.stages import split_areas
 
@@ -68,17 +68,20 @@ def capacity_needs(masks, cp: int, chunk_size: int | None = None,
                    overlap_degree: int | None = None) -> dict:
     """What keys of ``masks`` (one packed length) over ``cp`` ranks need, per rank and
     stage: ``items`` (the longest q-tile list, on the ``xla`` backend's tiles, which are
-    never larger than the kernels'), ``remote_kv`` (remote KV tokens, all stages), and
-    ``cast_width`` (tokens one rank sends another in one stage), with the ``chunk_size`` and
+    never larger than the kernels'), ``q_runs`` / ``k_runs`` (the most runs of items on a
+    q-tile / k-tile list, on either backend's tiles), ``remote_kv`` (remote KV tokens, all
+    stages), and ``cast_width`` (tokens one rank sends another in one stage), ``send_runs`` /
+    ``recv_runs`` (runs of one rank's cast tables in one stage), with the ``chunk_size`` and
     ``overlap_degree`` the keys use — the inputs of :meth:`PlanCapacity.from_masks`."""
     from magi_jax.planning.stages import build_dist_plan, resolve_kv
-    from magi_jax.planning.work_list import default_block_sizes
+    from magi_jax.planning.work_list import count_runs, default_block_sizes
     masks = list(masks)
     total = masks[0].total_q
     chunk = int(chunk_size or capacity_chunk_size(total, cp))
     degree = int(overlap_degree if overlap_degree is not None
                  else capacity_overlap_degree(total, cp, chunk))
-    need = dict(items=1, remote_kv=1, cast_width=1, chunk_size=chunk, overlap_degree=degree)
+    need = dict(items=1, q_runs=1, k_runs=1, remote_kv=1, cast_width=1, send_runs=1, recv_runs=1,
+                chunk_size=chunk, overlap_degree=degree)
     for mask in masks:
         meta = solve_dispatch(mask, cp, chunk, "magi")
         kv = resolve_kv(mask, meta)           # cross attention: the automatic key layout
@@ -88,11 +91,24 @@ def capacity_needs(masks, cp: int, chunk_size: int | None = None,
         plan = build_dist_plan(mask, meta, degree, bq, bk, "xla", kv=kv)
         stages = max(degree, 1)
         remote = [st for st in plan.stages if st.cast is not None]
-        need["items"] = max(need["items"], max(st.ffa.q_items.shape[-2] for st in plan.stages))
+        need["items"] = max(need["items"], max(st.items[0] for st in plan.stages))
+        for st in plan.stages:
+            # Runs on either backend's tiles (the Mosaic GPU k-tile list steps over 64 rows).
+            sizes = [len(x.q0) for x in st.shapes]
+            flat = SliceShapes(*(np.concatenate([getattr(x, f) for x in st.shapes])
+                                 for f in ("q0", "q1", "k0", "k1", "dlo", "dhi")))
+            runs = count_runs(flat, meta.local_len, st.kv_len, (bq, bk),
+                              np.repeat(np.arange(cp), sizes), cp)
+            need["q_runs"] = max(need["q_runs"], runs[0])
+            need["k_runs"] = max(need["k_runs"], runs[1])
         if remote:
             # Stages split a rank's remote KV evenly: the longest stage bounds them all.
-            longest = max(int((st.cast.recv_index >= 0).sum(axis=1).max()) for st in remote)
+            longest = max(int(st.cast.rows_received().max()) for st in remote)
             need["remote_kv"] = max(need["remote_kv"], longest * stages)
             need["cast_width"] = max(need["cast_width"],
                                      max(max(st.cast.widths, default=1) for st in remote))
+            for st in remote:
+                send_runs, recv_runs = st.cast.run_counts()
+                need["send_runs"] = max(need["send_runs"], send_runs)
+                need["recv_runs"] = max(need["recv_runs"], recv_runs)
     return need

@@ -44,12 +44,12 @@ from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.cast_table import CastTable, cast_table_from_pieces
 from magi_jax.planning.solver import (KV_LAYOUTS, DispatchMeta, auto_kv_layout, ranges_repeat,
                                       slice_chunk_pairs, solve_kv_dispatch)
-from magi_jax.planning.work_list import (FFAPlanArrays, backend_blocks, check_items,
-                                         emit_work_lists, work_list_runs)
+from magi_jax.planning.work_list import (backend_blocks, check_items, check_runs, plan_runs,
+                                         work_list_runs)
 
 __all__ = ["DistPlan", "StagePlan", "build_dist_plan", "RankView", "rank_views", "split_areas",
-           "clear_cache", "stage_buffer_len", "cast_width", "phase_times", "PHASES",
-           "REPLICATED_KV", "resolve_kv"]
+           "clear_cache", "stage_buffer_len", "cast_width", "cast_runs", "phase_times",
+           "PHASES", "REPLICATED_KV", "resolve_kv"]
 
 # The ``kv`` of build_dist_plan for keys that every rank holds whole.
 REPLICATED_KV = "replicated"
@@ -103,7 +103,13 @@ class StagePlan:
     """One FFA call per rank: ``ffa`` stacked ``[cp, ...]`` over ranks, its KV length
     ``kv_len`` (the same on every rank), and the cast table that fills its remote part
     (``None`` for the host stage). For ``overlap_degree = 0`` the stage's KV is local KV
-    followed by the cast buffer (``kv_len = local_len + cast.buffer_len``)."""
+    followed by the cast buffer (``kv_len = local_len + cast.buffer_len``).
+
+    ``ffa`` holds the work lists as runs
+    (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) and ``items`` the widths ``(q, k)``
+    of the item arrays they stand for (expanded on the device right before the FFA call;
+    :func:`~magi_jax.planning.work_list.expand_runs` on the host). A planner other than the
+    built-in ones gives its own plan arrays, used as they are (``items`` is then ``None``)."""
 
     ffa: tuple                      # the backend's plan arrays (NamedTuple), stacked
     kv_len: int
@@ -111,6 +117,7 @@ class StagePlan:
     num_slices: np.ndarray          # int64 [cp]: canonical pieces in the plan, per rank
     area: np.ndarray                # int64 [cp]: cells per rank
     shapes: tuple[SliceShapes, ...]  # per rank: the local-coordinate shapes planned
+    items: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,7 +485,7 @@ def _plan_bytes(plan: "DistPlan") -> int:
     for st in plan.stages:
         total += sum(a.nbytes for a in st.ffa)
         if st.cast is not None:
-            total += st.cast.send_index.nbytes + st.cast.recv_index.nbytes
+            total += st.cast.nbytes
     return total
 
 
@@ -602,6 +609,15 @@ def cast_width(capacity: PlanCapacity, buffer_len: int) -> int:
     return min(capacity.cast_width or buffer_len, buffer_len)
 
 
+def cast_runs(capacity: PlanCapacity, cp: int, width: int, buffer_len: int,
+              local_len: int) -> tuple[int, int]:
+    """``(send_runs, recv_runs)`` of a cast at ``capacity``: the capacity's fields, or by
+    default what always fits (every row a run of its own: a slot of ``width`` rows holds at
+    most ``min(width, local_len)`` of one owner's rows, a buffer ``buffer_len``)."""
+    return (capacity.send_runs or (cp - 1) * min(width, local_len),
+            capacity.recv_runs or buffer_len)
+
+
 def _build(mask, meta, degree, bq, bk, backend, capacity=None, kv=None) -> DistPlan:
     cp, t_loc = meta.cp, meta.local_len
     num_remote = max(degree, 1)
@@ -624,9 +640,12 @@ def _build(mask, meta, degree, bq, bk, backend, capacity=None, kv=None) -> DistP
         casts = []
         for s in range(num_remote if fetches else 0):
             sel = remote[:, 3] == s
+            runs = ((None, None) if width is None else
+                    cast_runs(capacity, cp, width, int(buf_len[s]), kv_meta.local_len))
             casts.append(cast_table_from_pieces(
                 kv_meta, remote[sel, 0], remote[sel, 1], remote[sel, 2], remote_rank.rank[sel],
-                remote[sel, 4], buffer_len=int(buf_len[s]), width=width))
+                remote[sel, 4], buffer_len=int(buf_len[s]), width=width, send_runs=runs[0],
+                recv_runs=runs[1]))
     # At a capacity the stages exist whatever this mask needs (their shapes are static).
     any_remote = bool(stage_len.sum()) or (capacity is not None and cp > 1 and fetches)
 
@@ -637,9 +656,10 @@ def _build(mask, meta, degree, bq, bk, backend, capacity=None, kv=None) -> DistP
                                                           _SHAPE_FIELDS)))
             num_slices = np.diff(rank.bounds).astype(np.int64)
             area = _rank_sums(flat.areas(), rank)
-        ffa = _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, shapes)
+        ffa, items = _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity,
+                                  shapes)
         return StagePlan(ffa=ffa, kv_len=kv_len, cast=cast, num_slices=num_slices, area=area,
-                         shapes=shapes)
+                         shapes=shapes, items=items)
     if degree == 0 or not any_remote:
         if any_remote:
             stages = (make_stage("combined", kv_loc + int(buf_len[0]), casts[0]),)
@@ -658,27 +678,42 @@ _SHAPE_FIELDS = ("q0", "q1", "k0", "k1", "dlo", "dhi")
 
 
 def _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, shapes):
-    """One stage's FFA plan of every rank, stacked ``[cp, ...]`` (at ``capacity``, its item
-    lists padded to the capacity's items)."""
+    """One stage's FFA plan of every rank, stacked ``[cp, ...]``, and the widths of its item
+    arrays: runs (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) standing for lists of
+    the capacity's items (at ``capacity``; runs padded to :func:`_capacity_runs`) or of the
+    longest rank's."""
     if HOST_PLANNERS.get(backend.name) is not backend:      # another planner: rank by rank
         with _phase("work_lists"):
             plans = [backend.build(x, t_loc, kv_len, bq, bk) for x in shapes]
         with _phase("stack_pad"):
             if capacity is not None:
                 plans = [_at_capacity(p, capacity, backend.name, t_loc, kv_len) for p in plans]
-            return backend.stack(plans)
+            return backend.stack(plans), None
     fwd_block, bwd_block = backend_blocks(backend.name, t_loc, kv_len, bq, bk)
     with _phase("work_lists"):
         runs_q = work_list_runs(flat, rank.rank, cp, t_loc, kv_len, *fwd_block, "q")
         runs_k = work_list_runs(flat, rank.rank, cp, t_loc, kv_len, *bwd_block, "k")
-    num_q = num_k = None
-    if capacity is not None:
-        num_q, num_k = _capacity_items(capacity, backend.name, t_loc, kv_len)
+    if capacity is None:
+        items = (int(runs_q.per_rank.max(initial=0)), int(runs_k.per_rank.max(initial=0)))
+        num_runs = None
+    else:
+        items = _capacity_items(capacity, backend.name, t_loc, kv_len)
         for r in range(cp):          # the first rank and list over the capacity, as padding
-            check_items(runs_q.per_rank[r:r + 1], num_q)
-            check_items(runs_k.per_rank[r:r + 1], num_k)
+            check_items(runs_q.per_rank[r:r + 1], items[0])
+            check_items(runs_k.per_rank[r:r + 1], items[1])
+        num_runs = _capacity_runs(capacity, items)
+        check_runs(runs_q, num_runs[0], "q_runs")
+        check_runs(runs_k, num_runs[1], "k_runs")
     with _phase("stack_pad"):
-        return FFAPlanArrays(*emit_work_lists(runs_q, num_q), *emit_work_lists(runs_k, num_k))
+        return plan_runs(runs_q, runs_k, num_runs), items
+
+
+def _capacity_runs(capacity: PlanCapacity, items: tuple[int, int]) -> tuple[int, int]:
+    """Runs of the q-tile and k-tile lists at ``capacity`` (lists of ``items``): its
+    ``q_runs`` / ``k_runs`` bounds, never more than a list's items (a run holds at least
+    one)."""
+    return tuple(int(n) if bound is None else min(int(bound), int(n))
+                 for bound, n in zip((capacity.q_runs, capacity.k_runs), items))
 
 
 def _capacity_items(capacity: PlanCapacity, backend: str, t_loc: int, kv_len: int):

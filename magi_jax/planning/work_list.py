@@ -28,6 +28,8 @@ from magi_jax.mask import AttnMask, SliceShapes
 from magi_jax.planning.tiling import EMPTY_ITEM, ITEM_FIELDS, tile_items
 
 __all__ = ["ITEM_FIELDS", "NUM_FIELDS", "EMPTY_ITEM", "WorkList", "FFAPlanArrays",
+           "RUN_FIELDS", "NUM_RUN_FIELDS", "EMPTY_RUN", "FFAPlanRuns", "emit_run_lists",
+           "check_runs", "expand_runs", "plan_runs", "count_runs",
            "build_work_list", "build_work_lists", "work_list_runs", "emit_work_lists",
            "check_items", "ListRuns", "build_plan_arrays", "plan_for_mask", "pad_work_list",
            "stack_plans", "persistent_schedule", "backend_blocks", "default_block_sizes",
@@ -38,6 +40,13 @@ __all__ = ["ITEM_FIELDS", "NUM_FIELDS", "EMPTY_ITEM", "WorkList", "FFAPlanArrays
 # slice's canonical geometry, the mask kind below); padding items are tiling.EMPTY_ITEM.
 NUM_FIELDS = len(ITEM_FIELDS)
 _I32 = np.iinfo(np.int32)
+# Columns of a run of items (FFAPlanRuns): the fields of its first item, then its length.
+# Along a run only ``other_tile`` changes, stepping by one.
+RUN_FIELDS = ITEM_FIELDS + ("length",)
+NUM_RUN_FIELDS = len(RUN_FIELDS)
+_LENGTH = RUN_FIELDS.index("length")
+# The padding of run arrays: no items.
+EMPTY_RUN = np.append(EMPTY_ITEM, 0).astype(np.int32)
 
 # Tile sizes the kernels are built for. Forward and dQ: a program owns 128 query rows (two
 # consumer warpgroups of 64) and steps over 128 keys. dK/dV: a program owns 128 keys (two
@@ -103,6 +112,106 @@ class FFAPlanArrays(NamedTuple):
         """The same plan with its item arrays padded to ``num_q_items`` / ``num_k_items``."""
         return FFAPlanArrays(*pad_work_list(WorkList(*self[:3]), num_q_items),
                              *pad_work_list(WorkList(*self[3:]), num_k_items))
+
+
+class FFAPlanRuns(NamedTuple):
+    """The compact form of :class:`FFAPlanArrays` that keys and plans at a capacity store
+    and ship to the device: each list's items as runs. ``q_order``, ``q_offsets``,
+    ``k_order``, ``k_offsets`` as in :class:`FFAPlanArrays`; ``q_runs [R, 9]``, ``k_runs
+    [R', 9]`` int32 (:data:`RUN_FIELDS`): a run is the first of ``length`` consecutive items
+    of one owned tile that differ only in ``other_tile`` (stepping by one); runs are in item
+    order, so the items of tile ``t`` are still ``offsets[t]:offsets[t + 1]`` of the runs'
+    enumeration. Runs past the last real one are :data:`EMPTY_RUN` (length 0). Under context
+    parallelism every array gets a leading ``cp`` axis.
+
+    The widths of the item arrays it stands for are not part of it (the owner's static part
+    keeps them): :func:`expand_runs` (host) and :func:`magi_jax.ffa.plan.expand_lists`
+    (device, inside the traced step) give exactly the :class:`FFAPlanArrays` of those
+    widths."""
+
+    q_order: np.ndarray
+    q_offsets: np.ndarray
+    q_runs: np.ndarray
+    k_order: np.ndarray
+    k_offsets: np.ndarray
+    k_runs: np.ndarray
+
+    @property
+    def fwd(self) -> WorkList:
+        """The q-tile list's order and offsets (what persistent schedules read), with its
+        runs in place of the items."""
+        return WorkList(*self[:3])
+
+    @property
+    def bwd(self) -> WorkList:
+        """The k-tile list's order and offsets, with its runs in place of the items."""
+        return WorkList(*self[3:])
+
+
+def emit_run_lists(runs: ListRuns, num_runs: int | None = None):
+    """``(order, offsets, runs [cp, R, 9])`` of the stacked lists of ``runs``
+    (:class:`FFAPlanRuns`' columns), runs padded to ``R = num_runs`` (default: the most of
+    any call; :func:`check_runs` first when it may hold fewer)."""
+    per_call = np.diff(runs.run_bounds)
+    cp = len(per_call)
+    width = int(per_call.max(initial=0)) if num_runs is None else int(num_runs)
+    out = np.empty((cp, width, NUM_RUN_FIELDS), np.int32)
+    for r in range(cp):
+        a, b = runs.run_bounds[r], runs.run_bounds[r + 1]
+        out[r, :b - a, :NUM_FIELDS] = runs.rows[a:b]
+        out[r, :b - a, _LENGTH] = runs.length[a:b]
+        out[r, b - a:] = EMPTY_RUN
+    return runs.order, runs.offsets, out
+
+
+def check_runs(runs: ListRuns, num_runs: int, field: str = "q_runs"):
+    """Raises :class:`~magi_jax.planning.capacity.CapacityError` naming ``field`` for the
+    first call of ``runs`` with more than ``num_runs`` runs."""
+    per_call = np.diff(runs.run_bounds)
+    over = np.nonzero(per_call > int(num_runs))[0]
+    if len(over):
+        from magi_jax.planning.capacity import CapacityError
+        have = int(per_call[over[0]])
+        raise CapacityError(f"this mask needs PlanCapacity.{field}>={have} runs of work items "
+                            f"on one list, but the capacity holds {num_runs}; build the "
+                            f"capacity with {field}>={have} (or PlanCapacity.from_masks over "
+                            "a sample of your masks)")
+
+
+def plan_runs(runs_q: ListRuns, runs_k: ListRuns, num_runs: tuple[int, int] | None = None
+              ) -> FFAPlanRuns:
+    """The stacked :class:`FFAPlanRuns` of both lists' runs, padded to ``num_runs = (q, k)``
+    (default: the most of any call)."""
+    nq, nk = (None, None) if num_runs is None else num_runs
+    return FFAPlanRuns(*emit_run_lists(runs_q, nq), *emit_run_lists(runs_k, nk))
+
+
+def _expand_list(order, offsets, runs, num_items: int) -> WorkList:
+    """Host expansion of one list (leading axes: stacked calls)."""
+    lead = runs.shape[:-2]
+    calls = int(np.prod(lead, dtype=np.int64))
+    flat = runs.reshape(calls, *runs.shape[-2:])
+    ends = np.asarray(offsets).reshape(calls, offsets.shape[-1])[:, -1]
+    length = flat[..., _LENGTH].astype(np.int64)
+    real = length > 0
+    count = real.sum(axis=1)
+    bounds = np.concatenate([[0], np.cumsum(count)])
+    # Real runs come first on every call (padding runs after them).
+    rows = flat[real][:, :NUM_FIELDS]
+    lens = length[real]
+    listed = ListRuns(rows, lens, bounds, ends.astype(np.int64), None, None)
+    items = emit_work_lists(listed, num_items).items
+    return WorkList(order, offsets, items.reshape(*lead, num_items, NUM_FIELDS))
+
+
+def expand_runs(plan: FFAPlanRuns, num_q_items: int, num_k_items: int) -> FFAPlanArrays:
+    """The :class:`FFAPlanArrays` that ``plan`` stands for, item arrays ``num_q_items`` /
+    ``num_k_items`` wide (host NumPy; the device does the same with
+    :func:`magi_jax.ffa.plan.expand_lists`)."""
+    if not isinstance(plan, FFAPlanRuns):
+        raise TypeError(f"plan must be FFAPlanRuns; got {type(plan).__name__}")
+    return FFAPlanArrays(*_expand_list(*plan[:3], int(num_q_items)),
+                         *_expand_list(*plan[3:], int(num_k_items)))
 
 
 def pad_work_list(work: WorkList, num_items: int, field: str = "items") -> WorkList:
@@ -440,6 +549,25 @@ def _build_work_list_items(shapes: SliceShapes, total_q: int, total_k: int, bloc
     # Heaviest first; ties by tile index so the order is deterministic.
     launch = np.lexsort((np.arange(num), -counts)).astype(np.int32)
     return WorkList(launch, offsets.astype(np.int32), items)
+
+
+def count_runs(shapes: SliceShapes, total_q: int, total_k: int,
+               xla_blocks: tuple[int, int] | None = None, slice_rank: np.ndarray | None = None,
+               cp: int = 1) -> tuple[int, int]:
+    """The most runs (:class:`FFAPlanRuns`) on a q-tile list and on a k-tile list of any
+    call, over both backends' tiles (the ``xla`` backend's: ``xla_blocks``, default its
+    own): what :attr:`~magi_jax.planning.capacity.PlanCapacity.q_runs` and ``k_runs``
+    bound. ``shapes`` hold the slices of ``cp`` calls grouped by ``slice_rank`` (default:
+    one call)."""
+    rank = np.zeros(len(shapes.q0), np.int64) if slice_rank is None else slice_rank
+    most = {"q": 0, "k": 0}
+    for backend in ("xla", "pallas"):
+        blocks = xla_blocks if backend == "xla" and xla_blocks is not None else (None, None)
+        fwd, bwd = backend_blocks(backend, total_q, total_k, *blocks)
+        for block, by in ((fwd, "q"), (bwd, "k")):
+            runs = work_list_runs(shapes, rank, cp, total_q, total_k, *block, by)
+            most[by] = max(most[by], int(np.diff(runs.run_bounds).max(initial=0)))
+    return most["q"], most["k"]
 
 
 def default_block_sizes(total_q: int, total_k: int) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from magi_jax.sharding import native
 from magi_jax.sharding.collectives import _cast, _reduce, _start_reduce, group_cast
+from magi_jax.ffa.plan import expand_lists
 from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.sharding.ffa_backends import get_backend
 from magi_jax.sharding.key import (MagiKey, _check_key, _checked, _cp_names, _cp_ranks,
@@ -87,7 +88,7 @@ def stages_forward(q, kv, stage_arrays, cfg: _StagesCfg, fetch):
     outs, lses, peaks, used = [], [], [], []
     for i, (stage, (ffa_arrays, _)) in enumerate(zip(cfg.stages, stage_arrays)):
         kk, vv = kv if stage.cast is None else fetch(i)
-        (o, l, *peak), _ = be.split_fwd(q, kk, vv, ffa_arrays, **kw)
+        (o, l, *peak), _ = be.split_fwd(q, kk, vv, expand_lists(ffa_arrays, stage.items), **kw)
         outs.append(o)
         lses.append(l)
         peaks += peak
@@ -126,7 +127,7 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
     for i in order:
         stage, (ffa_arrays, _) = cfg.stages[i], stage_arrays[i]
         kk, vv = kv if stage.cast is None else fetch(i)
-        args = ((out, lse), q, kk, vv, ffa_arrays, cts)
+        args = ((out, lse), q, kk, vv, expand_lists(ffa_arrays, stage.items), cts)
         if starter is not None and i == remote[-1]:
             pending = {}
             own_rows = kv[0].shape[0] if stage.combined else 0
@@ -266,6 +267,11 @@ def _check_inputs(q, k, v, key):
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"head dims differ: q has D={q.shape[-1]}, k/v have D={k.shape[-1]}")
+    from magi_jax.ffa.api import _MAX_HEAD_DIM
+    d = q.shape[-1]
+    if d % 8 or not 8 <= d <= _MAX_HEAD_DIM:
+        raise ValueError(f"magi_attention: head dim D={d} is not supported: use a multiple "
+                         f"of 8 in [8, {_MAX_HEAD_DIM}] (as flex_flash_attention)")
     if q.shape[-2] % k.shape[-2]:
         raise ValueError(f"q has {q.shape[-2]} heads and k/v have {k.shape[-2]}: the number "
                          "of query heads must be a multiple of the number of key/value heads")

@@ -16,7 +16,12 @@ each rank sees its own row):
   blocks flattened as ``[n_slots · S]``, where block ``j`` came from rank
   ``(r - shifts[j]) % cp``; ``-1`` = padding (the row is zero).
 
-So ``out[b] = x_src[send_index_src[j, p]]`` with ``recv_index[b] = j·S + p``. Shifts (not
+So ``out[b] = x_src[send_index_src[j, p]]`` with ``recv_index[b] = j·S + p``.
+
+Keys store and ship the tables as runs (:class:`CastRuns`, :class:`RelayRuns`: rows
+``(first value, length)``, value ``-1`` for padding; a few hundred per rank where the tables
+hold a row per token): every collective expands them here, inside the traced step, into
+exactly the tables above (:func:`expand_runs`, O(rows)) right before it reads them. Shifts (not
 absolute ranks) index the slots so that one SPMD program serves every rank. ``group_reduce``
 is the exact transpose: rows of the buffer go back to their received slot, the blocks go
 back (shift ``-shifts[j]``), and are summed (float32) into the owner's rows. Both directions
@@ -48,10 +53,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from magi_jax.ffa.segments import _ragged, _take as _take_in_bounds
 from magi_jax.sharding import native
 
-__all__ = ["CastArrays", "CastSpec", "RelayArrays", "RelaySpec", "TRANSPORTS", "group_cast",
-           "group_reduce"]
+__all__ = ["CastArrays", "CastRuns", "CastSpec", "RelayArrays", "RelayRuns", "RelaySpec",
+           "TRANSPORTS", "expand_runs", "expand_tables", "group_cast", "group_reduce"]
 
 TRANSPORTS = ("ppermute", "all_to_all", "native")
 
@@ -64,12 +70,25 @@ class CastArrays(NamedTuple):
     recv_index: jax.Array | np.ndarray
 
 
+class CastRuns(NamedTuple):
+    """What a key stores of one rank's tables: ``send_runs [Rs, 2]`` and ``recv_runs
+    [Rr, 2]``, int32 rows ``(first value, length)``
+    (:class:`~magi_jax.planning.cast_table.CastTable`), expanded to :class:`CastArrays` by
+    :func:`expand_tables` with the :class:`CastSpec`'s ``slot_len`` and ``buffer_len`` (with
+    a leading ``cp`` axis before sharding)."""
+
+    send_runs: jax.Array | np.ndarray
+    recv_runs: jax.Array | np.ndarray
+
+
 @dataclasses.dataclass(frozen=True)
 class CastSpec:
     """Static part of a cast: mesh axis, its size, slot shifts/widths and the transport.
     ``runs``: for the native transport, the contiguous runs of every rank's receive table
     (:func:`magi_jax.sharding.native.reduce_runs`), with which its reduce can be started
-    (:func:`magi_jax.sharding.native.group_reduce_start`); ``None`` if unknown or too many."""
+    (:func:`magi_jax.sharding.native.group_reduce_start`); ``None`` if unknown or too many.
+    ``slot_len``, ``buffer_len``: ``S`` and ``B`` of the tables, to expand :class:`CastRuns`
+    (0: the tables come as :class:`CastArrays`)."""
 
     axis_name: str
     cp: int
@@ -77,6 +96,8 @@ class CastSpec:
     widths: tuple[int, ...]
     transport: str = "ppermute"
     runs: tuple | None = None
+    slot_len: int = 0
+    buffer_len: int = 0
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -95,6 +116,16 @@ class RelayArrays(NamedTuple):
     recv_index: jax.Array | np.ndarray
 
 
+class RelayRuns(NamedTuple):
+    """What a key stores of one rank's two-hop tables: the runs (as in :class:`CastRuns`)
+    of ``inter_send``, ``intra_send`` and ``recv_index``, expanded by :func:`expand_tables`
+    with the :class:`RelaySpec`'s slot and buffer lengths."""
+
+    inter_runs: jax.Array | np.ndarray
+    intra_runs: jax.Array | np.ndarray
+    recv_runs: jax.Array | np.ndarray
+
+
 @dataclasses.dataclass(frozen=True)
 class RelaySpec:
     """Static part of a two-hop cast on a mesh of nodes: the mesh axes ``(node, local)``
@@ -102,7 +133,8 @@ class RelaySpec:
     hops (:class:`~magi_jax.planning.hierarchy.RelayTable`). Both hops move by
     ``lax.ppermute``, one per slot: the inter-node hop over both axes, the intra-node hop
     over ``local`` alone. ``group_cast`` / ``group_reduce`` take it in place of a
-    :class:`CastSpec`."""
+    :class:`CastSpec`. ``inter_slot_len``, ``intra_slot_len``, ``buffer_len``: ``S1``,
+    ``S2`` and ``B`` of the tables, to expand :class:`RelayRuns`."""
 
     axes: tuple[str, str]
     nodes: int
@@ -112,6 +144,9 @@ class RelaySpec:
     intra_shifts: tuple[int, ...]
     intra_widths: tuple[int, ...]
     transport: str = "relay"
+    inter_slot_len: int = 0
+    intra_slot_len: int = 0
+    buffer_len: int = 0
     runs = None
 
     def __post_init__(self):
@@ -132,6 +167,36 @@ class RelaySpec:
 
 
 # ---- device code (inside shard_map over spec.axis_name) -------------------------------------
+
+def expand_runs(runs, size: int):
+    """The index table of ``runs`` (int32 ``[R, 2]`` rows ``(first value, length)``, in
+    order): int32 ``[size]``, run ``i`` filling its ``length`` entries with ``value,
+    value + 1, ...`` (``-1`` for ``value < 0``: padding) and ``-1`` past the last run. A
+    ragged enumeration (one cumulative sum and an unrolled binary search per entry), the
+    device side of :func:`magi_jax.planning.cast_table.expand_runs`."""
+    runs = jnp.asarray(runs, jnp.int32)
+    owner, pos, total = _ragged(runs[:, 1], size)
+    value = _take_in_bounds(runs[:, 0], owner)
+    real = (jnp.arange(size, dtype=jnp.int32) < total) & (value >= 0)
+    return jnp.where(real, value + pos, -1).astype(jnp.int32)
+
+
+def expand_tables(tables, spec):
+    """``tables`` as the collectives read them: :class:`CastRuns` -> :class:`CastArrays`,
+    :class:`RelayRuns` -> :class:`RelayArrays` (the expansion is exact: the same int32
+    tables the host would have built); tables already expanded pass through."""
+    if isinstance(tables, CastRuns):
+        n, s = len(spec.shifts), spec.slot_len
+        return CastArrays(expand_runs(tables.send_runs, n * s).reshape(n, s),
+                          expand_runs(tables.recv_runs, spec.buffer_len))
+    if isinstance(tables, RelayRuns):
+        n1, s1 = len(spec.inter_shifts), spec.inter_slot_len
+        n2, s2 = len(spec.intra_shifts), spec.intra_slot_len
+        return RelayArrays(expand_runs(tables.inter_runs, n1 * s1).reshape(n1, s1),
+                           expand_runs(tables.intra_runs, n2 * s2).reshape(n2, s2),
+                           expand_runs(tables.recv_runs, spec.buffer_len))
+    return tables
+
 
 def _perm(spec: CastSpec, shift: int, reverse: bool):
     sign = -1 if reverse else 1
@@ -196,6 +261,7 @@ def _cast(x, tables: CastArrays, spec: CastSpec, prefix: bool = False):
     carries all, with no concatenated copy). ``prefix``: ``[x; cast(x)]`` per array (the
     native transport writes it in one pass, the others concatenate)."""
     leaves, tree = jax.tree.flatten(x)
+    tables = expand_tables(tables, spec)
     if spec.transport == "native" and spec.shifts:
         return tree.unflatten(_native(functools.partial(native.group_cast, prefix=prefix),
                                       leaves, tables, spec))
@@ -241,6 +307,7 @@ def _reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, prefix: bool =
     ``_cast(prefix=True)``). ``round_to_input``: the sums rounded once to y's dtype (else
     float32 / float64)."""
     leaves, tree = jax.tree.flatten(y)
+    tables = expand_tables(tables, spec)
     if spec.transport == "native" and spec.shifts:
         fn = functools.partial(native.group_reduce, prefix=prefix,
                                out_dtype=leaves[0].dtype if round_to_input else None)
@@ -363,7 +430,8 @@ def _start_reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, own=None
     prefix, apart: with ``round_to_input`` the sums are written into them in place)."""
     leaves, tree = jax.tree.flatten(y)
     token, done = native.group_reduce_start(
-        leaves, tables, spec, num_rows, own=None if own is None else tree.flatten_up_to(own),
+        leaves, expand_tables(tables, spec), spec, num_rows,
+        own=None if own is None else tree.flatten_up_to(own),
         out_dtype=leaves[0].dtype if round_to_input else None)
     return token, lambda t: tree.unflatten(done(t))
 

@@ -2,8 +2,10 @@
 ``dispatch`` / ``undispatch`` / ``position_ids``.
 
 A :class:`MagiKey` is a JAX pytree: its leaves are the stacked ``[cp, ...]`` int32 plan arrays
-(sharded over the mesh's cp axis) and the dispatch permutation; everything else (mesh, axis,
-stage shapes, transports) is static. It can be closed over or passed through ``jax.jit``.
+(sharded over the mesh's cp axis) and the dispatch permutation of whole chunks
+(``[num_chunks]``, replicated; ``dispatch`` / ``undispatch`` / ``position_ids`` are chunk
+gathers); everything else (mesh, axis, stage shapes, transports) is static. It can be closed
+over or passed through ``jax.jit``.
 Building one is host work, cached by (mask fingerprint, mesh, options).
 
 Cross attention (``total_q != total_k``) keys dispatch the queries like self-attention and
@@ -35,7 +37,7 @@ from magi_jax.planning.defaults import (capacity_chunk_size, capacity_overlap_de
 from magi_jax.planning.solver import ALGORITHMS, KV_LAYOUTS, solve_dispatch
 from magi_jax.planning.stages import DistPlan, build_dist_plan, resolve_kv
 from magi_jax.sharding import native
-from magi_jax.sharding.collectives import TRANSPORTS, CastArrays, CastSpec
+from magi_jax.sharding.collectives import TRANSPORTS, CastRuns, CastSpec
 from magi_jax.sharding.ffa_backends import FFA_BACKENDS
 
 __all__ = ["MagiKey", "KeyStatic", "StageStatic", "CheckedKey", "make_flex_key",
@@ -54,11 +56,14 @@ ROLES = ("q", "kv")
 @dataclasses.dataclass(frozen=True)
 class StageStatic:
     """Static description of one stage: its KV length, whether its KV is local KV followed
-    by the cast buffer (``combined``), and the cast spec (``None`` for the host stage)."""
+    by the cast buffer (``combined``), the cast spec (``None`` for the host stage) and the
+    widths ``(q, k)`` of the item arrays its work lists expand to on the device (they travel
+    as runs, :class:`~magi_jax.planning.work_list.FFAPlanRuns`)."""
 
     kv_len: int
     combined: bool
     cast: CastSpec | None            # or a RelaySpec (two-hop casts, hierarchical=...)
+    items: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,40 +95,80 @@ class KeyStatic:
     total_k: int | None = None
     kv_padded_total: int | None = None
     kv_local_len: int | None = None
+    kv_chunk_size: int | None = None          # tokens per key chunk ("dispatched" only)
 
 
 @jax.tree_util.register_pytree_node_class
 class MagiKey:
     """Context-parallel plan of one mask on one mesh (see :func:`make_flex_key`).
 
-    Leaves (data): ``order`` int32 ``[padded_total]`` (global position of each dispatched
-    token), ``inverse`` int32 ``[total]`` (dispatched index of each natural position) and per
-    stage ``stage_arrays[i] = (FFAPlanArrays, CastArrays | None)`` stacked ``[cp, ...]``.
+    Leaves (data): the dispatch permutation of whole chunks, replicated: ``chunk_order``
+    int32 ``[num_chunks]`` (the natural chunk in each dispatched chunk slot: dispatched rows
+    ``[i·chunk_size, (i+1)·chunk_size)`` are natural rows ``[chunk_order[i]·chunk_size,
+    ...)``; slots ``[r·chunks_per_rank, (r+1)·chunks_per_rank)`` are rank ``r``'s) and
+    ``chunk_inverse`` int32 ``[num_chunks]`` (the dispatched slot of each natural chunk); and
+    per stage ``stage_arrays[i] = (FFAPlanRuns, CastRuns | None)`` stacked ``[cp, ...]``
+    (the work lists and cast tables as runs, expanded on the device right before each FFA
+    call and collective; a two-hop stage holds ``RelayRuns``).
+    ``num_chunks = padded_total / chunk_size`` is fixed by the capacity. The token-level
+    permutation is ``order`` int32 ``[padded_total]`` (global position of each dispatched
+    token) and ``inverse`` int32 ``[total]`` (dispatched index of each natural position),
+    properties expanded from the chunk leaves on the device when read.
     Static: :class:`KeyStatic` (``key.static``; its fields are also attributes of the key).
     Host only (``None`` on a key rebuilt inside a traced function): ``plan`` (the
     :class:`~magi_jax.planning.stages.DistPlan`) and ``mask``, for pictures and inspection.
 
     Cross attention with ``kv_layout == "dispatched"`` adds two leaves for the keys,
-    ``kv_order`` ``[kv_padded_total]`` and ``kv_inverse`` ``[total_k]`` (``None`` otherwise:
-    self-attention keys have the leaves they always had).
+    ``kv_chunk_order`` and ``kv_chunk_inverse`` int32 ``[kv_padded_total / kv_chunk_size]``
+    (their token-level views: ``kv_order`` ``[kv_padded_total]``, ``kv_inverse``
+    ``[total_k]``; all ``None`` otherwise: self-attention keys have no key leaves).
     """
 
-    def __init__(self, static: KeyStatic, order, inverse, stage_arrays, kv_order=None,
-                 kv_inverse=None, *, plan=None, mask=None):
+    def __init__(self, static: KeyStatic, chunk_order, chunk_inverse, stage_arrays,
+                 kv_chunk_order=None, kv_chunk_inverse=None, *, plan=None, mask=None):
         self.static = static
-        self.order = order
-        self.inverse = inverse
+        self.chunk_order = chunk_order
+        self.chunk_inverse = chunk_inverse
         self.stage_arrays = stage_arrays
-        self.kv_order = kv_order
-        self.kv_inverse = kv_inverse
+        self.kv_chunk_order = kv_chunk_order
+        self.kv_chunk_inverse = kv_chunk_inverse
         self.plan = plan
         self.mask = mask
 
     def tree_flatten(self):
-        children = (self.order, self.inverse, self.stage_arrays)
-        if self.kv_order is not None:
-            children += (self.kv_order, self.kv_inverse)
+        children = (self.chunk_order, self.chunk_inverse, self.stage_arrays)
+        if self.kv_chunk_order is not None:
+            children += (self.kv_chunk_order, self.kv_chunk_inverse)
         return children, self.static
+
+    @property
+    def order(self):
+        """int32 ``[padded_total]``: the global position of each dispatched token (expanded
+        from ``chunk_order``)."""
+        return _token_index(self.chunk_order, self.static.chunk_size)
+
+    @property
+    def inverse(self):
+        """int32 ``[total]``: the dispatched index of each natural position (expanded from
+        ``chunk_inverse``)."""
+        return _token_index(self.chunk_inverse, self.static.chunk_size)[:self.static.total]
+
+    @property
+    def kv_order(self):
+        """int32 ``[kv_padded_total]``: the global position of each dispatched key
+        (``None`` unless ``kv_layout == "dispatched"``)."""
+        if self.kv_chunk_order is None:
+            return None
+        return _token_index(self.kv_chunk_order, self.static.kv_chunk_size)
+
+    @property
+    def kv_inverse(self):
+        """int32 ``[total_k]``: the dispatched index of each natural key position (``None``
+        unless ``kv_layout == "dispatched"``)."""
+        if self.kv_chunk_inverse is None:
+            return None
+        return _token_index(self.kv_chunk_inverse,
+                            self.static.kv_chunk_size)[:self.static.total_k]
 
     @classmethod
     def tree_unflatten(cls, static, children):
@@ -253,11 +298,12 @@ def _relay_layout(mesh, cp_axis, hierarchical, comm_backend, capacity):
 
 
 def _relay_stage(cast, layout, forced, capacity, cp_axis):
-    """``(RelaySpec, RelayArrays of host tables)`` of a stage's cast, or ``None`` where the
+    """``(RelaySpec, RelayRuns of host tables)`` of a stage's cast, or ``None`` where the
     flat cast stays (``"auto"`` and no fewer rows sent between nodes, padding included: the
     ``ppermute`` of a slot sends its whole width)."""
     from magi_jax.planning.hierarchy import build_relay_table, inter_node_wire_rows
-    from magi_jax.sharding.collectives import RelayArrays, RelaySpec
+    from magi_jax.planning.cast_table import index_runs
+    from magi_jax.sharding.collectives import RelayRuns, RelaySpec
     widths = ({} if capacity is None else
               dict(inter_width=cast.slot_len, intra_width=cast.buffer_len))
     rt = build_relay_table(cast, layout, **widths)
@@ -265,7 +311,17 @@ def _relay_stage(cast, layout, forced, capacity, cp_axis):
         return None
     spec = RelaySpec(tuple(cp_axis), layout.nodes, layout.local, rt.inter_shifts,
                      rt.inter_widths, rt.intra_shifts, rt.intra_widths)
-    return spec, RelayArrays(rt.inter_send, rt.intra_send, rt.recv_index)
+    cp = rt.cp
+    s1, s2 = rt.inter_send.shape[2], rt.intra_send.shape[2]
+    # At a capacity, room for a run per entry (always fits; the shapes follow the capacity).
+    fit = (lambda a: None) if capacity is None else (lambda a: max(a[0].size, 1))
+    runs = RelayRuns(index_runs(rt.inter_send.reshape(cp, -1), split=s1,
+                                num_runs=fit(rt.inter_send)),
+                     index_runs(rt.intra_send.reshape(cp, -1), split=s2,
+                                num_runs=fit(rt.intra_send)),
+                     index_runs(rt.recv_index, num_runs=fit(rt.recv_index)))
+    return dataclasses.replace(spec, inter_slot_len=s1, intra_slot_len=s2,
+                               buffer_len=rt.buffer_len), runs
 
 
 def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
@@ -420,6 +476,8 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
     if dispatch_from is not None and dispatch_from.plan is None:
         raise ValueError("dispatch_from carries no host plan (it was rebuilt inside a traced "
                          "function); pass the key make_flex_key returned")
+    if not isinstance(backward_refetch, (bool, np.bool_)):
+        raise ValueError(f"backward_refetch={backward_refetch!r} must be True or False")
     args = (mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, dispatch_algorithm,
             None if dispatch_from is None else _MetaRef(dispatch_from.plan.meta),
             block_q, block_k, ffa_backend, cp, bool(backward_refetch), capacity, kv_layout,
@@ -574,13 +632,14 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
     for st in plan.stages:
         ffa = type(st.ffa)(*(put(a) for a in st.ffa))
         if st.cast is None:
-            statics.append(StageStatic(st.kv_len, False, None))
+            statics.append(StageStatic(st.kv_len, False, None, st.items))
             arrays.append((ffa, None))
             continue
         # Two-hop casts on a mesh of nodes (hierarchical=...; see _relay_stage).
         two_hop = None if relay is None else _relay_stage(st.cast, *relay, capacity, cp_axis)
         if two_hop is not None:
-            statics.append(StageStatic(st.kv_len, st.kv_len != st.cast.buffer_len, two_hop[0]))
+            statics.append(StageStatic(st.kv_len, st.kv_len != st.cast.buffer_len, two_hop[0],
+                                       st.items))
             arrays.append((ffa, type(two_hop[1])(*(put(a) for a in two_hop[1]))))
             continue
         transport = (choose_transport(st.cast) if comm_backend in ("auto", "xla")
@@ -591,13 +650,12 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
             # The started reduce needs the receive table's runs as static data: a key of one
             # mask only.
             runs = native.reduce_runs(st.cast) if capacity is None else None
-        spec = CastSpec(cp_axis, cp, st.cast.shifts, st.cast.widths, transport, runs)
+        spec = CastSpec(cp_axis, cp, st.cast.shifts, st.cast.widths, transport, runs,
+                        st.cast.slot_len, st.cast.buffer_len)
         combined = st.kv_len != st.cast.buffer_len
-        statics.append(StageStatic(st.kv_len, combined, spec))
-        arrays.append((ffa, CastArrays(put(st.cast.send_index), put(st.cast.recv_index))))
-    order = meta.positions.reshape(-1)
-    inverse = np.empty(meta.padded_total, np.int64)
-    inverse[order] = np.arange(meta.padded_total)
+        statics.append(StageStatic(st.kv_len, combined, spec, st.items))
+        # The tables travel as runs; the collectives expand them on the device.
+        arrays.append((ffa, CastRuns(put(st.cast.send_runs), put(st.cast.recv_runs))))
     replicated = NamedSharding(mesh, P())
     fingerprint = None if capacity is not None else (mask.fingerprint, meta.fingerprint())
     static = KeyStatic(mesh=mesh, cp_axis=cp_axis, cp=cp, total=meta.total,
@@ -610,14 +668,30 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
     if kv is not None:
         kv_rows = mask.total_k if kv_meta is None else kv_meta.padded_total
         static = dataclasses.replace(static, kv_layout=plan.kv_layout, total_k=mask.total_k,
-                                     kv_padded_total=kv_rows, kv_local_len=kv_local)
+                                     kv_padded_total=kv_rows, kv_local_len=kv_local,
+                                     kv_chunk_size=None if kv_meta is None
+                                     else kv_meta.chunk_size)
         if kv_meta is not None:
-            kv_order = kv_meta.positions.reshape(-1)
-            kv_inverse = np.empty(kv_meta.padded_total, np.int64)
-            kv_inverse[kv_order] = np.arange(kv_meta.padded_total)
-            kv_leaves = (_put(kv_order, replicated), _put(kv_inverse[:mask.total_k], replicated))
-    return MagiKey(static, _put(order, replicated), _put(inverse[:meta.total], replicated),
+            kv_leaves = tuple(_put(a, replicated) for a in _chunk_permutation(kv_meta))
+    return MagiKey(static, *(_put(a, replicated) for a in _chunk_permutation(meta)),
                    tuple(arrays), *kv_leaves, plan=plan, mask=mask)
+
+
+def _chunk_permutation(meta) -> tuple[np.ndarray, np.ndarray]:
+    """``(chunk_order, chunk_inverse)`` int64 ``[num_chunks]`` of a dispatch: the natural
+    chunk in each dispatched slot (rank-major, as ``meta.rank_chunks``) and the slot of each
+    natural chunk."""
+    chunk_order = meta.rank_chunks.reshape(-1)
+    chunk_inverse = np.empty(meta.num_chunks, np.int64)
+    chunk_inverse[chunk_order] = np.arange(meta.num_chunks)
+    return chunk_order, chunk_inverse
+
+
+def _token_index(chunks, chunk_size: int):
+    """int32 ``[len(chunks)·chunk_size]``: the token-level view of a chunk permutation (row
+    ``i`` -> ``chunks[i // chunk_size]·chunk_size + i % chunk_size``), on the device."""
+    rows = chunks[:, None] * chunk_size + jnp.arange(chunk_size, dtype=chunks.dtype)
+    return rows.reshape(-1)
 
 
 def _put(a: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -672,8 +746,8 @@ class CheckedKey(MagiKey):
         if key.cross:
             raise ValueError(f"CheckedKey.of: the key is cross attention (kv_layout="
                              f"{key.kv_layout!r}); check_dispatch is for self-attention keys")
-        return cls(key.static, key.order, key.inverse, key.stage_arrays, plan=key.plan,
-                   mask=key.mask)
+        return cls(key.static, key.chunk_order, key.chunk_inverse, key.stage_arrays,
+                   plan=key.plan, mask=key.mask)
 
     def __repr__(self):
         return super().__repr__()[:-1] + ", check_dispatch=True)"
@@ -691,22 +765,50 @@ def _rows_desc(key) -> str:
             f"padding{extra})")
 
 
-def _dispatch_index(key):
-    """``(index, rows)``: dispatched row ``i`` is row ``index[i]`` of the natural-order array
-    zero-padded to ``rows`` rows."""
+# Dispatch moves whole chunks (padding sits at the end of the padded sequence, in chunks of
+# its own), so both directions are one gather of [num_chunks, chunk_size, ...] blocks by the
+# key's [num_chunks] leaves: no token-level index exists, on the host or on the device.
+
+def _split_axis(x, axis: int, *sizes):
+    """``x`` with axis ``axis`` split into ``sizes`` (their product is its length)."""
+    return x.reshape(x.shape[:axis] + sizes + x.shape[axis + 1:])
+
+
+def _merge_axes(x, axis: int, count: int):
+    """``x`` with axes ``axis .. axis + count - 1`` merged into one."""
+    n = int(np.prod(x.shape[axis:axis + count]))
+    return x.reshape(x.shape[:axis] + (n,) + x.shape[axis + count:])
+
+
+def _take_chunks(x, chunks, chunk_size: int, axis: int):
+    """Row block ``i`` (``chunk_size`` rows along ``axis``) of the result is block
+    ``chunks[i]`` of ``x`` (``x.shape[axis] == len(chunks) · chunk_size``)."""
+    blocks = _split_axis(x, axis, chunks.shape[0], chunk_size)
+    return _merge_axes(jnp.take(blocks, chunks, axis=axis), axis, 2)
+
+
+def _pad_rows(x, axis: int, rows: int):
+    """``x`` zero-padded at the end of ``axis`` to ``rows`` rows."""
+    pad = rows - x.shape[axis]
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _add_hidden_rows(x, key, axis: int):
+    """Checked layout: one zero row after each rank's ``local_len`` rows."""
     st = key.static
-    if not _checked(key):
-        return key.order, st.padded_total
-    blocks = key.order.reshape(st.cp, st.local_len)
-    hidden = jnp.full((st.cp, 1), st.padded_total, blocks.dtype)   # a zero row
-    return jnp.concatenate([blocks, hidden], axis=1).reshape(-1), st.padded_total + 1
+    return _merge_axes(_pad_rows(_split_axis(x, axis, st.cp, st.local_len), axis + 1,
+                                 st.local_len + 1), axis, 2)
 
 
-def _undispatch_index(key):
-    """Natural position ``p`` is dispatched row ``index[p]``."""
-    if not _checked(key):
-        return key.inverse
-    return key.inverse + key.inverse // key.static.local_len     # skip one row per rank
+def _drop_hidden_rows(x, key, axis: int):
+    """The inverse of :func:`_add_hidden_rows`."""
+    st = key.static
+    blocks = _split_axis(x, axis, st.cp, st.local_len + 1)
+    return _merge_axes(jax.lax.slice_in_dim(blocks, 0, st.local_len, axis=axis + 1), axis, 2)
 
 
 def _as_array(x, fn):
@@ -762,12 +864,9 @@ def _dispatch_kv(x, key, axis, seq_axis):
                                f"the key's keys are {key.total_k} tokens in natural order")
     if key.kv_layout == "replicated":
         return _shard_rows(x, key, axis, replicated=True)
-    pad = key.kv_padded_total - key.total_k
-    if pad:
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, pad)
-        x = jnp.pad(x, widths)
-    return _shard_rows(jnp.take(x, key.kv_order, axis=axis), key, axis)
+    x = _pad_rows(x, axis, key.kv_padded_total)
+    return _shard_rows(_take_chunks(x, key.kv_chunk_order, key.static.kv_chunk_size, axis),
+                       key, axis)
 
 
 def dispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
@@ -796,13 +895,11 @@ def dispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
             f"the key is for {key.total} tokens in natural order",
             (key.padded_total, "That is the key's dispatched length: x looks dispatched "
              "already (pass it to magi_attention as it is, or undispatch it first)"))
-    index, rows = _dispatch_index(key)
-    pad = rows - key.total
-    if pad:
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, pad)
-        x = jnp.pad(x, widths)
-    return _shard_rows(jnp.take(x, index, axis=axis), key, axis)
+    st = key.static
+    y = _take_chunks(_pad_rows(x, axis, st.padded_total), key.chunk_order, st.chunk_size, axis)
+    if _checked(key):
+        y = _add_hidden_rows(y, key, axis)
+    return _shard_rows(y, key, axis)
 
 
 def undispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
@@ -823,7 +920,8 @@ def undispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
             return x
         if any(t == jax.sharding.AxisType.Explicit for t in key.mesh.axis_types):
             x = jax.sharding.reshard(x, NamedSharding(key.mesh, P()))
-        return jnp.take(x, key.kv_inverse, axis=axis)
+        y = _take_chunks(x, key.kv_chunk_inverse, key.static.kv_chunk_size, axis)
+        return jax.lax.slice_in_dim(y, 0, key.total_k, axis=axis)
     if x.shape[axis] != key.padded_total:
         raise _length_error(
             "undispatch", x, axis, seq_axis, key.padded_total,
@@ -832,7 +930,11 @@ def undispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
              "(undispatch takes outputs of dispatch / magi_attention with this key)"))
     if any(t == jax.sharding.AxisType.Explicit for t in key.mesh.axis_types):
         x = jax.sharding.reshard(x, NamedSharding(key.mesh, P()))
-    return jnp.take(x, _undispatch_index(key), axis=axis)
+    if _checked(key):
+        x = _drop_hidden_rows(x, key, axis)
+    st = key.static
+    y = _take_chunks(x, key.chunk_inverse, st.chunk_size, axis)
+    return jax.lax.slice_in_dim(y, 0, st.total, axis=axis)
 
 
 def _axis(x, seq_axis, fn):

@@ -136,17 +136,15 @@ def _dispatch_of(key: MagiKey):
     if key.plan is not None:
         meta = key.plan.meta
         return meta.rank_chunks, meta.fingerprint()
-    if isinstance(key.order, jax.core.Tracer):
+    if isinstance(key.chunk_order, jax.core.Tracer):
         raise ValueError(
             "roll: the key was built at a PlanCapacity and is traced (passed to a jitted "
             "function as an argument), so its dispatch is data the host cannot see, and roll "
             "plans its transfers on the host. Close over the key instead (jax.jit(lambda x: "
             "mj.roll(x, shift, key))), pass a key built without capacity=, or, for label "
             "shifts, roll the token ids in natural order before mj.dispatch")
-    order = np.asarray(key.order).astype(np.int64)
-    chunk = st.chunk_size
-    rank_chunks = (order[::chunk] // chunk).reshape(st.cp, -1)
-    return rank_chunks, (st.total, st.cp, chunk, rank_chunks.tobytes())
+    rank_chunks = np.asarray(key.chunk_order).astype(np.int64).reshape(st.cp, -1)
+    return rank_chunks, (st.total, st.cp, st.chunk_size, rank_chunks.tobytes())
 
 
 class _TableCache:

@@ -98,3 +98,46 @@ def test_pallas_packings_compile_once(persistent):
         assert_matches_reference(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, mask,
                                  dout, dlse)
     assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_plans_travel_as_runs_and_expand_to_the_item_lists(backend):
+    """A plan stores its lists as runs; expanded on the device (inside jit) they are exactly
+    the item lists the kernels read, padded to the capacity, for every zoo mask."""
+    from magi_jax.ffa.plan import expand_lists
+    from magi_jax.mask_zoo import zoo
+    from magi_jax.planning.work_list import (FFAPlanRuns, backend_blocks, build_work_list,
+                                             pad_work_list)
+    total = 512
+    masks = zoo(total)
+    cap = mj.PlanCapacity.from_masks(masks.values())
+    expand = jax.jit(expand_lists, static_argnums=1)
+    fwd, bwd = backend_blocks(backend, total, total)
+    for name, mask in masks.items():
+        plan = mj.plan_attention(mask, cap, backend=backend)
+        assert isinstance(plan.lists, FFAPlanRuns), name
+        want = (*pad_work_list(build_work_list(mask.shapes, total, total, *fwd, "q"),
+                               plan.static.items[0]),
+                *pad_work_list(build_work_list(mask.shapes, total, total, *bwd, "k"),
+                               plan.static.items[1]))
+        got = expand(plan.lists, plan.static.items)
+        for field, x, y in zip(got._fields, got, want):
+            assert x.dtype == y.dtype and x.shape == y.shape, (name, field)
+            np.testing.assert_array_equal(np.asarray(x), y, err_msg=f"{name} {field}")
+
+
+def test_runs_over_capacity_name_the_field():
+    from magi_jax.planning.work_list import count_runs
+    mask = mj.AttnMask.varlen([0, 50, 120, T], causal=True)
+    cap = mj.PlanCapacity.from_masks([mask], headroom=1.0)
+    assert (cap.q_runs, cap.k_runs) == count_runs(mask.shapes, T, T)
+    lists = mj.plan_attention(mask, mj.PlanCapacity(T), backend="pallas").lists
+    need = dict(q_runs=int((lists.q_runs[:, -1] > 0).sum()),
+                k_runs=int((lists.k_runs[:, -1] > 0).sum()))
+    mj.plan_attention(mask, mj.PlanCapacity(T, **need), backend="pallas")
+    for field, n in need.items():
+        with pytest.raises(mj.CapacityError, match=rf"PlanCapacity\.{field}>={n} .* holds "
+                                                   rf"{n - 1};"):
+            mj.plan_attention(mask, mj.PlanCapacity(T, **{field: n - 1}), backend="pallas")
+    with pytest.raises(ValueError, match=r"PlanCapacity\.k_runs=0"):
+        mj.PlanCapacity(T, k_runs=0)

@@ -75,8 +75,8 @@ def test_stages_split_remote_kv_evenly_and_stack():
     lens = [s.cast.buffer_len for s in remote]
     assert max(lens) - min(lens) <= 1
     for s in plan.stages:
-        assert s.ffa.q_items.shape[0] == 4 and s.ffa.q_items.dtype == np.int32
-        assert s.ffa.k_items.shape[0] == 4
+        assert s.ffa.q_runs.shape[0] == 4 and s.ffa.q_runs.dtype == np.int32
+        assert s.ffa.k_runs.shape[0] == 4
     # A rank's buffer holds at most ceil(remote / 3) rows per stage.
     assert max(lens) == -(-int(plan.remote_tokens.max()) // 3)
 
@@ -97,20 +97,23 @@ def test_cached_and_errors():
 
 
 @pytest.mark.parametrize("name", ["causal", "doc_causal", "shared_question"])
-def test_cast_tables_same_by_runs_and_by_tokens(name, monkeypatch):
+def test_cast_runs_from_pieces_are_those_of_the_tables(name):
+    """The runs built from the pieces are the canonical runs of the tables they expand to
+    (each maximal within a slot), with and without a capacity's fixed slots."""
     from magi_jax.planning import cast_table
     mask = ZOO[name]
     meta = S.solve_dispatch(mask, 4, 4)
     views = D.rank_views(mask, meta, 2)
-    tables = []
-    for threshold in (0, 1 << 30):          # always slice writes / always token writes
-        monkeypatch.setattr(cast_table, "_RUN_WRITE_MIN", threshold)
-        tables.append([cast_table.build_cast_table(
-            meta, [v.remote[v.remote[:, 3] == s] for v in views], 40) for s in range(2)])
-    for a, b in zip(*tables):
-        np.testing.assert_array_equal(a.send_index, b.send_index)
-        np.testing.assert_array_equal(a.recv_index, b.recv_index)
-        assert a.shifts == b.shifts and a.widths == b.widths
+    for width in (None, 40):
+        for s in range(2):
+            a = cast_table.build_cast_table(
+                meta, [v.remote[v.remote[:, 3] == s] for v in views], 40, width)
+            b = cast_table.CastTable.from_index(a.send_index, a.recv_index, a.shifts,
+                                                a.widths)
+            np.testing.assert_array_equal(a.send_runs, b.send_runs)
+            np.testing.assert_array_equal(a.recv_runs, b.recv_runs)
+            assert a.tokens_moved() == int((a.send_index >= 0).sum()) > 0
+            np.testing.assert_array_equal(a.rows_received(), (a.recv_index >= 0).sum(axis=1))
 
 
 def test_split_areas_and_default_overlap_degree():

@@ -29,7 +29,8 @@ from magi_jax.planning.stages import (_UNBOUNDED, DistPlan, RankView, StagePlan,
                                       cast_width, stage_buffer_len)
 from magi_jax.planning.tiling import TileItems
 from magi_jax.planning.work_list import (BAND, EMPTY_ITEM, FULL, GENERAL, NUM_FIELDS,
-                                         FFAPlanArrays, WorkList, backend_blocks)
+                                         FFAPlanArrays, FFAPlanRuns, WorkList, backend_blocks,
+                                         expand_runs)
 from tests.sharding.masks import ZOO, self_attention_masks
 from tests.strategies import slice_masks
 
@@ -175,7 +176,8 @@ def old_build_cast_table(meta: DispatchMeta, remote: list[np.ndarray],
         pi, step = ranges_repeat(np.zeros_like(length), length)
         send[src[pi], slot[pi], off_block[pi] + step] = first_row[pi] + step
         recv[dst[pi], off_b[pi] + step] = first_entry[pi] + step
-    return CastTable(send, recv, tuple(int(s) for s in shifts), tuple(int(w) for w in widths))
+    return CastTable.from_index(send, recv, tuple(int(s) for s in shifts),
+                                tuple(int(w) for w in widths))
 
 
 def old_widen_cast_table(table: CastTable, width: int) -> CastTable:
@@ -202,7 +204,8 @@ def old_widen_cast_table(table: CastTable, width: int) -> CastTable:
     j, p = recv // s_len, recv % s_len
     moved = np.where(real, new_slot[np.clip(j, 0, max(len(new_slot) - 1, 0))] * max(width, 1)
                      + p, -1) if len(new_slot) else np.full_like(recv, -1)
-    return CastTable(send, moved.astype(np.int32), shifts, (int(width),) * len(shifts))
+    return CastTable.from_index(send, moved.astype(np.int32), shifts,
+                                (int(width),) * len(shifts))
 
 
 def old_rank_views(mask: AttnMask, meta: DispatchMeta,
@@ -580,10 +583,13 @@ def same_plan(p, q):
         same_array(x, y, "needed")
     assert len(p.stages) == len(q.stages)
     for i, (s, t) in enumerate(zip(p.stages, q.stages)):
-        assert s.kv_len == t.kv_len and type(s.ffa) is type(t.ffa)
-        for f, x, y in zip(s.ffa._fields, s.ffa, t.ffa):
+        assert s.kv_len == t.kv_len
+        # The new plan's lists travel as runs: expanded, they are the old item lists.
+        assert isinstance(t.ffa, FFAPlanRuns) and isinstance(s.ffa, FFAPlanArrays)
+        assert t.items == (s.ffa.q_items.shape[1], s.ffa.k_items.shape[1])
+        for f, x, y in zip(s.ffa._fields, s.ffa, expand_runs(t.ffa, *t.items)):
             same_array(x, y, f"stage {i} {f}")
-            assert y.flags.c_contiguous
+        assert all(y.flags.c_contiguous for y in t.ffa)
         assert (s.cast is None) == (t.cast is None)
         if s.cast is not None:
             same_table(s.cast, t.cast)
@@ -686,12 +692,12 @@ def test_benchmark_masks_identical(name):
                        block=128)
 
 
-# ---- cast tables, both write strategies --------------------------------------------------------
+# ---- cast tables, stored as runs ---------------------------------------------------------------
 
-@pytest.mark.parametrize("run_write_min", [0, 1 << 30])
 @pytest.mark.parametrize("name", ["causal", "doc_causal", "shared_question", "full"])
-def test_cast_tables_identical(name, run_write_min, monkeypatch):
-    monkeypatch.setattr(C, "_RUN_WRITE_MIN", run_write_min)
+def test_cast_tables_identical(name):
+    """The tables the runs expand to are the old builder's, at every width and at run
+    capacities from the exact need (same tables) to one below it (CapacityError)."""
     mask = ZOO[name]
     for cp in (2, 3, 4, 8):
         meta = S.solve_dispatch(mask, cp, 2 if cp < 8 else None)
@@ -705,8 +711,27 @@ def test_cast_tables_identical(name, run_write_min, monkeypatch):
                 got = outcome(C.build_cast_table, meta, remote, 50, width)
                 if isinstance(want, Raised):
                     assert want == got
-                else:
-                    same_table(want, got)
+                    continue
+                same_table(want, got)
+                send_need, recv_need = got.run_counts()
+                pieces = np.concatenate([np.column_stack([rem[:, :3], np.full(len(rem), r),
+                                                          rem[:, 4]]) for r, rem in
+                                         enumerate(remote) if len(rem)] or
+                                        [np.zeros((0, 5), np.int64)])
+                build = lambda a, b: C.cast_table_from_pieces(
+                    meta, *pieces.T, buffer_len=50, width=width, send_runs=a, recv_runs=b)
+                for a, b in ((send_need, recv_need), (send_need + 5, recv_need + 3)):
+                    at_cap = build(a, b)
+                    same_table(want, at_cap)
+                    assert at_cap.send_runs.shape == (cp, min(a + cp - 1, (cp - 1) * width),
+                                                      2)
+                    assert at_cap.recv_runs.shape == (cp, min(b, 50), 2)
+                if send_need > 1:
+                    with pytest.raises(CapacityError, match="send_runs"):
+                        build(send_need - 1, recv_need)
+                if recv_need > 1:
+                    with pytest.raises(CapacityError, match="recv_runs"):
+                        build(send_need, recv_need - 1)
 
 
 # ---- work lists --------------------------------------------------------------------------------

@@ -183,3 +183,57 @@ def test_persistent_schedule_balanced(mask, groups, progs):
     _, _, loads = _schedule_loads(work, groups, progs, 1.0)
     heaviest = work.counts().max() + 1.0
     assert loads.max() <= loads.sum() / len(loads) + heaviest + 1e-9
+
+
+def _lists_as_runs(mask, fwd, bwd, num_items=None, num_runs=None):
+    from magi_jax.planning.work_list import plan_runs, work_list_runs
+    one = np.zeros(len(mask.shapes.q0), np.int64)
+    runs = [work_list_runs(mask.shapes, one, 1, mask.total_q, mask.total_k, *b, by)
+            for b, by in ((fwd, "q"), (bwd, "k"))]
+    return runs, plan_runs(*runs, num_runs)
+
+
+def test_runs_hand_checked():
+    """Causal 256 on 128 x 128 tiles: q-tile 1 sees k-tile 0 (FULL) and 1 (BAND): two runs
+    of one item; on 64-row tiles k-tile 0 is seen FULL by q-tiles 2, 3 (one run of two)."""
+    from magi_jax.planning.work_list import EMPTY_RUN, RUN_FIELDS, expand_runs
+    _, plan = _lists_as_runs(AttnMask.causal(256), (128, 128), (64, 128), num_runs=(4, 5))
+    assert RUN_FIELDS[-1] == "length" and plan.q_runs.shape == (1, 4, 9)
+    np.testing.assert_array_equal(plan.q_runs[0, :3, 0], [0, 0, 1])     # first other tile
+    np.testing.assert_array_equal(plan.q_runs[0, :3, -1], [1, 1, 1])    # lengths
+    np.testing.assert_array_equal(plan.q_runs[0, 3], EMPTY_RUN)
+    np.testing.assert_array_equal(plan.k_runs[0, :3, 0], [2, 0, 2])
+    np.testing.assert_array_equal(plan.k_runs[0, :3, -1], [2, 2, 2])
+    np.testing.assert_array_equal(plan.k_runs[0, :3, 7], [FULL, BAND, BAND])
+    lists = expand_runs(plan, 5, 8)
+    want = (*pad_work_list(build_work_list(AttnMask.causal(256).shapes, 256, 256, 128, 128,
+                                           "q"), 5),
+            *pad_work_list(build_work_list(AttnMask.causal(256).shapes, 256, 256, 64, 128,
+                                           "k"), 8))
+    for x, y in zip(lists, want):
+        np.testing.assert_array_equal(x[0], y)
+
+
+@given(slice_masks(max_len=300), st.sampled_from([(128, 128, 64, 128), (16, 8, 16, 8),
+                                                  (8, 32, 8, 32)]))
+def test_runs_expand_to_the_item_lists(mask, blocks):
+    """Runs hold every item once: expanded (host) at any width that fits they are exactly
+    the item lists; fewer runs or items than needed raise naming the field."""
+    from magi_jax.planning.work_list import check_runs, expand_runs
+    fwd, bwd = blocks[:2], blocks[2:]
+    (rq, rk), plan = _lists_as_runs(mask, fwd, bwd)
+    wq = build_work_list(mask.shapes, mask.total_q, mask.total_k, *fwd, "q")
+    wk = build_work_list(mask.shapes, mask.total_q, mask.total_k, *bwd, "k")
+    assert plan.q_runs.shape[1] <= len(wq.items) and plan.k_runs.shape[1] <= len(wk.items)
+    for extra in (0, 3):
+        got = expand_runs(plan, len(wq.items) + extra, len(wk.items) + extra)
+        want = (*pad_work_list(wq, len(wq.items) + extra),
+                *pad_work_list(wk, len(wk.items) + extra))
+        for x, y in zip(got, want):
+            assert x.dtype == np.int32 and x.shape[1:] == y.shape
+            np.testing.assert_array_equal(x[0], y)
+    n = plan.q_runs.shape[1]
+    if n:
+        with pytest.raises(CapacityError, match=rf"PlanCapacity\.q_runs>={n}"):
+            check_runs(rq, n - 1, "q_runs")
+    check_runs(rk, plan.k_runs.shape[1], "k_runs")

@@ -10,8 +10,11 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import PartitionSpec as P
 
 from magi_jax.planning import solver as S
-from magi_jax.planning.cast_table import CastTable, build_cast_table, cast_model, reduce_model
-from magi_jax.sharding.collectives import CastArrays, CastSpec, group_cast, group_reduce
+from magi_jax.planning.cast_table import (CastTable, build_cast_table, cast_model,
+                                          expand_runs as host_expand_runs, index_runs,
+                                          reduce_model)
+from magi_jax.sharding.collectives import (CastArrays, CastRuns, CastSpec, expand_runs,
+                                           expand_tables, group_cast, group_reduce)
 
 
 def _mesh(cp):
@@ -26,7 +29,7 @@ def _runner(cp, spec, num_rows, op):
     mesh = _mesh(cp)
 
     def body(x, send, recv):
-        tables = CastArrays(send[0], recv[0])
+        tables = (CastRuns if spec.slot_len else CastArrays)(send[0], recv[0])
         if op == "cast":
             return group_cast(x[0], tables, spec)[None]
         if op == "reduce":
@@ -39,10 +42,15 @@ def _runner(cp, spec, num_rows, op):
                                  out_specs=P("cp"), check_vma=False))
 
 
-def _run(op, x, table, num_rows, transport):
-    spec = CastSpec("cp", table.cp, table.shifts, table.widths, transport)
+def _run(op, x, table, num_rows, transport, runs=False):
+    """``runs``: pass the tables as the key does (CastRuns, expanded on the device)."""
+    spec = CastSpec("cp", table.cp, table.shifts, table.widths, transport,
+                    slot_len=table.slot_len if runs else 0,
+                    buffer_len=table.buffer_len if runs else 0)
+    tables = (table.send_runs, table.recv_runs) if runs else (table.send_index,
+                                                               table.recv_index)
     return np.asarray(_runner(table.cp, spec, num_rows, op)(
-        jnp.asarray(x), jnp.asarray(table.send_index), jnp.asarray(table.recv_index)))
+        jnp.asarray(x), *map(jnp.asarray, tables)))
 
 
 def _meta(cp, chunk, per_rank):
@@ -96,15 +104,16 @@ def test_random_tables_match_numpy_model(seed, cp, transport):
     rng = np.random.default_rng(seed)
     table, t_loc = _random_table(rng, cp, 3, 2, int(rng.integers(0, 3)))
     x = rng.standard_normal((cp, t_loc, 2, 4)).astype(np.float32)
-    np.testing.assert_array_equal(_run("cast", x, table, t_loc, transport),
-                                  cast_model(x, table))
     y = rng.standard_normal((cp, table.buffer_len, 2, 4)).astype(np.float32)
     want = reduce_model(y, table, t_loc)
-    np.testing.assert_allclose(_run("reduce", y, table, t_loc, transport), want, rtol=1e-6,
-                               atol=1e-6)
-    # The cast's VJP is the reduce.
-    np.testing.assert_allclose(_run("cast_vjp", y, table, t_loc, transport), want, rtol=1e-6,
-                               atol=1e-6)
+    for runs in (False, True):
+        np.testing.assert_array_equal(_run("cast", x, table, t_loc, transport, runs),
+                                      cast_model(x, table))
+        np.testing.assert_allclose(_run("reduce", y, table, t_loc, transport, runs), want,
+                                   rtol=1e-6, atol=1e-6)
+        # The cast's VJP is the reduce.
+        np.testing.assert_allclose(_run("cast_vjp", y, table, t_loc, transport, runs), want,
+                                   rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("transport", ["ppermute", "all_to_all"])
@@ -165,3 +174,84 @@ def test_reduce_sums_in_float32():
 def test_spec_rejects_unknown_transport():
     with pytest.raises(ValueError, match="transport='ragged'"):
         CastSpec("cp", 2, (1,), (1,), "ragged")
+
+
+# ---- tables as runs: the device expansion gives the host tables exactly --------------------
+
+_expand = jax.jit(expand_runs, static_argnums=1)
+
+
+def _random_index(rng, cp, n, slot):
+    """Random index rows: stretches of consecutive values and of padding (-1), cut at slot
+    boundaries or not."""
+    idx = np.full((cp, n), -1, np.int64)
+    for r in range(cp):
+        p = 0
+        while p < n:
+            ln = int(rng.integers(1, 7))
+            if rng.random() < 0.6:
+                v = int(rng.integers(0, 50))
+                idx[r, p:p + ln] = np.arange(v, v + ln)[:n - p]
+            p += ln
+    return idx
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 4), st.integers(1, 9))
+def test_random_index_tables_expand_exactly(seed, cp, slot):
+    n = 60                                  # one size: the device expansion compiles once
+    rng = np.random.default_rng(seed)
+    idx = _random_index(rng, cp, n, slot)
+    for split, value_split in ((None, None), (slot, None), (None, slot)):
+        runs = index_runs(idx, split=split, value_split=value_split)
+        assert runs.dtype == np.int32 and runs.shape[:1] == (cp,)
+        np.testing.assert_array_equal(host_expand_runs(runs, n), idx)
+        # Room for more runs than needed (padding runs) changes nothing.
+        padded = index_runs(idx, split=split, value_split=value_split, num_runs=n)
+        np.testing.assert_array_equal(host_expand_runs(padded, n), idx)
+        for r in range(cp):
+            got = np.asarray(_expand(jnp.asarray(padded[r]), n))
+            assert got.dtype == np.int32
+            np.testing.assert_array_equal(got, idx[r])
+
+
+def _stage_tables(mask, cp, capacity):
+    from magi_jax.planning.stages import build_dist_plan
+    from magi_jax.planning.work_list import default_block_sizes
+    meta = S.solve_dispatch(mask, cp, capacity and capacity.chunk_size)
+    degree = 2 if capacity is None else capacity.overlap_degree
+    blocks = default_block_sizes(meta.local_len, meta.local_len)
+    plan = build_dist_plan(mask, meta, degree, *blocks, "xla", capacity)
+    return [st_.cast for st_ in plan.stages if st_.cast is not None]
+
+
+@pytest.mark.parametrize("cp", [2, 8])
+def test_zoo_stage_tables_expand_exactly(cp):
+    """Every stage's cast of the zoo masks at a capacity (and of a few of them without one):
+    the tables the device expands from the runs, as the collectives do, are the host's, and
+    at a capacity every mask's runs have the capacity's shapes."""
+    from magi_jax.planning.capacity import PlanCapacity
+    from tests.sharding.masks import ZOO
+    masks = list(ZOO.values())
+    cap = PlanCapacity.from_masks(masks, mesh_size=cp, overlap_degree=2)
+    shapes = set()
+    for i, mask in enumerate(masks):
+        for capacity in (cap, None) if i < 3 else (cap,):
+            for table in _stage_tables(mask, cp, capacity):
+                spec = CastSpec("cp", cp, table.shifts, table.widths, "ppermute",
+                                slot_len=table.slot_len, buffer_len=table.buffer_len)
+                if capacity is not None:
+                    shapes.add((table.send_runs.shape, table.recv_runs.shape, spec))
+                got = _expand_ranks(CastRuns(table.send_runs, table.recv_runs), spec)
+                assert isinstance(got, CastArrays)
+                np.testing.assert_array_equal(np.asarray(got.send_index), table.send_index)
+                np.testing.assert_array_equal(np.asarray(got.recv_index), table.recv_index)
+    assert len(shapes) == 1
+    # The runs are far smaller than the tables they stand for.
+    table = _stage_tables(ZOO["doc_causal"], cp, cap)[0]
+    assert table.nbytes < table.send_index.nbytes + table.recv_index.nbytes
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _expand_ranks(runs, spec):
+    return jax.vmap(lambda t: expand_tables(t, spec))(runs)

@@ -84,3 +84,51 @@ def test_key_cache_is_bounded_by_bytes():
         assert len(_KEYS._keys) == 1
     finally:
         clear_key_cache(max_bytes=1 << 30)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_stage_lists_travel_as_runs_and_expand_to_the_item_lists(backend):
+    """A key's stage work lists are runs; expanded on the device (inside jit, per rank as
+    under shard_map) they are exactly each rank's item lists at the capacity, for zoo
+    masks, with and without a capacity."""
+    from magi_jax.ffa.plan import expand_lists
+    from magi_jax.mask_zoo import zoo
+    from magi_jax.planning.work_list import (FFAPlanRuns, backend_blocks, build_work_list,
+                                             pad_work_list)
+    masks = dict(list(zoo(T).items())[:6])
+    mesh = _mesh()
+    expand = jax.jit(lambda lists, items: [expand_lists(jax.tree.map(lambda a: a[r], lists),
+                                                        items) for r in range(CP)],
+                     static_argnums=1)
+    for capacity in (None, mj.PlanCapacity.from_masks(masks.values(), mesh_size=CP)):
+        for name, mask in masks.items():
+            key = mj.make_flex_key(mask, mesh, "cp", capacity=capacity, ffa_backend=backend,
+                                   comm_backend="xla")
+            for i, ((lists, _), st, stage) in enumerate(zip(key.stage_arrays, key.plan.stages,
+                                                            key.static.stages)):
+                assert isinstance(lists, FFAPlanRuns) and stage.items == st.items
+                fwd, bwd = backend_blocks(backend, key.local_len, st.kv_len, key.block_q,
+                                          key.block_k)
+                for r, got in enumerate(expand(lists, stage.items)):
+                    want = (*pad_work_list(build_work_list(st.shapes[r], key.local_len,
+                                                           st.kv_len, *fwd, "q"), st.items[0]),
+                            *pad_work_list(build_work_list(st.shapes[r], key.local_len,
+                                                           st.kv_len, *bwd, "k"), st.items[1]))
+                    for field, x, y in zip(got._fields, got, want):
+                        assert x.shape == y.shape and x.dtype == y.dtype, (name, i, r, field)
+                        np.testing.assert_array_equal(np.asarray(x), y,
+                                                      err_msg=f"{name} stage {i} rank {r}")
+
+
+def test_runs_over_capacity_name_the_field():
+    masks = list(varlen_packings(T, 3, seed=4))
+    cap = mj.PlanCapacity.from_masks(masks, mesh_size=CP, headroom=1.0)
+    mesh = _mesh()
+    for mask in masks:
+        mj.make_flex_key(mask, mesh, "cp", capacity=cap, ffa_backend="xla")
+    for field in ("q_runs", "k_runs"):
+        small = mj.PlanCapacity.from_masks(masks, mesh_size=CP, headroom=1.0,
+                                           **{field: 1})
+        with pytest.raises(mj.CapacityError, match=rf"PlanCapacity\.{field}>=\d+ .* holds 1;"):
+            for mask in masks:
+                mj.make_flex_key(mask, mesh, "cp", capacity=small, ffa_backend="xla")
