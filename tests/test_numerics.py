@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import magi_jax as mj
-from magi_jax.ffa.testing import assert_matches_reference
+from magi_jax.ffa.testing import assert_matches_reference, fwd_bwd
 from magi_jax.mask import AttnMask
 
 LONG_ROW = 2 ** 20
@@ -95,12 +95,7 @@ def _ffa_vjp(mask, backend, softcap, block_k=None):
     fn = lambda a, b, c: mj.flex_flash_attention(a, b, c, mask, softcap=softcap,
                                                  backend=backend, block_k=block_k)
 
-    @jax.jit
-    def run(q, k, v, dout, dlse):
-        (out, lse), vjp = jax.vjp(fn, q, k, v)
-        dq, dk, dv = vjp((dout, dlse))
-        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
-    return run
+    return fwd_bwd(fn)
 
 
 def run_ffa(mask, q, k, v, dout, dlse, *, backend="xla", softcap=0.0, block_k=None):
@@ -203,12 +198,7 @@ def _cp_vjp(key, softcap):
                                  mj.dispatch(v, key), key, softcap=softcap)
         return mj.undispatch(o, key), mj.undispatch(l, key)
 
-    @jax.jit
-    def run(q, k, v, dout, dlse):
-        (out, lse), vjp = jax.vjp(fwd, q, k, v)
-        dq, dk, dv = vjp((dout, dlse))
-        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
-    return run
+    return fwd_bwd(fwd)
 
 
 def test_cp_large_logits_single_key_and_empty_rows():

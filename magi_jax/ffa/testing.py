@@ -17,7 +17,8 @@ import numpy as np
 from magi_jax.mask import AttnMask
 from magi_jax.ffa.reference import dense_attention
 
-__all__ = ["reference_results", "assert_matches_reference", "random_inputs", "FLOORS"]
+__all__ = ["reference_results", "assert_matches_reference", "random_inputs", "fwd_bwd",
+           "FLOORS"]
 
 # Absolute error floors, relative to max(1, ‖ref64‖∞): what a correct implementation may
 # always differ by, even where the low-precision reference happens to be very accurate.
@@ -35,6 +36,18 @@ def random_inputs(key, mask: AttnMask, hq: int, hkv: int, d: int, dtype, batch: 
     dout = jax.random.normal(ks[3], lead + (mask.total_q, hq, d), jnp.float32).astype(dtype)
     dlse = jax.random.normal(ks[4], lead + (mask.total_q, hq), jnp.float32)
     return q, k, v, dout, dlse
+
+
+def fwd_bwd(fwd):
+    """``fwd(q, k, v) -> (out, lse)`` as one jitted step ``run(q, k, v, dout, dlse)`` that
+    returns ``dict(out, lse, dq, dk, dv)`` — the results :func:`assert_matches_reference`
+    takes."""
+    @jax.jit
+    def run(q, k, v, dout, dlse):
+        (out, lse), vjp = jax.vjp(fwd, q, k, v)
+        dq, dk, dv = vjp((dout, dlse))
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    return run
 
 
 def reference_results(q, k, v, mask, dout, dlse=None, *, softmax_scale=None, softcap=0.0,

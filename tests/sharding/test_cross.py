@@ -17,7 +17,7 @@ from magi_jax.planning.solver import auto_kv_layout, solve_dispatch, solve_kv_di
 from magi_jax.planning.stages import REPLICATED_KV, build_dist_plan, resolve_kv
 from magi_jax.sharding import (dispatch, magi_attention, magi_attention_local, make_flex_key,
                                position_ids, undispatch)
-from magi_jax.ffa.testing import assert_matches_reference, random_inputs
+from magi_jax.ffa.testing import assert_matches_reference, fwd_bwd, random_inputs
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,12 +143,7 @@ def _end_to_end(key, seq_axis=0):
                               dispatch(v, key, seq_axis, role="kv"), key)
         return undispatch(o, key, seq_axis), undispatch(l, key, seq_axis)
 
-    @jax.jit
-    def run(q, k, v, dout, dlse):
-        (out, lse), vjp = jax.vjp(fwd, q, k, v)
-        dq, dk, dv = vjp((dout, dlse))
-        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
-    return run
+    return fwd_bwd(fwd)
 
 
 def _check(key, mask, batch=None, seed=0):
@@ -249,12 +244,7 @@ def test_local_body_in_own_shard_map():
         o, l = body(dispatch(q, key), dispatch(k, key, role="kv"), dispatch(v, key, role="kv"))
         return undispatch(o, key), undispatch(l, key)
 
-    @jax.jit
-    def run(q, k, v, dout, dlse):
-        (out, lse), vjp = jax.vjp(fwd, q, k, v)
-        dq, dk, dv = vjp((dout, dlse))
-        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
-    assert_matches_reference(run(q, k, v, dout, dlse), q, k, v, mask, dout, dlse)
+    assert_matches_reference(fwd_bwd(fwd)(q, k, v, dout, dlse), q, k, v, mask, dout, dlse)
 
 
 # ---- errors at the boundary --------------------------------------------------------------

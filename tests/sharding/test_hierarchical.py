@@ -21,7 +21,7 @@ from magi_jax.planning.hierarchy import (NodeLayout, build_relay_table, inter_no
 from magi_jax.sharding import dispatch, magi_attention, make_flex_key, undispatch
 from magi_jax.sharding.collectives import (CastArrays, CastSpec, RelayArrays, RelaySpec,
                                            group_cast, group_reduce)
-from magi_jax.ffa.testing import assert_matches_reference, random_inputs
+from magi_jax.ffa.testing import assert_matches_reference, fwd_bwd, random_inputs
 from tests.sharding.masks import ZOO
 
 AXES = ("node", "local")
@@ -192,12 +192,7 @@ def _end_to_end(key):
         o, l = magi_attention(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)
         return undispatch(o, key), undispatch(l, key)
 
-    @jax.jit
-    def run(q, k, v, dout, dlse):
-        (out, lse), vjp = jax.vjp(fwd, q, k, v)
-        dq, dk, dv = vjp((dout, dlse))
-        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
-    return run
+    return fwd_bwd(fwd)
 
 
 def test_magi_attention_two_hop_vs_reference_and_flat():
