@@ -51,36 +51,42 @@ def fwd_bwd(fwd):
 
 
 def reference_results(q, k, v, mask, dout, dlse=None, *, softmax_scale=None, softcap=0.0,
-                      float64: bool = True) -> dict[str, np.ndarray]:
+                      sink=None, float64: bool = True) -> dict[str, np.ndarray]:
     """The reference's out, lse, dq, dk, dv and max_logits as NumPy arrays, in float64
-    (``float64=True``) or in the inputs' precision."""
+    (``float64=True``) or in the inputs' precision; with ``sink`` ``[S, Hq]`` the sinks join
+    every row's denominator and ``dsink`` is added."""
     dense = mask.to_dense()
 
-    def run(q_, k_, v_, do_, dl_):
-        return dict(zip(_NAMES, _reference_vjp(q_, k_, v_, do_, dl_, dense,
-                                               softmax_scale=softmax_scale, softcap=softcap)))
+    def run(q_, k_, v_, do_, dl_, s_):
+        res = _reference_vjp(q_, k_, v_, do_, dl_, s_, dense, softmax_scale=softmax_scale,
+                             softcap=softcap)
+        return dict(zip(_NAMES + ("dsink",), res[:len(_NAMES)] + res[len(_NAMES):]))
 
     if float64:
         with jax.enable_x64(True):
             cast = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))
-            res = run(*(cast(x) for x in (q, k, v, dout, dlse)))
+            res = run(*(cast(x) for x in (q, k, v, dout, dlse, sink)))
             return {n: np.asarray(x, np.float64) for n, x in res.items()}
-    res = run(q, k, v, dout, dlse)
+    res = run(q, k, v, dout, dlse, None if sink is None else jnp.asarray(sink, jnp.float32))
     return {n: np.asarray(x).astype(np.float64) for n, x in res.items()}
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "softcap"))
-def _reference_vjp(q, k, v, dout, dlse, dense, *, softmax_scale, softcap):
-    """Jitted with the dense mask as an argument, so masks of one size share a compilation."""
-    def fn(q_, k_, v_):
+def _reference_vjp(q, k, v, dout, dlse, sink, dense, *, softmax_scale, softcap):
+    """Jitted with the dense mask as an argument, so masks of one size share a compilation.
+    Returns out, lse, dq, dk, dv, max_logits, then dsink when ``sink`` is given."""
+    def fn(q_, k_, v_, *s_):
         out, lse, max_logits = dense_attention(q_, k_, v_, dense, softmax_scale=softmax_scale,
-                                               softcap=softcap, return_max_logits=True)
+                                               softcap=softcap, sink=s_[0] if s_ else None,
+                                               return_max_logits=True)
         return (out, lse), max_logits
 
-    (out, lse), vjp, max_logits = jax.vjp(fn, q, k, v, has_aux=True)
+    sinks = () if sink is None else (sink,)
+    (out, lse), vjp, max_logits = jax.vjp(fn, q, k, v, *sinks, has_aux=True)
     if dlse is None:
         dlse = jnp.zeros(lse.shape, lse.dtype)
-    return (out, lse) + vjp((dout.astype(out.dtype), dlse.astype(lse.dtype))) + (max_logits,)
+    grads = vjp((dout.astype(out.dtype), dlse.astype(lse.dtype)))
+    return (out, lse) + grads[:3] + (max_logits,) + grads[3:]
 
 
 def _max_err(x, ref):
@@ -90,17 +96,18 @@ def _max_err(x, ref):
 
 
 def assert_matches_reference(results: dict, q, k, v, mask: AttnMask, dout=None, dlse=None, *,
-                             softmax_scale=None, softcap=0.0, floor: float | None = None,
-                             ref64: dict | None = None, ref_lp: dict | None = None) -> dict:
-    """Checks ``results`` (any of out, lse, dq, dk, dv, max_logits) against the correctness rule
-    (docs/design.md §5).
+                             softmax_scale=None, softcap=0.0, sink=None,
+                             floor: float | None = None, ref64: dict | None = None,
+                             ref_lp: dict | None = None) -> dict:
+    """Checks ``results`` (any of out, lse, dq, dk, dv, max_logits, and dsink with ``sink``)
+    against the correctness rule (docs/design.md §5).
 
     Returns the per-quantity ``(error, bound)`` table; raises ``AssertionError`` naming every
     quantity that fails. Pass ``ref64``/``ref_lp`` to reuse references across calls.
     """
     if dout is None:
         dout = jnp.zeros(q.shape, q.dtype)
-    kw = dict(softmax_scale=softmax_scale, softcap=softcap)
+    kw = dict(softmax_scale=softmax_scale, softcap=softcap, sink=sink)
     ref64 = ref64 or reference_results(q, k, v, mask, dout, dlse, float64=True, **kw)
     ref_lp = ref_lp or reference_results(q, k, v, mask, dout, dlse, float64=False, **kw)
     base = FLOORS[jnp.dtype(q.dtype).name] if floor is None else floor

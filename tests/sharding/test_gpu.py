@@ -1,6 +1,8 @@
 """Context parallelism on GPUs (marked ``gpu``; skipped elsewhere): the pallas FFA per rank,
 at a size where the kernels' tiles are full, against the float64 reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,9 @@ import pytest
 from magi_jax.mask import AttnMask
 from magi_jax.sharding import dispatch, magi_attention, make_flex_key, undispatch
 from magi_jax.sharding.ffa_backends import get_backend
-from magi_jax.ffa.testing import assert_matches_reference, random_inputs
+from magi_jax.ffa.api import flex_flash_attention
+from magi_jax.ffa.testing import (assert_matches_reference, fwd_bwd, random_inputs,
+                                  reference_results)
 
 
 def _gpus():
@@ -149,3 +153,68 @@ def test_pallas_cp_at_64k_matches_single_gpu_ffa(name):
     for name_, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         scale = max(1.0, float(np.abs(b).max()))
         assert np.abs(a - b).max() <= 2e-2 * scale, name_
+
+
+def _gpu_mesh():
+    gpus = _gpus()
+    if not gpus or not getattr(gpus[0], "compute_capability", "").startswith("9"):
+        pytest.skip("needs Hopper GPUs")
+    return jax.make_mesh((len(gpus),), ("cp",), devices=gpus,
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["replicated", "dispatched"])
+def test_pallas_cross_attention_matches_reference(layout):
+    """Video-to-text style cross attention (Tq != Tk) on the pallas kernels, both key
+    layouts: query document i attends to key document i."""
+    mesh = _gpu_mesh()
+    qc, kc = np.cumsum([0, 3000, 2000, 1192]), np.cumsum([0, 300, 517, 224])
+    mask = AttnMask.from_ranges(np.stack([qc[:-1], qc[1:]], 1), np.stack([kc[:-1], kc[1:]], 1),
+                                ["full", "causal", "full"], total_q=int(qc[-1]),
+                                total_k=int(kc[-1]))
+    key = make_flex_key(mask, mesh, "cp", kv_layout=layout, ffa_backend="pallas")
+    assert key.kv_layout == layout and key.ffa_backend == "pallas"
+    q, k, v, dout, dlse = random_inputs(jax.random.key(3), mask, 4, 2, 128, jnp.bfloat16)
+
+    def fwd(q_, k_, v_):
+        o, l = magi_attention(dispatch(q_, key), dispatch(k_, key, role="kv"),
+                              dispatch(v_, key, role="kv"), key)
+        return undispatch(o, key), undispatch(l, key)
+
+    assert_matches_reference(fwd_bwd(fwd)(q, k, v, dout, dlse), q, k, v, mask, dout, dlse)
+
+
+@pytest.mark.gpu
+def test_pallas_sinks_and_max_logits_match_reference():
+    """Attention sinks (with their gradient) and QK-clip max logits on the pallas kernels,
+    on one device and under context parallelism, against the float64 reference with the
+    sinks in its denominator."""
+    mesh = _gpu_mesh()
+    mask = AttnMask.varlen(np.cumsum([0, 2500, 131, 3000, 2561]), causal=True)
+    key = make_flex_key(mask, mesh, "cp", overlap_degree=1, ffa_backend="pallas")
+    q, k, v, dout, dlse = random_inputs(jax.random.key(4), mask, 4, 2, 128, jnp.bfloat16)
+    sink = jax.random.normal(jax.random.key(5), (2, 4), jnp.float32)
+
+    def one_device(q_, k_, v_, s_):
+        return flex_flash_attention(q_, k_, v_, mask, sink=s_, backend="pallas",
+                                    return_max_logits=True)
+
+    def context_parallel(q_, k_, v_, s_):
+        o, l, ml = magi_attention(dispatch(q_, key), dispatch(k_, key), dispatch(v_, key), key,
+                                  sink=s_, return_max_logits=True)
+        return undispatch(o, key), undispatch(l, key), ml
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(attn, q_, k_, v_, s_, do, dl):
+        fn = lambda *a: attn(*a)[:2]
+        (out, lse), vjp = jax.vjp(fn, q_, k_, v_, s_)
+        dq, dk, dv, ds = vjp((do, dl))
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dsink=ds,
+                    max_logits=attn(q_, k_, v_, s_)[2])
+
+    ref64 = reference_results(q, k, v, mask, dout, dlse, sink=sink, float64=True)
+    ref_lp = reference_results(q, k, v, mask, dout, dlse, sink=sink, float64=False)
+    for attn in (one_device, context_parallel):
+        assert_matches_reference(run(attn, q, k, v, sink, dout, dlse), q, k, v, mask, dout,
+                                 dlse, sink=sink, ref64=ref64, ref_lp=ref_lp)
