@@ -38,19 +38,17 @@ from magi_jax.mask_zoo import make_mask as zoo_mask  # noqa: E402
 ZOO = ("full", "causal", "doc_causal", "doc_full", "swa_causal_1024", "swa_causal_4096",
        "block_causal", "shared_question", "prefix_lm", "causal_blockwise")
 IMPLS = ("ffa_pallas", "ffa_xla", "cudnn", "tokamax", "xla_dense")
-# The forward knobs of the pallas kernel (results/kernel/kernel_notes.md, "Knobs"): the forward
-# alone, the default against the loop without the intra-warpgroup overlap (alone and with its
-# own knob), 3 slots (one program per tile) and one program per tile; the two knobs that
-# also change the backward kernels, fwd+bwd at full/causal 16k.
-_BASE = "ffa_pallas:intra_wg_overlap=0"
-_FWD_KNOB_IMPLS = ("ffa_pallas", _BASE, _BASE + ":k_wait_under_pv=1",
-                   "ffa_pallas:num_stages=3:persistent=0", "ffa_pallas:persistent=0")
+# The pipeline knobs of the pallas kernels (results/kernel/kernel_notes.md, "Knobs"): the
+# forward alone, the default against 3 slots (one program per tile) and one program per
+# tile; the dK/dV kernel's 3 slots, fwd+bwd at full/causal 16k.
+_FWD_KNOB_IMPLS = ("ffa_pallas", "ffa_pallas:num_stages=3:persistent=0",
+                   "ffa_pallas:persistent=0")
 # Persistent kernels (one program per H200 SM; by default on a GPU the forward's and the
-# dK/dV kernel's on short rows) against one program per tile, forward and backward separately.
-_PERSISTENT_IMPLS = ("ffa_pallas:persistent=0", "ffa_pallas:persistent=132",
-                     "ffa_pallas:bwd_persistent=132",
-                     "ffa_pallas:persistent=132:bwd_persistent=132")
-_BWD_KNOB_IMPLS = ("ffa_pallas", "ffa_pallas:head_major=1:fma_softmax=1:dkv_num_stages=3")
+# dK/dV kernel's on short rows) against one program per tile, forward and dK/dV separately.
+_PERSISTENT_IMPLS = ("ffa_pallas:persistent=0:dkv_persistent=0", "ffa_pallas:persistent=132",
+                     "ffa_pallas:dkv_persistent=132",
+                     "ffa_pallas:persistent=132:dkv_persistent=132")
+_BWD_KNOB_IMPLS = ("ffa_pallas", "ffa_pallas:dkv_num_stages=3")
 # (mask, length, impls or None for --impls[, modes instead of --modes]).
 PRESETS = {
     # The acceptance lines: full/causal 16k (B=2) and doc-causal 32k against the
@@ -121,7 +119,7 @@ def attention_fn(impl: str, mask: AttnMask, name: str):
     """``f(q, k, v) -> out`` for one implementation, or raises NotImplementedError."""
     t = mask.total_q
     if impl.startswith("ffa_pallas"):
-        # "ffa_pallas" or with tuning, e.g. "ffa_pallas:num_stages=3:fused_acc=0".
+        # "ffa_pallas" or with tuning, e.g. "ffa_pallas:num_stages=3:persistent=0".
         from magi_jax.pallas import flex_flash_attention_pallas
         tuning = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in impl.split(":")[1:]}
         return lambda q, k, v: flex_flash_attention_pallas(q, k, v, mask, **tuning)[0]

@@ -1,5 +1,6 @@
 """Where the FFA pallas time goes: the forward, the delta preprocess, the dQ kernel and the
-dK/dV kernel timed one at a time, each with one program per unit and persistent.
+dK/dV kernel timed one at a time; the forward and dK/dV each with one program per unit and
+persistent, dQ (which has no persistent mode) with one program per unit.
 
     PYTHONPATH=. python benchmarks/kernel_parts.py --masks causal,swa_causal_1024 --out DIR
 
@@ -31,7 +32,8 @@ from magi_jax.pallas import plan_for_mask  # noqa: E402
 from magi_jax.pallas.common import LOG2E  # noqa: E402
 from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq  # noqa: E402
 from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward  # noqa: E402
-from magi_jax.planning.work_list import BAND, GENERAL, persistent_schedule  # noqa: E402
+from magi_jax.planning.work_list import (BAND, GENERAL, FFAPlanArrays,  # noqa: E402
+                                         persistent_schedule)
 
 
 def general_kinds(work):
@@ -64,7 +66,7 @@ def parts(name, total, heads, d, programs, bands=True, stages=2, registers=(232,
                 return ()
             return tuple(jnp.asarray(a) for a in persistent_schedule(work, batch * heads,
                                                                       progs))
-        fcfg = FwdConfig(scale, 0.0, fma_softmax=True, head_major=True, persistent=progs)
+        fcfg = FwdConfig(scale=scale, persistent=progs)
         fwd = jax.jit(lambda q, k, v: ffa_forward(q, k, v, *fwd_lists, fcfg, sched(plan.fwd)))
         out, lse = fwd(q, k, v)
         rows.append(dict(part="forward", programs=progs, ms=bench(fwd, (q, k, v)) * 1e3,
@@ -73,16 +75,16 @@ def parts(name, total, heads, d, programs, bands=True, stages=2, registers=(232,
         prep = jax.jit(lambda out, do: jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32),
                                                   do.astype(jnp.float32)))
         delta = prep(out, do)
+        args = (q, k, v, do, lse2, delta)
+        bcfg = BwdConfig(scale=scale, num_stages=stages, registers=registers)
         if not progs:
             rows.append(dict(part="delta", programs=0, ms=bench(prep, (out, do)) * 1e3,
                              flops=0.0))
-        bcfg = BwdConfig(scale, 0.0, num_stages=stages, fma_softmax=True, head_major=True,
-                         persistent=progs, registers=registers)
-        dq = jax.jit(lambda *a: ffa_dq(*a, *fwd_lists, bcfg, sched(plan.fwd)))
+            dq = jax.jit(lambda *a: ffa_dq(*a, *fwd_lists, bcfg))
+            rows.append(dict(part="dq", programs=0, ms=bench(dq, args) * 1e3,
+                             flops=1.5 * flops))
+        bcfg = dataclasses.replace(bcfg, persistent=progs)
         dkv = jax.jit(lambda *a: ffa_dkv(*a, *dkv_lists, bcfg, sched(plan.bwd)))
-        args = (q, k, v, do, lse2, delta)
-        rows.append(dict(part="dq", programs=progs, ms=bench(dq, args) * 1e3,
-                         flops=1.5 * flops))
         rows.append(dict(part="dkv", programs=progs, ms=bench(dkv, args) * 1e3,
                          flops=2.0 * flops))
     for r in rows:

@@ -73,21 +73,20 @@ def supported(q, k, v, mask=None, *, check_device: bool = True) -> tuple[bool, s
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-    scale: float
-    softcap: float
-    interpret: bool
-    num_stages: int = 2
-    dq_num_stages: int = 2
-    dkv_num_stages: int = 2
-    fused_acc: bool = True
-    fma_softmax: bool = True
-    head_major: bool = True
-    k_wait_under_pv: bool = False
-    persistent: int = 0
-    dq_persistent: int = 0
-    dkv_persistent: int = 0
-    intra_wg_overlap: bool = True
-    max_logits: bool = False
+    """The static configuration of one call: its three kernels' configs."""
+
+    fwd: FwdConfig
+    dq: BwdConfig
+    dkv: BwdConfig
+
+    @classmethod
+    def build(cls, scale: float, softcap: float, interpret: bool, *, fwd=None, dq=None,
+              dkv=None) -> _Config:
+        """Configs sharing ``scale``, ``softcap``, ``interpret``; ``fwd``/``dq``/``dkv``:
+        each kernel's other fields (dicts; the configs' defaults where absent)."""
+        shared = dict(scale=float(scale), softcap=float(softcap), interpret=bool(interpret))
+        return cls(FwdConfig(**shared, **(fwd or {})), BwdConfig(**shared, **(dq or {})),
+                   BwdConfig(**shared, **(dkv or {})))
 
 
 def _pad_rows(x, multiple):
@@ -99,16 +98,15 @@ def _pad_rows(x, multiple):
 
 
 class _Schedules(NamedTuple):
-    """Host schedules of the persistent kernels: ``(offsets, units)`` of
+    """Host schedules of the persistent kernels (forward, dK/dV): ``(offsets, units)`` of
     :func:`~magi_jax.planning.work_list.persistent_schedule`, or ``()`` where a kernel is not
     persistent."""
 
     fwd: tuple
-    dq: tuple
     dkv: tuple
 
 
-_NO_SCHEDULES = _Schedules((), (), ())
+_NO_SCHEDULES = _Schedules((), ())
 
 
 def _on_host(plan: FFAPlanArrays) -> bool:
@@ -118,19 +116,17 @@ def _on_host(plan: FFAPlanArrays) -> bool:
 
 def _schedules(plan: FFAPlanArrays, cfg: _Config, batch: int, hq: int,
                hkv: int) -> _Schedules:
-    if not (cfg.persistent or cfg.dq_persistent or cfg.dkv_persistent):
+    fwd, dkv = cfg.fwd.persistent, cfg.dkv.persistent
+    if not (fwd or dkv):
         return _NO_SCHEDULES
     if not _on_host(plan):
-        raise ValueError(f"persistent={cfg.persistent}, bwd_persistent="
-                         f"{cfg.dq_persistent or cfg.dkv_persistent}: the persistent kernels "
+        raise ValueError(f"persistent={fwd}, dkv_persistent={dkv}: the persistent kernels "
                          "schedule their units on the host, so the plan must be NumPy arrays "
                          "(not traced or device arrays); pass 0 here")
     fwd_list = WorkList(plan.q_order, plan.q_offsets, plan.q_items)
     dkv_list = WorkList(plan.k_order, plan.k_offsets, plan.k_items)
     sched = lambda work, groups, n: persistent_schedule(work, groups, n) if n else ()
-    return _Schedules(sched(fwd_list, batch * hq, cfg.persistent),
-                      sched(fwd_list, batch * hq, cfg.dq_persistent),
-                      sched(dkv_list, batch * hkv, cfg.dkv_persistent))
+    return _Schedules(sched(fwd_list, batch * hq, fwd), sched(dkv_list, batch * hkv, dkv))
 
 
 def _forward(q, k, v, plan: FFAPlanArrays, sched: _Schedules, cfg: _Config):
@@ -138,15 +134,8 @@ def _forward(q, k, v, plan: FFAPlanArrays, sched: _Schedules, cfg: _Config):
     qp = _pad_rows(q, FWD_BLOCK_Q)
     kp, vp = _pad_rows(k, FWD_BLOCK_K), _pad_rows(v, FWD_BLOCK_K)
     out, lse_bht, *res = ffa_forward(qp, kp, vp, plan.q_order, plan.q_offsets, plan.q_items,
-                               FwdConfig(cfg.scale, cfg.softcap, num_stages=cfg.num_stages,
-                                         fused_acc=cfg.fused_acc, fma_softmax=cfg.fma_softmax,
-                                         head_major=cfg.head_major,
-                                         k_wait_under_pv=cfg.k_wait_under_pv,
-                                         intra_wg_overlap=cfg.intra_wg_overlap,
-                                         persistent=cfg.persistent, row_max=cfg.max_logits,
-                                         interpret=cfg.interpret),
-                               sched.fwd)
-    # With cfg.max_logits the kernel's per-row maxima become per-head ones: [B, Hq].
+                                     cfg.fwd, sched.fwd)
+    # With cfg.fwd.row_max the kernel's per-row maxima become per-head ones: [B, Hq].
     return (out[:, :tq], lse_bht[:, :, :tq]) + tuple(
         jax.lax.stop_gradient(r[:, :, :tq].max(axis=-1)) for r in res)
 
@@ -178,16 +167,11 @@ def _ffa_bwd(cfg, res, cts, between_dkv_dq=None, split_kv_at=0):
     pad_stat = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -tq % FWD_BLOCK_Q)))
     args = (pad_q(q), pad_k(k), pad_k(v), pad_q(dout.astype(q.dtype)), pad_stat(lse2),
             pad_stat(delta))
-    bcfg = lambda stages, progs: BwdConfig(cfg.scale, cfg.softcap, num_stages=stages,
-                                           fma_softmax=cfg.fma_softmax,
-                                           head_major=cfg.head_major, persistent=progs,
-                                           interpret=cfg.interpret)
-    dq_kernel = lambda args: ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items,
-                                    bcfg(cfg.dq_num_stages, cfg.dq_persistent), sched.dq)
+    dq_kernel = lambda args: ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items, cfg.dq)
     if between_dkv_dq is None:
         dq = dq_kernel(args)
     dkv_kernel = functools.partial(ffa_dkv, *args, plan.k_order, plan.k_offsets, plan.k_items,
-                                   bcfg(cfg.dkv_num_stages, cfg.dkv_persistent), sched.dkv)
+                                   cfg.dkv, sched.dkv)
     if split_kv_at and split_kv_at % DKV_SPLIT_ALIGN == 0:
         # Each tile stored straight into its part: no slicing copy of the first part.
         dk0, dv0, dk1, dv1 = dkv_kernel(split=split_kv_at)
@@ -221,7 +205,7 @@ _ffa.defvjp(_ffa_fwd, _ffa_bwd)
 # per q-tile), +0.5-3 % on doc-causal 32k (~19); one program per unit +1.5-2 % on causal
 # (~65) and full (128) 16k. dK/dV (kernel_parts_*_1356, _1624; items of half the size):
 # persistent 3-5 % faster on SWA 1024, doc-causal and prefix-LM 16k, 3 % slower on causal.
-# The persistent dQ was slower on every mask, so it is never the default.
+# The persistent dQ was slower on every mask and was removed.
 PERSISTENT_MAX_MEAN_ITEMS = 32
 DKV_PERSISTENT_MAX_MEAN_ITEMS = 64
 
@@ -244,11 +228,10 @@ def _default_programs(plan: FFAPlanArrays, interpret: bool, kernel: str = "fwd")
 
 
 def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: float = 0.0,
-               interpret: bool = False, num_stages: int = 2, dq_num_stages: int = 2,
-               dkv_num_stages: int = 2, fused_acc: bool = True, fma_softmax: bool = True,
-               head_major: bool = True, k_wait_under_pv: bool = False,
-               persistent: int | None = None, bwd_persistent: int | None = None,
-               intra_wg_overlap: bool = True, schedules: tuple | None = None,
+               interpret: bool = False, num_stages: int = FwdConfig.num_stages,
+               dq_num_stages: int = BwdConfig.num_stages,
+               dkv_num_stages: int = BwdConfig.num_stages, persistent: int | None = None,
+               dkv_persistent: int | None = None, schedules: tuple | None = None,
                return_max_logits: bool = False):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
@@ -260,34 +243,26 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
     ``interpret=True`` runs the kernels in Mosaic GPU interpret mode (CPU, tests only).
     Tuning (results do not depend on it beyond rounding): ``num_stages`` (forward),
     ``dq_num_stages``, ``dkv_num_stages``: shared-memory slots of the producer rings (with
-    D = 128 only the dK/dV kernel fits 3); ``fused_acc``: the forward lets wgmma accumulate
-    into the rescaled output registers; ``fma_softmax``: the softmax scale applied inside
-    ``exp2`` (one FMA per score); ``head_major``: launch order (see
-    :func:`magi_jax.pallas.common.launch_grid`); forward only: ``k_wait_under_pv``: the
-    consumers wait for the next K tile underneath the P·V wgmma rather than at the top of the
-    step (only with ``intra_wg_overlap=False``); ``intra_wg_overlap``: each item's Q·Kᵀ is
-    issued with the previous item's P·V, which runs under this item's softmax
-    (FlashAttention-3's intra-warpgroup overlap; +3-7 % on the H200, 2026-11-30);
+    D = 128 the forward fits 3 only with one program per unit, dQ 2, dK/dV 3);
     ``persistent``: 0 (one program per q-tile and head) or the number of programs (the
     SM count) that walk the (q-tile, batch, head) units of a host schedule
-    (:func:`~magi_jax.planning.work_list.persistent_schedule`), the K/V pipeline running on across
-    units and each unit's Q loaded under the previous unit's last matmuls, so the plan must be
-    NumPy arrays here; ``None`` (default): the SM count of the default GPU when the plan is
-    NumPy arrays, its q-tiles are short (:data:`PERSISTENT_MAX_MEAN_ITEMS`), the kernels run
-    on a GPU and ``num_stages`` <= 2 (its output buffer takes the shared memory of a third
-    slot), else 0 (measured on an H200, 2026-11-30: +11 % on SWA 1024, 1.5-2 % slower on
-    full and causal 16k); backward only: ``bwd_persistent``: the
-    same for the dQ and dK/dV kernels (dQ units: q-tile, batch, query head; dK/dV: k-tile,
-    batch, key head), storing through output buffers of their own (with D = 128 that leaves
-    room for ``dq_num_stages`` <= 2 and ``dkv_num_stages`` <= 3); ``None`` (default): dQ one
-    program per unit (its persistent mode measured slower on every mask), dK/dV persistent
-    on short k-tiles (:data:`DKV_PERSISTENT_MAX_MEAN_ITEMS`, 3-5 % faster there) when
-    ``dkv_num_stages`` <= 3, like the forward's default.
+    (:func:`~magi_jax.planning.work_list.persistent_schedule`), the K/V pipeline running on
+    across units and each unit's Q loaded under the previous unit's last matmuls, so the plan
+    must be NumPy arrays here; ``None`` (default): the SM count of the default GPU when the
+    plan is NumPy arrays, its q-tiles are short (:data:`PERSISTENT_MAX_MEAN_ITEMS`), the
+    kernels run on a GPU and ``num_stages`` <= 2 (its output buffer takes the shared memory
+    of a third slot), else 0 (measured on an H200, 2026-11-30: +11 % on SWA 1024, 1.5-2 %
+    slower on full and causal 16k); ``dkv_persistent``: the same for the dK/dV kernel
+    (units: k-tile, batch, key head), storing through output buffers of its own (with
+    D = 128 that leaves room for ``dkv_num_stages`` <= 3); ``None`` (default): persistent on
+    short k-tiles (:data:`DKV_PERSISTENT_MAX_MEAN_ITEMS`, 3-5 % faster there) when
+    ``dkv_num_stages`` <= 3, like the forward's default. The dQ kernel runs one program per
+    unit (a persistent dQ measured slower on every mask).
 
     ``schedules``: schedules built beforehand (a plan as data, whose arrays may be traced:
     :func:`magi_jax.ffa.plan.plan_attention`): ``()`` runs one program per unit, ``(fwd
     offsets, fwd units, dK/dV offsets, dK/dV units)`` the persistent forward and dK/dV
-    kernels over them; ``persistent``/``bwd_persistent`` are then not used.
+    kernels over them; ``persistent``/``dkv_persistent`` are then not used.
 
     ``return_max_logits=True`` adds a third output, ``max_logits [(B,) Hq]`` float32: each
     head's largest ``softmax_scale·q·k`` (before the softcap) over the allowed cells,
@@ -302,16 +277,14 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
                               float(softcap), bool(interpret), bool(return_max_logits))
     if persistent is None:
         persistent = _default_programs(plan, interpret) if num_stages <= 2 else 0
-    if bwd_persistent is None:
-        dq_persistent = 0
+    if dkv_persistent is None:
         dkv_persistent = _default_programs(plan, interpret, "dkv") if dkv_num_stages <= 3 else 0
-    else:
-        dq_persistent = dkv_persistent = int(bwd_persistent)
-    cfg = _Config(float(softmax_scale), float(softcap), bool(interpret), int(num_stages),
-                  int(dq_num_stages), int(dkv_num_stages), bool(fused_acc),
-                  bool(fma_softmax), bool(head_major), bool(k_wait_under_pv),
-                  int(persistent), dq_persistent, dkv_persistent, bool(intra_wg_overlap),
-                  bool(return_max_logits))
+    cfg = _Config.build(softmax_scale, softcap, interpret,
+                        fwd=dict(num_stages=int(num_stages), persistent=int(persistent),
+                                 row_max=bool(return_max_logits)),
+                        dq=dict(num_stages=int(dq_num_stages)),
+                        dkv=dict(num_stages=int(dkv_num_stages),
+                                 persistent=int(dkv_persistent)))
     batched = q.ndim == 4
     sched = _schedules(plan, cfg, q.shape[0] if batched else 1, q.shape[-2], k.shape[-2])
     sched = jax.tree.map(lambda a: jnp.asarray(a, jnp.int32), sched)
@@ -326,10 +299,11 @@ def _ffa_scheduled(q, k, v, plan, schedules, scale, softcap, interpret, max_logi
     tuning; dQ one program per unit)."""
     programs = (int(schedules[0].shape[0]) - 1, int(schedules[2].shape[0]) - 1) \
         if schedules else (0, 0)
-    cfg = _Config(scale, softcap, interpret, persistent=programs[0], dkv_persistent=programs[1],
-                  max_logits=max_logits)
+    cfg = _Config.build(scale, softcap, interpret,
+                        fwd=dict(persistent=programs[0], row_max=max_logits),
+                        dkv=dict(persistent=programs[1]))
     as_i32 = lambda a: jnp.asarray(a, jnp.int32)
-    sched = (_Schedules((as_i32(schedules[0]), as_i32(schedules[1])), (),
+    sched = (_Schedules((as_i32(schedules[0]), as_i32(schedules[1])),
                         (as_i32(schedules[2]), as_i32(schedules[3])))
              if schedules else _NO_SCHEDULES)
     plan = FFAPlanArrays(*(as_i32(a) for a in plan))
@@ -353,7 +327,7 @@ def ffa_pallas_backward(q, k, v, plan: FFAPlanArrays, out, lse, dout, dlse, *,
     kernel, and ends it with the token. ``split_kv_at=n`` (with the hook): the hook gets,
     and the call returns, dK and dV each as two arrays, rows ``[:n]`` and ``[n:]``; where
     ``n`` is a multiple of ``DKV_SPLIT_ALIGN`` the kernel stores them apart (no copy)."""
-    cfg = _Config(float(softmax_scale), float(softcap), bool(interpret))
+    cfg = _Config.build(softmax_scale, softcap, interpret)
     plan = FFAPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     lift = (lambda x: x) if q.ndim == 4 else (lambda x: x[None])
     unlift = (lambda x: x) if q.ndim == 4 else (lambda x: x[0])

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 import math
 
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.planning.work_list import BAND, FULL, GENERAL
+from magi_jax.planning.work_list import BAND, FULL, GENERAL, ITEM_FIELDS
 
-__all__ = ["LOG2E", "LN2", "SMEM_BYTES", "smem", "smem_bytes", "check_smem", "mma_lhs",
-           "tile_predicate", "mask_scores", "launch_grid", "kernel_grid", "scheduled_units",
-           "check_pipeline", "check_schedule"]
+__all__ = ["LOG2E", "LN2", "SMEM_BYTES", "ItemField", "item_geometry", "item_fields",
+           "smem", "smem_bytes", "check_smem", "mma_lhs", "tile_predicate", "mask_scores",
+           "launch_grid", "kernel_grid", "scheduled_units", "check_pipeline",
+           "check_schedule"]
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -27,6 +29,36 @@ _DIAG_CLAMP = 1 << 29
 SMEM_BYTES = 227 * 1024
 _SMEM_ALIGN = 1024
 _BARRIER_BYTES = 8
+
+
+class ItemField(enum.IntEnum):
+    """Columns of a work item (:data:`~magi_jax.planning.work_list.ITEM_FIELDS`): the tile on
+    the other side, the slice's canonical geometry, the mask kind."""
+
+    OTHER_TILE = 0
+    Q0 = 1
+    Q1 = 2
+    K0 = 3
+    K1 = 4
+    DLO = 5
+    DHI = 6
+    KIND = 7
+
+
+assert tuple(f.name.lower() for f in ItemField) == ITEM_FIELDS, ITEM_FIELDS
+_GEOMETRY = tuple(ItemField)[ItemField.Q0:ItemField.DHI + 1]   # (q0, q1, k0, k1, dlo, dhi)
+
+
+def item_geometry(items_ref, it):
+    """The slice geometry ``(q0, q1, k0, k1, dlo, dhi)`` of item ``it`` of a work list, as
+    :func:`mask_scores` takes it."""
+    return tuple(items_ref[it, f] for f in _GEOMETRY)
+
+
+def item_fields(items_ref, it):
+    """Item ``it`` of a work list as ``(other tile, slice geometry, mask kind)``."""
+    return (items_ref[it, ItemField.OTHER_TILE], item_geometry(items_ref, it),
+            items_ref[it, ItemField.KIND])
 
 
 def smem(shape, dtype):
@@ -47,10 +79,11 @@ def smem_bytes(scratch) -> int:
     return total
 
 
-def check_smem(kernel: str, scratch, out_scratch, *, stages_knob: str, stages: int,
-               persistent_knob: str, persistent: int, d: int, dtype):
-    """Raises ``ValueError`` naming the knobs to turn when ``scratch`` and the persistent
-    mode's output buffers ``out_scratch`` do not fit one sm90 block."""
+def check_smem(kernel: str, scratch, out_scratch=(), *, stages_knob: str, stages: int,
+               persistent_knob: str | None = None, persistent: int = 0, d: int, dtype):
+    """Raises ``ValueError`` naming the knobs to turn when the buffers ``scratch`` and the
+    persistent mode's output buffers ``out_scratch`` do not fit one sm90 block
+    (``persistent_knob=None``: a kernel without a persistent mode)."""
     total = smem_bytes(scratch) + smem_bytes(out_scratch)
     if total <= SMEM_BYTES:
         return
@@ -58,9 +91,10 @@ def check_smem(kernel: str, scratch, out_scratch, *, stages_knob: str, stages: i
     if out_scratch and smem_bytes(scratch) <= SMEM_BYTES:
         fix += (f" or turn {persistent_knob} off (its output buffers take "
                 f"{smem_bytes(out_scratch)} bytes)")
-    raise ValueError(f"the {kernel} kernel with {stages_knob}={stages}, persistent="
-                     f"{persistent}, D={d} and {jnp.dtype(dtype).name} needs {total} bytes of "
-                     f"shared memory (> {SMEM_BYTES} on sm90); {fix}")
+    mode = "" if persistent_knob is None else f", persistent={persistent}"
+    raise ValueError(f"the {kernel} kernel with {stages_knob}={stages}{mode}, D={d} and "
+                     f"{jnp.dtype(dtype).name} needs {total} bytes of shared memory "
+                     f"(> {SMEM_BYTES} on sm90); {fix}")
 
 
 def mma_lhs(acc_ref, x, b_ref, stage):
@@ -82,57 +116,55 @@ def _inside(x, lo, n):
     return (x - lo).astype(jnp.uint32) < n.astype(jnp.uint32)
 
 
-def _local_diagonals(item, row0, col0):
-    """The item's diagonal bounds ``dlo <= c − r <= dhi`` as ``(lo, n)`` of
+def _local_diagonals(geom, row0, col0):
+    """The slice's diagonal bounds ``dlo <= c − r <= dhi`` as ``(lo, n)`` of
     :func:`_inside` on the tile-local difference ``ic − ir``."""
+    *_, dlo, dhi = geom
     off = col0 - row0
-    lo = lax.max(item[4], jnp.int32(-_DIAG_CLAMP))
-    hi = lax.min(item[5], jnp.int32(_DIAG_CLAMP))
+    lo = lax.max(dlo, jnp.int32(-_DIAG_CLAMP))
+    hi = lax.min(dhi, jnp.int32(_DIAG_CLAMP))
     return lo - off, lax.max(hi - lo + 1, jnp.int32(0))
 
 
-def tile_predicate(item, row0, col0, shape, layout, transposed=False):
-    """Cells of a tile that belong to the item's slice. The tile's first query row is
-    ``row0`` and first key ``col0``; queries run along axis 0 (axis 1 if ``transposed``)."""
+def tile_predicate(geom, row0, col0, shape, layout, transposed=False):
+    """Cells of a tile that belong to the slice of geometry ``geom`` (``(q0, q1, k0, k1,
+    dlo, dhi)``, :func:`item_fields`). The tile's first query row is ``row0`` and first key
+    ``col0``; queries run along axis 0 (axis 1 if ``transposed``)."""
     q_axis, k_axis = (1, 0) if transposed else (0, 1)
     ir = plgpu.broadcasted_iota(jnp.int32, shape, q_axis, layout=layout)
     ic = plgpu.broadcasted_iota(jnp.int32, shape, k_axis, layout=layout)
-    q0, q1, k0, k1 = item[:4]
+    q0, q1, k0, k1, _, _ = geom
     return (_inside(ir, q0 - row0, q1 - q0) & _inside(ic, k0 - col0, k1 - k0)
-            & _inside(ic - ir, *_local_diagonals(item, row0, col0)))
+            & _inside(ic - ir, *_local_diagonals(geom, row0, col0)))
 
 
-def mask_scores(s, item, kind, row0, col0, layout, transposed=False):
+def mask_scores(s, geom, kind, row0, col0, layout, transposed=False):
     """``s`` with the cells outside the item's slice set to ``-inf``, by the item's ``kind``
     (:data:`~magi_jax.planning.work_list.GENERAL`, ``FULL``, ``BAND``); arguments as
     :func:`tile_predicate`."""
     def general():
-        return jnp.where(tile_predicate(item, row0, col0, s.shape, layout, transposed), s,
+        return jnp.where(tile_predicate(geom, row0, col0, s.shape, layout, transposed), s,
                          -jnp.inf)
 
     def band():
         q_axis, k_axis = (1, 0) if transposed else (0, 1)
         t = (plgpu.broadcasted_iota(jnp.int32, s.shape, k_axis, layout=layout)
              - plgpu.broadcasted_iota(jnp.int32, s.shape, q_axis, layout=layout))
-        return jnp.where(_inside(t, *_local_diagonals(item, row0, col0)), s, -jnp.inf)
+        return jnp.where(_inside(t, *_local_diagonals(geom, row0, col0)), s, -jnp.inf)
 
     branches = {GENERAL: general, FULL: lambda: s, BAND: band}
     return lax.switch(kind, [branches[i] for i in range(len(branches))])
 
 
-def launch_grid(num_tiles: int, batch: int, heads: int, head_major: bool):
+def launch_grid(num_tiles: int, batch: int, heads: int):
     """``(grid, grid_names)`` of a kernel over (tile, batch, head). The last grid axis varies
-    fastest at launch. ``head_major=False``: heads fastest, so every head of the heaviest
-    tile starts first (what was measured on the H200 on 2026-11-30); ``head_major=True``:
-    tiles fastest (still heaviest first within each head), so programs running together share
-    one head's K/V (or Q/dO) through L2, as cuDNN/tokamax order their grids."""
-    if head_major:
-        return (heads, batch, num_tiles), ("head", "batch", "tile")
-    return (num_tiles, batch, heads), ("tile", "batch", "head")
+    fastest at launch: tiles (heaviest first within each head), so programs running together
+    share one head's K/V (or Q/dO) through L2, as cuDNN/tokamax order their grids. (Heads
+    fastest was the other order measured on the H200, 2026-11-30.)"""
+    return (heads, batch, num_tiles), ("head", "batch", "tile")
 
 
-def kernel_grid(persistent: int, head_major: bool, num_tiles: int, batch: int, heads: int,
-                schedule):
+def kernel_grid(persistent: int, num_tiles: int, batch: int, heads: int, schedule):
     """``(grid, grid_names, schedule)`` of a kernel over ``num_tiles · batch · heads`` units:
     one program per unit in the order of :func:`launch_grid`, or ``persistent`` programs
     walking the host ``schedule`` (checked against the grid by :func:`check_schedule`;
@@ -143,7 +175,7 @@ def kernel_grid(persistent: int, head_major: bool, num_tiles: int, batch: int, h
         schedule = tuple(schedule)
         check_schedule(schedule, num_progs, num_units)
         return (num_progs,), ("prog",), schedule
-    return (*launch_grid(num_tiles, batch, heads, head_major), ())
+    return (*launch_grid(num_tiles, batch, heads), ())
 
 
 def scheduled_units(schedule_refs, num_tiles: int, batch: int, order_ref):

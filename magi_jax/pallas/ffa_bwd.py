@@ -9,15 +9,21 @@
   64 rows that see it, for every query head of the GQA group, so ``dK``/``dV`` of a key head
   are summed in float32 registers and written once (no atomics, no second reduction).
 
-Persistent mode (``BwdConfig.persistent = N``): N programs walk these units in a static
-schedule instead (the host's :func:`~magi_jax.planning.work_list.persistent_schedule`), so one
-unit's prologue (its own inputs) and epilogue (the output store) hide under its neighbours'
-work.
+The dK/dV kernel's persistent mode (``BwdConfig.persistent = N``): N programs walk its units
+in a static schedule instead (the host's
+:func:`~magi_jax.planning.work_list.persistent_schedule`), so one unit's prologue (its own K,
+V) and epilogue (the output store) hide under its neighbours' work. dQ has no persistent
+mode: it measured slower than one program per unit on every mask (H200, 2026-11-30,
+benchmarks/results/kernel/LATEST.md).
+
+Both kernels scale inside the exponent (``exp2(s·c − lse)``, one FMA per score) and launch
+their grid head-major (:func:`~magi_jax.pallas.common.launch_grid`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -25,8 +31,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (LOG2E, check_pipeline, check_smem, kernel_grid,
-                                    mask_scores, mma_lhs, scheduled_units, smem)
+from magi_jax.pallas.common import (LOG2E, ItemField, check_pipeline, check_smem, item_fields,
+                                    kernel_grid, launch_grid, mask_scores, mma_lhs,
+                                    scheduled_units, smem)
 from magi_jax.planning.work_list import DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["BwdConfig", "ffa_dq", "ffa_dkv"]
@@ -39,23 +46,20 @@ _ROW = plgpu.Layout.WGMMA.reduce(1)
 _COL = plgpu.Layout.WGMMA.reduce(0)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BwdConfig:
-    """Static configuration of the backward kernels."""
+    """Static configuration of a backward kernel (:func:`ffa_dq`, :func:`ffa_dkv`)."""
 
     scale: float
-    softcap: float
+    softcap: float = 0.0
+    # Shared-memory slots of the producer's ring.
     num_stages: int = 2
-    fma_softmax: bool = False   # see FwdConfig
-    head_major: bool = False    # see magi_jax.pallas.common.launch_grid (persistent: unused)
-    # 0: one program per unit — (q-tile, batch, query head) for dQ, (k-tile, batch, key
-    # head) for dK/dV — in the order of launch_grid. N > 0: min(N, units) programs (the SM
-    # count, 132 on an H200) walk the units of the host schedule the kernels take as their
-    # ``schedule`` argument. Across units the producer's ring runs on (one drain at
-    # the end), each consumer loads its next unit's own inputs (dQ: Q, dO, lse, delta;
-    # dK/dV: its K, V) as soon as the last wgmma pair that reads them is done, and outputs
-    # leave through buffers of their own, so the store of one unit overlaps the next.
-    # Slower than one program per unit on the H200 (benchmarks/results/kernel/kernel_notes.md): off.
+    # dK/dV only. 0: one program per (k-tile, batch, key head) unit, in the order of
+    # launch_grid. N > 0: min(N, units) programs (the SM count, 132 on an H200) walk the
+    # units of the host schedule ffa_dkv takes as its ``schedule`` argument. Across units
+    # the producer's ring runs on (one drain at the end), each consumer loads its next
+    # unit's K, V as soon as the last wgmma pair that reads them is done, and outputs leave
+    # through buffers of their own, so the store of one unit overlaps the next.
     persistent: int = 0
     # Registers per thread of a consumer and of the producer warpgroup after the split
     # (setmaxnreg; multiples of 8, 2·consumer + producer <= 504 for 3 warpgroups).
@@ -78,9 +82,7 @@ def _log2_scores(s, cfg: BwdConfig):
     if cfg.softcap:
         t = jnp.tanh(s * (cfg.scale / cfg.softcap))
         return t * (cfg.softcap * LOG2E), None, 1.0 - t * t
-    if cfg.fma_softmax:
-        return s, cfg.scale * LOG2E, None
-    return s * (cfg.scale * LOG2E), None, None
+    return s, cfg.scale * LOG2E, None
 
 
 def _exp2_minus(s, c, stat, dim):
@@ -126,6 +128,19 @@ def _drain(total, stages, streams):
             plgpu.barrier_wait(free.at[slot])
 
 
+class _DkvUnit(NamedTuple):
+    """A unit of the dK/dV kernel: k-tile ``tile`` of key head ``kv_head`` in ``batch``, whose
+    items are ``items[first:first + num_items]``; it walks them once per query head of the
+    GQA group, ``num_steps`` steps in all."""
+
+    tile: Any
+    batch: Any
+    kv_head: Any
+    first: Any
+    num_items: Any
+    num_steps: Any
+
+
 def _walk_units(num_mine, work_of, body):
     """Persistent programs: ``body(j, work_of(j), base) -> base`` over this program's units
     ``j < num_mine``, ``base`` counting the ring steps of the units before (so slots and
@@ -138,8 +153,7 @@ def _item_step(items_ref, it, i, base, stages, ready):
     """Step ``i`` of a ring walk on item ``it``: its slot, after waiting for the slot's
     ``ready`` barriers, and the item's (other tile, slice geometry, mask kind)."""
     slot = lax.rem(i if base is None else base + i, jnp.int32(stages))
-    other, geom, kind = (items_ref[it, 0], tuple(items_ref[it, f] for f in range(1, 7)),
-                         items_ref[it, 7])
+    other, geom, kind = item_fields(items_ref, it)
     for barrier in ready:
         plgpu.barrier_wait(barrier.at[slot])
     return slot, other, geom, kind
@@ -183,13 +197,15 @@ def _store_outputs(outs, persistent):
         plgpu.wait_smem_to_gmem(0)
 
 
-def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, schedule=()):
+def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
     """dQ. q/dout ``[B, Tq, Hq, D]``, k/v ``[B, Tk, Hkv, D]``; ``lse2 [B, Hq, Tq]`` float32
     is the lse times log2(e) with ``+inf`` on rows that see no key (so P = 0 there);
-    ``delta [B, Hq, Tq]`` float32; the forward work list. With ``cfg.persistent``,
-    ``schedule`` is the ``(offsets, units)`` of
-    :func:`magi_jax.planning.work_list.persistent_schedule` for ``B·Hq`` groups. Returns dq like
-    q."""
+    ``delta [B, Hq, Tq]`` float32; the forward work list. One program per (q-tile, batch,
+    query head). Returns dq like q."""
+    if cfg.persistent:
+        raise ValueError(f"persistent={cfg.persistent}: the dQ kernel runs one program per "
+                         "unit (a persistent dQ measured slower on every mask); pass a "
+                         "BwdConfig with persistent=0")
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
@@ -197,154 +213,100 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, sc
     assert order.shape == (num_tiles,)
     dtype = q.dtype
     bq, bk, stages = FWD_BLOCK_Q // _COMPUTE_WGS, FWD_BLOCK_K, cfg.num_stages
-    persistent = cfg.persistent > 0
-    grid, grid_names, schedule = kernel_grid(cfg.persistent, cfg.head_major, num_tiles, b,
-                                             hq, schedule)
+    grid, grid_names = launch_grid(num_tiles, b, hq)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
-               *refs):
-        sched_refs, refs = refs[:len(schedule)], refs[len(schedule):]
-        (dq_ref, q_smem, do_smem, stat_smem, k_smem, v_smem, in_ready, k_ready, v_ready,
-         k_free, v_free, *extra) = refs
-        dq_smem = extra[0] if persistent else None
-        stage = extra[1:] if persistent else extra
+               dq_ref, *refs):
+        buf = dict(zip(scratch, refs, strict=True))
+        q_smem, do_smem, stat_smem = buf["q"], buf["do"], buf["stats"]
+        k_smem, v_smem, in_ready = buf["k"], buf["v"], buf["in_ready"]
+        k_ready, v_ready, k_free, v_free = (buf["k_ready"], buf["v_ready"], buf["k_free"],
+                                            buf["v_free"])
+        p_stage = buf.get("p_stage")
         wg = lax.axis_index("wg")
-        if persistent:
-            num_mine, coords = scheduled_units(sched_refs, num_tiles, b, order_ref)
-
-            def work_of(j):
-                tile, batch, head = coords(j)
-                first = off_ref[tile]
-                return tile, batch, head, first, off_ref[tile + 1] - first
-        else:
-            tile = order_ref[lax.axis_index("tile")]
-            batch = lax.axis_index("batch")
-            head = lax.axis_index("head")
-            first = off_ref[tile]
-            num_items = off_ref[tile + 1] - first
-            only_unit = (tile, batch, head, first, num_items)
+        tile = order_ref[lax.axis_index("tile")]
+        batch = lax.axis_index("batch")
+        head = lax.axis_index("head")
+        first = off_ref[tile]
+        num_items = off_ref[tile + 1] - first
 
         @pl.when(wg < _COMPUTE_WGS)
         def consumer():
             plgpu.set_max_registers(cfg.registers[0], action="increase")
             my_q, my_do = q_smem.at[wg], do_smem.at[wg]
             ready = in_ready.at[wg]
-            my_stage = stage[0].at[wg] if stage else None
+            my_stage = None if p_stage is None else p_stage.at[wg]
+            row0 = tile * FWD_BLOCK_Q + wg * bq
+            rows = pl.ds(row0, bq)
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], my_q, ready)
+            plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], my_do, ready)
+            plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], stat_smem.at[wg, 0], ready)
+            plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], stat_smem.at[wg, 1], ready)
+            plgpu.barrier_wait(ready)
+            lse2 = plgpu.load(stat_smem.at[wg, 0], layout=_ROW)
+            delta = plgpu.load(stat_smem.at[wg, 1], layout=_ROW)
 
-            def load_inputs(rows, batch, head):
-                plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], my_q, ready)
-                plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], my_do, ready)
-                plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], stat_smem.at[wg, 0],
-                                        ready)
-                plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], stat_smem.at[wg, 1],
-                                        ready)
+            def run(dq_acc):
+                def step(i, carry):
+                    slot, ktile, geom, kind = _item_step(items_ref, first + i, i, None, stages,
+                                                         (k_ready, v_ready))
+                    # S = Q·Kᵀ and dP = dO·Vᵀ.
+                    s, dp = _two_products(my_q, k_smem.at[slot].T, my_do, v_smem.at[slot].T,
+                                          (bq, bk))
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    s, c, dcap = _log2_scores(s, cfg)
 
-            def load_unit(j):
-                tile, batch, head = coords(j)
-                load_inputs(pl.ds(tile * FWD_BLOCK_Q + wg * bq, bq), batch, head)
+                    s = mask_scores(s, geom, kind, row0, ktile * bk, _LAYOUT)
+                    p = _exp2_minus(s, c, lse2, 0)
+                    ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+                    if dcap is not None:
+                        ds = ds * dcap
+                    mma_lhs(dq_acc, ds.astype(dtype), k_smem.at[slot], my_stage)
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    return carry
 
-            def prefetch(j, when):
-                """Loads unit ``j + 1``'s inputs where ``when`` says unit ``j`` is done with
-                them (Q, dO in shared memory; lse, delta are in registers by then)."""
-                @pl.when(when & (j + 1 < num_mine))
-                def _():
-                    # lse/delta were read by generic loads; the TMA writes through the async
-                    # proxy, so fence the two before it overwrites them.
-                    plgpu.commit_smem()
-                    load_unit(j + 1)
+                lax.fori_loop(0, num_items, step, 0)
+                return dq_acc[...]
 
-            def unit(j, work, base):
-                tile, batch, head, first, num_items = work
-                row0 = tile * FWD_BLOCK_Q + wg * bq
-                rows = pl.ds(row0, bq)
-                if not persistent:
-                    load_inputs(rows, batch, head)
-                plgpu.barrier_wait(ready)
-                lse2 = plgpu.load(stat_smem.at[wg, 0], layout=_ROW)
-                delta = plgpu.load(stat_smem.at[wg, 1], layout=_ROW)
-                if persistent:   # a unit without items is done with its inputs here
-                    prefetch(j, num_items == 0)
-
-                def run(dq_acc):
-                    def step(i, carry):
-                        slot, ktile, geom, kind = _item_step(items_ref, first + i, i, base,
-                                                             stages, (k_ready, v_ready))
-                        # S = Q·Kᵀ and dP = dO·Vᵀ.
-                        s, dp = _two_products(my_q, k_smem.at[slot].T, my_do,
-                                              v_smem.at[slot].T, (bq, bk))
-                        plgpu.barrier_arrive(v_free.at[slot])
-                        if persistent:   # Q, dO are read only by those two, now complete
-                            prefetch(j, i == num_items - 1)
-                        s, c, dcap = _log2_scores(s, cfg)
-
-                        s = mask_scores(s, geom, kind, row0, ktile * bk, _LAYOUT)
-                        p = _exp2_minus(s, c, lse2, 0)
-                        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-                        if dcap is not None:
-                            ds = ds * dcap
-                        mma_lhs(dq_acc, ds.astype(dtype), k_smem.at[slot], my_stage)
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(k_free.at[slot])
-                        return carry
-
-                    lax.fori_loop(0, num_items, step, 0)
-                    return dq_acc[...]
-
-                dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
-                out = dq_smem.at[wg] if persistent else my_q
-                _store_outputs([(out, (dq * cfg.scale).astype(dtype),
-                                 dq_ref.at[batch, rows, head])], persistent)
-                return base + num_items if persistent else None
-
-            if persistent:
-                _consume_units(num_mine, load_unit, work_of, unit)
-            else:
-                unit(0, only_unit, None)
+            dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
+            # dQ leaves through the Q buffer, which no wgmma reads any more.
+            _store_outputs([(my_q, (dq * cfg.scale).astype(dtype),
+                             dq_ref.at[batch, rows, head])], persistent=False)
 
         @pl.when(wg == _COMPUTE_WGS)
         def producer():
             plgpu.set_max_registers(cfg.registers[1], action="decrease")
             streams = [(k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)]
+            kv_head = lax.div(head, jnp.int32(group))
+            _stream(num_items, stages,
+                    lambda i: items_ref[first + i, ItemField.OTHER_TILE] * bk, streams,
+                    lambda ref, start: ref.at[batch, pl.ds(start, bk), kv_head])
 
-            def unit(j, work, base):
-                del j
-                tile, batch, head, first, num_items = work
-                kv_head = lax.div(head, jnp.int32(group))
-                _stream(num_items, stages, lambda i: items_ref[first + i, 0] * bk, streams,
-                        lambda ref, start: ref.at[batch, pl.ds(start, bk), kv_head], base)
-                return None if base is None else base + num_items
-
-            if persistent:
-                _drain(_walk_units(num_mine, work_of, unit), stages, streams)
-            else:
-                unit(0, only_unit, None)
-
-    # Shared memory at D = 128, bf16, 2 stages: Q, dO 2 x 16 KiB each, lse/delta 1 KiB, the
-    # K/V ring 2 x 32 KiB per stage: 193 KiB (3 stages: 257 KiB, too much); persistent adds
-    # the dQ output buffer, 32 KiB: 225 KiB of the 227.
-    scratch = [
-        smem((_COMPUTE_WGS, bq, d), dtype),
-        smem((_COMPUTE_WGS, bq, d), dtype),
-        plgpu.SMEM((_COMPUTE_WGS, 2, bq), jnp.float32),
-        smem((stages, bk, d), dtype),
-        smem((stages, bk, d), dtype),
-        plgpu.Barrier(num_arrivals=4, num_barriers=_COMPUTE_WGS),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
-    ]
-    out_scratch = [smem((_COMPUTE_WGS, bq, d), dtype)] if persistent else []
-    check_smem("dQ", scratch, out_scratch, stages_knob="dq_num_stages", stages=stages,
-               persistent_knob="bwd_persistent", persistent=cfg.persistent, d=d, dtype=dtype)
-    scratch += out_scratch
-    if cfg.interpret:
-        scratch.append(smem((_COMPUTE_WGS, bq, bk), dtype))
+    # Shared memory by name, allocated in this order. At D = 128, bf16, 2 stages: Q, dO
+    # 2 x 16 KiB each, lse/delta 1 KiB, the K/V ring 2 x 32 KiB per stage: 193 KiB (3
+    # stages: 257 KiB, too much).
+    scratch = dict(
+        q=smem((_COMPUTE_WGS, bq, d), dtype),
+        do=smem((_COMPUTE_WGS, bq, d), dtype),
+        stats=plgpu.SMEM((_COMPUTE_WGS, 2, bq), jnp.float32),   # each consumer's lse, delta
+        k=smem((stages, bk, d), dtype),
+        v=smem((stages, bk, d), dtype),
+        in_ready=plgpu.Barrier(num_arrivals=4, num_barriers=_COMPUTE_WGS),   # Q, dO, lse, delta
+        k_ready=plgpu.Barrier(num_barriers=stages),
+        v_ready=plgpu.Barrier(num_barriers=stages),
+        k_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
+        v_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
+    )
+    check_smem("dQ", list(scratch.values()), stages_knob="dq_num_stages", stages=stages, d=d,
+               dtype=dtype)
+    if cfg.interpret:   # dS through shared memory (mma_lhs)
+        scratch["p_stage"] = smem((_COMPUTE_WGS, bq, bk), dtype)
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch_types=scratch,
-        grid=grid, grid_names=grid_names,
+        kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        scratch_types=list(scratch.values()), grid=grid, grid_names=grid_names,
         num_threads=_COMPUTE_WGS + 1, thread_name="wg", **_params(cfg),
-    )(q, k, v, dout, lse2, delta, order, offsets, items, *schedule)
+    )(q, k, v, dout, lse2, delta, order, offsets, items)
 
 
 def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, schedule=(),
@@ -363,17 +325,20 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
     dtype = q.dtype
     bq, bk, stages = DKV_BLOCK_Q, DKV_BLOCK_K // _COMPUTE_WGS, cfg.num_stages
     persistent = cfg.persistent > 0
-    grid, grid_names, schedule = kernel_grid(cfg.persistent, cfg.head_major, num_tiles, b,
-                                             hkv, schedule)
+    grid, grid_names, schedule = kernel_grid(cfg.persistent, num_tiles, b, hkv, schedule)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
                *refs):
         sched_refs, refs = refs[:len(schedule)], refs[len(schedule):]
         outs, refs = refs[:4 if split else 2], refs[4 if split else 2:]
-        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready,
-         lse_ready, delta_ready, q_free, do_free, lse_free, delta_free, *extra) = refs
-        dk_smem, dv_smem = extra[:2] if persistent else (None, None)
-        stage = extra[2:] if persistent else extra
+        buf = dict(zip(scratch, refs, strict=True))
+        k_smem, v_smem, kv_ready = buf["k"], buf["v"], buf["kv_ready"]
+        q_smem, do_smem, lse_smem, delta_smem = buf["q"], buf["do"], buf["lse"], buf["delta"]
+        q_ready, do_ready, lse_ready, delta_ready = (buf["q_ready"], buf["do_ready"],
+                                                     buf["lse_ready"], buf["delta_ready"])
+        q_free, do_free, lse_free, delta_free = (buf["q_free"], buf["do_free"],
+                                                 buf["lse_free"], buf["delta_free"])
+        dk_smem, dv_smem, p_stage = buf.get("dk"), buf.get("dv"), buf.get("p_stage")
         wg = lax.axis_index("wg")
         if persistent:
             num_mine, coords = scheduled_units(sched_refs, num_tiles, b, order_ref)
@@ -382,7 +347,7 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                 tile, batch, kv_head = coords(j)
                 first = off_ref[tile]
                 num_items = off_ref[tile + 1] - first
-                return tile, batch, kv_head, first, num_items, num_items * group
+                return _DkvUnit(tile, batch, kv_head, first, num_items, num_items * group)
         else:
             tile = order_ref[lax.axis_index("tile")]
             batch = lax.axis_index("batch")
@@ -390,17 +355,18 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
             first = off_ref[tile]
             num_items = off_ref[tile + 1] - first
             num_steps = num_items * group
-            only_unit = (tile, batch, kv_head, first, num_items, num_steps)
+            only_unit = _DkvUnit(tile, batch, kv_head, first, num_items, num_steps)
 
         def step_item(work, i):   # step i: query head (i // num_items) of the group, item i % n
-            _, _, kv_head, first, num_items, _ = work
-            return first + lax.rem(i, num_items), kv_head * group + lax.div(i, num_items)
+            return (work.first + lax.rem(i, work.num_items),
+                    work.kv_head * group + lax.div(i, work.num_items))
 
         @pl.when(wg < _COMPUTE_WGS)
         def consumer():
             plgpu.set_max_registers(cfg.registers[0], action="increase")
             my_k, my_v = k_smem.at[wg], v_smem.at[wg]
-            stages_ = (stage[0].at[wg, 0], stage[0].at[wg, 1]) if stage else (None, None)
+            stages_ = ((None, None) if p_stage is None
+                       else (p_stage.at[wg, 0], p_stage.at[wg, 1]))
 
             def load_kv(cols, batch, kv_head):
                 plgpu.copy_gmem_to_smem(k_ref.at[batch, cols, kv_head], my_k, kv_ready.at[wg])
@@ -416,7 +382,8 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                 pl.when(when & (j + 1 < num_mine))(lambda: load_unit(j + 1))
 
             def unit(j, work, base):
-                tile, batch, kv_head, _, _, num_steps = work
+                tile, batch, kv_head, num_steps = (work.tile, work.batch, work.kv_head,
+                                                   work.num_steps)
                 col0 = tile * DKV_BLOCK_K + wg * bk
                 cols = pl.ds(col0, bk)
                 if not persistent:
@@ -494,11 +461,11 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
 
             def unit(j, work, base):
                 del j
-                batch, num_steps = work[1], work[5]
+                batch, num_steps = work.batch, work.num_steps
 
                 def start_of(i):
                     it, head = step_item(work, i)
-                    return items_ref[it, 0] * bq, head
+                    return items_ref[it, ItemField.OTHER_TILE] * bq, head
 
                 def view(ref, start):
                     row, head = start
@@ -514,32 +481,37 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
             else:
                 unit(0, only_unit, None)
 
-    # Shared memory at D = 128, bf16: K, V 2 x 16 KiB each, the Q/dO ring 2 x 16 KiB per
-    # stage, lse/delta 1 KiB each: 130 KiB with 2 stages, 162 KiB with 3; persistent adds
-    # the dK and dV output buffers, 64 KiB: 194 KiB, and 226 KiB (of 227) with 3 stages.
+    # Shared memory by name, allocated in this order. At D = 128, bf16: K, V 2 x 16 KiB
+    # each, the Q/dO ring 2 x 16 KiB per stage, lse/delta 1 KiB each: 130 KiB with 2
+    # stages, 162 KiB with 3; persistent adds the dK and dV output buffers, 64 KiB: 194 KiB,
+    # and 226 KiB (of 227) with 3 stages.
     per_stage = lambda n=1: plgpu.Barrier(num_arrivals=n, num_barriers=stages)
-    scratch = [
-        smem((_COMPUTE_WGS, bk, d), dtype),
-        smem((_COMPUTE_WGS, bk, d), dtype),
-        smem((stages, bq, d), dtype),
-        smem((stages, bq, d), dtype),
-        plgpu.SMEM((stages, bq), jnp.float32),
-        plgpu.SMEM((stages, bq), jnp.float32),
-        plgpu.Barrier(num_arrivals=2, num_barriers=_COMPUTE_WGS),
-        per_stage(), per_stage(), per_stage(), per_stage(),
-        per_stage(_COMPUTE_WGS), per_stage(_COMPUTE_WGS), per_stage(_COMPUTE_WGS),
-        per_stage(_COMPUTE_WGS),
-    ]
-    out_scratch = [smem((_COMPUTE_WGS, bk, d), dtype) for _ in range(2 if persistent else 0)]
-    check_smem("dK/dV", scratch, out_scratch, stages_knob="dkv_num_stages", stages=stages,
-               persistent_knob="bwd_persistent", persistent=cfg.persistent, d=d, dtype=dtype)
-    scratch += out_scratch
-    if cfg.interpret:
-        scratch.append(smem((_COMPUTE_WGS, 2, bk, bq), dtype))
+    scratch = dict(
+        k=smem((_COMPUTE_WGS, bk, d), dtype),     # each consumer's K and V
+        v=smem((_COMPUTE_WGS, bk, d), dtype),
+        q=smem((stages, bq, d), dtype),           # the Q/dO/lse/delta ring
+        do=smem((stages, bq, d), dtype),
+        lse=plgpu.SMEM((stages, bq), jnp.float32),
+        delta=plgpu.SMEM((stages, bq), jnp.float32),
+        kv_ready=plgpu.Barrier(num_arrivals=2, num_barriers=_COMPUTE_WGS),
+        q_ready=per_stage(), do_ready=per_stage(), lse_ready=per_stage(),
+        delta_ready=per_stage(),
+        q_free=per_stage(_COMPUTE_WGS), do_free=per_stage(_COMPUTE_WGS),
+        lse_free=per_stage(_COMPUTE_WGS), delta_free=per_stage(_COMPUTE_WGS),
+    )
+    out_scratch = (dict(dk=smem((_COMPUTE_WGS, bk, d), dtype),
+                        dv=smem((_COMPUTE_WGS, bk, d), dtype)) if persistent else {})
+    check_smem("dK/dV", list(scratch.values()), list(out_scratch.values()),
+               stages_knob="dkv_num_stages", stages=stages, persistent_knob="dkv_persistent",
+               persistent=cfg.persistent, d=d, dtype=dtype)
+    scratch |= out_scratch
+    if cfg.interpret:   # Pᵀ and dSᵀ through shared memory (mma_lhs)
+        scratch["p_stage"] = smem((_COMPUTE_WGS, 2, bk, bq), dtype)
     kv = lambda rows: jax.ShapeDtypeStruct((b, rows, hkv, d), dtype)
     out_type = (kv(split), kv(split), kv(tk - split), kv(tk - split)) if split else (kv(tk),
                                                                                        kv(tk))
     return plgpu.kernel(
-        kernel, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
+        kernel, out_type=out_type, scratch_types=list(scratch.values()), grid=grid,
+        grid_names=grid_names,
         num_threads=_COMPUTE_WGS + 1, thread_name="wg", **_params(cfg),
     )(q, k, v, dout, lse2, delta, order, offsets, items, *schedule)

@@ -22,40 +22,32 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (LN2, LOG2E, check_pipeline, check_smem, kernel_grid,
-                                    mask_scores, mma_lhs, scheduled_units, smem)
-from magi_jax.planning.work_list import FULL, FWD_BLOCK_K, FWD_BLOCK_Q, NUM_FIELDS
+from magi_jax.pallas.common import (LN2, LOG2E, ItemField, check_pipeline, check_smem,
+                                    item_geometry, kernel_grid, mask_scores, mma_lhs,
+                                    scheduled_units, smem)
+from magi_jax.planning.work_list import FULL, FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["FwdConfig", "ffa_forward"]
 
 _COMPUTE_WGS = 2
 _WG_ROWS = FWD_BLOCK_Q // _COMPUTE_WGS
-_KIND = NUM_FIELDS - 1      # the item field of the mask kind
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class FwdConfig:
-    """Static configuration of the forward kernel."""
+    """Static configuration of the forward kernel.
+
+    The kernel has one loop (measured on the H200, 2026-11-30, against the variants it
+    replaced: benchmarks/results/kernel/kernel_notes.md): FlashAttention-3's intra-warpgroup
+    overlap (+3-7 % over each warpgroup waiting for its softmax between Q·Kᵀ and P·V), the
+    softmax scale applied inside ``exp2`` (one FMA per score), wgmma accumulating P·V into
+    the rescaled output registers, and the head-major launch order of
+    :func:`~magi_jax.pallas.common.launch_grid`."""
 
     scale: float
-    softcap: float
+    softcap: float = 0.0
+    # Shared-memory slots of the K/V ring.
     num_stages: int = 2
-    # Rescale O in registers and let wgmma accumulate into it (pl.run_state). GPU interpret
-    # mode cannot run that, so there P·V lands in a fresh accumulator that is then added.
-    fused_acc: bool = True
-    # Scale inside the exponent, exp2(s·c − m), one FMA per score (instead of scaling the
-    # scores first); and the launch order of :func:`launch_grid`. Both unmeasured knobs.
-    fma_softmax: bool = False
-    head_major: bool = False
-    # Wait for the next item's K tile underneath the P·V wgmma of this one (as jax's
-    # attention_mgpu does) instead of at the top of the next step. Measured within noise.
-    k_wait_under_pv: bool = False
-    # FlashAttention-3's intra-warpgroup overlap: each item's Q·Kᵀ is issued together with
-    # the previous item's P·V, whose wgmma then runs under this item's softmax; the two
-    # warpgroups' matmuls alternate by passing a token. Off: each warpgroup's Q·Kᵀ and P·V
-    # wait for its softmax in between, the warpgroups ping-pong on a schedule barrier.
-    # Measured on the H200 (2026-11-30, same run): +3-7 % on full, causal, doc-causal, SWA.
-    intra_wg_overlap: bool = True
     # 0: one program per (q-tile, batch, head), in the order of :func:`launch_grid`. N > 0:
     # N programs (the SM count, 132 on an H200) walk the (q-tile, batch, head) units of a
     # host schedule (:func:`magi_jax.planning.work_list.persistent_schedule`). Across units the
@@ -72,9 +64,6 @@ class FwdConfig:
 
     def __post_init__(self):
         check_pipeline(self.num_stages, self.persistent)
-        if self.intra_wg_overlap and self.k_wait_under_pv:
-            raise ValueError("k_wait_under_pv=True has no place in the intra_wg_overlap "
-                             "loop (its K waits come before the Q·Kᵀ); set one of them False")
         if self.softcap < 0:
             raise ValueError(f"softcap={self.softcap} must be >= 0")
 
@@ -97,8 +86,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
     softcap = cfg.softcap
     # A unit is one (q-tile, batch, head); persistent programs walk those of their schedule.
     persistent = cfg.persistent > 0
-    grid, grid_names, schedule = kernel_grid(cfg.persistent, cfg.head_major, num_tiles, b, hq,
-                                             schedule)
+    grid, grid_names, schedule = kernel_grid(cfg.persistent, num_tiles, b, hq, schedule)
     # Scores are kept in the log2 domain: s2 = S·log2(e), so exp2 needs one FMA.
     s2_scale = cfg.scale * LOG2E if not softcap else cfg.scale / softcap
     last_item = items.shape[0] - 1
@@ -109,33 +97,28 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
     def capped(m):
         return jnp.where(m == -jnp.inf, -jnp.inf, jnp.tanh(m) * (softcap * LOG2E))
 
-    def kernel(*refs):
-        q_ref, k_ref, v_ref, order_ref, off_ref, items_ref, *refs = refs
-        sched_off_ref, sched_ref = (refs.pop(0), refs.pop(0)) if persistent else (None, None)
+    def kernel(q_ref, k_ref, v_ref, order_ref, off_ref, items_ref, *refs):
+        sched_refs, refs = refs[:len(schedule)], refs[len(schedule):]
         out_ref, lse_ref, *refs = refs
         row_max_ref = refs.pop(0) if cfg.row_max else None
-        (q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready,
-         k_free, v_free, schedule, *extra) = refs
-        o_smem = extra.pop(0) if persistent else q_smem
-        p_stage = extra.pop(0) if cfg.interpret else None
-        row_max_smem = extra.pop(0) if cfg.row_max else None
+        buf = dict(zip(scratch, refs, strict=True))
+        q_smem, k_smem, v_smem, lse_smem = buf["q"], buf["k"], buf["v"], buf["lse"]
+        q_ready, k_ready, v_ready = buf["q_ready"], buf["k_ready"], buf["v_ready"]
+        k_free, v_free, turn = buf["k_free"], buf["v_free"], buf["turn"]
+        o_smem = buf.get("o", q_smem)
+        p_stage, row_max_smem = buf.get("p_stage"), buf.get("row_max")
         wg = lax.axis_index("wg")
         if persistent:
-            num_mine, unit_coords = scheduled_units((sched_off_ref, sched_ref), num_tiles, b,
-                                                    order_ref)
+            num_mine, unit_coords = scheduled_units(sched_refs, num_tiles, b, order_ref)
 
-        def schedule_barrier():
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(schedule)
-
-        # The intra-warpgroup overlapped loop passes a token instead: a warpgroup issues its
-        # wgmmas when it holds the token and hands it on right after, so the two warpgroups'
-        # matmuls alternate without one waiting for the other's softmax.
+        # A warpgroup issues its wgmmas when it holds the turn and hands it on right after,
+        # so the two warpgroups' matmuls alternate without one waiting for the other's
+        # softmax.
         def take_turn():
-            plgpu.barrier_wait(schedule.at[wg])
+            plgpu.barrier_wait(turn.at[wg])
 
         def pass_turn():
-            plgpu.barrier_arrive(schedule.at[1 - wg])
+            plgpu.barrier_arrive(turn.at[1 - wg])
 
         def slot_of(g):
             return lax.rem(g, jnp.int32(stages))
@@ -179,8 +162,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
 
             if persistent:
                 pl.when(num_mine > 0)(lambda: load_q(0))
-            if cfg.intra_wg_overlap:
-                pl.when(wg == 1)(pass_turn)   # the first turn is warpgroup 0's
+            pl.when(wg == 1)(pass_turn)   # the first turn is warpgroup 0's
 
             def unit(j, tile, batch, head, base):
                 first = off_ref[tile]
@@ -192,17 +174,6 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                 m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
                 l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
                 acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), layout)
-                if cfg.k_wait_under_pv:
-                    pl.when(num_items > 0)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(base)]))
-                if not cfg.intra_wg_overlap:
-                    pl.when(wg == 1)(schedule_barrier)
-
-                def wait_next_k(i):
-                    nxt = i + 1
-
-                    @pl.when(nxt < num_items)
-                    def _():
-                        plgpu.barrier_wait(k_ready.at[slot_of(base + nxt)])
 
                 def softmax(s, m_i, l_i, i, masked):
                     """Scores of item ``i`` to ``(P, alpha, m, l)``: the item's probabilities
@@ -213,10 +184,10 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     def mask(s):
                         if not masked:
                             return s
-                        geom = tuple(items_ref[first + i, f] for f in range(1, 7))
-                        kind = items_ref[first + i, _KIND]
-                        return mask_scores(s, geom, kind, row0, items_ref[first + i, 0] * bk,
-                                           layout)
+                        it = first + i
+                        geom, kind = item_geometry(items_ref, it), items_ref[it, ItemField.KIND]
+                        return mask_scores(s, geom, kind, row0,
+                                           items_ref[it, ItemField.OTHER_TILE] * bk, layout)
 
                     if raw_m:
                         # Masked before the tanh, so the raw row max sees allowed cells only;
@@ -229,10 +200,8 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     else:
                         if softcap:
                             s = jnp.tanh(s * s2_scale) * (softcap * LOG2E)
-                        elif cfg.fma_softmax:
+                        else:   # scaled inside the exponent: exp2(s·c − m), one FMA a score
                             exp_scale = s2_scale
-                        else:
-                            s = s * s2_scale
                         s = mask(s)
                         row_max = s.max(axis=1)
                         m_new = jnp.maximum(
@@ -248,49 +217,10 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                 def rescale(acc, alpha):
                     return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-                fused = cfg.fused_acc and not cfg.interpret
-
-                def step(i, carry, masked):
-                    """Item ``i``; ``masked=False``: a FULL item, no predicate code."""
-                    acc, m_i, l_i = carry
-                    slot = slot_of(base + i)
-                    if not cfg.k_wait_under_pv:
-                        plgpu.barrier_wait(k_ready.at[slot])
-
-                    def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].T)
-                        schedule_barrier()
-                        return acc_ref[...]
-
-                    s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    prefetch_q(j, i == num_items - 1)
-                    p, alpha, m_new, l_i = softmax(s, m_i, l_i, i, masked)
-                    p16 = p.astype(dtype)
-                    if fused:
-                        acc = rescale(acc, alpha)
-                        acc, l_i, p16 = lax.optimization_barrier((acc, l_i, p16))
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    schedule_barrier()
-                    if fused:
-                        def pv_into(acc_ref):
-                            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                            if cfg.k_wait_under_pv:
-                                wait_next_k(i)
-
-                        acc = pl.run_state(pv_into)(plgpu.ACC.init(acc))
-                    else:
-                        def pv(acc_ref):
-                            mma_lhs(acc_ref, p16, v_smem.at[slot],
-                                    None if p_stage is None else p_stage.at[wg])
-                            if cfg.k_wait_under_pv:
-                                wait_next_k(i)
-                            return acc_ref[...]
-
-                        acc = rescale(acc, alpha) + pl.run_scoped(
-                            pv, plgpu.ACC((bq, d), jnp.float32))
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    return acc, m_new, l_i
+                # wgmma accumulates P·V into the rescaled output registers (pl.run_state);
+                # GPU interpret mode cannot run that, so there P·V lands in a fresh
+                # accumulator that is then added.
+                fused = not cfg.interpret
 
                 def pv_prev(o_ref, p_prev, i):
                     """Issues ``o_ref += P·V`` of item ``i − 1`` (its P in registers)."""
@@ -366,7 +296,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     """Items ``start..`` through ``step_fn(i, carry, masked)``."""
                     def more_full(c):
                         it = jnp.minimum(first + c[0], last_item)
-                        return (c[0] < num_items) & (items_ref[it, _KIND] == FULL)
+                        return (c[0] < num_items) & (items_ref[it, ItemField.KIND] == FULL)
 
                     split, *carry = lax.while_loop(
                         more_full, lambda c: (c[0] + 1, *step_fn(c[0], c[1:], False)),
@@ -374,41 +304,36 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     return lax.fori_loop(split, num_items, lambda i, c: step_fn(i, c, True),
                                          tuple(carry))
 
-                if cfg.intra_wg_overlap:
-                    # Item 0 alone (any kind), then items 1.. with the previous item's P·V
-                    # under each softmax, then the last item's P·V. p0 only gives the P of
-                    # the carry its shape before item 0 (it is never multiplied).
-                    p0 = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), layout)
+                # Item 0 alone (any kind), then items 1.. with the previous item's P·V under
+                # each softmax, then the last item's P·V. p0 only gives the P of the carry
+                # its shape before item 0 (it is never multiplied).
+                p0 = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), layout)
 
-                    def first_item(i, c):
-                        p, _, m_new, l_new = overlapped(None, c[1:], i, True)
-                        return c[0], m_new, l_new, p.astype(dtype)
+                def first_item(i, c):
+                    p, _, m_new, l_new = overlapped(None, c[1:], i, True)
+                    return c[0], m_new, l_new, p.astype(dtype)
 
-                    carry = lax.fori_loop(0, jnp.minimum(num_items, 1), first_item,
-                                          (acc, m_i, l_i, p0))
-                    carry = walk(jnp.minimum(num_items, 1), carry, overlapped_step)
+                carry = lax.fori_loop(0, jnp.minimum(num_items, 1), first_item,
+                                      (acc, m_i, l_i, p0))
+                carry = walk(jnp.minimum(num_items, 1), carry, overlapped_step)
 
-                    def last_pv(i, c):
-                        acc, m_i, l_i, p_last = c
-                        if fused:
-                            acc = pl.run_state(lambda o_ref: pv_last(o_ref, p_last, i))(
-                                plgpu.ACC.init(acc))
-                        else:
-                            def body(o_ref):
-                                pv_last(o_ref, p_last, i)
-                                return o_ref[...]
+                def last_pv(i, c):
+                    acc, m_i, l_i, p_last = c
+                    if fused:
+                        acc = pl.run_state(lambda o_ref: pv_last(o_ref, p_last, i))(
+                            plgpu.ACC.init(acc))
+                    else:
+                        def body(o_ref):
+                            pv_last(o_ref, p_last, i)
+                            return o_ref[...]
 
-                            acc = acc + pl.run_scoped(body, plgpu.ACC((bq, d), jnp.float32))
-                        plgpu.barrier_arrive(v_free.at[slot_of(base + i - 1)])
-                        return acc, m_i, l_i, p_last
+                        acc = acc + pl.run_scoped(body, plgpu.ACC((bq, d), jnp.float32))
+                    plgpu.barrier_arrive(v_free.at[slot_of(base + i - 1)])
+                    return acc, m_i, l_i, p_last
 
-                    acc, m_i, l_i, _ = lax.fori_loop(num_items, num_items + jnp.minimum(
-                        num_items, 1), last_pv, tuple(carry))
-                else:
-                    acc, m_i, l_i = walk(jnp.int32(0), (acc, m_i, l_i), step)
+                acc, m_i, l_i, _ = lax.fori_loop(num_items, num_items + jnp.minimum(
+                    num_items, 1), last_pv, tuple(carry))
                 prefetch_q(j, num_items == 0)
-                if not cfg.intra_wg_overlap:
-                    pl.when(wg == 0)(schedule_barrier)
                 seen = l_i > 0
                 inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
                 acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
@@ -433,8 +358,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                 return base + num_items
 
             for_units(unit)
-            if cfg.intra_wg_overlap:
-                pl.when(wg == 0)(take_turn)   # observe the last turn passed back
+            pl.when(wg == 0)(take_turn)   # observe the last turn passed back
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == _COMPUTE_WGS)
@@ -451,7 +375,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                 def _(i):
                     g = base + i
                     slot = slot_of(g)
-                    ktile = items_ref[first + i, 0]
+                    ktile = items_ref[first + i, ItemField.OTHER_TILE]
                     src = (batch, pl.ds(ktile * bk, bk), kv_head)
 
                     @pl.when(g >= stages)
@@ -482,32 +406,35 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                  jax.ShapeDtypeStruct((b, hq, tq), jnp.float32))
     if cfg.row_max:
         out_shape += (jax.ShapeDtypeStruct((b, hq, tq), jnp.float32),)
-    scratch = [
-        smem((_COMPUTE_WGS, bq, d), dtype),
-        smem((stages, bk, d), dtype),
-        smem((stages, bk, d), dtype),
-        plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),
-        plgpu.Barrier(num_barriers=_COMPUTE_WGS),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
-        (plgpu.Barrier(num_barriers=_COMPUTE_WGS) if cfg.intra_wg_overlap
-         else plgpu.Barrier(num_arrivals=_COMPUTE_WGS)),
-    ]
-    # Persistent: each consumer's output leaves through a buffer of its own.
-    out_scratch = [smem((_COMPUTE_WGS, bq, d), dtype)] if persistent else []
-    row_max_scratch = [plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32)] if cfg.row_max else []
-    check_smem("forward", scratch + row_max_scratch, out_scratch, stages_knob="num_stages", stages=stages,
+    # Shared memory by name, allocated in this order.
+    scratch = dict(
+        q=smem((_COMPUTE_WGS, bq, d), dtype),              # each consumer's Q
+        k=smem((stages, bk, d), dtype),                    # the K/V ring
+        v=smem((stages, bk, d), dtype),
+        lse=plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),   # the lse on its way out
+        q_ready=plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+        k_ready=plgpu.Barrier(num_barriers=stages),
+        v_ready=plgpu.Barrier(num_barriers=stages),
+        k_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
+        v_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
+        turn=plgpu.Barrier(num_barriers=_COMPUTE_WGS),      # whose turn to issue wgmmas
+    )
+    # Persistent: each consumer's output leaves through a buffer of its own (else through
+    # its Q buffer).
+    out_scratch = dict(o=smem((_COMPUTE_WGS, bq, d), dtype)) if persistent else {}
+    row_max_scratch = (dict(row_max=plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32))
+                       if cfg.row_max else {})
+    check_smem("forward", [*scratch.values(), *row_max_scratch.values()],
+               list(out_scratch.values()), stages_knob="num_stages", stages=stages,
                persistent_knob="persistent", persistent=cfg.persistent, d=d, dtype=dtype)
-    scratch += out_scratch
-    if cfg.interpret:
-        scratch.append(smem((_COMPUTE_WGS, bq, bk), dtype))
-    scratch += row_max_scratch
+    scratch |= out_scratch
+    if cfg.interpret:   # P through shared memory (mma_lhs)
+        scratch["p_stage"] = smem((_COMPUTE_WGS, bq, bk), dtype)
+    scratch |= row_max_scratch
     return plgpu.kernel(
         kernel,
         out_type=out_shape,
-        scratch_types=scratch,
+        scratch_types=list(scratch.values()),
         grid=grid,
         grid_names=grid_names,
         num_threads=_COMPUTE_WGS + 1,

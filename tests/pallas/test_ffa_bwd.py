@@ -1,6 +1,7 @@
-"""The backward kernels' persistent mode (``bwd_persistent``) in Mosaic GPU interpret mode on
-the CPU (tiny shapes): against the float64 reference by docs/design.md §5, bit for bit against one
-program per unit, free of races by the interpreter's race detector, and lowered for sm90."""
+"""The dK/dV kernel's persistent mode (``dkv_persistent``) beside the dQ kernel in Mosaic GPU
+interpret mode on the CPU (tiny shapes): against the float64 reference by docs/design.md §5, bit
+for bit against one program per unit, free of races by the interpreter's race detector, and
+lowered for sm90."""
 
 import contextlib
 import functools
@@ -45,10 +46,10 @@ def _plain_grads():
     return {n: np.asarray(x, np.float32) for n, x in _grads().items()}
 
 
-# Programs owning several units, counts that do not divide the units (24 and 12), and rings
-# of 1-3 slots whose phases carry on across units.
-_PERSISTENT = [dict(bwd_persistent=1), dict(bwd_persistent=2, dkv_num_stages=3),
-               dict(bwd_persistent=3, dq_num_stages=1)]
+# Programs owning several units, counts that do not divide the 12 dK/dV units, and rings of
+# 1-3 slots whose phases carry on across units (dQ, one program per unit: 1 and 2 slots).
+_PERSISTENT = [dict(dkv_persistent=1), dict(dkv_persistent=2, dkv_num_stages=3),
+               dict(dkv_persistent=5, dkv_num_stages=1, dq_num_stages=1)]
 
 
 @pytest.mark.parametrize("tuning", _PERSISTENT,
@@ -79,10 +80,11 @@ def _racy_store(x):
 
 
 def test_persistent_kernels_race_free_and_equal_to_plain(capfd):
-    """The kernels themselves (no forward): host schedules walked by 2 programs under the interpreter's happens-before race detector — which sees
+    """The kernels themselves (no forward), the dQ kernel and the dK/dV kernel's host schedule
+    walked by 2 programs, under the interpreter's happens-before race detector — which sees
     a buffer reused before a TMA store read it out, a TMA load into a buffer a wgmma or a
-    generic load still reads, and a missing proxy fence — gives exactly the plain kernels'
-    dQ, dK, dV."""
+    generic load still reads, and a missing proxy fence: no race, and exactly the plain
+    kernels' dQ, dK, dV."""
     _racy_store(jnp.ones((64, 64), jnp.bfloat16)).block_until_ready()
     assert "RACE DETECTED" in capfd.readouterr().out, "the race detector is not reporting"
 
@@ -96,15 +98,15 @@ def test_persistent_kernels_race_free_and_equal_to_plain(capfd):
     delta = jax.random.normal(ks[1], (b, hq, t), jnp.float32)
 
     def run(persistent, races):
-        cfg = BwdConfig(0.125, 0.0, persistent=persistent, interpret=True)
-        sched = lambda lst, heads: (persistent_schedule(WorkList(*lst), b * heads, persistent)
-                                    if persistent else ())
+        cfg = BwdConfig(scale=0.125, persistent=persistent, interpret=True)
+        sched = (persistent_schedule(WorkList(*plan[3:]), b * k.shape[2], persistent)
+                 if persistent else ())
         ctx = (plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True))
                if races else contextlib.nullcontext())
         with ctx:
-            dq = ffa_dq(q, k, v, dout, lse2, delta, *plan[:3], cfg, sched(plan[:3], hq))
-            dk, dv = ffa_dkv(q, k, v, dout, lse2, delta, *plan[3:], cfg,
-                             sched(plan[3:], k.shape[2]))
+            dq = ffa_dq(q, k, v, dout, lse2, delta, *plan[:3],
+                        BwdConfig(scale=0.125, interpret=True))
+            dk, dv = ffa_dkv(q, k, v, dout, lse2, delta, *plan[3:], cfg, sched)
             out = [np.asarray(x, np.float32) for x in (dq, dk, dv)]
         return out, capfd.readouterr().out
 
@@ -117,8 +119,9 @@ def test_persistent_kernels_race_free_and_equal_to_plain(capfd):
 
 
 def test_shared_memory_budget_and_config_errors():
-    """Persistent mode's output buffers must fit the 227 KiB of an sm90 block: at D = 128
-    dQ takes 2 stages and dK/dV 3; more is refused on the host, naming the knob."""
+    """The buffers must fit the 227 KiB of an sm90 block: at D = 128 dQ takes 2 stages and
+    the persistent dK/dV (with its output buffers) 3; more is refused on the host, naming the
+    knob."""
     mask = AttnMask.causal(256)
     plan = plan_for_mask(mask, "pallas")
     q = jax.ShapeDtypeStruct((256, 2, 128), jnp.bfloat16)
@@ -128,26 +131,31 @@ def test_shared_memory_budget_and_config_errors():
             jnp.float32).sum()
         jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q)
 
-    with pytest.raises(ValueError, match="dQ kernel with dq_num_stages=3, persistent=4"):
-        trace_grad(bwd_persistent=4, dq_num_stages=3)
-    with pytest.raises(ValueError, match="dkv_num_stages=4.*turn bwd_persistent off"):
-        trace_grad(bwd_persistent=4, dkv_num_stages=4)
+    with pytest.raises(ValueError, match="dQ kernel with dq_num_stages=3, D=128 and bfloat16 "
+                       r"needs .* lower dq_num_stages(?! or)"):
+        trace_grad(dq_num_stages=3)
+    with pytest.raises(ValueError, match="dkv_num_stages=4, persistent=4.*turn dkv_persistent "
+                       "off"):
+        trace_grad(dkv_persistent=4, dkv_num_stages=4)
     with pytest.raises(ValueError, match="persistent=-1"):
-        BwdConfig(0.1, 0.0, persistent=-1)
+        BwdConfig(scale=0.1, persistent=-1)
+    args = (q,) * 6 + tuple(plan[:3])
+    with pytest.raises(ValueError, match="persistent=4: the dQ kernel runs one program per"):
+        ffa_dq(*args, BwdConfig(scale=0.1, persistent=4))
 
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_lowers_for_sm90(d):
-    """The backward kernels, one program per unit and persistent (host schedule; at D = 128
-    the largest shared-memory plans: dQ 225 KiB, dK/dV with 3 stages 226 KiB), lower to
-    Mosaic GPU kernels for CUDA on this host (layout inference and Mosaic GPU's own
-    shared-memory check run there, no GPU needed)."""
+    """The backward kernels, dQ and dK/dV one program per unit and dK/dV persistent (host
+    schedule; at D = 128 its largest shared-memory plan: 3 stages, 226 KiB), lower to Mosaic
+    GPU kernels for CUDA on this host (layout inference and Mosaic GPU's own shared-memory
+    check run there, no GPU needed)."""
     mask = HOLES
     plan = plan_for_mask(mask, "pallas")
     q = jax.ShapeDtypeStruct((2, mask.total_q, 4, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, mask.total_k, 2, d), jnp.bfloat16)
-    for tuning in [{}, dict(bwd_persistent=132), dict(bwd_persistent=5, dkv_num_stages=3),
-                   dict(bwd_persistent=3, softcap=2.0, fma_softmax=False, head_major=False)]:
+    for tuning in [{}, dict(dkv_persistent=132), dict(dkv_persistent=5, dkv_num_stages=3),
+                   dict(dkv_persistent=3, softcap=2.0)]:
         def loss(q_, k_, v_):
             out, lse = ffa_pallas(q_, k_, v_, plan, softmax_scale=0.1, **tuning)
             return out.astype(jnp.float32).sum() + lse.sum()

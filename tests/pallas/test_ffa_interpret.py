@@ -71,9 +71,8 @@ def test_band_items():
 
 
 def test_tuning_knobs_keep_results():
-    """Launch order, exponent folding and pipeline depths change speed, not results."""
-    _run(IRREGULAR, jnp.bfloat16, hq=2, hkv=1, d=64, seed=4, head_major=True,
-         fma_softmax=True, num_stages=1, dkv_num_stages=3)
+    """Pipeline depths change speed, not results."""
+    _run(IRREGULAR, jnp.bfloat16, hq=2, hkv=1, d=64, seed=4, num_stages=1, dkv_num_stages=3)
 
 
 def test_plan_arrays_entry_point_with_padded_items():
@@ -159,15 +158,9 @@ def _forward_only(mask, dtype, hq, hkv, d, seed, batch=None, **tuning):
     return np.asarray(out, np.float32), np.asarray(lse)
 
 
-# The forward's pipeline knobs, each in at least one set, over 2 and 3 slots (3 fit D = 128
-# only without the reduction scratch). Forward only: the backward kernels ignore them.
-# intra_wg_overlap=False: the loop without the intra-warpgroup overlap (k_wait_under_pv
-# applies to it alone).
-_BASE_LOOP = dict(intra_wg_overlap=False, k_wait_under_pv=True)
-_FWD_KNOBS = [_BASE_LOOP,
-              dict(num_stages=3, fma_softmax=True),
-              dict(num_stages=1),
-              dict(persistent=1, **_BASE_LOOP)]
+# The forward's pipeline knobs: 1, 2 and 3 slots (3 fit D = 128 only without the reduction
+# scratch), one persistent program. Forward only: the backward kernels ignore them.
+_FWD_KNOBS = [{}, dict(num_stages=3), dict(num_stages=1), dict(persistent=1)]
 
 
 # Like IRREGULAR, but q-tiles walk 10 and 6 items (several per k-tile): more than the slots
@@ -176,7 +169,8 @@ WIDE = AttnMask.from_ranges([[0, 100], [100, 190], [100, 190]], [[0, 500], [0, 6
                             ["causal", "full", "inv_causal"], 200, 640)
 
 
-@pytest.mark.parametrize("tuning", _FWD_KNOBS, ids=lambda t: "+".join(t))
+@pytest.mark.parametrize("tuning", _FWD_KNOBS,
+                         ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items()) or "default")
 def test_forward_pipeline_knobs(tuning):
     """Non-square slices, rows covered by several slices, empty rows (WIDE), a whole empty
     q-tile (EMPTY_TILES); D = 128."""
@@ -192,8 +186,7 @@ def test_forward_persistent_units(programs):
     (some own more units than others); the K/V ring and its barriers carry on across units,
     the next unit's Q is loaded under the current one and outputs leave through their own
     buffer."""
-    out, lse = _forward_only(WIDE, jnp.bfloat16, 2, 1, 64, 7, batch=2, persistent=programs,
-                             **(_BASE_LOOP if programs == 3 else {}))
+    out, lse = _forward_only(WIDE, jnp.bfloat16, 2, 1, 64, 7, batch=2, persistent=programs)
     assert np.isneginf(lse[:, 190:]).all() and (out[:, 190:] == 0).all()
     # A whole q-tile without items: its units prefetch the next Q at their end.
     out, _ = _forward_only(EMPTY_TILES, jnp.float16, 2, 2, 64, 8, batch=2, persistent=programs)
@@ -220,7 +213,7 @@ def test_forward_knobs_lower_for_sm90(d):
     plan = plan_for_mask(mask, "pallas")
     q = jax.ShapeDtypeStruct((mask.total_q, 2, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((mask.total_k, 1, d), jnp.bfloat16)
-    for tuning in [{}, *_FWD_KNOBS]:
+    for tuning in _FWD_KNOBS:
         f = jax.jit(lambda q, k, v: ffa_pallas(q, k, v, plan, softmax_scale=0.1, **tuning))
         f.trace(q, kv, kv).lower(lowering_platforms=("cuda",))
 
