@@ -9,6 +9,15 @@ The host half (:func:`roll_tables`) is NumPy: from the dispatch (which chunks ea
 holds) and the static shift it computes, per destination row, the source rank and row, and
 packs them into int32 tables of static shape, cached by (dispatch, shift, mesh).
 
+A key built at a ``PlanCapacity`` and passed to a jitted function as an argument carries its
+dispatch as traced data, which the host cannot plan from. For it the plan is made on the
+device (:func:`_move_edges`): a roll by ``|t| < chunk_size`` (``t``: the shift modulo
+``total``, signed, in ``(-total/2, total/2]``) moves only the ``|t|`` rows at one end of each
+chunk into its neighbour, plus the ``|t|`` rows that wrap around at ``total``. One
+``all_gather`` over the cp axis gives every rank those rows, ``(num_chunks + cp)·|t|`` in all
+(tiny for label shifts, never O(total)), and one local gather with indices computed from
+``chunk_order`` / ``chunk_inverse`` fills every row.
+
 Semantics of padding: the roll is over the ``total`` real tokens in natural order (position
 ``p`` receives position ``(p - shift) mod total``), as the definition above says; padding
 rows (positions ``>= total``) and the hidden rows of a ``check_dispatch`` key come out zero
@@ -27,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from magi_jax.sharding.key import MagiKey, _axis, _check_key, _checked, _put, _rows_desc
+from magi_jax.sharding.key import (MagiKey, _axis, _check_key, _checked, _merge_axes, _put,
+                                   _rows_desc, _split_axis)
 
 __all__ = ["roll", "roll_tables", "RollTables", "clear_roll_cache"]
 
@@ -137,12 +147,10 @@ def _dispatch_of(key: MagiKey):
         meta = key.plan.meta
         return meta.rank_chunks, meta.fingerprint()
     if isinstance(key.chunk_order, jax.core.Tracer):
+        # roll() sends such keys down the device-planned path (_edge_route) before this.
         raise ValueError(
             "roll: the key was built at a PlanCapacity and is traced (passed to a jitted "
-            "function as an argument), so its dispatch is data the host cannot see, and roll "
-            "plans its transfers on the host. Close over the key instead (jax.jit(lambda x: "
-            "mj.roll(x, shift, key))), pass a key built without capacity=, or, for label "
-            "shifts, roll the token ids in natural order before mj.dispatch")
+            "function as an argument), so its dispatch is data the host cannot plan from")
     rank_chunks = np.asarray(key.chunk_order).astype(np.int64).reshape(st.cp, -1)
     return rank_chunks, (st.total, st.cp, st.chunk_size, rank_chunks.tobytes())
 
@@ -251,6 +259,130 @@ def _roll_linear_bwd(route, bwd, ct):
 _roll_linear.defvjp(_roll_linear_fwd, _roll_linear_bwd)
 
 
+# ---- where the dispatch is traced data (a capacity key passed to jit) ----------------------
+#
+# The host sees no dispatch, so nothing can be planned per rank pair. A roll by |t| < C moves
+# only the |t| rows at one end of every chunk into the neighbouring chunk, plus |t| rows that
+# wrap around at ``total``: each rank contributes the edge rows of its chunks and its share
+# of the wrap rows, one all_gather gives every rank all of them ((num_chunks + cp)·|t| rows,
+# never O(total)), and one gather with indices computed from chunk_order / chunk_inverse
+# fills every local row.
+
+def _traced_dispatch(key: MagiKey) -> bool:
+    """Whether the key's dispatch is traced data the host cannot read (see _dispatch_of)."""
+    return (key.static.fingerprint is None and key.plan is None
+            and isinstance(key.chunk_order, jax.core.Tracer))
+
+
+def _signed_shift(shift: int, total: int) -> int:
+    """``shift mod total`` as the signed shift in ``(-total/2, total/2]``."""
+    s = shift % total
+    return s if 2 * s <= total else s - total
+
+
+def _move_edges(x, chunk_order, chunk_inverse, t, route):
+    """One rank: gather the edge rows of all chunks and the wrap rows, then fill every row
+    from local + gathered + zero (roll by the signed shift ``t``, ``|t| < chunk_size``)."""
+    axis, c, total, per_rank = route.axis, route.chunk_size, route.total, route.per_rank
+    rows, local, k = x.shape[axis], per_rank * route.chunk_size, abs(t)
+    j = jnp.arange(local, dtype=jnp.int32)
+    slot = jax.lax.axis_index(route.cp_axis).astype(jnp.int32) * per_rank + j // c
+    row_in_chunk = j % c
+    chunk = jnp.take(chunk_order, slot, mode="clip")
+    src = chunk * c + row_in_chunk - t          # natural source position before wrapping
+    real = chunk * c + row_in_chunk < total
+    parts = [x]
+    idx = j - t
+    width = 0
+    if k:
+        # Edge rows: the last k rows of every chunk (t > 0: they start the next chunk) or
+        # its first k (t < 0: they end the previous one), [per_rank·k] from this rank.
+        blocks = _split_axis(jax.lax.slice_in_dim(x, 0, local, axis=axis), axis, per_rank, c)
+        edge = jax.lax.slice_in_dim(blocks, c - k if t > 0 else 0, c if t > 0 else k,
+                                    axis=axis + 1)
+        # Wrap rows: positions [total - k, total) (t > 0) or [0, k) (t < 0), which may span
+        # two chunks when the last one is partial; every rank takes the rows at their local
+        # places, and the receivers read each from its owner only.
+        wrap_start = total - k if t > 0 else 0
+        wrap_pos = wrap_start + jnp.arange(k, dtype=jnp.int32)
+        wrap_slot = jnp.take(chunk_inverse, wrap_pos // c, mode="clip")
+        wrap_rows = jnp.take(x, (wrap_slot % per_rank) * c + wrap_pos % c, axis=axis,
+                             mode="clip")
+        mine = jnp.concatenate([_merge_axes(edge, axis, 2), wrap_rows], axis=axis)
+        parts.append(jax.lax.all_gather(mine, route.cp_axis, axis=axis, tiled=True))
+        width = (per_rank + 1) * k                  # rows each rank contributes
+
+        wraps = (src < 0) | (src >= total)
+        same_chunk = (row_in_chunk - t >= 0) & (row_in_chunk - t < c)
+        n = route.num_chunks
+        near_slot = jnp.take(chunk_inverse, jnp.clip(chunk - (1 if t > 0 else -1), 0, n - 1),
+                             mode="clip")
+        # Row within the neighbour's edge block: t > 0 reads the tail row i (rows i < t),
+        # t < 0 the head row i + k - c.
+        edge_row = row_in_chunk if t > 0 else row_in_chunk + k - c
+        from_edge = rows + (near_slot // per_rank) * width + (near_slot % per_rank) * k \
+            + edge_row
+        m = jnp.clip(jnp.mod(src, total) - wrap_start, 0, k - 1)
+        from_wrap = rows + (jnp.take(wrap_slot, m) // per_rank) * width + per_rank * k + m
+        idx = jnp.where(wraps, from_wrap, jnp.where(same_chunk, j - t, from_edge))
+    zero_row = rows + route.cp * width
+    idx = jnp.where(real, idx, zero_row)
+    # Extra rows (the hidden row of a check_dispatch key) take the zero row too.
+    idx = jnp.concatenate([idx.astype(jnp.int32), jnp.full((rows - local,), zero_row, jnp.int32)])
+    zero_shape = list(x.shape)
+    zero_shape[axis] = 1
+    parts.append(jnp.zeros(zero_shape, x.dtype))
+    return jnp.take(jnp.concatenate(parts, axis=axis), idx, axis=axis, mode="clip")
+
+
+@dataclasses.dataclass(frozen=True)
+class _EdgeRoute:
+    """The static part of a roll over a traced dispatch: the mesh axis, the chunk geometry,
+    and the signed shifts of the forward (``fwd``) and of its transpose (``bwd = -fwd``).
+    Its ``move`` takes ``(chunk_order, chunk_inverse)`` where :class:`_Route` takes tables,
+    so both run under :func:`_roll_linear`."""
+
+    mesh: jax.sharding.Mesh
+    cp_axis: str
+    cp: int
+    axis: int
+    chunk_size: int
+    total: int
+    num_chunks: int
+    fwd: int
+    bwd: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.num_chunks // self.cp
+
+    def move(self, x, t, chunk_order, chunk_inverse):
+        spec = P(*([None] * self.axis), self.cp_axis)
+
+        def body(x, chunk_order, chunk_inverse):
+            return _move_edges(x, chunk_order, chunk_inverse, t, self)
+
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=(spec, P(), P()), out_specs=spec,
+                           check_vma=False)
+        return fn(x, chunk_order, chunk_inverse)
+
+
+def _edge_route(key: MagiKey, shift: int, axis: int) -> _EdgeRoute:
+    st = key.static
+    t = _signed_shift(shift, st.total)
+    if abs(t) >= st.chunk_size:
+        raise ValueError(
+            f"roll: shift={shift} (as a signed shift modulo total={st.total}: {t}) is not "
+            f"smaller than the chunk size {st.chunk_size} of a key built at a PlanCapacity "
+            "and traced (passed to a jitted function as an argument): with its dispatch "
+            "traced data, roll moves only the |shift| edge rows of every chunk, so it takes "
+            f"|shift| < {st.chunk_size}. Close over the key instead (jax.jit(lambda x: "
+            "mj.roll(x, shift, key))), pass a key built without capacity=, or, for label "
+            "shifts, roll the token ids in natural order before mj.dispatch")
+    return _EdgeRoute(st.mesh, st.cp_axis, st.cp, axis, st.chunk_size, st.total,
+                      st.padded_total // st.chunk_size, t, -t)
+
+
 def _check_shift(shift):
     if isinstance(shift, np.generic):
         shift = shift.item()
@@ -259,7 +391,7 @@ def _check_shift(shift):
             raise TypeError(
                 f"roll: shift must be a static Python int; got a JAX array "
                 f"({getattr(shift, 'dtype', '?')}{tuple(getattr(shift, 'shape', ()))}). The "
-                "transfers are planned on the host per shift: pass an int (under jit, mark "
+                "transfers are planned per shift: pass an int (under jit, mark "
                 "it static, e.g. jax.jit(f, static_argnums=...))")
         raise TypeError(f"roll: shift={shift!r} must be a Python int (positive or negative, "
                         f"any size); got {type(shift).__name__}")
@@ -282,12 +414,17 @@ def roll(x, shift: int, key: MagiKey, *, seq_axis: int = 0):
         activations ``[padded_total, ...]``, a batch ``[B, padded_total, ...]`` with
         ``seq_axis=1``, or int32 token ids.
       shift: a Python int, positive or negative, any size (taken modulo ``total``); 0 gives
-        ``x`` with its padding rows zeroed. The transfers are planned on the host per shift
-        (NumPy, cached by dispatch and shift), so under ``jit`` it must be static.
+        ``x`` with its padding rows zeroed. The transfers are planned per shift (on the host,
+        NumPy, cached by dispatch and shift), so under ``jit`` it must be static.
       key: the :class:`~magi_jax.sharding.MagiKey` ``x`` was dispatched with. Eager, closed
         over in ``jit``, or passed to a jitted function as an argument (a key of one mask
         names its dispatch in its static part). A key built at a ``PlanCapacity`` passed as
-        an argument hides its dispatch from the host: roll raises then, saying what to do.
+        an argument carries its dispatch as traced data (one compilation for every packing):
+        roll then plans on the device and takes shifts of less than a chunk (``|t| <
+        key.chunk_size``, ``t`` the shift modulo ``total`` in ``(-total/2, total/2]``, e.g.
+        the label shifts -1..-4), moving the ``|t|`` edge rows of every chunk by one
+        ``all_gather`` of ``(num_chunks + cp)·|t|`` rows; a larger shift raises, saying what
+        to do.
       seq_axis: the axis of the packed sequence, as for ``dispatch``.
 
     Returns an array like ``x`` (shape, dtype, dispatched layout). Differentiable: the VJP is
@@ -328,6 +465,9 @@ def roll(x, shift: int, key: MagiKey, *, seq_axis: int = 0):
             msg += (f"; axis {fits[0]} has {key.padded_total} rows: pass seq_axis={fits[0]}"
                     if fits else "; pass an array dispatched with this key")
         raise ValueError(msg)
+    if _traced_dispatch(key):
+        dispatch = (key.chunk_order, key.chunk_inverse)
+        return _roll_linear(_edge_route(key, shift, axis), x, dispatch, dispatch)
     s = shift % key.total
     fwd_deltas, fwd_send, fwd_gather = _device_tables(key, s)
     bwd_deltas, bwd_send, bwd_gather = _device_tables(key, (-s) % key.total)

@@ -1,7 +1,8 @@
 """``roll`` on dispatched arrays (8 CPU host devices) against its definition
 ``dispatch(jnp.roll(undispatch(x)), ...)``: the host tables against a NumPy model, forward
 and gradients on cp 2/4/8 meshes (Explicit and Auto), padded lengths, batch layout, checked
-and capacity keys, the compiled program's collectives, and the errors."""
+and capacity keys, capacity keys traced under jit (the device-planned path: one compilation
+over several packings), the compiled program's collectives, and the errors."""
 
 import functools
 
@@ -14,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import magi_jax as mj
 from magi_jax.sharding.roll import roll, roll_tables
+from tests.dynamic_masks import varlen_packings
 from tests.sharding.masks import CU, T, ZOO
 
 
@@ -234,3 +236,115 @@ def test_errors():
     with pytest.raises(TypeError, match="key must be a MagiKey"):
         roll(xd, 1, "cp")
     assert roll(xd, np.int64(3), key).shape == xd.shape    # NumPy integers are ints
+
+
+# ---- capacity keys traced under jit: the device-planned path --------------------------------
+
+CAPACITY_CASES = [   # (cp, explicit mesh, chunk size): T = 67 is a multiple of none of them
+    (2, True, 6),
+    (4, False, 5),
+    (8, False, 3),
+]
+
+
+def _small_shifts(chunk):
+    """The signed shifts |t| < chunk of the brief, each once."""
+    return tuple(s for s in dict.fromkeys((0, 1, -1, 3, -4, chunk - 1, -(chunk - 1)))
+                 if abs(s) < chunk)
+
+
+def _capacity_keys(cp, explicit, chunk, count, seed, **options):
+    cap = mj.PlanCapacity(T, chunk_size=chunk)
+    return [mj.make_flex_key(m, _mesh(cp, explicit), "cp", capacity=cap, ffa_backend="xla",
+                             **options) for m in varlen_packings(T, count, seed=seed)]
+
+
+@pytest.mark.parametrize("case", CAPACITY_CASES, ids=[f"cp{c[0]}-C{c[2]}" for c in
+                                                      CAPACITY_CASES])
+def test_capacity_key_traced_matches_the_definition_and_compiles_once(case):
+    cp, explicit, chunk = case
+    keys = _capacity_keys(cp, explicit, chunk, 3, seed=cp)
+    shifts, grad_shifts = _small_shifts(chunk), (1, -(chunk - 1))
+    rng = np.random.default_rng(cp)
+    x = jnp.asarray(rng.standard_normal((T, 3)), jnp.float32)
+
+    @jax.jit
+    def step(xd, w, key):    # the key is an argument: its dispatch is traced data
+        loss = lambda f, s: lambda a: jnp.sum(f(a, s) * w)
+        got = [roll(xd, s, key) for s in shifts]
+        g_got = [jax.grad(loss(lambda a, s: roll(a, s, key), s))(xd) for s in grad_shifts]
+        g_want = [jax.grad(loss(lambda a, s: _definition(a, s, key), s))(xd)
+                  for s in grad_shifts]
+        return got, g_got, g_want
+
+    with jax.set_mesh(keys[0].mesh):
+        for key in keys:
+            assert key.static == keys[0].static and key.total % chunk
+            xd = mj.dispatch(x, key) + 1.0     # padding rows hold junk; roll must not read it
+            w = jnp.asarray(rng.standard_normal((key.padded_total, 3)), jnp.float32)
+            got, g_got, g_want = step(xd, w, key)
+            pad = np.asarray(key.order) >= key.total
+            for s, a in zip(shifts, got):
+                np.testing.assert_array_equal(np.asarray(a), _definition_np(xd, s, key),
+                                              err_msg=f"shift {s}")
+                assert not np.asarray(a)[pad].any()
+                assert a.sharding.is_equivalent_to(NamedSharding(key.mesh, P("cp")), 2)
+            for s, a, b in zip(grad_shifts, g_got, g_want):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"grad {s}")
+    assert step._cache_size() == 1
+
+
+def test_capacity_key_traced_checked_batch_of_int_ids():
+    """Multi-token-prediction labels: int32 ids [B, padded_total] (seq_axis=1) of a
+    check_dispatch capacity key, shifted by -1..-4 inside one jitted step."""
+    keys = _capacity_keys(4, False, 5, 2, seed=11, check_dispatch=True)
+    shifts = (-1, -2, -3, -4)
+    ids = jnp.asarray(np.random.default_rng(2).integers(1, 50, (2, T)), jnp.int32)
+
+    @jax.jit
+    def step(xd, key):
+        return ([roll(xd, s, key, seq_axis=1) for s in shifts],
+                [_definition(xd, s, key, 1) for s in shifts])
+
+    for key in keys:
+        xd = mj.dispatch(ids, key, seq_axis=1)
+        got, want = step(xd, key)
+        for s, a, b in zip(shifts, got, want):
+            assert a.dtype == jnp.int32 and a.shape == xd.shape
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"shift {s}")
+            np.testing.assert_array_equal(np.asarray(mj.undispatch(a, key, seq_axis=1)),
+                                          np.roll(np.asarray(ids), s, axis=1))
+            hidden = np.asarray(a).reshape(2, key.cp, key.local_len)[:, :, -1]
+            np.testing.assert_array_equal(hidden, 0)
+    assert step._cache_size() == 1
+
+
+def test_capacity_key_traced_gathers_edge_rows_only():
+    cp, chunk, shift = 4, 5, -3
+    key = _capacity_keys(cp, False, chunk, 1, seed=3)[0]
+    xd = mj.dispatch(jnp.ones((T, 4)), key)
+    num_chunks = key.padded_total // chunk
+    edge_rows = (num_chunks + cp) * abs(shift)       # edges of every chunk + the wrap rows
+    assert edge_rows < key.padded_total
+    programs = (
+        jax.jit(lambda a, k: roll(a, shift, k)).lower(xd, key).compile().as_text(),
+        jax.jit(jax.grad(lambda a, k: jnp.sum(roll(a, shift, k) ** 2))).lower(xd, key)
+        .compile().as_text())
+    for program in programs:
+        gathers = [line for line in program.splitlines() if " all-gather(" in line]
+        assert gathers and all(f"f32[{edge_rows},4]" in line.split(" all-gather(")[0]
+                               for line in gathers), gathers
+        assert "all-to-all" not in program and "all-reduce" not in program
+
+
+def test_capacity_key_traced_rejects_shifts_of_a_chunk_or_more():
+    key = _capacity_keys(4, False, 5, 1, seed=4)[0]
+    xd = mj.dispatch(jnp.ones((T,)), key)
+    for shift in (5, -5, T - 5, 30):
+        with pytest.raises(ValueError, match=rf"shift={shift} .*chunk size 5.*Close over the "
+                                             r"key.*without capacity=.*before mj.dispatch"):
+            jax.jit(lambda a, k: roll(a, shift, k))(xd, key)
+    # shifts are taken modulo total first: T + 4 is a roll by 4
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(lambda a, k: roll(a, T + 4, k))(xd, key)),
+        np.asarray(_definition(xd, 4, key)))
