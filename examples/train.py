@@ -47,8 +47,8 @@ def parse_args(argv=None):
     ap.add_argument("--vocab", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--kv-heads", type=int, default=1)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="dtype of the attention inputs q, k, v (parameters stay float32); "
