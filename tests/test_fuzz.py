@@ -53,14 +53,21 @@ def check_forward(out, lse, q, k, v, mask: AttnMask, **kw):
     dense = mask.to_dense()
 
     def run(q_, k_, v_):
-        o, l = dense_attention(q_, k_, v_, dense, **kw)
-        o = o if o.dtype == jnp.float64 else o.astype(jnp.float32)
+        o, l = _dense_forward(q_, k_, v_, dense, **kw)
         return {"out": np.asarray(o, np.float64), "lse": np.asarray(l, np.float64)}
 
     with jax.enable_x64(True):
         ref64 = run(*(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)))
     results = dict(out=out) if lse is None else dict(out=out, lse=lse)
     assert_matches_reference(results, q, k, v, mask, ref64=ref64, ref_lp=run(q, k, v), **kw)
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "softcap"))
+def _dense_forward(q, k, v, dense, *, softmax_scale=None, softcap=0.0):
+    """The dense reference's ``out`` (float32 unless float64) and ``lse``, jitted with the mask
+    as an argument: one compilation per shape, not one per eager op."""
+    o, l = dense_attention(q, k, v, dense, softmax_scale=softmax_scale, softcap=softcap)
+    return (o if o.dtype == jnp.float64 else o.astype(jnp.float32)), l
 
 
 def raises_naming(call, names, error=(ValueError, TypeError)):

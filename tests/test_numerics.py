@@ -24,6 +24,7 @@ import pytest
 import magi_jax as mj
 from magi_jax.ffa.testing import assert_matches_reference, fwd_bwd
 from magi_jax.mask import AttnMask
+from tests.xla_options import OPTIMIZED
 
 LONG_ROW = 2 ** 20
 
@@ -91,17 +92,19 @@ def check_edges(res, mask, q, k, v, dout, dlse, **kw) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _ffa_vjp(mask, backend, softcap, block_k=None):
+def _ffa_vjp(mask, backend, softcap, block_k=None, optimized=False):
     fn = lambda a, b, c: mj.flex_flash_attention(a, b, c, mask, softcap=softcap,
                                                  backend=backend, block_k=block_k)
+    step = fwd_bwd(fn)
+    return jax.jit(step, compiler_options=OPTIMIZED) if optimized else step
 
-    return fwd_bwd(fn)
 
-
-def run_ffa(mask, q, k, v, dout, dlse, *, backend="xla", softcap=0.0, block_k=None):
+def run_ffa(mask, q, k, v, dout, dlse, *, backend="xla", softcap=0.0, block_k=None,
+            optimized=False):
     """Forward and gradients of ``flex_flash_attention`` (jitted, one compilation per mask,
-    backend and softcap)."""
-    return _ffa_vjp(mask, backend, float(softcap), block_k)(q, k, v, dout, dlse)
+    backend and softcap; ``optimized``: at the default CPU optimisation, for programs that
+    run long, tests/xla_options.py)."""
+    return _ffa_vjp(mask, backend, float(softcap), block_k, optimized)(q, k, v, dout, dlse)
 
 
 # ---- 1. large logits, single-key rows, empty rows ---------------------------------------------
@@ -158,7 +161,7 @@ def test_long_row_matches_reference():
     """One query over 2**20 keys: the forward and the gradients by the rule (float32)."""
     mask = AttnMask.full(1, LONG_ROW)
     inputs = scaled_inputs(mask, jnp.float32, hq=1, hkv=1, d=8, seed=2)
-    check_edges(run_ffa(mask, *inputs, block_k=4096), mask, *inputs)
+    check_edges(run_ffa(mask, *inputs, block_k=4096, optimized=True), mask, *inputs)
 
 
 def test_long_row_lse_is_exact_for_equal_logits():
@@ -172,7 +175,8 @@ def test_long_row_lse_is_exact_for_equal_logits():
                                     (LONG_ROW, 1, 8)))
     v = jnp.asarray(rng.standard_normal((LONG_ROW, 1, 8), np.float32))
     dout = jnp.asarray(rng.standard_normal((1, 1, 8), np.float32))
-    res = run_ffa(mask, q, k, v, dout, jnp.zeros((1, 1), jnp.float32), block_k=4096)
+    res = run_ffa(mask, q, k, v, dout, jnp.zeros((1, 1), jnp.float32), block_k=4096,
+                  optimized=True)
     s = float(np.asarray(q, np.float64)[0, 0] @ np.asarray(k[0, 0], np.float64)) * 8 ** -0.5
     want_lse = s + np.log(LONG_ROW)
     assert abs(float(res["lse"][0, 0]) - want_lse) <= 2e-5 * max(1.0, abs(want_lse))

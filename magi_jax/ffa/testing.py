@@ -27,14 +27,22 @@ _NAMES = ("out", "lse", "dq", "dk", "dv", "max_logits")
 
 
 def random_inputs(key, mask: AttnMask, hq: int, hkv: int, d: int, dtype, batch: int | None = None):
-    """Random ``q, k, v, dout, dlse`` for ``mask`` (normal, unit scale)."""
+    """Random ``q, k, v, dout, dlse`` for ``mask`` (normal, unit scale), as one jitted program
+    per shape (eagerly each random and cast op would compile on its own, which on CPU costs
+    more than the attention under test)."""
+    return _random_inputs(key, int(mask.total_q), int(mask.total_k), int(hq), int(hkv),
+                          int(d), jnp.dtype(dtype), batch)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7))
+def _random_inputs(key, total_q, total_k, hq, hkv, d, dtype, batch):
     lead = () if batch is None else (batch,)
     ks = jax.random.split(key, 5)
-    q = jax.random.normal(ks[0], lead + (mask.total_q, hq, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], lead + (mask.total_k, hkv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], lead + (mask.total_k, hkv, d), jnp.float32).astype(dtype)
-    dout = jax.random.normal(ks[3], lead + (mask.total_q, hq, d), jnp.float32).astype(dtype)
-    dlse = jax.random.normal(ks[4], lead + (mask.total_q, hq), jnp.float32)
+    q = jax.random.normal(ks[0], lead + (total_q, hq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], lead + (total_k, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], lead + (total_k, hkv, d), jnp.float32).astype(dtype)
+    dout = jax.random.normal(ks[3], lead + (total_q, hq, d), jnp.float32).astype(dtype)
+    dlse = jax.random.normal(ks[4], lead + (total_q, hq), jnp.float32)
     return q, k, v, dout, dlse
 
 

@@ -8,6 +8,7 @@ import pytest
 
 import magi_jax as mj
 from magi_jax.ffa.testing import assert_matches_reference, random_inputs
+from tests.xla_options import OPTIMIZED
 from tests.dynamic_masks import mixed_packings, varlen_packings
 
 T = 200
@@ -19,7 +20,9 @@ def _step():
         return (out * dout).sum() + (jnp.where(jnp.isfinite(lse), lse, 0) * dlse).sum(), \
             (out, lse)
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    # It runs 20 times: worth optimising (tests/xla_options.py).
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True),
+                   compiler_options=OPTIMIZED)
 
 
 @pytest.fixture
