@@ -10,6 +10,9 @@ warpgroups take turns issuing, so one's softmax also overlaps the other's matmul
 predicate is evaluated only on boundary items, from the slice geometry the item carries (one
 range check per cell where only the diagonal bounds cut the tile,
 :func:`~magi_jax.pallas.common.mask_scores`).
+
+At D = 256 a ring slot holds half a key tile (64 keys: two slots of 128 x 256 would not fit
+beside Q), and each work item is walked as two steps; everything else is the same kernel.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ __all__ = ["FwdConfig", "ffa_forward"]
 
 _COMPUTE_WGS = 2
 _WG_ROWS = FWD_BLOCK_Q // _COMPUTE_WGS
+# Head dims above this walk each key tile in two halves.
+_WIDE_D = 128
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,7 +87,12 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
     assert tq % FWD_BLOCK_Q == 0 and tk % FWD_BLOCK_K == 0, (tq, tk)
     assert order.shape == (num_tiles,), (order.shape, num_tiles)
     dtype = q.dtype
-    bq, bk, stages = _WG_ROWS, FWD_BLOCK_K, cfg.num_stages
+    bq, stages = _WG_ROWS, cfg.num_stages
+    # Key rows per ring slot: a whole key tile of the work list, or at D > 128 half of one
+    # (K/V slots of 128 x 256 would leave no room for two of them beside Q), each item then
+    # walked as two steps.
+    bk = FWD_BLOCK_K if d <= _WIDE_D else FWD_BLOCK_K // 2
+    sub = FWD_BLOCK_K // bk
     softcap = cfg.softcap
     # A unit is one (q-tile, batch, head); persistent programs walk those of their schedule.
     persistent = cfg.persistent > 0
@@ -123,6 +133,15 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
         def slot_of(g):
             return lax.rem(g, jnp.int32(stages))
 
+        def item_of(first, i):
+            """The work item of a unit's step ``i`` (``sub`` steps per item)."""
+            return first + i if sub == 1 else first + lax.div(i, jnp.int32(sub))
+
+        def key_row(it, i):
+            """The first key row of step ``i``, on item ``it``."""
+            row = items_ref[it, ItemField.OTHER_TILE] * FWD_BLOCK_K
+            return row if sub == 1 else row + lax.rem(i, jnp.int32(sub)) * bk
+
         def coords(j):
             """(q-tile, batch, head) of this program's ``j``-th unit."""
             if not persistent:
@@ -132,8 +151,8 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
 
         def for_units(body):
             """Runs ``body(j, tile, batch, head, base) -> base`` over this program's units;
-            ``base`` counts the items walked before, so the ring's slots and barrier phases
-            carry on across units. Returns the program's item count."""
+            ``base`` counts the steps walked before, so the ring's slots and barrier phases
+            carry on across units. Returns the program's step count."""
             if not persistent:
                 # base: a Python 0 (a captured array constant does not lower inside loops).
                 return body(0, *coords(0), 0)
@@ -166,7 +185,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
 
             def unit(j, tile, batch, head, base):
                 first = off_ref[tile]
-                num_items = off_ref[tile + 1] - first
+                num_steps = (off_ref[tile + 1] - first) * sub
                 row0 = tile * FWD_BLOCK_Q + wg * bq
                 if not persistent:
                     load_q(j)
@@ -184,10 +203,9 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     def mask(s):
                         if not masked:
                             return s
-                        it = first + i
+                        it = item_of(first, i)
                         geom, kind = item_geometry(items_ref, it), items_ref[it, ItemField.KIND]
-                        return mask_scores(s, geom, kind, row0,
-                                           items_ref[it, ItemField.OTHER_TILE] * bk, layout)
+                        return mask_scores(s, geom, kind, row0, key_row(it, i), layout)
 
                     if raw_m:
                         # Masked before the tanh, so the raw row max sees allowed cells only;
@@ -256,7 +274,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
 
                     s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
-                    prefetch_q(j, i == num_items - 1)
+                    prefetch_q(j, i == num_steps - 1)
                     return softmax(s, m_i, l_i, i, masked)
 
                 def overlapped_step(i, carry, masked):
@@ -295,13 +313,13 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                 def walk(start, carry, step_fn):
                     """Items ``start..`` through ``step_fn(i, carry, masked)``."""
                     def more_full(c):
-                        it = jnp.minimum(first + c[0], last_item)
-                        return (c[0] < num_items) & (items_ref[it, ItemField.KIND] == FULL)
+                        it = jnp.minimum(item_of(first, c[0]), last_item)
+                        return (c[0] < num_steps) & (items_ref[it, ItemField.KIND] == FULL)
 
                     split, *carry = lax.while_loop(
                         more_full, lambda c: (c[0] + 1, *step_fn(c[0], c[1:], False)),
                         (start, *carry))
-                    return lax.fori_loop(split, num_items, lambda i, c: step_fn(i, c, True),
+                    return lax.fori_loop(split, num_steps, lambda i, c: step_fn(i, c, True),
                                          tuple(carry))
 
                 # Item 0 alone (any kind), then items 1.. with the previous item's P·V under
@@ -313,9 +331,9 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     p, _, m_new, l_new = overlapped(None, c[1:], i, True)
                     return c[0], m_new, l_new, p.astype(dtype)
 
-                carry = lax.fori_loop(0, jnp.minimum(num_items, 1), first_item,
+                carry = lax.fori_loop(0, jnp.minimum(num_steps, 1), first_item,
                                       (acc, m_i, l_i, p0))
-                carry = walk(jnp.minimum(num_items, 1), carry, overlapped_step)
+                carry = walk(jnp.minimum(num_steps, 1), carry, overlapped_step)
 
                 def last_pv(i, c):
                     acc, m_i, l_i, p_last = c
@@ -331,9 +349,9 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     plgpu.barrier_arrive(v_free.at[slot_of(base + i - 1)])
                     return acc, m_i, l_i, p_last
 
-                acc, m_i, l_i, _ = lax.fori_loop(num_items, num_items + jnp.minimum(
-                    num_items, 1), last_pv, tuple(carry))
-                prefetch_q(j, num_items == 0)
+                acc, m_i, l_i, _ = lax.fori_loop(num_steps, num_steps + jnp.minimum(
+                    num_steps, 1), last_pv, tuple(carry))
+                prefetch_q(j, num_steps == 0)
                 seen = l_i > 0
                 inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
                 acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
@@ -355,7 +373,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                 if cfg.row_max:
                     plgpu.copy_smem_to_gmem(row_max_smem.at[wg],
                                             row_max_ref.at[batch, head, pl.ds(row0, bq)])
-                return base + num_items
+                return base + num_steps
 
             for_units(unit)
             pl.when(wg == 0)(take_turn)   # observe the last turn passed back
@@ -368,15 +386,14 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
             def unit(j, tile, batch, head, base):
                 del j
                 first = off_ref[tile]
-                num_items = off_ref[tile + 1] - first
+                num_steps = (off_ref[tile + 1] - first) * sub
                 kv_head = lax.div(head, jnp.int32(group))
 
-                @pl.loop(0, num_items)
+                @pl.loop(0, num_steps)
                 def _(i):
                     g = base + i
                     slot = slot_of(g)
-                    ktile = items_ref[first + i, ItemField.OTHER_TILE]
-                    src = (batch, pl.ds(ktile * bk, bk), kv_head)
+                    src = (batch, pl.ds(key_row(item_of(first, i), i), bk), kv_head)
 
                     @pl.when(g >= stages)
                     def _():
@@ -390,7 +407,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
 
                     plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_ready.at[slot])
 
-                return base + num_items
+                return base + num_steps
 
             total = for_units(unit)
 
