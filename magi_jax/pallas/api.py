@@ -14,6 +14,7 @@ import numpy as np
 
 from magi_jax.pallas.common import LOG2E
 from magi_jax.pallas.ffa_bwd import DKV_SPLIT_ALIGN, BwdConfig, ffa_dkv, ffa_dq
+from magi_jax.pallas.ffa_bwd_wide import ffa_dkv_wide, ffa_dq_wide
 from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward
 from magi_jax.planning.work_list import (DKV_BLOCK_K, FWD_BLOCK_K, FWD_BLOCK_Q,
                                          FFAPlanArrays, WorkList, plan_for_mask,
@@ -23,8 +24,12 @@ __all__ = ["flex_flash_attention_pallas", "ffa_pallas", "ffa_pallas_backward", "
            "device_supported", "DKV_SPLIT_ALIGN", "FFAPlanArrays", "plan_for_mask",
            "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES"]
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+# Head dims above this take the wide backward kernels (the two consumer warpgroups split the
+# head dim of the gradients), and no kernel is persistent: at D = 256 the output buffers of
+# the persistent modes do not fit beside their pipelines.
+_WIDE_HEAD_DIM = 128
 _MAX_GRID_TILES = 65535   # tiles sit on a grid dimension limited to 2**16 - 1 blocks
 
 
@@ -54,8 +59,7 @@ def supported(q, k, v, mask=None, *, check_device: bool = True) -> tuple[bool, s
                        "bfloat16 or float16 q, k, v of one dtype")
     d = q.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:
-        return False, (f"head dim {d}: the pallas kernels support D in {SUPPORTED_HEAD_DIMS} "
-                       "(D = 256 does not fit the shared-memory plan yet)")
+        return False, f"head dim {d}: the pallas kernels support D in {SUPPORTED_HEAD_DIMS}"
     if q.shape[-2] % k.shape[-2]:
         return False, f"Hq={q.shape[-2]} is not a multiple of Hkv={k.shape[-2]}"
     tq, tk = q.shape[-3], k.shape[-3]
@@ -167,10 +171,12 @@ def _ffa_bwd(cfg, res, cts, between_dkv_dq=None, split_kv_at=0):
     pad_stat = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -tq % FWD_BLOCK_Q)))
     args = (pad_q(q), pad_k(k), pad_k(v), pad_q(dout.astype(q.dtype)), pad_stat(lse2),
             pad_stat(delta))
-    dq_kernel = lambda args: ffa_dq(*args, plan.q_order, plan.q_offsets, plan.q_items, cfg.dq)
+    wide = q.shape[-1] > _WIDE_HEAD_DIM
+    dq_fn, dkv_fn = (ffa_dq_wide, ffa_dkv_wide) if wide else (ffa_dq, ffa_dkv)
+    dq_kernel = lambda args: dq_fn(*args, plan.q_order, plan.q_offsets, plan.q_items, cfg.dq)
     if between_dkv_dq is None:
         dq = dq_kernel(args)
-    dkv_kernel = functools.partial(ffa_dkv, *args, plan.k_order, plan.k_offsets, plan.k_items,
+    dkv_kernel = functools.partial(dkv_fn, *args, plan.k_order, plan.k_offsets, plan.k_items,
                                    cfg.dkv, sched.dkv)
     if split_kv_at and split_kv_at % DKV_SPLIT_ALIGN == 0:
         # Each tile stored straight into its part: no slicing copy of the first part.
@@ -235,7 +241,7 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
                return_max_logits: bool = False):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
-    q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64 or 128); ``plan``:
+    q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64, 128 or 256); ``plan``:
     the work lists of :func:`~magi_jax.planning.work_list.plan_for_mask` (``"pallas"``) for
     these ``Tq``/``Tk``, as int32 arrays.
     Returns ``out`` (q's shape and dtype) and ``lse [(B,) Tq, Hq]`` float32 (natural log,
@@ -243,7 +249,8 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
     ``interpret=True`` runs the kernels in Mosaic GPU interpret mode (CPU, tests only).
     Tuning (results do not depend on it beyond rounding): ``num_stages`` (forward),
     ``dq_num_stages``, ``dkv_num_stages``: shared-memory slots of the producer rings (with
-    D = 128 the forward fits 3 only with one program per unit, dQ 2, dK/dV 3);
+    D = 128 the forward fits 3 only with one program per unit, dQ 2, dK/dV 3; at D = 256 each
+    takes 2, and no kernel is persistent);
     ``persistent``: 0 (one program per q-tile and head) or the number of programs (the
     SM count) that walk the (q-tile, batch, head) units of a host schedule
     (:func:`~magi_jax.planning.work_list.persistent_schedule`), the K/V pipeline running on
@@ -275,10 +282,13 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
                              f"dkv_units); got {len(schedules)} arrays")
         return _ffa_scheduled(q, k, v, plan, tuple(schedules), float(softmax_scale),
                               float(softcap), bool(interpret), bool(return_max_logits))
+    wide = q.shape[-1] > _WIDE_HEAD_DIM
     if persistent is None:
-        persistent = _default_programs(plan, interpret) if num_stages <= 2 else 0
+        persistent = (_default_programs(plan, interpret) if num_stages <= 2 and not wide
+                      else 0)
     if dkv_persistent is None:
-        dkv_persistent = _default_programs(plan, interpret, "dkv") if dkv_num_stages <= 3 else 0
+        dkv_persistent = (_default_programs(plan, interpret, "dkv")
+                          if dkv_num_stages <= 3 and not wide else 0)
     cfg = _Config.build(softmax_scale, softcap, interpret,
                         fwd=dict(num_stages=int(num_stages), persistent=int(persistent),
                                  row_max=bool(return_max_logits)),
@@ -296,7 +306,10 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
 
 def _ffa_scheduled(q, k, v, plan, schedules, scale, softcap, interpret, max_logits):
     """:func:`ffa_pallas` over schedules that travel with the plan (the default kernels'
-    tuning; dQ one program per unit)."""
+    tuning; dQ one program per unit). At D = 256 the schedules are not used: every kernel
+    runs one program per unit there."""
+    if q.shape[-1] > _WIDE_HEAD_DIM:
+        schedules = ()   # no persistent kernel at D = 256 (their output buffers do not fit)
     programs = (int(schedules[0].shape[0]) - 1, int(schedules[2].shape[0]) - 1) \
         if schedules else (0, 0)
     cfg = _Config.build(scale, softcap, interpret,

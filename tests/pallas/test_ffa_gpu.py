@@ -50,10 +50,29 @@ def test_zoo_bf16(name):
     _check(ZOO[name])
 
 
+# Every zoo mask at every head dim, with the dtype and the GQA group turning over the masks so
+# that each head dim meets both dtypes with and without GQA.
+_VARIANTS = [(jnp.bfloat16, (4, 4)), (jnp.float16, (4, 2)), (jnp.float16, (4, 4)),
+             (jnp.bfloat16, (8, 2))]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("index,name", list(enumerate(ZOO)))
+def test_zoo_head_dims_dtypes_gqa(index, name, d):
+    dtype, (hq, hkv) = _VARIANTS[(index + d // 64) % len(_VARIANTS)]
+    _check(ZOO[name], dtype, hq=hq, hkv=hkv, d=d, seed=index)
+
+
 @pytest.mark.parametrize("dtype,d,heads", [(jnp.float16, 128, (4, 4)), (jnp.bfloat16, 64, (4, 4)),
-                                           (jnp.float16, 64, (8, 2)), (jnp.bfloat16, 128, (8, 1))])
+                                           (jnp.float16, 64, (8, 2)), (jnp.bfloat16, 128, (8, 1)),
+                                           (jnp.bfloat16, 256, (8, 1)),
+                                           (jnp.float16, 256, (4, 2))])
 def test_dtypes_head_dims_gqa(dtype, d, heads):
     _check(ZOO["doc_causal"], dtype, hq=heads[0], hkv=heads[1], d=d)
+
+
+def test_head_dim_256_softcap_batch():
+    _check(ZOO["causal_blockwise"], jnp.bfloat16, hq=4, hkv=2, d=256, softcap=20.0, batch=2)
 
 
 @pytest.mark.parametrize("mask_name", ["causal", "doc_causal"])
