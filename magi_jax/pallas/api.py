@@ -14,7 +14,8 @@ import numpy as np
 
 from magi_jax.pallas.common import LOG2E
 from magi_jax.pallas.ffa_bwd import DKV_SPLIT_ALIGN, BwdConfig, ffa_dkv, ffa_dq
-from magi_jax.pallas.ffa_bwd_wide import ffa_dkv_wide, ffa_dq_wide
+from magi_jax.pallas.ffa_dkv_wide import ffa_dkv_wide
+from magi_jax.pallas.ffa_dq_wide import ffa_dq_wide
 from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward
 from magi_jax.planning.work_list import (DKV_BLOCK_K, FWD_BLOCK_K, FWD_BLOCK_Q,
                                          FFAPlanArrays, WorkList, plan_for_mask,

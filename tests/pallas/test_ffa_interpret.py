@@ -323,6 +323,6 @@ def test_backward_hook_with_dkv_in_two_parts(split):
 
 def test_head_dim_256_forward_and_backward():
     """D = 256 end to end: the forward walks each key tile in two halves, the backward runs
-    the wide kernels (magi_jax.pallas.ffa_bwd_wide); GQA, batch 2, fp16."""
+    the wide kernels (magi_jax.pallas.ffa_dq_wide, ffa_dkv_wide); GQA, batch 2, fp16."""
     res = _run(IRREGULAR, jnp.float16, hq=2, hkv=1, d=256, batch=2, seed=9)
     assert np.isneginf(np.asarray(res["lse"])[:, 190:]).all()
