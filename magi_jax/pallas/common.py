@@ -12,7 +12,7 @@ from jax import lax
 from magi_jax.planning.work_list import BAND, FULL, GENERAL, ITEM_FIELDS
 
 __all__ = ["LOG2E", "LN2", "SMEM_BYTES", "ItemField", "item_geometry", "item_fields",
-           "smem", "smem_bytes", "check_smem", "mma_lhs", "tile_predicate", "mask_scores",
+           "smem", "smem64", "smem_bytes", "check_smem", "mma_lhs", "tile_predicate", "mask_scores",
            "launch_grid", "kernel_grid", "scheduled_units", "check_pipeline",
            "check_schedule"]
 
@@ -64,6 +64,14 @@ def item_fields(items_ref, it):
 def smem(shape, dtype):
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
                                                 plgpu.SwizzleTransform(128)))
+
+
+def smem64(shape, dtype):
+    """Shared memory in tiles of 8 x 32 with the 64-byte swizzle (16-bit dtypes): for buffers
+    with rows of 32 elements and the buffers a wgmma pairs with them (a wgmma takes one
+    swizzle for both operands), as the D = 256 backward kernels exchange them."""
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 32)),
+                                                plgpu.SwizzleTransform(64)))
 
 
 def smem_bytes(scratch) -> int:

@@ -39,7 +39,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import ItemField, check_smem, item_fields, launch_grid, mask_scores
+from magi_jax.pallas.common import (ItemField, check_smem, item_fields, launch_grid,
+                                    mask_scores, smem64)
 from magi_jax.pallas.ffa_bwd import (_COL, _LAYOUT, DKV_SPLIT_ALIGN, BwdConfig, _exp2_minus,
                                      _log2_scores, _store_outputs)
 from magi_jax.planning.work_list import DKV_BLOCK_K, DKV_BLOCK_Q
@@ -59,11 +60,6 @@ _ROWS = DKV_BLOCK_Q // _COMPUTE_WGS
 assert DKV_SPLIT_ALIGN % _KEYS == 0, (DKV_SPLIT_ALIGN, _KEYS)
 
 
-def _smem(shape, dtype):
-    """Shared memory in tiles of 32 columns, 64-byte swizzle (the module docstring says
-    why)."""
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, _ROWS)),
-                                                plgpu.SwizzleTransform(64)))
 
 
 def _transposed_scores(k_halves, v_halves, q_halves, do_halves, q_ready, do_ready):
@@ -250,12 +246,12 @@ def ffa_dkv_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConf
     # exchange (209 KiB) would need a second barrier a step, for the other consumer's reads.
     per_stage = lambda n: plgpu.Barrier(num_arrivals=n, num_barriers=stages)
     scratch = dict(
-        k=_smem((_COMPUTE_WGS, _KEYS, _HALF_D), dtype),   # by head-dim half
-        v=_smem((_COMPUTE_WGS, _KEYS, _HALF_D), dtype),
-        q=_smem((stages, _COMPUTE_WGS, DKV_BLOCK_Q, _HALF_D), dtype),   # the ring
-        do=_smem((stages, _COMPUTE_WGS, DKV_BLOCK_Q, _HALF_D), dtype),
+        k=smem64((_COMPUTE_WGS, _KEYS, _HALF_D), dtype),   # by head-dim half
+        v=smem64((_COMPUTE_WGS, _KEYS, _HALF_D), dtype),
+        q=smem64((stages, _COMPUTE_WGS, DKV_BLOCK_Q, _HALF_D), dtype),   # the ring
+        do=smem64((stages, _COMPUTE_WGS, DKV_BLOCK_Q, _HALF_D), dtype),
         stats=plgpu.SMEM((stages, 2, DKV_BLOCK_Q), jnp.float32),   # lse2, delta
-        exchange=_smem((2, 2, _COMPUTE_WGS, _KEYS, _ROWS), dtype),
+        exchange=smem64((2, 2, _COMPUTE_WGS, _KEYS, _ROWS), dtype),
         kv_ready=plgpu.Barrier(num_arrivals=2 * _COMPUTE_WGS),   # K, V halves
         q_ready=per_stage(_COMPUTE_WGS), do_ready=per_stage(_COMPUTE_WGS),   # halves
         stats_ready=per_stage(2),                                # lse2, delta

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from magi_jax.pallas.common import (ItemField, check_smem, item_fields, launch_grid,
-                                    mask_scores, smem)
+                                    mask_scores, smem, smem64)
 from magi_jax.pallas.ffa_bwd import (_LAYOUT, _ROW, BwdConfig, _drain, _exp2_minus,
                                      _log2_scores, _params)
 from magi_jax.planning.work_list import FWD_BLOCK_K, FWD_BLOCK_Q
@@ -57,11 +57,6 @@ _STEP_KEYS = FWD_BLOCK_K // 2
 _COLS = _STEP_KEYS // _COMPUTE_WGS
 
 
-def _smem64(shape, dtype):
-    """Shared memory in tiles of 8 x 32 with the 64-byte swizzle: rows of 32 elements (the
-    exchange) and the buffers a wgmma pairs with them (module docstring)."""
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, _COLS)),
-                                                plgpu.SwizzleTransform(2 * _COLS)))
 
 
 def _two_sums(shape, pairs_a, pairs_b):
@@ -227,12 +222,12 @@ def ffa_dq_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfi
     # lse/delta 1 KiB, the K/V ring 2 x 32 KiB per stage, the dS exchange 2 x 8 KiB:
     # 209 KiB (3 stages: 273 KiB, too much).
     scratch = dict(
-        q=_smem64((halves, _ROWS, _HALF), dtype),   # by head-dim half
+        q=smem64((halves, _ROWS, _HALF), dtype),   # by head-dim half
         do=smem((halves, _ROWS, _HALF), dtype),
         stats=plgpu.SMEM((_COMPUTE_WGS, 2, _ROWS), jnp.float32),   # each consumer's lse, delta
-        k=_smem64((stages, halves, _STEP_KEYS, _HALF), dtype),
+        k=smem64((stages, halves, _STEP_KEYS, _HALF), dtype),
         v=smem((stages, halves, _STEP_KEYS, _HALF), dtype),
-        ex=_smem64((2, _COMPUTE_WGS, _ROWS, _COLS), dtype),   # dS by step parity, writer
+        ex=smem64((2, _COMPUTE_WGS, _ROWS, _COLS), dtype),   # dS by step parity, writer
         # Q, dO halves and lse, delta of each consumer.
         in_ready=plgpu.Barrier(num_arrivals=4 * _COMPUTE_WGS),
         k_ready=plgpu.Barrier(num_arrivals=halves, num_barriers=stages),
