@@ -11,10 +11,15 @@ from jax import lax
 
 from magi_jax.planning.work_list import BAND, FULL, GENERAL, ITEM_FIELDS
 
-__all__ = ["LOG2E", "LN2", "SMEM_BYTES", "ItemField", "item_geometry", "item_fields",
+__all__ = ["LOG2E", "LN2", "WIDE_D", "WIDE_HALF_D", "SMEM_BYTES", "ItemField", "item_geometry", "item_fields",
            "smem", "smem64", "smem_bytes", "check_smem", "mma_lhs", "tile_predicate", "mask_scores",
            "launch_grid", "kernel_grid", "scheduled_units", "check_pipeline",
            "check_schedule"]
+
+# The head dim of the wide backward kernels (ffa_dq_wide, ffa_dkv_wide): each of their two
+# consumer warpgroups accumulates one half of it.
+WIDE_HALF_D = 128
+WIDE_D = 2 * WIDE_HALF_D
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)

@@ -39,8 +39,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (ItemField, check_smem, item_fields, launch_grid,
-                                    mask_scores, smem64)
+from magi_jax.pallas.common import (WIDE_D, WIDE_HALF_D, ItemField, check_smem, item_fields,
+                                    launch_grid, mask_scores, smem64)
 from magi_jax.pallas.ffa_bwd import (_COL, _LAYOUT, DKV_SPLIT_ALIGN, BwdConfig, _exp2_minus,
                                      _log2_scores, _store_outputs)
 from magi_jax.planning.work_list import DKV_BLOCK_K, DKV_BLOCK_Q
@@ -48,9 +48,7 @@ from magi_jax.planning.work_list import DKV_BLOCK_K, DKV_BLOCK_Q
 __all__ = ["ffa_dkv_wide", "WIDE_D"]
 
 _COMPUTE_WGS = 2
-# The head-dim half each consumer accumulates, and the head dim this kernel takes.
-_HALF_D = 128
-WIDE_D = _COMPUTE_WGS * _HALF_D
+_HALF_D = WIDE_HALF_D   # the head-dim half each consumer warpgroup accumulates
 # Keys a program owns: half a k-tile of the work list.
 _KEYS = DKV_BLOCK_K // 2
 _HALVES = DKV_BLOCK_K // _KEYS

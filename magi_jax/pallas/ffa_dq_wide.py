@@ -38,8 +38,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (ItemField, check_smem, item_fields, launch_grid,
-                                    mask_scores, smem, smem64)
+from magi_jax.pallas.common import (WIDE_D, WIDE_HALF_D, ItemField, check_smem, item_fields,
+                                    launch_grid, mask_scores, smem, smem64)
 from magi_jax.pallas.ffa_bwd import (_LAYOUT, _ROW, BwdConfig, _drain, _exp2_minus,
                                      _log2_scores, _params)
 from magi_jax.planning.work_list import FWD_BLOCK_K, FWD_BLOCK_Q
@@ -47,9 +47,7 @@ from magi_jax.planning.work_list import FWD_BLOCK_K, FWD_BLOCK_Q
 __all__ = ["ffa_dq_wide", "WIDE_D"]
 
 _COMPUTE_WGS = 2
-# The head dim this kernel takes: one half of 128 columns per consumer warpgroup.
-_HALF = 128
-WIDE_D = _COMPUTE_WGS * _HALF
+_HALF = WIDE_HALF_D   # the head-dim half each consumer warpgroup accumulates
 # Query rows of a program (half a q-tile), keys of a step (half a key tile), and the keys of
 # a step whose scores one warpgroup computes.
 _ROWS = FWD_BLOCK_Q // 2
