@@ -138,7 +138,7 @@ def flex_flash_attention(q, k, v, mask: AttnMask | AttnPlan, *,
                          softmax_scale: float | None = None, softcap: float = 0.0,
                          backend: str = "auto", block_q: int | None = None,
                          block_k: int | None = None, sink=None,
-                         return_max_logits: bool = False, deterministic: bool = True):
+                         return_max_logits: bool = False):
     """Exact attention of ``q`` over ``k``/``v`` restricted to ``mask``.
 
     Args:
@@ -160,10 +160,6 @@ def flex_flash_attention(q, k, v, mask: AttnMask | AttnPlan, *,
         every row's softmax denominator and add nothing to the output; differentiable
         (:mod:`magi_jax.ffa.sinks`). ``lse`` then includes them.
       return_max_logits: also return each head's largest logit (for QK-clip).
-      deterministic: ``False`` lets the ``pallas`` backend (D 64 or 128) run its backward
-        as one fused kernel that sums dQ with float32 atomic adds: faster, but dQ may differ
-        between runs in its last bits. The default keeps every gradient bitwise
-        reproducible; the ``xla`` backend always is.
 
     Returns:
       ``(out, lse)``: ``out`` like ``q``; ``lse`` ``[(B,) Tq, Hq]`` float32, natural log.
@@ -183,22 +179,20 @@ def flex_flash_attention(q, k, v, mask: AttnMask | AttnPlan, *,
         check_sink(sink, q.shape[-2])
         res = flex_flash_attention(q, k, v, mask, softmax_scale=softmax_scale,
                                    softcap=softcap, backend=backend, block_q=block_q,
-                                   block_k=block_k, return_max_logits=return_max_logits,
-                                   deterministic=deterministic)
+                                   block_k=block_k, return_max_logits=return_max_logits)
         return apply_sink(*res[:2], sink) + tuple(res[2:])
     check_options(softmax_scale, softcap, block_q, block_k)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if isinstance(mask, AttnPlan):
         return _attend_plan(q, k, v, mask, scale, float(softcap), backend, block_q, block_k,
-                            return_max_logits, bool(deterministic))
+                            return_max_logits)
     _check_inputs(q, k, v, mask)
     name, reason = select_backend(backend, q, k, v, mask)
     _log.debug("flex_flash_attention: backend %s (%s)", name, reason)
     if name == "pallas":
         from magi_jax.pallas import ffa_pallas
         return ffa_pallas(q, k, v, plan_for_mask(mask, "pallas"), softmax_scale=scale,
-                          softcap=float(softcap), return_max_logits=return_max_logits,
-                          deterministic=bool(deterministic))
+                          softcap=float(softcap), return_max_logits=return_max_logits)
     (bq, bk), _ = backend_blocks("xla", mask.total_q, mask.total_k, block_q, block_k)
     plan = plan_for_mask(mask, "xla", bq, bk)
     return xla_ffa(q, k, v, plan, softmax_scale=scale, softcap=float(softcap),
@@ -206,7 +200,7 @@ def flex_flash_attention(q, k, v, mask: AttnMask | AttnPlan, *,
 
 
 def _attend_plan(q, k, v, plan: AttnPlan, scale, softcap, backend, block_q, block_k,
-                 return_max_logits, deterministic):
+                 return_max_logits):
     """:func:`flex_flash_attention` from an :class:`AttnPlan` (masks as data)."""
     st = plan.static
     cap = st.capacity
@@ -231,8 +225,7 @@ def _attend_plan(q, k, v, plan: AttnPlan, scale, softcap, backend, block_q, bloc
                              "(Hq, Hkv) and batch=B of these inputs to plan_attention")
         return pallas.ffa_pallas(q, k, v, plan.item_lists(), softmax_scale=scale,
                                  softcap=softcap, schedules=plan.schedules,
-                                 return_max_logits=return_max_logits,
-                                 deterministic=deterministic)
+                                 return_max_logits=return_max_logits)
     return xla_ffa(q, k, v, plan.item_lists(), softmax_scale=scale, softcap=softcap,
                    block_q=st.fwd_block[0], block_k=st.fwd_block[1], lane_len=st.lane_len,
                    return_max_logits=return_max_logits)

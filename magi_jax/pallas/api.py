@@ -14,7 +14,6 @@ import numpy as np
 
 from magi_jax.pallas.common import LOG2E
 from magi_jax.pallas.ffa_bwd import DKV_SPLIT_ALIGN, BwdConfig, ffa_dkv, ffa_dq
-from magi_jax.pallas.ffa_bwd_fused import FUSED_HEAD_DIMS, ffa_dkvq
 from magi_jax.pallas.ffa_dkv_wide import ffa_dkv_wide
 from magi_jax.pallas.ffa_dq_wide import ffa_dq_wide
 from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward
@@ -79,28 +78,20 @@ def supported(q, k, v, mask=None, *, check_device: bool = True) -> tuple[bool, s
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-    """The static configuration of one call: its kernels' configs, and whether the backward
-    is the fused kernel (:func:`~magi_jax.pallas.ffa_bwd_fused.ffa_dkvq`, dQ summed by
-    float32 atomics) instead of the deterministic dQ and dK/dV pair."""
+    """The static configuration of one call: its three kernels' configs."""
 
     fwd: FwdConfig
     dq: BwdConfig
     dkv: BwdConfig
-    fused_bwd: bool = False
 
     @classmethod
     def build(cls, scale: float, softcap: float, interpret: bool, *, fwd=None, dq=None,
-              dkv=None, deterministic: bool = True, head_dim: int = 128) -> _Config:
+              dkv=None) -> _Config:
         """Configs sharing ``scale``, ``softcap``, ``interpret``; ``fwd``/``dq``/``dkv``:
-        each kernel's other fields (dicts; the configs' defaults where absent).
-        ``deterministic=False`` takes the fused backward where it runs (``head_dim`` in
-        :data:`~magi_jax.pallas.ffa_bwd_fused.FUSED_HEAD_DIMS`); it runs one program per
-        unit, so the dK/dV config is then not persistent."""
+        each kernel's other fields (dicts; the configs' defaults where absent)."""
         shared = dict(scale=float(scale), softcap=float(softcap), interpret=bool(interpret))
-        fused = not deterministic and head_dim in FUSED_HEAD_DIMS
-        dkv = dict(dkv or {}, **({"persistent": 0} if fused else {}))
         return cls(FwdConfig(**shared, **(fwd or {})), BwdConfig(**shared, **(dq or {})),
-                   BwdConfig(**shared, **dkv), fused)
+                   BwdConfig(**shared, **(dkv or {})))
 
 
 def _pad_rows(x, multiple):
@@ -181,16 +172,6 @@ def _ffa_bwd(cfg, res, cts, between_dkv_dq=None, split_kv_at=0):
     pad_stat = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -tq % FWD_BLOCK_Q)))
     args = (pad_q(q), pad_k(k), pad_k(v), pad_q(dout.astype(q.dtype)), pad_stat(lse2),
             pad_stat(delta))
-    if cfg.fused_bwd:
-        dq, dk, dv = ffa_dkvq(*args, plan.k_order, plan.k_offsets, plan.k_items, cfg.dkv)
-        dq, dk, dv = dq[:, :tq], dk[:, :tk], dv[:, :tk]
-        if split_kv_at:
-            dk, dv = (dk[:, :split_kv_at], dk[:, split_kv_at:]), (dv[:, :split_kv_at],
-                                                                 dv[:, split_kv_at:])
-        if between_dkv_dq is None:
-            return dq, dk, dv, None, None
-        token = between_dkv_dq(dk, dv)
-        return dq, dk, dv, token
     wide = q.shape[-1] > _WIDE_HEAD_DIM
     dq_fn, dkv_fn = (ffa_dq_wide, ffa_dkv_wide) if wide else (ffa_dq, ffa_dkv)
     dq_kernel = lambda args: dq_fn(*args, plan.q_order, plan.q_offsets, plan.q_items, cfg.dq)
@@ -258,7 +239,7 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
                dq_num_stages: int = BwdConfig.num_stages,
                dkv_num_stages: int = BwdConfig.num_stages, persistent: int | None = None,
                dkv_persistent: int | None = None, schedules: tuple | None = None,
-               return_max_logits: bool = False, deterministic: bool = True):
+               return_max_logits: bool = False):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
     q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64, 128 or 256); ``plan``:
@@ -295,20 +276,13 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
     head's largest ``softmax_scale·q·k`` (before the softcap) over the allowed cells,
     ``-inf`` where a head sees none. The forward kernel writes every row's maximum beside
     its lse (with a softcap it then keeps the raw running max, whose tanh is the softmax's);
-    one reduction over the rows gives the heads'. No gradient.
-
-    ``deterministic=False`` (D = 64 or 128) runs the backward as one fused kernel
-    (:mod:`magi_jax.pallas.ffa_bwd_fused`: five matmuls per tile pair instead of seven)
-    whose dQ is summed by float32 atomic adds, so dQ may differ between runs in its last
-    bits; dK, dV and the forward are unchanged. The default keeps every gradient bitwise
-    reproducible. At D = 256 the backward is always the deterministic pair."""
+    one reduction over the rows gives the heads'. No gradient."""
     if schedules is not None:
         if len(schedules) not in (0, 4):
             raise ValueError("schedules must be () or (fwd_offsets, fwd_units, dkv_offsets, "
                              f"dkv_units); got {len(schedules)} arrays")
         return _ffa_scheduled(q, k, v, plan, tuple(schedules), float(softmax_scale),
-                              float(softcap), bool(interpret), bool(return_max_logits),
-                              bool(deterministic))
+                              float(softcap), bool(interpret), bool(return_max_logits))
     wide = q.shape[-1] > _WIDE_HEAD_DIM
     if persistent is None:
         persistent = (_default_programs(plan, interpret) if num_stages <= 2 and not wide
@@ -321,8 +295,7 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
                                  row_max=bool(return_max_logits)),
                         dq=dict(num_stages=int(dq_num_stages)),
                         dkv=dict(num_stages=int(dkv_num_stages),
-                                 persistent=int(dkv_persistent)),
-                        deterministic=bool(deterministic), head_dim=q.shape[-1])
+                                 persistent=int(dkv_persistent)))
     batched = q.ndim == 4
     sched = _schedules(plan, cfg, q.shape[0] if batched else 1, q.shape[-2], k.shape[-2])
     sched = jax.tree.map(lambda a: jnp.asarray(a, jnp.int32), sched)
@@ -332,8 +305,7 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
     return _ffa(q, k, v, plan, sched, cfg)
 
 
-def _ffa_scheduled(q, k, v, plan, schedules, scale, softcap, interpret, max_logits,
-                   deterministic):
+def _ffa_scheduled(q, k, v, plan, schedules, scale, softcap, interpret, max_logits):
     """:func:`ffa_pallas` over schedules that travel with the plan (the default kernels'
     tuning; dQ one program per unit). At D = 256 the schedules are not used: every kernel
     runs one program per unit there."""
@@ -343,11 +315,10 @@ def _ffa_scheduled(q, k, v, plan, schedules, scale, softcap, interpret, max_logi
         if schedules else (0, 0)
     cfg = _Config.build(scale, softcap, interpret,
                         fwd=dict(persistent=programs[0], row_max=max_logits),
-                        dkv=dict(persistent=programs[1]), deterministic=deterministic,
-                        head_dim=q.shape[-1])
+                        dkv=dict(persistent=programs[1]))
     as_i32 = lambda a: jnp.asarray(a, jnp.int32)
-    dkv_sched = (as_i32(schedules[2]), as_i32(schedules[3])) if cfg.dkv.persistent else ()
-    sched = (_Schedules((as_i32(schedules[0]), as_i32(schedules[1])), dkv_sched)
+    sched = (_Schedules((as_i32(schedules[0]), as_i32(schedules[1])),
+                        (as_i32(schedules[2]), as_i32(schedules[3])))
              if schedules else _NO_SCHEDULES)
     plan = FFAPlanArrays(*(as_i32(a) for a in plan))
     if q.ndim == 3:
@@ -357,8 +328,7 @@ def _ffa_scheduled(q, k, v, plan, schedules, scale, softcap, interpret, max_logi
 
 def ffa_pallas_backward(q, k, v, plan: FFAPlanArrays, out, lse, dout, dlse, *,
                         softmax_scale: float, softcap: float = 0.0, interpret: bool = False,
-                        between_dkv_dq=None, split_kv_at: int = 0,
-                        deterministic: bool = True):
+                        between_dkv_dq=None, split_kv_at: int = 0):
     """The backward of :func:`ffa_pallas` from a forward's ``(out, lse)``, which may be the
     merged result of several calls (context parallelism runs each stage's backward against
     the merged output). Shapes as :func:`ffa_pallas`: q/out/dout ``[(B,) Tq, Hq, D]``, k/v
@@ -370,11 +340,8 @@ def ffa_pallas_backward(q, k, v, plan: FFAPlanArrays, out, lse, dout, dlse, *,
     Context parallelism starts the group-reduce of dK/dV there, to move beside the dQ
     kernel, and ends it with the token. ``split_kv_at=n`` (with the hook): the hook gets,
     and the call returns, dK and dV each as two arrays, rows ``[:n]`` and ``[n:]``; where
-    ``n`` is a multiple of ``DKV_SPLIT_ALIGN`` the kernel stores them apart (no copy).
-    ``deterministic=False``: the fused backward of :func:`ffa_pallas` (the hook then runs
-    after it, as there is no dQ kernel left to overlap)."""
-    cfg = _Config.build(softmax_scale, softcap, interpret, deterministic=deterministic,
-                        head_dim=q.shape[-1])
+    ``n`` is a multiple of ``DKV_SPLIT_ALIGN`` the kernel stores them apart (no copy)."""
+    cfg = _Config.build(softmax_scale, softcap, interpret)
     plan = FFAPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     lift = (lambda x: x) if q.ndim == 4 else (lambda x: x[None])
     unlift = (lambda x: x) if q.ndim == 4 else (lambda x: x[0])
