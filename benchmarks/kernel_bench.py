@@ -7,8 +7,8 @@ forward+backward, 2.5× for the backward alone (``--modes bwd``). Writes ``bench
     PYTHONPATH=. python benchmarks/kernel_bench.py --preset acceptance
     PYTHONPATH=. python benchmarks/kernel_bench.py --judge benchmarks/results/kernel/kernel_<...>.json
 
-The markdown ends with the acceptance lines (``TARGET_LINES``: FFA against cuDNN, and absolute
-TFLOP/s) that the run measured.
+The markdown ends with the kernel targets (``TARGET_LINES``: FFA against cuDNN, absolute
+TFLOP/s, and each mask against FFA's own causal rate) that the run measured.
 """
 
 from __future__ import annotations
@@ -51,9 +51,15 @@ _PERSISTENT_IMPLS = ("ffa_pallas:persistent=0:dkv_persistent=0", "ffa_pallas:per
 _BWD_KNOB_IMPLS = ("ffa_pallas", "ffa_pallas:dkv_num_stages=3")
 # (mask, length, impls or None for --impls[, modes instead of --modes]).
 PRESETS = {
-    # The acceptance lines: full/causal 16k (B=2) and doc-causal 32k against the
-    # anchors; every other zoo mask at 16k for FFA itself (ratio to its causal rate).
-    "acceptance": [("full", 16384, None), ("causal", 16384, None), ("doc_causal", 32768, None)]
+    # The kernel targets at Hq = Hkv = 16, D = 128 (TARGET_LINES["default"]): full and
+    # causal at 16k and 32k against the anchors, doc-causal 32k (absolute); short documents (8k,
+    # and 128 documents in 32k) and every other zoo mask at 16k for FFA itself, beside FFA's
+    # causal at the same length. GQA, D = 64 and D = 256 are runs of their own
+    # (``--heads 64 --kv-heads 8``, ``--heads 32 --head-dim 64``, ``--head-dim 256``).
+    "acceptance": [(m, t, None) for t in (16384, 32768) for m in ("full", "causal")]
+                  + [("doc_causal", 32768, ("ffa_pallas",)), ("causal", 8192, ("ffa_pallas",)),
+                     ("doc_causal", 8192, ("ffa_pallas",)),
+                     ("many_docs_128", 32768, ("ffa_pallas",))]
                   + [(m, 16384, ("ffa_pallas",)) for m in ZOO if m not in ("full", "causal")],
     "smoke": [("causal", 4096, None), ("doc_causal", 4096, None)],
     "knobs": [(m, t, ("cudnn",) * (m != "doc_causal") + _FWD_KNOB_IMPLS, ("fwd",))
@@ -67,26 +73,36 @@ PRESETS = {
 }
 
 
-# The acceptance lines on FFA pallas: (mask, length, mode, against, target), against
-# "cudnn" (a ratio to cuDNN in the same run) or "tflops" (absolute). Every other zoo mask:
-# forward+backward >= 0.8x FFA's own causal rate at the same length.
-TARGET_LINES = (("full", 16384, "fwd", "cudnn", 0.95), ("full", 16384, "fwd+bwd", "cudnn", 0.85),
-               ("causal", 16384, "fwd", "cudnn", 0.95),
-               ("causal", 16384, "fwd+bwd", "cudnn", 0.85),
-               ("doc_causal", 32768, "fwd", "tflops", 550.0),
-               ("doc_causal", 32768, "fwd+bwd", "tflops", 450.0))
-ZOO_LINE = 0.8
+# The kernel targets on FFA pallas, by head configuration (:func:`_config` of a row):
+# (mask, length, mode, against, target), against "cudnn" (a ratio to cuDNN in the same run)
+# or "tflops" (absolute). Besides these, every other mask's forward+backward against FFA's
+# own causal rate at the same length: ZOO_LINE, or SHORT_DOC_LINE for SHORT_DOC_MASKS.
+_BOTH_MODES = ("fwd", "fwd+bwd")
+_AGAINST_CUDNN = lambda target, lengths=(16384, 32768), modes=_BOTH_MODES: tuple(
+    (m, t, mode, "cudnn", target) for t in lengths for m in ("full", "causal") for mode in modes)
+TARGET_LINES = {
+    "default": _AGAINST_CUDNN(1.0) + (("doc_causal", 32768, "fwd", "tflops", 600.0),
+                                      ("doc_causal", 32768, "fwd+bwd", "tflops", 540.0)),
+    "gqa": _AGAINST_CUDNN(1.0),
+    "d64": _AGAINST_CUDNN(0.95),
+    "d256": tuple(("causal", t, "fwd+bwd", "cudnn", 0.85) for t in (8192, 16384)),
+}
+ZOO_LINE = 0.9
+SHORT_DOC_LINE = 0.8
+SHORT_DOC_MASKS = (("doc_causal", 8192), ("many_docs_128", 32768))
 
 
 def make_mask(name: str, total: int) -> AttnMask:
     """A mask of :data:`ZOO` (``magi_jax.mask_zoo``; documents in multiples of 128 from 16k
-    on, blocks of 2048, any ``swa_causal_<window>``), or aligned full blocks
-    ``block_full_<block>``."""
+    on, blocks of 2048, any ``swa_causal_<window>``), ``many_docs_<n>`` (``n`` documents of
+    random lengths), or aligned full blocks ``block_full_<block>``."""
     if name.startswith("block_full_"):
         # Aligned full blocks (the last one shorter): rows as short as a sliding window's
         # without a single masked tile — what short rows cost apart from the predicate.
         block = int(name.rsplit("_", 1)[1])
         return AttnMask.varlen(np.append(np.arange(0, total, block), total), causal=False)
+    if name.startswith("many_docs_"):   # many-docs with this many random lengths
+        return zoo_mask("many-docs", total, num_docs=int(name.rsplit("_", 1)[1]))
     if name.startswith("swa_causal_"):
         return zoo_mask("sliding-window", total, window=int(name.rsplit("_", 1)[1]))
     if name not in ZOO:
@@ -267,7 +283,7 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kernel"))
     p.add_argument("--tag", default="")
     p.add_argument("--judge", metavar="JSON", default=None,
-                   help="print the issue's acceptance lines of a results file and exit "
+                   help="print the kernel targets a results file measures and exit "
                         "(no GPU needed)")
     a = p.parse_args(argv)
     if a.judge:
@@ -321,31 +337,47 @@ def main(argv=None):
     return rows
 
 
+def _config(row) -> str:
+    """The head configuration of a row, as :data:`TARGET_LINES` keys it: ``d64``, ``d256``,
+    ``gqa`` (fewer key heads than query heads) or ``default``; rows without head fields
+    count as the benchmark's defaults (Hq = Hkv = 16, D = 128)."""
+    heads = row.get("heads", 16)
+    d = row.get("head_dim", 128)
+    if d in (64, 256):
+        return f"d{d}"
+    return "gqa" if row.get("kv_heads", heads) < heads else "default"
+
+
 def target_lines(rows):
-    """The acceptance lines that ``rows`` measure: dicts of ``line``, ``target``, ``value``
+    """The kernel targets that ``rows`` measure: dicts of ``line``, ``target``, ``value``
     (a ratio, or TFLOP/s for an absolute target) and ``holds``."""
-    rate = {(r["mask"], r["length"], r["mode"], r["impl"]): r["tflops"]
+    rate = {(_config(r), r["mask"], r["length"], r["mode"], r["impl"]): r["tflops"]
             for r in rows if "tflops" in r}
+    label = lambda cfg, mask, length, mode: (f"{mask} {length} {mode}"
+                                             + ("" if cfg == "default" else f" [{cfg}]"))
     out = []
-    for mask, length, mode, against, target in TARGET_LINES:
-        mine = rate.get((mask, length, mode, "ffa_pallas"))
-        if mine is None:
-            continue
-        if against == "tflops":
-            value, want = mine, f">= {target:g} TFLOP/s"
-        elif (mask, length, mode, against) in rate:
-            value, want = mine / rate[(mask, length, mode, against)], f">= {target:g}x {against}"
-        else:
-            continue
-        out.append(dict(line=f"{mask} {length} {mode}", target=want, value=value,
-                        holds=value >= target))
-    for (mask, length, mode, impl), mine in rate.items():
-        causal = rate.get(("causal", length, mode, impl))
+    for cfg, lines in TARGET_LINES.items():
+        for mask, length, mode, against, target in lines:
+            mine = rate.get((cfg, mask, length, mode, "ffa_pallas"))
+            if mine is None:
+                continue
+            if against == "tflops":
+                value, want = mine, f">= {target:g} TFLOP/s"
+            elif (cfg, mask, length, mode, against) in rate:
+                value = mine / rate[(cfg, mask, length, mode, against)]
+                want = f">= {target:g}x {against}"
+            else:
+                continue
+            out.append(dict(line=label(cfg, mask, length, mode), target=want, value=value,
+                            holds=value >= target))
+    for (cfg, mask, length, mode, impl), mine in rate.items():
+        causal = rate.get((cfg, "causal", length, mode, impl))
         if (impl == "ffa_pallas" and mode == "fwd+bwd" and mask not in ("full", "causal")
                 and causal):
-            out.append(dict(line=f"{mask} {length} {mode}",
-                            target=f">= {ZOO_LINE:g}x FFA causal", value=mine / causal,
-                            holds=mine / causal >= ZOO_LINE))
+            target = SHORT_DOC_LINE if (mask, length) in SHORT_DOC_MASKS else ZOO_LINE
+            out.append(dict(line=label(cfg, mask, length, mode),
+                            target=f">= {target:g}x FFA causal", value=mine / causal,
+                            holds=mine / causal >= target))
     return out
 
 

@@ -8,29 +8,57 @@ def _row(mask, length, mode, impl, tflops):
 
 
 def test_target_lines_ratios_absolutes_and_zoo():
-    rows = [_row("full", 16384, "fwd", "ffa_pallas", 570.0),
-            _row("full", 16384, "fwd", "cudnn", 600.0),       # 0.95: holds at the line
+    rows = [_row("full", 16384, "fwd", "ffa_pallas", 600.0),
+            _row("full", 16384, "fwd", "cudnn", 600.0),       # 1.0: holds at the line
             _row("full", 16384, "fwd+bwd", "ffa_pallas", 400.0),
-            _row("full", 16384, "fwd+bwd", "cudnn", 500.0),   # 0.80 < 0.85
+            _row("full", 16384, "fwd+bwd", "cudnn", 500.0),   # 0.80 < 1.0
             _row("causal", 16384, "fwd+bwd", "ffa_pallas", 480.0),
-            _row("doc_causal", 32768, "fwd", "ffa_pallas", 549.6),
-            _row("swa_causal_1024", 16384, "fwd+bwd", "ffa_pallas", 384.0),   # 0.8x causal
-            _row("prefix_lm", 16384, "fwd+bwd", "ffa_pallas", 383.0),
+            _row("doc_causal", 32768, "fwd", "ffa_pallas", 599.6),
+            _row("swa_causal_1024", 16384, "fwd+bwd", "ffa_pallas", 432.0),   # 0.9x causal
+            _row("prefix_lm", 16384, "fwd+bwd", "ffa_pallas", 431.0),
             _row("prefix_lm", 16384, "fwd+bwd", "tokamax", 10.0),
+            _row("causal", 8192, "fwd+bwd", "ffa_pallas", 400.0),
+            _row("doc_causal", 8192, "fwd+bwd", "ffa_pallas", 320.0),   # short docs: 0.8x
             dict(mask="doc_full", length=16384, impl="cudnn", mode="-", skipped="no mask")]
     got = {c["line"]: (c["target"], round(c["value"], 4), c["holds"])
            for c in kb.target_lines(rows)}
     assert got == {
-        "full 16384 fwd": (">= 0.95x cudnn", 0.95, True),
-        "full 16384 fwd+bwd": (">= 0.85x cudnn", 0.8, False),
-        "doc_causal 32768 fwd": (">= 550 TFLOP/s", 549.6, False),
-        "swa_causal_1024 16384 fwd+bwd": (">= 0.8x FFA causal", 0.8, True),
-        "prefix_lm 16384 fwd+bwd": (">= 0.8x FFA causal", 0.7979, False),
+        "full 16384 fwd": (">= 1x cudnn", 1.0, True),
+        "full 16384 fwd+bwd": (">= 1x cudnn", 0.8, False),
+        "doc_causal 32768 fwd": (">= 600 TFLOP/s", 599.6, False),
+        "swa_causal_1024 16384 fwd+bwd": (">= 0.9x FFA causal", 0.9, True),
+        "prefix_lm 16384 fwd+bwd": (">= 0.9x FFA causal", 0.8979, False),
+        "doc_causal 8192 fwd+bwd": (">= 0.8x FFA causal", 0.8, True),
     }
     md = kb.markdown(rows, dict(date="d", device="dev", versions={}, heads=16, kv_heads=16,
                                 head_dim=128, dtype="bfloat16", tokens_per_batch=32768,
                                 flops="f"))
-    assert "| full 16384 fwd+bwd | >= 0.85x cudnn | 0.800 | no |" in md
+    assert "| full 16384 fwd+bwd | >= 1x cudnn | 0.800 | no |" in md
+
+
+def test_target_lines_by_head_configuration():
+    """GQA, D = 64 and D = 256 rows are judged by their own targets and never against the
+    default configuration's rows."""
+    cfg = lambda r, h, kvh, d: dict(r, heads=h, kv_heads=kvh, head_dim=d)
+    rows = [cfg(_row("causal", 16384, "fwd", "ffa_pallas", 570.0), 32, 32, 64),
+            cfg(_row("causal", 16384, "fwd", "cudnn", 600.0), 32, 32, 64),        # 0.95
+            cfg(_row("causal", 16384, "fwd", "ffa_pallas", 590.0), 64, 8, 128),
+            cfg(_row("causal", 16384, "fwd", "cudnn", 600.0), 64, 8, 128),
+            cfg(_row("causal", 8192, "fwd+bwd", "ffa_pallas", 360.0), 16, 16, 256),
+            cfg(_row("causal", 8192, "fwd+bwd", "cudnn", 400.0), 16, 16, 256),
+            _row("causal", 16384, "fwd", "cudnn", 100.0)]   # default config: not a pair
+    got = {c["line"]: (c["target"], round(c["value"], 4), c["holds"])
+           for c in kb.target_lines(rows)}
+    assert got == {
+        "causal 16384 fwd [d64]": (">= 0.95x cudnn", 0.95, True),
+        "causal 16384 fwd [gqa]": (">= 1x cudnn", 0.9833, False),
+        "causal 8192 fwd+bwd [d256]": (">= 0.85x cudnn", 0.9, True),
+    }
+
+
+def test_many_docs_mask():
+    mask = kb.make_mask("many_docs_128", 32768)
+    assert mask.total_q == 32768 and mask.num_slices == 128
 
 
 def test_target_lines_skip_what_was_not_measured():
