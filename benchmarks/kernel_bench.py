@@ -77,9 +77,8 @@ PRESETS = {
 # (mask, length, mode, against, target), against "cudnn" (a ratio to cuDNN in the same run)
 # or "tflops" (absolute). Besides these, every other mask's forward+backward against FFA's
 # own causal rate at the same length: ZOO_LINE, or SHORT_DOC_LINE for SHORT_DOC_MASKS.
-_BOTH_MODES = ("fwd", "fwd+bwd")
-_AGAINST_CUDNN = lambda target, lengths=(16384, 32768), modes=_BOTH_MODES: tuple(
-    (m, t, mode, "cudnn", target) for t in lengths for m in ("full", "causal") for mode in modes)
+_AGAINST_CUDNN = lambda target: tuple((m, t, mode, "cudnn", target) for t in (16384, 32768)
+                                      for m in ("full", "causal") for mode in ("fwd", "fwd+bwd"))
 TARGET_LINES = {
     "default": _AGAINST_CUDNN(1.0) + (("doc_causal", 32768, "fwd", "tflops", 600.0),
                                       ("doc_causal", 32768, "fwd+bwd", "tflops", 540.0)),

@@ -7,6 +7,12 @@ def _row(mask, length, mode, impl, tflops):
     return dict(mask=mask, length=length, mode=mode, impl=impl, tflops=tflops, ms=1.0)
 
 
+def _judged(rows):
+    """``{line: (target, value rounded, holds)}`` of the targets ``rows`` measure."""
+    return {c["line"]: (c["target"], round(c["value"], 4), c["holds"])
+            for c in kb.target_lines(rows)}
+
+
 def test_target_lines_ratios_absolutes_and_zoo():
     rows = [_row("full", 16384, "fwd", "ffa_pallas", 600.0),
             _row("full", 16384, "fwd", "cudnn", 600.0),       # 1.0: holds at the line
@@ -20,8 +26,7 @@ def test_target_lines_ratios_absolutes_and_zoo():
             _row("causal", 8192, "fwd+bwd", "ffa_pallas", 400.0),
             _row("doc_causal", 8192, "fwd+bwd", "ffa_pallas", 320.0),   # short docs: 0.8x
             dict(mask="doc_full", length=16384, impl="cudnn", mode="-", skipped="no mask")]
-    got = {c["line"]: (c["target"], round(c["value"], 4), c["holds"])
-           for c in kb.target_lines(rows)}
+    got = _judged(rows)
     assert got == {
         "full 16384 fwd": (">= 1x cudnn", 1.0, True),
         "full 16384 fwd+bwd": (">= 1x cudnn", 0.8, False),
@@ -47,8 +52,7 @@ def test_target_lines_by_head_configuration():
             cfg(_row("causal", 8192, "fwd+bwd", "ffa_pallas", 360.0), 16, 16, 256),
             cfg(_row("causal", 8192, "fwd+bwd", "cudnn", 400.0), 16, 16, 256),
             _row("causal", 16384, "fwd", "cudnn", 100.0)]   # default config: not a pair
-    got = {c["line"]: (c["target"], round(c["value"], 4), c["holds"])
-           for c in kb.target_lines(rows)}
+    got = _judged(rows)
     assert got == {
         "causal 16384 fwd [d64]": (">= 0.95x cudnn", 0.95, True),
         "causal 16384 fwd [gqa]": (">= 1x cudnn", 0.9833, False),
