@@ -64,15 +64,10 @@ class BwdConfig:
     # Registers per thread of a consumer and of the producer warpgroup after the split
     # (setmaxnreg; multiples of 8, 2·consumer + producer <= 504 for 3 warpgroups).
     registers: tuple[int, int] = (232, 40)
-    # dQ only: the keys of a q-tile list's item (the plan's forward block_k), walked in steps
-    # of 128 keys.
-    block_k: int = FWD_BLOCK_K
     interpret: bool = False
 
     def __post_init__(self):
         check_pipeline(self.num_stages, self.persistent)
-        if self.block_k % FWD_BLOCK_K:
-            raise ValueError(f"block_k={self.block_k} must be a multiple of {FWD_BLOCK_K}")
         consumer, producer = self.registers
         if (consumer % 8 or producer % 8 or not 24 <= producer <= consumer <= 256
                 or 2 * consumer + producer > 504):
@@ -218,7 +213,6 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
     assert order.shape == (num_tiles,)
     dtype = q.dtype
     bq, bk, stages = FWD_BLOCK_Q // _COMPUTE_WGS, FWD_BLOCK_K, cfg.num_stages
-    sub = cfg.block_k // bk   # steps of an item
     grid, grid_names = launch_grid(num_tiles, b, hq)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
@@ -234,15 +228,7 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
         batch = lax.axis_index("batch")
         head = lax.axis_index("head")
         first = off_ref[tile]
-        num_steps = (off_ref[tile + 1] - first) * sub
-
-        def step_item(i):
-            """Step ``i``'s item and its first key row."""
-            if sub == 1:
-                return first + i, items_ref[first + i, ItemField.OTHER_TILE] * bk
-            it = first + lax.div(i, jnp.int32(sub))
-            return it, (items_ref[it, ItemField.OTHER_TILE] * cfg.block_k
-                        + lax.rem(i, jnp.int32(sub)) * bk)
+        num_items = off_ref[tile + 1] - first
 
         @pl.when(wg < _COMPUTE_WGS)
         def consumer():
@@ -262,16 +248,15 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
 
             def run(dq_acc):
                 def step(i, carry):
-                    it, col0 = step_item(i)
-                    slot, _, geom, kind = _item_step(items_ref, it, i, None, stages,
-                                                     (k_ready, v_ready))
+                    slot, ktile, geom, kind = _item_step(items_ref, first + i, i, None, stages,
+                                                         (k_ready, v_ready))
                     # S = Q·Kᵀ and dP = dO·Vᵀ.
                     s, dp = _two_products(my_q, k_smem.at[slot].T, my_do, v_smem.at[slot].T,
                                           (bq, bk))
                     plgpu.barrier_arrive(v_free.at[slot])
                     s, c, dcap = _log2_scores(s, cfg)
 
-                    s = mask_scores(s, geom, kind, row0, col0, _LAYOUT)
+                    s = mask_scores(s, geom, kind, row0, ktile * bk, _LAYOUT)
                     p = _exp2_minus(s, c, lse2, 0)
                     ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
                     if dcap is not None:
@@ -281,7 +266,7 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
                     plgpu.barrier_arrive(k_free.at[slot])
                     return carry
 
-                lax.fori_loop(0, num_steps, step, 0)
+                lax.fori_loop(0, num_items, step, 0)
                 return dq_acc[...]
 
             dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
@@ -294,7 +279,8 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
             plgpu.set_max_registers(cfg.registers[1], action="decrease")
             streams = [(k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)]
             kv_head = lax.div(head, jnp.int32(group))
-            _stream(num_steps, stages, lambda i: step_item(i)[1], streams,
+            _stream(num_items, stages,
+                    lambda i: items_ref[first + i, ItemField.OTHER_TILE] * bk, streams,
                     lambda ref, start: ref.at[batch, pl.ds(start, bk), kv_head])
 
     # Shared memory by name, allocated in this order. At D = 128, bf16, 2 stages: Q, dO

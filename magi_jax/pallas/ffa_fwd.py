@@ -65,10 +65,6 @@ class FwdConfig:
     # the running row max the softmax keeps anyway; with one the running max is kept of the
     # raw scores instead (the softmax's is its tanh, a monotone map, so this is exact).
     row_max: bool = False
-    # Keys of a work item (the plan's forward block_k) and the consumers' / producer's
-    # register budgets.
-    block_k: int = FWD_BLOCK_K
-    registers: tuple[int, int] = (232, 40)
     interpret: bool = False
 
     def __post_init__(self):
@@ -88,16 +84,15 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
     _, tk, hkv, _ = k.shape
     group = hq // hkv
     num_tiles = tq // FWD_BLOCK_Q
-    block_k = cfg.block_k
-    assert tq % FWD_BLOCK_Q == 0 and tk % block_k == 0, (tq, tk)
+    assert tq % FWD_BLOCK_Q == 0 and tk % FWD_BLOCK_K == 0, (tq, tk)
     assert order.shape == (num_tiles,), (order.shape, num_tiles)
     dtype = q.dtype
     bq, stages = _WG_ROWS, cfg.num_stages
     # Key rows per ring slot: a whole key tile of the work list, or at D > 128 half of one
     # (K/V slots of 128 x 256 would leave no room for two of them beside Q), each item then
     # walked as two steps.
-    bk = block_k if d <= _WIDE_D else block_k // 2
-    sub = block_k // bk
+    bk = FWD_BLOCK_K if d <= _WIDE_D else FWD_BLOCK_K // 2
+    sub = FWD_BLOCK_K // bk
     softcap = cfg.softcap
     # A unit is one (q-tile, batch, head); persistent programs walk those of their schedule.
     persistent = cfg.persistent > 0
@@ -144,7 +139,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
 
         def key_row(it, i):
             """The first key row of step ``i``, on item ``it``."""
-            row = items_ref[it, ItemField.OTHER_TILE] * block_k
+            row = items_ref[it, ItemField.OTHER_TILE] * FWD_BLOCK_K
             return row if sub == 1 else row + lax.rem(i, jnp.int32(sub)) * bk
 
         def coords(j):
@@ -166,7 +161,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
 
         @pl.when(wg < _COMPUTE_WGS)
         def consumer():
-            plgpu.set_max_registers(cfg.registers[0], action="increase")
+            plgpu.set_max_registers(232, action="increase")
             my_q = q_smem.at[wg]
             layout = plgpu.Layout.WGMMA
             row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -386,7 +381,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
 
         @pl.when(wg == _COMPUTE_WGS)
         def producer():
-            plgpu.set_max_registers(cfg.registers[1], action="decrease")
+            plgpu.set_max_registers(40, action="decrease")
 
             def unit(j, tile, batch, head, base):
                 del j
