@@ -250,6 +250,25 @@ def test_default_persistent_programs(monkeypatch):
     assert P._default_programs(full, interpret=False, kernel="dkv") == 0
 
 
+# Deeper rings at D = 64, where a slot holds half the bytes of D = 128's (measured faster on
+# an H200 with one program per unit: benchmarks/results/kernel/kernel_notes.md).
+_D64_RINGS = dict(num_stages=4, dq_num_stages=3, dkv_num_stages=3)
+
+
+def test_head_dim_64_deeper_rings():
+    """Forward and backward with 4 / 3 / 3 ring slots at D = 64 against the reference, on
+    q-tiles that walk more items than the rings have slots (WIDE), and the whole step lowers
+    for sm90 with them (layout inference, shared memory)."""
+    _run(WIDE, jnp.bfloat16, hq=2, hkv=1, d=64, seed=9, **_D64_RINGS)
+    plan = plan_for_mask(WIDE, "pallas")
+    q = jax.ShapeDtypeStruct((WIDE.total_q, 2, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((WIDE.total_k, 1, 64), jnp.bfloat16)
+    loss = lambda q, k, v: ffa_pallas(q, k, v, plan, softmax_scale=0.125, persistent=0,
+                                      dkv_persistent=0, **_D64_RINGS)[0].sum()
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",))
+
+
 def test_backward_entry_point_equals_the_vjp():
     """``ffa_pallas_backward`` from the forward's own (out, lse) is the VJP of
     ``ffa_pallas``, bit for bit (batched; CP uses it unbatched, tests/sharding)."""
