@@ -14,6 +14,8 @@ dK/dV 4 on the k-tile list).
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
 import sys
 
@@ -76,6 +78,7 @@ def main(argv=None):
     p.add_argument("--masks", default="causal,doc_causal,many_docs_128,swa_causal_1024,"
                                       "prefix_lm")
     p.add_argument("--lengths", default="8192,16384,32768")
+    p.add_argument("--out", default=None, help="also write tile_area_<stamp>.json here")
     a = p.parse_args(argv)
     rows = []
     print("| mask | length | items / q-tile | q-tile list | k-tile list | touched "
@@ -90,6 +93,14 @@ def main(argv=None):
             touched = " | ".join(f"{row[f'touched_{bq}x{bk}']:.2f}x" for bq, bk in GRAINS)
             print(f"| {name} | {t} | {row['items_per_q_tile']:.1f} | {row['fwd_list']:.2f}x | "
                   f"{row['dkv_list']:.2f}x | {touched} | {row['cap']:.2f} |")
+    if a.out:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        os.makedirs(a.out, exist_ok=True)
+        path = os.path.join(a.out, f"tile_area_{now.strftime('%Y%m%d_%H%M')}.json")
+        with open(path, "w") as f:
+            json.dump(dict(meta=dict(date=now.isoformat(timespec="seconds"),
+                                     numpy=np.__version__, grains=GRAINS), rows=rows), f,
+                      indent=1)
     return rows
 
 
