@@ -1,4 +1,4 @@
-"""The tile-area count of benchmarks/tile_area.py against cells counted by hand."""
+"""The tile counts of benchmarks/tile_area.py against counts over the dense mask."""
 
 import numpy as np
 
