@@ -45,9 +45,7 @@ def touched_tiles(mask: AttnMask, bq: int, bk: int) -> int:
         q0, q1 = int(sh.q0[s]), int(sh.q1[s])
         for t in range(q0 // bq, (q1 - 1) // bq + 1):
             first, last = max(q0, t * bq), min(q1, (t + 1) * bq) - 1
-            lo = int(sh.lo(np.array([first]), s)[0])
-            hi = int(sh.hi(np.array([last]), s)[0])
-            grid[t, lo // bk:hi // bk + 1] = True
+            grid[t, int(sh.lo(first, s)) // bk:int(sh.hi(last, s)) // bk + 1] = True
     return int(grid.sum())
 
 
