@@ -175,10 +175,11 @@ def bench(fn, args, n=5, reps=5):
     return bench_interleaved([(fn, args)], n, reps)[0]
 
 
-def bench_interleaved(entries, n=5, reps=5):
+def bench_interleaved(entries, n=5, reps=5, rounds_out=None):
     """Median seconds per call of each ``(fn, args)``: two warm-up calls each, then ``reps``
     rounds in which every entry runs ``n`` blocked calls in turn, so slow drifts of the GPU
-    (clocks, temperature) fall on all entries alike and their ratios stay fair."""
+    (clocks, temperature) fall on all entries alike and their ratios stay fair.
+    ``rounds_out``: a list that receives each entry's seconds per call of every round."""
     for fn, args in entries:
         for _ in range(2):
             jax.block_until_ready(fn(*args))
@@ -190,6 +191,8 @@ def bench_interleaved(entries, n=5, reps=5):
                 out = fn(*args)
             jax.block_until_ready(out)
             t.append((time.perf_counter() - t0) / n)
+    if rounds_out is not None:
+        rounds_out.extend(ts)
     return [statistics.median(t) for t in ts]
 
 
@@ -218,10 +221,12 @@ def mode_fn(f, mode, inputs, flops):
     raise ValueError(f"mode {mode!r}: fwd, bwd or fwd+bwd")
 
 
-def run_group(impls, name, total, batch, heads, kv_heads, head_dim, dtype, modes):
+def run_group(impls, name, total, batch, heads, kv_heads, head_dim, dtype, modes, calls=5,
+              reps=5):
     """Rows of every impl on one case, the impls of each mode timed in alternating rounds
-    (:func:`bench_interleaved`); an impl that is not implemented or fails gets a row saying
-    so and the others go on."""
+    (:func:`bench_interleaved`, ``reps`` rounds of ``calls`` calls; each row keeps its
+    rounds' times as ``rounds_ms``); an impl that is not implemented or fails gets a row
+    saying so and the others go on."""
     mask = make_mask(name, total)
     inputs = case_inputs(total, batch, heads, kv_heads, head_dim, dtype)
     flops = 4.0 * mask.area * heads * head_dim * batch
@@ -245,9 +250,12 @@ def run_group(impls, name, total, batch, heads, kv_heads, head_dim, dtype, modes
                 traceback.print_exc()
                 rows.append(dict(impl=impl, mask=name, length=total, mode=mode,
                                  error=repr(e)[:300]))
-        times = bench_interleaved([(fn, args) for _, fn, args, _ in entries])
-        for (impl, _, _, fl), t in zip(entries, times):
-            rows.append(dict(base, impl=impl, mode=mode, ms=t * 1e3, tflops=fl / t / 1e12))
+        rounds = []
+        times = bench_interleaved([(fn, args) for _, fn, args, _ in entries], calls, reps,
+                                  rounds)
+        for (impl, _, _, fl), t, r in zip(entries, times, rounds):
+            rows.append(dict(base, impl=impl, mode=mode, ms=t * 1e3, tflops=fl / t / 1e12,
+                             rounds_ms=[round(x * 1e3, 4) for x in r]))
     return rows
 
 
@@ -279,6 +287,9 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tokens-per-batch", type=int, default=32768,
                    help="batch = max(1, this // length) (default: B=2 at 16k, 1 at 32k)")
+    p.add_argument("--calls", type=int, default=5, help="blocked calls per timing round")
+    p.add_argument("--reps", type=int, default=5,
+                   help="timing rounds per impl, alternating between the impls of a case")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kernel"))
     p.add_argument("--tag", default="")
     p.add_argument("--judge", metavar="JSON", default=None,
@@ -312,7 +323,7 @@ def main(argv=None):
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=getattr(dev, "device_kind", str(dev)), versions=versions(),
                 heads=a.heads, kv_heads=kvh, head_dim=a.head_dim, dtype=dtype.name,
-                tokens_per_batch=a.tokens_per_batch,
+                tokens_per_batch=a.tokens_per_batch, calls=a.calls, reps=a.reps,
                 flops="4*area*Hq*D*B fwd, 3.5x for fwd+bwd")
     os.makedirs(a.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
@@ -329,7 +340,7 @@ def main(argv=None):
             it.set_description(f"{name} {total}")
         batch = max(1, a.tokens_per_batch // total)
         rows += run_group(case_impls, name, total, batch, a.heads, kvh, a.head_dim, dtype,
-                          case_modes)
+                          case_modes, a.calls, a.reps)
         save()
     save()
     print(markdown(rows, meta))
