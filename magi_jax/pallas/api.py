@@ -217,6 +217,29 @@ PERSISTENT_MAX_MEAN_ITEMS = 32
 DKV_PERSISTENT_MAX_MEAN_ITEMS = 64
 
 
+# The D <= 64 defaults, from same-run A/Bs on an H200 (2026-12-03, H 32, 16k, fwd+bwd,
+# medians of 15 rounds; benchmarks/results/kernel/kernel_notes.md): a slot holds half the
+# bytes of D = 128's, so the rings run deeper — 4 forward slots, 3 dQ slots (+1.3-2.5 %
+# against 2 / 2 / 2 over two orders) — and each dK/dV consumer of one program per unit
+# takes two query blocks between waits over a ring of 4 (a further +2.0-2.9 % on full and
+# causal; 4 slots with one block per wait were slower than 3). The persistent kernels of
+# short rows keep what measured best there: the forward 2 slots, dK/dV 3 slots and one
+# block per wait (two were 0.3-1.4 % slower on SWA 1024 and doc-causal), as every kernel
+# does at larger head dims.
+def _default_tuning(head_dim: int, fwd_persistent: bool,
+                    dkv_persistent: bool) -> tuple[int, int, int]:
+    """Default ``(num_stages, dq_num_stages, dkv_num_stages)`` for ``head_dim``."""
+    if head_dim <= 64:
+        return (2 if fwd_persistent else 4), 3, (3 if dkv_persistent else 4)
+    return FwdConfig.num_stages, BwdConfig.num_stages, BwdConfig.num_stages
+
+
+def _steps_per_wait(head_dim: int, dkv_num_stages: int, dkv_persistent: bool) -> int:
+    """Default dK/dV query blocks per wait: 2 where they fit (D <= 64, 4 ring slots) and
+    paid (one program per unit)."""
+    return 2 if head_dim <= 64 and dkv_num_stages >= 4 and not dkv_persistent else 1
+
+
 def _default_programs(plan: FFAPlanArrays, interpret: bool, kernel: str = "fwd") -> int:
     """Programs of the persistent forward (``kernel="fwd"``) or dK/dV kernel (``"dkv"``) by
     default: one per SM of the default GPU when the plan is on the host (the schedule is
@@ -235,10 +258,11 @@ def _default_programs(plan: FFAPlanArrays, interpret: bool, kernel: str = "fwd")
 
 
 def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: float = 0.0,
-               interpret: bool = False, num_stages: int = FwdConfig.num_stages,
-               dq_num_stages: int = BwdConfig.num_stages,
-               dkv_num_stages: int = BwdConfig.num_stages, persistent: int | None = None,
-               dkv_persistent: int | None = None, schedules: tuple | None = None,
+               interpret: bool = False, num_stages: int | None = None,
+               dq_num_stages: int | None = None, dkv_num_stages: int | None = None,
+               persistent: int | None = None,
+               dkv_persistent: int | None = None, dkv_steps_per_wait: int | None = None,
+               schedules: tuple | None = None,
                return_max_logits: bool = False):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
@@ -251,21 +275,26 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
     Tuning (results do not depend on it beyond rounding): ``num_stages`` (forward),
     ``dq_num_stages``, ``dkv_num_stages``: shared-memory slots of the producer rings (with
     D = 128 the forward fits 3 only with one program per unit, dQ 2, dK/dV 3; at D = 256 each
-    takes 2, and no kernel is persistent);
+    takes 2, and no kernel is persistent); ``None`` (default): 2 each, and at D = 64 4
+    forward slots (2 in the persistent forward), 3 dQ and 4 dK/dV slots (3 in the persistent
+    dK/dV), what measured fastest on an H200;
     ``persistent``: 0 (one program per q-tile and head) or the number of programs (the
     SM count) that walk the (q-tile, batch, head) units of a host schedule
     (:func:`~magi_jax.planning.work_list.persistent_schedule`), the K/V pipeline running on
     across units and each unit's Q loaded under the previous unit's last matmuls, so the plan
     must be NumPy arrays here; ``None`` (default): the SM count of the default GPU when the
     plan is NumPy arrays, its q-tiles are short (:data:`PERSISTENT_MAX_MEAN_ITEMS`), the
-    kernels run on a GPU and ``num_stages`` <= 2 (its output buffer takes the shared memory
-    of a third slot), else 0 (measured on an H200, 2026-11-30: +11 % on SWA 1024, 1.5-2 %
+    kernels run on a GPU and ``num_stages`` is ``None`` or <= 2 (its output buffer takes the
+    shared memory of a third slot), else 0 (measured on an H200, 2026-11-30: +11 % on SWA 1024, 1.5-2 %
     slower on full and causal 16k); ``dkv_persistent``: the same for the dK/dV kernel
     (units: k-tile, batch, key head), storing through output buffers of its own (with
     D = 128 that leaves room for ``dkv_num_stages`` <= 3); ``None`` (default): persistent on
     short k-tiles (:data:`DKV_PERSISTENT_MAX_MEAN_ITEMS`, 3-5 % faster there) when
-    ``dkv_num_stages`` <= 3, like the forward's default. The dQ kernel runs one program per
-    unit (a persistent dQ measured slower on every mask).
+    ``dkv_num_stages`` <= 3 (at D = 64 with any), like the forward's default. The dQ kernel
+    runs one program per unit (a persistent dQ measured slower on every mask).
+    ``dkv_steps_per_wait``: query blocks each dK/dV consumer takes between two waits, 1 or 2
+    (D = 64 and ``dkv_num_stages`` >= 4 only); ``None`` (default): 2 where that holds and
+    the dK/dV kernel runs one program per unit.
 
     ``schedules``: schedules built beforehand (a plan as data, whose arrays may be traced:
     :func:`magi_jax.ffa.plan.plan_attention`): ``()`` runs one program per unit, ``(fwd
@@ -283,19 +312,28 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
                              f"dkv_units); got {len(schedules)} arrays")
         return _ffa_scheduled(q, k, v, plan, tuple(schedules), float(softmax_scale),
                               float(softcap), bool(interpret), bool(return_max_logits))
-    wide = q.shape[-1] > _WIDE_HEAD_DIM
+    d = q.shape[-1]
+    wide = d > _WIDE_HEAD_DIM
     if persistent is None:
-        persistent = (_default_programs(plan, interpret) if num_stages <= 2 and not wide
-                      else 0)
-    if dkv_persistent is None:
+        persistent = (_default_programs(plan, interpret)
+                      if (num_stages is None or num_stages <= 2) and not wide else 0)
+    if dkv_persistent is None:   # its output buffers fit beside 3 slots at D = 128, any at 64
         dkv_persistent = (_default_programs(plan, interpret, "dkv")
-                          if dkv_num_stages <= 3 and not wide else 0)
+                          if (dkv_num_stages is None or dkv_num_stages <= 3 or d <= 64)
+                          and not wide else 0)
+    stages = _default_tuning(d, bool(persistent), bool(dkv_persistent))
+    num_stages = stages[0] if num_stages is None else num_stages
+    dq_num_stages = stages[1] if dq_num_stages is None else dq_num_stages
+    dkv_num_stages = stages[2] if dkv_num_stages is None else dkv_num_stages
+    if dkv_steps_per_wait is None:
+        dkv_steps_per_wait = _steps_per_wait(d, dkv_num_stages, bool(dkv_persistent))
     cfg = _Config.build(softmax_scale, softcap, interpret,
                         fwd=dict(num_stages=int(num_stages), persistent=int(persistent),
                                  row_max=bool(return_max_logits)),
                         dq=dict(num_stages=int(dq_num_stages)),
                         dkv=dict(num_stages=int(dkv_num_stages),
-                                 persistent=int(dkv_persistent)))
+                                 persistent=int(dkv_persistent),
+                                 steps_per_wait=int(dkv_steps_per_wait)))
     batched = q.ndim == 4
     sched = _schedules(plan, cfg, q.shape[0] if batched else 1, q.shape[-2], k.shape[-2])
     sched = jax.tree.map(lambda a: jnp.asarray(a, jnp.int32), sched)
@@ -313,9 +351,15 @@ def _ffa_scheduled(q, k, v, plan, schedules, scale, softcap, interpret, max_logi
         schedules = ()   # no persistent kernel at D = 256 (their output buffers do not fit)
     programs = (int(schedules[0].shape[0]) - 1, int(schedules[2].shape[0]) - 1) \
         if schedules else (0, 0)
+    d = q.shape[-1]
+    stages = _default_tuning(d, programs[0] > 0, programs[1] > 0)
     cfg = _Config.build(scale, softcap, interpret,
-                        fwd=dict(persistent=programs[0], row_max=max_logits),
-                        dkv=dict(persistent=programs[1]))
+                        fwd=dict(num_stages=stages[0], persistent=programs[0],
+                                 row_max=max_logits),
+                        dq=dict(num_stages=stages[1]),
+                        dkv=dict(num_stages=stages[2], persistent=programs[1],
+                                 steps_per_wait=_steps_per_wait(d, stages[2],
+                                                                programs[1] > 0)))
     as_i32 = lambda a: jnp.asarray(a, jnp.int32)
     sched = (_Schedules((as_i32(schedules[0]), as_i32(schedules[1])),
                         (as_i32(schedules[2]), as_i32(schedules[3])))
@@ -341,7 +385,11 @@ def ffa_pallas_backward(q, k, v, plan: FFAPlanArrays, out, lse, dout, dlse, *,
     kernel, and ends it with the token. ``split_kv_at=n`` (with the hook): the hook gets,
     and the call returns, dK and dV each as two arrays, rows ``[:n]`` and ``[n:]``; where
     ``n`` is a multiple of ``DKV_SPLIT_ALIGN`` the kernel stores them apart (no copy)."""
-    cfg = _Config.build(softmax_scale, softcap, interpret)
+    d = q.shape[-1]
+    _, dq_stages, dkv_stages = _default_tuning(d, False, False)
+    cfg = _Config.build(softmax_scale, softcap, interpret, dq=dict(num_stages=dq_stages),
+                        dkv=dict(num_stages=dkv_stages,
+                                 steps_per_wait=_steps_per_wait(d, dkv_stages, False)))
     plan = FFAPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     lift = (lambda x: x) if q.ndim == 4 else (lambda x: x[None])
     unlift = (lambda x: x) if q.ndim == 4 else (lambda x: x[0])

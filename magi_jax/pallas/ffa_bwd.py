@@ -8,6 +8,8 @@
 * dK/dV: one program per (k-tile of 128 keys, batch, key head) walks the query tiles of
   64 rows that see it, for every query head of the GQA group, so ``dK``/``dV`` of a key head
   are summed in float32 registers and written once (no atomics, no second reduction).
+  With ``steps_per_wait=2`` (D = 64) a consumer takes two query blocks between waits: four
+  score products in flight, then four gradient products.
 
 The dK/dV kernel's persistent mode (``BwdConfig.persistent = N``): N programs walk its units
 in a static schedule instead (the host's
@@ -61,6 +63,11 @@ class BwdConfig:
     # unit's K, V as soon as the last wgmma pair that reads them is done, and outputs leave
     # through buffers of their own, so the store of one unit overlaps the next.
     persistent: int = 0
+    # dK/dV only: ring steps (query blocks of 64 rows) one consumer takes between two waits:
+    # 1, or 2 (both steps' Sᵀ and dPᵀ issued together, then their four dV/dK products; with
+    # D <= 64 only, where the four score blocks fit beside the accumulators, and at least 4
+    # ring slots so the next pair loads under this one).
+    steps_per_wait: int = 1
     # Registers per thread of a consumer and of the producer warpgroup after the split
     # (setmaxnreg; multiples of 8, 2·consumer + producer <= 504 for 3 warpgroups).
     registers: tuple[int, int] = (232, 40)
@@ -68,6 +75,8 @@ class BwdConfig:
 
     def __post_init__(self):
         check_pipeline(self.num_stages, self.persistent)
+        if self.steps_per_wait not in (1, 2):
+            raise ValueError(f"steps_per_wait={self.steps_per_wait}: use 1 or 2")
         consumer, producer = self.registers
         if (consumer % 8 or producer % 8 or not 24 <= producer <= consumer <= 256
                 or 2 * consumer + producer > 504):
@@ -159,14 +168,20 @@ def _item_step(items_ref, it, i, base, stages, ready):
     return slot, other, geom, kind
 
 
+def _products(pairs, shape):
+    """``[a·b for a, b in pairs]`` in float32 registers: the wgmmas issued back to back, one
+    wait."""
+    def body(*refs):
+        for ref, (a, b) in zip(refs, pairs):
+            plgpu.wgmma(ref, a, b)
+        return tuple(ref[...] for ref in refs)
+
+    return pl.run_scoped(body, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
+
+
 def _two_products(a, b, c, e, shape):
     """``(a·b, c·e)`` in float32 registers: two wgmmas issued back to back, one wait."""
-    def body(ab_ref, ce_ref):
-        plgpu.wgmma(ab_ref, a, b)
-        plgpu.wgmma(ce_ref, c, e)
-        return ab_ref[...], ce_ref[...]
-
-    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+    return _products([(a, b), (c, e)], shape)
 
 
 def _consume_units(num_mine, load_unit, work_of, unit):
@@ -324,6 +339,10 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
     assert split % DKV_SPLIT_ALIGN == 0 and 0 <= split < tk, (split, tk)
     dtype = q.dtype
     bq, bk, stages = DKV_BLOCK_Q, DKV_BLOCK_K // _COMPUTE_WGS, cfg.num_stages
+    if cfg.steps_per_wait > 1 and (d > 64 or stages < 2 * cfg.steps_per_wait):
+        raise ValueError(f"dkv_steps_per_wait={cfg.steps_per_wait} needs D <= 64 and "
+                         f"dkv_num_stages >= {2 * cfg.steps_per_wait}; got D={d}, "
+                         f"dkv_num_stages={stages}")
     persistent = cfg.persistent > 0
     grid, grid_names, schedule = kernel_grid(cfg.persistent, num_tiles, b, hkv, schedule)
 
@@ -393,38 +412,51 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                     prefetch(j, num_steps == 0)
 
                 def run(dk_acc, dv_acc):
-                    def step(i, carry):
-                        slot, qtile, geom, kind = _item_step(
-                            items_ref, step_item(work, i)[0], i, base, stages,
-                            (q_ready, do_ready))
-                        # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ.
-                        st, dpt = _two_products(my_k, q_smem.at[slot].T, my_v,
-                                                do_smem.at[slot].T, (bk, bq))
-                        if persistent:   # K, V are read only by those two, now complete
-                            prefetch(j, i == num_steps - 1)
-                        st, c, dcap = _log2_scores(st, cfg)
-
-                        st = mask_scores(st, geom, kind, qtile * bq, col0, _LAYOUT,
-                                         transposed=True)
-                        plgpu.barrier_wait(lse_ready.at[slot])
-                        lse2 = plgpu.load(lse_smem.at[slot], layout=_COL)
-                        plgpu.barrier_arrive(lse_free.at[slot])
-                        plgpu.barrier_wait(delta_ready.at[slot])
-                        delta = plgpu.load(delta_smem.at[slot], layout=_COL)
-                        plgpu.barrier_arrive(delta_free.at[slot])
-                        pt = _exp2_minus(st, c, lse2, 1)
-                        dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-                        if dcap is not None:
-                            dst = dst * dcap
-                        # dV += Pᵀ·dO and dK += dSᵀ·Q, both in flight before the one wait.
-                        mma_lhs(dv_acc, pt.astype(dtype), do_smem.at[slot], stages_[0])
-                        mma_lhs(dk_acc, dst.astype(dtype), q_smem.at[slot], stages_[1])
+                    def steps(i0, n):
+                        """Ring steps ``i0 .. i0 + n − 1``: their Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ
+                        in flight together, then their dV += Pᵀ·dO and dK += dSᵀ·Q, one wait
+                        each."""
+                        at = [_item_step(items_ref, step_item(work, i0 + t)[0], i0 + t, base,
+                                         stages, (q_ready, do_ready)) for t in range(n)]
+                        prods = _products([pair for slot, *_ in at for pair in (
+                            (my_k, q_smem.at[slot].T), (my_v, do_smem.at[slot].T))], (bk, bq))
+                        if persistent:   # K, V are read only by those, now complete
+                            prefetch(j, i0 + n == num_steps)
+                        grads = []
+                        for t, (slot, qtile, geom, kind) in enumerate(at):
+                            st, c, dcap = _log2_scores(prods[2 * t], cfg)
+                            dpt = prods[2 * t + 1]
+                            st = mask_scores(st, geom, kind, qtile * bq, col0, _LAYOUT,
+                                             transposed=True)
+                            plgpu.barrier_wait(lse_ready.at[slot])
+                            lse2 = plgpu.load(lse_smem.at[slot], layout=_COL)
+                            plgpu.barrier_arrive(lse_free.at[slot])
+                            plgpu.barrier_wait(delta_ready.at[slot])
+                            delta = plgpu.load(delta_smem.at[slot], layout=_COL)
+                            plgpu.barrier_arrive(delta_free.at[slot])
+                            pt = _exp2_minus(st, c, lse2, 1)
+                            dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+                            if dcap is not None:
+                                dst = dst * dcap
+                            grads.append((pt.astype(dtype), dst.astype(dtype)))
+                        # Every dV/dK product in flight before the one wait.
+                        for (slot, *_), (pt, dst) in zip(at, grads):
+                            mma_lhs(dv_acc, pt, do_smem.at[slot], stages_[0])
+                            mma_lhs(dk_acc, dst, q_smem.at[slot], stages_[1])
                         plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(do_free.at[slot])
-                        plgpu.barrier_arrive(q_free.at[slot])
-                        return carry
+                        for slot, *_ in at:
+                            plgpu.barrier_arrive(do_free.at[slot])
+                            plgpu.barrier_arrive(q_free.at[slot])
 
-                    lax.fori_loop(0, num_steps, step, 0)
+                    per_wait = cfg.steps_per_wait
+
+                    @pl.loop(0, lax.div(num_steps, jnp.int32(per_wait)))
+                    def _(group):
+                        steps(group * per_wait, per_wait)
+
+                    if per_wait > 1:   # an odd step count ends on one step
+                        pl.when(lax.rem(num_steps, jnp.int32(per_wait)) == 1)(
+                            lambda: steps(num_steps - 1, 1))
                     return dk_acc[...], dv_acc[...]
 
                 dk, dv = pl.run_scoped(run, plgpu.ACC((bk, d), jnp.float32),

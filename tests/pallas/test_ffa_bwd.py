@@ -162,3 +162,58 @@ def test_backward_lowers_for_sm90(d):
 
         jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
             lowering_platforms=("cuda",))
+
+
+# k-tiles 0 and 1 walk three query blocks, k-tile 2 two: with Hq = Hkv every unit's step
+# count is its item count, so pairs of steps end on a single step in two of the three.
+ODD = AttnMask.from_ranges([[0, 192], [256, 384]], [[0, 192], [200, 384]], ["causal", "full"],
+                           384, 384)
+
+
+@pytest.mark.parametrize("tuning", [dict(dkv_num_stages=4),
+                                    dict(dkv_num_stages=5, dkv_persistent=2)],
+                         ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items()))
+def test_two_steps_per_wait(tuning):
+    """``dkv_steps_per_wait=2`` (the D = 64 default with 4 or more ring slots): each dK/dV
+    consumer takes two query blocks between waits, odd step counts ending on one. Against the reference, bit for bit against one
+    step per wait (the sums keep their order), and lowered for sm90."""
+    assert list(np.diff(plan_for_mask(ODD, "pallas").k_offsets)) == [3, 3, 2]
+    q, k, v, dout, dlse = random_inputs(jax.random.key(5), ODD, 2, 2, 64, jnp.bfloat16, 2)
+
+    def grads(**t):
+        f = lambda a, b, c: flex_flash_attention_pallas(a, b, c, ODD, interpret=True, **t)
+        _, vjp = jax.vjp(f, q, k, v)
+        return dict(zip(("dq", "dk", "dv"), vjp((dout, dlse))))
+
+    paired = grads(dkv_steps_per_wait=2, **tuning)
+    assert_matches_reference(paired, q, k, v, ODD, dout, dlse)
+    for name, x in grads(dkv_steps_per_wait=1, **tuning).items():
+        np.testing.assert_array_equal(np.asarray(paired[name], np.float32),
+                                      np.asarray(x, np.float32), err_msg=name)
+    plan = plan_for_mask(ODD, "pallas")
+    shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    programs = dict(dkv_persistent=132) if "dkv_persistent" in tuning else {}
+    loss = lambda a, b, c: ffa_pallas(a, b, c, plan, softmax_scale=0.125, dkv_steps_per_wait=2,
+                                      **{**tuning, **programs})[0].astype(jnp.float32).sum()
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(shape, shape, shape).lower(
+        lowering_platforms=("cuda",))
+
+
+def test_two_steps_per_wait_limits():
+    """Two steps per wait need D <= 64 (four score blocks beside the accumulators) and four
+    ring slots; anything else is refused naming the knobs."""
+    plan = plan_for_mask(ODD, "pallas")
+
+    def trace_grad(d, **tuning):
+        x = jax.ShapeDtypeStruct((384, 1, d), jnp.bfloat16)
+        loss = lambda a, b, c: ffa_pallas(a, b, c, plan, softmax_scale=0.1,
+                                          dkv_steps_per_wait=2, **tuning)[0].astype(
+            jnp.float32).sum()
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x)
+
+    with pytest.raises(ValueError, match="dkv_steps_per_wait=2 needs D <= 64 .* got D=128"):
+        trace_grad(128, dkv_num_stages=4, dkv_persistent=0)
+    with pytest.raises(ValueError, match="dkv_num_stages >= 4; got D=64, dkv_num_stages=3"):
+        trace_grad(64, dkv_num_stages=3)
+    with pytest.raises(ValueError, match="steps_per_wait=3: use 1 or 2"):
+        BwdConfig(scale=0.1, steps_per_wait=3)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import magi_jax.pallas.api as P
 from magi_jax.mask import AttnMask
 from magi_jax.pallas import (ffa_pallas, flex_flash_attention_pallas, plan_for_mask,
                              supported)
@@ -222,7 +223,6 @@ def test_default_persistent_programs(monkeypatch):
     """``persistent=None``: one program per SM of the GPU when the plan is on the host, its
     rows are short and the kernels run there; none in interpret mode, with traced (per-rank)
     plans or on long rows."""
-    import magi_jax.pallas.api as P
 
     class _Gpu:
         core_count = 132
@@ -250,23 +250,28 @@ def test_default_persistent_programs(monkeypatch):
     assert P._default_programs(full, interpret=False, kernel="dkv") == 0
 
 
-# Deeper rings at D = 64, where a slot holds half the bytes of D = 128's (measured faster on
-# an H200 with one program per unit: benchmarks/results/kernel/kernel_notes.md).
-_D64_RINGS = dict(num_stages=4, dq_num_stages=3, dkv_num_stages=3)
-
-
-def test_head_dim_64_deeper_rings():
-    """Forward and backward with 4 / 3 / 3 ring slots at D = 64 against the reference, on
-    q-tiles that walk more items than the rings have slots (WIDE), and the whole step lowers
-    for sm90 with them (layout inference, shared memory)."""
-    _run(WIDE, jnp.bfloat16, hq=2, hkv=1, d=64, seed=9, **_D64_RINGS)
+def test_head_dim_64_default_rings():
+    """At D = 64 the default rings are deeper (4 forward slots, 2 in the persistent forward;
+    3 dQ slots; 4 dK/dV slots with two query blocks per wait, 3 and one in the persistent
+    dK/dV: a slot holds half the bytes of D = 128's). Forward and backward on those
+    defaults against the reference, on q-tiles that walk more items than the rings have
+    slots (WIDE), and the whole step lowers for sm90 with them, one program per unit and
+    persistent (layout inference, shared memory)."""
+    assert P._default_tuning(64, fwd_persistent=False, dkv_persistent=False) == (4, 3, 4)
+    assert P._default_tuning(64, fwd_persistent=True, dkv_persistent=True) == (2, 3, 3)
+    assert P._default_tuning(128, fwd_persistent=False, dkv_persistent=False) == (2, 2, 2)
+    assert [P._steps_per_wait(d, n, persistent) for d, n, persistent in [
+        (64, 4, False), (64, 4, True), (64, 3, False), (128, 4, False)]] == [2, 1, 1, 1]
+    _run(WIDE, jnp.bfloat16, hq=2, hkv=1, d=64, seed=9)
     plan = plan_for_mask(WIDE, "pallas")
     q = jax.ShapeDtypeStruct((WIDE.total_q, 2, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((WIDE.total_k, 1, 64), jnp.bfloat16)
-    loss = lambda q, k, v: ffa_pallas(q, k, v, plan, softmax_scale=0.125, persistent=0,
-                                      dkv_persistent=0, **_D64_RINGS)[0].sum()
-    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
-        lowering_platforms=("cuda",))
+    for programs in (0, 132):
+        loss = lambda q, k, v: ffa_pallas(q, k, v, plan, softmax_scale=0.125,
+                                          persistent=programs,
+                                          dkv_persistent=programs)[0].sum()
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+            lowering_platforms=("cuda",))
 
 
 def test_backward_entry_point_equals_the_vjp():
