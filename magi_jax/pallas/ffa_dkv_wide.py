@@ -87,6 +87,10 @@ def ffa_dkv_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConf
         raise ValueError(f"dkv_persistent={cfg.persistent}: at D = {WIDE_D} the dK/dV kernel "
                          "runs one program per unit (its shared memory leaves no room for "
                          "the persistent mode's output buffers); pass dkv_persistent=0")
+    if cfg.steps_per_wait != 1:
+        raise ValueError(f"dkv_steps_per_wait={cfg.steps_per_wait}: at D = {WIDE_D} the dK/dV "
+                         "kernel takes one query block per wait (its warpgroups meet every "
+                         "step); pass dkv_steps_per_wait=1")
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1:3]
     if d != WIDE_D:

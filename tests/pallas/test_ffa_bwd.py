@@ -213,6 +213,9 @@ def test_two_steps_per_wait_limits():
 
     with pytest.raises(ValueError, match="dkv_steps_per_wait=2 needs D <= 64 .* got D=128"):
         trace_grad(128, dkv_num_stages=4, dkv_persistent=0)
+    with pytest.raises(ValueError, match="dkv_steps_per_wait=2: at D = 256 the dK/dV kernel "
+                       "takes one query block per wait"):
+        trace_grad(256, dkv_num_stages=2, dkv_persistent=0)
     with pytest.raises(ValueError, match="dkv_num_stages >= 4; got D=64, dkv_num_stages=3"):
         trace_grad(64, dkv_num_stages=3)
     with pytest.raises(ValueError, match="steps_per_wait=3: use 1 or 2"):
