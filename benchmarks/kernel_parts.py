@@ -4,8 +4,8 @@ persistent, dQ (which has no persistent mode) with one program per unit.
 
     PYTHONPATH=. python benchmarks/kernel_parts.py --masks causal,swa_causal_1024 --out DIR
 
-Same inputs and timing as ``kernel_bench.py`` (bf16, Hq = Hkv = 16, D = 128,
-B = 32768 / length). TFLOP/s of a part from the matmuls it runs, 2·area·H·D·B each: forward
+Same inputs and timing as ``kernel_bench.py`` (bf16, Hq = Hkv = 16, D = 128 unless
+``--heads`` / ``--head-dim`` say otherwise, B = 32768 / length). TFLOP/s of a part from the matmuls it runs, 2·area·H·D·B each: forward
 two (S, P·V), dQ three (S, dP, dS·K), dK/dV four (Sᵀ, dPᵀ, Pᵀ·dO, dSᵀ·Q) — the backward
 recomputes S and dP in both kernels, so it runs 3.5× the forward's matmuls where the usual
 FLOP rule (and ``kernel_bench.py``) counts 2.5×. The delta preprocess has no TFLOP/s.
@@ -28,6 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from kernel_bench import bench, make_mask, versions  # noqa: E402
 
+from magi_jax.pallas import api as pallas_api  # noqa: E402
 from magi_jax.pallas import plan_for_mask  # noqa: E402
 from magi_jax.pallas.common import LOG2E  # noqa: E402
 from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq  # noqa: E402
@@ -44,9 +45,12 @@ def general_kinds(work):
     return work._replace(items=items)
 
 
-def parts(name, total, heads, d, programs, bands=True, stages=2, registers=(232, 40)):
+def parts(name, total, heads, d, programs, bands=True, stages=None, registers=(232, 40)):
     """Rows of (part, programs, ms, TFLOP/s) for one mask; ``bands=False``: band items
-    treated as general; ``stages``, ``registers``: of the backward kernels (BwdConfig)."""
+    treated as general; ``stages``, ``registers``: of the backward kernels (BwdConfig;
+    ``stages=None``: every kernel's ring and dK/dV's query blocks per wait as
+    :func:`magi_jax.pallas.ffa_pallas` picks them by default); ``programs=0``: no
+    persistent rows."""
     mask = make_mask(name, total)
     batch = max(1, 32768 // total)
     plan = plan_for_mask(mask, "pallas")
@@ -60,13 +64,15 @@ def parts(name, total, heads, d, programs, bands=True, stages=2, registers=(232,
     dkv_lists = tuple(jnp.asarray(a) for a in plan.bwd)
     flops = 4.0 * mask.area * heads * d * batch
     rows = []
-    for progs in (0, programs):
+    for progs in (0, programs) if programs else (0,):
         def sched(work):
             if not progs:
                 return ()
             return tuple(jnp.asarray(a) for a in persistent_schedule(work, batch * heads,
                                                                       progs))
-        fcfg = FwdConfig(scale=scale, persistent=progs)
+        default = pallas_api._default_tuning(d, bool(progs), bool(progs))
+        fcfg = FwdConfig(scale=scale, persistent=progs,
+                         num_stages=default[0] if stages is None else FwdConfig.num_stages)
         fwd = jax.jit(lambda q, k, v: ffa_forward(q, k, v, *fwd_lists, fcfg, sched(plan.fwd)))
         out, lse = fwd(q, k, v)
         rows.append(dict(part="forward", programs=progs, ms=bench(fwd, (q, k, v)) * 1e3,
@@ -76,19 +82,24 @@ def parts(name, total, heads, d, programs, bands=True, stages=2, registers=(232,
                                                   do.astype(jnp.float32)))
         delta = prep(out, do)
         args = (q, k, v, do, lse2, delta)
-        bcfg = BwdConfig(scale=scale, num_stages=stages, registers=registers)
+        bcfg = BwdConfig(scale=scale, num_stages=default[1] if stages is None else stages,
+                         registers=registers)
         if not progs:
             rows.append(dict(part="delta", programs=0, ms=bench(prep, (out, do)) * 1e3,
                              flops=0.0))
             dq = jax.jit(lambda *a: ffa_dq(*a, *fwd_lists, bcfg))
             rows.append(dict(part="dq", programs=0, ms=bench(dq, args) * 1e3,
                              flops=1.5 * flops))
-        bcfg = dataclasses.replace(bcfg, persistent=progs)
+        dkv_stages = default[2] if stages is None else stages
+        bcfg = dataclasses.replace(bcfg, persistent=progs, num_stages=dkv_stages,
+                                   steps_per_wait=pallas_api._steps_per_wait(
+                                       d, dkv_stages, bool(progs)) if stages is None else 1)
         dkv = jax.jit(lambda *a: ffa_dkv(*a, *dkv_lists, bcfg, sched(plan.bwd)))
         rows.append(dict(part="dkv", programs=progs, ms=bench(dkv, args) * 1e3,
                          flops=2.0 * flops))
     for r in rows:
-        r.update(mask=name, length=total, bands=bands, bwd_stages=stages,
+        r.update(mask=name, length=total, heads=heads, head_dim=d, bands=bands,
+                 bwd_stages="default" if stages is None else stages,
                  bwd_registers=list(registers), tflops=r["flops"] / r["ms"] * 1e-9 if r["flops"]
                  else None)
     return rows
@@ -98,31 +109,39 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--masks", default="full,causal,doc_causal,swa_causal_1024")
     p.add_argument("--lengths", default="16384")
-    p.add_argument("--programs", type=int, default=0,
-                   help="persistent programs (default: the GPU's SM count)")
+    p.add_argument("--programs", type=int, default=None,
+                   help="persistent programs (default: the GPU's SM count; 0: no "
+                   "persistent rows)")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--band-ab", action="store_true",
                    help="also time every part with band items treated as general ones")
-    p.add_argument("--bwd-stages", default="2", help="ring slots of the backward kernels, "
-                   "comma-separated (each a separate set of rows)")
+    p.add_argument("--bwd-stages", default="default",
+                   help="ring slots of the backward kernels, comma-separated (each a separate "
+                   "set of rows); 'default': every kernel's default ring")
     p.add_argument("--bwd-registers", default="232/40",
                    help="consumer/producer registers of the backward kernels, comma-separated "
                    "pairs (each a separate set of rows)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kernel"))
     a = p.parse_args(argv)
     dev = jax.devices()[0]
-    programs = a.programs or int(getattr(dev, "core_count", 0) or 132)
+    programs = (int(getattr(dev, "core_count", 0) or 132) if a.programs is None
+                else a.programs)
     rows = []
     for t in a.lengths.split(","):
         for m in a.masks.split(","):
             for bands in (True, False) if a.band_ab else (True,):
-                for stages in (int(x) for x in a.bwd_stages.split(",")):
+                for stages in (None if x == "default" else int(x)
+                               for x in a.bwd_stages.split(",")):
                     for regs in a.bwd_registers.split(","):
                         registers = tuple(int(x) for x in regs.split("/"))
-                        rows += parts(m, int(t), 16, 128, programs, bands, stages, registers)
+                        rows += parts(m, int(t), a.heads, a.head_dim, programs, bands,
+                                      stages, registers)
                         print(json.dumps(rows[-1]), flush=True)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=getattr(dev, "device_kind", str(dev)), versions=versions(),
-                programs=programs, core_count=getattr(dev, "core_count", None))
+                programs=programs, core_count=getattr(dev, "core_count", None),
+                heads=a.heads, head_dim=a.head_dim)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
     os.makedirs(a.out, exist_ok=True)
     write(os.path.join(a.out, f"kernel_parts_{stamp}_{meta['device'].replace(' ', '_')}"),
@@ -135,11 +154,13 @@ def write(base, rows, meta):
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     lines = [f"# FFA pallas parts {meta['date']} on {meta['device']}", "",
              f"versions: {meta['versions']}; persistent programs: {meta['programs']} "
-             f"(core_count {meta['core_count']}); bf16, Hq = Hkv = 16, D = 128, "
+             f"(core_count {meta['core_count']}); bf16, Hq = Hkv = "
+             f"{meta.get('heads', 16)}, D = {meta.get('head_dim', 128)}, "
              "B = 32768 / length; TFLOP/s from the matmuls each part runs (forward 2, dQ 3, "
              "dK/dV 4 per tile pair)", "",
              "band predicate: no = band items run the general one; bwd stages / registers: "
-             "ring slots and consumer/producer registers of dQ and dK/dV", "",
+             "ring slots and consumer/producer registers of dQ and dK/dV (default: each "
+             "kernel's default ring and dK/dV blocks per wait)", "",
              "| mask | length | part | programs | band predicate | bwd stages | bwd registers "
              "| ms | TFLOP/s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
