@@ -4,12 +4,12 @@ persistent, dQ (which has no persistent mode) with one program per unit.
 
     PYTHONPATH=. python benchmarks/kernel_parts.py --masks causal,swa_causal_1024 --out DIR
 
-Same inputs and timing as ``kernel_bench.py`` (bf16, Hq = Hkv = 16, D = 128 unless
-``--heads`` / ``--head-dim`` say otherwise, B = 32768 / length). TFLOP/s of a part from the matmuls it runs, 2·area·H·D·B each: forward
-two (S, P·V), dQ three (S, dP, dS·K), dK/dV four (Sᵀ, dPᵀ, Pᵀ·dO, dSᵀ·Q) — the backward
-recomputes S and dP in both kernels, so it runs 3.5× the forward's matmuls where the usual
-FLOP rule (and ``kernel_bench.py``) counts 2.5×. The delta preprocess has no TFLOP/s.
-Writes ``kernel_parts_<stamp>_<device>.{json,md}``.
+Same inputs and timing as ``kernel_bench.py`` (bf16, Hq = Hkv = 16, D = 128 unless ``--heads`` /
+``--head-dim`` say otherwise, B = 32768 / length). TFLOP/s of a part from the matmuls it runs,
+2·area·H·D·B each: forward two (S, P·V), dQ three (S, dP, dS·K), dK/dV four (Sᵀ, dPᵀ, Pᵀ·dO,
+dSᵀ·Q) — the backward recomputes S and dP in both kernels, so it runs 3.5× the forward's matmuls
+where the usual FLOP rule (and ``kernel_bench.py``) counts 2.5×. The delta preprocess has no
+TFLOP/s. Writes ``kernel_parts_<stamp>_<device>.{json,md}``.
 """
 
 from __future__ import annotations

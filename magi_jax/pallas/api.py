@@ -285,8 +285,8 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
     must be NumPy arrays here; ``None`` (default): the SM count of the default GPU when the
     plan is NumPy arrays, its q-tiles are short (:data:`PERSISTENT_MAX_MEAN_ITEMS`), the
     kernels run on a GPU and ``num_stages`` is ``None`` or <= 2 (its output buffer takes the
-    shared memory of a third slot), else 0 (measured on an H200, 2026-11-30: +11 % on SWA 1024, 1.5-2 %
-    slower on full and causal 16k); ``dkv_persistent``: the same for the dK/dV kernel
+    shared memory of a third slot), else 0 (measured on an H200, 2026-11-30: +11 % on SWA
+    1024, 1.5-2 % slower on full and causal 16k); ``dkv_persistent``: the same for the dK/dV kernel
     (units: k-tile, batch, key head), storing through output buffers of its own (with
     D = 128 that leaves room for ``dkv_num_stages`` <= 3); ``None`` (default): persistent on
     short k-tiles (:data:`DKV_PERSISTENT_MAX_MEAN_ITEMS`, 3-5 % faster there) when

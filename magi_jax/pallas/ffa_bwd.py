@@ -179,10 +179,6 @@ def _products(pairs, shape):
     return pl.run_scoped(body, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
 
 
-def _two_products(a, b, c, e, shape):
-    """``(a·b, c·e)`` in float32 registers: two wgmmas issued back to back, one wait."""
-    return _products([(a, b), (c, e)], shape)
-
 
 def _consume_units(num_mine, load_unit, work_of, unit):
     """A persistent consumer: loads its first unit's inputs, walks its units, and waits for
@@ -266,8 +262,8 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
                     slot, ktile, geom, kind = _item_step(items_ref, first + i, i, None, stages,
                                                          (k_ready, v_ready))
                     # S = Q·Kᵀ and dP = dO·Vᵀ.
-                    s, dp = _two_products(my_q, k_smem.at[slot].T, my_do, v_smem.at[slot].T,
-                                          (bq, bk))
+                    s, dp = _products([(my_q, k_smem.at[slot].T), (my_do, v_smem.at[slot].T)],
+                                      (bq, bk))
                     plgpu.barrier_arrive(v_free.at[slot])
                     s, c, dcap = _log2_scores(s, cfg)
 

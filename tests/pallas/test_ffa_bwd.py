@@ -175,8 +175,9 @@ ODD = AttnMask.from_ranges([[0, 192], [256, 384]], [[0, 192], [200, 384]], ["cau
                          ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items()))
 def test_two_steps_per_wait(tuning):
     """``dkv_steps_per_wait=2`` (the D = 64 default with 4 or more ring slots): each dK/dV
-    consumer takes two query blocks between waits, odd step counts ending on one. Against the reference, bit for bit against one
-    step per wait (the sums keep their order), and lowered for sm90."""
+    consumer takes two query blocks between waits, odd step counts ending on one. Against the
+    reference, bit for bit against one step per wait (the sums keep their order), and lowered
+    for sm90."""
     assert list(np.diff(plan_for_mask(ODD, "pallas").k_offsets)) == [3, 3, 2]
     q, k, v, dout, dlse = random_inputs(jax.random.key(5), ODD, 2, 2, 64, jnp.bfloat16, 2)
 
