@@ -234,6 +234,14 @@ def _default_tuning(head_dim: int, fwd_persistent: bool,
     return FwdConfig.num_stages, BwdConfig.num_stages, BwdConfig.num_stages
 
 
+def _fma_exp_cols(head_dim: int) -> int:
+    """Default forward score columns exponentiated on the FMA pipes (``FwdConfig``): 16 of
+    128 at D <= 64, where the exponentials bound the forward (H200, 2026-12-03: +2-3 %;
+    24 or more, or any at D = 128, measured slower or even). The backward kernels' matmuls
+    outweigh their exponentials; splitting there measured no faster."""
+    return 16 if head_dim <= 64 else 0
+
+
 def _steps_per_wait(head_dim: int, dkv_num_stages: int, dkv_persistent: bool) -> int:
     """Default dK/dV query blocks per wait: 2 where they fit (D <= 64, 4 ring slots) and
     paid (one program per unit)."""
@@ -262,7 +270,7 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
                dq_num_stages: int | None = None, dkv_num_stages: int | None = None,
                persistent: int | None = None,
                dkv_persistent: int | None = None, dkv_steps_per_wait: int | None = None,
-               schedules: tuple | None = None,
+               fma_exp_cols: int | None = None, schedules: tuple | None = None,
                return_max_logits: bool = False):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
@@ -294,7 +302,10 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
     runs one program per unit (a persistent dQ measured slower on every mask).
     ``dkv_steps_per_wait``: query blocks each dK/dV consumer takes between two waits, 1 or 2
     (D = 64 and ``dkv_num_stages`` >= 4 only); ``None`` (default): 2 where that holds and
-    the dK/dV kernel runs one program per unit.
+    the dK/dV kernel runs one program per unit. ``fma_exp_cols``: of each forward score
+    block's 128 keys (64 at D = 256), how many are exponentiated by a cubic on the FMA pipes
+    instead of the ``ex2`` unit (a multiple of 8; relative error 7.5e-5, under half an fp16
+    ulp); ``None`` (default): 16 at D = 64, where the exponentials bound the forward, else 0.
 
     ``schedules``: schedules built beforehand (a plan as data, whose arrays may be traced:
     :func:`magi_jax.ffa.plan.plan_attention`): ``()`` runs one program per unit, ``(fwd
@@ -327,9 +338,12 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
     dkv_num_stages = stages[2] if dkv_num_stages is None else dkv_num_stages
     if dkv_steps_per_wait is None:
         dkv_steps_per_wait = _steps_per_wait(d, dkv_num_stages, bool(dkv_persistent))
+    if fma_exp_cols is None:
+        fma_exp_cols = _fma_exp_cols(d)
     cfg = _Config.build(softmax_scale, softcap, interpret,
                         fwd=dict(num_stages=int(num_stages), persistent=int(persistent),
-                                 row_max=bool(return_max_logits)),
+                                 row_max=bool(return_max_logits),
+                                 fma_exp_cols=int(fma_exp_cols)),
                         dq=dict(num_stages=int(dq_num_stages)),
                         dkv=dict(num_stages=int(dkv_num_stages),
                                  persistent=int(dkv_persistent),
@@ -355,7 +369,7 @@ def _ffa_scheduled(q, k, v, plan, schedules, scale, softcap, interpret, max_logi
     stages = _default_tuning(d, programs[0] > 0, programs[1] > 0)
     cfg = _Config.build(scale, softcap, interpret,
                         fwd=dict(num_stages=stages[0], persistent=programs[0],
-                                 row_max=max_logits),
+                                 row_max=max_logits, fma_exp_cols=_fma_exp_cols(d)),
                         dq=dict(num_stages=stages[1]),
                         dkv=dict(num_stages=stages[2], persistent=programs[1],
                                  steps_per_wait=_steps_per_wait(d, stages[2],

@@ -14,7 +14,7 @@ from magi_jax.planning.work_list import BAND, FULL, GENERAL, ITEM_FIELDS
 __all__ = ["LOG2E", "LN2", "WIDE_D", "WIDE_HALF_D", "SMEM_BYTES", "ItemField", "item_geometry", "item_fields",
            "smem", "smem64", "smem_bytes", "check_smem", "mma_lhs", "tile_predicate", "mask_scores",
            "launch_grid", "kernel_grid", "scheduled_units", "check_pipeline",
-           "check_schedule"]
+           "check_schedule", "exp2_fma", "exp2_cols", "check_fma_cols"]
 
 # The head dim of the wide backward kernels (ffa_dq_wide, ffa_dkv_wide): each of their two
 # consumer warpgroups accumulates one half of it.
@@ -224,3 +224,48 @@ def check_schedule(schedule, num_progs: int, num_units: int):
         raise ValueError(f"a persistent schedule for {num_progs} programs is (offsets "
                          f"[{num_progs + 1}], units [{num_units}]) of persistent_schedule; "
                          f"got {[getattr(a, 'shape', a) for a in schedule]}")
+
+
+# 2^f on [-1/2, 1/2], relative minimax of degree 3 (max relative error 7.5e-5, under half
+# an fp16 ulp); FlashAttention-4 splits the exponentials between the units the same way.
+_EXP2_POLY = (0.99992811, 0.69326099, 0.24261054, 0.05517132)
+_ROUND_MAGIC = 12582912.0   # 1.5 * 2**23: x + this rounds x to an integer in the low bits
+
+
+def exp2_fma(x):
+    """``2**x`` in float32 for ``x <= 0`` (``-inf`` included) without the ``ex2`` unit:
+    ``x`` is split as ``j + f`` with ``j`` the nearest integer and ``|f| <= 1/2``; ``2**f``
+    is a cubic, and ``j`` is added to its exponent bits; below -126 the result is 0 (``ex2``
+    flushes there too). Adds, multiplies, shifts and one select; the barrier keeps
+    ``(x + M) − M`` from being simplified to ``x`` (XLA on the CPU, where interpret mode
+    runs, does that)."""
+    t = lax.optimization_barrier(x + _ROUND_MAGIC)
+    f = x - (t - _ROUND_MAGIC)
+    c0, c1, c2, c3 = _EXP2_POLY
+    p = ((c3 * f + c2) * f + c1) * f + c0
+    # The low bits of t hold j; shifted into the exponent field, they add j to p's exponent.
+    bits = (lax.bitcast_convert_type(p, jnp.int32)
+            + lax.shift_left(lax.bitcast_convert_type(t, jnp.int32), jnp.int32(23)))
+    return jnp.where(x >= -126.0, lax.bitcast_convert_type(bits, jnp.float32), 0.0)
+
+
+def exp2_cols(x, fma_cols: int = 0):
+    """``exp2`` of a ``(rows, cols)`` float32 array in the WGMMA layout, its last
+    ``fma_cols`` columns by :func:`exp2_fma` on the FMA pipes and the rest on the ``ex2``
+    unit (16 results per clock per SM on sm90, the limit of a softmax beside short
+    matmuls). A column slice of that layout is a subset of each thread's registers."""
+    if not fma_cols:
+        return jnp.exp2(x)
+    n = x.shape[1] - fma_cols
+    return jnp.concatenate([jnp.exp2(x[:, :n]), exp2_fma(x[:, n:])], axis=1)
+
+
+def check_fma_cols(fma_cols: int, cols: int | None = None, where: str = ""):
+    """``fma_exp_cols`` of a kernel config: a multiple of 8 (the layout's column tile),
+    below the ``cols`` of the score blocks ``where`` when given."""
+    if fma_cols < 0 or fma_cols % 8:
+        raise ValueError(f"fma_exp_cols={fma_cols} must be a multiple of 8 >= 0 (score "
+                         "columns exponentiated on the FMA pipes)")
+    if cols is not None and fma_cols >= cols:
+        raise ValueError(f"fma_exp_cols={fma_cols} must be below the {cols} columns of "
+                         f"{where}")

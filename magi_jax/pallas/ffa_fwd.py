@@ -11,6 +11,10 @@ predicate is evaluated only on boundary items, from the slice geometry the item 
 range check per cell where only the diagonal bounds cut the tile,
 :func:`~magi_jax.pallas.common.mask_scores`).
 
+At D = 64 the exponentials, not the matmuls, bound an item (the ``ex2`` unit makes 16 a clock
+per SM), so part of each score block is exponentiated on the FMA pipes instead
+(``FwdConfig.fma_exp_cols``, :func:`~magi_jax.pallas.common.exp2_cols`).
+
 At D = 256 a ring slot holds half a key tile (64 keys: two slots of 128 x 256 would not fit
 beside Q), and each work item is walked as two steps; everything else is the same kernel.
 """
@@ -25,9 +29,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (LN2, LOG2E, ItemField, check_pipeline, check_smem,
-                                    item_geometry, kernel_grid, mask_scores, mma_lhs,
-                                    scheduled_units, smem)
+from magi_jax.pallas.common import (LN2, LOG2E, ItemField, check_fma_cols, check_pipeline,
+                                    check_smem, exp2_cols, item_geometry, kernel_grid,
+                                    mask_scores, mma_lhs, scheduled_units, smem)
 from magi_jax.planning.work_list import FULL, FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["FwdConfig", "ffa_forward"]
@@ -65,12 +69,17 @@ class FwdConfig:
     # the running row max the softmax keeps anyway; with one the running max is kept of the
     # raw scores instead (the softmax's is its tanh, a monotone map, so this is exact).
     row_max: bool = False
+    # The last ``fma_exp_cols`` keys of each score block are exponentiated on the FMA pipes
+    # (:func:`~magi_jax.pallas.common.exp2_cols`); a multiple of 8 below the block's 128
+    # keys (64 at D > 128).
+    fma_exp_cols: int = 0
     interpret: bool = False
 
     def __post_init__(self):
         check_pipeline(self.num_stages, self.persistent)
         if self.softcap < 0:
             raise ValueError(f"softcap={self.softcap} must be >= 0")
+        check_fma_cols(self.fma_exp_cols)
 
 
 def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
@@ -93,6 +102,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
     # walked as two steps.
     bk = FWD_BLOCK_K if d <= _WIDE_D else FWD_BLOCK_K // 2
     sub = FWD_BLOCK_K // bk
+    check_fma_cols(cfg.fma_exp_cols, bk, f"the forward's score blocks at D={d}")
     softcap = cfg.softcap
     # A unit is one (q-tile, batch, head); persistent programs walk those of their schedule.
     persistent = cfg.persistent > 0
@@ -229,7 +239,8 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     m_use = jnp.where(m_cur == -jnp.inf, 0.0, m_cur)
                     alpha = jnp.exp2(m_prev - m_use)
                     m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
-                    p = jnp.exp2(s - m_b if exp_scale is None else s * exp_scale - m_b)
+                    p = exp2_cols(s - m_b if exp_scale is None else s * exp_scale - m_b,
+                                  cfg.fma_exp_cols)
                     return p, alpha, m_new, l_i * alpha + p.sum(axis=1)
 
                 def rescale(acc, alpha):

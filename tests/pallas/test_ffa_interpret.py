@@ -160,8 +160,10 @@ def _forward_only(mask, dtype, hq, hkv, d, seed, batch=None, **tuning):
 
 
 # The forward's pipeline knobs: 1, 2 and 3 slots (3 fit D = 128 only without the reduction
-# scratch), one persistent program. Forward only: the backward kernels ignore them.
-_FWD_KNOBS = [{}, dict(num_stages=3), dict(num_stages=1), dict(persistent=1)]
+# scratch), one persistent program, exponentials split between the units. Forward only: the
+# backward kernels ignore them.
+_FWD_KNOBS = [{}, dict(num_stages=3), dict(num_stages=1), dict(persistent=1),
+              dict(fma_exp_cols=32), dict(fma_exp_cols=120, persistent=1)]
 
 
 # Like IRREGULAR, but q-tiles walk 10 and 6 items (several per k-tile): more than the slots
@@ -253,13 +255,15 @@ def test_default_persistent_programs(monkeypatch):
 def test_head_dim_64_default_rings():
     """At D = 64 the default rings are deeper (4 forward slots, 2 in the persistent forward;
     3 dQ slots; 4 dK/dV slots with two query blocks per wait, 3 and one in the persistent
-    dK/dV: a slot holds half the bytes of D = 128's). Forward and backward on those
+    dK/dV: a slot holds half the bytes of D = 128's), and the forward exponentiates 16 keys
+    of each block on the FMA pipes. Forward and backward on those
     defaults against the reference, on q-tiles that walk more items than the rings have
     slots (WIDE), and the whole step lowers for sm90 with them, one program per unit and
     persistent (layout inference, shared memory)."""
     assert P._default_tuning(64, fwd_persistent=False, dkv_persistent=False) == (4, 3, 4)
     assert P._default_tuning(64, fwd_persistent=True, dkv_persistent=True) == (2, 3, 3)
     assert P._default_tuning(128, fwd_persistent=False, dkv_persistent=False) == (2, 2, 2)
+    assert [P._fma_exp_cols(d) for d in (64, 128, 256)] == [16, 0, 0]
     assert [P._steps_per_wait(d, n, persistent) for d, n, persistent in [
         (64, 4, False), (64, 4, True), (64, 3, False), (128, 4, False)]] == [2, 1, 1, 1]
     _run(WIDE, jnp.bfloat16, hq=2, hkv=1, d=64, seed=9)
