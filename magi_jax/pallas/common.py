@@ -227,7 +227,7 @@ def check_schedule(schedule, num_progs: int, num_units: int):
 
 
 # 2^f on [-1/2, 1/2], relative minimax of degree 3 (max relative error 7.5e-5, under half
-# an fp16 ulp); FlashAttention-4 splits the exponentials between the units the same way.
+# an fp16 ulp). FlashAttention-4 also moves part of its exponentials to the FMA pipes.
 _EXP2_POLY = (0.99992811, 0.69326099, 0.24261054, 0.05517132)
 _ROUND_MAGIC = 12582912.0   # 1.5 * 2**23: x + this rounds x to an integer in the low bits
 
