@@ -237,8 +237,8 @@ def _default_tuning(head_dim: int, fwd_persistent: bool,
 def _fma_exp_cols(head_dim: int) -> int:
     """Default forward score columns exponentiated on the FMA pipes (``FwdConfig``): 16 of
     128 at D <= 64, where the exponentials bound the forward (H200, 2026-12-03: +2-8 % in
-    three runs; 24 or more, or any at D = 128, measured slower or even). The backward kernels' matmuls
-    outweigh their exponentials; splitting there measured no faster."""
+    three runs; 24 or more, or any at D = 128, measured slower or even). The backward
+    kernels' matmuls outweigh their exponentials; splitting there measured no faster."""
     return 16 if head_dim <= 64 else 0
 
 

@@ -179,7 +179,6 @@ def _products(pairs, shape):
     return pl.run_scoped(body, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
 
 
-
 def _consume_units(num_mine, load_unit, work_of, unit):
     """A persistent consumer: loads its first unit's inputs, walks its units, and waits for
     its last stores."""
