@@ -9,7 +9,9 @@
   64 rows that see it, for every query head of the GQA group, so ``dK``/``dV`` of a key head
   are summed in float32 registers and written once (no atomics, no second reduction).
   With ``steps_per_wait=2`` (D = 64) a consumer takes two query blocks between waits: four
-  score products in flight, then four gradient products.
+  score products in flight, then four gradient products. With ``turns`` (the D = 128
+  default with one program per unit) the two consumers issue their products in turns, one
+  warpgroup's matmuls running under the other's softmax.
 
 The dK/dV kernel's persistent mode (``BwdConfig.persistent = N``): N programs walk its units
 in a static schedule instead (the host's
@@ -68,6 +70,9 @@ class BwdConfig:
     # D <= 64 only, where the four score blocks fit beside the accumulators, and at least 4
     # ring slots so the next pair loads under this one).
     steps_per_wait: int = 1
+    # dK/dV only: the two consumers issue their wgmmas in turns (a token handed between them
+    # through a barrier pair), so one's matmuls run under the other's softmax.
+    turns: bool = False
     # Registers per thread of a consumer and of the producer warpgroup after the split
     # (setmaxnreg; multiples of 8, 2·consumer + producer <= 504 for 3 warpgroups).
     registers: tuple[int, int] = (232, 40)
@@ -168,12 +173,38 @@ def _item_step(items_ref, it, i, base, stages, ready):
     return slot, other, geom, kind
 
 
-def _products(pairs, shape):
-    """``[a·b for a, b in pairs]`` in float32 registers: the wgmmas issued back to back, one
-    wait."""
+class _Turns(NamedTuple):
+    """The issue token of two consumer warpgroups: ``take`` waits for this warpgroup's turn,
+    ``give`` hands it to the other. Without the barriers both do nothing."""
+
+    take: Any
+    give: Any
+
+
+def _turns(barrier, wg):
+    """:class:`_Turns` over ``barrier`` (one per consumer), or no-ops for ``None``."""
+    if barrier is None:
+        return _Turns(lambda: None, lambda: None)
+    return _Turns(lambda: plgpu.barrier_wait(barrier.at[wg]),
+                  lambda: plgpu.barrier_arrive(barrier.at[1 - wg]))
+
+
+def _issue(turns, body):
+    """Runs ``body`` (wgmma issues) in this warpgroup's turn."""
+    turns.take()
+    body()
+    turns.give()
+
+
+def _products(pairs, shape, turns=None):
+    """``[a·b for a, b in pairs]`` in float32 registers: the wgmmas issued back to back (in
+    this warpgroup's turn, with ``turns``), one wait."""
     def body(*refs):
-        for ref, (a, b) in zip(refs, pairs):
-            plgpu.wgmma(ref, a, b)
+        def issue():
+            for ref, (a, b) in zip(refs, pairs):
+                plgpu.wgmma(ref, a, b)
+
+        _issue(turns or _turns(None, None), issue)
         return tuple(ref[...] for ref in refs)
 
     return pl.run_scoped(body, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
@@ -216,6 +247,9 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
         raise ValueError(f"persistent={cfg.persistent}: the dQ kernel runs one program per "
                          "unit (a persistent dQ measured slower on every mask); pass a "
                          "BwdConfig with persistent=0")
+    if cfg.turns:
+        raise ValueError("turns=True: the dQ kernel's consumers issue as they go (in turns "
+                         "it measured 2 % slower); pass a BwdConfig with turns=False")
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
@@ -354,6 +388,7 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                                                  buf["lse_free"], buf["delta_free"])
         dk_smem, dv_smem, p_stage = buf.get("dk"), buf.get("dv"), buf.get("p_stage")
         wg = lax.axis_index("wg")
+        turns = _turns(buf.get("turn"), wg)
         if persistent:
             num_mine, coords = scheduled_units(sched_refs, num_tiles, b, order_ref)
 
@@ -378,6 +413,7 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
         @pl.when(wg < _COMPUTE_WGS)
         def consumer():
             plgpu.set_max_registers(cfg.registers[0], action="increase")
+            pl.when(wg == 1)(turns.give)   # the first turn is warpgroup 0's
             my_k, my_v = k_smem.at[wg], v_smem.at[wg]
             stages_ = ((None, None) if p_stage is None
                        else (p_stage.at[wg, 0], p_stage.at[wg, 1]))
@@ -414,7 +450,8 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                         at = [_item_step(items_ref, step_item(work, i0 + t)[0], i0 + t, base,
                                          stages, (q_ready, do_ready)) for t in range(n)]
                         prods = _products([pair for slot, *_ in at for pair in (
-                            (my_k, q_smem.at[slot].T), (my_v, do_smem.at[slot].T))], (bk, bq))
+                            (my_k, q_smem.at[slot].T), (my_v, do_smem.at[slot].T))], (bk, bq),
+                            turns)
                         if persistent:   # K, V are read only by those, now complete
                             prefetch(j, i0 + n == num_steps)
                         grads = []
@@ -434,10 +471,12 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                             if dcap is not None:
                                 dst = dst * dcap
                             grads.append((pt.astype(dtype), dst.astype(dtype)))
-                        # Every dV/dK product in flight before the one wait.
-                        for (slot, *_), (pt, dst) in zip(at, grads):
-                            mma_lhs(dv_acc, pt, do_smem.at[slot], stages_[0])
-                            mma_lhs(dk_acc, dst, q_smem.at[slot], stages_[1])
+                        def issue():   # every dV/dK product in flight before the one wait
+                            for (slot, *_), (pt, dst) in zip(at, grads):
+                                mma_lhs(dv_acc, pt, do_smem.at[slot], stages_[0])
+                                mma_lhs(dk_acc, dst, q_smem.at[slot], stages_[1])
+
+                        _issue(turns, issue)
                         plgpu.wgmma_wait(0)
                         for slot, *_ in at:
                             plgpu.barrier_arrive(do_free.at[slot])
@@ -478,6 +517,7 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                 _consume_units(num_mine, load_unit, work_of, unit)
             else:
                 unit(0, only_unit, None)
+            pl.when(wg == 0)(turns.take)   # observe the last turn handed back
 
         @pl.when(wg == _COMPUTE_WGS)
         def producer():
@@ -526,6 +566,8 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
         q_free=per_stage(_COMPUTE_WGS), do_free=per_stage(_COMPUTE_WGS),
         lse_free=per_stage(_COMPUTE_WGS), delta_free=per_stage(_COMPUTE_WGS),
     )
+    if cfg.turns:
+        scratch["turn"] = plgpu.Barrier(num_barriers=_COMPUTE_WGS)
     out_scratch = (dict(dk=smem((_COMPUTE_WGS, bk, d), dtype),
                         dv=smem((_COMPUTE_WGS, bk, d), dtype)) if persistent else {})
     check_smem("dK/dV", list(scratch.values()), list(out_scratch.values()),

@@ -91,6 +91,9 @@ def ffa_dkv_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConf
         raise ValueError(f"dkv_steps_per_wait={cfg.steps_per_wait}: at D = {WIDE_D} the dK/dV "
                          "kernel takes one query block per wait (its warpgroups meet every "
                          "step); pass dkv_steps_per_wait=1")
+    if cfg.turns:
+        raise ValueError(f"turns=True: at D = {WIDE_D} the dK/dV kernel's warpgroups meet "
+                         "every step already; pass a BwdConfig with turns=False")
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1:3]
     if d != WIDE_D:

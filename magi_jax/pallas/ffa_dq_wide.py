@@ -78,6 +78,9 @@ def ffa_dq_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfi
         raise ValueError(f"persistent={cfg.persistent}: the dQ kernel runs one program per "
                          "unit (a persistent dQ measured slower on every mask); pass a "
                          "BwdConfig with persistent=0")
+    if cfg.turns:
+        raise ValueError("turns=True: the dQ kernels' consumers issue as they go; pass a "
+                         "BwdConfig with turns=False")
     b, tq, hq, d = q.shape
     if d != WIDE_D or k.shape[-1] != d or v.shape[-1] != d:
         raise ValueError(f"the wide dQ kernel takes D = {WIDE_D}; got q {q.shape}, k "

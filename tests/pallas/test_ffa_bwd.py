@@ -144,6 +144,48 @@ def test_shared_memory_budget_and_config_errors():
         ffa_dq(*args, BwdConfig(scale=0.1, persistent=4))
 
 
+# The turn-taking dK/dV kernel: its default (D = 128, one program per unit, one block per
+# wait) and the paths only a BwdConfig reaches (persistent across units, two blocks a wait).
+_TURNS = [dict(), dict(persistent=2, num_stages=3), dict(num_stages=4, steps_per_wait=2)]
+
+
+@pytest.mark.parametrize("tuning", _TURNS,
+                         ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items()) or "plain")
+def test_dkv_turns_equal_to_free_issue(tuning):
+    """``BwdConfig.turns``: the dK/dV consumers hand an issue token back and forth; the
+    products and their order are those of free issue, so dK, dV are bit for bit the same (on
+    HOLES: units without steps, GQA, two units a program), and the kernel lowers for sm90.
+    The default takes turns exactly at D = 128 with one program per unit; dQ and the
+    D = 256 kernels refuse it."""
+    from magi_jax.pallas import api as P
+
+    assert [P._dkv_turns(d, persistent) for d, persistent in [
+        (64, False), (128, False), (128, True), (256, False)]] == [False, True, False, False]
+    plan = plan_for_mask(HOLES, "pallas")
+    q, k, v, dout, _ = _inputs()
+    b, t, hq = q.shape[:3]
+    lse2 = jnp.full((b, hq, t), 8.0, jnp.float32).at[:, :, 100:128].set(jnp.inf)
+    delta = jax.random.normal(jax.random.key(3), (b, hq, t), jnp.float32)
+    sched = (persistent_schedule(WorkList(*plan[3:]), b * k.shape[2], tuning["persistent"])
+             if "persistent" in tuning else ())
+
+    def run(turns):
+        cfg = BwdConfig(scale=0.125, turns=turns, interpret=True, **tuning)
+        return ffa_dkv(q, k, v, dout, lse2, delta, *plan[3:], cfg, sched)
+
+    for name, x, y in zip(("dk", "dv"), run(True), run(False)):
+        x = np.asarray(x, np.float32)
+        assert np.isfinite(x).all() and np.abs(x).max() > 0, name
+        np.testing.assert_array_equal(x, np.asarray(y, np.float32), err_msg=name)
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v, dout, lse2, delta)]
+    cfg = BwdConfig(scale=0.125, turns=True, **tuning)
+    jax.jit(lambda *a: ffa_dkv(*a, *plan[3:], cfg, sched)).trace(*shapes).lower(
+        lowering_platforms=("cuda",))
+    if not tuning:
+        with pytest.raises(ValueError, match="turns=True: the dQ kernel"):
+            ffa_dq(q, k, v, dout, lse2, delta, *plan[:3], BwdConfig(scale=0.1, turns=True))
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_lowers_for_sm90(d):
     """The backward kernels, dQ and dK/dV one program per unit and dK/dV persistent (host

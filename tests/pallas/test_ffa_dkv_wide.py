@@ -94,7 +94,7 @@ def test_race_free(capfd):
 
 
 def test_config_errors():
-    """No persistent mode, D = 256 only, and 3 ring slots do not fit (291 KiB)."""
+    """No persistent mode nor turns, D = 256 only, and 3 ring slots do not fit (291 KiB)."""
     plan = plan_for_mask(CAUSAL, "pallas")
     q = jax.ShapeDtypeStruct((1, 256, 2, WIDE_D), jnp.bfloat16)
     stat = jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)
@@ -105,6 +105,8 @@ def test_config_errors():
 
     with pytest.raises(ValueError, match="dkv_persistent=4: at D = 256"):
         trace(q, persistent=4)
+    with pytest.raises(ValueError, match="turns=True: at D = 256"):
+        trace(q, turns=True)
     with pytest.raises(ValueError, match="takes D = 256; got 128"):
         trace(jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16))
     with pytest.raises(ValueError, match=r"dkv_num_stages=3, D=256 .* lower dkv_num_stages"):

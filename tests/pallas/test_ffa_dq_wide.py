@@ -103,6 +103,8 @@ def test_config_errors():
     args = (x,) * 6 + tuple(plan[:3])
     with pytest.raises(ValueError, match="persistent=4: the dQ kernel runs one program"):
         ffa_dq_wide(*args, BwdConfig(scale=0.1, persistent=4))
+    with pytest.raises(ValueError, match="turns=True: the dQ kernels"):
+        ffa_dq_wide(*args, BwdConfig(scale=0.1, turns=True))
     with pytest.raises(ValueError, match=r"wide dQ kernel with dq_num_stages=3, D=256 .* "
                        "lower dq_num_stages"):
         jax.eval_shape(lambda *a: ffa_dq_wide(*a, *plan[:3], BwdConfig(scale=0.1,
