@@ -154,7 +154,8 @@ _TURNS = [dict(), dict(persistent=2, num_stages=3), dict(num_stages=4, steps_per
 def test_dkv_turns_equal_to_free_issue(tuning):
     """``BwdConfig.turns``: the dK/dV consumers hand an issue token back and forth; the
     products and their order are those of free issue, so dK, dV are bit for bit the same (on
-    HOLES: units without steps, GQA, two units a program), and the kernel lowers for sm90.
+    HOLES: units without steps, GQA, two units a program; also stored in two parts), and the
+    kernel lowers for sm90.
     The default takes turns exactly at D = 128 with one program per unit; dQ and the
     D = 256 kernels refuse it."""
     from magi_jax.pallas import api as P
@@ -169,14 +170,20 @@ def test_dkv_turns_equal_to_free_issue(tuning):
     sched = (persistent_schedule(WorkList(*plan[3:]), b * k.shape[2], tuning["persistent"])
              if "persistent" in tuning else ())
 
-    def run(turns):
+    def run(turns, split=0):
         cfg = BwdConfig(scale=0.125, turns=turns, interpret=True, **tuning)
-        return ffa_dkv(q, k, v, dout, lse2, delta, *plan[3:], cfg, sched)
+        return ffa_dkv(q, k, v, dout, lse2, delta, *plan[3:], cfg, sched, split=split)
 
-    for name, x, y in zip(("dk", "dv"), run(True), run(False)):
+    free = run(False)
+    for name, x, y in zip(("dk", "dv"), run(True), free):
         x = np.asarray(x, np.float32)
         assert np.isfinite(x).all() and np.abs(x).max() > 0, name
         np.testing.assert_array_equal(x, np.asarray(y, np.float32), err_msg=name)
+    if not tuning:   # context parallelism's split store, in turns
+        dk1, dv1, dk2, dv2 = run(True, split=128)
+        for name, parts, y in (("dk", (dk1, dk2), free[0]), ("dv", (dv1, dv2), free[1])):
+            np.testing.assert_array_equal(np.concatenate(parts, axis=1).astype(np.float32),
+                                          np.asarray(y, np.float32), err_msg=name)
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v, dout, lse2, delta)]
     cfg = BwdConfig(scale=0.125, turns=True, **tuning)
     jax.jit(lambda *a: ffa_dkv(*a, *plan[3:], cfg, sched)).trace(*shapes).lower(
