@@ -14,7 +14,6 @@ import numpy as np
 
 from magi_jax.pallas.common import LOG2E
 from magi_jax.pallas.ffa_bwd import DKV_SPLIT_ALIGN, BwdConfig, ffa_dkv, ffa_dq
-from magi_jax.pallas.ffa_bwd_fused import FUSED_HEAD_DIMS, ffa_dkvq
 from magi_jax.pallas.ffa_dkv_wide import ffa_dkv_wide
 from magi_jax.pallas.ffa_dq_wide import ffa_dq_wide
 from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward
@@ -79,27 +78,20 @@ def supported(q, k, v, mask=None, *, check_device: bool = True) -> tuple[bool, s
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-    """The static configuration of one call: its kernels' configs, and whether the backward
-    is the fused kernel (:func:`~magi_jax.pallas.ffa_bwd_fused.ffa_dkvq`, dQ summed by
-    float32 reduce-adds, with ``dkv`` as its config) instead of the dQ and dK/dV pair."""
+    """The static configuration of one call: its three kernels' configs."""
 
     fwd: FwdConfig
     dq: BwdConfig
     dkv: BwdConfig
-    fused_bwd: bool = False
 
     @classmethod
     def build(cls, scale: float, softcap: float, interpret: bool, *, fwd=None, dq=None,
-              dkv=None, fused_bwd: bool = False) -> _Config:
+              dkv=None) -> _Config:
         """Configs sharing ``scale``, ``softcap``, ``interpret``; ``fwd``/``dq``/``dkv``:
-        each kernel's other fields (dicts; the configs' defaults where absent). With
-        ``fused_bwd`` the dK/dV config is the fused kernel's: one program per unit, free
-        issue, one query block per wait, 2 ring slots."""
+        each kernel's other fields (dicts; the configs' defaults where absent)."""
         shared = dict(scale=float(scale), softcap=float(softcap), interpret=bool(interpret))
-        if fused_bwd:
-            dkv = dict(persistent=0, turns=False, steps_per_wait=1, num_stages=2)
         return cls(FwdConfig(**shared, **(fwd or {})), BwdConfig(**shared, **(dq or {})),
-                   BwdConfig(**shared, **(dkv or {})), bool(fused_bwd))
+                   BwdConfig(**shared, **(dkv or {})))
 
 
 def _pad_rows(x, multiple):
@@ -180,15 +172,6 @@ def _ffa_bwd(cfg, res, cts, between_dkv_dq=None, split_kv_at=0):
     pad_stat = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -tq % FWD_BLOCK_Q)))
     args = (pad_q(q), pad_k(k), pad_k(v), pad_q(dout.astype(q.dtype)), pad_stat(lse2),
             pad_stat(delta))
-    if cfg.fused_bwd:
-        dq, dk, dv = ffa_dkvq(*args, plan.k_order, plan.k_offsets, plan.k_items, cfg.dkv)
-        dq, dk, dv = dq[:, :tq], dk[:, :tk], dv[:, :tk]
-        if split_kv_at:
-            dk, dv = (dk[:, :split_kv_at], dk[:, split_kv_at:]), (dv[:, :split_kv_at],
-                                                                 dv[:, split_kv_at:])
-        if between_dkv_dq is None:
-            return dq, dk, dv, None, None
-        return dq, dk, dv, between_dkv_dq(dk, dv)
     wide = q.shape[-1] > _WIDE_HEAD_DIM
     dq_fn, dkv_fn = (ffa_dq_wide, ffa_dkv_wide) if wide else (ffa_dq, ffa_dkv)
     dq_kernel = lambda args: dq_fn(*args, plan.q_order, plan.q_offsets, plan.q_items, cfg.dq)
@@ -296,7 +279,7 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
                persistent: int | None = None,
                dkv_persistent: int | None = None, dkv_steps_per_wait: int | None = None,
                fma_exp_cols: int | None = None, schedules: tuple | None = None,
-               return_max_logits: bool = False, deterministic: bool = True):
+               return_max_logits: bool = False):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
     q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64, 128 or 256); ``plan``:
@@ -341,11 +324,7 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
     head's largest ``softmax_scale·q·k`` (before the softcap) over the allowed cells,
     ``-inf`` where a head sees none. The forward kernel writes every row's maximum beside
     its lse (with a softcap it then keeps the raw running max, whose tanh is the softmax's);
-    one reduction over the rows gives the heads'. No gradient.
-
-    ``deterministic=False`` (D = 64 or 128) runs the backward as one fused kernel
-    (:mod:`magi_jax.pallas.ffa_bwd_fused`: five matmuls per tile pair instead of seven) whose
-    dQ is summed by float32 reduce-adds, so dQ may differ between runs in its last bits."""
+    one reduction over the rows gives the heads'. No gradient."""
     if schedules is not None:
         if len(schedules) not in (0, 4):
             raise ValueError("schedules must be () or (fwd_offsets, fwd_units, dkv_offsets, "
@@ -357,9 +336,6 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
     if persistent is None:
         persistent = (_default_programs(plan, interpret)
                       if (num_stages is None or num_stages <= 2) and not wide else 0)
-    fused_bwd = not deterministic and d in FUSED_HEAD_DIMS
-    if fused_bwd:
-        dkv_persistent = 0
     if dkv_persistent is None:   # its output buffers fit beside 3 slots at D = 128, any at 64
         dkv_persistent = (_default_programs(plan, interpret, "dkv")
                           if (dkv_num_stages is None or dkv_num_stages <= 3 or d <= 64)
@@ -380,8 +356,7 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
                         dkv=dict(num_stages=int(dkv_num_stages),
                                  persistent=int(dkv_persistent),
                                  steps_per_wait=int(dkv_steps_per_wait),
-                                 turns=_dkv_turns(d, bool(dkv_persistent))),
-                        fused_bwd=fused_bwd)
+                                 turns=_dkv_turns(d, bool(dkv_persistent))))
     batched = q.ndim == 4
     sched = _schedules(plan, cfg, q.shape[0] if batched else 1, q.shape[-2], k.shape[-2])
     sched = jax.tree.map(lambda a: jnp.asarray(a, jnp.int32), sched)
