@@ -26,6 +26,8 @@ import shutil
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # kernel_bench, when run
+
 PARTS = ("forward", "dq", "dkv")
 # The CSV's per-instruction columns this report reads.
 _ADDRESS, _SOURCE, _SAMPLES, _EXECUTED = ("Address", "Source",
@@ -129,9 +131,11 @@ def report(csv_text: str, parts: list[str], meta: dict, base: str | None = None)
     return summaries
 
 
-def run_kernels(parts, mask_name, length, heads, head_dim):
+def run_kernels(parts, mask_name, length, heads, head_dim, interpret=False):
     """Compiles, then runs once, each named kernel with the backend's default tuning for one
-    program per unit (so the profiled launches are exactly these, in this order)."""
+    program per unit (so the profiled launches are exactly these, in this order), after a
+    forward that makes the backward kernels' inputs. ``interpret``: Mosaic GPU interpret
+    mode (tests)."""
     import jax
     import jax.numpy as jnp
 
@@ -154,25 +158,24 @@ def run_kernels(parts, mask_name, length, heads, head_dim):
     dkv_lists = tuple(jnp.asarray(a) for a in plan.bwd)
     scale = head_dim ** -0.5
     fwd_stages, dq_stages, dkv_stages = pallas_api._default_tuning(head_dim, False, False)
-    fcfg = FwdConfig(scale=scale, num_stages=fwd_stages,
+    fcfg = FwdConfig(scale=scale, num_stages=fwd_stages, interpret=interpret,
                      fma_exp_cols=pallas_api._fma_exp_cols(head_dim))
     out, lse = jax.jit(lambda *a: ffa_forward(*a, *fwd_lists, fcfg))(q, k, v)
     lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)
     delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
     args = (q, k, v, do, lse2, delta)
-    dkv_cfg = BwdConfig(scale=scale, num_stages=dkv_stages,
+    dkv_cfg = BwdConfig(scale=scale, num_stages=dkv_stages, interpret=interpret,
                         steps_per_wait=pallas_api._steps_per_wait(head_dim, dkv_stages, False),
                         turns=pallas_api._dkv_turns(head_dim, False))
     calls = dict(
         forward=(lambda *a: ffa_forward(*a, *fwd_lists, fcfg), (q, k, v)),
-        dq=(lambda *a: ffa_dq(*a, *fwd_lists, BwdConfig(scale=scale, num_stages=dq_stages)),
-            args),
+        dq=(lambda *a: ffa_dq(*a, *fwd_lists, BwdConfig(scale=scale, num_stages=dq_stages,
+                                                          interpret=interpret)), args),
         dkv=(lambda *a: ffa_dkv(*a, *dkv_lists, dkv_cfg), args))
     compiled = [(jax.jit(calls[p][0]).lower(*calls[p][1]).compile(), calls[p][1])
                 for p in parts]
     jax.block_until_ready((out, delta))
-    for fn, a in compiled:
-        jax.block_until_ready(fn(*a))
+    return [jax.block_until_ready(fn(*a)) for fn, a in compiled]
 
 
 def ncu_command(ncu: str, parts: list[str], argv: list[str]) -> list[str]:
@@ -214,10 +217,8 @@ def main(argv=None):
     device = jax.devices()[0].device_kind
     child_argv = [f"--parts={','.join(parts)}", f"--mask={a.mask}", f"--length={a.length}",
                   f"--heads={a.heads}", f"--head-dim={a.head_dim}"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run(ncu_command(ncu, parts, child_argv), capture_output=True, text=True,
-                         env=env, check=False)
+                         check=False)
     if res.returncode:
         sys.exit(f"ncu failed ({res.returncode}):\n{res.stderr[-4000:]}")
     stamp = datetime.datetime.now(datetime.timezone.utc)

@@ -62,3 +62,12 @@ def test_ncu_command_profiles_the_child_run():
 def test_main_rejects_unknown_parts():
     with pytest.raises(SystemExit):
         kp.main(["--parts", "dq,bogus", "--report", "x.csv"])
+
+
+def test_child_runs_each_part_once():
+    """The kernels the profiled child launches, in interpret mode at a tiny size: the
+    forward, dQ and dK/dV with the backend's default tuning, each giving its outputs."""
+    fwd, dq, dkv = kp.run_kernels(["forward", "dq", "dkv"], "causal", 256, 1, 64,
+                                  interpret=True)
+    assert fwd[0].shape == (1, 256, 1, 64) and dq.shape == (1, 256, 1, 64)
+    assert [x.shape for x in dkv] == [(1, 256, 1, 64)] * 2
