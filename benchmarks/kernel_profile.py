@@ -122,12 +122,13 @@ def report(csv_text: str, parts: list[str], meta: dict, base: str | None = None)
         raise ValueError(f"the CSV holds {len(launches)} launches; --parts names "
                          f"{len(parts)} ({','.join(parts)}): name them in launch order")
     summaries = [dict(part=p, **summarize(rows)) for p, rows in zip(parts, launches)]
+    text = markdown(summaries, meta)
     if base:
         with open(base + ".json", "w") as f:
             json.dump(dict(meta=meta, kernels=summaries), f, indent=1)
         with open(base + ".md", "w") as f:
-            f.write(markdown(summaries, meta) + "\n")
-    print(markdown(summaries, meta))
+            f.write(text + "\n")
+    print(text)
     return summaries
 
 
@@ -139,7 +140,7 @@ def run_kernels(parts, mask_name, length, heads, head_dim, interpret=False):
     import jax
     import jax.numpy as jnp
 
-    from kernel_bench import make_mask
+    from kernel_bench import case_inputs, make_mask
     from magi_jax.pallas import api as pallas_api
     from magi_jax.pallas import plan_for_mask
     from magi_jax.pallas.common import LOG2E
@@ -151,9 +152,7 @@ def run_kernels(parts, mask_name, length, heads, head_dim, interpret=False):
                          "profiles the D <= 128 ones")
     mask = make_mask(mask_name, length)
     plan = plan_for_mask(mask, "pallas")
-    keys = jax.random.split(jax.random.key(0), 4)
-    q, k, v, do = (jax.random.normal(x, (1, length, heads, head_dim), jnp.bfloat16)
-                   for x in keys)
+    q, k, v, do = case_inputs(length, 1, heads, heads, head_dim, jnp.bfloat16)
     fwd_lists = tuple(jnp.asarray(a) for a in plan.fwd)
     dkv_lists = tuple(jnp.asarray(a) for a in plan.bwd)
     scale = head_dim ** -0.5
@@ -213,14 +212,14 @@ def main(argv=None):
     ncu = shutil.which("ncu")
     if ncu is None:
         p.error("ncu (Nsight Compute) is not on the PATH; --report reads a CSV without it")
-    import jax
-    device = jax.devices()[0].device_kind
     child_argv = [f"--parts={','.join(parts)}", f"--mask={a.mask}", f"--length={a.length}",
                   f"--heads={a.heads}", f"--head-dim={a.head_dim}"]
     res = subprocess.run(ncu_command(ncu, parts, child_argv), capture_output=True, text=True,
                          check=False)
     if res.returncode:
         sys.exit(f"ncu failed ({res.returncode}):\n{res.stderr[-4000:]}")
+    import jax   # only now: a client opened before would hold GPU memory the child needs
+    device = jax.devices()[0].device_kind
     stamp = datetime.datetime.now(datetime.timezone.utc)
     meta = dict(date=stamp.isoformat(timespec="seconds"), device=device, case=case)
     os.makedirs(a.out, exist_ok=True)
