@@ -144,8 +144,8 @@ def run_kernels(parts, mask_name, length, heads, head_dim, interpret=False):
     from magi_jax.pallas import api as pallas_api
     from magi_jax.pallas import plan_for_mask
     from magi_jax.pallas.common import LOG2E
-    from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq
-    from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward
+    from magi_jax.pallas.ffa_bwd import ffa_dkv, ffa_dq
+    from magi_jax.pallas.ffa_fwd import ffa_forward
 
     if head_dim > 128:
         raise ValueError("--head-dim above 128 runs the wide backward kernels; this script "
@@ -156,21 +156,15 @@ def run_kernels(parts, mask_name, length, heads, head_dim, interpret=False):
     fwd_lists = tuple(jnp.asarray(a) for a in plan.fwd)
     dkv_lists = tuple(jnp.asarray(a) for a in plan.bwd)
     scale = head_dim ** -0.5
-    fwd_stages, dq_stages, dkv_stages = pallas_api._default_tuning(head_dim, False, False)
-    fcfg = FwdConfig(scale=scale, num_stages=fwd_stages, interpret=interpret,
-                     fma_exp_cols=pallas_api._fma_exp_cols(head_dim))
-    out, lse = jax.jit(lambda *a: ffa_forward(*a, *fwd_lists, fcfg))(q, k, v)
+    cfg = pallas_api._default_config(head_dim, scale, 0.0, interpret)
+    out, lse = jax.jit(lambda *a: ffa_forward(*a, *fwd_lists, cfg.fwd))(q, k, v)
     lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)
     delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
     args = (q, k, v, do, lse2, delta)
-    dkv_cfg = BwdConfig(scale=scale, num_stages=dkv_stages, interpret=interpret,
-                        steps_per_wait=pallas_api._steps_per_wait(head_dim, dkv_stages, False),
-                        turns=pallas_api._dkv_turns(head_dim, False))
     calls = dict(
-        forward=(lambda *a: ffa_forward(*a, *fwd_lists, fcfg), (q, k, v)),
-        dq=(lambda *a: ffa_dq(*a, *fwd_lists, BwdConfig(scale=scale, num_stages=dq_stages,
-                                                          interpret=interpret)), args),
-        dkv=(lambda *a: ffa_dkv(*a, *dkv_lists, dkv_cfg), args))
+        forward=(lambda *a: ffa_forward(*a, *fwd_lists, cfg.fwd), (q, k, v)),
+        dq=(lambda *a: ffa_dq(*a, *fwd_lists, cfg.dq), args),
+        dkv=(lambda *a: ffa_dkv(*a, *dkv_lists, cfg.dkv), args))
     compiled = [(jax.jit(calls[p][0]).lower(*calls[p][1]).compile(), calls[p][1])
                 for p in parts]
     jax.block_until_ready((out, delta))

@@ -256,6 +256,22 @@ def _dkv_turns(head_dim: int, dkv_persistent: bool) -> bool:
     return 64 < head_dim <= _WIDE_HEAD_DIM and not dkv_persistent
 
 
+def _default_config(head_dim: int, scale: float, softcap: float, interpret: bool, *,
+                    fwd_programs: int = 0, dkv_programs: int = 0,
+                    row_max: bool = False) -> _Config:
+    """Every kernel's default tuning at ``head_dim``, the forward and dK/dV kernels persistent
+    over ``fwd_programs`` / ``dkv_programs`` programs (0: one program per unit)."""
+    stages = _default_tuning(head_dim, fwd_programs > 0, dkv_programs > 0)
+    return _Config.build(scale, softcap, interpret,
+                         fwd=dict(num_stages=stages[0], persistent=fwd_programs,
+                                  row_max=row_max, fma_exp_cols=_fma_exp_cols(head_dim)),
+                         dq=dict(num_stages=stages[1]),
+                         dkv=dict(num_stages=stages[2], persistent=dkv_programs,
+                                  steps_per_wait=_steps_per_wait(head_dim, stages[2],
+                                                                 dkv_programs > 0),
+                                  turns=_dkv_turns(head_dim, dkv_programs > 0)))
+
+
 def _default_programs(plan: FFAPlanArrays, interpret: bool, kernel: str = "fwd") -> int:
     """Programs of the persistent forward (``kernel="fwd"``) or dK/dV kernel (``"dkv"``) by
     default: one per SM of the default GPU when the plan is on the host (the schedule is
@@ -374,16 +390,8 @@ def _ffa_scheduled(q, k, v, plan, schedules, scale, softcap, interpret, max_logi
         schedules = ()   # no persistent kernel at D = 256 (their output buffers do not fit)
     programs = (int(schedules[0].shape[0]) - 1, int(schedules[2].shape[0]) - 1) \
         if schedules else (0, 0)
-    d = q.shape[-1]
-    stages = _default_tuning(d, programs[0] > 0, programs[1] > 0)
-    cfg = _Config.build(scale, softcap, interpret,
-                        fwd=dict(num_stages=stages[0], persistent=programs[0],
-                                 row_max=max_logits, fma_exp_cols=_fma_exp_cols(d)),
-                        dq=dict(num_stages=stages[1]),
-                        dkv=dict(num_stages=stages[2], persistent=programs[1],
-                                 steps_per_wait=_steps_per_wait(d, stages[2],
-                                                                programs[1] > 0),
-                                 turns=_dkv_turns(d, programs[1] > 0)))
+    cfg = _default_config(q.shape[-1], scale, softcap, interpret, fwd_programs=programs[0],
+                          dkv_programs=programs[1], row_max=max_logits)
     as_i32 = lambda a: jnp.asarray(a, jnp.int32)
     sched = (_Schedules((as_i32(schedules[0]), as_i32(schedules[1])),
                         (as_i32(schedules[2]), as_i32(schedules[3])))
@@ -409,12 +417,7 @@ def ffa_pallas_backward(q, k, v, plan: FFAPlanArrays, out, lse, dout, dlse, *,
     kernel, and ends it with the token. ``split_kv_at=n`` (with the hook): the hook gets,
     and the call returns, dK and dV each as two arrays, rows ``[:n]`` and ``[n:]``; where
     ``n`` is a multiple of ``DKV_SPLIT_ALIGN`` the kernel stores them apart (no copy)."""
-    d = q.shape[-1]
-    _, dq_stages, dkv_stages = _default_tuning(d, False, False)
-    cfg = _Config.build(softmax_scale, softcap, interpret, dq=dict(num_stages=dq_stages),
-                        dkv=dict(num_stages=dkv_stages,
-                                 steps_per_wait=_steps_per_wait(d, dkv_stages, False),
-                                 turns=_dkv_turns(d, False)))
+    cfg = _default_config(q.shape[-1], softmax_scale, softcap, interpret)
     plan = FFAPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     lift = (lambda x: x) if q.ndim == 4 else (lambda x: x[None])
     unlift = (lambda x: x) if q.ndim == 4 else (lambda x: x[0])
