@@ -42,20 +42,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from gpu_trace import trace_summary  # noqa: E402
 from collective_e2e import e2e, tuning_fields  # noqa: E402
+from gpu_trace import trace_summary  # noqa: E402
+
 # The rows --profile traces (default native tuning and XLA's plain ppermute).
 _PROFILED = ("native_cast", "native_reduce", "ppermute")
-OPS = ("native_cast", "xla_cast", "ppermute", "all_to_all", "ragged_all_to_all",
-       "native_reduce", "xla_reduce")
+OPS = (
+    "native_cast",
+    "xla_cast",
+    "ppermute",
+    "all_to_all",
+    "ragged_all_to_all",
+    "native_reduce",
+    "xla_reduce",
+)
 # CudaTuning variants against the default (push, 64 send + 64 receive blocks, 256 KiB chunks,
 # one staging region): the other data path, double buffering, chunk sizes, and the split of
 # blocks between sending and receiving (a block of the kernels takes a whole SM: keep send +
 # receive <= 132 on an H200 so that every block is resident at once).
-DEFAULT_VARIANTS = ("pull,push:double_buffer=1,pull:double_buffer=1,push:chunk_kib=64,"
-                    "push:chunk_kib=1024,pull:chunk_kib=1024,push:send_blocks=32,"
-                    "push:send_blocks=96:recv_blocks=32,push:recv_blocks=32,"
-                    "pull:send_blocks=32:recv_blocks=96,pull:send_blocks=16:recv_blocks=112")
+DEFAULT_VARIANTS = (
+    "pull,push:double_buffer=1,pull:double_buffer=1,push:chunk_kib=64,"
+    "push:chunk_kib=1024,pull:chunk_kib=1024,push:send_blocks=32,"
+    "push:send_blocks=96:recv_blocks=32,push:recv_blocks=32,"
+    "pull:send_blocks=32:recv_blocks=96,pull:send_blocks=16:recv_blocks=112"
+)
 
 
 def parse_variant(spec: str) -> dict:
@@ -75,36 +85,69 @@ def _args(argv=None):
     ap.add_argument("--row-kib", type=int, default=8, help="row size (a KV token: 2·Hkv·D·2 B)")
     ap.add_argument("--ragged-max-mib", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--ops", type=int, default=0,
-                    help="ops per timed chain (0: 20 up to 4 MiB, 10 up to 64, 5 above)")
-    ap.add_argument("--e2e-rounds", type=int, default=5,
-                    help="end to end: rounds over every row, in a rotating order (median)")
-    ap.add_argument("--e2e-steps", type=int, default=8,
-                    help="end to end: fwd+bwd steps queued back to back per timing")
-    ap.add_argument("--variants", default=DEFAULT_VARIANTS,
-                    help="native CudaTuning variants timed at --variant-sizes (see above)")
-    ap.add_argument("--reduce-variants", default="pull",
-                    help="variants (of --variants syntax) also timed for native_reduce")
+    ap.add_argument(
+        "--ops",
+        type=int,
+        default=0,
+        help="ops per timed chain (0: 20 up to 4 MiB, 10 up to 64, 5 above)",
+    )
+    ap.add_argument(
+        "--e2e-rounds",
+        type=int,
+        default=5,
+        help="end to end: rounds over every row, in a rotating order (median)",
+    )
+    ap.add_argument(
+        "--e2e-steps",
+        type=int,
+        default=8,
+        help="end to end: fwd+bwd steps queued back to back per timing",
+    )
+    ap.add_argument(
+        "--variants",
+        default=DEFAULT_VARIANTS,
+        help="native CudaTuning variants timed at --variant-sizes (see above)",
+    )
+    ap.add_argument(
+        "--reduce-variants",
+        default="pull",
+        help="variants (of --variants syntax) also timed for native_reduce",
+    )
     ap.add_argument("--variant-sizes", default="1,256", help="MiB per rank")
-    ap.add_argument("--send-blocks-sweep", default="",
-                    help="extra variants push:send_blocks=N (old flag)")
+    ap.add_argument(
+        "--send-blocks-sweep", default="", help="extra variants push:send_blocks=N (old flag)"
+    )
     ap.add_argument("--no-e2e", action="store_true")
-    ap.add_argument("--skip-native", action="store_true",
-                    help="XLA rows only (a dry run of the script on CPUs)")
+    ap.add_argument(
+        "--skip-native", action="store_true", help="XLA rows only (a dry run of the script on CPUs)"
+    )
     ap.add_argument("--e2e-tokens", type=int, default=32768)
-    ap.add_argument("--e2e-backends", default="native,ppermute",
-                    help="comm_backend[:CudaTuning field=value...] of the end-to-end rows, "
-                         "e.g. native:stream=collective:send_blocks=16:recv_blocks=16")
-    ap.add_argument("--e2e-modes", default="attn,step",
-                    help="attn (dispatched q/k/v) and/or step (dispatch, attention, undispatch)")
-    ap.add_argument("--profile", action="store_true",
-                    help="also trace the end-to-end rows and the default native cast / reduce "
-                         "and ppermute at --profile-sizes (benchmarks/gpu_trace.py: kernel "
-                         "time per category, communication under compute, idle GPU time)")
+    ap.add_argument(
+        "--e2e-backends",
+        default="native,ppermute",
+        help="comm_backend[:CudaTuning field=value...] of the end-to-end rows, "
+        "e.g. native:stream=collective:send_blocks=16:recv_blocks=16",
+    )
+    ap.add_argument(
+        "--e2e-modes",
+        default="attn,step",
+        help="attn (dispatched q/k/v) and/or step (dispatch, attention, undispatch)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also trace the end-to-end rows and the default native cast / reduce "
+        "and ppermute at --profile-sizes (benchmarks/gpu_trace.py: kernel "
+        "time per category, communication under compute, idle GPU time)",
+    )
     ap.add_argument("--profile-sizes", default="1,256", help="MiB per rank")
-    ap.add_argument("--timeline-us", type=float, default=None,
-                    help="with --profile: keep the end-to-end rows' kernels of at least this "
-                         "many µs of one step, in order, with their streams")
+    ap.add_argument(
+        "--timeline-us",
+        type=float,
+        default=None,
+        help="with --profile: keep the end-to-end rows' kernels of at least this "
+        "many µs of one step, in order, with their streams",
+    )
     ap.add_argument("--budget-s", type=float, default=200.0, help="stop starting new rows after")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "collectives"))
     return ap.parse_args(argv)
@@ -116,6 +159,7 @@ def _k_for(mib: float, ops: int = 0) -> int:
 
 
 # ---- peer copy (one process, both GPUs) -----------------------------------------------------
+
 
 def peer_copy(args) -> dict:
     try:
@@ -149,30 +193,33 @@ def peer_copy(args) -> dict:
 
 # ---- 2-process worker -----------------------------------------------------------------------
 
+
 def worker(args):
-    import numpy as np
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     if args.port:
-        jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=2,
-                                   process_id=args.rank)
+        jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=2, process_id=args.rank)
     # else: one process over 2 local devices (a CPU dry run of the worker:
     # XLA_FLAGS=--xla_force_host_platform_device_count=2 ... --mode worker --no-e2e)
     from magi_jax.planning.cast_table import CastTable
     from magi_jax.sharding import native
     from magi_jax.sharding.collectives import CastArrays, CastSpec, group_cast, group_reduce
+
     t_start = time.time()
     sizes = [float(s) for s in args.sizes.split(",") if s]
     variant_sizes = {float(s) for s in args.variant_sizes.split(",") if s}
-    profile_sizes = ({float(s) for s in args.profile_sizes.split(",") if s} if args.profile
-                     else set())
+    profile_sizes = (
+        {float(s) for s in args.profile_sizes.split(",") if s} if args.profile else set()
+    )
     variants = [v for v in args.variants.split(",") if v]
     variants += [f"push:send_blocks={b}" for b in args.send_blocks_sweep.split(",") if b]
     reduce_variants = {v for v in args.reduce_variants.split(",") if v}
     for v in variants:
-        native.CudaTuning(**parse_variant(v))   # bad variants fail here, not mid-run
+        native.CudaTuning(**parse_variant(v))  # bad variants fail here, not mid-run
     failures = []
     feat = args.row_kib * 1024 // 2
     if not args.skip_native and jax.default_backend() == "gpu":
@@ -183,8 +230,9 @@ def worker(args):
         cast_bytes = 2 * int(max(sizes) * 2**20) if sizes else 0
         native.initialize(max(cast_bytes, e2e_bytes) + (16 << 20))
     mesh = jax.make_mesh((2,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
-    g = lambda a: jax.make_array_from_callback(a.shape, NamedSharding(mesh, P("cp")),
-                                               lambda i: a[i])
+    g = lambda a: jax.make_array_from_callback(
+        a.shape, NamedSharding(mesh, P("cp")), lambda i: a[i]
+    )
     me = args.rank
 
     def timed(body, per_op, k):
@@ -200,14 +248,22 @@ def worker(args):
             xs = [x[0] for x in xs]
             outs = []
             for i in range(k):
-                xi = xs[i * n:(i + 1) * n]
+                xi = xs[i * n : (i + 1) * n]
                 if outs:
                     xi, _ = jax.lax.optimization_barrier((xi, outs[-1]))
                 outs.append(body(*xi))
             # Every output is returned: none of the k operations can be dropped as dead code.
             return tuple(o[None] for o in outs)
-        f = jax.jit(jax.shard_map(prog, mesh=mesh, in_specs=(P("cp"),) * len(flat),
-                                  out_specs=(P("cp"),) * k, check_vma=False))
+
+        f = jax.jit(
+            jax.shard_map(
+                prog,
+                mesh=mesh,
+                in_specs=(P("cp"),) * len(flat),
+                out_specs=(P("cp"),) * k,
+                check_vma=False,
+            )
+        )
         r = f(*flat)
         jax.block_until_ready(r)
         best = float("inf")
@@ -230,8 +286,8 @@ def worker(args):
         def gen(i_):
             r = jax.lax.axis_index("cp")
             return pattern(r, i_, jnp.arange(t), jnp).astype(jnp.bfloat16)[None]
-        return jax.shard_map(gen, mesh=mesh, in_specs=P(), out_specs=P("cp"),
-                             check_vma=False)(i)
+
+        return jax.shard_map(gen, mesh=mesh, in_specs=P(), out_specs=P("cp"), check_vma=False)(i)
 
     def make_x(t, i):
         return _make_x(t, jnp.int32(i))
@@ -239,8 +295,15 @@ def worker(args):
     def check(outs, t):
         """Every output of the chain holds the peer's rows of its own input (sampled rows
         when large: first, last and a stride)."""
-        rows = np.arange(t) if t <= 8192 else np.unique(np.concatenate(
-            [np.arange(64), np.arange(t - 64, t), np.arange(0, t, max(1, t // 4096))]))
+        rows = (
+            np.arange(t)
+            if t <= 8192
+            else np.unique(
+                np.concatenate(
+                    [np.arange(64), np.arange(t - 64, t), np.arange(0, t, max(1, t // 4096))]
+                )
+            )
+        )
         for i, o in enumerate(outs):
             got = o.addressable_shards[0].data[0]
             got = np.asarray(got if t <= 8192 else got[jnp.asarray(rows)], np.float32)
@@ -258,8 +321,12 @@ def worker(args):
         k = _k_for(mib, args.ops)
         # Distinct bf16-exact inputs per operation of a chain, made on the device: op i of
         # rank r sends pattern(r, i); the peer must receive exactly those rows.
-        table = CastTable(np.tile(np.arange(t, dtype=np.int32), (2, 1, 1)),
-                          np.tile(np.arange(t, dtype=np.int32), (2, 1)), (1,), (t,))
+        table = CastTable(
+            np.tile(np.arange(t, dtype=np.int32), (2, 1, 1)),
+            np.tile(np.arange(t, dtype=np.int32), (2, 1)),
+            (1,),
+            (t,),
+        )
         send, recv = g(table.send_index), g(table.recv_index)
         xgs = [make_x(t, i) for i in range(k)]
         xg2 = g(np.ones((2, 2, t, feat), jnp.bfloat16))
@@ -271,34 +338,42 @@ def worker(args):
         tabled = [(x_, send, recv) for x_ in xgs]
         plain = [(x_,) for x_ in xgs]
         ops = {
-            "native_cast": (lambda x_, s_, r_: group_cast(x_, CastArrays(s_, r_), spec_n),
-                            tabled),
+            "native_cast": (lambda x_, s_, r_: group_cast(x_, CastArrays(s_, r_), spec_n), tabled),
             "xla_cast": (lambda x_, s_, r_: group_cast(x_, CastArrays(s_, r_), spec_x), tabled),
             "ppermute": (lambda x_: jax.lax.ppermute(x_, "cp", [(0, 1), (1, 0)]), plain),
             "all_to_all": (lambda x2_: jax.lax.all_to_all(x2_, "cp", 0, 0), [(xg2,)] * k),
-            "native_reduce": (lambda x_, s_, r_: group_reduce(x_, CastArrays(s_, r_), spec_n, t),
-                              tabled),
-            "xla_reduce": (lambda x_, s_, r_: group_reduce(x_, CastArrays(s_, r_), spec_x, t),
-                           tabled),
+            "native_reduce": (
+                lambda x_, s_, r_: group_reduce(x_, CastArrays(s_, r_), spec_n, t),
+                tabled,
+            ),
+            "xla_reduce": (
+                lambda x_, s_, r_: group_reduce(x_, CastArrays(s_, r_), spec_x, t),
+                tabled,
+            ),
         }
         if mib in variant_sizes and not args.skip_native:
             for spec in variants:
                 for op, fn in (("cast", group_cast), ("reduce", group_reduce)):
                     if op == "reduce" and spec not in reduce_variants:
                         continue
+
                     def body(x_, s_, r_, tv=parse_variant(spec), fn=fn, op=op):
                         with native.tuning(**tv):
                             if op == "cast":
                                 return fn(x_, CastArrays(s_, r_), spec_n)
                             return fn(x_, CastArrays(s_, r_), spec_n, t)
+
                     ops[f"native_{op}[{spec}]"] = (body, tabled)
         if mib <= args.ragged_max_mib:
+
             def ragged(x_):
                 r = jax.lax.axis_index("cp")
                 to_peer = jnp.where(jnp.arange(2) == 1 - r, t, 0).astype(jnp.int32)
                 zeros = jnp.zeros(2, jnp.int32)
-                return jax.lax.ragged_all_to_all(x_, jnp.zeros_like(x_), zeros, to_peer,
-                                                 zeros, to_peer, axis_name="cp")
+                return jax.lax.ragged_all_to_all(
+                    x_, jnp.zeros_like(x_), zeros, to_peer, zeros, to_peer, axis_name="cp"
+                )
+
             ops["ragged_all_to_all"] = (ragged, plain)
         for name in OPS + tuple(n for n in ops if "[" in n):
             if name not in ops or (args.skip_native and name.startswith("native")):
@@ -310,12 +385,12 @@ def worker(args):
             try:
                 s_, outs, run = timed(body, arrays, k)
                 row[name] = {"s": s_, "GBps": nbytes / s_ / 1e9}
-                if name != "all_to_all":   # every other op delivers the peer's rows
+                if name != "all_to_all":  # every other op delivers the peer's rows
                     row[name]["ok"] = ok = check(outs, t)
                     if not ok:
                         failures.append(f"{mib} MiB {name}")
                         print(f"rank {me}: CHECK FAILED {mib} MiB {name}", flush=True)
-                del outs      # free the chain's outputs before tracing it again
+                del outs  # free the chain's outputs before tracing it again
                 if mib in profile_sizes and name in _PROFILED:
                     tr = row[name]["trace"] = trace_summary(run, calls=3)
                     tr["ops_per_call"] = k
@@ -349,12 +424,12 @@ def worker(args):
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "_worker0.json").write_text(json.dumps(result))
     if failures:
-        print(f"rank {me}: {len(failures)} rows delivered wrong data: {failures}",
-              flush=True)
+        print(f"rank {me}: {len(failures)} rows delivered wrong data: {failures}", flush=True)
         sys.exit(3)
 
 
 # ---- launcher -------------------------------------------------------------------------------
+
 
 def _versions():
     v = {"python": platform.python_version()}
@@ -364,35 +439,74 @@ def _versions():
         except Exception:  # noqa: BLE001
             pass
     try:
-        import nvidia.nvshmem  # noqa: F401
         from importlib.metadata import version
+
+        import nvidia.nvshmem  # noqa: F401
+
         v["nvshmem"] = version("nvidia-nvshmem-cu13")
     except Exception:  # noqa: BLE001
         pass
     try:
-        v["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
-                                   "--format=csv,noheader"], capture_output=True, text=True,
-                                  timeout=30).stdout.strip().splitlines()
+        v["gpu"] = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            .stdout.strip()
+            .splitlines()
+        )
     except Exception:  # noqa: BLE001
         pass
     return v
 
 
 def launch(args):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", NVSHMEM_DISABLE_NVLS="1",
-               NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="lo", NCCL_NVLS_ENABLE="0",
-               XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        NVSHMEM_DISABLE_NVLS="1",
+        NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="lo",
+        NCCL_NVLS_ENABLE="0",
+        XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     base = [sys.executable, str(Path(__file__).resolve())]
-    passthru = ["--sizes", args.sizes, "--row-kib", str(args.row_kib), "--reps", str(args.reps),
-                "--ops", str(args.ops),
-                "--ragged-max-mib", str(args.ragged_max_mib), "--out", args.out,
-                "--budget-s", str(args.budget_s), "--e2e-tokens", str(args.e2e_tokens),
-                "--e2e-backends", args.e2e_backends, "--e2e-modes", args.e2e_modes,
-                "--e2e-rounds", str(args.e2e_rounds), "--e2e-steps", str(args.e2e_steps),
-                "--send-blocks-sweep", args.send_blocks_sweep, "--variants", args.variants,
-                "--reduce-variants", args.reduce_variants, "--variant-sizes",
-                args.variant_sizes]
+    passthru = [
+        "--sizes",
+        args.sizes,
+        "--row-kib",
+        str(args.row_kib),
+        "--reps",
+        str(args.reps),
+        "--ops",
+        str(args.ops),
+        "--ragged-max-mib",
+        str(args.ragged_max_mib),
+        "--out",
+        args.out,
+        "--budget-s",
+        str(args.budget_s),
+        "--e2e-tokens",
+        str(args.e2e_tokens),
+        "--e2e-backends",
+        args.e2e_backends,
+        "--e2e-modes",
+        args.e2e_modes,
+        "--e2e-rounds",
+        str(args.e2e_rounds),
+        "--e2e-steps",
+        str(args.e2e_steps),
+        "--send-blocks-sweep",
+        args.send_blocks_sweep,
+        "--variants",
+        args.variants,
+        "--reduce-variants",
+        args.reduce_variants,
+        "--variant-sizes",
+        args.variant_sizes,
+    ]
     if args.no_e2e:
         passthru.append("--no-e2e")
     if args.profile:
@@ -403,8 +517,9 @@ def launch(args):
         passthru.append("--skip-native")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     print("peer copy (torch) ...", flush=True)
-    pc = subprocess.run(base + ["--mode", "peer"] + passthru, env=env, capture_output=True,
-                        text=True, timeout=300)
+    pc = subprocess.run(
+        base + ["--mode", "peer"] + passthru, env=env, capture_output=True, text=True, timeout=300
+    )
     try:
         peer = json.loads(pc.stdout.strip().splitlines()[-1])
     except Exception:  # noqa: BLE001
@@ -415,11 +530,14 @@ def launch(args):
         port = s.getsockname()[1]
     procs = []
     for r in range(2):
-        procs.append(subprocess.Popen(
-            base + ["--mode", "worker", "--rank", str(r), "--port", str(port)] + passthru,
-            env=dict(env, CUDA_VISIBLE_DEVICES=str(r)),
-            stdout=None if r == 0 else open(Path(args.out) / "_worker1.log", "w"),
-            stderr=subprocess.STDOUT if r else None))
+        procs.append(
+            subprocess.Popen(
+                base + ["--mode", "worker", "--rank", str(r), "--port", str(port)] + passthru,
+                env=dict(env, CUDA_VISIBLE_DEVICES=str(r)),
+                stdout=None if r == 0 else open(Path(args.out) / "_worker1.log", "w"),
+                stderr=subprocess.STDOUT if r else None,
+            )
+        )
     for p in procs:
         try:
             p.wait(timeout=args.budget_s + 300)
@@ -427,8 +545,7 @@ def launch(args):
             p.kill()
     log1 = Path(args.out) / "_worker1.log"
     if procs[1].returncode:
-        print(f"rank 1 exited with {procs[1].returncode}:\n" + log1.read_text()[-4000:],
-              flush=True)
+        print(f"rank 1 exited with {procs[1].returncode}:\n" + log1.read_text()[-4000:], flush=True)
     log1.unlink(missing_ok=True)
     res_path = Path(args.out) / "_worker0.json"
     result = json.loads(res_path.read_text()) if res_path.exists() else {"error": "no result"}
@@ -439,9 +556,13 @@ def launch(args):
     stamp = datetime.datetime.now(datetime.timezone.utc)
     versions = _versions()
     dev = (versions.get("gpu") or ["unknown"])[0].split(",")[0].replace(" ", "_")
-    meta = {"date": stamp.isoformat(timespec="seconds"), "device": versions.get("gpu"),
-            "versions": versions, "row_bytes": args.row_kib * 1024,
-            "method": __doc__.split("\n\n")[1] if "\n\n" in __doc__ else ""}
+    meta = {
+        "date": stamp.isoformat(timespec="seconds"),
+        "device": versions.get("gpu"),
+        "versions": versions,
+        "row_bytes": args.row_kib * 1024,
+        "method": __doc__.split("\n\n")[1] if "\n\n" in __doc__ else "",
+    }
     out = {"meta": meta, **result}
     name = f"collective_{stamp:%Y%m%d_%H%M}_{dev}"
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -452,11 +573,24 @@ def launch(args):
 
 def markdown(res) -> str:
     m = res["meta"]
-    lines = [f"# Collective benchmark {m['date']}", "", f"Device: {m['device']}; "
-             f"versions: {m['versions']}; rows of {m['row_bytes']} B (bf16).", "",
-             "GB/s = bytes sent per rank / time per op (best of reps, ops back to back).", ""]
-    cols = ["native_cast", "native_reduce", "xla_cast", "xla_reduce", "ppermute", "all_to_all",
-            "ragged_all_to_all", "peer_copy"]
+    lines = [
+        f"# Collective benchmark {m['date']}",
+        "",
+        f"Device: {m['device']}; versions: {m['versions']}; rows of {m['row_bytes']} B (bf16).",
+        "",
+        "GB/s = bytes sent per rank / time per op (best of reps, ops back to back).",
+        "",
+    ]
+    cols = [
+        "native_cast",
+        "native_reduce",
+        "xla_cast",
+        "xla_reduce",
+        "ppermute",
+        "all_to_all",
+        "ragged_all_to_all",
+        "peer_copy",
+    ]
     lines.append("| MiB/rank | " + " | ".join(cols) + " | native cast µs | outputs ok |")
     lines.append("|---" * (len(cols) + 3) + "|")
     for mib, row in res.get("sizes", {}).items():
@@ -466,63 +600,130 @@ def markdown(res) -> str:
             cells.append("" if v is None else (f"{v['GBps']:.1f}" if "GBps" in v else "error"))
         us = row.get("native_cast", {}).get("s")
         oks = [v.get("ok") for v in row.values() if isinstance(v, dict) and "ok" in v]
-        lines.append(f"| {float(mib):g} | " + " | ".join(cells) +
-                     (f" | {us * 1e6:.1f} |" if us else " | |") +
-                     (" all |" if oks and all(oks) else (" **NO** |" if oks else " |")))
-    var = [(mib, n, v) for mib, row in res.get("sizes", {}).items() for n, v in row.items()
-           if n.startswith("native") and isinstance(v, dict)]
+        lines.append(
+            f"| {float(mib):g} | "
+            + " | ".join(cells)
+            + (f" | {us * 1e6:.1f} |" if us else " | |")
+            + (" all |" if oks and all(oks) else (" **NO** |" if oks else " |"))
+        )
+    var = [
+        (mib, n, v)
+        for mib, row in res.get("sizes", {}).items()
+        for n, v in row.items()
+        if n.startswith("native") and isinstance(v, dict)
+    ]
     if var:
-        lines += ["", "Native transport, CudaTuning variants (unmarked rows: "
-                  f"{res.get('native_default')}):", "",
-                  "| MiB/rank | row | GB/s | µs per op | ok |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Native transport, CudaTuning variants (unmarked rows: {res.get('native_default')}):",
+            "",
+            "| MiB/rank | row | GB/s | µs per op | ok |",
+            "|---|---|---|---|---|",
+        ]
         for mib, n, v in var:
-            lines.append(f"| {float(mib):g} | {n} | " +
-                         (f"{v['GBps']:.1f} | {v['s'] * 1e6:.1f} | {v.get('ok')} |"
-                          if "s" in v else f"{v.get('error', '')[:100]} | | |"))
-    traced = [(f"{float(mib):g} MiB {n}", v["trace"]) for mib, row in res.get("sizes", {}).items()
-              for n, v in row.items() if isinstance(v, dict) and "trace" in v]
-    traced += [(f"e2e {n}", v["trace"]) for n, v in res.get("e2e", {}).items()
-               if isinstance(v, dict) and "trace" in v]
+            lines.append(
+                f"| {float(mib):g} | {n} | "
+                + (
+                    f"{v['GBps']:.1f} | {v['s'] * 1e6:.1f} | {v.get('ok')} |"
+                    if "s" in v
+                    else f"{v.get('error', '')[:100]} | | |"
+                )
+            )
+    traced = [
+        (f"{float(mib):g} MiB {n}", v["trace"])
+        for mib, row in res.get("sizes", {}).items()
+        for n, v in row.items()
+        if isinstance(v, dict) and "trace" in v
+    ]
+    traced += [
+        (f"e2e {n}", v["trace"])
+        for n, v in res.get("e2e", {}).items()
+        if isinstance(v, dict) and "trace" in v
+    ]
     if traced:
-        lines += ["", "GPU traces (`benchmarks/gpu_trace.py`), µs per call of the timed program "
-                  "(a chain of ops, or one fwd+bwd step): GPU time from its first kernel to its "
-                  "last, busy time per kernel category, communication running under compute, "
-                  "idle GPU inside the call:",
-                  "", "| row | GPU time (median) | compute | native | nccl | comm under compute "
-                  "| idle inside |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "GPU traces (`benchmarks/gpu_trace.py`), µs per call of the timed program "
+            "(a chain of ops, or one fwd+bwd step): GPU time from its first kernel to its "
+            "last, busy time per kernel category, communication running under compute, "
+            "idle GPU inside the call:",
+            "",
+            "| row | GPU time (median) | compute | native | nccl | comm under compute "
+            "| idle inside |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for label, t in traced:
             b = t.get("busy_us", {})
-            lines.append(f"| {label} | " + (" | ".join(
-                str(x) for x in (t["gpu_us"], b.get("compute", 0), b.get("native", 0),
-                                 b.get("nccl", 0), t["comm_under_compute_us"], t["idle_us"]))
-                if "gpu_us" in t else t.get("error", "")) + " |")
-        gpu = [(mib, n, v) for mib, row in res.get("sizes", {}).items() for n, v in row.items()
-               if isinstance(v, dict) and "gpu_s" in v]
+            lines.append(
+                f"| {label} | "
+                + (
+                    " | ".join(
+                        str(x)
+                        for x in (
+                            t["gpu_us"],
+                            b.get("compute", 0),
+                            b.get("native", 0),
+                            b.get("nccl", 0),
+                            t["comm_under_compute_us"],
+                            t["idle_us"],
+                        )
+                    )
+                    if "gpu_us" in t
+                    else t.get("error", "")
+                )
+                + " |"
+            )
+        gpu = [
+            (mib, n, v)
+            for mib, row in res.get("sizes", {}).items()
+            for n, v in row.items()
+            if isinstance(v, dict) and "gpu_s" in v
+        ]
         if gpu:
-            lines += ["", "The same chains by GPU time per op (the peer copy is timed so too, "
-                      "with CUDA events): the call's span / ops; steady, from the end of the "
-                      "first op to the end of the last / (ops - 1); one op's median kernel "
-                      "time:", "",
-                      "| MiB/rank | row | span µs/op | GB/s | steady µs/op | GB/s | kernel µs "
-                      "| GB/s |", "|---|---|---|---|---|---|---|---|"]
-            lines += [f"| {float(mib):g} | {n} | {v['gpu_s'] * 1e6:.1f} | {v['GBps_gpu']:.1f} | "
-                      + (f"{v['steady_s'] * 1e6:.1f} | {v['GBps_steady']:.1f} | "
-                         f"{v['kernel_s'] * 1e6:.1f} | {v['GBps_kernel']:.1f} |"
-                         if "kernel_s" in v else " | | | |") for mib, n, v in gpu]
+            lines += [
+                "",
+                "The same chains by GPU time per op (the peer copy is timed so too, "
+                "with CUDA events): the call's span / ops; steady, from the end of the "
+                "first op to the end of the last / (ops - 1); one op's median kernel "
+                "time:",
+                "",
+                "| MiB/rank | row | span µs/op | GB/s | steady µs/op | GB/s | kernel µs | GB/s |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
+            lines += [
+                f"| {float(mib):g} | {n} | {v['gpu_s'] * 1e6:.1f} | {v['GBps_gpu']:.1f} | "
+                + (
+                    f"{v['steady_s'] * 1e6:.1f} | {v['GBps_steady']:.1f} | "
+                    f"{v['kernel_s'] * 1e6:.1f} | {v['GBps_kernel']:.1f} |"
+                    if "kernel_s" in v
+                    else " | | | |"
+                )
+                for mib, n, v in gpu
+            ]
     if res.get("check_failures"):
         lines += ["", f"**Wrong data delivered:** {res['check_failures']}"]
     if "e2e" in res:
         e = res["e2e"]
-        lines += ["", f"magi_attention fwd+bwd, {e.get('mask')}, {e.get('tokens')} tokens, "
-                  f"H {e.get('heads')}, D {e.get('head_dim')}, 2 GPUs (per step: median over "
-                  "rounds of back-to-back steps, best round in brackets):", "",
-                  "| FFA / transport / what | ms | TFLOP/s per GPU |", "|---|---|---|"]
+        lines += [
+            "",
+            f"magi_attention fwd+bwd, {e.get('mask')}, {e.get('tokens')} tokens, "
+            f"H {e.get('heads')}, D {e.get('head_dim')}, 2 GPUs (per step: median over "
+            "rounds of back-to-back steps, best round in brackets):",
+            "",
+            "| FFA / transport / what | ms | TFLOP/s per GPU |",
+            "|---|---|---|",
+        ]
         for k, v in e.items():
             if isinstance(v, dict):
                 best = f" ({v['best_s'] * 1e3:.2f})" if "best_s" in v else ""
-                lines.append(f"| {k} | " + (f"{v['s'] * 1e3:.2f}{best} | "
-                                            f"{v['TFLOPs_per_gpu']:.1f} |"
-                                            if "s" in v else f"{v['error'][:120]} | |"))
+                lines.append(
+                    f"| {k} | "
+                    + (
+                        f"{v['s'] * 1e3:.2f}{best} | {v['TFLOPs_per_gpu']:.1f} |"
+                        if "s" in v
+                        else f"{v['error'][:120]} | |"
+                    )
+                )
     return "\n".join(lines) + "\n"
 
 

@@ -15,8 +15,13 @@ def tuning_fields(fields) -> dict:
     out = {}
     for f in fields:
         k, v = f.split("=")
-        out[k] = (v if k == "mode" or not v.isdigit() else
-                  bool(int(v)) if k in ("double_buffer", "started_reduce") else int(v))
+        out[k] = (
+            v
+            if k == "mode" or not v.isdigit()
+            else bool(int(v))
+            if k in ("double_buffer", "started_reduce")
+            else int(v)
+        )
     return out
 
 
@@ -33,31 +38,37 @@ def e2e(args, mesh, me):
     ``--e2e-steps`` steps back to back and waits once, as a training loop runs (the two
     processes then move in lockstep, and one process starting late costs a step only
     once per visit). Per row: the median over rounds of the time per step."""
-    import numpy as np
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    from magi_jax.sharding import native
-    from magi_jax.mask import AttnMask
-    from magi_jax.sharding import dispatch, magi_attention, make_flex_key, undispatch
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
+    from magi_jax.mask import AttnMask
     from magi_jax.mask_zoo import scaled_doc_lengths
+    from magi_jax.sharding import dispatch, magi_attention, make_flex_key, native, undispatch
+
     total = args.e2e_tokens
-    lens = scaled_doc_lengths(total)          # the benchmark documents (mask_zoo.DOC_LENGTHS)
+    lens = scaled_doc_lengths(total)  # the benchmark documents (mask_zoo.DOC_LENGTHS)
     mask = AttnMask.varlen(np.cumsum([0] + lens), causal=True)
     H, D = 16, 128
     rep = NamedSharding(mesh, P())
     rng = np.random.default_rng(0)
-    q, k, v = (jax.make_array_from_callback(
-        (total, H, D), rep, lambda i, a=rng.standard_normal((total, H, D)).astype(np.float32):
-        a[i]).astype(jnp.bfloat16) for _ in range(3))
+    q, k, v = (
+        jax.make_array_from_callback(
+            (total, H, D),
+            rep,
+            lambda i, a=rng.standard_normal((total, H, D)).astype(np.float32): a[i],
+        ).astype(jnp.bfloat16)
+        for _ in range(3)
+    )
     out = {"tokens": total, "heads": H, "head_dim": D, "mask": "doc_causal (PERF docs)"}
     flops = 4 * mask.area * H * D * 3.5
     backends = [b for b in args.e2e_backends.split(",") if b]
-    rows = []                # (name, step, overlap degree), compiled and warmed up
+    rows = []  # (name, step, overlap degree), compiled and warmed up
     for ffa in ("pallas", "xla"):
         if ffa == "xla" and any(n.startswith("pallas") for n, _, _ in rows):
-            break   # the portable FFA only when the Mosaic GPU one did not run
+            break  # the portable FFA only when the Mosaic GPU one did not run
         for spec in backends:
             comm, *fields = spec.split(":")
             tv = tuning_fields(fields)
@@ -74,8 +85,9 @@ def e2e(args, mesh, me):
                 return magi_attention(q_, k_, v_, key_)[0].astype(jnp.float32).sum()
 
             def step(q_, k_, v_, key_):
-                o, _ = magi_attention(dispatch(q_, key_), dispatch(k_, key_),
-                                      dispatch(v_, key_), key_)
+                o, _ = magi_attention(
+                    dispatch(q_, key_), dispatch(k_, key_), dispatch(v_, key_), key_
+                )
                 return undispatch(o, key_).astype(jnp.float32).sum()
 
             for what, loss, xs in (("attn", attn, (qd, kd, vd)), ("step", step, (q, k, v))):
@@ -84,16 +96,16 @@ def e2e(args, mesh, me):
                 name = f"{ffa}/{spec}/{what}"
                 # A backend listed twice (e.g. native,ppermute,native,ppermute: both orders
                 # in one process) gets a second row.
-                seen = sum(o == name or o.startswith(name + " #")
-                           for o in [*out, *(n for n, _, _ in rows)])
+                seen = sum(
+                    o == name or o.startswith(name + " #") for o in [*out, *(n for n, _, _ in rows)]
+                )
                 name += f" #{seen + 1}" if seen else ""
                 try:
                     # Compiled ahead of time, each row traced anew: jit's caches do not key
                     # on the native tuning, and a compiled row keeps its executable.
                     jax.clear_caches()
                     with native.tuning(**tv):
-                        f = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
-                            *xs, key).compile()
+                        f = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*xs, key).compile()
                     jax.block_until_ready(f(*xs, key))
                     rows.append((name, functools.partial(f, *xs, key), key.overlap_degree))
                 except Exception as e:  # noqa: BLE001
@@ -102,14 +114,19 @@ def e2e(args, mesh, me):
                         print(f"e2e {name}: {out[name]}", flush=True)
     times = {name: [] for name, _, _ in rows}
     for r in range(args.e2e_rounds):
-        for name, fn, _ in rows[r % len(rows):] + rows[:r % len(rows)]:
+        for name, fn, _ in rows[r % len(rows) :] + rows[: r % len(rows)]:
             t = time.perf_counter()
             jax.block_until_ready([fn() for _ in range(args.e2e_steps)])
             times[name].append((time.perf_counter() - t) / args.e2e_steps)
     for name, fn, degree in rows:
         med = float(np.median(times[name]))
-        out[name] = {"s": med, "best_s": min(times[name]), "rounds_s": times[name],
-                     "TFLOPs_per_gpu": flops / med / 2 / 1e12, "overlap_degree": degree}
+        out[name] = {
+            "s": med,
+            "best_s": min(times[name]),
+            "rounds_s": times[name],
+            "TFLOPs_per_gpu": flops / med / 2 / 1e12,
+            "overlap_degree": degree,
+        }
         if args.profile:
             out[name]["trace"] = trace_summary(fn, timeline_min_us=args.timeline_us)
         if me == 0:

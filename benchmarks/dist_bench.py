@@ -65,39 +65,72 @@ _SMOKE_DEVICES = 8
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny sizes on CPU host devices (sets the device count itself)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes on CPU host devices (sets the device count itself)",
+    )
     p.add_argument("--masks", default="causal,doc_causal,shared_question,block_causal")
     p.add_argument("--lengths", default=None, help="tokens, e.g. 131072,262144")
     p.add_argument("--heads", default=None, help="Hq:Hkv pairs, e.g. 16:16,64:8")
     p.add_argument("--head-dim", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--modes", default="fwd+bwd,fwd")
-    p.add_argument("--impls", default="single,magi,ring,allgather,ulysses,magi_nocomm",
-                   help="magi_nocomm: magi's stages and merge with every remote KV buffer "
-                   "filled locally (no communication) — splits magi's gap to single into "
-                   "stage/merge overhead and exposed communication")
-    p.add_argument("--cp", type=int, default=None,
-                   help="ranks (default: every device; --smoke makes 8 CPU devices)")
-    p.add_argument("--backend", default="auto", choices=("auto", "xla", "pallas"),
-                   help="per-rank FFA of every strategy (auto: pallas on sm90)")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="start no measurement expected to end after this many seconds from "
-                   "the script's start (default 285; smoke: unlimited)")
-    p.add_argument("--overlap-degree", type=int, default=None,
-                   help="magi's overlap degree (default: the key's cost model)")
-    p.add_argument("--magi-ffa-fallback", action="store_true",
-                   help="run magi on the xla FFA when magi_attention has no per-rank FFA of "
-                   "the baselines' backend (slow on GPU; by default such rows are skipped)")
-    p.add_argument("--min-time-s", type=float, default=None,
-                   help="time each measurement over at least this long (default 0.3; >= 2 "
-                   "calls; smoke: one call)")
+    p.add_argument(
+        "--impls",
+        default="single,magi,ring,allgather,ulysses,magi_nocomm",
+        help="magi_nocomm: magi's stages and merge with every remote KV buffer "
+        "filled locally (no communication) — splits magi's gap to single into "
+        "stage/merge overhead and exposed communication",
+    )
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=None,
+        help="ranks (default: every device; --smoke makes 8 CPU devices)",
+    )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "xla", "pallas"),
+        help="per-rank FFA of every strategy (auto: pallas on sm90)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no measurement expected to end after this many seconds from "
+        "the script's start (default 285; smoke: unlimited)",
+    )
+    p.add_argument(
+        "--overlap-degree",
+        type=int,
+        default=None,
+        help="magi's overlap degree (default: the key's cost model)",
+    )
+    p.add_argument(
+        "--magi-ffa-fallback",
+        action="store_true",
+        help="run magi on the xla FFA when magi_attention has no per-rank FFA of "
+        "the baselines' backend (slow on GPU; by default such rows are skipped)",
+    )
+    p.add_argument(
+        "--min-time-s",
+        type=float,
+        default=None,
+        help="time each measurement over at least this long (default 0.3; >= 2 "
+        "calls; smoke: one call)",
+    )
     p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results", "cp"))
     p.add_argument("--tag", default="")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--resume", default=None, metavar="JSON",
-                   help="a previous dist_*.json: cases it measured completely (every impl "
-                   "asked for) are carried over, not re-run; chain runs to fill the matrix")
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="JSON",
+        help="a previous dist_*.json: cases it measured completely (every impl "
+        "asked for) are carried over, not re-run; chain runs to fill the matrix",
+    )
     a = p.parse_args(argv)
     a.lengths = a.lengths or ("2048" if a.smoke else "131072,262144")
     a.heads = a.heads or ("8:2" if a.smoke else "16:16,64:8")
@@ -117,7 +150,8 @@ if ARGS is not None and ARGS.smoke:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import magi_jax  # noqa: E402
 from benchmarks.baselines.allgather import allgather_attention, make_allgather_plan  # noqa: E402
@@ -125,13 +159,13 @@ from benchmarks.baselines.common import LocalFFA, make_layout, pick_backend  # n
 from benchmarks.baselines.ring import make_ring_plan, ring_attention  # noqa: E402
 from benchmarks.baselines.ulysses import make_ulysses_plan, ulysses_attention  # noqa: E402
 from benchmarks.kernel_bench import make_mask  # noqa: E402
+from benchmarks.probe import nocomm_attention  # noqa: E402
+from magi_jax.planning.stages import build_dist_plan  # noqa: E402
 from magi_jax.sharding import key as key_mod  # noqa: E402
 from magi_jax.sharding import magi_attention, make_flex_key  # noqa: E402
-from magi_jax.planning.stages import build_dist_plan  # noqa: E402
-from benchmarks.probe import nocomm_attention  # noqa: E402
 
 IMPLS = ("single", "magi", "ring", "allgather", "ulysses", "magi_nocomm")
-FWD_BWD = 3.5                      # fwd+bwd FLOPs = 3.5 x forward (every benchmark here)
+FWD_BWD = 3.5  # fwd+bwd FLOPs = 3.5 x forward (every benchmark here)
 # Guess of a call's speed and of a measurement's fixed cost (planning, compile, warm-up), for
 # the budget only. The first 2 x H200 run measured 5-10 s per measurement (compile 3-8 s);
 # the fixed cost is then learnt from the run itself.
@@ -140,16 +174,24 @@ _EST_OVERHEAD_S = 12.0
 
 
 def versions():
-    v = dict(jax=jax.__version__, python=platform.python_version(),
-             magi_jax=getattr(magi_jax, "__version__", "?"))
+    v = dict(
+        jax=jax.__version__,
+        python=platform.python_version(),
+        magi_jax=getattr(magi_jax, "__version__", "?"),
+    )
     try:
         import jaxlib
+
         v["jaxlib"] = jaxlib.__version__
     except ImportError:
         pass
     try:
-        v["git"] = subprocess.run(["git", "-C", _ROOT, "rev-parse", "--short", "HEAD"],
-                                  capture_output=True, text=True, timeout=5).stdout.strip()
+        v["git"] = subprocess.run(
+            ["git", "-C", _ROOT, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
     except Exception:
         pass
     return v
@@ -196,22 +238,28 @@ def bench_call(fn, args, min_time_s, min_calls=2, warmup=True):
 def random_qkv(n, hq, hkv, d, dtype, sharding, seed=0):
     """Random q, k, v, dout ``[n, H, D]`` made directly with ``sharding`` (i.i.d. data: the
     dispatched layout of random tokens is random tokens)."""
+
     def make():
         ks = jax.random.split(jax.random.key(seed), 4)
         shp = lambda h: (n, h, d)
-        return tuple(jax.random.normal(kk, shp(h), jnp.float32).astype(dtype)
-                     for kk, h in zip(ks, (hq, hkv, hkv, hq)))
+        return tuple(
+            jax.random.normal(kk, shp(h), jnp.float32).astype(dtype)
+            for kk, h in zip(ks, (hq, hkv, hkv, hq))
+        )
+
     return jax.jit(make, out_shardings=(sharding,) * 4)()
 
 
 def _fwd_and_fb(attn):
     """Jitted forward (``attn(q, k, v, plan) -> (out, lse)``) and forward+backward."""
+
     def fwd(q, k, v, plan):
         return attn(q, k, v, plan)[0]
 
     def fb(q, k, v, do, plan):
         _, vjp = jax.vjp(lambda a, b, c: attn(a, b, c, plan)[0], q, k, v)
         return vjp(do)
+
     return jax.jit(fwd), jax.jit(fb)
 
 
@@ -230,9 +278,12 @@ class Setup:
                 self.fns = _fwd_and_fb(lambda q, k, v, kk: attn(q, k, v, kk))
                 self.plan, self.n = key, key.padded_total
                 self.areas = meta.rank_area()
-                self.info.update(overlap_degree=key.overlap_degree, ffa=magi_ffa,
-                                 kv_recv=int(key.plan.remote_tokens.max()),
-                                 chunk_size=meta.chunk_size)
+                self.info.update(
+                    overlap_degree=key.overlap_degree,
+                    ffa=magi_ffa,
+                    kv_recv=int(key.plan.remote_tokens.max()),
+                    chunk_size=meta.chunk_size,
+                )
                 return
             # The heaviest magi rank's own work on one GPU: its queries against its local KV
             # followed by every remote KV it fetches (one FFA call, no communication).
@@ -245,15 +296,18 @@ class Setup:
 
             def attn(q, k, v, pl):
                 return ffa.forward(q, k, v, pl, scale=q.shape[-1] ** -0.5, softcap=0.0)
+
             self.fns = _fwd_and_fb(attn)
             self.n, self.nk = tl, tk
             self.areas = np.array([int(st.area[r])])
             self.info.update(rank=r, kv_len=tk)
             return
         layout = make_layout(mask, mesh, "cp")
-        make, attn = {"ring": (make_ring_plan, ring_attention),
-                      "allgather": (make_allgather_plan, allgather_attention),
-                      "ulysses": (make_ulysses_plan, ulysses_attention)}[impl]
+        make, attn = {
+            "ring": (make_ring_plan, ring_attention),
+            "allgather": (make_allgather_plan, allgather_attention),
+            "ulysses": (make_ulysses_plan, ulysses_attention),
+        }[impl]
         self.plan = make(layout, ffa)
         self.fns = _fwd_and_fb(attn)
         self.n = layout.padded_total
@@ -278,29 +332,42 @@ def run(a):
     cp = a.cp or len(devices)
     if cp > len(devices):
         raise SystemExit(f"--cp {cp} needs {cp} devices; this host has {len(devices)}")
-    mesh = jax.make_mesh((cp,), ("cp",), devices=devices[:cp],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+        (cp,), ("cp",), devices=devices[:cp], axis_types=(jax.sharding.AxisType.Auto,)
+    )
     dtype = jnp.dtype(a.dtype)
     backend, why = pick_backend(a.backend, dtype, a.head_dim)
     ffa = LocalFFA(backend)
     magi_ffa = backend if backend in key_mod.FFA_BACKENDS else "xla"
     dev = devices[0]
     stamp = datetime.datetime.now(datetime.timezone.utc)
-    meta = dict(date=stamp.isoformat(timespec="seconds"),
-                device=getattr(dev, "device_kind", str(dev)), platform=dev.platform,
-                num_devices=cp, versions=versions(), head_dim=a.head_dim, dtype=dtype.name,
-                ffa_backend=backend, ffa_backend_reason=why, magi_ffa_backend=magi_ffa,
-                flops="per-GPU TFLOP/s = 4*area*Hq*D (x3.5 fwd+bwd) / cp / max-rank time; "
-                      "single: the heaviest magi rank's area on one GPU",
-                smoke=a.smoke, argv=sys.argv[1:])
+    meta = dict(
+        date=stamp.isoformat(timespec="seconds"),
+        device=getattr(dev, "device_kind", str(dev)),
+        platform=dev.platform,
+        num_devices=cp,
+        versions=versions(),
+        head_dim=a.head_dim,
+        dtype=dtype.name,
+        ffa_backend=backend,
+        ffa_backend_reason=why,
+        magi_ffa_backend=magi_ffa,
+        flops="per-GPU TFLOP/s = 4*area*Hq*D (x3.5 fwd+bwd) / cp / max-rank time; "
+        "single: the heaviest magi rank's area on one GPU",
+        smoke=a.smoke,
+        argv=sys.argv[1:],
+    )
     if magi_ffa != backend:
-        meta["note"] = (f"magi_attention has no {backend!r} per-rank FFA yet "
-                        f"(ffa_backends {key_mod.FFA_BACKENDS}); it runs on {magi_ffa!r} "
-                        f"while the baselines run on {backend!r}: not a like-for-like row")
+        meta["note"] = (
+            f"magi_attention has no {backend!r} per-rank FFA yet "
+            f"(ffa_backends {key_mod.FFA_BACKENDS}); it runs on {magi_ffa!r} "
+            f"while the baselines run on {backend!r}: not a like-for-like row"
+        )
     os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(a.out, f"dist_{stamp.strftime('%Y%m%d_%H%M')}_"
-                        f"{meta['device'].replace(' ', '_')}{a.tag}")
-    if os.path.exists(base + ".json"):        # a run in the same minute: keep both
+    base = os.path.join(
+        a.out, f"dist_{stamp.strftime('%Y%m%d_%H%M')}_{meta['device'].replace(' ', '_')}{a.tag}"
+    )
+    if os.path.exists(base + ".json"):  # a run in the same minute: keep both
         base += stamp.strftime("_%S")
     work = work_list(a)
     rows = []
@@ -309,9 +376,10 @@ def run(a):
         rows += carried
         meta["resumed_from"] = dict(file=os.path.basename(a.resume), rows=len(carried))
     it = work
-    if sys.stderr.isatty():            # a progress bar on a terminal, plain lines in a log
+    if sys.stderr.isatty():  # a progress bar on a terminal, plain lines in a log
         try:
             from tqdm import tqdm
+
             it = tqdm(work, file=sys.stderr, dynamic_ncols=True)
         except ImportError:
             pass
@@ -322,26 +390,42 @@ def run(a):
         if hasattr(it, "set_description"):
             it.set_description(label)
         mask = make_mask(name, total)
-        row = dict(mask=name, length=total, heads=hq, kv_heads=hkv, mode=mode, impl=impl,
-                   area=int(mask.area))
+        row = dict(
+            mask=name,
+            length=total,
+            heads=hq,
+            kv_heads=hkv,
+            mode=mode,
+            impl=impl,
+            area=int(mask.area),
+        )
         mult = FWD_BWD if mode == "fwd+bwd" else 1.0
         flops = 4.0 * mask.area * hq * a.head_dim * mult
         est = overhead * (not a.smoke) + 4 * flops / cp / _EST_TFLOPS
         elapsed = time.perf_counter() - _T_START
         if impl.startswith("magi") and magi_ffa != backend and not a.magi_ffa_fallback:
-            rows.append(dict(row, skipped=f"magi_attention has no {backend} per-rank FFA "
-                             "yet (--magi-ffa-fallback runs it on xla)"))
+            rows.append(
+                dict(
+                    row,
+                    skipped=f"magi_attention has no {backend} per-rank FFA "
+                    "yet (--magi-ffa-fallback runs it on xla)",
+                )
+            )
             continue
         if elapsed + est > a.budget_s:
-            rows.append(dict(row, skipped=f"time budget: {elapsed:.0f}s spent, ~{est:.0f}s "
-                                          f"more expected, budget {a.budget_s:.0f}s"))
+            rows.append(
+                dict(
+                    row,
+                    skipped=f"time budget: {elapsed:.0f}s spent, ~{est:.0f}s "
+                    f"more expected, budget {a.budget_s:.0f}s",
+                )
+            )
             continue
         t_meas = time.perf_counter()
         try:
             skey = (name, total, hq, hkv, impl)
             if skey not in setups:
-                setups[skey] = Setup(impl, mask, mesh, cp, ffa, magi_ffa, hq, hkv,
-                                     a.overlap_degree)
+                setups[skey] = Setup(impl, mask, mesh, cp, ffa, magi_ffa, hq, hkv, a.overlap_degree)
             s = setups[skey]
             ikey = (impl == "single", s.n, getattr(s, "nk", s.n), hq, hkv)
             if ikey not in inputs:
@@ -360,8 +444,9 @@ def run(a):
             t0 = time.perf_counter()
             compiled = fn.lower(*args).compile()
             compile_s = time.perf_counter() - t0
-            t, calls = bench_call(compiled, args, a.min_time_s, 1 if a.smoke else 2,
-                                  warmup=not a.smoke)
+            t, calls = bench_call(
+                compiled, args, a.min_time_s, 1 if a.smoke else 2, warmup=not a.smoke
+            )
             if impl == "single":
                 f_rank = 4.0 * float(s.areas[0]) * hq * a.head_dim * mult
                 tflops = f_rank / t / 1e12
@@ -370,8 +455,14 @@ def run(a):
             # Fixed cost of this measurement beyond its timed calls, learnt (with margin).
             spent = time.perf_counter() - t_meas
             overhead = max(0.8 * overhead, 1.3 * (spent - calls * t))
-            row.update(ms=t * 1e3, tflops_per_gpu=tflops, compile_s=compile_s,
-                       imbalance=s.imbalance, max_rank_area=int(np.max(s.areas)), **s.info)
+            row.update(
+                ms=t * 1e3,
+                tflops_per_gpu=tflops,
+                compile_s=compile_s,
+                imbalance=s.imbalance,
+                max_rank_area=int(np.max(s.areas)),
+                **s.info,
+            )
         except Exception as e:  # keep the sweep going; record the failure
             traceback.print_exc()
             row["error"] = repr(e)[:400]
@@ -379,10 +470,17 @@ def run(a):
         _derive(rows)
         _write(base, meta, rows, plot=False)
         if not hasattr(it, "set_description"):
-            res = (f"{row['ms']:.2f} ms, {row['tflops_per_gpu']:.4g} TFLOP/s/GPU, compile "
-                   f"{row['compile_s']:.0f}s" if "ms" in row else f"ERROR {row['error']}")
-            print(f"[{n_done + 1}/{len(work)} {time.perf_counter() - _T_START:.0f}s] {label}: "
-                  f"{res}", file=sys.stderr, flush=True)
+            res = (
+                f"{row['ms']:.2f} ms, {row['tflops_per_gpu']:.4g} TFLOP/s/GPU, compile "
+                f"{row['compile_s']:.0f}s"
+                if "ms" in row
+                else f"ERROR {row['error']}"
+            )
+            print(
+                f"[{n_done + 1}/{len(work)} {time.perf_counter() - _T_START:.0f}s] {label}: {res}",
+                file=sys.stderr,
+                flush=True,
+            )
     meta["wall_s"] = round(time.perf_counter() - _T_START, 1)
     _derive(rows)
     table = _write(base, meta, rows, plot=not a.no_plot)
@@ -414,8 +512,9 @@ def _derive(rows):
     (compute at the single-GPU rate, exposed rest)."""
     groups = {}
     for r in rows:
-        groups.setdefault((r["mask"], r["length"], r["heads"], r["kv_heads"], r["mode"]),
-                          {})[r["impl"]] = r
+        groups.setdefault((r["mask"], r["length"], r["heads"], r["kv_heads"], r["mode"]), {})[
+            r["impl"]
+        ] = r
     for g in groups.values():
         single, ring = g.get("single"), g.get("ring")
         for r in g.values():
@@ -423,7 +522,7 @@ def _derive(rows):
                 continue
             if single and "ms" in single:
                 r["vs_single"] = r["tflops_per_gpu"] / single["tflops_per_gpu"]
-                rate = single["ms"] / single["max_rank_area"]          # ms per cell
+                rate = single["ms"] / single["max_rank_area"]  # ms per cell
                 r["compute_ms"] = r["max_rank_area"] * rate
                 r["exposed_ms"] = r["ms"] - r["compute_ms"]
             if ring and "ms" in ring:
@@ -441,58 +540,85 @@ def _fmt(x, spec):
 
 def markdown(meta, rows) -> str:
     v = meta["versions"]
-    lines = [f"# Distributed attention benchmark {meta['date']}", "",
-             f"{meta['num_devices']} × {meta['device']} ({meta['platform']}), one process; "
-             f"versions {v}; D={meta['head_dim']}, {meta['dtype']}; per-rank FFA "
-             f"{meta['ffa_backend']} ({meta['ffa_backend_reason']}), magi's "
-             f"{meta['magi_ffa_backend']}.", "",
-             f"{meta['flops']}. `vs single`: per-GPU rate / single-GPU FFA rate on the same "
-             "work (D1 ≥ 0.9); `vs ring`: ring time / this time (D1 ≥ 1.3). Breakdown: "
-             "`imbalance` = max/mean rank area, `compute` = heaviest rank's area at the "
-             "single-GPU rate, `exposed` = time − compute, `kv recv` = KV tokens received "
-             "per rank (forward).", ""]
+    lines = [
+        f"# Distributed attention benchmark {meta['date']}",
+        "",
+        f"{meta['num_devices']} × {meta['device']} ({meta['platform']}), one process; "
+        f"versions {v}; D={meta['head_dim']}, {meta['dtype']}; per-rank FFA "
+        f"{meta['ffa_backend']} ({meta['ffa_backend_reason']}), magi's "
+        f"{meta['magi_ffa_backend']}.",
+        "",
+        f"{meta['flops']}. `vs single`: per-GPU rate / single-GPU FFA rate on the same "
+        "work (D1 ≥ 0.9); `vs ring`: ring time / this time (D1 ≥ 1.3). Breakdown: "
+        "`imbalance` = max/mean rank area, `compute` = heaviest rank's area at the "
+        "single-GPU rate, `exposed` = time − compute, `kv recv` = KV tokens received "
+        "per rank (forward).",
+        "",
+    ]
     if meta.get("note"):
         lines += [f"**Note:** {meta['note']}", ""]
     if meta.get("resumed_from"):
         rf = meta["resumed_from"]
-        lines += [f"{rf['rows']} rows (whole cases) carried over from `{rf['file']}` (their "
-                  "run date is in the JSON's `run` field).", ""]
-    lines += ["| mask | tokens | Hq:Hkv | mode | impl | ms | TFLOP/s/GPU | vs single | "
-              "vs ring | imbalance | compute ms | exposed ms | kv recv | compile s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"{rf['rows']} rows (whole cases) carried over from `{rf['file']}` (their "
+            "run date is in the JSON's `run` field).",
+            "",
+        ]
+    lines += [
+        "| mask | tokens | Hq:Hkv | mode | impl | ms | TFLOP/s/GPU | vs single | "
+        "vs ring | imbalance | compute ms | exposed ms | kv recv | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        head = (f"| {r['mask']} | {r['length']} | {r['heads']}:{r['kv_heads']} | {r['mode']} "
-                f"| {r['impl']} |")
+        head = (
+            f"| {r['mask']} | {r['length']} | {r['heads']}:{r['kv_heads']} | {r['mode']} "
+            f"| {r['impl']} |"
+        )
         if "ms" in r:
             lines.append(
                 f"{head} {r['ms']:.2f} | {r['tflops_per_gpu']:.4g} | "
                 f"{_fmt(r.get('vs_single'), '.2f')} | {_fmt(r.get('vs_ring'), '.2f')} | "
                 f"{r['imbalance']:.3f} | {_fmt(r.get('compute_ms'), '.2f')} | "
                 f"{_fmt(r.get('exposed_ms'), '.2f')} | {r.get('kv_recv', '-')} | "
-                f"{r['compile_s']:.1f} |")
+                f"{r['compile_s']:.1f} |"
+            )
         else:
             why = r.get("skipped") or r.get("error")
-            lines.append(f"{head} - | {'skipped' if 'skipped' in r else 'ERROR'}: {why} "
-                         "| | | | | | | |")
+            lines.append(
+                f"{head} - | {'skipped' if 'skipped' in r else 'ERROR'}: {why} | | | | | | | |"
+            )
     lines += ["", "## D1 check (document-causal and causal, fwd+bwd)", ""]
     for r in rows:
-        if r["impl"] == "magi" and r["mode"] == "fwd+bwd" and "ms" in r and \
-                r["mask"] in ("doc_causal", "causal"):
+        if (
+            r["impl"] == "magi"
+            and r["mode"] == "fwd+bwd"
+            and "ms" in r
+            and r["mask"] in ("doc_causal", "causal")
+        ):
             vs, vr = r.get("vs_single"), r.get("vs_ring")
             ok1 = vs is not None and vs >= 0.9
             ok2 = vr is not None and vr >= 1.3
             # The target is >= 1.3x ring on document-causal; causal is balanced by zigzag.
-            ring_check = ("PASS" if ok2 else "FAIL") + " ≥ 1.3" if r["mask"] == "doc_causal" \
+            ring_check = (
+                ("PASS" if ok2 else "FAIL") + " ≥ 1.3"
+                if r["mask"] == "doc_causal"
                 else "no target: zigzag balances causal"
-            lines.append(f"- {r['mask']} {r['length']} {r['heads']}:{r['kv_heads']}: "
-                         f"magi {r['tflops_per_gpu']:.4g} TFLOP/s/GPU, "
-                         f"{_fmt(vs, '.2f')}× single ({'PASS' if ok1 else 'FAIL'} ≥ 0.9), "
-                         f"{_fmt(vr, '.2f')}× ring ({ring_check}); "
-                         f"imbalance {r['imbalance']:.3f}, exposed "
-                         f"{_fmt(r.get('exposed_ms'), '.1f')} ms of {r['ms']:.1f}"
-                         + (f" = {r['stage_overhead_ms']:.1f} stages/merge (magi_nocomm − "
-                            f"single) + {r['comm_exposed_ms']:.1f} communication (magi − "
-                            "magi_nocomm)" if "stage_overhead_ms" in r else ""))
+            )
+            lines.append(
+                f"- {r['mask']} {r['length']} {r['heads']}:{r['kv_heads']}: "
+                f"magi {r['tflops_per_gpu']:.4g} TFLOP/s/GPU, "
+                f"{_fmt(vs, '.2f')}× single ({'PASS' if ok1 else 'FAIL'} ≥ 0.9), "
+                f"{_fmt(vr, '.2f')}× ring ({ring_check}); "
+                f"imbalance {r['imbalance']:.3f}, exposed "
+                f"{_fmt(r.get('exposed_ms'), '.1f')} ms of {r['ms']:.1f}"
+                + (
+                    f" = {r['stage_overhead_ms']:.1f} stages/merge (magi_nocomm − "
+                    f"single) + {r['comm_exposed_ms']:.1f} communication (magi − "
+                    "magi_nocomm)"
+                    if "stage_overhead_ms" in r
+                    else ""
+                )
+            )
     if meta.get("wall_s") is not None:
         lines += ["", f"Wall time of the run: {meta['wall_s']} s."]
     return "\n".join(lines) + "\n"
@@ -500,8 +626,10 @@ def markdown(meta, rows) -> str:
 
 def make_plot(path, meta, rows):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     done = [r for r in rows if "ms" in r]
     cases = []
     for r in done:
@@ -516,16 +644,23 @@ def make_plot(path, meta, rows):
     for j, impl in enumerate(impls):
         ys = []
         for c in cases:
-            hit = [r for r in done if r["impl"] == impl and
-                   (r["mask"], r["length"], r["heads"], r["kv_heads"], r["mode"]) == c]
+            hit = [
+                r
+                for r in done
+                if r["impl"] == impl
+                and (r["mask"], r["length"], r["heads"], r["kv_heads"], r["mode"]) == c
+            ]
             ys.append(hit[0]["tflops_per_gpu"] if hit else 0.0)
         ax.bar(np.arange(len(cases)) + j * width, ys, width, label=impl)
     ax.set_xticks(np.arange(len(cases)) + 0.4 - width / 2)
-    ax.set_xticklabels([f"{m}\n{t // 1024}k {h}:{kv}\n{mode}" for m, t, h, kv, mode in cases],
-                       fontsize=7)
+    ax.set_xticklabels(
+        [f"{m}\n{t // 1024}k {h}:{kv}\n{mode}" for m, t, h, kv, mode in cases], fontsize=7
+    )
     ax.set_ylabel("TFLOP/s per GPU")
-    ax.set_title(f"CP attention on {meta['num_devices']} × {meta['device']} "
-                 f"(single = one GPU on the heaviest rank's work)")
+    ax.set_title(
+        f"CP attention on {meta['num_devices']} × {meta['device']} "
+        f"(single = one GPU on the heaviest rank's work)"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

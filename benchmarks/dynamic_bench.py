@@ -65,8 +65,11 @@ from magi_jax.mask_zoo import make_mask, random_doc_lengths  # noqa: E402
 from magi_jax.planning import stages as ST  # noqa: E402
 from magi_jax.planning.capacity import PlanCapacity  # noqa: E402
 from magi_jax.planning.cast_table import choose_transport  # noqa: E402
-from magi_jax.planning.defaults import (capacity_chunk_size, capacity_overlap_degree,  # noqa: E402
-                                        default_overlap_degree)
+from magi_jax.planning.defaults import (
+    capacity_chunk_size,
+    capacity_overlap_degree,  # noqa: E402
+    default_overlap_degree,
+)
 from magi_jax.planning.solver import solve_dispatch  # noqa: E402
 from magi_jax.planning.work_list import default_block_sizes  # noqa: E402
 
@@ -74,7 +77,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "p
 PHASES = ("solver", "overlap_degree") + ST.PHASES + ("key_rest",)
 # Budgets (this repository's targets for per-step keys on the 2-core CPU host).
 TIME_BUDGET_S = {131072: 0.050, 1048576: 1.0}
-BYTES_BUDGET = 0.05            # plan bytes per rank / KV bytes per rank
+BYTES_BUDGET = 0.05  # plan bytes per rank / KV bytes per rank
 
 
 def parse_tokens(text: str) -> int:
@@ -101,11 +104,14 @@ def fmt_tokens(n: int) -> str:
 
 def packings(total: int, count: int, seed: int, num_docs: int = 10) -> list[AttnMask]:
     """Document-causal packings of ``num_docs`` random lengths (as dynamic_device.py)."""
-    return [AttnMask.varlen(np.cumsum([0] + random_doc_lengths(total, num_docs, seed + i)),
-                            causal=True) for i in range(count)]
+    return [
+        AttnMask.varlen(np.cumsum([0] + random_doc_lengths(total, num_docs, seed + i)), causal=True)
+        for i in range(count)
+    ]
 
 
 # ---- the host part of make_flex_key, phase by phase ------------------------------------------
+
 
 def host_key(mask: AttnMask, cp: int, capacity: PlanCapacity | None, ffa_backend: str):
     """What ``make_flex_key(mask, mesh, capacity=capacity, ffa_backend=ffa_backend)`` does
@@ -114,10 +120,13 @@ def host_key(mask: AttnMask, cp: int, capacity: PlanCapacity | None, ffa_backend
     times = dict.fromkeys(PHASES, 0.0)
     t_start = time.perf_counter()
     chunk = degree = None
-    if capacity is not None:     # key._capacity_options (the degree is cached per capacity)
+    if capacity is not None:  # key._capacity_options (the degree is cached per capacity)
         chunk = capacity.chunk_size or capacity_chunk_size(capacity.total_q, cp)
-        degree = (capacity.overlap_degree if capacity.overlap_degree is not None
-                  else capacity_overlap_degree(capacity.total_q, cp, chunk))
+        degree = (
+            capacity.overlap_degree
+            if capacity.overlap_degree is not None
+            else capacity_overlap_degree(capacity.total_q, cp, chunk)
+        )
     t0 = time.perf_counter()
     meta = solve_dispatch(mask, cp, chunk, "magi")
     times["solver"] = time.perf_counter() - t0
@@ -133,7 +142,7 @@ def host_key(mask: AttnMask, cp: int, capacity: PlanCapacity | None, ffa_backend
     for st in plan.stages:
         if st.cast is not None:
             choose_transport(st.cast)
-    order = meta.rank_chunks.reshape(-1)            # key._chunk_permutation
+    order = meta.rank_chunks.reshape(-1)  # key._chunk_permutation
     inverse = np.empty(meta.num_chunks, np.int64)
     inverse[order] = np.arange(meta.num_chunks)
     order, inverse = (np.ascontiguousarray(a, np.int32) for a in (order, inverse))
@@ -151,18 +160,25 @@ class ViaKey:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max_cp}"
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         import jax
+
         import magi_jax.sharding.key as key_mod
+
         self.jax, self.key_mod = jax, key_mod
         key_mod._put = lambda a, sharding: np.ascontiguousarray(a, np.int32)
         self.meshes = {}
 
     def total(self, mask, cp, capacity, ffa_backend) -> float:
         if cp not in self.meshes:
-            self.meshes[cp] = self.jax.make_mesh((cp,), ("cp",),
-                                                 devices=self.jax.devices()[:cp])
+            self.meshes[cp] = self.jax.make_mesh((cp,), ("cp",), devices=self.jax.devices()[:cp])
         t0 = time.perf_counter()
-        self.key_mod.make_flex_key(mask, self.meshes[cp], "cp", capacity=capacity,
-                                   ffa_backend=ffa_backend, comm_backend="xla")
+        self.key_mod.make_flex_key(
+            mask,
+            self.meshes[cp],
+            "cp",
+            capacity=capacity,
+            ffa_backend=ffa_backend,
+            comm_backend="xla",
+        )
         return time.perf_counter() - t0
 
 
@@ -172,21 +188,28 @@ def plan_bytes(plan, order, inverse, kv_heads: int, head_dim: int, dtype_bytes: 
     items = lists = send = recv = 0
     for st in plan.stages:
         # The work lists' items (or their runs, FFAPlanRuns) and their tile arrays.
-        listed = sum(a.nbytes for f, a in zip(st.ffa._fields, st.ffa)
-                     if f.endswith(("_items", "_runs")))
+        listed = sum(
+            a.nbytes for f, a in zip(st.ffa._fields, st.ffa) if f.endswith(("_items", "_runs"))
+        )
         items += listed
         lists += sum(a.nbytes for a in st.ffa) - listed
         if st.cast is not None:
             # The cast tables as the key ships them: runs (CastTable.send_runs/recv_runs).
             send += st.cast.send_runs.nbytes
             recv += st.cast.recv_runs.nbytes
-    per_rank = dict(items=items // cp, tile_lists=lists // cp, cast_send=send // cp,
-                    cast_recv=recv // cp)
+    per_rank = dict(
+        items=items // cp, tile_lists=lists // cp, cast_send=send // cp, cast_recv=recv // cp
+    )
     stage_total = sum(per_rank.values())
     kv = plan.meta.local_len * kv_heads * head_dim * dtype_bytes * 2
-    return dict(per_rank, plan=stage_total, dispatch=order.nbytes + inverse.nbytes,
-                kv=kv, ratio=stage_total / kv,
-                ratio_with_dispatch=(stage_total + order.nbytes + inverse.nbytes) / kv)
+    return dict(
+        per_rank,
+        plan=stage_total,
+        dispatch=order.nbytes + inverse.nbytes,
+        kv=kv,
+        ratio=stage_total / kv,
+        ratio_with_dispatch=(stage_total + order.nbytes + inverse.nbytes) / kv,
+    )
 
 
 def cold():
@@ -195,6 +218,7 @@ def cold():
     per-capacity overlap degree: a training run computes it once)."""
     clear_caches()
     from magi_jax.planning import solver
+
     for name in ("_chunk_kv_extents", "_balanced_cached"):
         fn = getattr(solver, name, None)
         if fn is not None:
@@ -211,14 +235,16 @@ def time_keys(mask, cp, capacity, args, via=None) -> tuple[dict, dict, dict]:
         plan, order, inverse, times = host_key(mask, cp, capacity, args.ffa_backend)
         reps.append(times)
         if info is None:
-            info = plan_bytes(plan, order, inverse, args.kv_heads, args.head_dim,
-                              args.dtype_bytes)
-            info.update(overlap_degree=plan.overlap_degree, chunk_size=plan.meta.chunk_size,
-                        local_len=plan.meta.local_len,
-                        items_q=[int(st.items[0]) for st in plan.stages],
-                        items_k=[int(st.items[1]) for st in plan.stages],
-                        runs_q=[int(st.ffa[2].shape[1]) for st in plan.stages],
-                        runs_k=[int(st.ffa[5].shape[1]) for st in plan.stages])
+            info = plan_bytes(plan, order, inverse, args.kv_heads, args.head_dim, args.dtype_bytes)
+            info.update(
+                overlap_degree=plan.overlap_degree,
+                chunk_size=plan.meta.chunk_size,
+                local_len=plan.meta.local_len,
+                items_q=[int(st.items[0]) for st in plan.stages],
+                items_k=[int(st.items[1]) for st in plan.stages],
+                runs_q=[int(st.ffa[2].shape[1]) for st in plan.stages],
+                runs_k=[int(st.ffa[5].shape[1]) for st in plan.stages],
+            )
         del plan, order, inverse
         if via is not None:
             cold()
@@ -249,26 +275,46 @@ def host_rows(args) -> list[dict]:
             capacity = cap if kind == "capacity" else None
             masks = [("doc-causal", doc)]
             if kind == "capacity" and args.packings:
-                masks += [(f"packing {i}", m) for i, m in
-                          enumerate(packings(total, args.packings, args.seed))]
+                masks += [
+                    (f"packing {i}", m)
+                    for i, m in enumerate(packings(total, args.packings, args.seed))
+                ]
             for name, mask in masks:
                 reps_here = args
-                if name != "doc-causal":          # each packing: one cold key
+                if name != "doc-causal":  # each packing: one cold key
                     reps_here = argparse.Namespace(**{**vars(args), "reps": 1})
                 med, every, info = time_keys(mask, cp, capacity, reps_here, via)
-                row = dict(case=case, tokens=total, cp=cp, key=kind, mask=name, **med,
-                           reps=every, bytes=info, budget_s=budget,
-                           time_ok=None if budget is None else med["total"] <= budget,
-                           bytes_ok=info["ratio"] <= BYTES_BUDGET)
+                row = dict(
+                    case=case,
+                    tokens=total,
+                    cp=cp,
+                    key=kind,
+                    mask=name,
+                    **med,
+                    reps=every,
+                    bytes=info,
+                    budget_s=budget,
+                    time_ok=None if budget is None else med["total"] <= budget,
+                    bytes_ok=info["ratio"] <= BYTES_BUDGET,
+                )
                 if capacity is not None:
-                    row["capacity"] = {k: getattr(capacity, k) for k in (
-                        "items", "q_runs", "k_runs", "remote_kv", "cast_width",
-                        "overlap_degree", "chunk_size")}
+                    row["capacity"] = {
+                        k: getattr(capacity, k)
+                        for k in (
+                            "items",
+                            "q_runs",
+                            "k_runs",
+                            "remote_kv",
+                            "cast_width",
+                            "overlap_degree",
+                            "chunk_size",
+                        )
+                    }
                     row["from_masks_s"] = from_masks_s
                 rows.append(row)
                 print(_line(row), flush=True)
             if kind == "capacity" and args.packings:
-                rows.append(_summary(rows[-args.packings:], case, total, cp, kind, budget))
+                rows.append(_summary(rows[-args.packings :], case, total, cp, kind, budget))
                 print(_line(rows[-1]), flush=True)
     return rows
 
@@ -276,31 +322,46 @@ def host_rows(args) -> list[dict]:
 def _summary(rows, case, total, cp, kind, budget) -> dict:
     med = {k: statistics.median(r[k] for r in rows) for k in PHASES + ("total", "other")}
     ratio = max(r["bytes"]["ratio"] for r in rows)
-    return dict(case=case, tokens=total, cp=cp, key=kind, mask=f"{len(rows)} packings (median)",
-                **med, bytes=dict(rows[0]["bytes"], ratio=ratio), budget_s=budget,
-                time_ok=None if budget is None else med["total"] <= budget,
-                bytes_ok=ratio <= BYTES_BUDGET)
+    return dict(
+        case=case,
+        tokens=total,
+        cp=cp,
+        key=kind,
+        mask=f"{len(rows)} packings (median)",
+        **med,
+        bytes=dict(rows[0]["bytes"], ratio=ratio),
+        budget_s=budget,
+        time_ok=None if budget is None else med["total"] <= budget,
+        bytes_ok=ratio <= BYTES_BUDGET,
+    )
 
 
 def _line(r) -> str:
     ph = " ".join(f"{p} {r[p] * 1e3:.1f}" for p in PHASES)
-    return (f"{r['case']:>14} {r['key']:>8} {r['mask']:>22}: total {r['total'] * 1e3:8.1f} ms"
-            f" ({ph}); plan {r['bytes']['plan'] / 2**20:.2f} MiB/rank = "
-            f"{100 * r['bytes']['ratio']:.1f}% of KV")
+    return (
+        f"{r['case']:>14} {r['key']:>8} {r['mask']:>22}: total {r['total'] * 1e3:8.1f} ms"
+        f" ({ph}); plan {r['bytes']['plan'] / 2**20:.2f} MiB/rank = "
+        f"{100 * r['bytes']['ratio']:.1f}% of KV"
+    )
 
 
-MB = lambda x: f"{x / 2 ** 20:.2f}"           # noqa: E731
-KB = lambda x: f"{x / 2 ** 10:.1f}"           # noqa: E731
-MS = lambda x: f"{x * 1e3:.1f}"               # noqa: E731
-OK = lambda x: "" if x is None else ("yes" if x else "**no**")   # noqa: E731
-HOST_COLUMNS = ([("case", "case", str), ("key", "key", str), ("mask", "mask", str),
-                 ("total", "total ms", MS)]
-                + [(p, f"{p} ms", MS) for p in PHASES] + [("other", "other ms", MS),
-                                                          ("via_key", "make_flex_key ms", MS)]
-                + [("bytes.plan", "plan MiB/rank", MB), ("bytes.kv", "KV MiB/rank", MB),
-                   ("bytes.ratio", "plan/KV %", lambda x: f"{100 * x:.1f}"),
-                   ("bytes.dispatch", "chunk order+inverse KiB (replicated)", KB),
-                   ("time_ok", "time budget", OK), ("bytes_ok", "5 % budget", OK)])
+MB = lambda x: f"{x / 2**20:.2f}"  # noqa: E731
+KB = lambda x: f"{x / 2**10:.1f}"  # noqa: E731
+MS = lambda x: f"{x * 1e3:.1f}"  # noqa: E731
+OK = lambda x: "" if x is None else ("yes" if x else "**no**")  # noqa: E731
+HOST_COLUMNS = (
+    [("case", "case", str), ("key", "key", str), ("mask", "mask", str), ("total", "total ms", MS)]
+    + [(p, f"{p} ms", MS) for p in PHASES]
+    + [("other", "other ms", MS), ("via_key", "make_flex_key ms", MS)]
+    + [
+        ("bytes.plan", "plan MiB/rank", MB),
+        ("bytes.kv", "KV MiB/rank", MB),
+        ("bytes.ratio", "plan/KV %", lambda x: f"{100 * x:.1f}"),
+        ("bytes.dispatch", "chunk order+inverse KiB (replicated)", KB),
+        ("time_ok", "time budget", OK),
+        ("bytes_ok", "5 % budget", OK),
+    ]
+)
 
 # name -> (rows(args) -> list[dict], columns); the lead's GPU section registers itself here.
 SECTIONS = {"host": (host_rows, HOST_COLUMNS)}
@@ -340,38 +401,69 @@ def memory_probe(mib: int = 256) -> dict:
 def environment(args) -> dict:
     def git(*cmd):
         try:
-            return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=10,
-                                  cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+            return subprocess.run(
+                ["git", *cmd],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                cwd=os.path.dirname(os.path.abspath(__file__)),
+            ).stdout.strip()
         except Exception:
             return ""
-    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-                host=socket.gethostname(), machine=platform.machine(),
-                cpu_count=os.cpu_count(), load_average=list(os.getloadavg()),
-                python=platform.python_version(), numpy=np.__version__,
-                commit=git("rev-parse", "--short", "HEAD"),
-                dirty=bool(git("status", "--porcelain", "--untracked-files=no")),
-                **memory_probe(), argv=sys.argv[1:], ffa_backend=args.ffa_backend,
-                malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}, kv_heads=args.kv_heads,
-                head_dim=args.head_dim, dtype_bytes=args.dtype_bytes, reps=args.reps,
-                packings=args.packings)
+
+    return dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+        host=socket.gethostname(),
+        machine=platform.machine(),
+        cpu_count=os.cpu_count(),
+        load_average=list(os.getloadavg()),
+        python=platform.python_version(),
+        numpy=np.__version__,
+        commit=git("rev-parse", "--short", "HEAD"),
+        dirty=bool(git("status", "--porcelain", "--untracked-files=no")),
+        **memory_probe(),
+        argv=sys.argv[1:],
+        ffa_backend=args.ffa_backend,
+        malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype_bytes=args.dtype_bytes,
+        reps=args.reps,
+        packings=args.packings,
+    )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", type=parse_cases, default="128k:8,1M:64",
-                    help="packed tokens:cp, comma-separated (default 128k:8,1M:64)")
+    ap.add_argument(
+        "--cases",
+        type=parse_cases,
+        default="128k:8,1M:64",
+        help="packed tokens:cp, comma-separated (default 128k:8,1M:64)",
+    )
     ap.add_argument("--kinds", default="one,capacity", help="keys: one, capacity")
     ap.add_argument("--reps", type=int, default=5, help="cold keys per (case, kind); median")
-    ap.add_argument("--packings", type=int, default=3,
-                    help="random packings in the capacity's sample (each timed once)")
+    ap.add_argument(
+        "--packings",
+        type=int,
+        default=3,
+        help="random packings in the capacity's sample (each timed once)",
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ffa-backend", default="pallas", choices=("pallas", "xla"),
-                    help="work lists of this backend (default pallas: what H200 keys use)")
+    ap.add_argument(
+        "--ffa-backend",
+        default="pallas",
+        choices=("pallas", "xla"),
+        help="work lists of this backend (default pallas: what H200 keys use)",
+    )
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype-bytes", type=int, default=2, help="2: bf16")
-    ap.add_argument("--via-key", action="store_true",
-                    help="also time make_flex_key itself (CPU devices, no device put)")
+    ap.add_argument(
+        "--via-key",
+        action="store_true",
+        help="also time make_flex_key itself (CPU devices, no device put)",
+    )
     ap.add_argument("--sections", default="host", help=f"of {sorted(SECTIONS)}")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=RESULTS)
@@ -387,21 +479,28 @@ def main(argv=None) -> int:
     env.update({f"{k}_end": v for k, v in memory_probe().items()})
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
-    path = os.path.join(args.out, f"dynamic_{stamp}_cpu" + (f"_{args.label}" if args.label
-                                                              else ""))
+    path = os.path.join(args.out, f"dynamic_{stamp}_cpu" + (f"_{args.label}" if args.label else ""))
     with open(path + ".json", "w") as f:
         json.dump(dict(environment=env, sections=sections), f, indent=1, default=_json)
-    lines = [f"# Per-step host planning: {', '.join(f'{fmt_tokens(t)} x cp {c}' for t, c in args.cases)}",
-             "", f"`python benchmarks/dynamic_bench.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
-             "", "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "argv"),
-             ""]
+    lines = [
+        "# Per-step host planning: "
+        + ", ".join(f"{fmt_tokens(t)} x cp {c}" for t, c in args.cases),
+        "",
+        f"`python benchmarks/dynamic_bench.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
+        "",
+        "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "argv"),
+        "",
+    ]
     for name, rows in sections.items():
         lines += [f"## {name}", "", table(rows, SECTIONS[name][1]), ""]
-    lines += ["Times: median of cold keys (caches cleared) on the host; `other` = total minus "
-              "the phases. Plan MiB/rank: the key's stage arrays (work lists + cast tables) "
-              f"over cp; KV: local_len x Hkv {args.kv_heads} x D {args.head_dim} x "
-              f"{args.dtype_bytes} B x 2; budgets: 128k x cp 8 <= 50 ms, 1M x cp 64 <= 1 s, "
-              "plan <= 5 % of KV.", ""]
+    lines += [
+        "Times: median of cold keys (caches cleared) on the host; `other` = total minus "
+        "the phases. Plan MiB/rank: the key's stage arrays (work lists + cast tables) "
+        f"over cp; KV: local_len x Hkv {args.kv_heads} x D {args.head_dim} x "
+        f"{args.dtype_bytes} B x 2; budgets: 128k x cp 8 <= 50 ms, 1M x cp 64 <= 1 s, "
+        "plan <= 5 % of KV.",
+        "",
+    ]
     with open(path + ".md", "w") as f:
         f.write("\n".join(lines))
     print("wrote", path + ".json", path + ".md")

@@ -50,14 +50,19 @@ def _fwd_bwd(attn):
     def run(q, k, v, do, *rest):
         out, vjp = jax.vjp(lambda q_, k_, v_: attn(q_, k_, v_, *rest), q, k, v)
         return vjp(do)
+
     return run
 
 
 def packings(total: int, count: int, seed: int, num_docs: int = 10):
     """``count`` document-causal packings of ``num_docs`` random lengths (the benchmark
     documents' spread: 1/4 to 4 times the mean)."""
-    return [mj.AttnMask.varlen(np.cumsum([0] + random_doc_lengths(total, num_docs, seed + i)),
-                               causal=True) for i in range(count)]
+    return [
+        mj.AttnMask.varlen(
+            np.cumsum([0] + random_doc_lengths(total, num_docs, seed + i)), causal=True
+        )
+        for i in range(count)
+    ]
 
 
 def main(argv=None):
@@ -69,12 +74,14 @@ def main(argv=None):
     ap.add_argument("--packings", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--breakdown", action="store_true",
-                    help="also time what the segment-id path adds: the device builder alone, "
-                         "the path without its run-time check, host plans without "
-                         "persistent schedules")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                  "planning"))
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time what the segment-id path adds: the device builder alone, "
+        "the path without its run-time check, host plans without "
+        "persistent schedules",
+    )
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "planning"))
     args = ap.parse_args(argv)
     t, h, hkv, d = args.total, args.heads, args.kv_heads, args.head_dim
     dtype = jnp.bfloat16
@@ -114,38 +121,65 @@ def main(argv=None):
     q4, k4, v4, do4 = (x[None] for x in (q, k, v, do))
     # The same capacity as the host plans (the default bound fits every packing of the
     # length and costs the device builder its sort over that many items).
-    seg = jax.jit(_fwd_bwd(lambda q_, k_, v_, s: mj.dot_product_attention(
-        q_, k_, v_, segment_ids=s, is_causal=True, capacity=cap)))
+    seg = jax.jit(
+        _fwd_bwd(
+            lambda q_, k_, v_, s: mj.dot_product_attention(
+                q_, k_, v_, segment_ids=s, is_causal=True, capacity=cap
+            )
+        )
+    )
     jax.block_until_ready(seg(q4, k4, v4, do4, ids[0]))
     seg_calls = [(seg, (q4, k4, v4, do4, s)) for s in ids]
-    host_calls = [(dyn, (q, k, v, do, p)) for p in plans]   # same packings, host plans
+    host_calls = [(dyn, (q, k, v, do, p)) for p in plans]  # same packings, host plans
 
-    entries = [(_Cycle(static_fns), ()), (_Cycle(dyn_calls), ()),
-               (_Cycle(seg_calls), ()), (_Cycle(host_calls), ())]
+    entries = [
+        (_Cycle(static_fns), ()),
+        (_Cycle(dyn_calls), ()),
+        (_Cycle(seg_calls), ()),
+        (_Cycle(host_calls), ()),
+    ]
     names = ["static", "dynamic", "segment_ids", "segment_ids_host"]
     if args.breakdown:
         entries += _breakdown(masks, ids, cap, (q, k, v, do), (q4, k4, v4, do4), (h, hkv))
-        names += ["seg_builder_only", "segment_ids_raising", "segment_ids_unchecked",
-                  "host_not_persistent"]
+        names += [
+            "seg_builder_only",
+            "segment_ids_raising",
+            "segment_ids_unchecked",
+            "host_not_persistent",
+        ]
     times = bench_interleaved(entries, n=len(masks), reps=args.reps)
     for name, sec in zip(names, times):
         rows.append(dict(row=name, ms=sec * 1e3, tflops=flops / sec / 1e12))
     ratio = times[0] / times[1]
     seg_ratio = times[3] / times[2]
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-                device=jax.devices()[0].device_kind, **versions(), total=t, heads=h,
-                kv_heads=hkv, head_dim=d, dtype="bfloat16", packings=len(masks),
-                mean_area=area, capacity=dict(items=cap.items, persistent=cap.persistent),
-                static_compile_s=compile_s, dynamic_compile_s=dyn_compile,
-                dynamic_compilations=dyn._cache_size(), segment_compilations=seg._cache_size(),
-                plan_attention_ms=plan_ms, dynamic_over_static=ratio,
-                segment_ids_over_host=seg_ratio)
+    meta = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+        device=jax.devices()[0].device_kind,
+        **versions(),
+        total=t,
+        heads=h,
+        kv_heads=hkv,
+        head_dim=d,
+        dtype="bfloat16",
+        packings=len(masks),
+        mean_area=area,
+        capacity=dict(items=cap.items, persistent=cap.persistent),
+        static_compile_s=compile_s,
+        dynamic_compile_s=dyn_compile,
+        dynamic_compilations=dyn._cache_size(),
+        segment_compilations=seg._cache_size(),
+        plan_attention_ms=plan_ms,
+        dynamic_over_static=ratio,
+        segment_ids_over_host=seg_ratio,
+    )
     print(json.dumps(meta, indent=1))
     for r in rows:
         print(f"{r['row']:>22}  {r['ms']:8.3f} ms  {r['tflops']:6.1f} TFLOP/s")
-    print(f"dynamic / static rate {ratio:.3f} (target >= 0.97); segment ids / host-planned "
-          f"{seg_ratio:.3f} (target >= 0.9); compilations: dynamic {dyn._cache_size()}, "
-          f"segment ids {seg._cache_size()}")
+    print(
+        f"dynamic / static rate {ratio:.3f} (target >= 0.97); segment ids / host-planned "
+        f"{seg_ratio:.3f} (target >= 0.9); compilations: dynamic {dyn._cache_size()}, "
+        f"segment ids {seg._cache_size()}"
+    )
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
     path = os.path.join(args.out, f"dynamic_device_{stamp}_{meta['device'].replace(' ', '_')}")
@@ -160,36 +194,44 @@ def _breakdown(masks, ids, cap, inputs3, inputs4, heads):
     path without any check, and host plans at the same capacity without persistent
     schedules."""
     import dataclasses
+
     from magi_jax.ffa.plan import AttnPlan, PlanStatic
     from magi_jax.ffa.segments import _checked_lists, _work_lists
     from magi_jax.planning.work_list import FFAPlanArrays, backend_blocks
+
     t = ids[0].shape[1]
     name = "pallas" if jax.default_backend() == "gpu" else "xla"
     fb, bb = backend_blocks(name, t, t)
     per = max(1, fb[0] // bb[0])
-    kw = dict(fwd_block=tuple(fb), bwd_block=tuple(bb), fwd_cap=cap.items,
-              bwd_cap=per * cap.items)
+    kw = dict(fwd_block=tuple(fb), bwd_block=tuple(bb), fwd_cap=cap.items, bwd_cap=per * cap.items)
     builder = jax.jit(lambda s: _checked_lists(s, t, 0, check_ids=True, **kw))
-    raising = jax.jit(_fwd_bwd(lambda q_, k_, v_, s: mj.dot_product_attention(
-        q_, k_, v_, segment_ids=s, is_causal=True, capacity=cap, check_segment_ids=True)))
+    raising = jax.jit(
+        _fwd_bwd(
+            lambda q_, k_, v_, s: mj.dot_product_attention(
+                q_, k_, v_, segment_ids=s, is_causal=True, capacity=cap, check_segment_ids=True
+            )
+        )
+    )
 
     def unchecked(q_, k_, v_, s):
-        b = functools.partial(_work_lists, s.reshape(-1), jnp.int32(t), jnp.int32(0),
-                              row_len=t)
+        b = functools.partial(_work_lists, s.reshape(-1), jnp.int32(t), jnp.int32(0), row_len=t)
         *f, _ = b(block_q=fb[0], block_k=fb[1], by="q", capacity_items=cap.items)
         *g, _ = b(block_q=bb[0], block_k=bb[1], by="k", capacity_items=per * cap.items)
         plan = AttnPlan(FFAPlanArrays(*f, *g), (), PlanStatic(cap, name, tuple(fb), tuple(bb)))
         return mj.flex_flash_attention(q_[0], k_[0], v_[0], plan)[0][None]
+
     unc = jax.jit(_fwd_bwd(unchecked))
     q, k, v, do = inputs3
     q4, k4, v4, do4 = inputs4
     flat = dataclasses.replace(cap, persistent=False)
     plans = [jax.device_put(mj.plan_attention(m, flat, num_heads=heads)) for m in masks]
     dyn = jax.jit(_fwd_bwd(lambda q_, k_, v_, p: mj.flex_flash_attention(q_, k_, v_, p)[0]))
-    return [(_Cycle([(builder, (s,)) for s in ids]), ()),
-            (_Cycle([(raising, (q4, k4, v4, do4, s)) for s in ids]), ()),
-            (_Cycle([(unc, (q4, k4, v4, do4, s)) for s in ids]), ()),
-            (_Cycle([(dyn, (q, k, v, do, p)) for p in plans]), ())]
+    return [
+        (_Cycle([(builder, (s,)) for s in ids]), ()),
+        (_Cycle([(raising, (q4, k4, v4, do4, s)) for s in ids]), ()),
+        (_Cycle([(unc, (q4, k4, v4, do4, s)) for s in ids]), ()),
+        (_Cycle([(dyn, (q, k, v, do, p)) for p in plans]), ()),
+    ]
 
 
 def _segment_ids(mask, total):

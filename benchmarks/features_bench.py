@@ -25,13 +25,21 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_bench import (bench_interleaved, case_inputs, make_mask,  # noqa: E402
-                          versions)
+from kernel_bench import (
+    bench_interleaved,
+    case_inputs,
+    make_mask,  # noqa: E402
+    versions,
+)
 
 import magi_jax as mj  # noqa: E402
 
-VARIANTS = {"plain": (False, False), "sinks": (True, False), "max_logits": (False, True),
-            "sinks+max_logits": (True, True)}
+VARIANTS = {
+    "plain": (False, False),
+    "sinks": (True, False),
+    "max_logits": (False, True),
+    "sinks+max_logits": (True, True),
+}
 MODES = ("fwd", "fwd+bwd")
 NUM_SINKS = 4
 
@@ -39,10 +47,18 @@ NUM_SINKS = 4
 def variant_fn(mask, sinks: bool, max_logits: bool, mode: str, softcap: float, backend: str):
     """A jitted ``fn(q, k, v, do, sink)``: the forward's outputs, or the gradients of
     ``Σ out·do`` in q, k, v (and the sink logits) with the max logits beside them."""
+
     def attend(q, k, v, sink):
-        return mj.flex_flash_attention(q, k, v, mask, softcap=softcap, backend=backend,
-                                       sink=sink if sinks else None,
-                                       return_max_logits=max_logits)
+        return mj.flex_flash_attention(
+            q,
+            k,
+            v,
+            mask,
+            softcap=softcap,
+            backend=backend,
+            sink=sink if sinks else None,
+            return_max_logits=max_logits,
+        )
 
     if mode == "fwd":
         return jax.jit(lambda q, k, v, do, sink: attend(q, k, v, sink))
@@ -51,8 +67,10 @@ def variant_fn(mask, sinks: bool, max_logits: bool, mode: str, softcap: float, b
         def loss(q, k, v, sink):
             res = attend(q, k, v, sink)
             return (res[0].astype(jnp.float32) * do).sum(), res[2:]
-        grads, extra = jax.grad(loss, argnums=(0, 1, 2, 3) if sinks else (0, 1, 2),
-                                has_aux=True)(q, k, v, sink)
+
+        grads, extra = jax.grad(loss, argnums=(0, 1, 2, 3) if sinks else (0, 1, 2), has_aux=True)(
+            q, k, v, sink
+        )
         return grads, extra
 
     return jax.jit(fwd_bwd)
@@ -67,28 +85,49 @@ def run(mask_name, length, heads, kv_heads, head_dim, dtype, softcap, backend, r
     name, why = mj.select_backend(backend, q, k, v, mask)
     rows = []
     for mode in MODES:
-        fns = {v_: variant_fn(mask, *flags, mode, softcap, backend)
-               for v_, flags in VARIANTS.items()}
+        fns = {
+            v_: variant_fn(mask, *flags, mode, softcap, backend) for v_, flags in VARIANTS.items()
+        }
         times = bench_interleaved([(f, (q, k, v, do, sink)) for f in fns.values()], n, reps)
         plain = times[0]
         for v_, t in zip(fns, times):
-            rows.append(dict(mask=mask_name, length=length, heads=heads, kv_heads=kv_heads,
-                             head_dim=head_dim, dtype=jnp.dtype(dtype).name, softcap=softcap,
-                             backend=name, mode=mode, variant=v_, ms=t * 1e3,
-                             vs_plain=t / plain))
+            rows.append(
+                dict(
+                    mask=mask_name,
+                    length=length,
+                    heads=heads,
+                    kv_heads=kv_heads,
+                    head_dim=head_dim,
+                    dtype=jnp.dtype(dtype).name,
+                    softcap=softcap,
+                    backend=name,
+                    mode=mode,
+                    variant=v_,
+                    ms=t * 1e3,
+                    vs_plain=t / plain,
+                )
+            )
     return rows, f"{name} ({why})"
 
 
 def markdown(rows, meta) -> str:
-    lines = [f"# Sinks and max logits: overhead ({meta['date']}, {meta['device']})", "",
-             f"backend {meta['backend']}; {meta['versions']}; median of {meta['reps']} rounds "
-             f"of {meta['n']} calls after 2 warm-up calls, variants interleaved", "",
-             "| case | mode | variant | ms | vs plain |", "|---|---|---|---|---|"]
+    lines = [
+        f"# Sinks and max logits: overhead ({meta['date']}, {meta['device']})",
+        "",
+        f"backend {meta['backend']}; {meta['versions']}; median of {meta['reps']} rounds "
+        f"of {meta['n']} calls after 2 warm-up calls, variants interleaved",
+        "",
+        "| case | mode | variant | ms | vs plain |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        case = (f"{r['mask']} {r['length']} {r['dtype']} H{r['heads']}/{r['kv_heads']} "
-                f"D{r['head_dim']}" + (f" softcap {r['softcap']:g}" if r["softcap"] else ""))
-        lines.append(f"| {case} | {r['mode']} | {r['variant']} | {r['ms']:.3f} | "
-                     f"{r['vs_plain']:.3f} |")
+        case = (
+            f"{r['mask']} {r['length']} {r['dtype']} H{r['heads']}/{r['kv_heads']} "
+            f"D{r['head_dim']}" + (f" softcap {r['softcap']:g}" if r["softcap"] else "")
+        )
+        lines.append(
+            f"| {case} | {r['mode']} | {r['variant']} | {r['ms']:.3f} | {r['vs_plain']:.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -107,11 +146,27 @@ def main(argv=None):
     p.add_argument("--out", default="benchmarks/results/kernel")
     a = p.parse_args(argv)
     dev = jax.devices()[0]
-    rows, backend = run(a.mask, a.length, a.heads, a.kv_heads or a.heads, a.head_dim,
-                        jnp.dtype(a.dtype), a.softcap, a.backend, a.reps, a.n)
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                device=getattr(dev, "device_kind", str(dev)), versions=versions(),
-                backend=backend, reps=a.reps, n=a.n, num_sinks=NUM_SINKS)
+    rows, backend = run(
+        a.mask,
+        a.length,
+        a.heads,
+        a.kv_heads or a.heads,
+        a.head_dim,
+        jnp.dtype(a.dtype),
+        a.softcap,
+        a.backend,
+        a.reps,
+        a.n,
+    )
+    meta = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=getattr(dev, "device_kind", str(dev)),
+        versions=versions(),
+        backend=backend,
+        reps=a.reps,
+        n=a.n,
+        num_sinks=NUM_SINKS,
+    )
     os.makedirs(a.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
     base = os.path.join(a.out, f"features_{stamp}_{meta['device'].replace(' ', '_')}")

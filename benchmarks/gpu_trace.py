@@ -24,9 +24,11 @@ import jax
 import numpy as np
 
 # Categories by kernel name, first match wins; everything else is "compute".
-CATEGORIES = (("native", ("CastKernel", "ReduceKernel")),
-              ("nccl", ("nccl",)),
-              ("copy", ("memcpy", "memset", "Memcpy", "Memset")))
+CATEGORIES = (
+    ("native", ("CastKernel", "ReduceKernel")),
+    ("nccl", ("nccl",)),
+    ("copy", ("memcpy", "memset", "Memcpy", "Memset")),
+)
 COMM = ("native", "nccl")
 
 
@@ -73,6 +75,7 @@ def kernel_events(path: str, lines: bool = False):
     """``(name, start_ns, end_ns)`` of every kernel on the GPU stream lines of an xplane
     (``(name, start_ns, end_ns, line name)`` with ``lines``)."""
     from jax.profiler import ProfileData
+
     data = ProfileData.from_file(path)
     out = []
     for plane in data.planes:
@@ -95,38 +98,43 @@ def summarize(events, calls: int, top: int = 8, timeline_min_us: float | None = 
     lined = events
     events = [ev[:3] for ev in events]
     by_cat = defaultdict(list)
-    per_kernel = defaultdict(list)   # name -> durations of its launches
+    per_kernel = defaultdict(list)  # name -> durations of its launches
     for name, s, e in events:
         by_cat[_category(name)].append((s, e))
         per_kernel[name].append(e - s)
     unions = {c: _union(np.asarray(v, np.float64)) for c, v in by_cat.items()}
     every = _union(np.asarray([(s, e) for _, s, e in events], np.float64))
-    comm = _union(np.concatenate([unions[c] for c in COMM if c in unions] or
-                                 [np.zeros((0, 2))]))
+    comm = _union(np.concatenate([unions[c] for c in COMM if c in unions] or [np.zeros((0, 2))]))
     # The calls-1 longest gaps between busy intervals separate the calls.
     gaps = every[1:, 0] - every[:-1, 1]
-    cuts = np.sort(np.argsort(gaps)[len(gaps) - (calls - 1):]) if calls > 1 else []
+    cuts = np.sort(np.argsort(gaps)[len(gaps) - (calls - 1) :]) if calls > 1 else []
     bounds = np.split(np.arange(len(every)), np.asarray(cuts, int) + 1)
     spans = [every[b[-1], 1] - every[b[0], 0] for b in bounds if len(b)]
     inner_idle = sum(spans) - _length(every)
     us = lambda ns: round(float(ns) / calls / 1e3, 2)
     heavy = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
     copy = unions.get("copy", np.zeros((0, 2)))
-    out = {"calls": calls, "gpu_us": round(float(np.median(spans)) / 1e3, 2),
-            "span_us": us(sum(spans)),
-            "busy_us": {c: us(_length(u)) for c, u in sorted(unions.items())},
-            "comm_under_compute_us": us(_intersection(comm, unions.get("compute",
-                                                                       np.zeros((0, 2))))),
-            "copy_under_compute_us": us(_intersection(copy, unions.get("compute",
-                                                                       np.zeros((0, 2))))),
-            "idle_us": us(inner_idle),
-            # median_us: one launch's median duration. In a chain of back-to-back ops it is
-            # the op's time in steady state: the first op of a call, which also waits for
-            # the other process to start, is one launch of many.
-            "top_kernels": [{"name": n[:80], "count_per_call": len(d) / calls,
-                             "us_per_call": us(sum(d)),
-                             "median_us": round(float(np.median(d)) / 1e3, 2)}
-                            for n, d in heavy]}
+    out = {
+        "calls": calls,
+        "gpu_us": round(float(np.median(spans)) / 1e3, 2),
+        "span_us": us(sum(spans)),
+        "busy_us": {c: us(_length(u)) for c, u in sorted(unions.items())},
+        "comm_under_compute_us": us(_intersection(comm, unions.get("compute", np.zeros((0, 2))))),
+        "copy_under_compute_us": us(_intersection(copy, unions.get("compute", np.zeros((0, 2))))),
+        "idle_us": us(inner_idle),
+        # median_us: one launch's median duration. In a chain of back-to-back ops it is
+        # the op's time in steady state: the first op of a call, which also waits for
+        # the other process to start, is one launch of many.
+        "top_kernels": [
+            {
+                "name": n[:80],
+                "count_per_call": len(d) / calls,
+                "us_per_call": us(sum(d)),
+                "median_us": round(float(np.median(d)) / 1e3, 2),
+            }
+            for n, d in heavy
+        ],
+    }
     if heavy:
         # The heaviest kernel's steady rate inside a call (a chain of back-to-back ops):
         # from the end of its first launch to the end of its last, per launch after the
@@ -148,15 +156,20 @@ def summarize(events, calls: int, top: int = 8, timeline_min_us: float | None = 
         # after the call's first kernel, duration), in µs.
         t0, t1 = every[bounds[-1][0], 0], every[bounds[-1][-1], 1]
         out["timeline"] = sorted(
-            (ev[0][:48], ev[3] if len(ev) > 3 else "", round(float(ev[1] - t0) / 1e3, 1),
-             round(float(ev[2] - ev[1]) / 1e3, 1))
-            for ev in lined if t0 <= ev[1] <= t1 and ev[2] - ev[1] >= timeline_min_us * 1e3)
+            (
+                ev[0][:48],
+                ev[3] if len(ev) > 3 else "",
+                round(float(ev[1] - t0) / 1e3, 1),
+                round(float(ev[2] - ev[1]) / 1e3, 1),
+            )
+            for ev in lined
+            if t0 <= ev[1] <= t1 and ev[2] - ev[1] >= timeline_min_us * 1e3
+        )
         out["timeline"].sort(key=lambda r: r[2])
     return out
 
 
-def trace_summary(fn, calls: int = 3, top: int = 8,
-                  timeline_min_us: float | None = None) -> dict:
+def trace_summary(fn, calls: int = 3, top: int = 8, timeline_min_us: float | None = None) -> dict:
     """Runs ``fn()`` (blocking on its result) ``calls`` times under the profiler, after one
     untraced call, and summarizes this process's GPU kernels per call (module docstring);
     with ``timeline_min_us``, also the last call's kernels of at least that long, in order
@@ -172,5 +185,6 @@ def trace_summary(fn, calls: int = 3, top: int = 8,
         paths = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))
         if not paths:
             return {"error": "the profiler wrote no trace"}
-        return summarize(kernel_events(paths[-1], lines=timeline_min_us is not None), calls,
-                         top, timeline_min_us)
+        return summarize(
+            kernel_events(paths[-1], lines=timeline_min_us is not None), calls, top, timeline_min_us
+        )

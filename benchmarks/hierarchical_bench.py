@@ -39,10 +39,14 @@ import numpy as np
 from magi_jax.mask_zoo import MASKS, make_mask
 from magi_jax.planning import solver as S
 from magi_jax.planning import stages as D
-from magi_jax.planning.defaults import default_overlap_degree
 from magi_jax.planning.cast_table import cast_moves
-from magi_jax.planning.hierarchy import (NodeLayout, build_relay_table, inter_node_rows,
-                                         inter_node_wire_rows)
+from magi_jax.planning.defaults import default_overlap_degree
+from magi_jax.planning.hierarchy import (
+    NodeLayout,
+    build_relay_table,
+    inter_node_rows,
+    inter_node_wire_rows,
+)
 from magi_jax.planning.work_list import default_block_sizes
 
 _DEFAULT_MASKS = ("doc-causal", "causal", "sliding-window", "shared-question")
@@ -55,8 +59,9 @@ def _relay_ingress(rt) -> np.ndarray:
     for j, (dn, dl) in enumerate(rt.inter_shifts):
         real = (rt.inter_send[:, j] >= 0).sum(axis=1)
         for s in range(rt.cp):
-            got[((s // lay.local + dn) % lay.nodes) * lay.local + (s % lay.local + dl)
-                % lay.local] += real[s]
+            got[
+                ((s // lay.local + dn) % lay.nodes) * lay.local + (s % lay.local + dl) % lay.local
+            ] += real[s]
     return got
 
 
@@ -87,42 +92,58 @@ def run_case(name: str, total: int, layout: NodeLayout, degree, row_bytes: int) 
         cross = dst // layout.local != src // layout.local
         flat_ingress += np.bincount(dst[cross], minlength=layout.cp)
     t_relay = time.perf_counter() - t0
-    gib = lambda rows: rows * row_bytes / 2 ** 30
-    return dict(mask=name, total=total, nodes=layout.nodes, local=layout.local,
-                chunk_size=meta.chunk_size, overlap_degree=plan.overlap_degree,
-                rows_moved=moved, flat_rows=flat, two_hop_rows=hier,
-                two_hop_intra_rows=intra, flat_gib=gib(flat), two_hop_gib=gib(hier),
-                factor=flat / hier if hier else float("inf"), flat_wire_rows=flat_wire,
-                two_hop_wire_rows=hier_wire,
-                wire_factor=flat_wire / hier_wire if hier_wire else float("inf"),
-                relay_ingress_max=int(ingress.max(initial=0)),
-                flat_ingress_max=int(flat_ingress.max(initial=0)),
-                relay_ingress_mean=float(ingress[ingress > 0].mean()) if ingress.any() else 0.0,
-                plan_s=t_plan, relay_s=t_relay)
+    gib = lambda rows: rows * row_bytes / 2**30
+    return dict(
+        mask=name,
+        total=total,
+        nodes=layout.nodes,
+        local=layout.local,
+        chunk_size=meta.chunk_size,
+        overlap_degree=plan.overlap_degree,
+        rows_moved=moved,
+        flat_rows=flat,
+        two_hop_rows=hier,
+        two_hop_intra_rows=intra,
+        flat_gib=gib(flat),
+        two_hop_gib=gib(hier),
+        factor=flat / hier if hier else float("inf"),
+        flat_wire_rows=flat_wire,
+        two_hop_wire_rows=hier_wire,
+        wire_factor=flat_wire / hier_wire if hier_wire else float("inf"),
+        relay_ingress_max=int(ingress.max(initial=0)),
+        flat_ingress_max=int(flat_ingress.max(initial=0)),
+        relay_ingress_mean=float(ingress[ingress > 0].mean()) if ingress.any() else 0.0,
+        plan_s=t_plan,
+        relay_s=t_relay,
+    )
 
 
 def to_markdown(rows: list[dict], meta: dict) -> str:
     lay = f"{meta['nodes']} nodes × {meta['local']} ranks"
-    out = [f"# Inter-node KV volume: flat vs two-hop group-cast ({meta['total']:,} tokens, "
-           f"{lay})", "",
-           f"{meta['date']}; host planner only, no devices ({meta['host']}, "
-           f"{meta['cpu_count']} CPUs; Python {meta['python']}, NumPy {meta['numpy']}, "
-           f"commit {meta['commit']}). `{meta['command']}`", "",
-           f"One row = K and V of one token: 2 × Hkv {meta['hkv']} × D {meta['d']} × "
-           f"{meta['dtype']} = {meta['row_bytes']:,} B. GiB per forward cast, summed over "
-           "the remote stages; a training step moves the same rows again in the backward "
-           "(re-fetch cast in bf16, reduce in float32): 4× these bytes, same factor. "
-           "*Real*: rows carrying KV; *wire*: what the `xla` transport "
-           "(one `ppermute` per slot at the slot's widest block) sends between nodes, "
-           "padding included. *In max*: the most real rows one rank receives across the "
-           "node boundary (flat; two-hop, as a relay), and the two-hop mean over the ranks "
-           "that receive any: a relay is always a rank that needs the row, so the spread "
-           "follows the ranks' own demand.", "",
-           "| mask | degree | KV rows cast | flat inter-node GiB | two-hop GiB | reduction "
-           "(real) | flat wire GiB | two-hop wire GiB | reduction (wire) | in max flat / "
-           "two-hop (mean) rows | two-hop intra-node rows | plan s | two-hop tables s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    rb = meta["row_bytes"] / 2 ** 30
+    out = [
+        f"# Inter-node KV volume: flat vs two-hop group-cast ({meta['total']:,} tokens, {lay})",
+        "",
+        f"{meta['date']}; host planner only, no devices ({meta['host']}, "
+        f"{meta['cpu_count']} CPUs; Python {meta['python']}, NumPy {meta['numpy']}, "
+        f"commit {meta['commit']}). `{meta['command']}`",
+        "",
+        f"One row = K and V of one token: 2 × Hkv {meta['hkv']} × D {meta['d']} × "
+        f"{meta['dtype']} = {meta['row_bytes']:,} B. GiB per forward cast, summed over "
+        "the remote stages; a training step moves the same rows again in the backward "
+        "(re-fetch cast in bf16, reduce in float32): 4× these bytes, same factor. "
+        "*Real*: rows carrying KV; *wire*: what the `xla` transport "
+        "(one `ppermute` per slot at the slot's widest block) sends between nodes, "
+        "padding included. *In max*: the most real rows one rank receives across the "
+        "node boundary (flat; two-hop, as a relay), and the two-hop mean over the ranks "
+        "that receive any: a relay is always a rank that needs the row, so the spread "
+        "follows the ranks' own demand.",
+        "",
+        "| mask | degree | KV rows cast | flat inter-node GiB | two-hop GiB | reduction "
+        "(real) | flat wire GiB | two-hop wire GiB | reduction (wire) | in max flat / "
+        "two-hop (mean) rows | two-hop intra-node rows | plan s | two-hop tables s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    rb = meta["row_bytes"] / 2**30
     for r in rows:
         out.append(
             f"| {r['mask']} | {r['overlap_degree']} | {r['rows_moved']:,} | "
@@ -131,7 +152,8 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
             f"{r['wire_factor']:.2f}× | {r['flat_ingress_max']:,} / "
             f"{r['relay_ingress_max']:,} ({r['relay_ingress_mean']:,.0f}) | "
             f"{r['two_hop_intra_rows']:,} | "
-            f"{r['plan_s']:.1f} | {r['relay_s']:.1f} |")
+            f"{r['plan_s']:.1f} | {r['relay_s']:.1f} |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -141,8 +163,12 @@ def main(argv=None):
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--local", type=int, default=8, help="ranks (GPUs) per node")
     p.add_argument("--masks", nargs="+", default=list(_DEFAULT_MASKS), choices=MASKS)
-    p.add_argument("--degrees", nargs="+", default=["default", "1"],
-                   help="overlap degrees: 'default' (the cost model's) and/or integers")
+    p.add_argument(
+        "--degrees",
+        nargs="+",
+        default=["default", "1"],
+        help="overlap degrees: 'default' (the cost model's) and/or integers",
+    )
     p.add_argument("--hkv", type=int, default=8)
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_ITEMSIZE))
@@ -153,6 +179,7 @@ def main(argv=None):
     work = [(m, d) for m in args.masks for d in args.degrees]
     try:
         from tqdm import tqdm
+
         work = tqdm(work, file=sys.stderr, dynamic_ncols=True)
     except ImportError:
         pass
@@ -163,17 +190,31 @@ def main(argv=None):
             work.set_postfix_str(f"{name} {rows[-1]['factor']:.2f}x")
     now = datetime.datetime.now(datetime.timezone.utc)
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or "unknown"
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
+            or "unknown"
+        )
     except OSError:
         commit = "unknown"
-    meta = dict(date=now.strftime("%Y-%m-%d %H:%M UTC"), host=platform.processor() or
-                platform.machine(), cpu_count=os.cpu_count(), python=platform.python_version(),
-                numpy=np.__version__, commit=commit, total=args.total, nodes=args.nodes,
-                local=args.local, hkv=args.hkv, d=args.d, dtype=args.dtype,
-                row_bytes=row_bytes,
-                command="python benchmarks/hierarchical_bench.py " + " ".join(
-                    argv if argv is not None else sys.argv[1:]))
+    meta = dict(
+        date=now.strftime("%Y-%m-%d %H:%M UTC"),
+        host=platform.processor() or platform.machine(),
+        cpu_count=os.cpu_count(),
+        python=platform.python_version(),
+        numpy=np.__version__,
+        commit=commit,
+        total=args.total,
+        nodes=args.nodes,
+        local=args.local,
+        hkv=args.hkv,
+        d=args.d,
+        dtype=args.dtype,
+        row_bytes=row_bytes,
+        command="python benchmarks/hierarchical_bench.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+    )
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"hierarchical_{now.strftime('%Y%m%d_%H%M')}")
     with open(stem + ".json", "w") as f:

@@ -1,11 +1,13 @@
 """Kernel benchmark: FFA (pallas, xla) against cuDNN, tokamax and dense XLA over the mask zoo.
 
 TFLOP/s are counted from the mask area: ``4·area·Hq·D·B`` forward, 3.5× that for
-forward+backward, 2.5× for the backward alone (``--modes bwd``). Writes ``benchmarks/results/kernel/kernel_<date>_<device>.{json,md}``.
+forward+backward, 2.5× for the backward alone (``--modes bwd``). Writes
+``benchmarks/results/kernel/kernel_<date>_<device>.{json,md}``.
 
     PYTHONPATH=. python benchmarks/kernel_bench.py --lengths 16384 --masks full,causal
     PYTHONPATH=. python benchmarks/kernel_bench.py --preset acceptance
-    PYTHONPATH=. python benchmarks/kernel_bench.py --judge benchmarks/results/kernel/kernel_<...>.json
+    PYTHONPATH=. python benchmarks/kernel_bench.py \
+        --judge benchmarks/results/kernel/kernel_<...>.json
 
 The markdown ends with the kernel targets (``TARGET_LINES``: FFA against cuDNN, absolute
 TFLOP/s, and each mask against FFA's own causal rate) that the run measured.
@@ -35,19 +37,31 @@ from magi_jax.mask import AttnMask  # noqa: E402
 from magi_jax.mask_zoo import make_mask as zoo_mask  # noqa: E402
 
 # The zoo of magi_jax.mask_zoo under this benchmark's names (mask_zoo.DOC_LENGTHS documents).
-ZOO = ("full", "causal", "doc_causal", "doc_full", "swa_causal_1024", "swa_causal_4096",
-       "block_causal", "shared_question", "prefix_lm", "causal_blockwise")
+ZOO = (
+    "full",
+    "causal",
+    "doc_causal",
+    "doc_full",
+    "swa_causal_1024",
+    "swa_causal_4096",
+    "block_causal",
+    "shared_question",
+    "prefix_lm",
+    "causal_blockwise",
+)
 IMPLS = ("ffa_pallas", "ffa_xla", "cudnn", "tokamax", "xla_dense")
 # The pipeline knobs of the pallas kernels (results/kernel/kernel_notes.md, "Knobs"): the
 # forward alone, the default against 3 slots (one program per tile) and one program per
 # tile; the dK/dV kernel's 3 slots, fwd+bwd at full/causal 16k.
-_FWD_KNOB_IMPLS = ("ffa_pallas", "ffa_pallas:num_stages=3:persistent=0",
-                   "ffa_pallas:persistent=0")
+_FWD_KNOB_IMPLS = ("ffa_pallas", "ffa_pallas:num_stages=3:persistent=0", "ffa_pallas:persistent=0")
 # Persistent kernels (one program per H200 SM; by default on a GPU the forward's and the
 # dK/dV kernel's on short rows) against one program per tile, forward and dK/dV separately.
-_PERSISTENT_IMPLS = ("ffa_pallas:persistent=0:dkv_persistent=0", "ffa_pallas:persistent=132",
-                     "ffa_pallas:dkv_persistent=132",
-                     "ffa_pallas:persistent=132:dkv_persistent=132")
+_PERSISTENT_IMPLS = (
+    "ffa_pallas:persistent=0:dkv_persistent=0",
+    "ffa_pallas:persistent=132",
+    "ffa_pallas:dkv_persistent=132",
+    "ffa_pallas:persistent=132:dkv_persistent=132",
+)
 _BWD_KNOB_IMPLS = ("ffa_pallas", "ffa_pallas:dkv_num_stages=3")
 # (mask, length, impls or None for --impls[, modes instead of --modes]).
 PRESETS = {
@@ -57,19 +71,35 @@ PRESETS = {
     # causal at the same length. GQA, D = 64 and D = 256 are runs of their own
     # (``--heads 64 --kv-heads 8``, ``--heads 32 --head-dim 64``, ``--head-dim 256``).
     "acceptance": [(m, t, None) for t in (16384, 32768) for m in ("full", "causal")]
-                  + [("doc_causal", 32768, ("ffa_pallas",)), ("causal", 8192, ("ffa_pallas",)),
-                     ("doc_causal", 8192, ("ffa_pallas",)),
-                     ("many_docs_128", 32768, ("ffa_pallas",))]
-                  + [(m, 16384, ("ffa_pallas",)) for m in ZOO if m not in ("full", "causal")],
+    + [
+        ("doc_causal", 32768, ("ffa_pallas",)),
+        ("causal", 8192, ("ffa_pallas",)),
+        ("doc_causal", 8192, ("ffa_pallas",)),
+        ("many_docs_128", 32768, ("ffa_pallas",)),
+    ]
+    + [(m, 16384, ("ffa_pallas",)) for m in ZOO if m not in ("full", "causal")],
     "smoke": [("causal", 4096, None), ("doc_causal", 4096, None)],
-    "knobs": [(m, t, ("cudnn",) * (m != "doc_causal") + _FWD_KNOB_IMPLS, ("fwd",))
-              for m, t in (("full", 16384), ("causal", 16384), ("doc_causal", 16384),
-                           ("doc_causal", 32768))]
-             + [(m, 16384, _BWD_KNOB_IMPLS, ("fwd+bwd",)) for m in ("full", "causal")],
-    "persistent": [(m, t, _PERSISTENT_IMPLS)
-                   for m, t in (("full", 16384), ("causal", 16384), ("doc_causal", 32768),
-                                ("doc_causal", 16384), ("swa_causal_1024", 16384),
-                                ("prefix_lm", 16384))],
+    "knobs": [
+        (m, t, ("cudnn",) * (m != "doc_causal") + _FWD_KNOB_IMPLS, ("fwd",))
+        for m, t in (
+            ("full", 16384),
+            ("causal", 16384),
+            ("doc_causal", 16384),
+            ("doc_causal", 32768),
+        )
+    ]
+    + [(m, 16384, _BWD_KNOB_IMPLS, ("fwd+bwd",)) for m in ("full", "causal")],
+    "persistent": [
+        (m, t, _PERSISTENT_IMPLS)
+        for m, t in (
+            ("full", 16384),
+            ("causal", 16384),
+            ("doc_causal", 32768),
+            ("doc_causal", 16384),
+            ("swa_causal_1024", 16384),
+            ("prefix_lm", 16384),
+        )
+    ],
 }
 
 
@@ -77,11 +107,18 @@ PRESETS = {
 # (mask, length, mode, against, target), against "cudnn" (a ratio to cuDNN in the same run)
 # or "tflops" (absolute). Besides these, every other mask's forward+backward against FFA's
 # own causal rate at the same length: ZOO_LINE, or SHORT_DOC_LINE for SHORT_DOC_MASKS.
-_AGAINST_CUDNN = lambda target: tuple((m, t, mode, "cudnn", target) for t in (16384, 32768)
-                                      for m in ("full", "causal") for mode in ("fwd", "fwd+bwd"))
+_AGAINST_CUDNN = lambda target: tuple(
+    (m, t, mode, "cudnn", target)
+    for t in (16384, 32768)
+    for m in ("full", "causal")
+    for mode in ("fwd", "fwd+bwd")
+)
 TARGET_LINES = {
-    "default": _AGAINST_CUDNN(1.0) + (("doc_causal", 32768, "fwd", "tflops", 600.0),
-                                      ("doc_causal", 32768, "fwd+bwd", "tflops", 540.0)),
+    "default": _AGAINST_CUDNN(1.0)
+    + (
+        ("doc_causal", 32768, "fwd", "tflops", 600.0),
+        ("doc_causal", 32768, "fwd+bwd", "tflops", 540.0),
+    ),
     "gqa": _AGAINST_CUDNN(1.0),
     "d64": _AGAINST_CUDNN(0.95),
     "d256": tuple(("causal", t, "fwd+bwd", "cudnn", 0.85) for t in (8192, 16384)),
@@ -100,14 +137,15 @@ def make_mask(name: str, total: int) -> AttnMask:
         # without a single masked tile — what short rows cost apart from the predicate.
         block = int(name.rsplit("_", 1)[1])
         return AttnMask.varlen(np.append(np.arange(0, total, block), total), causal=False)
-    if name.startswith("many_docs_"):   # many-docs with this many random lengths
+    if name.startswith("many_docs_"):  # many-docs with this many random lengths
         return zoo_mask("many-docs", total, num_docs=int(name.rsplit("_", 1)[1]))
     if name.startswith("swa_causal_"):
         return zoo_mask("sliding-window", total, window=int(name.rsplit("_", 1)[1]))
     if name not in ZOO:
         raise ValueError(f"unknown mask {name!r}; one of {ZOO}")
-    return zoo_mask(name.replace("_", "-"), total, block=2048,
-                    multiple=128 if total >= 16384 else 1)
+    return zoo_mask(
+        name.replace("_", "-"), total, block=2048, multiple=128 if total >= 16384 else 1
+    )
 
 
 def row_intervals(mask: AttnMask):
@@ -136,32 +174,40 @@ def attention_fn(impl: str, mask: AttnMask, name: str):
     if impl.startswith("ffa_pallas"):
         # "ffa_pallas" or with tuning, e.g. "ffa_pallas:num_stages=3:persistent=0".
         from magi_jax.pallas import flex_flash_attention_pallas
+
         tuning = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in impl.split(":")[1:]}
         return lambda q, k, v: flex_flash_attention_pallas(q, k, v, mask, **tuning)[0]
     if impl == "ffa_xla":
         if t > 8192:
             raise NotImplementedError("ffa_xla only up to 8k (slow)")
         from magi_jax.ffa import flex_flash_attention
+
         return lambda q, k, v: flex_flash_attention(q, k, v, mask, backend="xla")[0]
     if impl in ("cudnn", "xla_dense"):
         kind = "cudnn" if impl == "cudnn" else "xla"
         if impl == "xla_dense" and t > 4096:
             raise NotImplementedError("dense XLA only up to 4k")
         if name in ("full", "causal"):
-            return functools.partial(jax.nn.dot_product_attention, is_causal=name == "causal",
-                                     implementation=kind)
+            return functools.partial(
+                jax.nn.dot_product_attention, is_causal=name == "causal", implementation=kind
+            )
         if t > 32768 or (impl == "cudnn" and name != "doc_causal"):
-            raise NotImplementedError("dense bool mask: only doc_causal up to 32k (the "
-                                      "benchmark's comparison; ~23 TFLOP/s, the cost is Tq·Tk)")
+            raise NotImplementedError(
+                "dense bool mask: only doc_causal up to 32k (the "
+                "benchmark's comparison; ~23 TFLOP/s, the cost is Tq·Tk)"
+            )
         dense = jnp.asarray(mask.to_dense(max_cells=1 << 31))[None, None]
-        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense,
-                                                            implementation=kind)
+        return lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, mask=dense, implementation=kind
+        )
     if impl == "tokamax":
         import tokamax
         from tokamax._src.ops.attention import api, base
+
         if name in ("full", "causal"):
-            return functools.partial(tokamax.dot_product_attention, is_causal=name == "causal",
-                                     implementation="mosaic")
+            return functools.partial(
+                tokamax.dot_product_attention, is_causal=name == "causal", implementation="mosaic"
+            )
         iv = row_intervals(mask)
         if iv is None:
             raise NotImplementedError("rows are not single key intervals")
@@ -210,19 +256,20 @@ def mode_fn(f, mode, inputs, flops):
     q, k, v, do = inputs
     if mode == "fwd":
         return jax.jit(f), (q, k, v), flops
-    if mode == "bwd":       # the backward alone, from saved residuals: 2.5x fwd FLOPs
+    if mode == "bwd":  # the backward alone, from saved residuals: 2.5x fwd FLOPs
         _, vjp_fn = jax.vjp(jax.jit(f), q, k, v)
         return jax.jit(lambda vf, do: vf(do)), (vjp_fn, do), 2.5 * flops
     if mode == "fwd+bwd":
+
         def fb(q, k, v, do):
             out, vjp = jax.vjp(f, q, k, v)
             return vjp(do)
+
         return jax.jit(fb), (q, k, v, do), 3.5 * flops
     raise ValueError(f"mode {mode!r}: fwd, bwd or fwd+bwd")
 
 
-def run_group(impls, name, total, batch, heads, kv_heads, head_dim, dtype, modes, calls=5,
-              reps=5):
+def run_group(impls, name, total, batch, heads, kv_heads, head_dim, dtype, modes, calls=5, reps=5):
     """Rows of every impl on one case, the impls of each mode timed in alternating rounds
     (:func:`bench_interleaved`, ``reps`` rounds of ``calls`` calls; each row keeps its
     rounds' times as ``rounds_ms``); an impl that is not implemented or fails gets a row
@@ -230,8 +277,16 @@ def run_group(impls, name, total, batch, heads, kv_heads, head_dim, dtype, modes
     mask = make_mask(name, total)
     inputs = case_inputs(total, batch, heads, kv_heads, head_dim, dtype)
     flops = 4.0 * mask.area * heads * head_dim * batch
-    base = dict(mask=name, length=total, batch=batch, heads=heads, kv_heads=kv_heads,
-                head_dim=head_dim, dtype=jnp.dtype(dtype).name, area=mask.area)
+    base = dict(
+        mask=name,
+        length=total,
+        batch=batch,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=jnp.dtype(dtype).name,
+        area=mask.area,
+    )
     rows, fns = [], {}
     for impl in impls:
         try:
@@ -243,19 +298,27 @@ def run_group(impls, name, total, batch, heads, kv_heads, head_dim, dtype, modes
         for impl, f in fns.items():
             try:
                 fn, args, fl = mode_fn(f, mode, inputs, flops)
-                for _ in range(2):   # compile and warm up here, so a failure names its impl
+                for _ in range(2):  # compile and warm up here, so a failure names its impl
                     jax.block_until_ready(fn(*args))
                 entries.append((impl, fn, args, fl))
             except Exception as e:  # keep the sweep going; record the failure
                 traceback.print_exc()
-                rows.append(dict(impl=impl, mask=name, length=total, mode=mode,
-                                 error=repr(e)[:300]))
+                rows.append(
+                    dict(impl=impl, mask=name, length=total, mode=mode, error=repr(e)[:300])
+                )
         rounds = []
-        times = bench_interleaved([(fn, args) for _, fn, args, _ in entries], calls, reps,
-                                  rounds)
+        times = bench_interleaved([(fn, args) for _, fn, args, _ in entries], calls, reps, rounds)
         for (impl, _, _, fl), t, r in zip(entries, times, rounds):
-            rows.append(dict(base, impl=impl, mode=mode, ms=t * 1e3, tflops=fl / t / 1e12,
-                             rounds_ms=[round(x * 1e3, 4) for x in r]))
+            rows.append(
+                dict(
+                    base,
+                    impl=impl,
+                    mode=mode,
+                    ms=t * 1e3,
+                    tflops=fl / t / 1e12,
+                    rounds_ms=[round(x * 1e3, 4) for x in r],
+                )
+            )
     return rows
 
 
@@ -263,11 +326,13 @@ def versions():
     v = dict(jax=jax.__version__, python=platform.python_version())
     try:
         import jaxlib
+
         v["jaxlib"] = jaxlib.__version__
     except ImportError:
         pass
     try:
         import tokamax
+
         v["tokamax"] = getattr(tokamax, "__version__", "0.0.17")
     except Exception:
         pass
@@ -285,23 +350,36 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--tokens-per-batch", type=int, default=32768,
-                   help="batch = max(1, this // length) (default: B=2 at 16k, 1 at 32k)")
+    p.add_argument(
+        "--tokens-per-batch",
+        type=int,
+        default=32768,
+        help="batch = max(1, this // length) (default: B=2 at 16k, 1 at 32k)",
+    )
     p.add_argument("--calls", type=int, default=5, help="blocked calls per timing round")
-    p.add_argument("--reps", type=int, default=5,
-                   help="timing rounds per impl, alternating between the impls of a case")
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=5,
+        help="timing rounds per impl, alternating between the impls of a case",
+    )
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kernel"))
     p.add_argument("--tag", default="")
-    p.add_argument("--judge", metavar="JSON", default=None,
-                   help="print the kernel targets a results file measures and exit "
-                        "(no GPU needed)")
+    p.add_argument(
+        "--judge",
+        metavar="JSON",
+        default=None,
+        help="print the kernel targets a results file measures and exit (no GPU needed)",
+    )
     a = p.parse_args(argv)
     if a.judge:
         with open(a.judge) as f:
             checks = target_lines(json.load(f)["rows"])
         for c in checks:
-            print(f"{c['line']:32s} {c['target']:22s} {c['value']:9.3f}  "
-                  f"{'holds' if c['holds'] else 'FAILS'}")
+            print(
+                f"{c['line']:32s} {c['target']:22s} {c['value']:9.3f}  "
+                f"{'holds' if c['holds'] else 'FAILS'}"
+            )
         return checks
     if a.preset:
         cases = PRESETS[a.preset]
@@ -311,25 +389,37 @@ def main(argv=None):
     modes = a.modes.split(",")
     dtype = jnp.dtype(a.dtype)
     kvh = a.kv_heads or a.heads
-    work = [(tuple(only or impls), m, t, tuple(c[3]) if len(c) > 3 else modes)
-            for c in cases for m, t, only in [c[:3]]]
+    work = [
+        (tuple(only or impls), m, t, tuple(c[3]) if len(c) > 3 else modes)
+        for c in cases
+        for m, t, only in [c[:3]]
+    ]
     try:
         from tqdm import tqdm
+
         it = tqdm(work, file=sys.stderr)
     except ImportError:
         it = work
     rows = []
     dev = jax.devices()[0]
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                device=getattr(dev, "device_kind", str(dev)), versions=versions(),
-                heads=a.heads, kv_heads=kvh, head_dim=a.head_dim, dtype=dtype.name,
-                tokens_per_batch=a.tokens_per_batch, calls=a.calls, reps=a.reps,
-                flops="4*area*Hq*D*B fwd, 3.5x for fwd+bwd")
+    meta = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=getattr(dev, "device_kind", str(dev)),
+        versions=versions(),
+        heads=a.heads,
+        kv_heads=kvh,
+        head_dim=a.head_dim,
+        dtype=dtype.name,
+        tokens_per_batch=a.tokens_per_batch,
+        calls=a.calls,
+        reps=a.reps,
+        flops="4*area*Hq*D*B fwd, 3.5x for fwd+bwd",
+    )
     os.makedirs(a.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
     base = os.path.join(a.out, f"kernel_{stamp}_{meta['device'].replace(' ', '_')}{a.tag}")
 
-    def save():   # after every case, so a sweep cut short still leaves its results
+    def save():  # after every case, so a sweep cut short still leaves its results
         with open(base + ".json", "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
         with open(base + ".md", "w") as f:
@@ -339,8 +429,19 @@ def main(argv=None):
         if hasattr(it, "set_description"):
             it.set_description(f"{name} {total}")
         batch = max(1, a.tokens_per_batch // total)
-        rows += run_group(case_impls, name, total, batch, a.heads, kvh, a.head_dim, dtype,
-                          case_modes, a.calls, a.reps)
+        rows += run_group(
+            case_impls,
+            name,
+            total,
+            batch,
+            a.heads,
+            kvh,
+            a.head_dim,
+            dtype,
+            case_modes,
+            a.calls,
+            a.reps,
+        )
         save()
     save()
     print(markdown(rows, meta))
@@ -361,10 +462,14 @@ def _config(row) -> str:
 def target_lines(rows):
     """The kernel targets that ``rows`` measure: dicts of ``line``, ``target``, ``value``
     (a ratio, or TFLOP/s for an absolute target) and ``holds``."""
-    rate = {(_config(r), r["mask"], r["length"], r["mode"], r["impl"]): r["tflops"]
-            for r in rows if "tflops" in r}
-    label = lambda cfg, mask, length, mode: (f"{mask} {length} {mode}"
-                                             + ("" if cfg == "default" else f" [{cfg}]"))
+    rate = {
+        (_config(r), r["mask"], r["length"], r["mode"], r["impl"]): r["tflops"]
+        for r in rows
+        if "tflops" in r
+    }
+    label = lambda cfg, mask, length, mode: (
+        f"{mask} {length} {mode}" + ("" if cfg == "default" else f" [{cfg}]")
+    )
     out = []
     for cfg, lines in TARGET_LINES.items():
         for mask, length, mode, against, target in lines:
@@ -378,39 +483,65 @@ def target_lines(rows):
                 want = f">= {target:g}x {against}"
             else:
                 continue
-            out.append(dict(line=label(cfg, mask, length, mode), target=want, value=value,
-                            holds=value >= target))
+            out.append(
+                dict(
+                    line=label(cfg, mask, length, mode),
+                    target=want,
+                    value=value,
+                    holds=value >= target,
+                )
+            )
     for (cfg, mask, length, mode, impl), mine in rate.items():
         causal = rate.get((cfg, "causal", length, mode, impl))
-        if (impl == "ffa_pallas" and mode == "fwd+bwd" and mask not in ("full", "causal")
-                and causal):
+        if impl == "ffa_pallas" and mode == "fwd+bwd" and mask not in ("full", "causal") and causal:
             target = SHORT_DOC_LINE if (mask, length) in SHORT_DOC_MASKS else ZOO_LINE
-            out.append(dict(line=label(cfg, mask, length, mode),
-                            target=f">= {target:g}x FFA causal", value=mine / causal,
-                            holds=mine / causal >= target))
+            out.append(
+                dict(
+                    line=label(cfg, mask, length, mode),
+                    target=f">= {target:g}x FFA causal",
+                    value=mine / causal,
+                    holds=mine / causal >= target,
+                )
+            )
     return out
 
 
 def markdown(rows, meta) -> str:
-    lines = [f"# Kernel benchmark {meta['date']} on {meta['device']}", "",
-             f"versions: {meta['versions']}; Hq={meta['heads']}, Hkv={meta['kv_heads']}, "
-             f"D={meta['head_dim']}, {meta['dtype']}; B = max(1, "
-             f"{meta['tokens_per_batch']} / length); TFLOP/s = {meta['flops']}", "",
-             "| mask | length | mode | impl | ms | TFLOP/s |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# Kernel benchmark {meta['date']} on {meta['device']}",
+        "",
+        f"versions: {meta['versions']}; Hq={meta['heads']}, Hkv={meta['kv_heads']}, "
+        f"D={meta['head_dim']}, {meta['dtype']}; B = max(1, "
+        f"{meta['tokens_per_batch']} / length); TFLOP/s = {meta['flops']}",
+        "",
+        "| mask | length | mode | impl | ms | TFLOP/s |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "tflops" in r:
-            lines.append(f"| {r['mask']} | {r['length']} | {r['mode']} | {r['impl']} | "
-                         f"{r['ms']:.3f} | {r['tflops']:.1f} |")
+            lines.append(
+                f"| {r['mask']} | {r['length']} | {r['mode']} | {r['impl']} | "
+                f"{r['ms']:.3f} | {r['tflops']:.1f} |"
+            )
         else:
             why = r.get("skipped") or r.get("error")
-            lines.append(f"| {r['mask']} | {r['length']} | - | {r['impl']} | - | "
-                         f"{'skipped' if 'skipped' in r else 'ERROR'}: {why} |")
+            lines.append(
+                f"| {r['mask']} | {r['length']} | - | {r['impl']} | - | "
+                f"{'skipped' if 'skipped' in r else 'ERROR'}: {why} |"
+            )
     checks = target_lines(rows)
     if checks:
-        lines += ["", "Kernel targets measured in this run:", "",
-                  "| line | target | value | holds |", "|---|---|---|---|"]
-        lines += [f"| {c['line']} | {c['target']} | {c['value']:.3f} | "
-                  f"{'yes' if c['holds'] else 'no'} |" for c in checks]
+        lines += [
+            "",
+            "Kernel targets measured in this run:",
+            "",
+            "| line | target | value | holds |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {c['line']} | {c['target']} | {c['value']:.3f} | {'yes' if c['holds'] else 'no'} |"
+            for c in checks
+        ]
     return "\n".join(lines) + "\n"
 
 

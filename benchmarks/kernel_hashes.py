@@ -25,8 +25,13 @@ from magi_jax.mask import AttnMask
 from magi_jax.pallas import ffa_pallas, plan_for_mask
 
 # Unaligned slices of every kind, Tq != Tk, a query head pair over one key head.
-MASK = AttnMask.from_ranges([[0, 100], [100, 190], [100, 190]], [[0, 500], [0, 60], [60, 640]],
-                            ["causal", "full", "inv_causal"], 200, 640)
+MASK = AttnMask.from_ranges(
+    [[0, 100], [100, 190], [100, 190]],
+    [[0, 500], [0, 60], [60, 640]],
+    ["causal", "full", "inv_causal"],
+    200,
+    640,
+)
 
 
 def kernel_modules(d: int, programs: int) -> list[bytes]:
@@ -36,20 +41,25 @@ def kernel_modules(d: int, programs: int) -> list[bytes]:
     kv = jax.ShapeDtypeStruct((MASK.total_k, 1, d), jnp.bfloat16)
 
     def loss(q_, k_, v_):
-        out, _ = ffa_pallas(q_, k_, v_, plan, softmax_scale=0.1, persistent=programs,
-                            dkv_persistent=programs)
+        out, _ = ffa_pallas(
+            q_, k_, v_, plan, softmax_scale=0.1, persistent=programs, dkv_persistent=programs
+        )
         return out.astype(jnp.float32).sum()
 
-    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
-        lowering_platforms=("cuda",))
+    lowered = (
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        .trace(q, kv, kv)
+        .lower(lowering_platforms=("cuda",))
+    )
     found = []
 
     def walk(op):
         for region in op.regions:
             for block in region.blocks:
                 for child in block.operations:
-                    if (child.operation.name == "stablehlo.custom_call"
-                            and "mosaic" in str(child.attributes["call_target_name"])):
+                    if child.operation.name == "stablehlo.custom_call" and "mosaic" in str(
+                        child.attributes["call_target_name"]
+                    ):
                         config = child.attributes["mhlo.backend_config"]
                         found.append(bytes(ir.StringAttr(config["module"]).value_bytes))
                     walk(child.operation)
@@ -66,10 +76,12 @@ def fingerprints(d: int, programs: int) -> list[str]:
     """The kernels of :func:`kernel_modules`, each printed without debug info and hashed."""
     ctx = jax_mlir.make_ir_context()
     mgpu_dialect.register_dialect(ctx)
-    ctx.allow_unregistered_dialects = True   # the modules are serialized in stable dialects
+    ctx.allow_unregistered_dialects = True  # the modules are serialized in stable dialects
     with ctx:
-        texts = [ir.Module.parse(m).operation.get_asm(enable_debug_info=False)
-                 for m in kernel_modules(d, programs)]
+        texts = [
+            ir.Module.parse(m).operation.get_asm(enable_debug_info=False)
+            for m in kernel_modules(d, programs)
+        ]
     return [hashlib.sha256(_DUMP_NAME.sub("", t).encode()).hexdigest()[:12] for t in texts]
 
 
@@ -79,7 +91,7 @@ def main():
     a = p.parse_args()
     for d in (int(x) for x in a.head_dims.split(",")):
         # No persistent kernel at D = 256 (their output buffers do not fit).
-        for programs in ((0, 132) if d <= 128 else (0,)):
+        for programs in (0, 132) if d <= 128 else (0,):
             print(f"D {d} programs {programs}: {' '.join(fingerprints(d, programs))}")
 
 

@@ -29,13 +29,14 @@ if _ROOT not in sys.path:
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from benchmarks.baselines.common import pick_backend  # noqa: E402
 from benchmarks.dist_bench import versions  # noqa: E402
 from benchmarks.kernel_bench import make_mask  # noqa: E402
-from benchmarks.baselines.common import pick_backend  # noqa: E402
-from magi_jax.sharding import make_flex_key  # noqa: E402
 from benchmarks.probe import measure_overlap, overlap_probe  # noqa: E402
+from magi_jax.sharding import make_flex_key  # noqa: E402
 
 
 def _parse(argv):
@@ -50,15 +51,17 @@ def _parse(argv):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=240.0)
-    p.add_argument("--schedule", action="store_true",
-                   help="also write the order in which XLA scheduled the collectives and the "
-                        "FFA kernels of magi_attention (<out>/overlap_..._schedule.txt)")
+    p.add_argument(
+        "--schedule",
+        action="store_true",
+        help="also write the order in which XLA scheduled the collectives and the "
+        "FFA kernels of magi_attention (<out>/overlap_..._schedule.txt)",
+    )
     p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results", "overlap"))
     return p.parse_args(argv)
 
 
-_SCHEDULE_OPS = ("collective-permute", "all-to-all", "custom-call", "all-gather",
-                 "reduce-scatter")
+_SCHEDULE_OPS = ("collective-permute", "all-to-all", "custom-call", "all-gather", "reduce-scatter")
 
 
 def schedule(key, q, k, v, backward: bool) -> list[str]:
@@ -73,8 +76,11 @@ def schedule(key, q, k, v, backward: bool) -> list[str]:
         if entry and "=" in line and any(op in line for op in _SCHEDULE_OPS):
             lhs, rhs = line.strip().split("=", 1)
             op = rhs.split("(", 1)[0].split()[-1]
-            target = rhs.split('custom_call_target="', 1)[1].split('"')[0] if (
-                "custom_call_target" in rhs) else ""
+            target = (
+                rhs.split('custom_call_target="', 1)[1].split('"')[0]
+                if ("custom_call_target" in rhs)
+                else ""
+            )
             lines.append(f"{lhs.strip()} = {op} {target}".rstrip())
         if entry and line.startswith("}"):
             break
@@ -82,24 +88,30 @@ def schedule(key, q, k, v, backward: bool) -> list[str]:
 
 
 def markdown(meta, rows) -> str:
-    lines = [f"# Overlap probe {meta['date']}", "",
-             f"{meta['num_devices']} × {meta['device']}; {meta['versions']}; H={meta['heads']}, "
-             f"D={meta['head_dim']}, bf16, ffa {meta['ffa_backend']}, comm {meta['comm']}.", "",
-             "`comm`: group collectives alone; `compute`: FFA stages + merge on pre-fetched KV; "
-             "`both`: magi_attention; `hidden` = comm + compute − both (≥ 0); TFLOP/s per GPU "
-             "of `both` on the most loaded rank's area.", "",
-             "| mask | tokens | mode | degree | refetch | comm ms | compute ms | both ms | "
-             "hidden ms | hidden % | TFLOP/s/GPU | remote KV max |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Overlap probe {meta['date']}",
+        "",
+        f"{meta['num_devices']} × {meta['device']}; {meta['versions']}; H={meta['heads']}, "
+        f"D={meta['head_dim']}, bf16, ffa {meta['ffa_backend']}, comm {meta['comm']}.",
+        "",
+        "`comm`: group collectives alone; `compute`: FFA stages + merge on pre-fetched KV; "
+        "`both`: magi_attention; `hidden` = comm + compute − both (≥ 0); TFLOP/s per GPU "
+        "of `both` on the most loaded rank's area.",
+        "",
+        "| mask | tokens | mode | degree | refetch | comm ms | compute ms | both ms | "
+        "hidden ms | hidden % | TFLOP/s/GPU | remote KV max |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        head = (f"| {r['mask']} | {r['length']} | {r['mode']} | {r['degree']} | "
-                f"{r['refetch']} |")
+        head = f"| {r['mask']} | {r['length']} | {r['mode']} | {r['degree']} | {r['refetch']} |"
         if "error" in r or "skipped" in r:
             lines.append(f"{head} {r.get('error') or r.get('skipped')} |||||||")
             continue
-        lines.append(f"{head} {r['comm_ms']:.2f} | {r['compute_ms']:.2f} | {r['both_ms']:.2f} "
-                     f"| {r['hidden_ms']:.2f} | {100 * r['hidden_fraction']:.0f} | "
-                     f"{r['tflops_per_device']:.1f} | {r['remote_kv_max']} |")
+        lines.append(
+            f"{head} {r['comm_ms']:.2f} | {r['compute_ms']:.2f} | {r['both_ms']:.2f} "
+            f"| {r['hidden_ms']:.2f} | {100 * r['hidden_fraction']:.0f} | "
+            f"{r['tflops_per_device']:.1f} | {r['remote_kv_max']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -107,18 +119,27 @@ def main(argv=None):
     a = _parse(argv)
     t_start = time.perf_counter()
     devices = jax.devices()
-    mesh = jax.make_mesh((len(devices),), ("cp",), devices=devices,
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+        (len(devices),), ("cp",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,)
+    )
     dtype = jnp.bfloat16
     ffa, _ = pick_backend("auto", dtype, a.head_dim)
     stamp = datetime.datetime.now(datetime.timezone.utc)
-    meta = dict(date=stamp.isoformat(timespec="seconds"),
-                device=getattr(devices[0], "device_kind", str(devices[0])),
-                num_devices=len(devices), versions=versions(), heads=a.heads,
-                head_dim=a.head_dim, ffa_backend=ffa, comm=a.comm, argv=sys.argv[1:])
+    meta = dict(
+        date=stamp.isoformat(timespec="seconds"),
+        device=getattr(devices[0], "device_kind", str(devices[0])),
+        num_devices=len(devices),
+        versions=versions(),
+        heads=a.heads,
+        head_dim=a.head_dim,
+        ffa_backend=ffa,
+        comm=a.comm,
+        argv=sys.argv[1:],
+    )
     os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(a.out, f"overlap_{stamp.strftime('%Y%m%d_%H%M')}_"
-                        f"{meta['device'].replace(' ', '_')}")
+    base = os.path.join(
+        a.out, f"overlap_{stamp.strftime('%Y%m%d_%H%M')}_{meta['device'].replace(' ', '_')}"
+    )
     rows, sched = [], []
     shard = NamedSharding(mesh, P("cp"))
     for name in a.masks.split(","):
@@ -127,8 +148,9 @@ def main(argv=None):
             for degree in (int(x) for x in a.degrees.split(",")):
                 for refetch in (bool(int(x)) for x in a.refetch.split(",")):
                     for mode in a.modes.split(","):
-                        row = dict(mask=name, length=total, mode=mode, degree=degree,
-                                   refetch=refetch)
+                        row = dict(
+                            mask=name, length=total, mode=mode, degree=degree, refetch=refetch
+                        )
                         rows.append(row)
                         if refetch is False and mode == "fwd":
                             row["skipped"] = "re-fetch only changes the backward"
@@ -137,18 +159,30 @@ def main(argv=None):
                             row["skipped"] = "time budget"
                             continue
                         try:
-                            key = make_flex_key(mask, mesh, "cp", overlap_degree=degree,
-                                                ffa_backend=ffa, comm_backend=a.comm,
-                                                backward_refetch=refetch)
+                            key = make_flex_key(
+                                mask,
+                                mesh,
+                                "cp",
+                                overlap_degree=degree,
+                                ffa_backend=ffa,
+                                comm_backend=a.comm,
+                                backward_refetch=refetch,
+                            )
                             n = key.padded_total
                             ks = jax.random.split(jax.random.key(0), 3)
-                            q, k, v = (jax.device_put(jax.random.normal(
-                                kk, (n, a.heads, a.head_dim), dtype), shard) for kk in ks)
-                            row.update(measure_overlap(key, q, k, v, backward=mode != "fwd",
-                                                       iters=a.iters))
+                            q, k, v = (
+                                jax.device_put(
+                                    jax.random.normal(kk, (n, a.heads, a.head_dim), dtype), shard
+                                )
+                                for kk in ks
+                            )
+                            row.update(
+                                measure_overlap(key, q, k, v, backward=mode != "fwd", iters=a.iters)
+                            )
                             if a.schedule:
-                                sched.append(f"## {name} {total} {mode} degree {degree} "
-                                             f"refetch {refetch}")
+                                sched.append(
+                                    f"## {name} {total} {mode} degree {degree} refetch {refetch}"
+                                )
                                 sched += schedule(key, q, k, v, mode != "fwd")
                         except Exception as e:
                             traceback.print_exc()

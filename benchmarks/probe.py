@@ -21,8 +21,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from magi_jax.sharding.attention import (magi_attention, rank_stages, stages_backward,
-                                         stages_cfg, stages_forward)
+from magi_jax.sharding.attention import (
+    magi_attention,
+    rank_stages,
+    stages_backward,
+    stages_cfg,
+    stages_forward,
+)
 from magi_jax.sharding.collectives import group_cast, group_reduce
 from magi_jax.sharding.key import MagiKey
 
@@ -33,8 +38,16 @@ def _remote_stages(key):
     return [i for i, st in enumerate(key.stages) if st.cast is not None]
 
 
-def overlap_probe(key: MagiKey, q, k, v, *, softmax_scale: float | None = None,
-                  softcap: float = 0.0, backward: bool = False) -> dict:
+def overlap_probe(
+    key: MagiKey,
+    q,
+    k,
+    v,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    backward: bool = False,
+) -> dict:
     """Jitted ``comm``, ``compute`` and ``both`` for ``key`` and inputs shaped like the
     dispatched ``q, k, v`` (``[padded_total, H, D]``); see the module docstring."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -51,8 +64,10 @@ def overlap_probe(key: MagiKey, q, k, v, *, softmax_scale: float | None = None,
         if not backward:
             return bufs
         # The backward's communication: the same casts, then reduces of same-sized buffers.
-        red = [group_reduce(b, arrays[i][1], key.stages[i].cast, k.shape[0])
-               for b, i in zip(bufs, remote)]
+        red = [
+            group_reduce(b, arrays[i][1], key.stages[i].cast, k.shape[0])
+            for b, i in zip(bufs, remote)
+        ]
         return bufs + tuple(jax.tree.map(lambda r: r.astype(k.dtype), x) for x in red)
 
     cfg = stages_cfg(key, scale, float(softcap))
@@ -80,39 +95,65 @@ def overlap_probe(key: MagiKey, q, k, v, *, softmax_scale: float | None = None,
             t = k.shape[0]
             combined = cfg.stages[i].combined
             dbufs[i] = jax.tree.map(lambda r: r[t:], rows) if combined else rows
-            own = jax.tree.map(lambda r: r[:t].astype(jnp.float32) if combined else
-                               jnp.zeros((t,) + r.shape[1:], jnp.float32), rows)
+            own = jax.tree.map(
+                lambda r: (
+                    r[:t].astype(jnp.float32)
+                    if combined
+                    else jnp.zeros((t,) + r.shape[1:], jnp.float32)
+                ),
+                rows,
+            )
             return jax.tree.map(lambda o, r: o.astype(r.dtype), own, rows) if final else own
 
-        dq, (dk, dv) = stages_backward(q, kv, arrays, cfg, out, lse,
-                                       (out, jnp.zeros_like(lse)), fetch, send_back)
-        return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-                tuple(dbufs[i] for i in remote))
+        dq, (dk, dv) = stages_backward(
+            q, kv, arrays, cfg, out, lse, (out, jnp.zeros_like(lse)), fetch, send_back
+        )
+        return (
+            dq.astype(q.dtype),
+            dk.astype(k.dtype),
+            dv.astype(v.dtype),
+            tuple(dbufs[i] for i in remote),
+        )
 
     num_out = len(remote) * (2 if backward else 1)
-    comm = jax.jit(jax.shard_map(comm_body, mesh=key.mesh, in_specs=(spec, spec, arr_specs),
-                                 out_specs=(spec,) * num_out, check_vma=False))
+    comm = jax.jit(
+        jax.shard_map(
+            comm_body,
+            mesh=key.mesh,
+            in_specs=(spec, spec, arr_specs),
+            out_specs=(spec,) * num_out,
+            check_vma=False,
+        )
+    )
     buf_specs = (spec,) * len(remote)
-    compute = jax.jit(jax.shard_map(
-        compute_body, mesh=key.mesh, in_specs=(spec, spec, spec, buf_specs, arr_specs),
-        out_specs=(spec, spec, spec, buf_specs) if backward else (spec, spec),
-        check_vma=False))
+    compute = jax.jit(
+        jax.shard_map(
+            compute_body,
+            mesh=key.mesh,
+            in_specs=(spec, spec, spec, buf_specs, arr_specs),
+            out_specs=(spec, spec, spec, buf_specs) if backward else (spec, spec),
+            check_vma=False,
+        )
+    )
 
     def both_fn(q, k, v):
         out, lse = magi_attention(q, k, v, key, softmax_scale=scale, softcap=softcap)
         return out, lse
 
     if backward:
+
         def both_vjp(q, k, v):
             (out, lse), vjp = jax.vjp(both_fn, q, k, v)
             return vjp((out, jnp.zeros_like(lse)))
+
         both = jax.jit(both_vjp)
     else:
         both = jax.jit(both_fn)
     return {
         "comm": lambda k, v: comm(k, v, key.stage_arrays),
-        "compute": lambda q, k, v, bufs: compute(q, k, v, tuple(bufs)[:len(remote)],
-                                                 key.stage_arrays),
+        "compute": lambda q, k, v, bufs: compute(
+            q, k, v, tuple(bufs)[: len(remote)], key.stage_arrays
+        ),
         "both": both,
     }
 
@@ -129,6 +170,7 @@ def _local_fetch(kv, stage_arrays, cfg):
         if stage.combined:
             return jnp.concatenate([k, kb]), jnp.concatenate([v, vb])
         return kb, vb
+
     return fetch
 
 
@@ -145,12 +187,15 @@ def _local_send_back(kv, stage_arrays, cfg):
             if cfg.stages[i].combined:
                 got = got + r[:t_loc].astype(jnp.float32)
             return got.astype(r.dtype) if final else got
+
         return jax.tree.map(one, rows)
+
     return send_back
 
 
-def nocomm_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
-                     softcap: float = 0.0):
+def nocomm_attention(
+    q, k, v, key: MagiKey, *, softmax_scale: float | None = None, softcap: float = 0.0
+):
     """A timing probe, not attention: ``magi_attention``'s own per-rank stages, merge and
     backward with every remote KV buffer filled from local rows instead of the group-cast,
     and the remote stages' partial dK/dV gathered onto local rows instead of group-reduced.
@@ -162,12 +207,23 @@ def nocomm_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = Non
     spec = P(key.cp_axis)
 
     def body(q, k, v, stage_arrays):
-        return rank_stages(q, (k, v), tuple(jax.tree.map(lambda x: x[0], stage_arrays)), cfg,
-                           _local_fetch, _local_send_back)
+        return rank_stages(
+            q,
+            (k, v),
+            tuple(jax.tree.map(lambda x: x[0], stage_arrays)),
+            cfg,
+            _local_fetch,
+            _local_send_back,
+        )
 
     specs = jax.tree.map(lambda _: spec, key.stage_arrays)
-    fn = jax.shard_map(body, mesh=key.mesh, in_specs=(spec, spec, spec, specs),
-                       out_specs=(spec, spec), check_vma=False)
+    fn = jax.shard_map(
+        body,
+        mesh=key.mesh,
+        in_specs=(spec, spec, spec, specs),
+        out_specs=(spec, spec),
+        check_vma=False,
+    )
     return fn(q, k, v, key.stage_arrays)
 
 
@@ -184,8 +240,9 @@ def time_ms(fn, *args, warmup: int = 2, iters: int = 10) -> float:
     return times[len(times) // 2]
 
 
-def measure_overlap(key: MagiKey, q, k, v, *, backward: bool = False, iters: int = 10,
-                    **attention_kwargs) -> dict:
+def measure_overlap(
+    key: MagiKey, q, k, v, *, backward: bool = False, iters: int = 10, **attention_kwargs
+) -> dict:
     """Timings (ms) of ``comm`` alone, ``compute`` alone and ``both``, the communication they
     hide (``hidden_ms = comm + compute − both``, clipped at 0; ``hidden_fraction`` of comm),
     and the per-device TFLOP/s of ``both`` counted on the most loaded rank's area
@@ -200,8 +257,15 @@ def measure_overlap(key: MagiKey, q, k, v, *, backward: bool = False, iters: int
     batch = q.shape[0] if q.ndim == 4 else 1
     area = int(key.plan.meta.rank_area().max())
     flops = 4.0 * area * q.shape[-2] * q.shape[-1] * batch * (3.5 if backward else 1.0)
-    return dict(comm_ms=comm, compute_ms=compute, both_ms=both, hidden_ms=hidden,
-                hidden_fraction=hidden / comm if comm else 0.0,
-                tflops_per_device=flops / (both * 1e-3) / 1e12, max_rank_area=area,
-                remote_kv_max=int(key.plan.remote_tokens.max()),
-                overlap_degree=key.overlap_degree, backward=backward)
+    return dict(
+        comm_ms=comm,
+        compute_ms=compute,
+        both_ms=both,
+        hidden_ms=hidden,
+        hidden_fraction=hidden / comm if comm else 0.0,
+        tflops_per_device=flops / (both * 1e-3) / 1e12,
+        max_rank_area=area,
+        remote_kv_max=int(key.plan.remote_tokens.max()),
+        overlap_degree=key.overlap_degree,
+        backward=backward,
+    )

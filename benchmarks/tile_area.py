@@ -25,8 +25,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from kernel_bench import make_mask  # noqa: E402
 
 from magi_jax.mask import AttnMask  # noqa: E402
-from magi_jax.planning.work_list import (DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K,  # noqa: E402
-                                         FWD_BLOCK_Q, plan_for_mask)
+from magi_jax.planning.work_list import (
+    DKV_BLOCK_K,
+    DKV_BLOCK_Q,
+    FWD_BLOCK_K,  # noqa: E402
+    FWD_BLOCK_Q,
+    plan_for_mask,
+)
 
 # Tile grains (query rows x keys) at which touched tiles are counted: the forward's tile,
 # one consumer warpgroup's rows of it, and 64 x 64.
@@ -45,7 +50,7 @@ def touched_tiles(mask: AttnMask, bq: int, bk: int) -> int:
         q0, q1 = int(sh.q0[s]), int(sh.q1[s])
         for t in range(q0 // bq, (q1 - 1) // bq + 1):
             first, last = max(q0, t * bq), min(q1, (t + 1) * bq) - 1
-            grid[t, int(sh.lo(first, s)) // bk:int(sh.hi(last, s)) // bk + 1] = True
+            grid[t, int(sh.lo(first, s)) // bk : int(sh.hi(last, s)) // bk + 1] = True
     return int(grid.sum())
 
 
@@ -56,10 +61,12 @@ def cell_counts(mask: AttnMask) -> dict:
     fwd_items = int(plan.q_offsets[-1])
     dkv_items = int(plan.k_offsets[-1])
     area = float(mask.area)
-    row = dict(area=int(mask.area),
-               fwd_list=fwd_items * FWD_BLOCK_Q * FWD_BLOCK_K / area,
-               dkv_list=dkv_items * DKV_BLOCK_Q * DKV_BLOCK_K / area,
-               items_per_q_tile=fwd_items / max(1, int((np.diff(plan.q_offsets) > 0).sum())))
+    row = dict(
+        area=int(mask.area),
+        fwd_list=fwd_items * FWD_BLOCK_Q * FWD_BLOCK_K / area,
+        dkv_list=dkv_items * DKV_BLOCK_Q * DKV_BLOCK_K / area,
+        items_per_q_tile=fwd_items / max(1, int((np.diff(plan.q_offsets) > 0).sum())),
+    )
     for bq, bk in GRAINS:
         row[f"touched_{bq}x{bk}"] = touched_tiles(mask, bq, bk) * bq * bk / area
     return row
@@ -67,20 +74,23 @@ def cell_counts(mask: AttnMask) -> dict:
 
 def fwd_bwd_cells(row: dict) -> float:
     """Matmul-weighted computed cells of one fwd+bwd per mask cell."""
-    return ((_FWD_MATMULS + _DQ_MATMULS) * row["fwd_list"] + _DKV_MATMULS * row["dkv_list"]) \
-        / (_FWD_MATMULS + _DQ_MATMULS + _DKV_MATMULS)
+    return ((_FWD_MATMULS + _DQ_MATMULS) * row["fwd_list"] + _DKV_MATMULS * row["dkv_list"]) / (
+        _FWD_MATMULS + _DQ_MATMULS + _DKV_MATMULS
+    )
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--masks", default="causal,doc_causal,many_docs_128,swa_causal_1024,"
-                                      "prefix_lm")
+    p.add_argument("--masks", default="causal,doc_causal,many_docs_128,swa_causal_1024,prefix_lm")
     p.add_argument("--lengths", default="8192,16384,32768")
     p.add_argument("--out", default=None, help="also write tile_area_<stamp>.json here")
     a = p.parse_args(argv)
     rows = []
-    print("| mask | length | items / q-tile | q-tile list | k-tile list | touched "
-          + " | touched ".join(f"{bq}x{bk}" for bq, bk in GRAINS) + " | cap vs causal |")
+    print(
+        "| mask | length | items / q-tile | q-tile list | k-tile list | touched "
+        + " | touched ".join(f"{bq}x{bk}" for bq, bk in GRAINS)
+        + " | cap vs causal |"
+    )
     print("|---" * (6 + len(GRAINS)) + "|")
     for t in (int(x) for x in a.lengths.split(",")):
         causal = fwd_bwd_cells(cell_counts(make_mask("causal", t)))
@@ -89,16 +99,25 @@ def main(argv=None):
             row["cap"] = causal / fwd_bwd_cells(row)
             rows.append(row)
             touched = " | ".join(f"{row[f'touched_{bq}x{bk}']:.2f}x" for bq, bk in GRAINS)
-            print(f"| {name} | {t} | {row['items_per_q_tile']:.1f} | {row['fwd_list']:.2f}x | "
-                  f"{row['dkv_list']:.2f}x | {touched} | {row['cap']:.2f} |")
+            print(
+                f"| {name} | {t} | {row['items_per_q_tile']:.1f} | {row['fwd_list']:.2f}x | "
+                f"{row['dkv_list']:.2f}x | {touched} | {row['cap']:.2f} |"
+            )
     if a.out:
         now = datetime.datetime.now(datetime.timezone.utc)
         os.makedirs(a.out, exist_ok=True)
         path = os.path.join(a.out, f"tile_area_{now.strftime('%Y%m%d_%H%M')}.json")
         with open(path, "w") as f:
-            json.dump(dict(meta=dict(date=now.isoformat(timespec="seconds"),
-                                     numpy=np.__version__, grains=GRAINS), rows=rows), f,
-                      indent=1)
+            json.dump(
+                dict(
+                    meta=dict(
+                        date=now.isoformat(timespec="seconds"), numpy=np.__version__, grains=GRAINS
+                    ),
+                    rows=rows,
+                ),
+                f,
+                indent=1,
+            )
     return rows
 
 

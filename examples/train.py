@@ -41,8 +41,12 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seqlen", type=int, default=4096, help="packed tokens per step")
-    ap.add_argument("--docs", type=int, default=12,
-                    help="documents per packed sequence (new random lengths every step)")
+    ap.add_argument(
+        "--docs",
+        type=int,
+        default=12,
+        help="documents per packed sequence (new random lengths every step)",
+    )
     ap.add_argument("--max-period", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
@@ -50,28 +54,58 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--kv-heads", type=int, default=1)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                    help="dtype of the attention inputs q, k, v (parameters stay float32); "
-                         "auto: bfloat16 on GPUs, float32 elsewhere")
-    ap.add_argument("--devices", type=int, default=None,
-                    help="context-parallel ranks (default: every device; on a CPU-only "
-                         "machine, one host device per core, 2 to 8)")
-    ap.add_argument("--overlap-degree", type=int, default=None,
-                    help="remote stages of magi_attention (default: the cost model's choice "
-                         "for the packed length)")
-    ap.add_argument("--capacity-sample", type=int, default=32,
-                    help="layouts drawn up front to measure the run's PlanCapacity")
-    ap.add_argument("--capacity-headroom", type=float, default=1.5,
-                    help="the capacity's margin over the largest needs of that sample (raise "
-                         "it if a step's layout does not fit)")
+    ap.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="dtype of the attention inputs q, k, v (parameters stay float32); "
+        "auto: bfloat16 on GPUs, float32 elsewhere",
+    )
+    ap.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="context-parallel ranks (default: every device; on a CPU-only "
+        "machine, one host device per core, 2 to 8)",
+    )
+    ap.add_argument(
+        "--overlap-degree",
+        type=int,
+        default=None,
+        help="remote stages of magi_attention (default: the cost model's choice "
+        "for the packed length)",
+    )
+    ap.add_argument(
+        "--capacity-sample",
+        type=int,
+        default=32,
+        help="layouts drawn up front to measure the run's PlanCapacity",
+    )
+    ap.add_argument(
+        "--capacity-headroom",
+        type=float,
+        default=1.5,
+        help="the capacity's margin over the largest needs of that sample (raise "
+        "it if a step's layout does not fit)",
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-check", dest="check", action="store_false",
-                    help="skip the step-0 comparison with the single-device model")
-    ap.add_argument("--distributed", action="store_true",
-                    help="call jax.distributed.initialize() (multi-process / multi-host)")
-    ap.add_argument("--coordinator", default=None,
-                    help="with --distributed: host:port of process 0 (auto-detected on SLURM, "
-                         "Open MPI, Kubernetes; or JAX_COORDINATOR_ADDRESS)")
+    ap.add_argument(
+        "--no-check",
+        dest="check",
+        action="store_false",
+        help="skip the step-0 comparison with the single-device model",
+    )
+    ap.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() (multi-process / multi-host)",
+    )
+    ap.add_argument(
+        "--coordinator",
+        default=None,
+        help="with --distributed: host:port of process 0 (auto-detected on SLURM, "
+        "Open MPI, Kubernetes; or JAX_COORDINATOR_ADDRESS)",
+    )
     ap.add_argument("--num-processes", type=int, default=None)
     ap.add_argument("--process-id", type=int, default=None)
     ap.add_argument("--json", default="", help="write the loss curve and throughput here")
@@ -82,24 +116,27 @@ ARGS = parse_args() if __name__ == "__main__" else None
 # CPU host devices must be requested before JAX starts; the flag does not touch GPUs. More
 # host devices than cores only adds contention (each runs its share of every step).
 if ARGS is not None and "xla_force_host_platform_device_count" not in os.environ.get(
-        "XLA_FLAGS", ""):
+    "XLA_FLAGS", ""
+):
     _HOST = ARGS.devices or min(8, max(2, os.cpu_count() or 2))
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={_HOST}")
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_HOST}"
+    )
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import magi_jax as mj  # noqa: E402
 from magi_jax.nn import SelfAttention, apply_rope, attend, rope_positions  # noqa: E402
 from magi_jax.sharding.key import ffa_backend_reason  # noqa: E402
 
-
 # ---- model ----------------------------------------------------------------------------------
+
 
 class Attention(SelfAttention):
     """magi-jax's SelfAttention (GQA + RoPE) with its attention in ``attn_dtype``: the
@@ -125,8 +162,9 @@ class Attention(SelfAttention):
 class Block(nnx.Module):
     def __init__(self, dim, heads, kv_heads, *, attn_dtype, backend, rngs):
         self.norm1 = nnx.RMSNorm(dim, rngs=rngs)
-        self.attn = Attention(dim, heads, kv_heads, attn_dtype=attn_dtype, backend=backend,
-                              rngs=rngs)
+        self.attn = Attention(
+            dim, heads, kv_heads, attn_dtype=attn_dtype, backend=backend, rngs=rngs
+        )
         self.norm2 = nnx.RMSNorm(dim, rngs=rngs)
         self.up = nnx.Linear(dim, 4 * dim, rngs=rngs)
         self.down = nnx.Linear(4 * dim, dim, rngs=rngs)
@@ -141,11 +179,16 @@ class Transformer(nnx.Module):
     with natural-order tokens and an AttnMask (one device; ``backend`` picks its FFA) or
     dispatched tokens and a key (context parallel; the key fixes the FFA backend)."""
 
-    def __init__(self, vocab, dim, layers, heads, kv_heads, *, attn_dtype=jnp.float32,
-                 backend="auto", rngs):
+    def __init__(
+        self, vocab, dim, layers, heads, kv_heads, *, attn_dtype=jnp.float32, backend="auto", rngs
+    ):
         self.embed = nnx.Embed(vocab, dim, rngs=rngs)
-        self.blocks = nnx.List([Block(dim, heads, kv_heads, attn_dtype=attn_dtype,
-                                      backend=backend, rngs=rngs) for _ in range(layers)])
+        self.blocks = nnx.List(
+            [
+                Block(dim, heads, kv_heads, attn_dtype=attn_dtype, backend=backend, rngs=rngs)
+                for _ in range(layers)
+            ]
+        )
         self.norm = nnx.RMSNorm(dim, rngs=rngs)
         self.head = nnx.Linear(dim, vocab, rngs=rngs)
 
@@ -167,13 +210,15 @@ def loss_fn(params, graphdef, tokens, labels, weights, mask_or_key):
 def attention_setup(requested, head_dim, heads, kv_heads, local_len):
     """(attention dtype, FFA backend, why): bfloat16 and the Mosaic GPU kernels (``pallas``)
     where they run, float32 and the portable ``xla`` backend elsewhere."""
-    device_why = ffa_backend_reason()              # None: the default device is an sm90 GPU
+    device_why = ffa_backend_reason()  # None: the default device is an sm90 GPU
     on_gpu = jax.default_backend() == "gpu"
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(
-        requested, jnp.bfloat16 if on_gpu else jnp.float32)
+        requested, jnp.bfloat16 if on_gpu else jnp.float32
+    )
     if device_why is not None:
         return dtype, "xla", device_why
     from magi_jax.pallas import supported
+
     q = jax.ShapeDtypeStruct((local_len, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((local_len, kv_heads, head_dim), dtype)
     ok, why = supported(q, kv, kv)
@@ -183,6 +228,7 @@ def attention_setup(requested, head_dim, heads, kv_heads, local_len):
 
 
 # ---- data -----------------------------------------------------------------------------------
+
 
 def document_layout(seqlen, docs, rng):
     """cu_seqlens of ``docs`` documents of random lengths (1/4x to 4x the mean)."""
@@ -230,16 +276,18 @@ def run_capacity(args, n):
     sequences: few tiles), so they get twice the headroom, up to the dense default that
     holds every layout."""
     rng = np.random.default_rng([args.seed, 1])
-    sample = [mj.AttnMask.varlen(document_layout(args.seqlen, args.docs, rng), causal=True)
-              for _ in range(args.capacity_sample)]
+    sample = [
+        mj.AttnMask.varlen(document_layout(args.seqlen, args.docs, rng), causal=True)
+        for _ in range(args.capacity_sample)
+    ]
     fixed = {} if args.overlap_degree is None else dict(overlap_degree=args.overlap_degree)
-    cap = mj.PlanCapacity.from_masks(sample, mesh_size=n, headroom=args.capacity_headroom,
-                                     **fixed)
+    cap = mj.PlanCapacity.from_masks(sample, mesh_size=n, headroom=args.capacity_headroom, **fixed)
     dense = mj.PlanCapacity(args.seqlen).items
     return dataclasses.replace(cap, items=min(2 * cap.items, dense))
 
 
 # ---- training -------------------------------------------------------------------------------
+
 
 def main(args):
     if args.distributed:
@@ -252,8 +300,9 @@ def main(args):
         raise SystemExit(f"--devices {n} but only {len(devices)} devices are visible")
     if args.steps < 1 or args.capacity_sample < 1:
         raise SystemExit("--steps and --capacity-sample must be at least 1")
-    mesh = jax.make_mesh((n,), ("cp",), devices=devices[:n],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+        (n,), ("cp",), devices=devices[:n], axis_types=(jax.sharding.AxisType.Auto,)
+    )
     replicated = NamedSharding(mesh, P())
 
     def global_array(x):
@@ -261,52 +310,72 @@ def main(args):
         x = np.asarray(x)
         return jax.make_array_from_callback(x.shape, replicated, lambda idx: x[idx])
 
-    say(f"devices: {n} x {devices[0].device_kind} ({jax.default_backend()}), "
-        f"{jax.process_count()} process(es), jax {jax.__version__}")
+    say(
+        f"devices: {n} x {devices[0].device_kind} ({jax.default_backend()}), "
+        f"{jax.process_count()} process(es), jax {jax.__version__}"
+    )
     t0 = time.perf_counter()
     cap = run_capacity(args, n)
-    say(f"capacity: {cap} [{args.capacity_sample} layouts, x{args.capacity_headroom:g}, "
-        f"{time.perf_counter() - t0:.2f} s]")
+    say(
+        f"capacity: {cap} [{args.capacity_sample} layouts, x{args.capacity_headroom:g}, "
+        f"{time.perf_counter() - t0:.2f} s]"
+    )
 
     head_dim = args.dim // args.heads
     local_len = -(-args.seqlen // n)
-    attn_dtype, ffa, why = attention_setup(args.dtype, head_dim, args.heads, args.kv_heads,
-                                           local_len)
+    attn_dtype, ffa, why = attention_setup(
+        args.dtype, head_dim, args.heads, args.kv_heads, local_len
+    )
 
     def plan(item):
         """The key of one step's layout (runs on the prefetch thread)."""
         cu, _ = item
         try:
-            return mj.make_varlen_key(cu, mesh, "cp", causal=True, capacity=cap,
-                                      ffa_backend=ffa)
+            return mj.make_varlen_key(cu, mesh, "cp", causal=True, capacity=cap, ffa_backend=ffa)
         except mj.CapacityError as e:
-            raise SystemExit(f"a step's layout does not fit the run's capacity ({e}); raise "
-                             "--capacity-headroom or --capacity-sample") from None
+            raise SystemExit(
+                f"a step's layout does not fit the run's capacity ({e}); raise "
+                "--capacity-headroom or --capacity-sample"
+            ) from None
 
     rng = np.random.default_rng(args.seed)
     stream = mj.prefetch_keys(batches(args, rng), plan, depth=1)
     t0 = time.perf_counter()
     (cu, batch), key = next(stream)
-    say(f"data:    {args.seqlen:,} tokens per step in {args.docs} documents, a new layout "
-        f"every step; step 0: {np.diff(cu).tolist()}")
+    say(
+        f"data:    {args.seqlen:,} tokens per step in {args.docs} documents, a new layout "
+        f"every step; step 0: {np.diff(cu).tolist()}"
+    )
     say(f"plan:    {key} [{time.perf_counter() - t0:.2f} s]")
-    say(f"ffa:     {key.ffa_backend}, attention in {jnp.dtype(attn_dtype).name}"
-        + (f" ({why})" if why else " (Mosaic GPU kernels)"))
+    say(
+        f"ffa:     {key.ffa_backend}, attention in {jnp.dtype(attn_dtype).name}"
+        + (f" ({why})" if why else " (Mosaic GPU kernels)")
+    )
 
-    model = Transformer(args.vocab, args.dim, args.layers, args.heads, args.kv_heads,
-                        attn_dtype=attn_dtype, backend=key.ffa_backend,
-                        rngs=nnx.Rngs(args.seed))
+    model = Transformer(
+        args.vocab,
+        args.dim,
+        args.layers,
+        args.heads,
+        args.kv_heads,
+        attn_dtype=attn_dtype,
+        backend=key.ffa_backend,
+        rngs=nnx.Rngs(args.seed),
+    )
     graphdef, params = nnx.split(model, nnx.Param)
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    say(f"model:   {args.layers} layers, dim {args.dim}, {args.heads} query / {args.kv_heads} "
-        f"key-value heads, vocab {args.vocab}: {n_params:,} parameters (float32)")
+    say(
+        f"model:   {args.layers} layers, dim {args.dim}, {args.heads} query / {args.kv_heads} "
+        f"key-value heads, vocab {args.vocab}: {n_params:,} parameters (float32)"
+    )
     params = jax.device_put(params, replicated)
-    tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, 5, max(args.steps, 6)),
-                     weight_decay=0.01)
+    tx = optax.adamw(
+        optax.warmup_cosine_decay_schedule(0.0, args.lr, 5, max(args.steps, 6)), weight_decay=0.01
+    )
     opt_state = jax.device_put(tx.init(params), replicated)
 
     def cp_loss(params, tokens, labels, weights, key):
-        d = lambda x: mj.dispatch(x, key)          # natural order -> dispatched, sharded
+        d = lambda x: mj.dispatch(x, key)  # natural order -> dispatched, sharded
         return loss_fn(params, graphdef, d(tokens), d(labels), d(weights), key)
 
     # The key is an argument, not a constant: its arrays are the step's layout, its static
@@ -318,21 +387,29 @@ def main(args):
         return optax.apply_updates(params, updates), opt_state, loss
 
     if args.check:
-        check_step0(params, graphdef, batch, key, mj.AttnMask.varlen(cu, causal=True),
-                    cp_loss, attn_dtype, say)
+        check_step0(
+            params,
+            graphdef,
+            batch,
+            key,
+            mj.AttnMask.varlen(cu, causal=True),
+            cp_loss,
+            attn_dtype,
+            say,
+        )
 
     history, tps, layouts = [], [], []
     bar = _progress(args.steps, lead)
     for step in range(args.steps):
         start = time.perf_counter()
-        if step:                               # planned on the background thread meanwhile
+        if step:  # planned on the background thread meanwhile
             (cu, batch), key = next(stream)
         params, opt_state, loss = train_step(params, opt_state, *map(global_array, batch), key)
-        loss = float(loss)                     # waits for the step
+        loss = float(loss)  # waits for the step
         sec = time.perf_counter() - start
         history.append(loss)
         layouts.append(np.diff(cu).tolist())
-        if step:                               # step 0 includes compilation
+        if step:  # step 0 includes compilation
             tps.append(args.seqlen / sec)
         bar.update(loss, tps[-1] if tps else None)
     stream.close()
@@ -343,24 +420,43 @@ def main(args):
     k = max(1, min(5, len(history) // 4))
     first, last = float(np.mean(history[:k])), float(np.mean(history[-k:]))
     rate = float(np.median(tps)) if tps else float("nan")
-    say(f"loss:    {history[0]:.4f} -> {history[-1]:.4f} (mean of first {k} steps {first:.4f}, "
-        f"last {k} {last:.4f}; uniform guess ln {args.vocab} = {np.log(args.vocab):.4f})")
-    say(f"speed:   {rate:,.0f} tokens/s (median over steps 1..{args.steps - 1}, "
-        f"{n} device{'s' if n > 1 else ''}, planning included)")
+    say(
+        f"loss:    {history[0]:.4f} -> {history[-1]:.4f} (mean of first {k} steps {first:.4f}, "
+        f"last {k} {last:.4f}; uniform guess ln {args.vocab} = {np.log(args.vocab):.4f})"
+    )
+    say(
+        f"speed:   {rate:,.0f} tokens/s (median over steps 1..{args.steps - 1}, "
+        f"{n} device{'s' if n > 1 else ''}, planning included)"
+    )
     distinct = len({tuple(x) for x in layouts})
-    say(f"compile: train step compiled {compiles} time{'s' if compiles != 1 else ''} for "
-        f"{args.steps} steps with {distinct} different layouts")
+    say(
+        f"compile: train step compiled {compiles} time{'s' if compiles != 1 else ''} for "
+        f"{args.steps} steps with {distinct} different layouts"
+    )
     if args.json and lead:
         import json
+
         with open(args.json, "w") as f:
-            json.dump(dict(loss=history, tokens_per_second=rate, devices=n,
-                           backend=jax.default_backend(), ffa_backend=key.ffa_backend,
-                           attn_dtype=jnp.dtype(attn_dtype).name, compilations=compiles,
-                           layouts=layouts,
-                           seqlen=args.seqlen, steps=args.steps), f)
+            json.dump(
+                dict(
+                    loss=history,
+                    tokens_per_second=rate,
+                    devices=n,
+                    backend=jax.default_backend(),
+                    ffa_backend=key.ffa_backend,
+                    attn_dtype=jnp.dtype(attn_dtype).name,
+                    compilations=compiles,
+                    layouts=layouts,
+                    seqlen=args.seqlen,
+                    steps=args.steps,
+                ),
+                f,
+            )
     if compiles != 1:
-        raise SystemExit(f"the train step compiled {compiles} times; keys at one capacity "
-                         "should share one compilation")
+        raise SystemExit(
+            f"the train step compiled {compiles} times; keys at one capacity "
+            "should share one compilation"
+        )
     return history
 
 
@@ -395,9 +491,12 @@ def check_step0(params, graphdef, batch, key, mask, cp_loss, attn_dtype, say):
     def single(params, tokens, labels, weights):
         return jax.value_and_grad(loss_fn)(params, graphdef, tokens, labels, weights, mask)
 
-    global_batch = [jax.make_array_from_callback(np.shape(x), NamedSharding(key.mesh, P()),
-                                                 lambda idx, x=x: np.asarray(x)[idx])
-                    for x in batch]
+    global_batch = [
+        jax.make_array_from_callback(
+            np.shape(x), NamedSharding(key.mesh, P()), lambda idx, x=x: np.asarray(x)[idx]
+        )
+        for x in batch
+    ]
     loss_cp, g_cp = jax.jit(jax.value_and_grad(cp_loss))(params, *global_batch, key)
     loss_1, g_1 = single(params_1, tokens, labels, weights)
     loss_cp, loss_1 = float(loss_cp), float(loss_1)
@@ -411,13 +510,17 @@ def check_step0(params, graphdef, batch, key, mask, cp_loss, attn_dtype, say):
             worst, worst_name = err, jax.tree_util.keystr(path)
     loss_err = abs(loss_cp - loss_1) / max(abs(loss_1), 1e-12)
     ok = loss_err <= rtol and worst <= rtol
-    say(f"check:   step-0 CP vs one device ({jnp.dtype(attn_dtype).name}, {key.ffa_backend}): "
+    say(
+        f"check:   step-0 CP vs one device ({jnp.dtype(attn_dtype).name}, {key.ffa_backend}): "
         f"loss {loss_cp:.6f} vs {loss_1:.6f} (|Δ|/|loss| {loss_err:.1e}); gradients: "
         f"max over leaves of max|Δg|/max|g| {worst:.1e} ({worst_name}); bound {rtol:g} "
-        f"-> {'OK' if ok else 'MISMATCH'}")
+        f"-> {'OK' if ok else 'MISMATCH'}"
+    )
     if not ok:
-        raise SystemExit(f"step-0 check failed: context-parallel and single-device results "
-                         f"differ by more than {rtol:g} (max|Δ|/max|reference| per leaf)")
+        raise SystemExit(
+            f"step-0 check failed: context-parallel and single-device results "
+            f"differ by more than {rtol:g} (max|Δ|/max|reference| per leaf)"
+        )
 
 
 class _progress:
@@ -428,8 +531,10 @@ class _progress:
         if enabled:
             try:
                 from tqdm import tqdm
-                self.bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True,
-                                file=sys.stdout)
+
+                self.bar = tqdm(
+                    total=total, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout
+                )
             except ImportError:
                 pass
 
@@ -442,8 +547,7 @@ class _progress:
             self.bar.set_postfix_str(f"loss {loss:.4f}, tokens/s {rate}", refresh=False)
             self.bar.update(1)
         elif self.step == 1 or self.step % 10 == 0 or self.step == self.total:
-            print(f"step {self.step}/{self.total}  loss {loss:.4f}  tokens/s {rate}",
-                  flush=True)
+            print(f"step {self.step}/{self.total}  loss {loss:.4f}  tokens/s {rate}", flush=True)
 
     def close(self):
         if self.bar is not None:

@@ -36,10 +36,27 @@ _LAZY = {
 }
 _SUBPACKAGES = ("caches", "cli", "ffa", "mask", "nn", "pallas", "planning", "plot", "sharding")
 
-__all__ = ["AttnMask", "AttnMaskType", "flex_flash_attention", "reference_attention",
-           "select_backend", "dot_product_attention", "plan_attention", "AttnPlan",
-           "PlanCapacity", "CapacityError", "prefetch_keys", "clear_caches", "dispatch", "magi_attention", "make_flex_key", "make_varlen_key",
-           "position_ids", "roll", "undispatch"]
+__all__ = [
+    "AttnMask",
+    "AttnMaskType",
+    "flex_flash_attention",
+    "reference_attention",
+    "select_backend",
+    "dot_product_attention",
+    "plan_attention",
+    "AttnPlan",
+    "PlanCapacity",
+    "CapacityError",
+    "prefetch_keys",
+    "clear_caches",
+    "dispatch",
+    "magi_attention",
+    "make_flex_key",
+    "make_varlen_key",
+    "position_ids",
+    "roll",
+    "undispatch",
+]
 
 
 def __getattr__(name):

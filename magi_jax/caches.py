@@ -13,6 +13,7 @@ def clear_caches():
     """Drops every cached plan and key (their device arrays are freed once nothing else
     holds them). Compiled functions stay cached by JAX."""
     from magi_jax.planning import defaults, solver, stages, work_list
+
     work_list.plan_for_mask.cache_clear()
     work_list._schedule.cache_clear()
     solver.solve_dispatch.cache_clear()
@@ -20,6 +21,7 @@ def clear_caches():
     defaults.capacity_overlap_degree.cache_clear()
     stages.clear_cache()
     import sys
+
     key = sys.modules.get("magi_jax.sharding.key")
     if key is not None:
         key.clear_key_cache()

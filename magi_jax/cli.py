@@ -19,10 +19,10 @@ import sys
 import time
 
 from magi_jax.mask import AttnMask
-from magi_jax.mask_zoo import MASKS, make_mask   # the zoo of --mask (re-exported)
-from magi_jax.planning.stages import build_dist_plan
+from magi_jax.mask_zoo import MASKS, make_mask  # the zoo of --mask (re-exported)
 from magi_jax.planning.defaults import default_overlap_degree
 from magi_jax.planning.solver import ALGORITHMS, remote_kv_tokens, solve_dispatch
+from magi_jax.planning.stages import build_dist_plan
 from magi_jax.planning.work_list import default_block_sizes
 
 __all__ = ["MASKS", "make_mask", "parse_tokens", "parse_cu_seqlens", "main"]
@@ -44,7 +44,8 @@ def parse_cu_seqlens(text: str) -> list[int]:
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
             f"--cu-seqlens {text!r} is not a comma-separated list of cumulative lengths "
-            "(e.g. 0,1000,4096)") from None
+            "(e.g. 0,1000,4096)"
+        ) from None
 
 
 def _fmt(x: float) -> str:
@@ -55,31 +56,66 @@ def _fmt(x: float) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m magi_jax.plan",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m magi_jax.plan", description=__doc__.split("\n\n")[0]
+    )
     which = ap.add_mutually_exclusive_group()
-    which.add_argument("--mask", default="doc-causal", choices=MASKS,
-                       help="a mask of the built-in zoo (default doc-causal)")
-    which.add_argument("--cu-seqlens", type=parse_cu_seqlens, default=None,
-                       help="your packed documents, cumulative lengths 0,n0,n0+n1,... "
-                            "(AttnMask.varlen; --seqlen, --docs do not apply)")
-    which.add_argument("--slices", default=None, metavar="NPZ",
-                       help="any mask, from a .npz of q_ranges / k_ranges / types "
-                            "(AttnMask.save writes one)")
-    ap.add_argument("--bidirectional", action="store_true",
-                    help="with --cu-seqlens: documents attend both ways (default causal)")
-    ap.add_argument("--seqlen", type=parse_tokens, default="128k",
-                    help="packed tokens, e.g. 32768, 128k, 1M (default 128k)")
+    which.add_argument(
+        "--mask",
+        default="doc-causal",
+        choices=MASKS,
+        help="a mask of the built-in zoo (default doc-causal)",
+    )
+    which.add_argument(
+        "--cu-seqlens",
+        type=parse_cu_seqlens,
+        default=None,
+        help="your packed documents, cumulative lengths 0,n0,n0+n1,... "
+        "(AttnMask.varlen; --seqlen, --docs do not apply)",
+    )
+    which.add_argument(
+        "--slices",
+        default=None,
+        metavar="NPZ",
+        help="any mask, from a .npz of q_ranges / k_ranges / types (AttnMask.save writes one)",
+    )
+    ap.add_argument(
+        "--bidirectional",
+        action="store_true",
+        help="with --cu-seqlens: documents attend both ways (default causal)",
+    )
+    ap.add_argument(
+        "--seqlen",
+        type=parse_tokens,
+        default="128k",
+        help="packed tokens, e.g. 32768, 128k, 1M (default 128k)",
+    )
     ap.add_argument("--cp", type=int, default=8, help="context-parallel ranks (default 8)")
-    ap.add_argument("--window", type=parse_tokens, default="4k",
-                    help="window / block size of the windowed masks (default 4k)")
-    ap.add_argument("--docs", type=int, default=None,
-                    help="number of random-length documents (default: the benchmark's 10, "
-                         "mask_zoo.DOC_LENGTHS)")
-    ap.add_argument("--chunk-size", type=int, default=None,
-                    help="dispatch chunk in tokens (default: the solver's choice)")
-    ap.add_argument("--overlap-degree", type=int, default=None,
-                    help="remote stages (default: the cost model's choice, as in make_flex_key)")
+    ap.add_argument(
+        "--window",
+        type=parse_tokens,
+        default="4k",
+        help="window / block size of the windowed masks (default 4k)",
+    )
+    ap.add_argument(
+        "--docs",
+        type=int,
+        default=None,
+        help="number of random-length documents (default: the benchmark's 10, "
+        "mask_zoo.DOC_LENGTHS)",
+    )
+    ap.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="dispatch chunk in tokens (default: the solver's choice)",
+    )
+    ap.add_argument(
+        "--overlap-degree",
+        type=int,
+        default=None,
+        help="remote stages (default: the cost model's choice, as in make_flex_key)",
+    )
     ap.add_argument("--algorithm", default="magi", choices=ALGORITHMS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="plan.png", help="picture of the plan (PNG); '' for none")
@@ -100,36 +136,44 @@ def main(argv=None) -> int:
             mask = AttnMask.load(args.slices)
         else:
             name = args.mask
-            mask = make_mask(args.mask, args.seqlen, window=args.window, num_docs=args.docs,
-                             seed=args.seed)
+            mask = make_mask(
+                args.mask, args.seqlen, window=args.window, num_docs=args.docs, seed=args.seed
+            )
     except (ValueError, OSError) as e:
         ap.error(str(e))
     if mask.total_q != mask.total_k:
-        ap.error(f"{name}: total_q={mask.total_q} != total_k={mask.total_k}; the planner "
-                 "spreads self-attention masks (total_q == total_k)")
+        ap.error(
+            f"{name}: total_q={mask.total_q} != total_k={mask.total_k}; the planner "
+            "spreads self-attention masks (total_q == total_k)"
+        )
     if mask.total_q == 0:
         ap.error(f"{name}: the mask has no tokens")
     t_mask = time.perf_counter() - t0
-    print(f"mask      {name}: {mask.num_slices} slices over {mask.total_q:,} tokens, "
-          f"area {_fmt(mask.area)} cells ({100 * mask.area / mask.total_q ** 2:.2f}% of dense)"
-          f"  [{t_mask:.2f} s]")
+    print(
+        f"mask      {name}: {mask.num_slices} slices over {mask.total_q:,} tokens, "
+        f"area {_fmt(mask.area)} cells ({100 * mask.area / mask.total_q**2:.2f}% of dense)"
+        f"  [{t_mask:.2f} s]"
+    )
 
     t0 = time.perf_counter()
     meta = solve_dispatch(mask, args.cp, args.chunk_size, args.algorithm)
     t_solve = time.perf_counter() - t0
     bq, bk = default_block_sizes(meta.local_len, meta.local_len)
     t0 = time.perf_counter()
-    degree = (default_overlap_degree(mask, meta) if args.overlap_degree is None
-              else args.overlap_degree)
+    degree = (
+        default_overlap_degree(mask, meta) if args.overlap_degree is None else args.overlap_degree
+    )
     t_degree = time.perf_counter() - t0
     t0 = time.perf_counter()
     plan = build_dist_plan(mask, meta, degree, bq, bk)
     t_plan = time.perf_counter() - t0
 
     pad = meta.padded_total - meta.total
-    print(f"dispatch  '{meta.algorithm}': {meta.num_chunks} chunks of {meta.chunk_size:,} tokens,"
-          f" {meta.chunks_per_rank} per rank = {meta.local_len:,} tokens per rank"
-          + (f" ({pad:,} padding tokens)" if pad else ""))
+    print(
+        f"dispatch  '{meta.algorithm}': {meta.num_chunks} chunks of {meta.chunk_size:,} tokens,"
+        f" {meta.chunks_per_rank} per rank = {meta.local_len:,} tokens per rank"
+        + (f" ({pad:,} padding tokens)" if pad else "")
+    )
     ring = (args.cp - 1) * meta.local_len
     print("balance   work per rank (mask cells), max/mean; remote KV tokens per rank, max:")
     rows = [(meta.algorithm, meta.imbalance(), int(plan.remote_tokens.max()))]
@@ -142,27 +186,47 @@ def main(argv=None) -> int:
             continue
         rows.append((alg, other.imbalance(), int(remote_kv_tokens(mask, other).max())))
     for alg, imb, rem in rows:
-        print(f"          {alg:<11} max/mean {imb:7.4f}   remote KV {_fmt(rem):>7} "
-              f"({100 * rem / max(ring, 1):5.1f}% of ring attention's {_fmt(ring)})")
+        print(
+            f"          {alg:<11} max/mean {imb:7.4f}   remote KV {_fmt(rem):>7} "
+            f"({100 * rem / max(ring, 1):5.1f}% of ring attention's {_fmt(ring)})"
+        )
     rem = plan.remote_tokens
-    print(f"remote KV per rank: max {_fmt(int(rem.max()))}, mean {_fmt(float(rem.mean()))}; "
-          f"total {_fmt(int(rem.sum()))} tokens over the network")
-    print(f"stages    overlap degree {plan.overlap_degree}: {len(plan.stages)} FFA call(s) per "
-          f"rank (tiles {bq}x{bk})")
+    print(
+        f"remote KV per rank: max {_fmt(int(rem.max()))}, mean {_fmt(float(rem.mean()))}; "
+        f"total {_fmt(int(rem.sum()))} tokens over the network"
+    )
+    print(
+        f"stages    overlap degree {plan.overlap_degree}: {len(plan.stages)} FFA call(s) per "
+        f"rank (tiles {bq}x{bk})"
+    )
     for i, st in enumerate(plan.stages):
-        kind = ("host (local KV)" if st.cast is None else
-                "local + all remote KV" if len(plan.stages) == 1 else f"remote {i - 1}")
+        kind = (
+            "host (local KV)"
+            if st.cast is None
+            else "local + all remote KV"
+            if len(plan.stages) == 1
+            else f"remote {i - 1}"
+        )
         moved = "" if st.cast is None else f", {_fmt(st.cast.tokens_moved())} KV tokens cast"
-        print(f"          stage {i}: {kind:<22} max area {_fmt(int(st.area.max()))} cells, "
-              f"KV length {st.kv_len:,}{moved}")
-    print(f"time      solve {t_solve:.2f} s, overlap-degree model {t_degree:.2f} s, "
-          f"distributed plan {t_plan:.2f} s (total {t_solve + t_degree + t_plan:.2f} s)")
+        print(
+            f"          stage {i}: {kind:<22} max area {_fmt(int(st.area.max()))} cells, "
+            f"KV length {st.kv_len:,}{moved}"
+        )
+    print(
+        f"time      solve {t_solve:.2f} s, overlap-degree model {t_degree:.2f} s, "
+        f"distributed plan {t_plan:.2f} s (total {t_solve + t_degree + t_plan:.2f} s)"
+    )
 
     if args.out or args.mask_out:
         from magi_jax.plot import plot_mask, plot_plan
+
         if args.out:
-            plot_plan(plan, args.out, mask=mask,
-                      title=f"{name}, {mask.total_q:,} tokens over cp = {args.cp}")
+            plot_plan(
+                plan,
+                args.out,
+                mask=mask,
+                title=f"{name}, {mask.total_q:,} tokens over cp = {args.cp}",
+            )
             print(f"wrote     {args.out}")
         if args.mask_out:
             plot_mask(mask, args.mask_out)

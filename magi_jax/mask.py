@@ -16,7 +16,6 @@ import dataclasses
 import enum
 import functools
 import hashlib
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -51,7 +50,8 @@ class AttnMaskType(enum.IntEnum):
             except KeyError:
                 raise ValueError(
                     f"unknown mask type {value!r}; use one of "
-                    f"{[t.name.lower() for t in cls]} or their ints 0-3") from None
+                    f"{[t.name.lower() for t in cls]} or their ints 0-3"
+                ) from None
         try:
             if isinstance(value, (bool, np.bool_)) or int(value) != value:
                 raise ValueError
@@ -59,7 +59,8 @@ class AttnMaskType(enum.IntEnum):
         except (ValueError, TypeError):
             raise ValueError(
                 f"unknown mask type {value!r}; use one of "
-                f"{[t.name.lower() for t in cls]} or their ints 0-3") from None
+                f"{[t.name.lower() for t in cls]} or their ints 0-3"
+            ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +94,7 @@ class SliceShapes:
         return np.minimum(self.k1[idx] - 1, q + self.dhi[idx])
 
     @staticmethod
-    def from_slices(q_ranges: np.ndarray, k_ranges: np.ndarray,
-                    types: np.ndarray) -> "SliceShapes":
+    def from_slices(q_ranges: np.ndarray, k_ranges: np.ndarray, types: np.ndarray) -> "SliceShapes":
         qs, qe = q_ranges[:, 0].astype(np.int64), q_ranges[:, 1].astype(np.int64)
         ks, ke = k_ranges[:, 0].astype(np.int64), k_ranges[:, 1].astype(np.int64)
         types = np.asarray(types)
@@ -125,8 +125,9 @@ class SliceShapes:
         return np.where(rows > 0, rows * (first + last) // 2, 0)
 
 
-def shape_to_slices(q0: int, q1: int, k0: int, k1: int, dlo: int | None = None,
-                    dhi: int | None = None) -> list[tuple[int, int, int, int, AttnMaskType]]:
+def shape_to_slices(
+    q0: int, q1: int, k0: int, k1: int, dlo: int | None = None, dhi: int | None = None
+) -> list[tuple[int, int, int, int, AttnMaskType]]:
     """Typed slices whose union is exactly the shape ``{q ∈ [q0,q1), k ∈ [k0,k1),
     dlo <= k - q <= dhi}`` (``None`` = unbounded): at most three, disjoint by rows —
     CAUSAL on top, BI_CAUSAL (or FULL) in the middle, INV_CAUSAL at the bottom.
@@ -172,25 +173,27 @@ def _as_ranges(name: str, ranges) -> np.ndarray:
     if arr.size == 0:
         arr = arr.reshape(0, 2)
     if arr.ndim != 2 or arr.shape[1] != 2:
-        raise ValueError(f"{name} must have shape [N, 2] (start, end) pairs; got shape "
-                         f"{arr.shape}")
+        raise ValueError(f"{name} must have shape [N, 2] (start, end) pairs; got shape {arr.shape}")
     if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
         raise ValueError(f"{name} must hold integer token positions; got dtype {arr.dtype}")
     if not np.issubdtype(arr.dtype, np.integer):
         if not np.all(np.equal(np.mod(arr, 1), 0)):
-            raise ValueError(f"{name} must hold integer token positions; got dtype "
-                             f"{arr.dtype}")
+            raise ValueError(f"{name} must hold integer token positions; got dtype {arr.dtype}")
     arr = arr.astype(np.int64)
     if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
         bad = int(np.argmax((arr < 0).any(axis=1) | (arr > np.iinfo(np.int32).max).any(axis=1)))
-        raise ValueError(f"{name}[{bad}] = {arr[bad].tolist()} is outside [0, 2**31): token "
-                         "positions must be non-negative int32")
+        raise ValueError(
+            f"{name}[{bad}] = {arr[bad].tolist()} is outside [0, 2**31): token "
+            "positions must be non-negative int32"
+        )
     return arr
 
 
 def _fmt_slice(i: int, qr, kr, t) -> str:
-    return (f"slice {i} (q_range=[{int(qr[0])}, {int(qr[1])}), k_range=[{int(kr[0])}, "
-            f"{int(kr[1])}), type={AttnMaskType(int(t)).name})")
+    return (
+        f"slice {i} (q_range=[{int(qr[0])}, {int(qr[1])}), k_range=[{int(kr[0])}, "
+        f"{int(kr[1])}), type={AttnMaskType(int(t)).name})"
+    )
 
 
 class AttnMask:
@@ -205,21 +208,33 @@ class AttnMask:
     21
     """
 
-    __slots__ = ("_q_ranges", "_k_ranges", "_types", "_total_q", "_total_k", "_fingerprint",
-                 "__dict__")
+    __slots__ = (
+        "_q_ranges",
+        "_k_ranges",
+        "_types",
+        "_total_q",
+        "_total_k",
+        "_fingerprint",
+        "__dict__",
+    )
 
-    def __init__(self, q_ranges, k_ranges, types, total_q: int | None = None,
-                 total_k: int | None = None):
+    def __init__(
+        self, q_ranges, k_ranges, types, total_q: int | None = None, total_k: int | None = None
+    ):
         qr = _as_ranges("q_ranges", q_ranges)
         kr = _as_ranges("k_ranges", k_ranges)
         if len(qr) != len(kr):
-            raise ValueError(f"q_ranges has {len(qr)} slices but k_ranges has {len(kr)}; give "
-                             "one k_range per q_range")
+            raise ValueError(
+                f"q_ranges has {len(qr)} slices but k_ranges has {len(kr)}; give "
+                "one k_range per q_range"
+            )
         types = _as_types(types, len(qr))
-        total_q = (int(qr[:, 1].max(initial=0)) if total_q is None
-                   else _check_total("total_q", total_q))
-        total_k = (int(kr[:, 1].max(initial=0)) if total_k is None
-                   else _check_total("total_k", total_k))
+        total_q = (
+            int(qr[:, 1].max(initial=0)) if total_q is None else _check_total("total_q", total_q)
+        )
+        total_k = (
+            int(kr[:, 1].max(initial=0)) if total_k is None else _check_total("total_k", total_k)
+        )
         _check_bounds("q_ranges", qr, total_q, "total_q", kr, types)
         _check_bounds("k_ranges", kr, total_k, "total_k", qr, types)
         self._q_ranges = _frozen(qr.astype(np.int32))
@@ -269,19 +284,24 @@ class AttnMask:
         raise AttributeError("AttnMask is immutable")
 
     def __repr__(self) -> str:
-        return (f"AttnMask(total_q={self.total_q}, total_k={self.total_k}, "
-                f"num_slices={self.num_slices}, area={self.area}, "
-                f"fingerprint={self.fingerprint[:12]})")
+        return (
+            f"AttnMask(total_q={self.total_q}, total_k={self.total_k}, "
+            f"num_slices={self.num_slices}, area={self.area}, "
+            f"fingerprint={self.fingerprint[:12]})"
+        )
 
     def plot(self, path=None, **kwargs):
         """Picture of the mask (PNG at ``path``); see :func:`magi_jax.plot.plot_mask`."""
         from magi_jax.plot import plot_mask
+
         return plot_mask(self, path, **kwargs)
 
     def slices(self) -> list[tuple[tuple[int, int], tuple[int, int], AttnMaskType]]:
         """The slices as Python tuples ``((qs, qe), (ks, ke), type)``."""
-        return [((int(q[0]), int(q[1])), (int(k[0]), int(k[1])), AttnMaskType(int(t)))
-                for q, k, t in zip(self._q_ranges, self._k_ranges, self._types)]
+        return [
+            ((int(q[0]), int(q[1])), (int(k[0]), int(k[1])), AttnMaskType(int(t)))
+            for q, k, t in zip(self._q_ranges, self._k_ranges, self._types)
+        ]
 
     def to_dense(self, max_cells: int = _MAX_DENSE_CELLS) -> np.ndarray:
         """The mask as a bool array ``[total_q, total_k]`` (True = attend). For tests and
@@ -291,7 +311,8 @@ class AttnMask:
             raise ValueError(
                 f"to_dense() would build a {self.total_q} x {self.total_k} array ({cells:,} "
                 f"cells > max_cells={max_cells:,}); dense masks are for small problems — use "
-                "the slices (mask.shapes, mask.area) or pass a larger max_cells")
+                "the slices (mask.shapes, mask.area) or pass a larger max_cells"
+            )
         dense = np.zeros((self.total_q, self.total_k), dtype=bool)
         sh = self.shapes
         cols = np.arange(self.total_k)
@@ -299,15 +320,21 @@ class AttnMask:
             rows = np.arange(sh.q0[s], sh.q1[s])
             lo = sh.lo(rows, s)[:, None]
             hi = sh.hi(rows, s)[:, None]
-            dense[sh.q0[s]:sh.q1[s]] |= (cols[None, :] >= lo) & (cols[None, :] <= hi)
+            dense[sh.q0[s] : sh.q1[s]] |= (cols[None, :] >= lo) & (cols[None, :] <= hi)
         return dense
 
     def save(self, path) -> None:
         """Writes the mask to ``path`` as a ``.npz`` (``q_ranges``, ``k_ranges``, ``types``,
         ``total_q``, ``total_k``); :meth:`load` reads it back, and ``python -m magi_jax.plan
         --slices path`` plans it."""
-        np.savez(path, q_ranges=self._q_ranges, k_ranges=self._k_ranges, types=self._types,
-                 total_q=np.int64(self._total_q), total_k=np.int64(self._total_k))
+        np.savez(
+            path,
+            q_ranges=self._q_ranges,
+            k_ranges=self._k_ranges,
+            types=self._types,
+            total_q=np.int64(self._total_q),
+            total_k=np.int64(self._total_k),
+        )
 
     @classmethod
     def load(cls, path) -> "AttnMask":
@@ -317,18 +344,22 @@ class AttnMask:
         with np.load(path, allow_pickle=False) as z:
             missing = [k for k in ("q_ranges", "k_ranges", "types") if k not in z.files]
             if missing:
-                raise ValueError(f"{path}: a mask file needs arrays q_ranges, k_ranges and "
-                                 f"types; {missing} missing (it holds {z.files})")
+                raise ValueError(
+                    f"{path}: a mask file needs arrays q_ranges, k_ranges and "
+                    f"types; {missing} missing (it holds {z.files})"
+                )
             totals = {k: int(z[k]) for k in ("total_q", "total_k") if k in z.files}
             types = z["types"]
             types = types.tolist() if types.dtype.kind in "US" else types
-            return cls(z["q_ranges"], z["k_ranges"], types, totals.get("total_q"),
-                       totals.get("total_k"))
+            return cls(
+                z["q_ranges"], z["k_ranges"], types, totals.get("total_q"), totals.get("total_k")
+            )
 
     # ---- constructors -----------------------------------------------------------------------
     @classmethod
-    def from_ranges(cls, q_ranges, k_ranges, types, total_q: int | None = None,
-                    total_k: int | None = None) -> "AttnMask":
+    def from_ranges(
+        cls, q_ranges, k_ranges, types, total_q: int | None = None, total_k: int | None = None
+    ) -> "AttnMask":
         """A mask from explicit slices; ``types`` is one type for all or one per slice.
 
         >>> AttnMask.from_ranges([[0, 2], [2, 5]], [[0, 2], [0, 5]], "causal").area
@@ -367,8 +398,9 @@ class AttnMask:
         return cls([[0, total_q]], [[0, total_k]], [AttnMaskType.CAUSAL], total_q, total_k)
 
     @classmethod
-    def varlen(cls, cu_seqlens, causal: bool = True,
-               window: int | tuple[int, int] | None = None) -> "AttnMask":
+    def varlen(
+        cls, cu_seqlens, causal: bool = True, window: int | tuple[int, int] | None = None
+    ) -> "AttnMask":
         """Packed documents, each attending only to itself (FlashAttention's varlen).
 
         ``cu_seqlens``: 1-D cumulative lengths ``[0, n0, n0+n1, ...]``. ``causal`` (default
@@ -389,13 +421,13 @@ class AttnMask:
         slices = []
         for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
             if e > s:
-                slices += shape_to_slices(s, e, s, e, -left if left is not None else None,
-                                          right)
+                slices += shape_to_slices(s, e, s, e, -left if left is not None else None, right)
         return cls._from_list(slices, total, total)
 
     @classmethod
-    def from_segment_ids(cls, segment_ids, causal: bool = True,
-                         window: int | tuple[int, int] | None = None) -> "AttnMask":
+    def from_segment_ids(
+        cls, segment_ids, causal: bool = True, window: int | tuple[int, int] | None = None
+    ) -> "AttnMask":
         """Packed documents given by per-token segment ids (``jax.nn``'s / Flax's
         ``segment_ids``).
 
@@ -441,7 +473,8 @@ class AttnMask:
                     f"positions [{int(starts[i])}, {int(ends[i])}) and [{int(starts[j])}, "
                     f"{int(ends[j])}); segment ids must be contiguous runs (packed "
                     "documents) — give every document its own id, or build the mask from "
-                    "slices (AttnMask.from_ranges)")
+                    "slices (AttnMask.from_ranges)"
+                )
             for s, e in zip((starts + b * t).tolist(), (ends + b * t).tolist()):
                 slices += shape_to_slices(s, e, s, e, dlo, right)
         return cls._from_list(slices, batch * t, batch * t)
@@ -489,10 +522,15 @@ class AttnMask:
         """
         lens = _doc_lens(doc_lens)
         prefixes = np.asarray(prefix_lens)
-        if prefixes.ndim > 1 or prefixes.size not in (1, len(lens)) or not (
-                np.issubdtype(prefixes.dtype, np.integer)):
-            raise ValueError(f"prefix_lens must be one int or {len(lens)} ints (one per "
-                             f"document); got {prefix_lens!r}")
+        if (
+            prefixes.ndim > 1
+            or prefixes.size not in (1, len(lens))
+            or not (np.issubdtype(prefixes.dtype, np.integer))
+        ):
+            raise ValueError(
+                f"prefix_lens must be one int or {len(lens)} ints (one per "
+                f"document); got {prefix_lens!r}"
+            )
         prefixes = np.broadcast_to(prefixes.astype(np.int64).reshape(-1), (len(lens),))
         slices, start = [], 0
         for i, (n, p) in enumerate(zip(lens, prefixes.tolist())):
@@ -565,6 +603,7 @@ class AttnMask:
 
 # ---- helpers ------------------------------------------------------------------------------
 
+
 def _frozen(a: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(a)
     a.setflags(write=False)
@@ -577,11 +616,15 @@ def _as_types(types, n: int) -> np.ndarray:
     try:
         seq = list(types) if not isinstance(types, np.ndarray) else types.reshape(-1).tolist()
     except TypeError:
-        raise ValueError(f"types={types!r} must be one mask type (a name such as 'causal', an "
-                         "int 0-3 or an AttnMaskType) or one per slice") from None
+        raise ValueError(
+            f"types={types!r} must be one mask type (a name such as 'causal', an "
+            "int 0-3 or an AttnMaskType) or one per slice"
+        ) from None
     if len(seq) != n:
-        raise ValueError(f"types has {len(seq)} entries but there are {n} slices; give one "
-                         "type per slice or a single type for all")
+        raise ValueError(
+            f"types has {len(seq)} entries but there are {n} slices; give one "
+            "type per slice or a single type for all"
+        )
     out = np.empty((n,), np.int64)
     for i, t in enumerate(seq):
         try:
@@ -597,16 +640,20 @@ def _check_bounds(name, ranges, total, total_name, other, types):
     rev = ranges[:, 0] > ranges[:, 1]
     if rev.any():
         i = int(np.argmax(rev))
-        raise ValueError(f"{name}[{i}] = [{ranges[i, 0]}, {ranges[i, 1]}) is reversed (start > "
-                         f"end) in {_fmt_slice(i, *_order(name, ranges[i], other[i]), types[i])};"
-                         " ranges are half-open [start, end) with start <= end")
+        raise ValueError(
+            f"{name}[{i}] = [{ranges[i, 0]}, {ranges[i, 1]}) is reversed (start > "
+            f"end) in {_fmt_slice(i, *_order(name, ranges[i], other[i]), types[i])};"
+            " ranges are half-open [start, end) with start <= end"
+        )
     oob = ranges[:, 1] > total
     if oob.any():
         i = int(np.argmax(oob))
-        raise ValueError(f"{name}[{i}] = [{ranges[i, 0]}, {ranges[i, 1]}) ends past "
-                         f"{total_name}={total} in "
-                         f"{_fmt_slice(i, *_order(name, ranges[i], other[i]), types[i])}; "
-                         f"raise {total_name} or fix the range")
+        raise ValueError(
+            f"{name}[{i}] = [{ranges[i, 0]}, {ranges[i, 1]}) ends past "
+            f"{total_name}={total} in "
+            f"{_fmt_slice(i, *_order(name, ranges[i], other[i]), types[i])}; "
+            f"raise {total_name} or fix the range"
+        )
 
 
 def _order(name, this, other):
@@ -628,7 +675,7 @@ def _check_disjoint(mask: AttnMask) -> None:
     q0, q1 = sh.q0[idx], sh.q1[idx]
     bounds = np.unique(np.concatenate([q0, q1]))
     first_band = np.searchsorted(bounds, q0)
-    end_band = np.searchsorted(bounds, q1)        # exclusive
+    end_band = np.searchsorted(bounds, q1)  # exclusive
     # Active slices per band, to cut the bands into chunks of bounded work.
     active = np.zeros(len(bounds), np.int64)
     np.add.at(active, first_band, 1)
@@ -667,7 +714,8 @@ def _check_band_pairs(mask, idx, pair_slice, pair_band, bounds):
         raise ValueError(
             f"{_fmt_slice(i1, qr[i1], kr[i1], ty[i1])} and "
             f"{_fmt_slice(i2, qr[i2], kr[i2], ty[i2])} overlap (first shared cells near query "
-            f"row {row}); slices must cover disjoint cells — split or trim one of them")
+            f"row {row}); slices must cover disjoint cells — split or trim one of them"
+        )
 
 
 def _check_total(name: str, value) -> int:
@@ -690,25 +738,32 @@ def _cu_seqlens(cu_seqlens) -> np.ndarray:
             f"cu_seqlens must be 1-D [num_docs + 1] cumulative lengths [0, n0, n0+n1, ...]; "
             f"got shape {arr.shape}. For a batch of rows, pack them into one sequence (one "
             "cu_seqlens over all the documents, row after row) or use "
-            "AttnMask.from_segment_ids with [B, T] segment ids")
-    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer)
-                                   or np.issubdtype(arr.dtype, np.floating)):
+            "AttnMask.from_segment_ids with [B, T] segment ids"
+        )
+    if arr.dtype == object or not (
+        np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
+    ):
         raise ValueError(f"cu_seqlens must hold integers; got dtype {arr.dtype}")
     if np.issubdtype(arr.dtype, np.floating) and not np.all(np.mod(arr, 1) == 0):
         bad = int(np.argmax(np.mod(arr, 1) != 0))
-        raise ValueError(f"cu_seqlens[{bad}] = {arr[bad].item()!r} is not an integer; "
-                         "cu_seqlens are token offsets")
+        raise ValueError(
+            f"cu_seqlens[{bad}] = {arr[bad].item()!r} is not an integer; "
+            "cu_seqlens are token offsets"
+        )
     cu = arr.astype(np.int64)
     if cu.size < 1 or cu[0] != 0 or np.any(np.diff(cu) < 0):
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing; got "
-                         f"{cu.tolist()[:16]}")
+        raise ValueError(
+            f"cu_seqlens must start at 0 and be non-decreasing; got {cu.tolist()[:16]}"
+        )
     return cu
 
 
 def _doc_lens(doc_lens) -> list[int]:
     arr = np.asarray(doc_lens)
-    if not (np.issubdtype(arr.dtype, np.integer) or (
-            np.issubdtype(arr.dtype, np.floating) and np.all(np.mod(arr, 1) == 0))):
+    if not (
+        np.issubdtype(arr.dtype, np.integer)
+        or (np.issubdtype(arr.dtype, np.floating) and np.all(np.mod(arr, 1) == 0))
+    ):
         raise ValueError(f"doc_lens must be integer document lengths; got {doc_lens!r}")
     lens = arr.astype(np.int64).reshape(-1)
     if np.any(lens < 0):
@@ -731,11 +786,14 @@ def _window(window, causal: bool) -> tuple[int | None, int | None]:
                 raise ValueError
             left, right = int(left), int(right)
         except (TypeError, ValueError):
-            raise ValueError(f"window must be an int or a (left, right) pair of ints; got "
-                             f"{window!r}") from None
+            raise ValueError(
+                f"window must be an int or a (left, right) pair of ints; got {window!r}"
+            ) from None
     if left < 0 or right < 0:
         raise ValueError(f"window=(left={left}, right={right}) must be >= 0")
     if causal and right != 0:
-        raise ValueError(f"window right extent {right} contradicts causal=True; use "
-                         "causal=False with window=(left, right), or right=0")
+        raise ValueError(
+            f"window right extent {right} contradicts causal=True; use "
+            "causal=False with window=(left, right), or right=0"
+        )
     return left, right

@@ -15,16 +15,34 @@ import numpy as np
 
 from magi_jax.mask import AttnMask
 
-__all__ = ["DOC_LENGTHS", "REFERENCE_TOTAL", "MASKS", "scaled_doc_lengths",
-           "random_doc_lengths", "make_mask", "zoo"]
+__all__ = [
+    "DOC_LENGTHS",
+    "REFERENCE_TOTAL",
+    "MASKS",
+    "scaled_doc_lengths",
+    "random_doc_lengths",
+    "make_mask",
+    "zoo",
+]
 
 # The ten documents of the benchmarks' document-causal mask: 32768 tokens in all.
 DOC_LENGTHS = (7040, 5376, 4352, 2560, 2816, 768, 1024, 512, 1792, 6528)
 REFERENCE_TOTAL = sum(DOC_LENGTHS)
 # The masks of the zoo, by the names the planner CLI accepts (``--mask``).
-MASKS = ("doc-causal", "doc-full", "causal", "full", "sliding-window", "doc-window",
-         "block-causal", "prefix-lm", "shared-question", "causal-blockwise",
-         "global-sliding-window", "many-docs")
+MASKS = (
+    "doc-causal",
+    "doc-full",
+    "causal",
+    "full",
+    "sliding-window",
+    "doc-window",
+    "block-causal",
+    "prefix-lm",
+    "shared-question",
+    "causal-blockwise",
+    "global-sliding-window",
+    "many-docs",
+)
 
 
 def scaled_doc_lengths(total: int, multiple: int = 1) -> list[int]:
@@ -50,9 +68,17 @@ def random_doc_lengths(total: int, num_docs: int, seed: int = 0) -> list[int]:
     return lens
 
 
-def make_mask(name: str, total: int, *, window: int = 4096, num_docs: int | None = None,
-              seed: int = 0, block: int | None = None, num_global: int | None = None,
-              multiple: int = 1) -> AttnMask:
+def make_mask(
+    name: str,
+    total: int,
+    *,
+    window: int = 4096,
+    num_docs: int | None = None,
+    seed: int = 0,
+    block: int | None = None,
+    num_global: int | None = None,
+    multiple: int = 1,
+) -> AttnMask:
     """One of :data:`MASKS` over ``total`` tokens.
 
     Documents: :func:`scaled_doc_lengths` (``multiple``), or ``num_docs`` random lengths
@@ -74,8 +100,11 @@ def make_mask(name: str, total: int, *, window: int = 4096, num_docs: int | None
         return AttnMask.global_sliding_window(total, w, g)
     if name == "many-docs" and num_docs is None:
         num_docs = 64
-    docs = (scaled_doc_lengths(total, multiple) if num_docs is None
-            else random_doc_lengths(total, num_docs, seed))
+    docs = (
+        scaled_doc_lengths(total, multiple)
+        if num_docs is None
+        else random_doc_lengths(total, num_docs, seed)
+    )
     cu = np.concatenate([[0], np.cumsum(docs)])
     if name in ("doc-causal", "many-docs"):
         return AttnMask.varlen(cu, causal=True)
@@ -89,7 +118,7 @@ def make_mask(name: str, total: int, *, window: int = 4096, num_docs: int | None
         return AttnMask.prefix_lm(docs, [d // 4 for d in docs])
     if name == "shared-question":
         return AttnMask.shared_question(docs)
-    return AttnMask.causal_blockwise(docs)          # causal-blockwise
+    return AttnMask.causal_blockwise(docs)  # causal-blockwise
 
 
 def zoo(total: int) -> dict[str, AttnMask]:

@@ -20,8 +20,9 @@ from typing import Any
 __all__ = ["prefetch_keys"]
 
 
-def prefetch_keys(batches: Iterable[Any], make_key: Callable[[Any], Any], *,
-                  depth: int = 2) -> Iterator[tuple[Any, Any]]:
+def prefetch_keys(
+    batches: Iterable[Any], make_key: Callable[[Any], Any], *, depth: int = 2
+) -> Iterator[tuple[Any, Any]]:
     """Yields ``(batch, make_key(batch))`` in order, with the keys of up to ``depth`` batches
     ahead being planned on one background thread.
 
@@ -34,6 +35,7 @@ def prefetch_keys(batches: Iterable[Any], make_key: Callable[[Any], Any], *,
     it = iter(batches)
     pending: collections.deque = collections.deque()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="magi-plan") as pool:
+
         def submit():
             try:
                 batch = next(it)

@@ -9,14 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import magi_jax as mj
 from magi_jax.sharding import magi_attention_local
 from magi_jax.sharding.key import CHECK_DISPATCH_ENV, CheckedKey
 
-T = 256                                         # 8 ranks x 32 tokens: no padding
-MASK = mj.AttnMask.varlen([0, 100, 256])        # causal documents (the default)
+T = 256  # 8 ranks x 32 tokens: no padding
+MASK = mj.AttnMask.varlen([0, 100, 256])  # causal documents (the default)
 DISPATCH_FIRST = "dispatch first: q = mj.dispatch"
 
 
@@ -26,7 +27,7 @@ def _mesh(kind):
         return jax.make_mesh((8,), ("cp",), axis_types=(AxisType.Auto,))
     if kind == "explicit":
         return jax.make_mesh((8,), ("cp",), axis_types=(AxisType.Explicit,))
-    return jax.sharding.Mesh(np.array(jax.devices()[:8]), ("cp",))   # Mesh(): Auto axes
+    return jax.sharding.Mesh(np.array(jax.devices()[:8]), ("cp",))  # Mesh(): Auto axes
 
 
 def _qkv(batch=None):
@@ -46,10 +47,11 @@ def _attend(key, jit):
 
 # ---- 1. the dispatched layout cannot be mistaken --------------------------------------------
 
+
 @pytest.mark.parametrize("mesh_kind", ["auto", "plain_mesh"])
 def test_never_dispatched_inputs_eager_raise_dispatch_first(mesh_kind):
     key = mj.make_flex_key(MASK, _mesh(mesh_kind), "cp")
-    assert key.padded_total == key.total == T          # the shapes agree: the hard case
+    assert key.padded_total == key.total == T  # the shapes agree: the hard case
     with pytest.raises(ValueError, match=DISPATCH_FIRST) as e:
         _attend(key, jit=False)(*_qkv())
     assert "lives on one device" in str(e.value) and "not on the key's mesh" in str(e.value)
@@ -70,7 +72,7 @@ def test_never_dispatched_inputs_on_auto_mesh_raise_with_check_dispatch(mesh_kin
 @pytest.mark.parametrize("jit", [False, True])
 def test_natural_order_sharded_over_cp_on_explicit_mesh_raises_with_check_dispatch(jit):
     mesh = _mesh("explicit")
-    qkv = _put(_qkv(), mesh, P("cp"))           # MaxText's layout: natural order, P("cp")
+    qkv = _put(_qkv(), mesh, P("cp"))  # MaxText's layout: natural order, P("cp")
     key = mj.make_flex_key(MASK, mesh, "cp", check_dispatch=True)
     with pytest.raises(ValueError, match=DISPATCH_FIRST):
         _attend(key, jit)(*qkv)
@@ -85,8 +87,9 @@ def test_check_dispatch_from_the_environment(monkeypatch):
     assert isinstance(key, CheckedKey)
     with pytest.raises(ValueError, match=DISPATCH_FIRST):
         _attend(key, jit=True)(*_put(_qkv(), _mesh("explicit"), P("cp")))
-    assert not isinstance(mj.make_flex_key(MASK, _mesh("explicit"), "cp",
-                                           check_dispatch=False), CheckedKey)
+    assert not isinstance(
+        mj.make_flex_key(MASK, _mesh("explicit"), "cp", check_dispatch=False), CheckedKey
+    )
     monkeypatch.setenv(CHECK_DISPATCH_ENV, "maybe")
     with pytest.raises(ValueError, match="MAGI_JAX_CHECK_DISPATCH='maybe'"):
         mj.make_flex_key(MASK, _mesh("explicit"), "cp")
@@ -96,7 +99,7 @@ def test_check_dispatch_from_the_environment(monkeypatch):
 @pytest.mark.parametrize("placement", ["replicated", "uncommitted"])
 def test_not_sharded_inputs_on_explicit_mesh_raise_dispatch_first(jit, placement):
     mesh = _mesh("explicit")
-    key = mj.make_flex_key(MASK, mesh, "cp")          # the default key: no opt-in needed
+    key = mj.make_flex_key(MASK, mesh, "cp")  # the default key: no opt-in needed
     qkv = _put(_qkv(), mesh, P()) if placement == "replicated" else _qkv()
     with pytest.raises(ValueError, match=DISPATCH_FIRST) as e:
         _attend(key, jit)(*qkv)
@@ -111,7 +114,7 @@ def test_replicated_inputs_on_auto_mesh_eager_name_both_fixes():
     with pytest.raises(ValueError, match=DISPATCH_FIRST) as e:
         _attend(key, jit=False)(*_put(_qkv(), mesh, P()))
     assert "replicated along the sequence" in str(e.value)
-    assert "jax.device_put(q, NamedSharding(" in str(e.value)   # if it is dispatched already
+    assert "jax.device_put(q, NamedSharding(" in str(e.value)  # if it is dispatched already
 
 
 def test_heads_sharded_on_explicit_mesh_is_named():
@@ -126,7 +129,7 @@ def test_heads_sharded_on_explicit_mesh_is_named():
 
 def test_keys_of_one_mask_with_and_without_check_do_not_mix():
     mesh = _mesh("auto")
-    mask = mj.AttnMask.varlen([0, 100, 250])                        # 6 rows of padding
+    mask = mj.AttnMask.varlen([0, 100, 250])  # 6 rows of padding
     plain = mj.make_flex_key(mask, mesh, "cp")
     checked = mj.make_flex_key(mask, mesh, "cp", check_dispatch=True)
     q, k, v = (x[:250] for x in _qkv())
@@ -141,7 +144,7 @@ def test_check_dispatch_changes_no_result(mesh_kind):
     """Same plan, same kernels: the natural-order outputs and gradients of a checked key are
     those of the unchecked one, bit for bit; the hidden rows behave like padding."""
     mesh = _mesh(mesh_kind)
-    mask = mj.AttnMask.varlen([0, 70, 200, 250])     # 6 rows of padding as well
+    mask = mj.AttnMask.varlen([0, 70, 200, 250])  # 6 rows of padding as well
     plain = mj.make_flex_key(mask, mesh, "cp", overlap_degree=1)
     checked = mj.make_flex_key(mask, mesh, "cp", overlap_degree=1, check_dispatch=True)
     ks = jax.random.split(jax.random.key(1), 4)
@@ -161,15 +164,16 @@ def test_check_dispatch_changes_no_result(mesh_kind):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     o1 = np.asarray(o1).reshape(8, -1, 2, 8)
     lse1 = np.asarray(lse1).reshape(8, -1, 2)
-    assert (o1[:, -1] == 0).all() and np.isneginf(lse1[:, -1]).all()    # the hidden rows
+    assert (o1[:, -1] == 0).all() and np.isneginf(lse1[:, -1]).all()  # the hidden rows
     np.testing.assert_array_equal(o1[:, :-1].reshape(o0.shape), np.asarray(o0))
     np.testing.assert_array_equal(lse1[:, :-1].reshape(lse0.shape), np.asarray(lse0))
     pos = np.asarray(mj.position_ids(checked)).reshape(8, -1)
     np.testing.assert_array_equal(pos[:, :-1].reshape(-1), np.asarray(mj.position_ids(plain)))
     assert (pos[:, -1] >= mask.total_q).all()
     x = jnp.arange(250.0)
-    np.testing.assert_array_equal(np.asarray(mj.undispatch(mj.dispatch(x, checked), checked)),
-                                  np.asarray(x))
+    np.testing.assert_array_equal(
+        np.asarray(mj.undispatch(mj.dispatch(x, checked), checked)), np.asarray(x)
+    )
 
 
 def test_check_dispatch_inside_your_own_shard_map():
@@ -177,16 +181,18 @@ def test_check_dispatch_inside_your_own_shard_map():
     key = mj.make_flex_key(MASK, mesh, "cp", check_dispatch=True)
     q, k, v = _qkv()
     body = lambda q, k, v: magi_attention_local(q, k, v, key)[0]
-    sharded = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 3,
-                                    out_specs=P("cp"), check_vma=False))
+    sharded = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 3, out_specs=P("cp"), check_vma=False)
+    )
     out = mj.undispatch(sharded(*(mj.dispatch(x, key) for x in (q, k, v))), key)
     ref, _ = mj.flex_flash_attention(q, k, v, MASK)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
     with pytest.raises(ValueError, match="local_len=33.*dispatch first"):
-        sharded(q, k, v)                              # natural order: 32 rows per rank
+        sharded(q, k, v)  # natural order: 32 rows per rank
 
 
 # ---- 2. every bad input is a clear error ----------------------------------------------------
+
 
 def test_empty_sequence():
     with pytest.raises(ValueError, match=r"no tokens \(total_q = total_k = 0\)"):
@@ -208,8 +214,11 @@ def test_block_sizes(name, value):
 
 @pytest.mark.parametrize("value", [100, 9, -1, 2.5, True])
 def test_overlap_degree_is_bounded(value):
-    with pytest.raises(ValueError, match=rf"overlap_degree={value!r} must be an integer in "
-                                         r"\[0, 8\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"overlap_degree={value!r} must be an integer in "
+        r"\[0, 8\]",
+    ):
         mj.make_flex_key(MASK, _mesh("auto"), "cp", overlap_degree=value)
     assert mj.make_flex_key(MASK, _mesh("auto"), "cp", overlap_degree=8).overlap_degree <= 8
 
@@ -247,8 +256,11 @@ def test_softcap_and_scale():
 
 
 def test_cu_seqlens_must_be_one_dimensional_integers():
-    with pytest.raises(ValueError, match=r"cu_seqlens must be 1-D.*got shape \(2, 3\).*"
-                                         "from_segment_ids"):
+    with pytest.raises(
+        ValueError,
+        match=r"cu_seqlens must be 1-D.*got shape \(2, 3\).*"
+        "from_segment_ids",
+    ):
         mj.AttnMask.varlen([[0, 3, 5], [0, 2, 5]])
     with pytest.raises(ValueError, match="cu_seqlens must be 1-D"):
         mj.make_varlen_key([[0, 128], [0, 128]], _mesh("auto"), "cp")
@@ -259,13 +271,16 @@ def test_cu_seqlens_must_be_one_dimensional_integers():
         mj.AttnMask.varlen([0, 5, 3])
 
 
-@pytest.mark.parametrize("build, match", [
-    (lambda: mj.AttnMask.sliding_window(-4, 1, 0), r"total=-4 must be >= 0"),
-    (lambda: mj.AttnMask.global_sliding_window(-4, 1, 1), r"total=-4 must be >= 0"),
-    (lambda: mj.AttnMask.causal(-4), r"total_q=-4 must be >= 0"),
-    (lambda: mj.AttnMask.full(8, -1), r"total_k=-1 must be >= 0"),
-    (lambda: mj.AttnMask.causal(4.5), r"total_q=4.5 must be an integer"),
-])
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: mj.AttnMask.sliding_window(-4, 1, 0), r"total=-4 must be >= 0"),
+        (lambda: mj.AttnMask.global_sliding_window(-4, 1, 1), r"total=-4 must be >= 0"),
+        (lambda: mj.AttnMask.causal(-4), r"total_q=-4 must be >= 0"),
+        (lambda: mj.AttnMask.full(8, -1), r"total_k=-1 must be >= 0"),
+        (lambda: mj.AttnMask.causal(4.5), r"total_q=4.5 must be an integer"),
+    ],
+)
 def test_negative_or_fractional_lengths_name_the_length(build, match):
     with pytest.raises(ValueError, match=match) as e:
         build()
@@ -284,8 +299,11 @@ def test_packed_documents_are_causal_by_default_everywhere():
 def test_dispatch_seq_axis_mistakes_name_the_right_axis():
     key = mj.make_flex_key(mj.AttnMask.varlen([0, 100, 250]), _mesh("auto"), "cp")
     x = jnp.zeros((250, 2, 8))
-    with pytest.raises(ValueError, match=r"axis 1 \(seq_axis=1\) has 2 rows but the key is for "
-                                         r"250 tokens.*Axis 0 has 250 rows: pass seq_axis=0"):
+    with pytest.raises(
+        ValueError,
+        match=r"axis 1 \(seq_axis=1\) has 2 rows but the key is for "
+        r"250 tokens.*Axis 0 has 250 rows: pass seq_axis=0",
+    ):
         mj.dispatch(x, key, seq_axis=1)
     xd = mj.dispatch(x, key)
     with pytest.raises(ValueError, match=r"seq_axis=1\) has 2 rows.*pass seq_axis=0"):
@@ -306,9 +324,9 @@ def test_position_ids_on_either_mesh():
         key = mj.make_flex_key(MASK, _mesh(kind), "cp")
         pos = mj.position_ids(key)
         assert pos.sharding.is_equivalent_to(NamedSharding(key.mesh, P("cp")), 1)
-        head = np.asarray(pos)[:10]                   # works on both meshes
+        head = np.asarray(pos)[:10]  # works on both meshes
         np.testing.assert_array_equal(head, np.asarray(key.order)[:10])
-        if kind == "explicit":       # typed P("cp"): JAX asks for an out_sharding to index
+        if kind == "explicit":  # typed P("cp"): JAX asks for an out_sharding to index
             rep = jax.sharding.reshard(pos, NamedSharding(key.mesh, P()))
             np.testing.assert_array_equal(np.asarray(rep[:10]), head)
 
@@ -321,8 +339,10 @@ def test_pallas_key_names_unsupported_inputs():
     import pytest
 
     import magi_jax as mj
-    mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+
+    mesh = jax.make_mesh(
+        (2,), ("cp",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,)
+    )
     key = mj.make_flex_key(mj.AttnMask.causal(256), mesh, "cp", ffa_backend="pallas")
     x = mj.dispatch(jnp.zeros((256, 2, 64), jnp.float32), key)
     with pytest.raises(ValueError, match="ffa_backend='xla'"):

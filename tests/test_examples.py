@@ -35,6 +35,7 @@ def _png_size(path) -> tuple[int, int]:
 def _assert_picture(path, size):
     assert _png_size(path) == size
     import matplotlib.image
+
     img = matplotlib.image.imread(path)
     # Not blank: many distinct colours, not one flat background.
     assert img.std() > 0.05 and len(np.unique(img.reshape(-1, img.shape[-1]), axis=0)) > 8
@@ -42,12 +43,29 @@ def _assert_picture(path, size):
 
 def test_train_example_runs_loss_falls_and_matches_single_device(tmp_path):
     out = tmp_path / "train.json"
-    cmd = [sys.executable, str(ROOT / "examples" / "train.py"), "--steps", "12",
-           "--seqlen", "1024", "--docs", "6", "--layers", "1", "--dim", "64", "--devices", "4",
-           "--lr", "1e-2", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "train.py"),
+        "--steps",
+        "12",
+        "--seqlen",
+        "1024",
+        "--docs",
+        "6",
+        "--layers",
+        "1",
+        "--dim",
+        "64",
+        "--devices",
+        "4",
+        "--lr",
+        "1e-2",
+        "--json",
+        str(out),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "-> OK" in res.stdout, res.stdout                      # step-0 check vs one device
+    assert "-> OK" in res.stdout, res.stdout  # step-0 check vs one device
     log = json.loads(out.read_text())
     loss = log["loss"]
     assert len(loss) == 12 and np.isfinite(loss).all()
@@ -59,7 +77,7 @@ def test_train_example_runs_loss_falls_and_matches_single_device(tmp_path):
     assert len({tuple(x) for x in layouts}) == 12, layouts
     assert log["compilations"] == 1
     assert "train step compiled 1 time for 12 steps with 12 different layouts" in res.stdout
-    assert log["attn_dtype"] == "float32" and log["ffa_backend"] == "xla"     # CPU
+    assert log["attn_dtype"] == "float32" and log["ffa_backend"] == "xla"  # CPU
 
 
 def test_notebook_executes(tmp_path):
@@ -67,17 +85,22 @@ def test_notebook_executes(tmp_path):
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(ROOT / "examples" / "shard_map_cp.ipynb", as_version=4)
     env_path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + env_path      # for the kernel
+    os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + env_path  # for the kernel
     try:
-        nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                resources={"metadata": {"path": str(tmp_path)}}).execute()
+        nbclient.NotebookClient(
+            nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        ).execute()
     finally:
         os.environ["PYTHONPATH"] = env_path
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                   for o in c.outputs)
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "max |out - single device|" in text
-    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-              if "image/png" in o.get("data", {})]
+    images = [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if "image/png" in o.get("data", {})
+    ]
     assert len(images) == 2
     _assert_picture(tmp_path / "mask.png", (700, 700))
     _assert_picture(tmp_path / "plan.png", (1200, 1000))
@@ -88,25 +111,38 @@ def test_plots_are_images_of_the_expected_size(tmp_path):
     mask.plot(tmp_path / "small.png", figsize=(6, 5), dpi=80)
     _assert_picture(tmp_path / "small.png", (480, 400))
     big = mj.AttnMask.varlen(np.cumsum([0, 30000, 5000, 65072]), causal=True)
-    big.plot(tmp_path / "big.png")                                  # drawn as polygons
+    big.plot(tmp_path / "big.png")  # drawn as polygons
     _assert_picture(tmp_path / "big.png", (700, 700))
-    mesh = jax.make_mesh((4,), ("cp",), devices=jax.devices()[:4],
-                         axis_types=(jax.sharding.AxisType.Auto,))
-    key = mj.make_flex_key(mj.AttnMask.varlen([0, 50, 90, 200], causal=True), mesh, "cp",
-                           overlap_degree=2)
+    mesh = jax.make_mesh(
+        (4,), ("cp",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,)
+    )
+    key = mj.make_flex_key(
+        mj.AttnMask.varlen([0, 50, 90, 200], causal=True), mesh, "cp", overlap_degree=2
+    )
     key.plot(tmp_path / "plan.png")
     _assert_picture(tmp_path / "plan.png", (1200, 1000))
 
 
 def test_planner_cli_million_tokens_cp64(tmp_path):
     out = tmp_path / "plan.png"
-    cmd = [sys.executable, "-m", "magi_jax.plan", "--mask", "doc-causal", "--seqlen", "1M",
-           "--cp", "64", "--overlap-degree", "1", "--out", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600,
-                         cwd=tmp_path)
+    cmd = [
+        sys.executable,
+        "-m",
+        "magi_jax.plan",
+        "--mask",
+        "doc-causal",
+        "--seqlen",
+        "1M",
+        "--cp",
+        "64",
+        "--overlap-degree",
+        "1",
+        "--out",
+        str(out),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    for expected in ("1,048,576 tokens", "per rank",
-                     "max/mean", "remote KV", "stages", "time"):
+    for expected in ("1,048,576 tokens", "per rank", "max/mean", "remote KV", "stages", "time"):
         assert expected in res.stdout, res.stdout
     imbalance = float(re.search(r"magi\s+max/mean\s+([\d.]+)", res.stdout).group(1))
     assert imbalance < 1.02, res.stdout
@@ -115,6 +151,7 @@ def test_planner_cli_million_tokens_cp64(tmp_path):
 
 def test_planner_cli_plans_the_users_mask(tmp_path, capsys):
     from magi_jax.cli import main
+
     assert main(["--cu-seqlens", "0,3000,8k,20000", "--cp", "4", "--out", ""]) == 0
     out = capsys.readouterr().out
     assert "3 documents (--cu-seqlens): 3 slices over 20,000 tokens" in out, out
@@ -130,10 +167,12 @@ def test_planner_cli_plans_the_users_mask(tmp_path, capsys):
     assert f"area {mask.area / 1e6:.3g}M cells" in out, out
 
     np.savez(tmp_path / "bad.npz", q_ranges=np.zeros((1, 2), np.int32))
-    for argv, message in ((["--slices", str(tmp_path / "bad.npz")], "k_ranges"),
-                          (["--cu-seqlens", "0,10,5"], "cu_seqlens"),
-                          (["--cu-seqlens", "0,x"], "--cu-seqlens"),
-                          (["--bidirectional"], "--cu-seqlens only")):
+    for argv, message in (
+        (["--slices", str(tmp_path / "bad.npz")], "k_ranges"),
+        (["--cu-seqlens", "0,10,5"], "cu_seqlens"),
+        (["--cu-seqlens", "0,x"], "--cu-seqlens"),
+        (["--bidirectional"], "--cu-seqlens only"),
+    ):
         with pytest.raises(SystemExit) as e:
             main(argv + ["--out", ""])
         assert e.value.code == 2

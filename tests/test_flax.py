@@ -10,29 +10,32 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import magi_jax as mj
 from magi_jax.nn import SelfAttention, apply_rope, make_attention_fn
 
-LENS = [13, 1, 22, 9, 19]                      # 64 tokens, odd documents
+LENS = [13, 1, 22, 9, 19]  # 64 tokens, odd documents
 CU = np.cumsum([0] + LENS)
 T = int(CU[-1])
-MASK = mj.AttnMask.varlen(CU, causal=True)     # every row sees itself: dense flax agrees
+MASK = mj.AttnMask.varlen(CU, causal=True)  # every row sees itself: dense flax agrees
 TOL = dict(rtol=2e-5, atol=2e-5)
 
 
 @functools.lru_cache(maxsize=None)
 def _key(cp=8, degree=None):
-    mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+        (cp,), ("cp",), devices=jax.devices()[:cp], axis_types=(jax.sharding.AxisType.Auto,)
+    )
     return mj.make_flex_key(MASK, mesh, "cp", overlap_degree=degree)
 
 
 def _close(a, b, what):
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **TOL,
-                                   err_msg=f"{what} {jax.tree_util.keystr(path)}")
+        np.testing.assert_allclose(
+            np.asarray(x), np.asarray(y), **TOL, err_msg=f"{what} {jax.tree_util.keystr(path)}"
+        )
 
 
 def _x(shape, seed=0):
@@ -40,6 +43,7 @@ def _x(shape, seed=0):
 
 
 # ---- linen ------------------------------------------------------------------------------------
+
 
 def test_linen_single_device_matches_flax_dense_attention():
     x = _x((2, T, 32))
@@ -50,10 +54,12 @@ def test_linen_single_device_matches_flax_dense_attention():
     w = _x((2, T, 32), 2)
     f_ours = lambda p, x: (ours.apply(p, x) * w).sum()
     f_dense = lambda p, x: (dense.apply(p, x, mask=dmask) * w).sum()
-    np.testing.assert_allclose(jax.jit(ours.apply)(params, x),
-                               dense.apply(params, x, mask=dmask), **TOL)
-    _close(jax.jit(jax.grad(f_ours, (0, 1)))(params, x), jax.grad(f_dense, (0, 1))(params, x),
-           "grad")
+    np.testing.assert_allclose(
+        jax.jit(ours.apply)(params, x), dense.apply(params, x, mask=dmask), **TOL
+    )
+    _close(
+        jax.jit(jax.grad(f_ours, (0, 1)))(params, x), jax.grad(f_dense, (0, 1))(params, x), "grad"
+    )
 
 
 def test_linen_context_parallel_matches_single_device():
@@ -71,11 +77,15 @@ def test_linen_context_parallel_matches_single_device():
 
     f_one = lambda p, x: (one.apply(p, x) * w).sum()
     np.testing.assert_allclose(f_cp(params, x), f_one(params, x), rtol=1e-5)
-    _close(jax.jit(jax.grad(f_cp, (0, 1)))(params, x), jax.jit(jax.grad(f_one, (0, 1)))(params, x),
-           "grad")
+    _close(
+        jax.jit(jax.grad(f_cp, (0, 1)))(params, x),
+        jax.jit(jax.grad(f_one, (0, 1)))(params, x),
+        "grad",
+    )
 
 
 # ---- NNX MultiHeadAttention -----------------------------------------------------------------
+
 
 def test_nnx_multihead_adapter_single_and_context_parallel():
     key = _key(8)
@@ -102,6 +112,7 @@ def test_nnx_multihead_adapter_single_and_context_parallel():
 
 # ---- NNX SelfAttention (GQA + RoPE) -----------------------------------------------------------
 
+
 def _dense_self_attention(layer: SelfAttention, x, positions):
     """Plain-JAX GQA + RoPE attention with the dense mask: the obviously-right version."""
     hd, hq, hkv = layer.head_dim, layer.num_heads, layer.num_kv_heads
@@ -110,7 +121,7 @@ def _dense_self_attention(layer: SelfAttention, x, positions):
     v = layer.v_proj(x).reshape(T, hkv, hd)
     q, k = apply_rope(q, positions), apply_rope(k, positions)
     k, v = jnp.repeat(k, hq // hkv, axis=1), jnp.repeat(v, hq // hkv, axis=1)
-    s = jnp.einsum("qhd,khd->hqk", q, k) * hd ** -0.5
+    s = jnp.einsum("qhd,khd->hqk", q, k) * hd**-0.5
     s = jnp.where(jnp.asarray(MASK.to_dense())[None], s, -jnp.inf)
     out = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, axis=-1), v)
     return layer.o_proj(out.reshape(T, hq * hd))
@@ -119,8 +130,9 @@ def _dense_self_attention(layer: SelfAttention, x, positions):
 def test_self_attention_single_device_matches_dense_reference():
     layer = SelfAttention(32, 4, num_kv_heads=2, rngs=nnx.Rngs(0))
     x = _x((T, 32))
-    np.testing.assert_allclose(layer(x, MASK), _dense_self_attention(layer, x, jnp.arange(T)),
-                               **TOL)
+    np.testing.assert_allclose(
+        layer(x, MASK), _dense_self_attention(layer, x, jnp.arange(T)), **TOL
+    )
 
 
 def test_self_attention_context_parallel_matches_single_device():
@@ -135,12 +147,15 @@ def test_self_attention_context_parallel_matches_single_device():
 
     @jax.jit
     def f_cp(params, x):
-        y = nnx.merge(graphdef, params)(mj.dispatch(x, key), key)   # RoPE from position_ids
+        y = nnx.merge(graphdef, params)(mj.dispatch(x, key), key)  # RoPE from position_ids
         return (mj.undispatch(y, key) * w).sum()
 
     np.testing.assert_allclose(f_cp(params, x), jax.jit(f_one)(params, x), rtol=1e-5)
-    _close(jax.jit(jax.grad(f_cp, (0, 1)))(params, x), jax.jit(jax.grad(f_one, (0, 1)))(params, x),
-           "grad")
+    _close(
+        jax.jit(jax.grad(f_cp, (0, 1)))(params, x),
+        jax.jit(jax.grad(f_one, (0, 1)))(params, x),
+        "grad",
+    )
 
 
 def test_self_attention_batch_axis_folds_into_heads():
@@ -158,9 +173,10 @@ def test_self_attention_batch_axis_folds_into_heads():
 
 # ---- errors -----------------------------------------------------------------------------------
 
+
 def test_errors_name_the_mistake():
     mesh = jax.make_mesh((8,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
-    key = mj.make_flex_key(MASK, mesh, "cp", chunk_size=3)        # 64 tokens + 8 padding
+    key = mj.make_flex_key(MASK, mesh, "cp", chunk_size=3)  # 64 tokens + 8 padding
     assert (key.total, key.padded_total, key.local_len) == (64, 72, 9)
     fn_key, fn_mask = make_attention_fn(key), make_attention_fn(MASK)
     q = jnp.zeros((T, 4, 8))
@@ -184,8 +200,9 @@ def test_errors_name_the_mistake():
         SelfAttention(32, 4, num_kv_heads=3, rngs=nnx.Rngs(0))
     # Inputs sharded over other devices than the key's mesh.
     key4 = _key(4)
-    other = jax.make_mesh((4,), ("cp",), devices=jax.devices()[4:8],
-                          axis_types=(jax.sharding.AxisType.Auto,))
+    other = jax.make_mesh(
+        (4,), ("cp",), devices=jax.devices()[4:8], axis_types=(jax.sharding.AxisType.Auto,)
+    )
     z = jax.device_put(jnp.zeros((key4.padded_total, 4, 8)), NamedSharding(other, P("cp")))
     with pytest.raises(ValueError, match="not the key's mesh"):
         make_attention_fn(key4)(z, z, z)
@@ -196,8 +213,14 @@ def test_adapter_local_inside_user_shard_map():
     fn = make_attention_fn(key, local=True)
     q = _x((T, 4, 8), 5)
     k, v = _x((T, 2, 8), 6), _x((T, 2, 8), 7)
-    body = jax.shard_map(lambda q, k, v: fn(q, k, v), mesh=key.mesh, in_specs=(P("cp"),) * 3,
-                         out_specs=P("cp"), check_vma=False)
-    run = jax.jit(lambda q, k, v: mj.undispatch(
-        body(*(mj.dispatch(x, key) for x in (q, k, v))), key))
+    body = jax.shard_map(
+        lambda q, k, v: fn(q, k, v),
+        mesh=key.mesh,
+        in_specs=(P("cp"),) * 3,
+        out_specs=P("cp"),
+        check_vma=False,
+    )
+    run = jax.jit(
+        lambda q, k, v: mj.undispatch(body(*(mj.dispatch(x, key) for x in (q, k, v))), key)
+    )
     np.testing.assert_allclose(run(q, k, v), mj.flex_flash_attention(q, k, v, MASK)[0], **TOL)

@@ -20,8 +20,15 @@ TOL = dict(rtol=2e-5, atol=2e-5)
 
 
 def _layer(**kw):
-    return SelfAttention(32, 4, num_kv_heads=2, num_sinks=2,
-                         sink_init=nnx.initializers.normal(1.0), rngs=nnx.Rngs(0), **kw)
+    return SelfAttention(
+        32,
+        4,
+        num_kv_heads=2,
+        num_sinks=2,
+        sink_init=nnx.initializers.normal(1.0),
+        rngs=nnx.Rngs(0),
+        **kw,
+    )
 
 
 def _dense(params, graphdef, x):
@@ -30,11 +37,18 @@ def _dense(params, graphdef, x):
     layer = nnx.merge(graphdef, params)
     hd, hq, hkv = layer.head_dim, layer.num_heads, layer.num_kv_heads
     split = lambda y, h: y.reshape(y.shape[:-1] + (h, hd))
-    q, k, v = (split(p(x), h) for p, h in ((layer.q_proj, hq), (layer.k_proj, hkv),
-                                          (layer.v_proj, hkv)))
+    q, k, v = (
+        split(p(x), h) for p, h in ((layer.q_proj, hq), (layer.k_proj, hkv), (layer.v_proj, hkv))
+    )
     pos = jnp.arange(T)
-    out, _, ml = mj.reference_attention(apply_rope(q, pos), apply_rope(k, pos), v, MASK,
-                                        sink=layer.sink[...], return_max_logits=True)
+    out, _, ml = mj.reference_attention(
+        apply_rope(q, pos),
+        apply_rope(k, pos),
+        v,
+        MASK,
+        sink=layer.sink[...],
+        return_max_logits=True,
+    )
     return layer.o_proj(out.reshape(out.shape[:-2] + (-1,))), ml
 
 
@@ -52,21 +66,26 @@ def test_layer_matches_reference_and_sink_gets_gradients():
 
     @jax.jit
     def both(p):
-        return (_run(p, graphdef, x, MASK), _dense(p, graphdef, x), jax.grad(loss(
-            lambda *a: _run(*a, MASK)))(p), jax.grad(loss(_dense))(p))
+        return (
+            _run(p, graphdef, x, MASK),
+            _dense(p, graphdef, x),
+            jax.grad(loss(lambda *a: _run(*a, MASK)))(p),
+            jax.grad(loss(_dense))(p),
+        )
 
     (y, ml), (y_ref, ml_ref), g, g_ref = both(params)
     np.testing.assert_allclose(y, y_ref, **TOL)
     np.testing.assert_allclose(ml, ml_ref, **TOL)
-    assert np.abs(np.asarray(g["sink"][...])).min() > 0        # every sink logit learns
+    assert np.abs(np.asarray(g["sink"][...])).min() > 0  # every sink logit learns
     for path, a in jax.tree_util.tree_flatten_with_path(g)[0]:
         b = dict(jax.tree_util.tree_flatten_with_path(g_ref)[0])[path]
         np.testing.assert_allclose(a, b, **TOL, err_msg=jax.tree_util.keystr(path))
 
 
 def test_context_parallel_with_batch_matches_one_device():
-    mesh = jax.make_mesh((4,), ("cp",), devices=jax.devices()[:4],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+        (4,), ("cp",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,)
+    )
     key = mj.make_flex_key(MASK, mesh, "cp")
     graphdef, params = nnx.split(_layer(), nnx.Param)
     x = jax.random.normal(jax.random.key(3), (2, T, 32))
@@ -93,7 +112,7 @@ def test_context_parallel_with_batch_matches_one_device():
 
 def test_defaults_and_errors():
     layer = SelfAttention(32, 4, num_sinks=1, rngs=nnx.Rngs(0))
-    assert not np.asarray(layer.sink[...]).any()                  # zeros by default
+    assert not np.asarray(layer.sink[...]).any()  # zeros by default
     assert SelfAttention(32, 4, rngs=nnx.Rngs(0)).sink is None
     with pytest.raises(ValueError, match=r"num_sinks=9 must be an int in \[0, 8\]"):
         SelfAttention(32, 4, num_sinks=9, rngs=nnx.Rngs(0))

@@ -2,7 +2,8 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from magi_jax.mask import AttnMask, AttnMaskType, shape_to_slices
 from tests.strategies import slice_masks
@@ -12,8 +13,12 @@ def _slice_dense(sq, sk, t):
     """docs/masks.md's matrices, cell by cell."""
     i = np.arange(sq)[:, None]
     j = np.arange(sk)[None, :]
-    return {0: np.ones((sq, sk), bool), 1: j <= i + (sk - sq), 2: j >= i,
-            3: (j >= i) & (j <= i + (sk - sq))}[int(t)]
+    return {
+        0: np.ones((sq, sk), bool),
+        1: j <= i + (sk - sq),
+        2: j >= i,
+        3: (j >= i) & (j <= i + (sk - sq)),
+    }[int(t)]
 
 
 def _dense_count(mask):
@@ -46,7 +51,7 @@ def test_design_matrices(sq, sk, t):
     # Placed at an offset inside a larger canvas, to exercise global coordinates.
     m = AttnMask.from_ranges([[3, 3 + sq]], [[2, 2 + sk]], t, total_q=sq + 5, total_k=sk + 4)
     dense = m.to_dense()
-    np.testing.assert_array_equal(dense[3:3 + sq, 2:2 + sk], want)
+    np.testing.assert_array_equal(dense[3 : 3 + sq, 2 : 2 + sk], want)
     assert dense.sum() == want.sum() == m.area
 
 
@@ -64,6 +69,7 @@ def test_area_formula(sq, sk, t):
 
 
 # ---- constructors against independent dense constructions -----------------------------------
+
 
 def _docs(lens):
     lens = np.asarray(lens)
@@ -89,11 +95,15 @@ def _expected(name):
     if name == "varlen_causal":
         return AttnMask.varlen(np.cumsum([0] + LENS), causal=True), same & (k <= q)
     if name == "varlen_causal_window":
-        return (AttnMask.varlen(np.cumsum([0] + LENS), causal=True, window=3),
-                same & (k <= q) & (q - k <= 3))
+        return (
+            AttnMask.varlen(np.cumsum([0] + LENS), causal=True, window=3),
+            same & (k <= q) & (q - k <= 3),
+        )
     if name == "varlen_window_2_1":
-        return (AttnMask.varlen(np.cumsum([0] + LENS), causal=False, window=(2, 1)),
-                same & (q - k <= 2) & (k - q <= 1))
+        return (
+            AttnMask.varlen(np.cumsum([0] + LENS), causal=False, window=(2, 1)),
+            same & (q - k <= 2) & (k - q <= 1),
+        )
     if name == "sliding_window":
         return AttnMask.sliding_window(total, 4, 2), (q - k <= 4) & (k - q <= 2)
     if name == "sliding_window_wide":
@@ -103,23 +113,26 @@ def _expected(name):
         return (AttnMask.block_causal(LENS, 4), same & (blk[None, :] <= blk[:, None]))
     if name == "prefix_lm":
         p = np.array([3, 1, 5, 0, 9])[doc]
-        return (AttnMask.prefix_lm(LENS, [3, 1, 5, 0, 9]),
-                same & ((k <= q) | ((pos[:, None] < p[:, None]) & (pos[None, :] < p[:, None]))))
+        return (
+            AttnMask.prefix_lm(LENS, [3, 1, 5, 0, 9]),
+            same & ((k <= q) | ((pos[:, None] < p[:, None]) & (pos[None, :] < p[:, None]))),
+        )
     if name == "prefix_lm_single":
         return AttnMask.prefix_lm(total, 6), (k <= q) | ((q < 6) & (k < 6))
     if name == "shared_question":
-        head = (doc <= 1)
+        head = doc <= 1
         both_head = head[:, None] & head[None, :]
-        return (AttnMask.shared_question(LENS),
-                (both_head & (k <= q)) | (same & ~both_head & (k <= q))
-                | (~head[:, None] & (doc[None, :] == 0)))
+        return (
+            AttnMask.shared_question(LENS),
+            (both_head & (k <= q))
+            | (same & ~both_head & (k <= q))
+            | (~head[:, None] & (doc[None, :] == 0)),
+        )
     if name == "causal_blockwise":
         last = doc == len(LENS) - 1
-        return (AttnMask.causal_blockwise(LENS),
-                (k <= q) & (same | last[:, None]))
+        return (AttnMask.causal_blockwise(LENS), (k <= q) & (same | last[:, None]))
     if name == "global_sliding_window":
-        return (AttnMask.global_sliding_window(total, 5, 3),
-                (k <= q) & ((q - k <= 5) | (k < 3)))
+        return (AttnMask.global_sliding_window(total, 5, 3), (k <= q) & ((q - k <= 5) | (k < 3)))
     if name == "full":
         return AttnMask.full(total), np.ones((total, total), bool)
     if name == "causal":
@@ -130,10 +143,23 @@ def _expected(name):
     raise KeyError(name)
 
 
-CONSTRUCTORS = ["full", "causal", "causal_rect", "varlen_full", "varlen_causal",
-                "varlen_causal_window", "varlen_window_2_1", "sliding_window",
-                "sliding_window_wide", "block_causal", "prefix_lm", "prefix_lm_single",
-                "shared_question", "causal_blockwise", "global_sliding_window"]
+CONSTRUCTORS = [
+    "full",
+    "causal",
+    "causal_rect",
+    "varlen_full",
+    "varlen_causal",
+    "varlen_causal_window",
+    "varlen_window_2_1",
+    "sliding_window",
+    "sliding_window_wide",
+    "block_causal",
+    "prefix_lm",
+    "prefix_lm_single",
+    "shared_question",
+    "causal_blockwise",
+    "global_sliding_window",
+]
 
 
 @pytest.mark.parametrize("name", CONSTRUCTORS)
@@ -158,8 +184,14 @@ def test_area_and_disjointness_random(mask):
     assert mask.area == int(cnt.sum()) == int(mask.to_dense().sum())
 
 
-@given(st.integers(0, 12), st.integers(0, 12), st.integers(0, 12), st.integers(0, 12),
-       st.integers(-14, 14), st.integers(-14, 14))
+@given(
+    st.integers(0, 12),
+    st.integers(0, 12),
+    st.integers(0, 12),
+    st.integers(0, 12),
+    st.integers(-14, 14),
+    st.integers(-14, 14),
+)
 def test_shape_to_slices_exact(q0, q1, k0, k1, dlo, dhi):
     slices = shape_to_slices(q0, q1, k0, k1, dlo, dhi)
     assert len(slices) <= 3
@@ -174,6 +206,7 @@ def test_shape_to_slices_exact(q0, q1, k0, k1, dlo, dhi):
 
 # ---- validation ------------------------------------------------------------------------------
 
+
 @given(slice_masks(max_len=24), st.data())
 def test_overlap_detected_exactly(mask, data):
     """Adding a random slice is accepted iff it shares no cell with the mask."""
@@ -185,9 +218,13 @@ def test_overlap_detected_exactly(mask, data):
     extra = np.zeros((mask.total_q, mask.total_k), bool)
     extra[qs:qe, ks:ke] = _slice_dense(qe - qs, ke - ks, t)
     clash = bool((extra & mask.to_dense()).any())
-    args = (np.concatenate([mask.q_ranges, [[qs, qe]]]),
-            np.concatenate([mask.k_ranges, [[ks, ke]]]),
-            np.concatenate([mask.types, [t]]), mask.total_q, mask.total_k)
+    args = (
+        np.concatenate([mask.q_ranges, [[qs, qe]]]),
+        np.concatenate([mask.k_ranges, [[ks, ke]]]),
+        np.concatenate([mask.types, [t]]),
+        mask.total_q,
+        mask.total_k,
+    )
     if clash:
         with pytest.raises(ValueError, match=rf"slice {mask.num_slices} .*overlap"):
             AttnMask(*args)
@@ -197,8 +234,9 @@ def test_overlap_detected_exactly(mask, data):
 
 def test_overlap_error_names_both_slices():
     with pytest.raises(ValueError) as e:
-        AttnMask.from_ranges([[0, 4], [10, 12], [2, 6]], [[0, 4], [0, 3], [3, 5]],
-                             ["full", "full", "inv_causal"])
+        AttnMask.from_ranges(
+            [[0, 4], [10, 12], [2, 6]], [[0, 4], [0, 3], [3, 5]], ["full", "full", "inv_causal"]
+        )
     msg = str(e.value)
     assert "slice 0 (q_range=[0, 4), k_range=[0, 4), type=FULL)" in msg
     assert "slice 2 (q_range=[2, 6), k_range=[3, 5), type=INV_CAUSAL)" in msg
@@ -210,21 +248,36 @@ def test_touching_triangles_are_not_overlap():
     assert m.area == 36
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(q_ranges=[[3, 2]], k_ranges=[[0, 4]], types=[0]), r"q_ranges\[0\] = \[3, 2\).*reversed"),
-    (dict(q_ranges=[[0, 2]], k_ranges=[[5, 4]], types=[0]), r"k_ranges\[0\] = \[5, 4\).*reversed"),
-    (dict(q_ranges=[[0, 2], [0, 9]], k_ranges=[[0, 1], [1, 2]], types=[0, 0], total_q=8),
-     r"q_ranges\[1\] = \[0, 9\) ends past total_q=8.*slice 1"),
-    (dict(q_ranges=[[0, 2]], k_ranges=[[0, 9]], types=[0], total_k=4),
-     r"k_ranges\[0\].*ends past total_k=4"),
-    (dict(q_ranges=[[0, 2]], k_ranges=[[0, 2]], types=[7]), r"types\[0\]: unknown mask type 7"),
-    (dict(q_ranges=[[0, 2]], k_ranges=[[0, 2]], types=["diagonal"]),
-     r"types\[0\]: unknown mask type 'diagonal'"),
-    (dict(q_ranges=[[0, 2]], k_ranges=[[0, 2], [2, 3]], types=[0]), r"q_ranges has 1 slices"),
-    (dict(q_ranges=[[0, 2, 3]], k_ranges=[[0, 2]], types=[0]), r"q_ranges must have shape"),
-    (dict(q_ranges=[[-1, 2]], k_ranges=[[0, 2]], types=[0]), r"q_ranges\[0\].*non-negative"),
-    (dict(q_ranges=[[0, 2]], k_ranges=[[0, 2]], types=[0, 1]), r"types has 2 entries"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (
+            dict(q_ranges=[[3, 2]], k_ranges=[[0, 4]], types=[0]),
+            r"q_ranges\[0\] = \[3, 2\).*reversed",
+        ),
+        (
+            dict(q_ranges=[[0, 2]], k_ranges=[[5, 4]], types=[0]),
+            r"k_ranges\[0\] = \[5, 4\).*reversed",
+        ),
+        (
+            dict(q_ranges=[[0, 2], [0, 9]], k_ranges=[[0, 1], [1, 2]], types=[0, 0], total_q=8),
+            r"q_ranges\[1\] = \[0, 9\) ends past total_q=8.*slice 1",
+        ),
+        (
+            dict(q_ranges=[[0, 2]], k_ranges=[[0, 9]], types=[0], total_k=4),
+            r"k_ranges\[0\].*ends past total_k=4",
+        ),
+        (dict(q_ranges=[[0, 2]], k_ranges=[[0, 2]], types=[7]), r"types\[0\]: unknown mask type 7"),
+        (
+            dict(q_ranges=[[0, 2]], k_ranges=[[0, 2]], types=["diagonal"]),
+            r"types\[0\]: unknown mask type 'diagonal'",
+        ),
+        (dict(q_ranges=[[0, 2]], k_ranges=[[0, 2], [2, 3]], types=[0]), r"q_ranges has 1 slices"),
+        (dict(q_ranges=[[0, 2, 3]], k_ranges=[[0, 2]], types=[0]), r"q_ranges must have shape"),
+        (dict(q_ranges=[[-1, 2]], k_ranges=[[0, 2]], types=[0]), r"q_ranges\[0\].*non-negative"),
+        (dict(q_ranges=[[0, 2]], k_ranges=[[0, 2]], types=[0, 1]), r"types has 2 entries"),
+    ],
+)
 def test_validation_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AttnMask.from_ranges(**kwargs)
@@ -279,6 +332,7 @@ def test_empty_rows_and_mask():
 
 # ---- scale -----------------------------------------------------------------------------------
 
+
 def _timed(fn):
     best = float("inf")
     for _ in range(2):
@@ -305,15 +359,20 @@ def test_validation_scales_to_100k_slices():
     q, k, t = [], [], []
     for s, e in zip(cu[:-1], cu[1:]):
         for qs, qe, ks, ke, ty in shape_to_slices(s, e, s, e, -3, 0):
-            q.append((qs, qe)); k.append((ks, ke)); t.append(int(ty))
+            q.append((qs, qe))
+            k.append((ks, ke))
+            t.append(int(ty))
     q, k, t = np.array(q), np.array(k), np.array(t)
     assert len(t) >= 100_000
     _, sec = _timed(lambda: AttnMask.from_ranges(q, k, t))
     assert sec < 1.0, f"validation of {len(t)} slices took {sec:.2f}s"
     # Many slices sharing every row (column stripes), also linear.
     stripes = np.arange(0, 200_000, 2)
-    _, sec = _timed(lambda: AttnMask.from_ranges(
-        np.tile([[0, 64]], (len(stripes), 1)), np.stack([stripes, stripes + 2], 1), 0))
+    _, sec = _timed(
+        lambda: AttnMask.from_ranges(
+            np.tile([[0, 64]], (len(stripes), 1)), np.stack([stripes, stripes + 2], 1), 0
+        )
+    )
     assert sec < 1.0, f"validation of 100k column stripes took {sec:.2f}s"
 
 
@@ -321,5 +380,6 @@ def test_docstring_examples():
     import doctest
 
     import magi_jax.mask
+
     res = doctest.testmod(magi_jax.mask)
     assert res.attempted >= 12 and res.failed == 0

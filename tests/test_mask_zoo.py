@@ -11,8 +11,9 @@ def test_reference_documents_sum_to_32k():
     assert mz.scaled_doc_lengths(131072) == [4 * d for d in mz.DOC_LENGTHS]
 
 
-@pytest.mark.parametrize("total,multiple", [(4096, 1), (16384, 128), (100000, 1), (100000, 128),
-                                            (1 << 20, 128)])
+@pytest.mark.parametrize(
+    "total,multiple", [(4096, 1), (16384, 128), (100000, 1), (100000, 128), (1 << 20, 128)]
+)
 def test_scaled_lengths_cover_the_total(total, multiple):
     lens = mz.scaled_doc_lengths(total, multiple)
     assert sum(lens) == total and min(lens) >= 1

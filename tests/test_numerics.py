@@ -26,7 +26,7 @@ from magi_jax.ffa.testing import assert_matches_reference, fwd_bwd
 from magi_jax.mask import AttnMask
 from tests.xla_options import OPTIMIZED
 
-LONG_ROW = 2 ** 20
+LONG_ROW = 2**20
 
 
 def edge_mask(unit: int = 8) -> AttnMask:
@@ -35,9 +35,13 @@ def edge_mask(unit: int = 8) -> AttnMask:
     BI_CAUSAL square), rows ``[5u, 6u)`` see nothing, rows ``[6u, 8u)`` see keys
     ``[7u, 8u)`` fully; keys ``[5u, 7u)`` are seen by no query."""
     u = unit
-    return AttnMask.from_ranges([[0, 3 * u], [3 * u, 5 * u], [6 * u, 8 * u]],
-                                [[0, 3 * u], [3 * u, 5 * u], [7 * u, 8 * u]],
-                                ["causal", "bi_causal", "full"], 8 * u, 8 * u)
+    return AttnMask.from_ranges(
+        [[0, 3 * u], [3 * u, 5 * u], [6 * u, 8 * u]],
+        [[0, 3 * u], [3 * u, 5 * u], [7 * u, 8 * u]],
+        ["causal", "bi_causal", "full"],
+        8 * u,
+        8 * u,
+    )
 
 
 def single_key_rows(mask: AttnMask) -> tuple[np.ndarray, np.ndarray]:
@@ -53,7 +57,8 @@ def scaled_inputs(mask, dtype, *, hq, hkv, d, q_scale=1.0, batch=None, seed=0):
     rng = np.random.default_rng(seed)
     lead = () if batch is None else (batch,)
     normal = lambda t, h, scale=1.0: jnp.asarray(
-        (rng.standard_normal(lead + (t, h, d), np.float32) * scale).astype(dtype))
+        (rng.standard_normal(lead + (t, h, d), np.float32) * scale).astype(dtype)
+    )
     q = normal(mask.total_q, hq, q_scale)
     k, v = normal(mask.total_k, hkv), normal(mask.total_k, hkv)
     dout = normal(mask.total_q, hq)
@@ -69,14 +74,14 @@ def check_edges(res, mask, q, k, v, dout, dlse, **kw) -> dict:
     dense = mask.to_dense()
     empty_rows, unseen_keys = ~dense.any(1), ~dense.any(0)
     for name, x in res.items():
-        if name == "lse":                       # [(B,) Tq, Hq]
-            assert np.array_equal(np.isneginf(x), np.broadcast_to(empty_rows[:, None],
-                                                                  x.shape)), \
+        if name == "lse":  # [(B,) Tq, Hq]
+            assert np.array_equal(np.isneginf(x), np.broadcast_to(empty_rows[:, None], x.shape)), (
                 "lse: -inf rows differ from the rows that see no key"
+            )
             assert not np.isnan(x).any() and not np.isposinf(x).any(), "lse: NaN or +inf"
         else:
             assert np.isfinite(x).all(), f"{name}: {int((~np.isfinite(x)).sum())} NaN/inf"
-    rows_of = lambda x, sel: x[:, sel] if x.ndim == 4 else x[sel]      # the sequence axis
+    rows_of = lambda x, sel: x[:, sel] if x.ndim == 4 else x[sel]  # the sequence axis
     assert (rows_of(res["out"], empty_rows) == 0).all()
     if "dq" in res:
         assert (rows_of(res["dq"], empty_rows) == 0).all(), "dq: rows that see no key"
@@ -86,21 +91,26 @@ def check_edges(res, mask, q, k, v, dout, dlse, **kw) -> dict:
     if rows.size:
         group = q.shape[-2] // k.shape[-2]
         v_rep = np.repeat(np.asarray(jnp.asarray(v, jnp.float32)), group, axis=-2)
-        np.testing.assert_array_equal(rows_of(res["out"], rows), rows_of(v_rep, keys),
-                                      err_msg="a row that sees one key outputs its value")
+        np.testing.assert_array_equal(
+            rows_of(res["out"], rows),
+            rows_of(v_rep, keys),
+            err_msg="a row that sees one key outputs its value",
+        )
     return assert_matches_reference(res, q, k, v, mask, dout, dlse, **kw)
 
 
 @functools.lru_cache(maxsize=None)
 def _ffa_vjp(mask, backend, softcap, block_k=None, optimized=False):
-    fn = lambda a, b, c: mj.flex_flash_attention(a, b, c, mask, softcap=softcap,
-                                                 backend=backend, block_k=block_k)
+    fn = lambda a, b, c: mj.flex_flash_attention(
+        a, b, c, mask, softcap=softcap, backend=backend, block_k=block_k
+    )
     step = fwd_bwd(fn)
     return jax.jit(step, compiler_options=OPTIMIZED) if optimized else step
 
 
-def run_ffa(mask, q, k, v, dout, dlse, *, backend="xla", softcap=0.0, block_k=None,
-            optimized=False):
+def run_ffa(
+    mask, q, k, v, dout, dlse, *, backend="xla", softcap=0.0, block_k=None, optimized=False
+):
     """Forward and gradients of ``flex_flash_attention`` (jitted, one compilation per mask,
     backend and softcap; ``optimized``: at the default CPU optimisation, for programs that
     run long, tests/xla_options.py)."""
@@ -111,19 +121,29 @@ def run_ffa(mask, q, k, v, dout, dlse, *, backend="xla", softcap=0.0, block_k=No
 
 # Each case is one compilation, which is most of its cost on a CPU: softcap off and on are
 # spread over the two low-precision dtypes rather than crossed with them.
-LARGE_LOGITS = [dict(dtype=jnp.float16, softcap=0.0, hq=4, hkv=2, batch=2),
-                dict(dtype=jnp.bfloat16, softcap=30.0, hq=2, hkv=1, batch=None)]
+LARGE_LOGITS = [
+    dict(dtype=jnp.float16, softcap=0.0, hq=4, hkv=2, batch=2),
+    dict(dtype=jnp.bfloat16, softcap=30.0, hq=2, hkv=1, batch=None),
+]
 
 
-@pytest.mark.parametrize("case", LARGE_LOGITS, ids=lambda c: f"{c['dtype'].__name__}-"
-                         f"softcap{c['softcap']:g}")
+@pytest.mark.parametrize(
+    "case", LARGE_LOGITS, ids=lambda c: f"{c['dtype'].__name__}-softcap{c['softcap']:g}"
+)
 def test_large_logits_single_key_and_empty_rows(case):
     """q x 100: scores in the hundreds, so a softmax without the running max overflows, and
     the low-precision reference loses most of its digits (the bound follows it); the mask
     holds single-key rows, empty rows and keys nobody sees."""
     mask = edge_mask()
-    inputs = scaled_inputs(mask, case["dtype"], hq=case["hq"], hkv=case["hkv"], d=16,
-                           q_scale=100.0, batch=case["batch"])
+    inputs = scaled_inputs(
+        mask,
+        case["dtype"],
+        hq=case["hq"],
+        hkv=case["hkv"],
+        d=16,
+        q_scale=100.0,
+        batch=case["batch"],
+    )
     res = run_ffa(mask, *inputs, softcap=case["softcap"])
     check_edges(res, mask, *inputs, softcap=case["softcap"])
 
@@ -133,8 +153,7 @@ def test_all_masked_batch():
     empty."""
     mask = AttnMask.from_ranges([], [], [], total_q=24, total_k=40)
     dtype = jnp.bfloat16
-    q, k, v, dout, dlse = scaled_inputs(mask, dtype, hq=2, hkv=2, d=8, q_scale=100.0,
-                                        batch=2)
+    q, k, v, dout, dlse = scaled_inputs(mask, dtype, hq=2, hkv=2, d=8, q_scale=100.0, batch=2)
     res = run_ffa(mask, q, k, v, dout, dlse)
     assert res["out"].dtype == dtype and res["lse"].dtype == jnp.float32
     assert np.isneginf(np.asarray(res["lse"])).all()
@@ -157,6 +176,7 @@ def test_float64_inputs_keep_float64_precision():
 
 # ---- 2. one long row -------------------------------------------------------------------------
 
+
 def test_long_row_matches_reference():
     """One query over 2**20 keys: the forward and the gradients by the rule (float32)."""
     mask = AttnMask.full(1, LONG_ROW)
@@ -171,35 +191,36 @@ def test_long_row_lse_is_exact_for_equal_logits():
     mask = AttnMask.full(1, LONG_ROW)
     rng = np.random.default_rng(3)
     q = jnp.asarray(rng.standard_normal((1, 1, 8), np.float32) * 4)
-    k = jnp.asarray(np.broadcast_to(np.linspace(-1.0, 1.0, 8, dtype=np.float32),
-                                    (LONG_ROW, 1, 8)))
+    k = jnp.asarray(np.broadcast_to(np.linspace(-1.0, 1.0, 8, dtype=np.float32), (LONG_ROW, 1, 8)))
     v = jnp.asarray(rng.standard_normal((LONG_ROW, 1, 8), np.float32))
     dout = jnp.asarray(rng.standard_normal((1, 1, 8), np.float32))
-    res = run_ffa(mask, q, k, v, dout, jnp.zeros((1, 1), jnp.float32), block_k=4096,
-                  optimized=True)
-    s = float(np.asarray(q, np.float64)[0, 0] @ np.asarray(k[0, 0], np.float64)) * 8 ** -0.5
+    res = run_ffa(mask, q, k, v, dout, jnp.zeros((1, 1), jnp.float32), block_k=4096, optimized=True)
+    s = float(np.asarray(q, np.float64)[0, 0] @ np.asarray(k[0, 0], np.float64)) * 8**-0.5
     want_lse = s + np.log(LONG_ROW)
     assert abs(float(res["lse"][0, 0]) - want_lse) <= 2e-5 * max(1.0, abs(want_lse))
-    np.testing.assert_allclose(np.asarray(res["out"][0], np.float64),
-                               np.asarray(v, np.float64).mean(0), rtol=0, atol=2e-5)
+    np.testing.assert_allclose(
+        np.asarray(res["out"][0], np.float64), np.asarray(v, np.float64).mean(0), rtol=0, atol=2e-5
+    )
     want_dv = np.broadcast_to(np.asarray(dout, np.float64) / LONG_ROW, v.shape)
-    np.testing.assert_allclose(np.asarray(res["dv"], np.float64), want_dv, rtol=1e-4,
-                               atol=1e-12)
+    np.testing.assert_allclose(np.asarray(res["dv"], np.float64), want_dv, rtol=1e-4, atol=1e-12)
 
 
 # ---- 3. under context parallelism ----------------------------------------------------------
 
+
 @functools.lru_cache(maxsize=None)
 def _mesh(cp):
-    return jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.make_mesh(
+        (cp,), ("cp",), devices=jax.devices()[:cp], axis_types=(jax.sharding.AxisType.Auto,)
+    )
 
 
 @functools.lru_cache(maxsize=None)
 def _cp_vjp(key, softcap):
     def fwd(q, k, v):
-        o, l = mj.magi_attention(mj.dispatch(q, key), mj.dispatch(k, key),
-                                 mj.dispatch(v, key), key, softcap=softcap)
+        o, l = mj.magi_attention(
+            mj.dispatch(q, key), mj.dispatch(k, key), mj.dispatch(v, key), key, softcap=softcap
+        )
         return mj.undispatch(o, key), mj.undispatch(l, key)
 
     return fwd_bwd(fwd)
@@ -209,7 +230,7 @@ def test_cp_large_logits_single_key_and_empty_rows():
     """The edge mask over 4 ranks with remote stages, float16 and q x 100 under a softcap
     (chunks of 8 tokens spread the rows over the ranks, so the empty and single-key rows
     meet remote KV and padding)."""
-    mask = edge_mask(unit=7)                                  # 56 tokens: padded to 64
+    mask = edge_mask(unit=7)  # 56 tokens: padded to 64
     dtype, softcap = jnp.float16, 30.0
     key = mj.make_flex_key(mask, _mesh(4), "cp", chunk_size=8, overlap_degree=1)
     assert key.padded_total > mask.total_q and key.overlap_degree == 1

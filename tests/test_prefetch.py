@@ -19,7 +19,7 @@ def test_yields_in_order_and_plans_ahead():
     first = next(gen)
     assert first == (0, 0)
     deadline = time.time() + 5
-    while len(started) < 3 and time.time() < deadline:     # batches 1 and 2 are in flight
+    while len(started) < 3 and time.time() < deadline:  # batches 1 and 2 are in flight
         time.sleep(0.01)
     assert started[:3] == [0, 1, 2]
     assert list(gen) == [(b, b * 10) for b in range(1, 6)]
@@ -50,6 +50,7 @@ def test_rejects_bad_depth():
 
 def test_clear_caches_empties_plan_caches():
     from magi_jax.planning.work_list import plan_for_mask
+
     plan_for_mask(mj.AttnMask.causal(64), "xla")
     assert plan_for_mask.cache_info().currsize >= 1
     mj.clear_caches()

@@ -17,11 +17,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from magi_jax.mask import AttnMask, SliceShapes
-from magi_jax.planning.stages import _clip_to_segments, rank_views
 from magi_jax.planning.solver import DispatchMeta, solve_dispatch
+from magi_jax.planning.stages import _clip_to_segments, rank_views
 from magi_jax.planning.work_list import backend_blocks, build_plan_arrays, stack_plans
 
 __all__ = ["BACKENDS", "LocalFFA", "Layout", "make_layout", "pick_backend", "sub_shapes"]
@@ -37,6 +38,7 @@ def pick_backend(backend: str, dtype, head_dim: int) -> tuple[str, str]:
     if backend != "auto":
         return backend, "requested"
     from magi_jax.pallas import supported
+
     x = jax.ShapeDtypeStruct((1, 1, head_dim), jnp.dtype(dtype))
     ok, why = supported(x, x, x)
     return ("pallas", "supported here") if ok else ("xla", why)
@@ -59,8 +61,10 @@ class LocalFFA:
 
     def __post_init__(self):
         if self.backend not in ("xla", "pallas"):
-            raise ValueError(f"LocalFFA backend={self.backend!r}: use 'xla' or 'pallas' "
-                             "(resolve 'auto' with pick_backend first)")
+            raise ValueError(
+                f"LocalFFA backend={self.backend!r}: use 'xla' or 'pallas' "
+                "(resolve 'auto' with pick_backend first)"
+            )
 
     # ---- host ----
     def plan(self, shapes: SliceShapes, tq: int, tk: int):
@@ -76,25 +80,61 @@ class LocalFFA:
         """q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> ``(out, lse [Tq, Hq] float32)``."""
         if self.backend == "xla":
             from magi_jax.ffa.xla import xla_ffa
-            return xla_ffa(q, k, v, plan, softmax_scale=scale, softcap=softcap,
-                           block_q=self.block_q, block_k=self.block_k)
+
+            return xla_ffa(
+                q,
+                k,
+                v,
+                plan,
+                softmax_scale=scale,
+                softcap=softcap,
+                block_q=self.block_q,
+                block_k=self.block_k,
+            )
         from magi_jax.pallas import ffa_pallas
-        return ffa_pallas(q, k, v, plan, softmax_scale=scale, softcap=softcap,
-                          interpret=self.interpret)
+
+        return ffa_pallas(
+            q, k, v, plan, softmax_scale=scale, softcap=softcap, interpret=self.interpret
+        )
 
     def backward(self, q, k, v, out, lse, dout, dlse, plan, *, scale: float, softcap: float):
         """FFA backward of one KV block given the merged ``(out, lse)``: ``(dq, dk, dv)``."""
         if self.backend == "xla":
             from magi_jax.ffa.xla import xla_ffa_backward
-            return xla_ffa_backward(q, k, v, out, lse, dout, dlse, plan, softmax_scale=scale,
-                                    softcap=softcap, block_q=self.block_q,
-                                    block_k=self.block_k)
+
+            return xla_ffa_backward(
+                q,
+                k,
+                v,
+                out,
+                lse,
+                dout,
+                dlse,
+                plan,
+                softmax_scale=scale,
+                softcap=softcap,
+                block_q=self.block_q,
+                block_k=self.block_k,
+            )
         from magi_jax.pallas import ffa_pallas_backward
-        return ffa_pallas_backward(q, k, v, plan, out, lse, dout, dlse, softmax_scale=scale,
-                                   softcap=softcap, interpret=self.interpret)
+
+        return ffa_pallas_backward(
+            q,
+            k,
+            v,
+            plan,
+            out,
+            lse,
+            dout,
+            dlse,
+            softmax_scale=scale,
+            softcap=softcap,
+            interpret=self.interpret,
+        )
 
 
 # ---- layout ---------------------------------------------------------------------------------
+
 
 class BaselinePlan:
     """A baseline's plan: hashable host-static half (``static``, with a ``layout``) and the
@@ -169,8 +209,14 @@ class Layout:
         return self.meta.rank_area()
 
 
-def make_layout(mask: AttnMask, mesh, axis: str = "cp", *, chunk_size: int | None = None,
-                algorithm: str = "zigzag") -> Layout:
+def make_layout(
+    mask: AttnMask,
+    mesh,
+    axis: str = "cp",
+    *,
+    chunk_size: int | None = None,
+    algorithm: str = "zigzag",
+) -> Layout:
     """The zigzag (default) layout of ``mask`` over ``mesh``'s ``axis``."""
     if axis not in mesh.axis_names:
         raise ValueError(f"axis={axis!r} is not an axis of the mesh {mesh.axis_names}")
@@ -179,12 +225,14 @@ def make_layout(mask: AttnMask, mesh, axis: str = "cp", *, chunk_size: int | Non
     order = meta.positions.reshape(-1)
     inverse = np.empty(meta.padded_total, np.int64)
     inverse[order] = np.arange(meta.padded_total)
-    return Layout(mask, mesh, axis, meta, order.astype(np.int32),
-                  inverse[:meta.total].astype(np.int32))
+    return Layout(
+        mask, mesh, axis, meta, order.astype(np.int32), inverse[: meta.total].astype(np.int32)
+    )
 
 
-def sub_shapes(layout: Layout, ranks, kv_chunks: np.ndarray, kv_offsets: np.ndarray,
-               q_offset_of_rank=None) -> SliceShapes:
+def sub_shapes(
+    layout: Layout, ranks, kv_chunks: np.ndarray, kv_offsets: np.ndarray, q_offset_of_rank=None
+) -> SliceShapes:
     """The cells that the queries of ``ranks`` see among the KV chunks ``kv_chunks`` laid out
     at buffer offsets ``kv_offsets``, in local coordinates: query ``i`` = the ranks' local
     tokens back to back (rank ``ranks[j]`` starts at ``q_offset_of_rank[j]``, default 0),
@@ -199,10 +247,17 @@ def sub_shapes(layout: Layout, ranks, kv_chunks: np.ndarray, kv_offsets: np.ndar
     ranks = list(ranks)
     offs = [0] * len(ranks) if q_offset_of_rank is None else list(q_offset_of_rank)
     for r, off in zip(ranks, offs):
-        parts.append(_clip_to_segments(layout.mask.shapes, layout.views[r].pairs, g0, g0 + c,
-                                       shift, layout.q_shift + off))
-    return SliceShapes(*(np.concatenate([getattr(p, f.name) for p in parts])
-                         for f in dataclasses.fields(SliceShapes)))
+        parts.append(
+            _clip_to_segments(
+                layout.mask.shapes, layout.views[r].pairs, g0, g0 + c, shift, layout.q_shift + off
+            )
+        )
+    return SliceShapes(
+        *(
+            np.concatenate([getattr(p, f.name) for p in parts])
+            for f in dataclasses.fields(SliceShapes)
+        )
+    )
 
 
 def shard_stacked(plan, layout: Layout):
@@ -212,8 +267,9 @@ def shard_stacked(plan, layout: Layout):
 
 
 def replicate(plan, layout: Layout):
-    put = lambda a: jax.device_put(np.ascontiguousarray(a, np.int32),
-                                   NamedSharding(layout.mesh, P()))
+    put = lambda a: jax.device_put(
+        np.ascontiguousarray(a, np.int32), NamedSharding(layout.mesh, P())
+    )
     return type(plan)(*(put(a) for a in plan))
 
 

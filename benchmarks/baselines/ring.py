@@ -22,7 +22,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from benchmarks.baselines.common import BaselinePlan, Layout, LocalFFA, area, sub_shapes
 from magi_jax.sharding.attention import merge_partials
@@ -64,10 +65,15 @@ def make_ring_plan(layout: Layout, ffa: LocalFFA) -> RingPlan:
             plans.append(ffa.plan(shapes, tl, tl))
     stacked = ffa.stack(plans)
     spec = NamedSharding(layout.mesh, P(None, layout.axis))
-    steps = type(stacked)(*(jax.device_put(np.ascontiguousarray(
-        a.reshape((cp, cp) + a.shape[1:]), np.int32), spec) for a in stacked))
-    static = _RingStatic(layout.axis, cp, ffa, layout.mesh, layout,
-                         np.array(areas, np.int64).reshape(cp, cp))
+    steps = type(stacked)(
+        *(
+            jax.device_put(np.ascontiguousarray(a.reshape((cp, cp) + a.shape[1:]), np.int32), spec)
+            for a in stacked
+        )
+    )
+    static = _RingStatic(
+        layout.axis, cp, ffa, layout.mesh, layout, np.array(areas, np.int64).reshape(cp, cp)
+    )
     return RingPlan(static, steps)
 
 
@@ -87,16 +93,16 @@ def _forward(q, k, v, steps, st: _RingStatic, scale, softcap):
 
     def step(carry, plan):
         kv, out, lse = carry
-        nxt = _shift(kv, st.axis, st.cp)        # issued before the FFA: may overlap with it
+        nxt = _shift(kv, st.axis, st.cp)  # issued before the FFA: may overlap with it
         o, l = ffa(q, kv[:, :hkv], kv[:, hkv:], plan)
         out, lse = merge_partials([out, o], [lse, l], f32)
         return (nxt, out, lse), None
 
-    kv = jnp.concatenate([k, v], axis=1)         # one ppermute carries K and V
+    kv = jnp.concatenate([k, v], axis=1)  # one ppermute carries K and V
     init = (kv, jnp.zeros(q.shape, f32), jnp.full(q.shape[:2], -jnp.inf, f32))
     rotating, last = _split(steps)
     (kv, out, lse), _ = jax.lax.scan(step, init, rotating)
-    o, l = ffa(q, kv[:, :hkv], kv[:, hkv:], last)    # the last block: nothing more to send
+    o, l = ffa(q, kv[:, :hkv], kv[:, hkv:], last)  # the last block: nothing more to send
     return merge_partials([out, o], [lse, l], q.dtype)
 
 
@@ -117,10 +123,10 @@ def _ring_bwd(st, scale, softcap, res, cts):
     f32 = jnp.float32
 
     def grads(kv, dkv, dq, plan):
-        dq_s, dk_s, dv_s = st.ffa.backward(q, kv[:, :hkv], kv[:, hkv:], out, lse, dout, dlse,
-                                           plan, scale=scale, softcap=softcap)
-        return (dkv + jnp.concatenate([dk_s, dv_s], axis=1).astype(f32),
-                dq + dq_s.astype(f32))
+        dq_s, dk_s, dv_s = st.ffa.backward(
+            q, kv[:, :hkv], kv[:, hkv:], out, lse, dout, dlse, plan, scale=scale, softcap=softcap
+        )
+        return (dkv + jnp.concatenate([dk_s, dv_s], axis=1).astype(f32), dq + dq_s.astype(f32))
 
     def step(carry, plan):
         kv, dkv, dq = carry
@@ -135,17 +141,18 @@ def _ring_bwd(st, scale, softcap, res, cts):
     dkv, dq = grads(kv, dkv, dq, last)
     # Rank r now holds the dK/dV of rank r + 1: one more hop brings every block home.
     dkv = _shift(dkv, st.axis, st.cp)
-    return (dq.astype(q.dtype), dkv[:, :hkv].astype(k.dtype), dkv[:, hkv:].astype(v.dtype),
-            None)
+    return (dq.astype(q.dtype), dkv[:, :hkv].astype(k.dtype), dkv[:, hkv:].astype(v.dtype), None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention_local(q, k, v, steps, static: _RingStatic, *, softmax_scale=None,
-                         softcap: float = 0.0):
+def ring_attention_local(
+    q, k, v, steps, static: _RingStatic, *, softmax_scale=None, softcap: float = 0.0
+):
     """Per-rank body (inside ``shard_map`` over the plan's axis): q ``[Tl, Hq, D]``, k/v
-    ``[Tl, Hkv, D]``, ``steps`` this rank's plans ``[cp_steps, ...]``. Returns local ``(out, lse)``."""
+    ``[Tl, Hkv, D]``, ``steps`` this rank's plans ``[cp_steps, ...]``. Returns local
+    ``(out, lse)``."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return _ring(q, k, v, steps, static, scale, float(softcap))
 
@@ -159,10 +166,16 @@ def ring_attention(q, k, v, plan: RingPlan, *, softmax_scale=None, softcap: floa
 
     def body(q, k, v, steps):
         steps = jax.tree.map(lambda a: a[:, 0], steps)
-        return ring_attention_local(q, k, v, steps, st, softmax_scale=softmax_scale,
-                                    softcap=softcap)
+        return ring_attention_local(
+            q, k, v, steps, st, softmax_scale=softmax_scale, softcap=softcap
+        )
 
     step_specs = jax.tree.map(lambda _: P(None, st.axis), plan.arrays)
-    fn = jax.shard_map(body, mesh=st.mesh, in_specs=(spec, spec, spec, step_specs),
-                       out_specs=(spec, spec), check_vma=False)
+    fn = jax.shard_map(
+        body,
+        mesh=st.mesh,
+        in_specs=(spec, spec, spec, step_specs),
+        out_specs=(spec, spec),
+        check_vma=False,
+    )
     return fn(q, k, v, plan.arrays)

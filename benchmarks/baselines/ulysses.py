@@ -20,8 +20,13 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.baselines.common import BaselinePlan, Layout, LocalFFA, area, replicate, sub_shapes
 
-__all__ = ["UlyssesPlan", "make_ulysses_plan", "ulysses_attention", "ulysses_attention_local",
-           "kv_repeat"]
+__all__ = [
+    "UlyssesPlan",
+    "make_ulysses_plan",
+    "ulysses_attention",
+    "ulysses_attention_local",
+    "kv_repeat",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +50,9 @@ def make_ulysses_plan(layout: Layout, ffa: LocalFFA) -> UlyssesPlan:
     chunks = np.arange(meta.num_chunks)
     offsets = meta.chunk_owner * meta.local_len + meta.chunk_slot * c
     ranks = range(layout.cp)
-    shapes = sub_shapes(layout, ranks, chunks, offsets,
-                        q_offset_of_rank=[r * meta.local_len for r in ranks])
+    shapes = sub_shapes(
+        layout, ranks, chunks, offsets, q_offset_of_rank=[r * meta.local_len for r in ranks]
+    )
     plan = ffa.plan(shapes, meta.padded_total, meta.padded_total)
     static = _UlyssesStatic(layout.axis, layout.cp, ffa, layout.mesh, layout, area(shapes))
     return UlyssesPlan(static, replicate(plan, layout))
@@ -55,17 +61,21 @@ def make_ulysses_plan(layout: Layout, ffa: LocalFFA) -> UlyssesPlan:
 def kv_repeat(hq: int, hkv: int, cp: int) -> int:
     """How many times every KV head is repeated so that the KV heads split over ``cp``."""
     if hq % cp:
-        raise ValueError(f"Ulysses needs the query heads to split over the ranks: Hq={hq} is "
-                         f"not a multiple of cp={cp}")
+        raise ValueError(
+            f"Ulysses needs the query heads to split over the ranks: Hq={hq} is "
+            f"not a multiple of cp={cp}"
+        )
     need = math.lcm(hkv, cp)
     if hq % need:
-        raise ValueError(f"Ulysses: Hkv={hkv} cannot be repeated to a multiple of cp={cp} that "
-                         f"divides Hq={hq}")
+        raise ValueError(
+            f"Ulysses: Hkv={hkv} cannot be repeated to a multiple of cp={cp} that divides Hq={hq}"
+        )
     return need // hkv
 
 
-def ulysses_attention_local(q, k, v, ffa_plan, static: _UlyssesStatic, *, softmax_scale=None,
-                            softcap: float = 0.0):
+def ulysses_attention_local(
+    q, k, v, ffa_plan, static: _UlyssesStatic, *, softmax_scale=None, softcap: float = 0.0
+):
     """Per-rank body inside ``shard_map``: local q/k/v ``[Tl, H, D]`` -> local (out, lse)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     ax, cp = static.axis, static.cp
@@ -79,8 +89,9 @@ def ulysses_attention_local(q, k, v, ffa_plan, static: _UlyssesStatic, *, softma
     to_heads = lambda x: jax.lax.all_to_all(x, ax, split_axis=1, concat_axis=0, tiled=True)
     qh, kvh = to_heads(q), to_heads(kv)
     kvh = kvh.reshape(kvh.shape[0], hkv // cp, 2, kvh.shape[2])
-    out, lse = static.ffa.forward(qh, kvh[:, :, 0], kvh[:, :, 1], ffa_plan, scale=scale,
-                                  softcap=float(softcap))
+    out, lse = static.ffa.forward(
+        qh, kvh[:, :, 0], kvh[:, :, 1], ffa_plan, scale=scale, softcap=float(softcap)
+    )
     to_seq = lambda x: jax.lax.all_to_all(x, ax, split_axis=0, concat_axis=1, tiled=True)
     return to_seq(out), to_seq(lse)
 
@@ -92,10 +103,15 @@ def ulysses_attention(q, k, v, plan: UlyssesPlan, *, softmax_scale=None, softcap
     spec = P(st.axis)
 
     def body(q, k, v, ffa_plan):
-        return ulysses_attention_local(q, k, v, ffa_plan, st, softmax_scale=softmax_scale,
-                                       softcap=softcap)
+        return ulysses_attention_local(
+            q, k, v, ffa_plan, st, softmax_scale=softmax_scale, softcap=softcap
+        )
 
-    fn = jax.shard_map(body, mesh=st.mesh,
-                       in_specs=(spec, spec, spec, jax.tree.map(lambda _: P(), plan.arrays)),
-                       out_specs=(spec, spec), check_vma=False)
+    fn = jax.shard_map(
+        body,
+        mesh=st.mesh,
+        in_specs=(spec, spec, spec, jax.tree.map(lambda _: P(), plan.arrays)),
+        out_specs=(spec, spec),
+        check_vma=False,
+    )
     return fn(q, k, v, plan.arrays)

@@ -6,5 +6,11 @@ reference (:mod:`~magi_jax.ffa.reference`) and the correctness rule of the tests
 from magi_jax.ffa.api import BACKENDS, flex_flash_attention, select_backend
 from magi_jax.ffa.reference import dense_attention, reference_attention, reference_attention_vjp
 
-__all__ = ["flex_flash_attention", "select_backend", "BACKENDS", "reference_attention",
-           "reference_attention_vjp", "dense_attention"]
+__all__ = [
+    "flex_flash_attention",
+    "select_backend",
+    "BACKENDS",
+    "reference_attention",
+    "reference_attention_vjp",
+    "dense_attention",
+]

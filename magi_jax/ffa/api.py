@@ -7,10 +7,10 @@ import math
 
 import jax.numpy as jnp
 
-from magi_jax.mask import AttnMask
 from magi_jax.ffa.plan import AttnPlan
 from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.ffa.xla import xla_ffa
+from magi_jax.mask import AttnMask
 from magi_jax.planning.work_list import backend_blocks, plan_for_mask
 
 __all__ = ["flex_flash_attention", "BACKENDS", "select_backend", "check_options"]
@@ -21,8 +21,9 @@ _MAX_HEAD_DIM = 256
 _log = logging.getLogger(__name__)
 
 
-def select_backend(backend: str = "auto", q=None, k=None, v=None,
-                   mask: AttnMask | None = None) -> tuple[str, str]:
+def select_backend(
+    backend: str = "auto", q=None, k=None, v=None, mask: AttnMask | None = None
+) -> tuple[str, str]:
     """The backend ``flex_flash_attention`` would use and why: ``(name, reason)``.
 
     ``auto`` picks ``pallas`` (Mosaic GPU kernels) on an sm90 GPU when the inputs, if given,
@@ -33,6 +34,7 @@ def select_backend(backend: str = "auto", q=None, k=None, v=None,
     if backend == "xla":
         return "xla", "requested explicitly"
     from magi_jax import pallas
+
     if q is not None:
         ok, why = pallas.supported(q, k, v, mask)
     else:
@@ -41,7 +43,8 @@ def select_backend(backend: str = "auto", q=None, k=None, v=None,
         if not ok:
             raise NotImplementedError(
                 f"backend='pallas': the Mosaic GPU FFA kernels are not available for this "
-                f"call: {why}; use backend='xla' (or 'auto', which falls back to it)")
+                f"call: {why}; use backend='xla' (or 'auto', which falls back to it)"
+            )
         return "pallas", "requested explicitly"
     if ok:
         return "pallas", "sm90 GPU" + (" and supported inputs" if q is not None else "")
@@ -50,8 +53,10 @@ def select_backend(backend: str = "auto", q=None, k=None, v=None,
 
 def _check_inputs(q, k, v, mask: AttnMask):
     if not isinstance(mask, AttnMask):
-        raise TypeError(f"mask must be an AttnMask (e.g. AttnMask.varlen(...)) or an AttnPlan "
-                        f"(mj.plan_attention); got {type(mask).__name__}")
+        raise TypeError(
+            f"mask must be an AttnMask (e.g. AttnMask.varlen(...)) or an AttnPlan "
+            f"(mj.plan_attention); got {type(mask).__name__}"
+        )
     _check_shapes(q, k, v, mask.total_q, mask.total_k, "the mask")
 
 
@@ -73,25 +78,29 @@ def check_options(softmax_scale=None, softcap=0.0, block_q=None, block_k=None) -
     positive integers. Raises ``ValueError`` naming the option, its value and the fix."""
     cap = _finite(softcap)
     if cap is None or cap < 0:
-        raise ValueError(f"softcap={softcap!r} must be a number >= 0 and finite (0 disables "
-                         "soft-capping)")
+        raise ValueError(
+            f"softcap={softcap!r} must be a number >= 0 and finite (0 disables soft-capping)"
+        )
     if softmax_scale is not None and _finite(softmax_scale) is None:
-        raise ValueError(f"softmax_scale={softmax_scale!r} must be a finite number (or None "
-                         "for D ** -0.5)")
+        raise ValueError(
+            f"softmax_scale={softmax_scale!r} must be a finite number (or None for D ** -0.5)"
+        )
     for name, value in (("block_q", block_q), ("block_k", block_k)):
         if value is None:
             continue
         tile = _finite(value)
         if isinstance(value, bool) or tile is None or tile != int(tile) or tile < 1:
-            raise ValueError(f"{name}={value!r} must be a positive tile size (or None for the "
-                             "default)")
+            raise ValueError(
+                f"{name}={value!r} must be a positive tile size (or None for the default)"
+            )
 
 
 def _check_arrays(q, k, v):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not all(hasattr(x, a) for a in ("ndim", "shape", "dtype")):
-            raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got "
-                            f"{type(x).__name__}")
+            raise TypeError(
+                f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}"
+            )
 
 
 def _check_shapes(q, k, v, total_q: int, total_k: int, what: str):
@@ -100,8 +109,10 @@ def _check_shapes(q, k, v, total_q: int, total_k: int, what: str):
         raise ValueError(f"q must be [T, H, D] or [B, T, H, D]; got shape {q.shape}")
     for name, x in (("k", k), ("v", v)):
         if x.ndim != q.ndim:
-            raise ValueError(f"{name} has shape {x.shape} but q has shape {q.shape}; q, k and v "
-                             "must all be [T, H, D] or all [B, T, H, D]")
+            raise ValueError(
+                f"{name} has shape {x.shape} but q has shape {q.shape}; q, k and v "
+                "must all be [T, H, D] or all [B, T, H, D]"
+            )
     if q.ndim == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     if k.shape != v.shape:
@@ -110,35 +121,54 @@ def _check_shapes(q, k, v, total_q: int, total_k: int, what: str):
     tk, hkv, dk = k.shape[-3:]
     for name, x in (("q", q), ("k", k)):
         if 0 in x.shape:
-            axes = ["B", "T", "H", "D"][4 - x.ndim:]
+            axes = ["B", "T", "H", "D"][4 - x.ndim :]
             empty = ", ".join(f"{a} = 0" for a, n in zip(axes, x.shape) if n == 0)
-            raise ValueError(f"{name} has shape {x.shape} ({empty}): flex_flash_attention "
-                             "needs at least one token, head and batch row; skip the call "
-                             "for an empty sequence or batch (its output is empty)")
+            raise ValueError(
+                f"{name} has shape {x.shape} ({empty}): flex_flash_attention "
+                "needs at least one token, head and batch row; skip the call "
+                "for an empty sequence or batch (its output is empty)"
+            )
     if tq != total_q or tk != total_k:
-        raise ValueError(f"q has {tq} tokens and k has {tk}, but {what} is over "
-                         f"total_q={total_q}, total_k={total_k}; build it for these lengths")
+        raise ValueError(
+            f"q has {tq} tokens and k has {tk}, but {what} is over "
+            f"total_q={total_q}, total_k={total_k}; build it for these lengths"
+        )
     if dk != d:
         raise ValueError(f"head dims differ: q has D={d}, k/v have D={dk}")
     if d % 8 or not 8 <= d <= _MAX_HEAD_DIM:
-        raise ValueError(f"head dim D={d} is not supported: use a multiple of 8 in "
-                         f"[8, {_MAX_HEAD_DIM}]")
+        raise ValueError(
+            f"head dim D={d} is not supported: use a multiple of 8 in [8, {_MAX_HEAD_DIM}]"
+        )
     if hq % hkv:
-        raise ValueError(f"q has {hq} heads and k/v have {hkv}: the number of query heads "
-                         "must be a multiple of the number of key/value heads (GQA)")
+        raise ValueError(
+            f"q has {hq} heads and k/v have {hkv}: the number of query heads "
+            "must be a multiple of the number of key/value heads (GQA)"
+        )
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them "
-                        "to one dtype")
+        raise TypeError(
+            f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype"
+        )
     if q.dtype not in _DTYPES:
-        raise TypeError(f"q, k, v have dtype {q.dtype}, which is not supported; use bfloat16, "
-                        "float16 or float32 (float64 with jax_enable_x64)")
+        raise TypeError(
+            f"q, k, v have dtype {q.dtype}, which is not supported; use bfloat16, "
+            "float16 or float32 (float64 with jax_enable_x64)"
+        )
 
 
-def flex_flash_attention(q, k, v, mask: AttnMask | AttnPlan, *,
-                         softmax_scale: float | None = None, softcap: float = 0.0,
-                         backend: str = "auto", block_q: int | None = None,
-                         block_k: int | None = None, sink=None,
-                         return_max_logits: bool = False):
+def flex_flash_attention(
+    q,
+    k,
+    v,
+    mask: AttnMask | AttnPlan,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    backend: str = "auto",
+    block_q: int | None = None,
+    block_k: int | None = None,
+    sink=None,
+    return_max_logits: bool = False,
+):
     """Exact attention of ``q`` over ``k``/``v`` restricted to ``mask``.
 
     Args:
@@ -177,58 +207,111 @@ def flex_flash_attention(q, k, v, mask: AttnMask | AttnPlan, *,
     _check_arrays(q, k, v)
     if sink is not None:
         check_sink(sink, q.shape[-2])
-        res = flex_flash_attention(q, k, v, mask, softmax_scale=softmax_scale,
-                                   softcap=softcap, backend=backend, block_q=block_q,
-                                   block_k=block_k, return_max_logits=return_max_logits)
+        res = flex_flash_attention(
+            q,
+            k,
+            v,
+            mask,
+            softmax_scale=softmax_scale,
+            softcap=softcap,
+            backend=backend,
+            block_q=block_q,
+            block_k=block_k,
+            return_max_logits=return_max_logits,
+        )
         return apply_sink(*res[:2], sink) + tuple(res[2:])
     check_options(softmax_scale, softcap, block_q, block_k)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if isinstance(mask, AttnPlan):
-        return _attend_plan(q, k, v, mask, scale, float(softcap), backend, block_q, block_k,
-                            return_max_logits)
+        return _attend_plan(
+            q, k, v, mask, scale, float(softcap), backend, block_q, block_k, return_max_logits
+        )
     _check_inputs(q, k, v, mask)
     name, reason = select_backend(backend, q, k, v, mask)
     _log.debug("flex_flash_attention: backend %s (%s)", name, reason)
     if name == "pallas":
         from magi_jax.pallas import ffa_pallas
-        return ffa_pallas(q, k, v, plan_for_mask(mask, "pallas"), softmax_scale=scale,
-                          softcap=float(softcap), return_max_logits=return_max_logits)
+
+        return ffa_pallas(
+            q,
+            k,
+            v,
+            plan_for_mask(mask, "pallas"),
+            softmax_scale=scale,
+            softcap=float(softcap),
+            return_max_logits=return_max_logits,
+        )
     (bq, bk), _ = backend_blocks("xla", mask.total_q, mask.total_k, block_q, block_k)
     plan = plan_for_mask(mask, "xla", bq, bk)
-    return xla_ffa(q, k, v, plan, softmax_scale=scale, softcap=float(softcap),
-                   block_q=bq, block_k=bk, return_max_logits=return_max_logits)
+    return xla_ffa(
+        q,
+        k,
+        v,
+        plan,
+        softmax_scale=scale,
+        softcap=float(softcap),
+        block_q=bq,
+        block_k=bk,
+        return_max_logits=return_max_logits,
+    )
 
 
-def _attend_plan(q, k, v, plan: AttnPlan, scale, softcap, backend, block_q, block_k,
-                 return_max_logits):
+def _attend_plan(
+    q, k, v, plan: AttnPlan, scale, softcap, backend, block_q, block_k, return_max_logits
+):
     """:func:`flex_flash_attention` from an :class:`AttnPlan` (masks as data)."""
     st = plan.static
     cap = st.capacity
     if block_q is not None or block_k is not None:
-        raise ValueError("block_q/block_k are fixed by the plan's tiles; leave them None when "
-                         "passing an AttnPlan")
+        raise ValueError(
+            "block_q/block_k are fixed by the plan's tiles; leave them None when "
+            "passing an AttnPlan"
+        )
     if backend not in ("auto", st.backend):
-        raise ValueError(f"backend={backend!r} but the plan was built for {st.backend!r}; "
-                         f"pass backend='auto' or plan_attention(..., backend={backend!r})")
+        raise ValueError(
+            f"backend={backend!r} but the plan was built for {st.backend!r}; "
+            f"pass backend='auto' or plan_attention(..., backend={backend!r})"
+        )
     _check_shapes(q, k, v, cap.total_q, cap.total_k, "the plan's capacity")
     if st.backend == "pallas":
         from magi_jax import pallas
+
         ok, why = pallas.supported(q, k, v)
         if not ok:
-            raise ValueError(f"the plan was built for backend 'pallas', which cannot run these "
-                             f"inputs: {why}; build it with plan_attention(..., "
-                             "backend='xla')")
+            raise ValueError(
+                f"the plan was built for backend 'pallas', which cannot run these "
+                f"inputs: {why}; build it with plan_attention(..., "
+                "backend='xla')"
+            )
         groups = _groups(q, k)
         if st.groups is not None and st.groups != groups:
-            raise ValueError(f"the plan's persistent schedules are for (B·Hq, B·Hkv) = "
-                             f"{st.groups} but the inputs have {groups}; pass num_heads="
-                             "(Hq, Hkv) and batch=B of these inputs to plan_attention")
-        return pallas.ffa_pallas(q, k, v, plan.item_lists(), softmax_scale=scale,
-                                 softcap=softcap, schedules=plan.schedules,
-                                 return_max_logits=return_max_logits)
-    return xla_ffa(q, k, v, plan.item_lists(), softmax_scale=scale, softcap=softcap,
-                   block_q=st.fwd_block[0], block_k=st.fwd_block[1], lane_len=st.lane_len,
-                   return_max_logits=return_max_logits)
+            raise ValueError(
+                f"the plan's persistent schedules are for (B·Hq, B·Hkv) = "
+                f"{st.groups} but the inputs have {groups}; pass num_heads="
+                "(Hq, Hkv) and batch=B of these inputs to plan_attention"
+            )
+        return pallas.ffa_pallas(
+            q,
+            k,
+            v,
+            plan.item_lists(),
+            softmax_scale=scale,
+            softcap=softcap,
+            schedules=plan.schedules,
+            return_max_logits=return_max_logits,
+        )
+    return xla_ffa(
+        q,
+        k,
+        v,
+        plan.item_lists(),
+        softmax_scale=scale,
+        softcap=softcap,
+        block_q=st.fwd_block[0],
+        block_k=st.fwd_block[1],
+        lane_len=st.lane_len,
+        return_max_logits=return_max_logits,
+    )
 
 
 def _groups(q, k):

@@ -25,9 +25,19 @@ import numpy as np
 
 from magi_jax.mask import AttnMask
 from magi_jax.planning.capacity import PlanCapacity
-from magi_jax.planning.work_list import (EMPTY_ITEM, NUM_FIELDS, RUN_FIELDS, FFAPlanArrays,
-                                         FFAPlanRuns, backend_blocks, check_items, check_runs,
-                                         plan_runs, persistent_schedule, work_list_runs)
+from magi_jax.planning.work_list import (
+    EMPTY_ITEM,
+    NUM_FIELDS,
+    RUN_FIELDS,
+    FFAPlanArrays,
+    FFAPlanRuns,
+    backend_blocks,
+    check_items,
+    check_runs,
+    persistent_schedule,
+    plan_runs,
+    work_list_runs,
+)
 
 __all__ = ["AttnPlan", "PlanStatic", "plan_attention", "PLAN_BACKENDS", "expand_lists"]
 
@@ -57,8 +67,9 @@ class PlanStatic:
     items: tuple[int, int] | None = None
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["lists", "schedules"],
-                   meta_fields=["static"])
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["lists", "schedules"], meta_fields=["static"]
+)
 @dataclasses.dataclass(frozen=True)
 class AttnPlan:
     """Work lists of one mask at a capacity (see the module docstring).
@@ -97,13 +108,19 @@ def _resolve_backend(backend: str) -> tuple[str, str]:
     if backend != "auto":
         return backend, "requested explicitly"
     from magi_jax.pallas.api import device_supported
+
     ok, why = device_supported()
     return ("pallas", "sm90 GPU") if ok else ("xla", why)
 
 
-def plan_attention(mask: AttnMask, capacity: PlanCapacity | None = None, *,
-                   backend: str = "auto", num_heads: tuple[int, int] | None = None,
-                   batch: int = 1) -> AttnPlan:
+def plan_attention(
+    mask: AttnMask,
+    capacity: PlanCapacity | None = None,
+    *,
+    backend: str = "auto",
+    num_heads: tuple[int, int] | None = None,
+    batch: int = 1,
+) -> AttnPlan:
     """The work lists of ``mask`` at ``capacity``, for :func:`magi_jax.flex_flash_attention`.
 
     Args:
@@ -126,9 +143,11 @@ def plan_attention(mask: AttnMask, capacity: PlanCapacity | None = None, *,
     if not isinstance(capacity, PlanCapacity):
         raise TypeError(f"capacity must be a PlanCapacity; got {type(capacity).__name__}")
     if (mask.total_q, mask.total_k) != (capacity.total_q, capacity.total_k):
-        raise ValueError(f"the mask is over total_q={mask.total_q}, total_k={mask.total_k} "
-                         f"but the capacity is for total_q={capacity.total_q}, total_k="
-                         f"{capacity.total_k}; plan masks of the capacity's lengths")
+        raise ValueError(
+            f"the mask is over total_q={mask.total_q}, total_k={mask.total_k} "
+            f"but the capacity is for total_q={capacity.total_q}, total_k="
+            f"{capacity.total_k}; plan masks of the capacity's lengths"
+        )
     name, _ = _resolve_backend(backend)
     tq, tk = mask.total_q, mask.total_k
     fwd_block, bwd_block = backend_blocks(name, tq, tk)
@@ -140,13 +159,15 @@ def plan_attention(mask: AttnMask, capacity: PlanCapacity | None = None, *,
     runs_k = work_list_runs(mask.shapes, one, 1, tq, tk, *bwd_block, "k")
     check_items(runs_q.per_rank, items[0])
     check_items(runs_k.per_rank, items[1])
-    num_runs = tuple(n if bound is None else min(bound, n)
-                     for bound, n in zip((capacity.q_runs, capacity.k_runs), items))
+    num_runs = tuple(
+        n if bound is None else min(bound, n)
+        for bound, n in zip((capacity.q_runs, capacity.k_runs), items)
+    )
     check_runs(runs_q, num_runs[0], "q_runs")
     check_runs(runs_k, num_runs[1], "k_runs")
     stacked = plan_runs(runs_q, runs_k, num_runs)
     lists = FFAPlanRuns(*(a[0] for a in stacked))
-    fwd, bwd = lists.fwd, lists.bwd             # order and offsets: what schedules read
+    fwd, bwd = lists.fwd, lists.bwd  # order and offsets: what schedules read
     schedules, groups, programs = (), None, 0
     if name == "pallas" and num_heads is not None and capacity.persistent:
         hq, hkv = (int(h) for h in num_heads)
@@ -155,10 +176,13 @@ def plan_attention(mask: AttnMask, capacity: PlanCapacity | None = None, *,
         programs = _sm_count()
         if programs:
             groups = (int(batch) * hq, int(batch) * hkv)
-            schedules = (*persistent_schedule(fwd, groups[0], programs),
-                         *persistent_schedule(bwd, groups[1], programs))
-    static = PlanStatic(capacity, name, fwd_block, bwd_block, _XLA_LANE_LEN, groups, programs,
-                        items)
+            schedules = (
+                *persistent_schedule(fwd, groups[0], programs),
+                *persistent_schedule(bwd, groups[1], programs),
+            )
+    static = PlanStatic(
+        capacity, name, fwd_block, bwd_block, _XLA_LANE_LEN, groups, programs, items
+    )
     return AttnPlan(lists, schedules, static)
 
 
@@ -177,10 +201,18 @@ def expand_lists(lists, items: tuple[int, int] | None):
     if not isinstance(lists, FFAPlanRuns):
         return lists
     if items is None:
-        raise ValueError("lists of runs need the widths of their item arrays: items=(q, k) "
-                         "from the owner's static part (PlanStatic.items, StageStatic.items)")
-    return FFAPlanArrays(lists.q_order, lists.q_offsets, _expand(lists.q_runs, int(items[0])),
-                         lists.k_order, lists.k_offsets, _expand(lists.k_runs, int(items[1])))
+        raise ValueError(
+            "lists of runs need the widths of their item arrays: items=(q, k) "
+            "from the owner's static part (PlanStatic.items, StageStatic.items)"
+        )
+    return FFAPlanArrays(
+        lists.q_order,
+        lists.q_offsets,
+        _expand(lists.q_runs, int(items[0])),
+        lists.k_order,
+        lists.k_offsets,
+        _expand(lists.k_runs, int(items[1])),
+    )
 
 
 def _expand(runs, num_items: int):
@@ -196,8 +228,9 @@ def _expand(runs, num_items: int):
     ends = jnp.cumsum(length)
     slot = jnp.arange(num_items, dtype=jnp.int32)
     # Unrolled binary search: no device loop (on GPUs a while loop syncs with the host).
-    run = jnp.minimum(jnp.searchsorted(ends, slot, side="right", method="scan_unrolled"),
-                      runs.shape[0] - 1).astype(jnp.int32)
+    run = jnp.minimum(
+        jnp.searchsorted(ends, slot, side="right", method="scan_unrolled"), runs.shape[0] - 1
+    ).astype(jnp.int32)
     first = jnp.take(runs, run, axis=0, mode="clip")
     step = slot - jnp.take(ends - length, run, mode="clip")
     item = first[:, :NUM_FIELDS].at[:, _OTHER].add(step)

@@ -33,7 +33,7 @@ def _attend(q, k, v, dense, scale, softcap, sink=None):
     s = jnp.where(allowed, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     if sink is not None:
-        sink = jnp.asarray(sink, s.dtype)                         # [S, Hq]
+        sink = jnp.asarray(sink, s.dtype)  # [S, Hq]
         m = jnp.maximum(m, jnp.max(sink, axis=0)[:, None, None])
     m = jnp.where(jnp.isfinite(m), m, 0)
     e = jnp.where(allowed, jnp.exp(s - m), 0)
@@ -47,8 +47,17 @@ def _attend(q, k, v, dense, scale, softcap, sink=None):
     return out, jnp.swapaxes(lse, -1, -2), max_logits
 
 
-def reference_attention(q, k, v, mask: AttnMask, *, softmax_scale=None, softcap: float = 0.0,
-                        sink=None, return_max_logits: bool = False):
+def reference_attention(
+    q,
+    k,
+    v,
+    mask: AttnMask,
+    *,
+    softmax_scale=None,
+    softcap: float = 0.0,
+    sink=None,
+    return_max_logits: bool = False,
+):
     """Dense attention ``(out, lse)`` over ``mask``, computed in ``q``'s dtype.
 
     q: ``[Tq, Hq, D]`` or ``[B, Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]`` (same leading batch).
@@ -63,12 +72,29 @@ def reference_attention(q, k, v, mask: AttnMask, *, softmax_scale=None, softcap:
     a key) over the mask's cells, ``[(B,) Hq]`` in ``lse``'s dtype, ``-inf`` for a head that
     sees no cell; not differentiated.
     """
-    return dense_attention(q, k, v, mask.to_dense(), softmax_scale=softmax_scale,
-                           softcap=softcap, sink=sink, return_max_logits=return_max_logits)
+    return dense_attention(
+        q,
+        k,
+        v,
+        mask.to_dense(),
+        softmax_scale=softmax_scale,
+        softcap=softcap,
+        sink=sink,
+        return_max_logits=return_max_logits,
+    )
 
 
-def dense_attention(q, k, v, dense, *, softmax_scale=None, softcap: float = 0.0, sink=None,
-                    return_max_logits: bool = False):
+def dense_attention(
+    q,
+    k,
+    v,
+    dense,
+    *,
+    softmax_scale=None,
+    softcap: float = 0.0,
+    sink=None,
+    return_max_logits: bool = False,
+):
     """:func:`reference_attention` with the mask given as a bool ``[Tq, Tk]`` array (may be
     traced, so one compilation serves every mask of a size)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
@@ -79,14 +105,15 @@ def dense_attention(q, k, v, dense, *, softmax_scale=None, softcap: float = 0.0,
     return out.astype(q.dtype), lse.astype(lse_dtype)
 
 
-def reference_attention_vjp(q, k, v, mask: AttnMask, dout, dlse=None, *, softmax_scale=None,
-                            softcap: float = 0.0):
+def reference_attention_vjp(
+    q, k, v, mask: AttnMask, dout, dlse=None, *, softmax_scale=None, softcap: float = 0.0
+):
     """``(out, lse, (dq, dk, dv))`` of the reference, with cotangents ``dout`` (and ``dlse``,
     zero when omitted), all computed in ``q``'s dtype."""
-    fn = lambda q_, k_, v_: reference_attention(q_, k_, v_, mask, softmax_scale=softmax_scale,
-                                                softcap=softcap)
+    fn = lambda q_, k_, v_: reference_attention(
+        q_, k_, v_, mask, softmax_scale=softmax_scale, softcap=softcap
+    )
     (out, lse), vjp = jax.vjp(fn, q, k, v)
     if dlse is None:
         dlse = jnp.zeros(lse.shape, lse.dtype)
     return out, lse, vjp((dout.astype(out.dtype), jnp.asarray(dlse, lse.dtype)))
-

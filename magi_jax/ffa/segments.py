@@ -37,8 +37,16 @@ from magi_jax.mask import _window
 from magi_jax.planning.tiling import EMPTY_ITEM
 from magi_jax.planning.work_list import BAND, FULL, GENERAL
 
-__all__ = ["dot_product_attention", "segment_work_lists", "segment_items_bound",
-           "noncontiguous_ids", "check_capacity", "unplannable", "pack_rows", "unpack_rows"]
+__all__ = [
+    "dot_product_attention",
+    "segment_work_lists",
+    "segment_items_bound",
+    "noncontiguous_ids",
+    "check_capacity",
+    "unplannable",
+    "pack_rows",
+    "unpack_rows",
+]
 
 _I32_MAX = int(np.iinfo(np.int32).max)
 # Slices' typed pieces (AttnMaskType values).
@@ -70,9 +78,10 @@ def _ragged(counts, size):
     ends = jnp.cumsum(counts)
     slot = jnp.arange(size, dtype=jnp.int32)
     # Unrolled binary search: no device loop (on GPUs a while loop syncs with the host).
-    owner = jnp.minimum(jnp.searchsorted(ends, slot, side="right",
-                                         method="scan_unrolled").astype(jnp.int32),
-                        counts.shape[0] - 1)
+    owner = jnp.minimum(
+        jnp.searchsorted(ends, slot, side="right", method="scan_unrolled").astype(jnp.int32),
+        counts.shape[0] - 1,
+    )
     return owner, slot - _take(ends - counts, owner), ends[-1]
 
 
@@ -98,11 +107,16 @@ def _slices(ids, left, right, row_len):
     tt = jnp.minimum(s + left, e)
     u = jnp.maximum(e - right, s)
     band = tt <= u
-    a, b = jnp.where(band, tt, u), jnp.where(band, u, tt)     # the middle piece's rows
+    a, b = jnp.where(band, tt, u), jnp.where(band, u, tt)  # the middle piece's rows
     # Pieces (qs, qe, ks, ke, type): top / middle / bottom.
     top = (s, a, s, a + right, jnp.full_like(s, _T_CAUSAL))
-    mid = (a, b, jnp.where(band, tt - left, s), jnp.where(band, u + right, e),
-           jnp.where(band, _T_BI, _T_FULL))
+    mid = (
+        a,
+        b,
+        jnp.where(band, tt - left, s),
+        jnp.where(band, u + right, e),
+        jnp.where(band, _T_BI, _T_FULL),
+    )
     bot = (b, e, b - left, e, jnp.full_like(s, _T_INV))
     qs, qe, ks, ke, ty = (jnp.stack(p, axis=1).reshape(-1) for p in zip(top, mid, bot))
     live = jnp.repeat(live, 3) & (qe > qs)
@@ -114,22 +128,41 @@ def _slices(ids, left, right, row_len):
     q0 = jnp.where(has_hi, jnp.maximum(qs, ks - dhi), qs)
     q1 = jnp.where(has_lo, jnp.minimum(qe, ke - dlo), qe)
     live = live & (ke > ks) & (q1 > q0) & ~(has_lo & has_hi & (dhi < dlo))
-    return jnp.stack([jnp.where(live, q0, 0), jnp.where(live, q1, 0), ks, ke,
-                      jnp.where(has_lo, dlo, -2 * t), jnp.where(has_hi, dhi, 2 * t),
-                      jnp.where(has_lo, dlo, -_I32_MAX), jnp.where(has_hi, dhi, _I32_MAX)],
-                     axis=1)
+    return jnp.stack(
+        [
+            jnp.where(live, q0, 0),
+            jnp.where(live, q1, 0),
+            ks,
+            ke,
+            jnp.where(has_lo, dlo, -2 * t),
+            jnp.where(has_hi, dhi, 2 * t),
+            jnp.where(has_lo, dlo, -_I32_MAX),
+            jnp.where(has_hi, dhi, _I32_MAX),
+        ],
+        axis=1,
+    )
 
 
 def _resolve_window(window, causal: bool, total: int) -> tuple[int, int]:
     """``(left, right)`` of :meth:`AttnMask.varlen`'s ``window``/``causal`` with an
     unbounded side as ``total`` (no document is longer)."""
     left, right = _window(window, causal)
-    return (total if left is None else min(int(left), total),
-            total if right is None else min(int(right), total))
+    return (
+        total if left is None else min(int(left), total),
+        total if right is None else min(int(right), total),
+    )
 
 
-def segment_work_lists(segment_ids, *, causal: bool = True, window=None, block_q: int,
-                       block_k: int, by: str, capacity_items: int):
+def segment_work_lists(
+    segment_ids,
+    *,
+    causal: bool = True,
+    window=None,
+    block_q: int,
+    block_k: int,
+    by: str,
+    capacity_items: int,
+):
     """The work list of ``AttnMask.from_segment_ids(segment_ids, causal, window)`` for tiles
     ``block_q x block_k`` owned by q-tiles (``by="q"``) or k-tiles (``by="k"``), built with
     ``jax.numpy``: traceable under ``jit`` with ``segment_ids`` a traced int ``[T]`` (or
@@ -155,12 +188,21 @@ def segment_work_lists(segment_ids, *, causal: bool = True, window=None, block_q
     row_len = ids.shape[-1]
     ids = ids.reshape(-1)
     left, right = _resolve_window(window, causal, ids.shape[0])
-    return _work_lists(ids, jnp.int32(left), jnp.int32(right), row_len=max(row_len, 1),
-                       block_q=block_q, block_k=block_k, by=by, capacity_items=capacity_items)
+    return _work_lists(
+        ids,
+        jnp.int32(left),
+        jnp.int32(right),
+        row_len=max(row_len, 1),
+        block_q=block_q,
+        block_k=block_k,
+        by=by,
+        capacity_items=capacity_items,
+    )
 
 
-def _work_lists(ids, left, right, *, row_len: int, block_q: int, block_k: int, by: str,
-                capacity_items: int):
+def _work_lists(
+    ids, left, right, *, row_len: int, block_q: int, block_k: int, by: str, capacity_items: int
+):
     """:func:`segment_work_lists` on packed ids ``[T]`` with the window ``(left, right)`` as
     int32 scalars in ``[0, T]`` (``T`` = unbounded; they may be traced)."""
     if by not in ("q", "k"):
@@ -169,8 +211,7 @@ def _work_lists(ids, left, right, *, row_len: int, block_q: int, block_k: int, b
         raise ValueError(f"block_q={block_q} and block_k={block_k} must be positive")
     t = ids.shape[0]
     if t >= 1 << 29:
-        raise ValueError(f"T={t} tokens: the device builder computes in int32 and takes "
-                         "T < 2**29")
+        raise ValueError(f"T={t} tokens: the device builder computes in int32 and takes T < 2**29")
     cap = int(capacity_items)
     if cap < 0:
         raise ValueError(f"capacity_items={cap} must be >= 0")
@@ -178,16 +219,20 @@ def _work_lists(ids, left, right, *, row_len: int, block_q: int, block_k: int, b
     num_tiles = nq if by == "q" else nk
     empty = jnp.asarray(EMPTY_ITEM, jnp.int32)
     if t == 0:
-        return (jnp.zeros((0,), jnp.int32), jnp.zeros((1,), jnp.int32),
-                jnp.broadcast_to(empty, (cap, 8)), jnp.zeros((), jnp.int32))
-    tab = _slices(ids, left, right, row_len)              # [3T, 8]
+        return (
+            jnp.zeros((0,), jnp.int32),
+            jnp.zeros((1,), jnp.int32),
+            jnp.broadcast_to(empty, (cap, 8)),
+            jnp.zeros((), jnp.int32),
+        )
+    tab = _slices(ids, left, right, row_len)  # [3T, 8]
     q0, q1 = tab[:, 0], tab[:, 1]
 
     def geometry(rows):
         """Columns of slice rows: q0, q1, k0, k1 and the row interval functions."""
         g0, g1, gk0, gk1, gdlo, gdhi = (rows[:, i] for i in range(6))
-        lo = lambda r: jnp.maximum(gk0, r + gdlo)       # first key of row r
-        hi = lambda r: jnp.minimum(gk1 - 1, r + gdhi)   # last key of row r
+        lo = lambda r: jnp.maximum(gk0, r + gdlo)  # first key of row r
+        hi = lambda r: jnp.minimum(gk1 - 1, r + gdhi)  # last key of row r
         return g0, g1, gk0, gk1, lo, hi
 
     # (slice, q-tile) pairs; slices hold disjoint rows, so at most T + NQ of them.
@@ -224,26 +269,30 @@ def _work_lists(ids, left, right, *, row_len: int, block_q: int, block_k: int, b
     notfull = (kind != FULL).astype(jnp.int32)
     if (2 * num_tiles + 2) * num_other < 1 << 31:
         packed = (own * 2 + notfull) * num_other + other
-        packed, perm = jax.lax.sort((packed, jnp.arange(cap, dtype=jnp.int32)), num_keys=1,
-                                    is_stable=True)
+        packed, perm = jax.lax.sort(
+            (packed, jnp.arange(cap, dtype=jnp.int32)), num_keys=1, is_stable=True
+        )
         kind, s = _take(kind, perm), _take(s, perm)
         own, other = packed // (2 * num_other), packed % num_other
     else:
-        own, _, other, kind, s = jax.lax.sort((own, notfull, other, kind, s), num_keys=3,
-                                              is_stable=True)
+        own, _, other, kind, s = jax.lax.sort(
+            (own, notfull, other, kind, s), num_keys=3, is_stable=True
+        )
     geo = _take(tab, s)
-    fields = jnp.concatenate([other[:, None], geo[:, 0:4], geo[:, 6:8], kind[:, None]],
-                             axis=1)
+    fields = jnp.concatenate([other[:, None], geo[:, 0:4], geo[:, 6:8], kind[:, None]], axis=1)
     items = jnp.where((own < num_tiles)[:, None], fields, empty)
     counts = jnp.zeros((num_tiles + 1,), jnp.int32).at[own].add(1)[:num_tiles]
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts)])
     # Launch order: heaviest first, ties by tile; one int32 key when it fits.
     if (cap + 1) * num_tiles < 1 << 31:
-        order = jax.lax.sort((cap - counts) * num_tiles +
-                             jnp.arange(num_tiles, dtype=jnp.int32)) % num_tiles
+        order = (
+            jax.lax.sort((cap - counts) * num_tiles + jnp.arange(num_tiles, dtype=jnp.int32))
+            % num_tiles
+        )
     else:
-        order = jax.lax.sort((-counts, jnp.arange(num_tiles, dtype=jnp.int32)), num_keys=2,
-                             is_stable=True)[1]
+        order = jax.lax.sort(
+            (-counts, jnp.arange(num_tiles, dtype=jnp.int32)), num_keys=2, is_stable=True
+        )[1]
     return order, offsets, items, needed.astype(jnp.int32)
 
 
@@ -262,15 +311,16 @@ def noncontiguous_ids(segment_ids):
     pos = jnp.arange(t, dtype=jnp.int32)
     change = (pos % row_len == 0) | (ids != jnp.roll(ids, 1))
     live = change & (ids != 0)
-    if row_len == 1:                                   # one-token rows: one run each
+    if row_len == 1:  # one-token rows: one run each
         z = jnp.zeros((), jnp.int32)
         return jnp.zeros((), bool), z, z, z
     # Per row, run starts sorted by id (a (key, index) sort along rows: a radix sort on
     # GPUs); positions that start no run carry the largest key and are told apart by `live`.
     rows = t // row_len
     key = jnp.where(live, ids, jnp.iinfo(jnp.int32).max).astype(jnp.int32)
-    val, start = jax.lax.sort((key.reshape(rows, row_len), pos.reshape(rows, row_len)),
-                              num_keys=1, is_stable=True)
+    val, start = jax.lax.sort(
+        (key.reshape(rows, row_len), pos.reshape(rows, row_len)), num_keys=1, is_stable=True
+    )
     ok = _take(live, start)
     dup = (ok[:, 1:] & ok[:, :-1] & (val[:, 1:] == val[:, :-1])).reshape(-1)
     val, start = val.reshape(-1), start.reshape(-1)
@@ -280,8 +330,9 @@ def noncontiguous_ids(segment_ids):
     return dup.any(), val[j], start[j], start[j + 1]
 
 
-def segment_items_bound(total: int, block_q: int, block_k: int, causal: bool = True,
-                        window=None) -> int:
+def segment_items_bound(
+    total: int, block_q: int, block_k: int, causal: bool = True, window=None
+) -> int:
     """An upper bound of the work items of any ``AttnMask.from_segment_ids`` mask of
     ``total`` tokens (with these ``causal``/``window``) on tiles ``block_q x block_k``:
     the capacity at which :func:`segment_work_lists` can never overflow.
@@ -299,22 +350,26 @@ def segment_items_bound(total: int, block_q: int, block_k: int, causal: bool = T
     return max(1, pieces * (nq * reach + t))
 
 
-def _raise_if_bad(fwd_needed, bwd_needed, bad, bad_id, first, second, *, fwd_cap, bwd_cap,
-                  total, row_len):
+def _raise_if_bad(
+    fwd_needed, bwd_needed, bad, bad_id, first, second, *, fwd_cap, bwd_cap, total, row_len
+):
     from magi_jax.planning.capacity import CapacityError
+
     if bool(bad):
         row = int(first) // row_len
         raise ValueError(
             f"segment id {int(bad_id)} appears in two separate runs of row {row} (positions "
             f"{int(first) - row * row_len} and {int(second) - row * row_len}); segment ids "
-            "must be contiguous runs (packed documents): give every document its own id")
+            "must be contiguous runs (packed documents): give every document its own id"
+        )
     per_item = bwd_cap // fwd_cap
     need = max(int(fwd_needed), -(-int(bwd_needed) // per_item))
     if need > fwd_cap:
         raise CapacityError(
             f"these segment ids need PlanCapacity.items={need}, but the capacity holds "
             f"{fwd_cap}; pass capacity=PlanCapacity(total_q={total}, items={need}) or more "
-            "(capacity=None: a bound that always fits)")
+            "(capacity=None: a bound that always fits)"
+        )
 
 
 def unplannable(fwd_needed, bwd_needed, *, fwd_cap: int, bwd_cap: int, contiguity=None):
@@ -326,8 +381,9 @@ def unplannable(fwd_needed, bwd_needed, *, fwd_cap: int, bwd_cap: int, contiguit
     return bad if contiguity is None else bad | contiguity[0]
 
 
-def check_capacity(fwd_needed, bwd_needed, *, fwd_cap: int, bwd_cap: int, total: int,
-                   row_len: int, contiguity=None):
+def check_capacity(
+    fwd_needed, bwd_needed, *, fwd_cap: int, bwd_cap: int, total: int, row_len: int, contiguity=None
+):
     """Raises at run time (a ``jax.debug.callback``, so also under ``jit``) when the device
     lists overflow their capacity — a :class:`~magi_jax.planning.capacity.CapacityError`
     naming ``PlanCapacity.items`` and the value needed — or when ``contiguity``
@@ -335,10 +391,18 @@ def check_capacity(fwd_needed, bwd_needed, *, fwd_cap: int, bwd_cap: int, total:
     reaches the caller as a ``JaxRuntimeError`` carrying that message."""
     z = jnp.zeros((), jnp.int32)
     bad = contiguity if contiguity is not None else (jnp.zeros((), bool), z, z, z)
-    jax.debug.callback(functools.partial(_raise_if_bad, fwd_cap=int(fwd_cap),
-                                         bwd_cap=int(bwd_cap), total=int(total),
-                                         row_len=int(row_len)),
-                       fwd_needed, bwd_needed, *bad)
+    jax.debug.callback(
+        functools.partial(
+            _raise_if_bad,
+            fwd_cap=int(fwd_cap),
+            bwd_cap=int(bwd_cap),
+            total=int(total),
+            row_len=int(row_len),
+        ),
+        fwd_needed,
+        bwd_needed,
+        *bad,
+    )
 
 
 def _window_of(is_causal: bool, local_window_size):
@@ -351,15 +415,18 @@ def _window_of(is_causal: bool, local_window_size):
         try:
             left, right = (int(w) for w in local_window_size)
         except (TypeError, ValueError):
-            raise ValueError(f"local_window_size must be an int or a (left, right) pair; got "
-                             f"{local_window_size!r}") from None
+            raise ValueError(
+                f"local_window_size must be an int or a (left, right) pair; got "
+                f"{local_window_size!r}"
+            ) from None
     if left < 0 or right < 0:
         raise ValueError(f"local_window_size=({left}, {right}) must be >= 0")
     return left, (0 if is_causal else right)
 
 
-def _segment_plan(segment_ids, left, right, name: str, capacity, check_ids: bool = True,
-                  raise_now: bool = False):
+def _segment_plan(
+    segment_ids, left, right, name: str, capacity, check_ids: bool = True, raise_now: bool = False
+):
     """The :class:`~magi_jax.ffa.plan.AttnPlan` of ``segment_ids [B, T]`` (packed), built on
     the device, and a traced bool that says the plan cannot represent the ids
     (:func:`unplannable`); with ``raise_now`` also the run-time check that raises
@@ -367,6 +434,7 @@ def _segment_plan(segment_ids, left, right, name: str, capacity, check_ids: bool
     from magi_jax.ffa.plan import AttnPlan, PlanStatic
     from magi_jax.planning.capacity import PlanCapacity
     from magi_jax.planning.work_list import backend_blocks
+
     batch, t = segment_ids.shape
     total = batch * t
     fwd_block, bwd_block = backend_blocks(name, total, total)
@@ -375,52 +443,90 @@ def _segment_plan(segment_ids, left, right, name: str, capacity, check_ids: bool
     per_item = max(1, fwd_block[0] // bwd_block[0])
     window = (total if left is None else left, total if right is None else right)
     if capacity is None:
-        capacity = PlanCapacity(total, total, items=segment_items_bound(
-            total, *fwd_block, causal=False, window=window))
+        capacity = PlanCapacity(
+            total, total, items=segment_items_bound(total, *fwd_block, causal=False, window=window)
+        )
     elif isinstance(capacity, (int, np.integer)):
         capacity = PlanCapacity(total, total, items=int(capacity))
     elif not isinstance(capacity, PlanCapacity):
-        raise TypeError(f"capacity must be None, an int (work items) or a PlanCapacity; got "
-                        f"{type(capacity).__name__}")
+        raise TypeError(
+            f"capacity must be None, an int (work items) or a PlanCapacity; got "
+            f"{type(capacity).__name__}"
+        )
     if (capacity.total_q, capacity.total_k) != (total, total):
-        raise ValueError(f"capacity is for total_q={capacity.total_q}, total_k="
-                         f"{capacity.total_k}, but the packed rows hold B·T = {total} "
-                         "tokens; build it with PlanCapacity(total_q=B*T)")
-    lists, bad = _checked_lists(segment_ids, min(window[0], total), min(window[1], total),
-                                fwd_block=tuple(fwd_block), bwd_block=tuple(bwd_block),
-                                fwd_cap=capacity.items, bwd_cap=per_item * capacity.items,
-                                check_ids=check_ids, raise_now=raise_now)
+        raise ValueError(
+            f"capacity is for total_q={capacity.total_q}, total_k="
+            f"{capacity.total_k}, but the packed rows hold B·T = {total} "
+            "tokens; build it with PlanCapacity(total_q=B*T)"
+        )
+    lists, bad = _checked_lists(
+        segment_ids,
+        min(window[0], total),
+        min(window[1], total),
+        fwd_block=tuple(fwd_block),
+        bwd_block=tuple(bwd_block),
+        fwd_cap=capacity.items,
+        bwd_cap=per_item * capacity.items,
+        check_ids=check_ids,
+        raise_now=raise_now,
+    )
     plan = AttnPlan(lists, (), PlanStatic(capacity, name, tuple(fwd_block), tuple(bwd_block)))
     return plan, bad
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2), static_argnames=(
-    "fwd_block", "bwd_block", "fwd_cap", "bwd_cap", "check_ids", "raise_now"))
-def _checked_lists(segment_ids, left, right, *, fwd_block, bwd_block, fwd_cap, bwd_cap,
-                   check_ids, raise_now=False):
+@functools.partial(
+    jax.jit,
+    static_argnums=(1, 2),
+    static_argnames=("fwd_block", "bwd_block", "fwd_cap", "bwd_cap", "check_ids", "raise_now"),
+)
+def _checked_lists(
+    segment_ids, left, right, *, fwd_block, bwd_block, fwd_cap, bwd_cap, check_ids, raise_now=False
+):
     """Both lists of ``segment_ids [B, T]`` and whether they fail to represent the ids,
     compiled once (eager callers do not run the builder op by op; under an outer ``jit`` it
     is inlined); ``raise_now`` adds the raising host check."""
     t = segment_ids.shape[1]
-    build = functools.partial(_work_lists, segment_ids.reshape(-1), jnp.int32(left),
-                              jnp.int32(right), row_len=max(t, 1))
-    *fwd, fwd_needed = build(block_q=fwd_block[0], block_k=fwd_block[1], by="q",
-                             capacity_items=fwd_cap)
-    *bwd, bwd_needed = build(block_q=bwd_block[0], block_k=bwd_block[1], by="k",
-                             capacity_items=bwd_cap)
+    build = functools.partial(
+        _work_lists, segment_ids.reshape(-1), jnp.int32(left), jnp.int32(right), row_len=max(t, 1)
+    )
+    *fwd, fwd_needed = build(
+        block_q=fwd_block[0], block_k=fwd_block[1], by="q", capacity_items=fwd_cap
+    )
+    *bwd, bwd_needed = build(
+        block_q=bwd_block[0], block_k=bwd_block[1], by="k", capacity_items=bwd_cap
+    )
     contiguity = noncontiguous_ids(segment_ids) if check_ids else None
     if raise_now:
-        check_capacity(fwd_needed, bwd_needed, fwd_cap=fwd_cap, bwd_cap=bwd_cap,
-                       total=segment_ids.size, row_len=max(t, 1), contiguity=contiguity)
+        check_capacity(
+            fwd_needed,
+            bwd_needed,
+            fwd_cap=fwd_cap,
+            bwd_cap=bwd_cap,
+            total=segment_ids.size,
+            row_len=max(t, 1),
+            contiguity=contiguity,
+        )
     from magi_jax.planning.work_list import FFAPlanArrays
-    return FFAPlanArrays(*fwd, *bwd), unplannable(fwd_needed, bwd_needed, fwd_cap=fwd_cap,
-                                                  bwd_cap=bwd_cap, contiguity=contiguity)
+
+    return FFAPlanArrays(*fwd, *bwd), unplannable(
+        fwd_needed, bwd_needed, fwd_cap=fwd_cap, bwd_cap=bwd_cap, contiguity=contiguity
+    )
 
 
-def dot_product_attention(query, key, value, *, segment_ids=None, is_causal: bool = False,
-                          local_window_size=None, scale: float | None = None,
-                          softcap: float = 0.0, capacity=None, backend: str = "auto",
-                          check_segment_ids: bool = False):
+def dot_product_attention(
+    query,
+    key,
+    value,
+    *,
+    segment_ids=None,
+    is_causal: bool = False,
+    local_window_size=None,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    capacity=None,
+    backend: str = "auto",
+    check_segment_ids: bool = False,
+):
     """``jax.nn.dot_product_attention``'s interface on the exact flexible-mask kernels.
 
     Args:
@@ -456,43 +562,58 @@ def dot_product_attention(query, key, value, *, segment_ids=None, is_causal: boo
     tokens, id 0) give 0 — ``jax.nn`` may return something else for fully masked rows.
     """
     from magi_jax.ffa.api import flex_flash_attention, select_backend
+
     q, k, v = query, key, value
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"query, key and value must be [B, T, N, H] / [B, S, K, H]; got "
-                         f"{q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(
+            f"query, key and value must be [B, T, N, H] / [B, S, K, H]; got "
+            f"{q.shape}, {k.shape}, {v.shape}"
+        )
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"shapes do not match: query {q.shape}, key {k.shape}, value "
-                         f"{v.shape} (want [B, T, N, H], [B, S, K, H], [B, S, K, H])")
+        raise ValueError(
+            f"shapes do not match: query {q.shape}, key {k.shape}, value "
+            f"{v.shape} (want [B, T, N, H], [B, S, K, H], [B, S, K, H])"
+        )
     if q.shape[2] % k.shape[2]:
-        raise ValueError(f"N={q.shape[2]} query heads are not a multiple of K={k.shape[2]} "
-                         "key/value heads")
+        raise ValueError(
+            f"N={q.shape[2]} query heads are not a multiple of K={k.shape[2]} key/value heads"
+        )
     batch, tq, _, h = q.shape
     tk = k.shape[1]
     from magi_jax.ffa.api import _finite
+
     if scale is not None and _finite(scale) is None:
         raise ValueError(f"scale={scale!r} must be a finite number (or None for H ** -0.5)")
-    scale = h ** -0.5 if scale is None else float(scale)
+    scale = h**-0.5 if scale is None else float(scale)
     left, right = _window_of(is_causal, local_window_size)
     name, _ = select_backend(backend, q, k, v)
     if segment_ids is None:
         from magi_jax.mask import AttnMask, shape_to_slices
-        mask = AttnMask._from_list(shape_to_slices(0, tq, 0, tk, None if left is None else
-                                                   -left, right), tq, tk)
-        return flex_flash_attention(q, k, v, mask, softmax_scale=scale, softcap=softcap,
-                                    backend=name)[0]
+
+        mask = AttnMask._from_list(
+            shape_to_slices(0, tq, 0, tk, None if left is None else -left, right), tq, tk
+        )
+        return flex_flash_attention(
+            q, k, v, mask, softmax_scale=scale, softcap=softcap, backend=name
+        )[0]
     if tq != tk:
-        raise ValueError(f"segment_ids need self-attention over packed rows (T == S); got "
-                         f"T={tq}, S={tk}: for other masks build an AttnMask and call "
-                         "magi_jax.flex_flash_attention")
+        raise ValueError(
+            f"segment_ids need self-attention over packed rows (T == S); got "
+            f"T={tq}, S={tk}: for other masks build an AttnMask and call "
+            "magi_jax.flex_flash_attention"
+        )
     segment_ids = jnp.asarray(segment_ids)
     if segment_ids.shape != (batch, tq):
-        raise ValueError(f"segment_ids must be [B, T] = {(batch, tq)}; got shape "
-                         f"{segment_ids.shape}")
+        raise ValueError(
+            f"segment_ids must be [B, T] = {(batch, tq)}; got shape {segment_ids.shape}"
+        )
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise ValueError(f"segment_ids must be integers; got dtype {segment_ids.dtype}")
-    plan, bad = _segment_plan(segment_ids, left, right, name, capacity,
-                              raise_now=bool(check_segment_ids))
-    out = flex_flash_attention(pack_rows(q), pack_rows(k), pack_rows(v), plan,
-                               softmax_scale=scale, softcap=softcap)[0]
+    plan, bad = _segment_plan(
+        segment_ids, left, right, name, capacity, raise_now=bool(check_segment_ids)
+    )
+    out = flex_flash_attention(
+        pack_rows(q), pack_rows(k), pack_rows(v), plan, softmax_scale=scale, softcap=softcap
+    )[0]
     out = jnp.where(jax.lax.stop_gradient(bad), jnp.asarray(jnp.nan, out.dtype), out)
     return unpack_rows(out, batch)

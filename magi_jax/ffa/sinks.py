@@ -25,10 +25,11 @@ MAX_SINKS = 8
 def check_sink(sink, num_heads: int):
     """Raises ``ValueError`` unless ``sink`` is a float ``[S, Hq]`` array, 1 <= S <= 8."""
     shape = getattr(sink, "shape", None)
-    if shape is None or len(shape) != 2 or not 1 <= shape[0] <= MAX_SINKS \
-            or shape[1] != num_heads:
-        raise ValueError(f"sink must be a [S, Hq] array of sink logits with 1 <= S <= "
-                         f"{MAX_SINKS} and Hq = {num_heads} (q's heads); got shape {shape}")
+    if shape is None or len(shape) != 2 or not 1 <= shape[0] <= MAX_SINKS or shape[1] != num_heads:
+        raise ValueError(
+            f"sink must be a [S, Hq] array of sink logits with 1 <= S <= "
+            f"{MAX_SINKS} and Hq = {num_heads} (q's heads); got shape {shape}"
+        )
     if not jnp.issubdtype(sink.dtype, jnp.floating):
         raise TypeError(f"sink has dtype {sink.dtype}; pass float32 sink logits")
 
@@ -37,7 +38,7 @@ def apply_sink(out, lse, sink):
     """``(out', lse')`` with the sinks in the denominator. ``out [..., T, Hq, D]``, ``lse
     [..., T, Hq]`` (float32), ``sink [S, Hq]``; differentiable in all three."""
     acc = jnp.float64 if lse.dtype == jnp.float64 else jnp.float32
-    sink_lse = logsumexp(sink.astype(acc), axis=0)                  # [Hq]
+    sink_lse = logsumexp(sink.astype(acc), axis=0)  # [Hq]
     new_lse = jnp.logaddexp(lse.astype(acc), sink_lse)
-    scale = jnp.exp(lse.astype(acc) - new_lse)                      # 0 where lse = -inf
+    scale = jnp.exp(lse.astype(acc) - new_lse)  # 0 where lse = -inf
     return (out.astype(acc) * scale[..., None]).astype(out.dtype), new_lse.astype(lse.dtype)

@@ -1,6 +1,7 @@
 """How correctness is judged (docs/design.md §5), as reusable test helpers.
 
-For ``out``, ``lse``, ``dq``, ``dk``, ``dv`` (and ``max_logits``): ``‖x − ref64‖∞ ≤ max(floor, 2·‖ref_lp − ref64‖∞)``
+For ``out``, ``lse``, ``dq``, ``dk``, ``dv`` (and ``max_logits``):
+``‖x − ref64‖∞ ≤ max(floor, 2·‖ref_lp − ref64‖∞)``
 where ``ref64`` is the dense reference in float64 and ``ref_lp`` the same reference run in the
 inputs' precision. Also: no NaN, rows that see no key give exactly ``out = 0`` and
 ``lse = -inf`` (heads that see no cell: ``max_logits = -inf``).
@@ -14,11 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magi_jax.mask import AttnMask
 from magi_jax.ffa.reference import dense_attention
+from magi_jax.mask import AttnMask
 
-__all__ = ["reference_results", "assert_matches_reference", "random_inputs", "fwd_bwd",
-           "FLOORS"]
+__all__ = ["reference_results", "assert_matches_reference", "random_inputs", "fwd_bwd", "FLOORS"]
 
 # Absolute error floors, relative to max(1, ‖ref64‖∞): what a correct implementation may
 # always differ by, even where the low-precision reference happens to be very accurate.
@@ -30,8 +30,16 @@ def random_inputs(key, mask: AttnMask, hq: int, hkv: int, d: int, dtype, batch: 
     """Random ``q, k, v, dout, dlse`` for ``mask`` (normal, unit scale), as one jitted program
     per shape (eagerly each random and cast op would compile on its own, which on CPU costs
     more than the attention under test)."""
-    return _random_inputs(key, int(mask.total_q), int(mask.total_k), int(hq), int(hkv),
-                          int(d), jnp.dtype(dtype), batch)
+    return _random_inputs(
+        key,
+        int(mask.total_q),
+        int(mask.total_k),
+        int(hq),
+        int(hkv),
+        int(d),
+        jnp.dtype(dtype),
+        batch,
+    )
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7))
@@ -50,25 +58,39 @@ def fwd_bwd(fwd):
     """``fwd(q, k, v) -> (out, lse)`` as one jitted step ``run(q, k, v, dout, dlse)`` that
     returns ``dict(out, lse, dq, dk, dv)`` — the results :func:`assert_matches_reference`
     takes."""
+
     @jax.jit
     def run(q, k, v, dout, dlse):
         (out, lse), vjp = jax.vjp(fwd, q, k, v)
         dq, dk, dv = vjp((dout, dlse))
         return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
     return run
 
 
-def reference_results(q, k, v, mask, dout, dlse=None, *, softmax_scale=None, softcap=0.0,
-                      sink=None, float64: bool = True) -> dict[str, np.ndarray]:
+def reference_results(
+    q,
+    k,
+    v,
+    mask,
+    dout,
+    dlse=None,
+    *,
+    softmax_scale=None,
+    softcap=0.0,
+    sink=None,
+    float64: bool = True,
+) -> dict[str, np.ndarray]:
     """The reference's out, lse, dq, dk, dv and max_logits as NumPy arrays, in float64
     (``float64=True``) or in the inputs' precision; with ``sink`` ``[S, Hq]`` the sinks join
     every row's denominator and ``dsink`` is added."""
     dense = mask.to_dense()
 
     def run(q_, k_, v_, do_, dl_, s_):
-        res = _reference_vjp(q_, k_, v_, do_, dl_, s_, dense, softmax_scale=softmax_scale,
-                             softcap=softcap)
-        return dict(zip(_NAMES + ("dsink",), res[:len(_NAMES)] + res[len(_NAMES):]))
+        res = _reference_vjp(
+            q_, k_, v_, do_, dl_, s_, dense, softmax_scale=softmax_scale, softcap=softcap
+        )
+        return dict(zip(_NAMES + ("dsink",), res[: len(_NAMES)] + res[len(_NAMES) :]))
 
     if float64:
         with jax.enable_x64(True):
@@ -83,10 +105,18 @@ def reference_results(q, k, v, mask, dout, dlse=None, *, softmax_scale=None, sof
 def _reference_vjp(q, k, v, dout, dlse, sink, dense, *, softmax_scale, softcap):
     """Jitted with the dense mask as an argument, so masks of one size share a compilation.
     Returns out, lse, dq, dk, dv, max_logits, then dsink when ``sink`` is given."""
+
     def fn(q_, k_, v_, *s_):
-        out, lse, max_logits = dense_attention(q_, k_, v_, dense, softmax_scale=softmax_scale,
-                                               softcap=softcap, sink=s_[0] if s_ else None,
-                                               return_max_logits=True)
+        out, lse, max_logits = dense_attention(
+            q_,
+            k_,
+            v_,
+            dense,
+            softmax_scale=softmax_scale,
+            softcap=softcap,
+            sink=s_[0] if s_ else None,
+            return_max_logits=True,
+        )
         return (out, lse), max_logits
 
     sinks = () if sink is None else (sink,)
@@ -103,10 +133,22 @@ def _max_err(x, ref):
         return float(np.max(np.abs(np.where(finite, x - ref, 0)), initial=0.0))
 
 
-def assert_matches_reference(results: dict, q, k, v, mask: AttnMask, dout=None, dlse=None, *,
-                             softmax_scale=None, softcap=0.0, sink=None,
-                             floor: float | None = None, ref64: dict | None = None,
-                             ref_lp: dict | None = None) -> dict:
+def assert_matches_reference(
+    results: dict,
+    q,
+    k,
+    v,
+    mask: AttnMask,
+    dout=None,
+    dlse=None,
+    *,
+    softmax_scale=None,
+    softcap=0.0,
+    sink=None,
+    floor: float | None = None,
+    ref64: dict | None = None,
+    ref_lp: dict | None = None,
+) -> dict:
     """Checks ``results`` (any of out, lse, dq, dk, dv, max_logits, and dsink with ``sink``)
     against the correctness rule (docs/design.md §5).
 
@@ -130,17 +172,19 @@ def assert_matches_reference(results: dict, q, k, v, mask: AttnMask, dout=None, 
             failures.append(f"{name}: {int(np.isnan(x).sum())} NaN values")
             continue
         err = _max_err(x, r64)
-        bound = max(base * max(1.0, float(np.max(np.abs(np.where(np.isfinite(r64), r64, 0)),
-                                                 initial=0.0))),
-                    2 * _max_err(ref_lp[name], r64))
+        bound = max(
+            base * max(1.0, float(np.max(np.abs(np.where(np.isfinite(r64), r64, 0)), initial=0.0))),
+            2 * _max_err(ref_lp[name], r64),
+        )
         table[name] = (err, bound)
         if err > bound:
             failures.append(f"{name}: max error {err:.3e} > bound {bound:.3e}")
-        if name in ("lse", "max_logits") and not np.array_equal(np.isneginf(x),
-                                                                 np.isneginf(r64)):
-            failures.append(f"{name}: -inf exactly where no key is seen: "
-                            f"{int((np.isneginf(x) != np.isneginf(r64)).sum())} entries differ")
-    empty = np.isneginf(ref64["lse"])               # [..., Tq, Hq] rows that see no key
+        if name in ("lse", "max_logits") and not np.array_equal(np.isneginf(x), np.isneginf(r64)):
+            failures.append(
+                f"{name}: -inf exactly where no key is seen: "
+                f"{int((np.isneginf(x) != np.isneginf(r64)).sum())} entries differ"
+            )
+    empty = np.isneginf(ref64["lse"])  # [..., Tq, Hq] rows that see no key
     if "out" in results and empty.any():
         out = np.asarray(results["out"]).astype(np.float64)
         if np.any(out[empty] != 0):

@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from magi_jax.planning.work_list import EMPTY_ITEM, FFAPlanArrays, ITEM_FIELDS
+from magi_jax.planning.work_list import EMPTY_ITEM, ITEM_FIELDS, FFAPlanArrays
 
 __all__ = ["xla_ffa", "xla_ffa_forward", "xla_ffa_backward", "XlaConfig"]
 
@@ -59,8 +59,10 @@ class XlaConfig:
             if bq < 1 or bk < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive tile sizes")
         if self.lane_len < 1 or self.lanes_per_block < 0:
-            raise ValueError(f"lane_len={self.lane_len} must be >= 1 and lanes_per_block="
-                             f"{self.lanes_per_block} >= 0")
+            raise ValueError(
+                f"lane_len={self.lane_len} must be >= 1 and lanes_per_block="
+                f"{self.lanes_per_block} >= 0"
+            )
 
 
 def _acc_dtype(dtype):
@@ -91,8 +93,9 @@ class _Lanes:
         real = v < self.num_real
         self.tile = jnp.where(real, tile, 0).astype(jnp.int32)
         self.start = jnp.where(real, start, 0).astype(jnp.int32)
-        self.count = jnp.where(real, jnp.clip(offsets[tile + 1] - start, 0, lane_len),
-                               0).astype(jnp.int32)
+        self.count = jnp.where(real, jnp.clip(offsets[tile + 1] - start, 0, lane_len), 0).astype(
+            jnp.int32
+        )
 
 
 def _num_lanes(num_items: int, num_tiles: int, lane_len: int) -> int:
@@ -138,8 +141,14 @@ def _allowed(item, rows, cols):
     r = rows[:, :, None]
     c = cols[:, None, :]
     d = c - r
-    return ((r >= g("q0")) & (r < g("q1")) & (c >= g("k0")) & (c < g("k1"))
-            & (d >= g("dlo")) & (d <= g("dhi")))
+    return (
+        (r >= g("q0"))
+        & (r < g("q1"))
+        & (c >= g("k0"))
+        & (c < g("k1"))
+        & (d >= g("dlo"))
+        & (d <= g("dhi"))
+    )
 
 
 def _scores(qb, kb, item, rows, cols, cfg):
@@ -191,27 +200,38 @@ def _forward(q, k, v, plan: FFAPlanArrays, cfg: XlaConfig):
             p = jnp.exp(s - m_safe[..., None])
             alpha = jnp.exp(m - m_safe)
             l = alpha * l + p.sum(-1)
-            pv = jnp.einsum("vhgqk,vkhd->vqhgd", p.astype(v.dtype), vt[ktile],
-                            preferred_element_type=acc)
+            pv = jnp.einsum(
+                "vhgqk,vkhd->vqhgd", p.astype(v.dtype), vt[ktile], preferred_element_type=acc
+            )
             return (m_new, l, o * jnp.moveaxis(alpha, -1, 1)[..., None] + pv, peak), None
 
         w = tile.shape[0]
-        init = (jnp.full((w, hkv, g, bq), -jnp.inf, acc), jnp.zeros((w, hkv, g, bq), acc),
-                jnp.zeros((w, bq, hkv, g, d), acc), peak_acc)
-        (m, l, o, peak), _ = jax.lax.scan(visit, init,
-                                          jnp.arange(cfg.lane_len, dtype=jnp.int32))
+        init = (
+            jnp.full((w, hkv, g, bq), -jnp.inf, acc),
+            jnp.zeros((w, hkv, g, bq), acc),
+            jnp.zeros((w, bq, hkv, g, d), acc),
+            peak_acc,
+        )
+        (m, l, o, peak), _ = jax.lax.scan(visit, init, jnp.arange(cfg.lane_len, dtype=jnp.int32))
         # Merge the block's lanes into their tiles (several lanes may own one tile).
         m_new = m_acc.at[tile].max(m)
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
         alpha = jnp.exp(m_acc - m_safe)
         wl = jnp.exp(m - m_safe[tile])
         l_acc = (l_acc * alpha).at[tile].add(l * wl)
-        o_acc = (o_acc * jnp.moveaxis(alpha, -1, 1)[..., None]).at[tile].add(
-            o * jnp.moveaxis(wl, -1, 1)[..., None])
+        o_acc = (
+            (o_acc * jnp.moveaxis(alpha, -1, 1)[..., None])
+            .at[tile]
+            .add(o * jnp.moveaxis(wl, -1, 1)[..., None])
+        )
         return m_new, l_acc, o_acc, peak
 
-    init = (jnp.full((nq, hkv, g, bq), -jnp.inf, acc), jnp.zeros((nq, hkv, g, bq), acc),
-            jnp.zeros((nq, bq, hkv, g, d), acc), no_peak)
+    init = (
+        jnp.full((nq, hkv, g, bq), -jnp.inf, acc),
+        jnp.zeros((nq, hkv, g, bq), acc),
+        jnp.zeros((nq, bq, hkv, g, d), acc),
+        no_peak,
+    )
     m, l, o, peak = _blocks(lanes, width, block, init)
     has = l > 0
     lse = jnp.where(has, m + jnp.log(jnp.where(has, l, 1)), -jnp.inf)
@@ -274,11 +294,13 @@ def _backward(q, k, v, out, lse, dout, dlse, plan: FFAPlanArrays, cfg: XlaConfig
             cols = ktile[:, None] * bk + subk
             kb = kt[ktile]
             _, ds = _tile_grads(qb, kb, vt[ktile], dob, lse_b, delta_b, item, rows, cols, cfg)
-            return dq + jnp.einsum("vhgqk,vkhd->vqhgd", ds.astype(k.dtype), kb,
-                                   preferred_element_type=acc), None
+            return dq + jnp.einsum(
+                "vhgqk,vkhd->vqhgd", ds.astype(k.dtype), kb, preferred_element_type=acc
+            ), None
 
-        dq, _ = jax.lax.scan(visit, jnp.zeros(qb.shape, acc),
-                             jnp.arange(cfg.lane_len, dtype=jnp.int32))
+        dq, _ = jax.lax.scan(
+            visit, jnp.zeros(qb.shape, acc), jnp.arange(cfg.lane_len, dtype=jnp.int32)
+        )
         return dq_acc.at[tile].add(dq)
 
     dq = _blocks(lanes, width, dq_block, jnp.zeros(qt.shape, acc))
@@ -302,12 +324,15 @@ def _backward(q, k, v, out, lse, dout, dlse, plan: FFAPlanArrays, cfg: XlaConfig
             qtile = item[:, _F["other_tile"]]
             rows = qtile[:, None] * bq + sub
             qb, dob = qt[qtile], dot[qtile]
-            p, ds = _tile_grads(qb, kb, vb, dob, lse_t[qtile], delta_t[qtile], item, rows,
-                                cols, cfg)
-            dk = dk + jnp.einsum("vhgqk,vqhgd->vkhd", ds.astype(q.dtype), qb,
-                                 preferred_element_type=acc)
-            dv = dv + jnp.einsum("vhgqk,vqhgd->vkhd", p.astype(dout.dtype), dob,
-                                 preferred_element_type=acc)
+            p, ds = _tile_grads(
+                qb, kb, vb, dob, lse_t[qtile], delta_t[qtile], item, rows, cols, cfg
+            )
+            dk = dk + jnp.einsum(
+                "vhgqk,vqhgd->vkhd", ds.astype(q.dtype), qb, preferred_element_type=acc
+            )
+            dv = dv + jnp.einsum(
+                "vhgqk,vqhgd->vkhd", p.astype(dout.dtype), dob, preferred_element_type=acc
+            )
             return (dk, dv), None
 
         init = (jnp.zeros(kb.shape, acc), jnp.zeros(vb.shape, acc))
@@ -345,16 +370,33 @@ _ffa.defvjp(_ffa_fwd, _ffa_bwd)
 _ffa_jit = jax.jit(_ffa, static_argnums=(4,))
 
 
-def _config(softmax_scale, softcap, block_q, block_k, lane_len=_LANE_LEN,
-            max_logits=False) -> XlaConfig:
+def _config(
+    softmax_scale, softcap, block_q, block_k, lane_len=_LANE_LEN, max_logits=False
+) -> XlaConfig:
     block = (int(block_q), int(block_k))
-    return XlaConfig(float(softmax_scale), float(softcap), block, block, int(lane_len),
-                     max_logits=bool(max_logits))
+    return XlaConfig(
+        float(softmax_scale),
+        float(softcap),
+        block,
+        block,
+        int(lane_len),
+        max_logits=bool(max_logits),
+    )
 
 
-def xla_ffa(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: float,
-            block_q: int, block_k: int, lane_len: int = _LANE_LEN,
-            return_max_logits: bool = False):
+def xla_ffa(
+    q,
+    k,
+    v,
+    plan: FFAPlanArrays,
+    *,
+    softmax_scale: float,
+    softcap: float,
+    block_q: int,
+    block_k: int,
+    lane_len: int = _LANE_LEN,
+    return_max_logits: bool = False,
+):
     """Flexible-mask attention from plan arrays (no mask object): the entry point of the
     front door and of every context-parallel rank.
 
@@ -374,29 +416,66 @@ def xla_ffa(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: floa
     return _ffa_jit(q, k, v, _device(plan), cfg)
 
 
-def xla_ffa_forward(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: float,
-                    block_q: int, block_k: int, return_max_logits: bool = False):
+def xla_ffa_forward(
+    q,
+    k,
+    v,
+    plan: FFAPlanArrays,
+    *,
+    softmax_scale: float,
+    softcap: float,
+    block_q: int,
+    block_k: int,
+    return_max_logits: bool = False,
+):
     """The forward of :func:`xla_ffa` alone (3-D inputs, not differentiable): ``(out, lse)``
     (and the max logits ``[Hq]`` with ``return_max_logits``). With :func:`xla_ffa_backward`,
     for callers that keep only ``(out, lse)`` between the two passes (context-parallel
     stages that re-fetch KV, ring attention)."""
-    return _forward(q, k, v, _device(plan), _config(softmax_scale, softcap, block_q, block_k,
-                                                    max_logits=return_max_logits))
+    return _forward(
+        q,
+        k,
+        v,
+        _device(plan),
+        _config(softmax_scale, softcap, block_q, block_k, max_logits=return_max_logits),
+    )
 
 
-def xla_ffa_backward(q, k, v, out, lse, dout, dlse, plan: FFAPlanArrays, *,
-                     softmax_scale: float, softcap: float, block_q: int, block_k: int):
+def xla_ffa_backward(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    dlse,
+    plan: FFAPlanArrays,
+    *,
+    softmax_scale: float,
+    softcap: float,
+    block_q: int,
+    block_k: int,
+):
     """``(dq, dk, dv)`` of :func:`xla_ffa` from the forward's ``(out, lse)`` and the
     cotangents ``(dout, dlse)`` (3-D inputs); the tiles are recomputed, nothing else is
     needed from the forward."""
-    return _backward(q, k, v, out, lse, dout, dlse, _device(plan),
-                     _config(softmax_scale, softcap, block_q, block_k))
+    return _backward(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+        dlse,
+        _device(plan),
+        _config(softmax_scale, softcap, block_q, block_k),
+    )
 
 
 def _device(plan):
     plan = FFAPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     # A list without items (an empty mask) gets one empty item, so item gathers have a row.
-    pad = lambda items: (jnp.asarray(EMPTY_ITEM)[None] if items.shape[0] == 0 else items)
+    pad = lambda items: jnp.asarray(EMPTY_ITEM)[None] if items.shape[0] == 0 else items
     return plan._replace(q_items=pad(plan.q_items), k_items=pad(plan.k_items))
 
 

@@ -35,8 +35,14 @@ from magi_jax.sharding.key import MagiKey, position_ids
 __all__ = ["make_attention_fn", "SelfAttention", "apply_rope", "rope_positions"]
 
 
-def make_attention_fn(mask_or_key: AttnMask | MagiKey, *, softmax_scale: float | None = None,
-                      softcap: float = 0.0, backend: str = "auto", local: bool = False):
+def make_attention_fn(
+    mask_or_key: AttnMask | MagiKey,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    backend: str = "auto",
+    local: bool = False,
+):
     """An ``attention_fn`` for Flax's multi-head attention layers.
 
     Args:
@@ -56,19 +62,35 @@ def make_attention_fn(mask_or_key: AttnMask | MagiKey, *, softmax_scale: float |
     """
     if isinstance(mask_or_key, AttnMask):
         if local:
-            raise ValueError("local=True needs a MagiKey (it selects the per-rank body of "
-                             "context-parallel attention); got an AttnMask")
+            raise ValueError(
+                "local=True needs a MagiKey (it selects the per-rank body of "
+                "context-parallel attention); got an AttnMask"
+            )
         target = mask_or_key
     elif isinstance(mask_or_key, MagiKey):
         target = mask_or_key
     else:
-        raise TypeError(f"make_attention_fn needs an AttnMask or a MagiKey (from "
-                        f"mj.make_flex_key / mj.make_varlen_key); got "
-                        f"{type(mask_or_key).__name__}")
+        raise TypeError(
+            f"make_attention_fn needs an AttnMask or a MagiKey (from "
+            f"mj.make_flex_key / mj.make_varlen_key); got "
+            f"{type(mask_or_key).__name__}"
+        )
 
-    def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
-                     dropout_rng=None, dropout_rate=0.0, deterministic=True, dtype=None,
-                     precision=None, module=None, **kwargs):
+    def attention_fn(
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        broadcast_dropout=True,
+        dropout_rng=None,
+        dropout_rate=0.0,
+        deterministic=True,
+        dtype=None,
+        precision=None,
+        module=None,
+        **kwargs,
+    ):
         del broadcast_dropout, dropout_rng, precision, module
         if bias is not None or mask is not None:
             what = "bias" if bias is not None else "mask"
@@ -76,24 +98,47 @@ def make_attention_fn(mask_or_key: AttnMask | MagiKey, *, softmax_scale: float |
             raise ValueError(
                 f"magi-jax attention_fn got {what}= (shape {tuple(jnp.shape(arr))}); the mask "
                 "comes from the AttnMask/MagiKey given to make_attention_fn — call the layer "
-                f"without {what}=")
+                f"without {what}="
+            )
         if kwargs.get("is_causal"):
-            raise ValueError("magi-jax attention_fn got is_causal=True; the mask comes from "
-                             "the AttnMask/MagiKey (use AttnMask.causal(T) for plain causal)")
+            raise ValueError(
+                "magi-jax attention_fn got is_causal=True; the mask comes from "
+                "the AttnMask/MagiKey (use AttnMask.causal(T) for plain causal)"
+            )
         if dropout_rate > 0.0 and not deterministic:
             raise NotImplementedError(
                 f"attention-weight dropout (dropout_rate={dropout_rate}) is not supported by "
                 "flexible-mask flash attention; set the layer's dropout_rate=0 or call it "
-                "with deterministic=True")
-        out = attend(query, key, value, target, softmax_scale=softmax_scale, softcap=softcap,
-                     backend=backend, local=local)
+                "with deterministic=True"
+            )
+        out = attend(
+            query,
+            key,
+            value,
+            target,
+            softmax_scale=softmax_scale,
+            softcap=softcap,
+            backend=backend,
+            local=local,
+        )
         return out if dtype is None else out.astype(dtype)
 
     return attention_fn
 
 
-def attend(q, k, v, mask_or_key, *, softmax_scale=None, softcap=0.0, backend="auto",
-           local=False, sink=None, return_max_logits=False):
+def attend(
+    q,
+    k,
+    v,
+    mask_or_key,
+    *,
+    softmax_scale=None,
+    softcap=0.0,
+    backend="auto",
+    local=False,
+    sink=None,
+    return_max_logits=False,
+):
     """Attention of ``q [..., T, Hq, D]``, ``k, v [..., T, Hkv, D]`` under a mask (natural
     order, one device) or a key (dispatched tokens, context parallel); returns ``out`` like
     ``q``. This is what the adapters and :class:`SelfAttention` call.
@@ -108,12 +153,14 @@ def attend(q, k, v, mask_or_key, *, softmax_scale=None, softcap=0.0, backend="au
     dtype = jnp.result_type(q, k, v)
     q, k, v = (x.astype(dtype) for x in (q, k, v))
     batch, hq = q.shape[:-3], q.shape[-2]
-    opts = dict(softmax_scale=softmax_scale, softcap=softcap,
-                return_max_logits=bool(return_max_logits))
+    opts = dict(
+        softmax_scale=softmax_scale, softcap=softcap, return_max_logits=bool(return_max_logits)
+    )
     if isinstance(mask_or_key, AttnMask):
         flat = lambda x: x.reshape((-1,) + x.shape[-3:]) if len(batch) > 1 else x
-        res = flex_flash_attention(flat(q), flat(k), flat(v), mask_or_key, backend=backend,
-                                   sink=sink, **opts)
+        res = flex_flash_attention(
+            flat(q), flat(k), flat(v), mask_or_key, backend=backend, sink=sink, **opts
+        )
         out = res[0].reshape(q.shape)
     else:
         key = mask_or_key
@@ -151,18 +198,24 @@ def _unfold(x, shape):
 def _check_layout(q, k, v, mask_or_key, local):
     for name, x in (("query", q), ("key", k), ("value", v)):
         if x.ndim < 3:
-            raise ValueError(f"magi-jax attention: {name} must be [..., T, heads, head_dim]; "
-                             f"got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"magi-jax attention: {name} must be [..., T, heads, head_dim]; "
+                f"got shape {tuple(x.shape)}"
+            )
     if k.shape != v.shape or q.shape[:-2] != k.shape[:-2]:
-        raise ValueError(f"magi-jax attention: query {tuple(q.shape)}, key {tuple(k.shape)} "
-                         f"and value {tuple(v.shape)} must share batch and token axes "
-                         "(self-attention over one packed sequence)")
+        raise ValueError(
+            f"magi-jax attention: query {tuple(q.shape)}, key {tuple(k.shape)} "
+            f"and value {tuple(v.shape)} must share batch and token axes "
+            "(self-attention over one packed sequence)"
+        )
     if isinstance(mask_or_key, AttnMask):
         want, what = mask_or_key.total_q, f"the mask has total_q={mask_or_key.total_q} tokens"
         if mask_or_key.total_q != mask_or_key.total_k:
-            raise ValueError(f"magi-jax attention layers are self-attention: the mask must have "
-                             f"total_q == total_k; got {mask_or_key.total_q} and "
-                             f"{mask_or_key.total_k}")
+            raise ValueError(
+                f"magi-jax attention layers are self-attention: the mask must have "
+                f"total_q == total_k; got {mask_or_key.total_q} and "
+                f"{mask_or_key.total_k}"
+            )
     else:
         key = mask_or_key
         if local:
@@ -170,28 +223,40 @@ def _check_layout(q, k, v, mask_or_key, local):
             what = f"the key gives every rank local_len={key.local_len} tokens"
         else:
             want = key.padded_total
-            what = (f"the key dispatches padded_total={key.padded_total} tokens "
-                    f"({key.total} real + padding)")
+            what = (
+                f"the key dispatches padded_total={key.padded_total} tokens "
+                f"({key.total} real + padding)"
+            )
     t = q.shape[-3]
     if t == want:
         return
     hint = ""
     if q.ndim >= 4 and q.shape[-4] == want:
-        hint = (" The token axis must be third from last ([batch, T, heads, head_dim]); "
-                "yours looks like [T, batch, ...].")
+        hint = (
+            " The token axis must be third from last ([batch, T, heads, head_dim]); "
+            "yours looks like [T, batch, ...]."
+        )
     elif isinstance(mask_or_key, MagiKey):
         key = mask_or_key
         if t == key.total and not local:
-            hint = (" These look like natural-order tokens: dispatch the layer's input "
-                    "first (x = mj.dispatch(x, key)) and undispatch its output.")
+            hint = (
+                " These look like natural-order tokens: dispatch the layer's input "
+                "first (x = mj.dispatch(x, key)) and undispatch its output."
+            )
         elif t == key.local_len and not local:
-            hint = (" These look like one rank's tokens (inside shard_map): build the "
-                    "attention_fn with local=True, or call the layer outside shard_map.")
+            hint = (
+                " These look like one rank's tokens (inside shard_map): build the "
+                "attention_fn with local=True, or call the layer outside shard_map."
+            )
         elif t == key.padded_total and local:
-            hint = (" These look like all dispatched tokens: local=True is only for layers "
-                    "called inside shard_map over the key's cp axis.")
-    raise ValueError(f"magi-jax attention: the layer sees {t} tokens (query shape "
-                     f"{tuple(q.shape)}) but {what}.{hint}")
+            hint = (
+                " These look like all dispatched tokens: local=True is only for layers "
+                "called inside shard_map over the key's cp axis."
+            )
+    raise ValueError(
+        f"magi-jax attention: the layer sees {t} tokens (query shape "
+        f"{tuple(q.shape)}) but {what}.{hint}"
+    )
 
 
 def _check_mesh(key: MagiKey, *xs):
@@ -207,10 +272,12 @@ def _check_mesh(key: MagiKey, *xs):
                 f"magi-jax attention: an input is sharded over {len(devices)} devices that are "
                 f"not the key's mesh ({len(mesh_devices)} devices, axes "
                 f"{key.mesh.axis_names}); build the key on the mesh the model runs on, or "
-                "dispatch the input with mj.dispatch(x, key)")
+                "dispatch the input with mj.dispatch(x, key)"
+            )
 
 
 # ---- rotary position embeddings -------------------------------------------------------------
+
 
 def rope_positions(mask_or_key, num_tokens: int):
     """Positions for RoPE: ``arange(T)`` for a mask (natural order), the global position of
@@ -229,7 +296,7 @@ def apply_rope(x, positions, theta: float = 10000.0):
     if d % 2:
         raise ValueError(f"RoPE needs an even head_dim; got {d}")
     freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
-    ang = positions.astype(jnp.float32)[..., None] * freq            # [..., T, D/2]
+    ang = positions.astype(jnp.float32)[..., None] * freq  # [..., T, D/2]
     sin, cos = jnp.sin(ang)[..., None, :], jnp.cos(ang)[..., None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -237,6 +304,7 @@ def apply_rope(x, positions, theta: float = 10000.0):
 
 
 # ---- NNX layer ------------------------------------------------------------------------------
+
 
 class SelfAttention(nnx.Module):
     """Multi-head self-attention with grouped-query attention and RoPE, over a packed sequence.
@@ -264,49 +332,85 @@ class SelfAttention(nnx.Module):
     ``[..., num_heads]`` float32 over x's batch axes, no gradient), what QK-clip needs.
     """
 
-    def __init__(self, in_features: int, num_heads: int, *, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, rope_theta: float | None = 10000.0,
-                 softmax_scale: float | None = None, softcap: float = 0.0,
-                 use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
-                 kernel_init=nnx.initializers.lecun_normal(), backend: str = "auto",
-                 num_sinks: int = 0, sink_init=nnx.initializers.zeros_init(),
-                 rngs: nnx.Rngs):
-        if isinstance(num_sinks, bool) or not isinstance(num_sinks, int) \
-                or not 0 <= num_sinks <= MAX_SINKS:
-            raise ValueError(f"num_sinks={num_sinks!r} must be an int in [0, {MAX_SINKS}] "
-                             "(0: no attention sinks)")
+    def __init__(
+        self,
+        in_features: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        rope_theta: float | None = 10000.0,
+        softmax_scale: float | None = None,
+        softcap: float = 0.0,
+        use_bias: bool = False,
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init=nnx.initializers.lecun_normal(),
+        backend: str = "auto",
+        num_sinks: int = 0,
+        sink_init=nnx.initializers.zeros_init(),
+        rngs: nnx.Rngs,
+    ):
+        if (
+            isinstance(num_sinks, bool)
+            or not isinstance(num_sinks, int)
+            or not 0 <= num_sinks <= MAX_SINKS
+        ):
+            raise ValueError(
+                f"num_sinks={num_sinks!r} must be an int in [0, {MAX_SINKS}] "
+                "(0: no attention sinks)"
+            )
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads={num_heads} must be a multiple of "
-                             f"num_kv_heads={num_kv_heads} (grouped-query attention)")
+            raise ValueError(
+                f"num_heads={num_heads} must be a multiple of "
+                f"num_kv_heads={num_kv_heads} (grouped-query attention)"
+            )
         if head_dim is None:
             if in_features % num_heads:
-                raise ValueError(f"in_features={in_features} is not divisible by "
-                                 f"num_heads={num_heads}; pass head_dim explicitly")
+                raise ValueError(
+                    f"in_features={in_features} is not divisible by "
+                    f"num_heads={num_heads}; pass head_dim explicitly"
+                )
             head_dim = in_features // num_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_theta, self.softmax_scale, self.softcap = rope_theta, softmax_scale, softcap
         self.backend = backend
         # Sink logits stay float32 whatever param_dtype is (they enter the fp32 softmax).
-        self.sink = (nnx.Param(jnp.asarray(sink_init(rngs.params(), (num_sinks, num_heads),
-                                                     jnp.float32), jnp.float32))
-                     if num_sinks else None)
-        lin = lambda i, o: nnx.Linear(i, o, use_bias=use_bias, dtype=dtype,
-                                      param_dtype=param_dtype, kernel_init=kernel_init,
-                                      rngs=rngs)
+        self.sink = (
+            nnx.Param(
+                jnp.asarray(
+                    sink_init(rngs.params(), (num_sinks, num_heads), jnp.float32), jnp.float32
+                )
+            )
+            if num_sinks
+            else None
+        )
+        lin = lambda i, o: nnx.Linear(
+            i,
+            o,
+            use_bias=use_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=kernel_init,
+            rngs=rngs,
+        )
         self.q_proj = lin(in_features, num_heads * head_dim)
         self.k_proj = lin(in_features, num_kv_heads * head_dim)
         self.v_proj = lin(in_features, num_kv_heads * head_dim)
         self.o_proj = lin(num_heads * head_dim, in_features)
 
-    def __call__(self, x, mask_or_key: AttnMask | MagiKey, positions=None, *,
-                 return_max_logits: bool = False):
+    def __call__(
+        self, x, mask_or_key: AttnMask | MagiKey, positions=None, *, return_max_logits: bool = False
+    ):
         if not isinstance(mask_or_key, (AttnMask, MagiKey)):
-            raise TypeError(f"SelfAttention needs an AttnMask or a MagiKey; got "
-                            f"{type(mask_or_key).__name__}")
+            raise TypeError(
+                f"SelfAttention needs an AttnMask or a MagiKey; got {type(mask_or_key).__name__}"
+            )
         if x.ndim < 2:
-            raise ValueError(f"SelfAttention: x must be [..., T, features]; got shape "
-                             f"{tuple(x.shape)}")
+            raise ValueError(
+                f"SelfAttention: x must be [..., T, features]; got shape {tuple(x.shape)}"
+            )
         split = lambda y, h: y.reshape(y.shape[:-1] + (h, self.head_dim))
         q = split(self.q_proj(x), self.num_heads)
         k = split(self.k_proj(x), self.num_kv_heads)
@@ -318,9 +422,17 @@ class SelfAttention(nnx.Module):
             q = apply_rope(q, positions, self.rope_theta)
             k = apply_rope(k, positions, self.rope_theta)
         sink = None if self.sink is None else self.sink[...]
-        out = attend(q, k, v, mask_or_key, softmax_scale=self.softmax_scale,
-                     softcap=self.softcap, backend=self.backend, sink=sink,
-                     return_max_logits=return_max_logits)
+        out = attend(
+            q,
+            k,
+            v,
+            mask_or_key,
+            softmax_scale=self.softmax_scale,
+            softcap=self.softcap,
+            backend=self.backend,
+            sink=sink,
+            return_max_logits=return_max_logits,
+        )
         if not return_max_logits:
             return self.o_proj(out.reshape(out.shape[:-2] + (-1,)))
         out, max_logits = out

@@ -9,13 +9,32 @@ Entry points (:mod:`magi_jax.pallas.api`):
   * :func:`supported` — whether the kernels take these inputs here, and why not.
 """
 
-from magi_jax.pallas.api import (DKV_PERSISTENT_MAX_MEAN_ITEMS, DKV_SPLIT_ALIGN,
-                                 PERSISTENT_MAX_MEAN_ITEMS, SUPPORTED_DTYPES,
-                                 SUPPORTED_HEAD_DIMS, FFAPlanArrays, device_supported,
-                                 ffa_pallas, ffa_pallas_backward, flex_flash_attention_pallas,
-                                 plan_for_mask, supported)
+from magi_jax.pallas.api import (
+    DKV_PERSISTENT_MAX_MEAN_ITEMS,
+    DKV_SPLIT_ALIGN,
+    PERSISTENT_MAX_MEAN_ITEMS,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    FFAPlanArrays,
+    device_supported,
+    ffa_pallas,
+    ffa_pallas_backward,
+    flex_flash_attention_pallas,
+    plan_for_mask,
+    supported,
+)
 
-__all__ = ["flex_flash_attention_pallas", "ffa_pallas", "ffa_pallas_backward", "supported",
-           "device_supported", "DKV_SPLIT_ALIGN", "FFAPlanArrays", "plan_for_mask",
-           "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "PERSISTENT_MAX_MEAN_ITEMS",
-           "DKV_PERSISTENT_MAX_MEAN_ITEMS"]
+__all__ = [
+    "flex_flash_attention_pallas",
+    "ffa_pallas",
+    "ffa_pallas_backward",
+    "supported",
+    "device_supported",
+    "DKV_SPLIT_ALIGN",
+    "FFAPlanArrays",
+    "plan_for_mask",
+    "SUPPORTED_HEAD_DIMS",
+    "SUPPORTED_DTYPES",
+    "PERSISTENT_MAX_MEAN_ITEMS",
+    "DKV_PERSISTENT_MAX_MEAN_ITEMS",
+]

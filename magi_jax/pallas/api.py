@@ -17,13 +17,28 @@ from magi_jax.pallas.ffa_bwd import DKV_SPLIT_ALIGN, BwdConfig, ffa_dkv, ffa_dq
 from magi_jax.pallas.ffa_dkv_wide import ffa_dkv_wide
 from magi_jax.pallas.ffa_dq_wide import ffa_dq_wide
 from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward
-from magi_jax.planning.work_list import (DKV_BLOCK_K, FWD_BLOCK_K, FWD_BLOCK_Q,
-                                         FFAPlanArrays, WorkList, plan_for_mask,
-                                         persistent_schedule)
+from magi_jax.planning.work_list import (
+    DKV_BLOCK_K,
+    FWD_BLOCK_K,
+    FWD_BLOCK_Q,
+    FFAPlanArrays,
+    WorkList,
+    persistent_schedule,
+    plan_for_mask,
+)
 
-__all__ = ["flex_flash_attention_pallas", "ffa_pallas", "ffa_pallas_backward", "supported",
-           "device_supported", "DKV_SPLIT_ALIGN", "FFAPlanArrays", "plan_for_mask",
-           "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES"]
+__all__ = [
+    "flex_flash_attention_pallas",
+    "ffa_pallas",
+    "ffa_pallas_backward",
+    "supported",
+    "device_supported",
+    "DKV_SPLIT_ALIGN",
+    "FFAPlanArrays",
+    "plan_for_mask",
+    "SUPPORTED_HEAD_DIMS",
+    "SUPPORTED_DTYPES",
+]
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -31,7 +46,7 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 # head dim of the gradients), and no kernel is persistent: at D = 256 the output buffers of
 # the persistent modes do not fit beside their pipelines.
 _WIDE_HEAD_DIM = 128
-_MAX_GRID_TILES = 65535   # tiles sit on a grid dimension limited to 2**16 - 1 blocks
+_MAX_GRID_TILES = 65535  # tiles sit on a grid dimension limited to 2**16 - 1 blocks
 
 
 def device_supported() -> tuple[bool, str]:
@@ -44,8 +59,10 @@ def device_supported() -> tuple[bool, str]:
         return False, f"the default device is {dev.platform}, not an NVIDIA GPU"
     cc = getattr(dev, "compute_capability", None)
     if cc is None or not str(cc).startswith("9"):
-        return False, (f"the GPU {dev.device_kind} has compute capability {cc}; the Mosaic GPU "
-                       "FFA kernels are written for Hopper (9.0)")
+        return False, (
+            f"the GPU {dev.device_kind} has compute capability {cc}; the Mosaic GPU "
+            "FFA kernels are written for Hopper (9.0)"
+        )
     return True, ""
 
 
@@ -56,8 +73,10 @@ def supported(q, k, v, mask=None, *, check_device: bool = True) -> tuple[bool, s
     :data:`SUPPORTED_HEAD_DIMS`, ``Hq % Hkv == 0``. ``check_device`` also requires that the
     default device is an sm90 GPU."""
     if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False, (f"dtype {q.dtype}/{k.dtype}/{v.dtype}: the pallas kernels take "
-                       "bfloat16 or float16 q, k, v of one dtype")
+        return False, (
+            f"dtype {q.dtype}/{k.dtype}/{v.dtype}: the pallas kernels take "
+            "bfloat16 or float16 q, k, v of one dtype"
+        )
     d = q.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:
         return False, f"head dim {d}: the pallas kernels support D in {SUPPORTED_HEAD_DIMS}"
@@ -67,8 +86,10 @@ def supported(q, k, v, mask=None, *, check_device: bool = True) -> tuple[bool, s
     if not tq or not tk:
         return False, f"empty sequence (Tq={tq}, Tk={tk})"
     if max(-(-tq // FWD_BLOCK_Q), -(-tk // DKV_BLOCK_K)) > _MAX_GRID_TILES:
-        return False, (f"Tq={tq}/Tk={tk} give more than {_MAX_GRID_TILES} tiles of 128 tokens "
-                       "(a CUDA grid dimension); split the work (context parallelism)")
+        return False, (
+            f"Tq={tq}/Tk={tk} give more than {_MAX_GRID_TILES} tiles of 128 tokens "
+            "(a CUDA grid dimension); split the work (context parallelism)"
+        )
     if check_device:
         ok, why = device_supported()
         if not ok:
@@ -85,13 +106,17 @@ class _Config:
     dkv: BwdConfig
 
     @classmethod
-    def build(cls, scale: float, softcap: float, interpret: bool, *, fwd=None, dq=None,
-              dkv=None) -> _Config:
+    def build(
+        cls, scale: float, softcap: float, interpret: bool, *, fwd=None, dq=None, dkv=None
+    ) -> _Config:
         """Configs sharing ``scale``, ``softcap``, ``interpret``; ``fwd``/``dq``/``dkv``:
         each kernel's other fields (dicts; the configs' defaults where absent)."""
         shared = dict(scale=float(scale), softcap=float(softcap), interpret=bool(interpret))
-        return cls(FwdConfig(**shared, **(fwd or {})), BwdConfig(**shared, **(dq or {})),
-                   BwdConfig(**shared, **(dkv or {})))
+        return cls(
+            FwdConfig(**shared, **(fwd or {})),
+            BwdConfig(**shared, **(dq or {})),
+            BwdConfig(**shared, **(dkv or {})),
+        )
 
 
 def _pad_rows(x, multiple):
@@ -119,15 +144,16 @@ def _on_host(plan: FFAPlanArrays) -> bool:
     return all(isinstance(a, np.ndarray) for a in plan)
 
 
-def _schedules(plan: FFAPlanArrays, cfg: _Config, batch: int, hq: int,
-               hkv: int) -> _Schedules:
+def _schedules(plan: FFAPlanArrays, cfg: _Config, batch: int, hq: int, hkv: int) -> _Schedules:
     fwd, dkv = cfg.fwd.persistent, cfg.dkv.persistent
     if not (fwd or dkv):
         return _NO_SCHEDULES
     if not _on_host(plan):
-        raise ValueError(f"persistent={fwd}, dkv_persistent={dkv}: the persistent kernels "
-                         "schedule their units on the host, so the plan must be NumPy arrays "
-                         "(not traced or device arrays); pass 0 here")
+        raise ValueError(
+            f"persistent={fwd}, dkv_persistent={dkv}: the persistent kernels "
+            "schedule their units on the host, so the plan must be NumPy arrays "
+            "(not traced or device arrays); pass 0 here"
+        )
     fwd_list = WorkList(plan.q_order, plan.q_offsets, plan.q_items)
     dkv_list = WorkList(plan.k_order, plan.k_offsets, plan.k_items)
     sched = lambda work, groups, n: persistent_schedule(work, groups, n) if n else ()
@@ -138,11 +164,13 @@ def _forward(q, k, v, plan: FFAPlanArrays, sched: _Schedules, cfg: _Config):
     tq = q.shape[1]
     qp = _pad_rows(q, FWD_BLOCK_Q)
     kp, vp = _pad_rows(k, FWD_BLOCK_K), _pad_rows(v, FWD_BLOCK_K)
-    out, lse_bht, *res = ffa_forward(qp, kp, vp, plan.q_order, plan.q_offsets, plan.q_items,
-                                     cfg.fwd, sched.fwd)
+    out, lse_bht, *res = ffa_forward(
+        qp, kp, vp, plan.q_order, plan.q_offsets, plan.q_items, cfg.fwd, sched.fwd
+    )
     # With cfg.fwd.row_max the kernel's per-row maxima become per-head ones: [B, Hq].
     return (out[:, :tq], lse_bht[:, :, :tq]) + tuple(
-        jax.lax.stop_gradient(r[:, :, :tq].max(axis=-1)) for r in res)
+        jax.lax.stop_gradient(r[:, :, :tq].max(axis=-1)) for r in res
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -153,13 +181,12 @@ def _ffa(q, k, v, plan, sched, cfg):
 
 def _ffa_fwd(q, k, v, plan, sched, cfg):
     out, lse_bht, *max_logits = _forward(q, k, v, plan, sched, cfg)
-    return ((out, jnp.swapaxes(lse_bht, 1, 2), *max_logits),
-            (q, k, v, plan, sched, out, lse_bht))
+    return ((out, jnp.swapaxes(lse_bht, 1, 2), *max_logits), (q, k, v, plan, sched, out, lse_bht))
 
 
 def _ffa_bwd(cfg, res, cts, between_dkv_dq=None, split_kv_at=0):
     q, k, v, plan, sched, out, lse_bht = res
-    dout, dlse = cts[:2]           # the max logits, if returned, have no gradient
+    dout, dlse = cts[:2]  # the max logits, if returned, have no gradient
     tq, tk = q.shape[1], k.shape[1]
     finite = jnp.isfinite(lse_bht)
     # delta = rowsum(out·dout) − dlse: d lse / d s = p, so the lse cotangent shifts delta.
@@ -170,15 +197,22 @@ def _ffa_bwd(cfg, res, cts, between_dkv_dq=None, split_kv_at=0):
     pad_q = lambda x: _pad_rows(x, FWD_BLOCK_Q)
     pad_k = lambda x: _pad_rows(x, max(FWD_BLOCK_K, DKV_BLOCK_K))
     pad_stat = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -tq % FWD_BLOCK_Q)))
-    args = (pad_q(q), pad_k(k), pad_k(v), pad_q(dout.astype(q.dtype)), pad_stat(lse2),
-            pad_stat(delta))
+    args = (
+        pad_q(q),
+        pad_k(k),
+        pad_k(v),
+        pad_q(dout.astype(q.dtype)),
+        pad_stat(lse2),
+        pad_stat(delta),
+    )
     wide = q.shape[-1] > _WIDE_HEAD_DIM
     dq_fn, dkv_fn = (ffa_dq_wide, ffa_dkv_wide) if wide else (ffa_dq, ffa_dkv)
     dq_kernel = lambda args: dq_fn(*args, plan.q_order, plan.q_offsets, plan.q_items, cfg.dq)
     if between_dkv_dq is None:
         dq = dq_kernel(args)
-    dkv_kernel = functools.partial(dkv_fn, *args, plan.k_order, plan.k_offsets, plan.k_items,
-                                   cfg.dkv, sched.dkv)
+    dkv_kernel = functools.partial(
+        dkv_fn, *args, plan.k_order, plan.k_offsets, plan.k_items, cfg.dkv, sched.dkv
+    )
     if split_kv_at and split_kv_at % DKV_SPLIT_ALIGN == 0:
         # Each tile stored straight into its part: no slicing copy of the first part.
         dk0, dv0, dk1, dv1 = dkv_kernel(split=split_kv_at)
@@ -188,8 +222,10 @@ def _ffa_bwd(cfg, res, cts, between_dkv_dq=None, split_kv_at=0):
         dk, dv = dkv_kernel()
         dk, dv = dk[:, :tk], dv[:, :tk]
         if split_kv_at:
-            dk, dv = (dk[:, :split_kv_at], dk[:, split_kv_at:]), (dv[:, :split_kv_at],
-                                                                 dv[:, split_kv_at:])
+            dk, dv = (
+                (dk[:, :split_kv_at], dk[:, split_kv_at:]),
+                (dv[:, :split_kv_at], dv[:, split_kv_at:]),
+            )
     if between_dkv_dq is None:
         return dq[:, :tq], dk, dv, None, None
     # dK/dV first, then the hook (e.g. a started collective of dK/dV), then dQ. Only the
@@ -226,8 +262,9 @@ DKV_PERSISTENT_MAX_MEAN_ITEMS = 64
 # short rows keep what measured best there: the forward 2 slots, dK/dV 3 slots and one
 # block per wait (two were 0.3-1.4 % slower on SWA 1024 and doc-causal), as every kernel
 # does at larger head dims.
-def _default_tuning(head_dim: int, fwd_persistent: bool,
-                    dkv_persistent: bool) -> tuple[int, int, int]:
+def _default_tuning(
+    head_dim: int, fwd_persistent: bool, dkv_persistent: bool
+) -> tuple[int, int, int]:
     """Default ``(num_stages, dq_num_stages, dkv_num_stages)`` for ``head_dim``."""
     if head_dim <= 64:
         return (2 if fwd_persistent else 4), 3, (3 if dkv_persistent else 4)
@@ -256,20 +293,37 @@ def _dkv_turns(head_dim: int, dkv_persistent: bool) -> bool:
     return 64 < head_dim <= _WIDE_HEAD_DIM and not dkv_persistent
 
 
-def _default_config(head_dim: int, scale: float, softcap: float, interpret: bool, *,
-                    fwd_programs: int = 0, dkv_programs: int = 0,
-                    row_max: bool = False) -> _Config:
+def _default_config(
+    head_dim: int,
+    scale: float,
+    softcap: float,
+    interpret: bool,
+    *,
+    fwd_programs: int = 0,
+    dkv_programs: int = 0,
+    row_max: bool = False,
+) -> _Config:
     """Every kernel's default tuning at ``head_dim``, the forward and dK/dV kernels persistent
     over ``fwd_programs`` / ``dkv_programs`` programs (0: one program per unit)."""
     stages = _default_tuning(head_dim, fwd_programs > 0, dkv_programs > 0)
-    return _Config.build(scale, softcap, interpret,
-                         fwd=dict(num_stages=stages[0], persistent=fwd_programs,
-                                  row_max=row_max, fma_exp_cols=_fma_exp_cols(head_dim)),
-                         dq=dict(num_stages=stages[1]),
-                         dkv=dict(num_stages=stages[2], persistent=dkv_programs,
-                                  steps_per_wait=_steps_per_wait(head_dim, stages[2],
-                                                                 dkv_programs > 0),
-                                  turns=_dkv_turns(head_dim, dkv_programs > 0)))
+    return _Config.build(
+        scale,
+        softcap,
+        interpret,
+        fwd=dict(
+            num_stages=stages[0],
+            persistent=fwd_programs,
+            row_max=row_max,
+            fma_exp_cols=_fma_exp_cols(head_dim),
+        ),
+        dq=dict(num_stages=stages[1]),
+        dkv=dict(
+            num_stages=stages[2],
+            persistent=dkv_programs,
+            steps_per_wait=_steps_per_wait(head_dim, stages[2], dkv_programs > 0),
+            turns=_dkv_turns(head_dim, dkv_programs > 0),
+        ),
+    )
 
 
 def _default_programs(plan: FFAPlanArrays, interpret: bool, kernel: str = "fwd") -> int:
@@ -280,8 +334,11 @@ def _default_programs(plan: FFAPlanArrays, interpret: bool, kernel: str = "fwd")
     average; 0 otherwise."""
     if interpret or not _on_host(plan):
         return 0
-    offsets, limit = ((plan.q_offsets, PERSISTENT_MAX_MEAN_ITEMS) if kernel == "fwd"
-                      else (plan.k_offsets, DKV_PERSISTENT_MAX_MEAN_ITEMS))
+    offsets, limit = (
+        (plan.q_offsets, PERSISTENT_MAX_MEAN_ITEMS)
+        if kernel == "fwd"
+        else (plan.k_offsets, DKV_PERSISTENT_MAX_MEAN_ITEMS)
+    )
     counts = np.diff(offsets)
     counts = counts[counts > 0]
     if counts.size and counts.mean() >= limit:
@@ -289,13 +346,25 @@ def _default_programs(plan: FFAPlanArrays, interpret: bool, kernel: str = "fwd")
     return int(getattr(jax.devices()[0], "core_count", 0) or 0)
 
 
-def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: float = 0.0,
-               interpret: bool = False, num_stages: int | None = None,
-               dq_num_stages: int | None = None, dkv_num_stages: int | None = None,
-               persistent: int | None = None,
-               dkv_persistent: int | None = None, dkv_steps_per_wait: int | None = None,
-               fma_exp_cols: int | None = None, schedules: tuple | None = None,
-               return_max_logits: bool = False):
+def ffa_pallas(
+    q,
+    k,
+    v,
+    plan: FFAPlanArrays,
+    *,
+    softmax_scale: float,
+    softcap: float = 0.0,
+    interpret: bool = False,
+    num_stages: int | None = None,
+    dq_num_stages: int | None = None,
+    dkv_num_stages: int | None = None,
+    persistent: int | None = None,
+    dkv_persistent: int | None = None,
+    dkv_steps_per_wait: int | None = None,
+    fma_exp_cols: int | None = None,
+    schedules: tuple | None = None,
+    return_max_logits: bool = False,
+):
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
     q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64, 128 or 256); ``plan``:
@@ -343,19 +412,35 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
     one reduction over the rows gives the heads'. No gradient."""
     if schedules is not None:
         if len(schedules) not in (0, 4):
-            raise ValueError("schedules must be () or (fwd_offsets, fwd_units, dkv_offsets, "
-                             f"dkv_units); got {len(schedules)} arrays")
-        return _ffa_scheduled(q, k, v, plan, tuple(schedules), float(softmax_scale),
-                              float(softcap), bool(interpret), bool(return_max_logits))
+            raise ValueError(
+                "schedules must be () or (fwd_offsets, fwd_units, dkv_offsets, "
+                f"dkv_units); got {len(schedules)} arrays"
+            )
+        return _ffa_scheduled(
+            q,
+            k,
+            v,
+            plan,
+            tuple(schedules),
+            float(softmax_scale),
+            float(softcap),
+            bool(interpret),
+            bool(return_max_logits),
+        )
     d = q.shape[-1]
     wide = d > _WIDE_HEAD_DIM
     if persistent is None:
-        persistent = (_default_programs(plan, interpret)
-                      if (num_stages is None or num_stages <= 2) and not wide else 0)
-    if dkv_persistent is None:   # its output buffers fit beside 3 slots at D = 128, any at 64
-        dkv_persistent = (_default_programs(plan, interpret, "dkv")
-                          if (dkv_num_stages is None or dkv_num_stages <= 3 or d <= 64)
-                          and not wide else 0)
+        persistent = (
+            _default_programs(plan, interpret)
+            if (num_stages is None or num_stages <= 2) and not wide
+            else 0
+        )
+    if dkv_persistent is None:  # its output buffers fit beside 3 slots at D = 128, any at 64
+        dkv_persistent = (
+            _default_programs(plan, interpret, "dkv")
+            if (dkv_num_stages is None or dkv_num_stages <= 3 or d <= 64) and not wide
+            else 0
+        )
     stages = _default_tuning(d, bool(persistent), bool(dkv_persistent))
     num_stages = stages[0] if num_stages is None else num_stages
     dq_num_stages = stages[1] if dq_num_stages is None else dq_num_stages
@@ -364,15 +449,24 @@ def ffa_pallas(q, k, v, plan: FFAPlanArrays, *, softmax_scale: float, softcap: f
         dkv_steps_per_wait = _steps_per_wait(d, dkv_num_stages, bool(dkv_persistent))
     if fma_exp_cols is None:
         fma_exp_cols = _fma_exp_cols(d)
-    cfg = _Config.build(softmax_scale, softcap, interpret,
-                        fwd=dict(num_stages=int(num_stages), persistent=int(persistent),
-                                 row_max=bool(return_max_logits),
-                                 fma_exp_cols=int(fma_exp_cols)),
-                        dq=dict(num_stages=int(dq_num_stages)),
-                        dkv=dict(num_stages=int(dkv_num_stages),
-                                 persistent=int(dkv_persistent),
-                                 steps_per_wait=int(dkv_steps_per_wait),
-                                 turns=_dkv_turns(d, bool(dkv_persistent))))
+    cfg = _Config.build(
+        softmax_scale,
+        softcap,
+        interpret,
+        fwd=dict(
+            num_stages=int(num_stages),
+            persistent=int(persistent),
+            row_max=bool(return_max_logits),
+            fma_exp_cols=int(fma_exp_cols),
+        ),
+        dq=dict(num_stages=int(dq_num_stages)),
+        dkv=dict(
+            num_stages=int(dkv_num_stages),
+            persistent=int(dkv_persistent),
+            steps_per_wait=int(dkv_steps_per_wait),
+            turns=_dkv_turns(d, bool(dkv_persistent)),
+        ),
+    )
     batched = q.ndim == 4
     sched = _schedules(plan, cfg, q.shape[0] if batched else 1, q.shape[-2], k.shape[-2])
     sched = jax.tree.map(lambda a: jnp.asarray(a, jnp.int32), sched)
@@ -387,24 +481,50 @@ def _ffa_scheduled(q, k, v, plan, schedules, scale, softcap, interpret, max_logi
     tuning; dQ one program per unit). At D = 256 the schedules are not used: every kernel
     runs one program per unit there."""
     if q.shape[-1] > _WIDE_HEAD_DIM:
-        schedules = ()   # no persistent kernel at D = 256 (their output buffers do not fit)
-    programs = (int(schedules[0].shape[0]) - 1, int(schedules[2].shape[0]) - 1) \
-        if schedules else (0, 0)
-    cfg = _default_config(q.shape[-1], scale, softcap, interpret, fwd_programs=programs[0],
-                          dkv_programs=programs[1], row_max=max_logits)
+        schedules = ()  # no persistent kernel at D = 256 (their output buffers do not fit)
+    programs = (
+        (int(schedules[0].shape[0]) - 1, int(schedules[2].shape[0]) - 1) if schedules else (0, 0)
+    )
+    cfg = _default_config(
+        q.shape[-1],
+        scale,
+        softcap,
+        interpret,
+        fwd_programs=programs[0],
+        dkv_programs=programs[1],
+        row_max=max_logits,
+    )
     as_i32 = lambda a: jnp.asarray(a, jnp.int32)
-    sched = (_Schedules((as_i32(schedules[0]), as_i32(schedules[1])),
-                        (as_i32(schedules[2]), as_i32(schedules[3])))
-             if schedules else _NO_SCHEDULES)
+    sched = (
+        _Schedules(
+            (as_i32(schedules[0]), as_i32(schedules[1])),
+            (as_i32(schedules[2]), as_i32(schedules[3])),
+        )
+        if schedules
+        else _NO_SCHEDULES
+    )
     plan = FFAPlanArrays(*(as_i32(a) for a in plan))
     if q.ndim == 3:
         return tuple(x[0] for x in _ffa(q[None], k[None], v[None], plan, sched, cfg))
     return _ffa(q, k, v, plan, sched, cfg)
 
 
-def ffa_pallas_backward(q, k, v, plan: FFAPlanArrays, out, lse, dout, dlse, *,
-                        softmax_scale: float, softcap: float = 0.0, interpret: bool = False,
-                        between_dkv_dq=None, split_kv_at: int = 0):
+def ffa_pallas_backward(
+    q,
+    k,
+    v,
+    plan: FFAPlanArrays,
+    out,
+    lse,
+    dout,
+    dlse,
+    *,
+    softmax_scale: float,
+    softcap: float = 0.0,
+    interpret: bool = False,
+    between_dkv_dq=None,
+    split_kv_at: int = 0,
+):
     """The backward of :func:`ffa_pallas` from a forward's ``(out, lse)``, which may be the
     merged result of several calls (context parallelism runs each stage's backward against
     the merged output). Shapes as :func:`ffa_pallas`: q/out/dout ``[(B,) Tq, Hq, D]``, k/v
@@ -421,8 +541,7 @@ def ffa_pallas_backward(q, k, v, plan: FFAPlanArrays, out, lse, dout, dlse, *,
     plan = FFAPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     lift = (lambda x: x) if q.ndim == 4 else (lambda x: x[None])
     unlift = (lambda x: x) if q.ndim == 4 else (lambda x: x[0])
-    res = (lift(q), lift(k), lift(v), plan, _NO_SCHEDULES, lift(out),
-           jnp.swapaxes(lift(lse), 1, 2))
+    res = (lift(q), lift(k), lift(v), plan, _NO_SCHEDULES, lift(out), jnp.swapaxes(lift(lse), 1, 2))
     if between_dkv_dq is None:
         if split_kv_at:
             raise ValueError("ffa_pallas_backward: split_kv_at goes with between_dkv_dq")
@@ -440,8 +559,17 @@ def ffa_pallas_backward(q, k, v, plan: FFAPlanArrays, out, lse, dout, dlse, *,
     return unlift(dq), held[0], held[1], token
 
 
-def flex_flash_attention_pallas(q, k, v, mask, *, softmax_scale: float | None = None,
-                                softcap: float = 0.0, interpret: bool = False, **tuning):
+def flex_flash_attention_pallas(
+    q,
+    k,
+    v,
+    mask,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    interpret: bool = False,
+    **tuning,
+):
     """:func:`magi_jax.flex_flash_attention` on the Mosaic GPU kernels. Same contract;
     raises ``ValueError`` naming the reason when the inputs are not supported."""
     ok, why = supported(q, k, v, mask, check_device=not interpret)
@@ -449,5 +577,6 @@ def flex_flash_attention_pallas(q, k, v, mask, *, softmax_scale: float | None = 
         raise ValueError(f"backend='pallas' cannot run these inputs: {why}; use backend='xla'")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     plan = plan_for_mask(mask, "pallas")
-    return ffa_pallas(q, k, v, plan, softmax_scale=scale, softcap=softcap, interpret=interpret,
-                      **tuning)
+    return ffa_pallas(
+        q, k, v, plan, softmax_scale=scale, softcap=softcap, interpret=interpret, **tuning
+    )

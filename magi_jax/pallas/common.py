@@ -11,10 +11,31 @@ from jax import lax
 
 from magi_jax.planning.work_list import BAND, FULL, GENERAL, ITEM_FIELDS
 
-__all__ = ["LOG2E", "LN2", "WIDE_D", "WIDE_HALF_D", "SMEM_BYTES", "ItemField", "item_geometry", "item_fields",
-           "smem", "smem64", "smem_bytes", "check_smem", "mma_lhs", "tile_predicate", "mask_scores",
-           "launch_grid", "kernel_grid", "scheduled_units", "check_pipeline",
-           "check_schedule", "exp2_fma", "exp2_cols", "check_fma_cols"]
+__all__ = [
+    "LOG2E",
+    "LN2",
+    "WIDE_D",
+    "WIDE_HALF_D",
+    "SMEM_BYTES",
+    "ItemField",
+    "item_geometry",
+    "item_fields",
+    "smem",
+    "smem64",
+    "smem_bytes",
+    "check_smem",
+    "mma_lhs",
+    "tile_predicate",
+    "mask_scores",
+    "launch_grid",
+    "kernel_grid",
+    "scheduled_units",
+    "check_pipeline",
+    "check_schedule",
+    "exp2_fma",
+    "exp2_cols",
+    "check_fma_cols",
+]
 
 # The head dim of the wide backward kernels (ffa_dq_wide, ffa_dkv_wide): each of their two
 # consumer warpgroups accumulates one half of it.
@@ -51,7 +72,7 @@ class ItemField(enum.IntEnum):
 
 
 assert tuple(f.name.lower() for f in ItemField) == ITEM_FIELDS, ITEM_FIELDS
-_GEOMETRY = tuple(ItemField)[ItemField.Q0:ItemField.DHI + 1]   # (q0, q1, k0, k1, dlo, dhi)
+_GEOMETRY = tuple(ItemField)[ItemField.Q0 : ItemField.DHI + 1]  # (q0, q1, k0, k1, dlo, dhi)
 
 
 def item_geometry(items_ref, it):
@@ -62,21 +83,26 @@ def item_geometry(items_ref, it):
 
 def item_fields(items_ref, it):
     """Item ``it`` of a work list as ``(other tile, slice geometry, mask kind)``."""
-    return (items_ref[it, ItemField.OTHER_TILE], item_geometry(items_ref, it),
-            items_ref[it, ItemField.KIND])
+    return (
+        items_ref[it, ItemField.OTHER_TILE],
+        item_geometry(items_ref, it),
+        items_ref[it, ItemField.KIND],
+    )
 
 
 def smem(shape, dtype):
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
-                                                plgpu.SwizzleTransform(128)))
+    return plgpu.SMEM(
+        shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    )
 
 
 def smem64(shape, dtype):
     """Shared memory in tiles of 8 x 32 with the 64-byte swizzle (16-bit dtypes): for buffers
     with rows of 32 elements and the buffers a wgmma pairs with them (a wgmma takes one
     swizzle for both operands), as the D = 256 backward kernels exchange them."""
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 32)),
-                                                plgpu.SwizzleTransform(64)))
+    return plgpu.SMEM(
+        shape, dtype, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
+    )
 
 
 def smem_bytes(scratch) -> int:
@@ -92,8 +118,18 @@ def smem_bytes(scratch) -> int:
     return total
 
 
-def check_smem(kernel: str, scratch, out_scratch=(), *, stages_knob: str, stages: int,
-               persistent_knob: str | None = None, persistent: int = 0, d: int, dtype):
+def check_smem(
+    kernel: str,
+    scratch,
+    out_scratch=(),
+    *,
+    stages_knob: str,
+    stages: int,
+    persistent_knob: str | None = None,
+    persistent: int = 0,
+    d: int,
+    dtype,
+):
     """Raises ``ValueError`` naming the knobs to turn when the buffers ``scratch`` and the
     persistent mode's output buffers ``out_scratch`` do not fit one sm90 block
     (``persistent_knob=None``: a kernel without a persistent mode)."""
@@ -102,12 +138,16 @@ def check_smem(kernel: str, scratch, out_scratch=(), *, stages_knob: str, stages
         return
     fix = f"lower {stages_knob}"
     if out_scratch and smem_bytes(scratch) <= SMEM_BYTES:
-        fix += (f" or turn {persistent_knob} off (its output buffers take "
-                f"{smem_bytes(out_scratch)} bytes)")
+        fix += (
+            f" or turn {persistent_knob} off (its output buffers take "
+            f"{smem_bytes(out_scratch)} bytes)"
+        )
     mode = "" if persistent_knob is None else f", persistent={persistent}"
-    raise ValueError(f"the {kernel} kernel with {stages_knob}={stages}{mode}, D={d} and "
-                     f"{jnp.dtype(dtype).name} needs {total} bytes of shared memory "
-                     f"(> {SMEM_BYTES} on sm90); {fix}")
+    raise ValueError(
+        f"the {kernel} kernel with {stages_knob}={stages}{mode}, D={d} and "
+        f"{jnp.dtype(dtype).name} needs {total} bytes of shared memory "
+        f"(> {SMEM_BYTES} on sm90); {fix}"
+    )
 
 
 def mma_lhs(acc_ref, x, b_ref, stage):
@@ -147,22 +187,26 @@ def tile_predicate(geom, row0, col0, shape, layout, transposed=False):
     ir = plgpu.broadcasted_iota(jnp.int32, shape, q_axis, layout=layout)
     ic = plgpu.broadcasted_iota(jnp.int32, shape, k_axis, layout=layout)
     q0, q1, k0, k1, _, _ = geom
-    return (_inside(ir, q0 - row0, q1 - q0) & _inside(ic, k0 - col0, k1 - k0)
-            & _inside(ic - ir, *_local_diagonals(geom, row0, col0)))
+    return (
+        _inside(ir, q0 - row0, q1 - q0)
+        & _inside(ic, k0 - col0, k1 - k0)
+        & _inside(ic - ir, *_local_diagonals(geom, row0, col0))
+    )
 
 
 def mask_scores(s, geom, kind, row0, col0, layout, transposed=False):
     """``s`` with the cells outside the item's slice set to ``-inf``, by the item's ``kind``
     (:data:`~magi_jax.planning.work_list.GENERAL`, ``FULL``, ``BAND``); arguments as
     :func:`tile_predicate`."""
+
     def general():
-        return jnp.where(tile_predicate(geom, row0, col0, s.shape, layout, transposed), s,
-                         -jnp.inf)
+        return jnp.where(tile_predicate(geom, row0, col0, s.shape, layout, transposed), s, -jnp.inf)
 
     def band():
         q_axis, k_axis = (1, 0) if transposed else (0, 1)
-        t = (plgpu.broadcasted_iota(jnp.int32, s.shape, k_axis, layout=layout)
-             - plgpu.broadcasted_iota(jnp.int32, s.shape, q_axis, layout=layout))
+        t = plgpu.broadcasted_iota(
+            jnp.int32, s.shape, k_axis, layout=layout
+        ) - plgpu.broadcasted_iota(jnp.int32, s.shape, q_axis, layout=layout)
         return jnp.where(_inside(t, *_local_diagonals(geom, row0, col0)), s, -jnp.inf)
 
     branches = {GENERAL: general, FULL: lambda: s, BAND: band}
@@ -213,23 +257,30 @@ def check_pipeline(num_stages: int, persistent: int):
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages} must be >= 1")
     if persistent < 0:
-        raise ValueError(f"persistent={persistent} must be >= 0 (0: off, else the number of "
-                         "programs, e.g. the SM count)")
+        raise ValueError(
+            f"persistent={persistent} must be >= 0 (0: off, else the number of "
+            "programs, e.g. the SM count)"
+        )
 
 
 def check_schedule(schedule, num_progs: int, num_units: int):
     """The ``(offsets, units)`` of a persistent kernel's host schedule fit its grid."""
-    if (len(schedule) != 2 or schedule[0].shape != (num_progs + 1,)
-            or schedule[1].shape != (num_units,)):
-        raise ValueError(f"a persistent schedule for {num_progs} programs is (offsets "
-                         f"[{num_progs + 1}], units [{num_units}]) of persistent_schedule; "
-                         f"got {[getattr(a, 'shape', a) for a in schedule]}")
+    if (
+        len(schedule) != 2
+        or schedule[0].shape != (num_progs + 1,)
+        or schedule[1].shape != (num_units,)
+    ):
+        raise ValueError(
+            f"a persistent schedule for {num_progs} programs is (offsets "
+            f"[{num_progs + 1}], units [{num_units}]) of persistent_schedule; "
+            f"got {[getattr(a, 'shape', a) for a in schedule]}"
+        )
 
 
 # 2^f on [-1/2, 1/2], relative minimax of degree 3 (max relative error 7.5e-5, under half
 # an fp16 ulp). FlashAttention-4 also moves part of its exponentials to the FMA pipes.
 _EXP2_POLY = (0.99992811, 0.69326099, 0.24261054, 0.05517132)
-_ROUND_MAGIC = 12582912.0   # 1.5 * 2**23: x + this rounds x to an integer in the low bits
+_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: x + this rounds x to an integer in the low bits
 
 
 def exp2_fma(x):
@@ -244,8 +295,9 @@ def exp2_fma(x):
     c0, c1, c2, c3 = _EXP2_POLY
     p = ((c3 * f + c2) * f + c1) * f + c0
     # The low bits of t hold j; shifted into the exponent field, they add j to p's exponent.
-    bits = (lax.bitcast_convert_type(p, jnp.int32)
-            + lax.shift_left(lax.bitcast_convert_type(t, jnp.int32), jnp.int32(23)))
+    bits = lax.bitcast_convert_type(p, jnp.int32) + lax.shift_left(
+        lax.bitcast_convert_type(t, jnp.int32), jnp.int32(23)
+    )
     return jnp.where(x >= -126.0, lax.bitcast_convert_type(bits, jnp.float32), 0.0)
 
 
@@ -264,8 +316,9 @@ def check_fma_cols(fma_cols: int, cols: int | None = None, where: str = ""):
     """``fma_exp_cols`` of a kernel config: a multiple of 8 (the layout's column tile),
     below the ``cols`` of the score blocks ``where`` when given."""
     if fma_cols < 0 or fma_cols % 8:
-        raise ValueError(f"fma_exp_cols={fma_cols} must be a multiple of 8 >= 0 (score "
-                         "columns exponentiated on the FMA pipes)")
+        raise ValueError(
+            f"fma_exp_cols={fma_cols} must be a multiple of 8 >= 0 (score "
+            "columns exponentiated on the FMA pipes)"
+        )
     if cols is not None and fma_cols >= cols:
-        raise ValueError(f"fma_exp_cols={fma_cols} must be below the {cols} columns of "
-                         f"{where}")
+        raise ValueError(f"fma_exp_cols={fma_cols} must be below the {cols} columns of {where}")

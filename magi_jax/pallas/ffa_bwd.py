@@ -35,9 +35,19 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (LOG2E, ItemField, check_pipeline, check_smem, item_fields,
-                                    kernel_grid, launch_grid, mask_scores, mma_lhs,
-                                    scheduled_units, smem)
+from magi_jax.pallas.common import (
+    LOG2E,
+    ItemField,
+    check_pipeline,
+    check_smem,
+    item_fields,
+    kernel_grid,
+    launch_grid,
+    mask_scores,
+    mma_lhs,
+    scheduled_units,
+    smem,
+)
 from magi_jax.planning.work_list import DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["BwdConfig", "ffa_dq", "ffa_dkv"]
@@ -83,11 +93,17 @@ class BwdConfig:
         if self.steps_per_wait not in (1, 2):
             raise ValueError(f"steps_per_wait={self.steps_per_wait}: use 1 or 2")
         consumer, producer = self.registers
-        if (consumer % 8 or producer % 8 or not 24 <= producer <= consumer <= 256
-                or 2 * consumer + producer > 504):
-            raise ValueError(f"registers={self.registers}: need multiples of 8 with "
-                             "24 <= producer <= consumer <= 256 and 2·consumer + producer "
-                             "<= 504")
+        if (
+            consumer % 8
+            or producer % 8
+            or not 24 <= producer <= consumer <= 256
+            or 2 * consumer + producer > 504
+        ):
+            raise ValueError(
+                f"registers={self.registers}: need multiples of 8 with "
+                "24 <= producer <= consumer <= 256 and 2·consumer + producer "
+                "<= 504"
+            )
 
 
 def _log2_scores(s, cfg: BwdConfig):
@@ -106,8 +122,10 @@ def _exp2_minus(s, c, stat, dim):
 
 
 def _params(cfg):
-    return dict(compiler_params=plgpu.CompilerParams(approx_math=True),
-                interpret=plgpu.InterpretGPUParams() if cfg.interpret else None)
+    return dict(
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
+    )
 
 
 def _stream(num_steps, stages, start_of, streams, view, base=None):
@@ -116,12 +134,14 @@ def _stream(num_steps, stages, start_of, streams, view, base=None):
     running step count; ``base=None``: the ring's only walk, ``g = i``) once the consumers
     freed it. With ``base=None`` it then drains the ring (:func:`_drain`); otherwise the
     caller drains once after its last walk."""
+
     @pl.loop(0, num_steps)
     def _(i):
         g = i if base is None else base + i
         slot = lax.rem(g, jnp.int32(stages))
         start = start_of(i)
         for gmem, buf, ready, free in streams:
+
             @pl.when(g >= stages)
             def _():
                 plgpu.barrier_wait(free.at[slot])
@@ -135,6 +155,7 @@ def _stream(num_steps, stages, start_of, streams, view, base=None):
 def _drain(total, stages, streams):
     """Waits for the last slots of a ring of ``total`` steps to be freed, so every barrier
     phase is observed before the shared memory is given back."""
+
     @pl.loop(lax.max(total - stages, jnp.int32(0)), total)
     def _(i):
         slot = lax.rem(i, jnp.int32(stages))
@@ -159,8 +180,7 @@ def _walk_units(num_mine, work_of, body):
     """Persistent programs: ``body(j, work_of(j), base) -> base`` over this program's units
     ``j < num_mine``, ``base`` counting the ring steps of the units before (so slots and
     barrier phases carry on). Returns the program's total ring steps."""
-    return lax.fori_loop(0, num_mine, lambda j, base: body(j, work_of(j), base),
-                         jnp.int32(0))
+    return lax.fori_loop(0, num_mine, lambda j, base: body(j, work_of(j), base), jnp.int32(0))
 
 
 def _item_step(items_ref, it, i, base, stages, ready):
@@ -185,8 +205,9 @@ def _turns(barrier, wg):
     """:class:`_Turns` over ``barrier`` (one per consumer), or no-ops for ``None``."""
     if barrier is None:
         return _Turns(lambda: None, lambda: None)
-    return _Turns(lambda: plgpu.barrier_wait(barrier.at[wg]),
-                  lambda: plgpu.barrier_arrive(barrier.at[1 - wg]))
+    return _Turns(
+        lambda: plgpu.barrier_wait(barrier.at[wg]), lambda: plgpu.barrier_arrive(barrier.at[1 - wg])
+    )
 
 
 def _issue(turns, body):
@@ -199,6 +220,7 @@ def _issue(turns, body):
 def _products(pairs, shape, turns=None):
     """``[a·b for a, b in pairs]`` in float32 registers: the wgmmas issued back to back (in
     this warpgroup's turn, with ``turns``), one wait."""
+
     def body(*refs):
         def issue():
             for ref, (a, b) in zip(refs, pairs):
@@ -244,12 +266,16 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
     ``delta [B, Hq, Tq]`` float32; the forward work list. One program per (q-tile, batch,
     query head). Returns dq like q."""
     if cfg.persistent:
-        raise ValueError(f"persistent={cfg.persistent}: the dQ kernel runs one program per "
-                         "unit (a persistent dQ measured slower on every mask); pass a "
-                         "BwdConfig with persistent=0")
+        raise ValueError(
+            f"persistent={cfg.persistent}: the dQ kernel runs one program per "
+            "unit (a persistent dQ measured slower on every mask); pass a "
+            "BwdConfig with persistent=0"
+        )
     if cfg.turns:
-        raise ValueError("turns=True: the dQ kernel's consumers issue as they go (in turns "
-                         "it measured 2 % slower); pass a BwdConfig with turns=False")
+        raise ValueError(
+            "turns=True: the dQ kernel's consumers issue as they go (in turns "
+            "it measured 2 % slower); pass a BwdConfig with turns=False"
+        )
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
@@ -259,13 +285,28 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
     bq, bk, stages = FWD_BLOCK_Q // _COMPUTE_WGS, FWD_BLOCK_K, cfg.num_stages
     grid, grid_names = launch_grid(num_tiles, b, hq)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
-               dq_ref, *refs):
+    def kernel(
+        q_ref,
+        k_ref,
+        v_ref,
+        do_ref,
+        lse_ref,
+        delta_ref,
+        order_ref,
+        off_ref,
+        items_ref,
+        dq_ref,
+        *refs,
+    ):
         buf = dict(zip(scratch, refs, strict=True))
         q_smem, do_smem, stat_smem = buf["q"], buf["do"], buf["stats"]
         k_smem, v_smem, in_ready = buf["k"], buf["v"], buf["in_ready"]
-        k_ready, v_ready, k_free, v_free = (buf["k_ready"], buf["v_ready"], buf["k_free"],
-                                            buf["v_free"])
+        k_ready, v_ready, k_free, v_free = (
+            buf["k_ready"],
+            buf["v_ready"],
+            buf["k_free"],
+            buf["v_free"],
+        )
         p_stage = buf.get("p_stage")
         wg = lax.axis_index("wg")
         tile = order_ref[lax.axis_index("tile")]
@@ -292,11 +333,13 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
 
             def run(dq_acc):
                 def step(i, carry):
-                    slot, ktile, geom, kind = _item_step(items_ref, first + i, i, None, stages,
-                                                         (k_ready, v_ready))
+                    slot, ktile, geom, kind = _item_step(
+                        items_ref, first + i, i, None, stages, (k_ready, v_ready)
+                    )
                     # S = Q·Kᵀ and dP = dO·Vᵀ.
-                    s, dp = _products([(my_q, k_smem.at[slot].T), (my_do, v_smem.at[slot].T)],
-                                      (bq, bk))
+                    s, dp = _products(
+                        [(my_q, k_smem.at[slot].T), (my_do, v_smem.at[slot].T)], (bq, bk)
+                    )
                     plgpu.barrier_arrive(v_free.at[slot])
                     s, c, dcap = _log2_scores(s, cfg)
 
@@ -315,17 +358,23 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
 
             dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
             # dQ leaves through the Q buffer, which no wgmma reads any more.
-            _store_outputs([(my_q, (dq * cfg.scale).astype(dtype),
-                             dq_ref.at[batch, rows, head])], persistent=False)
+            _store_outputs(
+                [(my_q, (dq * cfg.scale).astype(dtype), dq_ref.at[batch, rows, head])],
+                persistent=False,
+            )
 
         @pl.when(wg == _COMPUTE_WGS)
         def producer():
             plgpu.set_max_registers(cfg.registers[1], action="decrease")
             streams = [(k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)]
             kv_head = lax.div(head, jnp.int32(group))
-            _stream(num_items, stages,
-                    lambda i: items_ref[first + i, ItemField.OTHER_TILE] * bk, streams,
-                    lambda ref, start: ref.at[batch, pl.ds(start, bk), kv_head])
+            _stream(
+                num_items,
+                stages,
+                lambda i: items_ref[first + i, ItemField.OTHER_TILE] * bk,
+                streams,
+                lambda ref, start: ref.at[batch, pl.ds(start, bk), kv_head],
+            )
 
     # Shared memory by name, allocated in this order. At D = 128, bf16, 2 stages: Q, dO
     # 2 x 16 KiB each, lse/delta 1 KiB, the K/V ring 2 x 32 KiB per stage: 193 KiB (3
@@ -333,28 +382,35 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
     scratch = dict(
         q=smem((_COMPUTE_WGS, bq, d), dtype),
         do=smem((_COMPUTE_WGS, bq, d), dtype),
-        stats=plgpu.SMEM((_COMPUTE_WGS, 2, bq), jnp.float32),   # each consumer's lse, delta
+        stats=plgpu.SMEM((_COMPUTE_WGS, 2, bq), jnp.float32),  # each consumer's lse, delta
         k=smem((stages, bk, d), dtype),
         v=smem((stages, bk, d), dtype),
-        in_ready=plgpu.Barrier(num_arrivals=4, num_barriers=_COMPUTE_WGS),   # Q, dO, lse, delta
+        in_ready=plgpu.Barrier(num_arrivals=4, num_barriers=_COMPUTE_WGS),  # Q, dO, lse, delta
         k_ready=plgpu.Barrier(num_barriers=stages),
         v_ready=plgpu.Barrier(num_barriers=stages),
         k_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
         v_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
     )
-    check_smem("dQ", list(scratch.values()), stages_knob="dq_num_stages", stages=stages, d=d,
-               dtype=dtype)
-    if cfg.interpret:   # dS through shared memory (mma_lhs)
+    check_smem(
+        "dQ", list(scratch.values()), stages_knob="dq_num_stages", stages=stages, d=d, dtype=dtype
+    )
+    if cfg.interpret:  # dS through shared memory (mma_lhs)
         scratch["p_stage"] = smem((_COMPUTE_WGS, bq, bk), dtype)
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        scratch_types=list(scratch.values()), grid=grid, grid_names=grid_names,
-        num_threads=_COMPUTE_WGS + 1, thread_name="wg", **_params(cfg),
+        kernel,
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        scratch_types=list(scratch.values()),
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        **_params(cfg),
     )(q, k, v, dout, lse2, delta, order, offsets, items)
 
 
-def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, schedule=(),
-            split: int = 0):
+def ffa_dkv(
+    q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, schedule=(), split: int = 0
+):
     """dK, dV. Same inputs as :func:`ffa_dq` but the dK/dV work list (k-tiles of 128 keys,
     q-steps of 64 rows) and a ``schedule`` for ``B·Hkv`` groups. Returns ``(dk, dv)`` like
     k; with ``split`` (a multiple of :data:`DKV_SPLIT_ALIGN` inside k's rows),
@@ -369,23 +425,34 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
     dtype = q.dtype
     bq, bk, stages = DKV_BLOCK_Q, DKV_BLOCK_K // _COMPUTE_WGS, cfg.num_stages
     if cfg.steps_per_wait > 1 and (d > 64 or stages < 2 * cfg.steps_per_wait):
-        raise ValueError(f"dkv_steps_per_wait={cfg.steps_per_wait} needs D <= 64 and "
-                         f"dkv_num_stages >= {2 * cfg.steps_per_wait}; got D={d}, "
-                         f"dkv_num_stages={stages}")
+        raise ValueError(
+            f"dkv_steps_per_wait={cfg.steps_per_wait} needs D <= 64 and "
+            f"dkv_num_stages >= {2 * cfg.steps_per_wait}; got D={d}, "
+            f"dkv_num_stages={stages}"
+        )
     persistent = cfg.persistent > 0
     grid, grid_names, schedule = kernel_grid(cfg.persistent, num_tiles, b, hkv, schedule)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
-               *refs):
-        sched_refs, refs = refs[:len(schedule)], refs[len(schedule):]
-        outs, refs = refs[:4 if split else 2], refs[4 if split else 2:]
+    def kernel(
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref, *refs
+    ):
+        sched_refs, refs = refs[: len(schedule)], refs[len(schedule) :]
+        outs, refs = refs[: 4 if split else 2], refs[4 if split else 2 :]
         buf = dict(zip(scratch, refs, strict=True))
         k_smem, v_smem, kv_ready = buf["k"], buf["v"], buf["kv_ready"]
         q_smem, do_smem, lse_smem, delta_smem = buf["q"], buf["do"], buf["lse"], buf["delta"]
-        q_ready, do_ready, lse_ready, delta_ready = (buf["q_ready"], buf["do_ready"],
-                                                     buf["lse_ready"], buf["delta_ready"])
-        q_free, do_free, lse_free, delta_free = (buf["q_free"], buf["do_free"],
-                                                 buf["lse_free"], buf["delta_free"])
+        q_ready, do_ready, lse_ready, delta_ready = (
+            buf["q_ready"],
+            buf["do_ready"],
+            buf["lse_ready"],
+            buf["delta_ready"],
+        )
+        q_free, do_free, lse_free, delta_free = (
+            buf["q_free"],
+            buf["do_free"],
+            buf["lse_free"],
+            buf["delta_free"],
+        )
         dk_smem, dv_smem, p_stage = buf.get("dk"), buf.get("dv"), buf.get("p_stage")
         wg = lax.axis_index("wg")
         turns = _turns(buf.get("turn"), wg)
@@ -406,17 +473,18 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
             num_steps = num_items * group
             only_unit = _DkvUnit(tile, batch, kv_head, first, num_items, num_steps)
 
-        def step_item(work, i):   # step i: query head (i // num_items) of the group, item i % n
-            return (work.first + lax.rem(i, work.num_items),
-                    work.kv_head * group + lax.div(i, work.num_items))
+        def step_item(work, i):  # step i: query head (i // num_items) of the group, item i % n
+            return (
+                work.first + lax.rem(i, work.num_items),
+                work.kv_head * group + lax.div(i, work.num_items),
+            )
 
         @pl.when(wg < _COMPUTE_WGS)
         def consumer():
             plgpu.set_max_registers(cfg.registers[0], action="increase")
-            pl.when(wg == 1)(turns.give)   # the first turn is warpgroup 0's
+            pl.when(wg == 1)(turns.give)  # the first turn is warpgroup 0's
             my_k, my_v = k_smem.at[wg], v_smem.at[wg]
-            stages_ = ((None, None) if p_stage is None
-                       else (p_stage.at[wg, 0], p_stage.at[wg, 1]))
+            stages_ = (None, None) if p_stage is None else (p_stage.at[wg, 0], p_stage.at[wg, 1])
 
             def load_kv(cols, batch, kv_head):
                 plgpu.copy_gmem_to_smem(k_ref.at[batch, cols, kv_head], my_k, kv_ready.at[wg])
@@ -432,14 +500,18 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                 pl.when(when & (j + 1 < num_mine))(lambda: load_unit(j + 1))
 
             def unit(j, work, base):
-                tile, batch, kv_head, num_steps = (work.tile, work.batch, work.kv_head,
-                                                   work.num_steps)
+                tile, batch, kv_head, num_steps = (
+                    work.tile,
+                    work.batch,
+                    work.kv_head,
+                    work.num_steps,
+                )
                 col0 = tile * DKV_BLOCK_K + wg * bk
                 cols = pl.ds(col0, bk)
                 if not persistent:
                     load_kv(cols, batch, kv_head)
                 plgpu.barrier_wait(kv_ready.at[wg])
-                if persistent:   # a unit without steps is done with its K/V here
+                if persistent:  # a unit without steps is done with its K/V here
                     prefetch(j, num_steps == 0)
 
                 def run(dk_acc, dv_acc):
@@ -447,19 +519,35 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                         """Ring steps ``i0 .. i0 + n − 1``: their Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ
                         in flight together, then their dV += Pᵀ·dO and dK += dSᵀ·Q, one wait
                         each."""
-                        at = [_item_step(items_ref, step_item(work, i0 + t)[0], i0 + t, base,
-                                         stages, (q_ready, do_ready)) for t in range(n)]
-                        prods = _products([pair for slot, *_ in at for pair in (
-                            (my_k, q_smem.at[slot].T), (my_v, do_smem.at[slot].T))], (bk, bq),
-                            turns)
-                        if persistent:   # K, V are read only by those, now complete
+                        at = [
+                            _item_step(
+                                items_ref,
+                                step_item(work, i0 + t)[0],
+                                i0 + t,
+                                base,
+                                stages,
+                                (q_ready, do_ready),
+                            )
+                            for t in range(n)
+                        ]
+                        prods = _products(
+                            [
+                                pair
+                                for slot, *_ in at
+                                for pair in ((my_k, q_smem.at[slot].T), (my_v, do_smem.at[slot].T))
+                            ],
+                            (bk, bq),
+                            turns,
+                        )
+                        if persistent:  # K, V are read only by those, now complete
                             prefetch(j, i0 + n == num_steps)
                         grads = []
                         for t, (slot, qtile, geom, kind) in enumerate(at):
                             st, c, dcap = _log2_scores(prods[2 * t], cfg)
                             dpt = prods[2 * t + 1]
-                            st = mask_scores(st, geom, kind, qtile * bq, col0, _LAYOUT,
-                                             transposed=True)
+                            st = mask_scores(
+                                st, geom, kind, qtile * bq, col0, _LAYOUT, transposed=True
+                            )
                             plgpu.barrier_wait(lse_ready.at[slot])
                             lse2 = plgpu.load(lse_smem.at[slot], layout=_COL)
                             plgpu.barrier_arrive(lse_free.at[slot])
@@ -471,7 +559,8 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                             if dcap is not None:
                                 dst = dst * dcap
                             grads.append((pt.astype(dtype), dst.astype(dtype)))
-                        def issue():   # every dV/dK product in flight before the one wait
+
+                        def issue():  # every dV/dK product in flight before the one wait
                             for (slot, *_), (pt, dst) in zip(at, grads):
                                 mma_lhs(dv_acc, pt, do_smem.at[slot], stages_[0])
                                 mma_lhs(dk_acc, dst, q_smem.at[slot], stages_[1])
@@ -488,43 +577,58 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
                     def _(group):
                         steps(group * per_wait, per_wait)
 
-                    if per_wait > 1:   # an odd step count ends on one step
+                    if per_wait > 1:  # an odd step count ends on one step
                         pl.when(lax.rem(num_steps, jnp.int32(per_wait)) == 1)(
-                            lambda: steps(num_steps - 1, 1))
+                            lambda: steps(num_steps - 1, 1)
+                        )
                     return dk_acc[...], dv_acc[...]
 
-                dk, dv = pl.run_scoped(run, plgpu.ACC((bk, d), jnp.float32),
-                                       plgpu.ACC((bk, d), jnp.float32))
+                dk, dv = pl.run_scoped(
+                    run, plgpu.ACC((bk, d), jnp.float32), plgpu.ACC((bk, d), jnp.float32)
+                )
                 out_k, out_v = (dk_smem.at[wg], dv_smem.at[wg]) if persistent else (my_k, my_v)
 
-                def dst(l):   # where output l (0: dK, 1: dV) takes these rows
+                def dst(l):  # where output l (0: dK, 1: dV) takes these rows
                     if not split:
                         return outs[l].at[batch, cols, kv_head]
 
                     def store(buf):
                         first, rest = outs[l], outs[2 + l]
-                        pl.when(col0 < split)(lambda: plgpu.copy_smem_to_gmem(
-                            buf, first.at[batch, cols, kv_head]))
-                        pl.when(col0 >= split)(lambda: plgpu.copy_smem_to_gmem(
-                            buf, rest.at[batch, pl.ds(col0 - split, bk), kv_head]))
+                        pl.when(col0 < split)(
+                            lambda: plgpu.copy_smem_to_gmem(buf, first.at[batch, cols, kv_head])
+                        )
+                        pl.when(col0 >= split)(
+                            lambda: plgpu.copy_smem_to_gmem(
+                                buf, rest.at[batch, pl.ds(col0 - split, bk), kv_head]
+                            )
+                        )
+
                     return store
 
-                _store_outputs([(out_k, (dk * cfg.scale).astype(dtype), dst(0)),
-                                (out_v, dv.astype(dtype), dst(1))], persistent)
+                _store_outputs(
+                    [
+                        (out_k, (dk * cfg.scale).astype(dtype), dst(0)),
+                        (out_v, dv.astype(dtype), dst(1)),
+                    ],
+                    persistent,
+                )
                 return base + num_steps if persistent else None
 
             if persistent:
                 _consume_units(num_mine, load_unit, work_of, unit)
             else:
                 unit(0, only_unit, None)
-            pl.when(wg == 0)(turns.take)   # observe the last turn handed back
+            pl.when(wg == 0)(turns.take)  # observe the last turn handed back
 
         @pl.when(wg == _COMPUTE_WGS)
         def producer():
             plgpu.set_max_registers(cfg.registers[1], action="decrease")
-            streams = [(q_ref, q_smem, q_ready, q_free), (do_ref, do_smem, do_ready, do_free),
-                       (lse_ref, lse_smem, lse_ready, lse_free),
-                       (delta_ref, delta_smem, delta_ready, delta_free)]
+            streams = [
+                (q_ref, q_smem, q_ready, q_free),
+                (do_ref, do_smem, do_ready, do_free),
+                (lse_ref, lse_smem, lse_ready, lse_free),
+                (delta_ref, delta_smem, delta_ready, delta_free),
+            ]
 
             def unit(j, work, base):
                 del j
@@ -554,33 +658,52 @@ def ffa_dkv(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, s
     # and 226 KiB (of 227) with 3 stages.
     per_stage = lambda n=1: plgpu.Barrier(num_arrivals=n, num_barriers=stages)
     scratch = dict(
-        k=smem((_COMPUTE_WGS, bk, d), dtype),     # each consumer's K and V
+        k=smem((_COMPUTE_WGS, bk, d), dtype),  # each consumer's K and V
         v=smem((_COMPUTE_WGS, bk, d), dtype),
-        q=smem((stages, bq, d), dtype),           # the Q/dO/lse/delta ring
+        q=smem((stages, bq, d), dtype),  # the Q/dO/lse/delta ring
         do=smem((stages, bq, d), dtype),
         lse=plgpu.SMEM((stages, bq), jnp.float32),
         delta=plgpu.SMEM((stages, bq), jnp.float32),
         kv_ready=plgpu.Barrier(num_arrivals=2, num_barriers=_COMPUTE_WGS),
-        q_ready=per_stage(), do_ready=per_stage(), lse_ready=per_stage(),
+        q_ready=per_stage(),
+        do_ready=per_stage(),
+        lse_ready=per_stage(),
         delta_ready=per_stage(),
-        q_free=per_stage(_COMPUTE_WGS), do_free=per_stage(_COMPUTE_WGS),
-        lse_free=per_stage(_COMPUTE_WGS), delta_free=per_stage(_COMPUTE_WGS),
+        q_free=per_stage(_COMPUTE_WGS),
+        do_free=per_stage(_COMPUTE_WGS),
+        lse_free=per_stage(_COMPUTE_WGS),
+        delta_free=per_stage(_COMPUTE_WGS),
     )
     if cfg.turns:
         scratch["turn"] = plgpu.Barrier(num_barriers=_COMPUTE_WGS)
-    out_scratch = (dict(dk=smem((_COMPUTE_WGS, bk, d), dtype),
-                        dv=smem((_COMPUTE_WGS, bk, d), dtype)) if persistent else {})
-    check_smem("dK/dV", list(scratch.values()), list(out_scratch.values()),
-               stages_knob="dkv_num_stages", stages=stages, persistent_knob="dkv_persistent",
-               persistent=cfg.persistent, d=d, dtype=dtype)
+    out_scratch = (
+        dict(dk=smem((_COMPUTE_WGS, bk, d), dtype), dv=smem((_COMPUTE_WGS, bk, d), dtype))
+        if persistent
+        else {}
+    )
+    check_smem(
+        "dK/dV",
+        list(scratch.values()),
+        list(out_scratch.values()),
+        stages_knob="dkv_num_stages",
+        stages=stages,
+        persistent_knob="dkv_persistent",
+        persistent=cfg.persistent,
+        d=d,
+        dtype=dtype,
+    )
     scratch |= out_scratch
-    if cfg.interpret:   # Pᵀ and dSᵀ through shared memory (mma_lhs)
+    if cfg.interpret:  # Pᵀ and dSᵀ through shared memory (mma_lhs)
         scratch["p_stage"] = smem((_COMPUTE_WGS, 2, bk, bq), dtype)
     kv = lambda rows: jax.ShapeDtypeStruct((b, rows, hkv, d), dtype)
-    out_type = (kv(split), kv(split), kv(tk - split), kv(tk - split)) if split else (kv(tk),
-                                                                                       kv(tk))
+    out_type = (kv(split), kv(split), kv(tk - split), kv(tk - split)) if split else (kv(tk), kv(tk))
     return plgpu.kernel(
-        kernel, out_type=out_type, scratch_types=list(scratch.values()), grid=grid,
+        kernel,
+        out_type=out_type,
+        scratch_types=list(scratch.values()),
+        grid=grid,
         grid_names=grid_names,
-        num_threads=_COMPUTE_WGS + 1, thread_name="wg", **_params(cfg),
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        **_params(cfg),
     )(q, k, v, dout, lse2, delta, order, offsets, items, *schedule)

@@ -39,16 +39,31 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (WIDE_D, WIDE_HALF_D, ItemField, check_smem, item_fields,
-                                    launch_grid, mask_scores, smem64)
-from magi_jax.pallas.ffa_bwd import (_COL, _LAYOUT, DKV_SPLIT_ALIGN, BwdConfig, _exp2_minus,
-                                     _log2_scores, _store_outputs)
+from magi_jax.pallas.common import (
+    WIDE_D,
+    WIDE_HALF_D,
+    ItemField,
+    check_smem,
+    item_fields,
+    launch_grid,
+    mask_scores,
+    smem64,
+)
+from magi_jax.pallas.ffa_bwd import (
+    _COL,
+    _LAYOUT,
+    DKV_SPLIT_ALIGN,
+    BwdConfig,
+    _exp2_minus,
+    _log2_scores,
+    _store_outputs,
+)
 from magi_jax.planning.work_list import DKV_BLOCK_K, DKV_BLOCK_Q
 
 __all__ = ["ffa_dkv_wide", "WIDE_D"]
 
 _COMPUTE_WGS = 2
-_HALF_D = WIDE_HALF_D   # the head-dim half each consumer warpgroup accumulates
+_HALF_D = WIDE_HALF_D  # the head-dim half each consumer warpgroup accumulates
 # Keys a program owns: half a k-tile of the work list.
 _KEYS = DKV_BLOCK_K // 2
 _HALVES = DKV_BLOCK_K // _KEYS
@@ -58,12 +73,11 @@ _ROWS = DKV_BLOCK_Q // _COMPUTE_WGS
 assert DKV_SPLIT_ALIGN % _KEYS == 0, (DKV_SPLIT_ALIGN, _KEYS)
 
 
-
-
 def _transposed_scores(k_halves, v_halves, q_halves, do_halves, q_ready, do_ready):
     """``(Sᵀ, dPᵀ) = (K·Qᵀ, V·dOᵀ)`` in float32 registers, each summed over the head-dim
     halves: four wgmmas and one wait. Those of Sᵀ are issued as soon as Q has landed, so
     they run while dO may still be on its way."""
+
     def body(st_ref, dpt_ref):
         plgpu.barrier_wait(q_ready)
         for h in range(_COMPUTE_WGS):
@@ -77,23 +91,30 @@ def _transposed_scores(k_halves, v_halves, q_halves, do_halves, q_ready, do_read
     return pl.run_scoped(body, acc, acc)
 
 
-def ffa_dkv_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig,
-                 schedule=(), split: int = 0):
+def ffa_dkv_wide(
+    q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, schedule=(), split: int = 0
+):
     """dK, dV at D = 256: the inputs and outputs of :func:`~magi_jax.pallas.ffa_bwd.ffa_dkv`
     (the dK/dV work list; ``split`` a multiple of :data:`DKV_SPLIT_ALIGN` gives four outputs,
     each 64-key piece stored straight into its part). One program per (64-key half of a
     k-tile, batch, key head); ``cfg.persistent`` must be 0 and ``schedule`` empty."""
     if cfg.persistent or len(schedule):
-        raise ValueError(f"dkv_persistent={cfg.persistent}: at D = {WIDE_D} the dK/dV kernel "
-                         "runs one program per unit (its shared memory leaves no room for "
-                         "the persistent mode's output buffers); pass dkv_persistent=0")
+        raise ValueError(
+            f"dkv_persistent={cfg.persistent}: at D = {WIDE_D} the dK/dV kernel "
+            "runs one program per unit (its shared memory leaves no room for "
+            "the persistent mode's output buffers); pass dkv_persistent=0"
+        )
     if cfg.steps_per_wait != 1:
-        raise ValueError(f"dkv_steps_per_wait={cfg.steps_per_wait}: at D = {WIDE_D} the dK/dV "
-                         "kernel takes one query block per wait (its warpgroups meet every "
-                         "step); pass dkv_steps_per_wait=1")
+        raise ValueError(
+            f"dkv_steps_per_wait={cfg.steps_per_wait}: at D = {WIDE_D} the dK/dV "
+            "kernel takes one query block per wait (its warpgroups meet every "
+            "step); pass dkv_steps_per_wait=1"
+        )
     if cfg.turns:
-        raise ValueError(f"turns=True: at D = {WIDE_D} the dK/dV kernel's warpgroups meet "
-                         "every step already; pass a BwdConfig with turns=False")
+        raise ValueError(
+            f"turns=True: at D = {WIDE_D} the dK/dV kernel's warpgroups meet "
+            "every step already; pass a BwdConfig with turns=False"
+        )
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1:3]
     if d != WIDE_D:
@@ -106,14 +127,19 @@ def ffa_dkv_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConf
     # Both halves of a k-tile side by side in the launch order (tiles heaviest first).
     grid, grid_names = launch_grid(_HALVES * num_tiles, b, hkv)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
-               *refs):
-        outs, refs = refs[:4 if split else 2], refs[4 if split else 2:]
+    def kernel(
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref, *refs
+    ):
+        outs, refs = refs[: 4 if split else 2], refs[4 if split else 2 :]
         buf = dict(zip(scratch, refs, strict=True))
         k_smem, v_smem, kv_ready = buf["k"], buf["v"], buf["kv_ready"]
         q_smem, do_smem, stats = buf["q"], buf["do"], buf["stats"]
-        q_ready, do_ready, stats_ready, free = (buf["q_ready"], buf["do_ready"],
-                                                buf["stats_ready"], buf["free"])
+        q_ready, do_ready, stats_ready, free = (
+            buf["q_ready"],
+            buf["do_ready"],
+            buf["stats_ready"],
+            buf["free"],
+        )
         exchange, exchanged = buf["exchange"], buf["exchanged"]
         wg = lax.axis_index("wg")
         unit = lax.axis_index("tile")
@@ -126,7 +152,7 @@ def ffa_dkv_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConf
         num_steps = num_items * group
         keys = pl.ds(col0, _KEYS)
 
-        def step_item(i):   # step i: query head (i // num_items) of the group, item i % n
+        def step_item(i):  # step i: query head (i // num_items) of the group, item i % n
             return first + lax.rem(i, num_items), kv_head * group + lax.div(i, num_items)
 
         def both_consumers_here():
@@ -139,10 +165,8 @@ def ffa_dkv_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConf
             plgpu.set_max_registers(cfg.registers[0], action="increase")
             my_d = pl.ds(wg * _HALF_D, _HALF_D)
             # Each consumer loads its head-dim half of K and V; both need both halves.
-            plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head, my_d], k_smem.at[wg],
-                                    kv_ready)
-            plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head, my_d], v_smem.at[wg],
-                                    kv_ready)
+            plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head, my_d], k_smem.at[wg], kv_ready)
+            plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head, my_d], v_smem.at[wg], kv_ready)
             plgpu.barrier_wait(kv_ready)
             my_rows = pl.ds(pl.multiple_of(wg * _ROWS, _ROWS), _ROWS)
 
@@ -154,11 +178,23 @@ def ffa_dkv_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConf
                     q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
                     # Sᵀ and dPᵀ of this consumer's 32 query rows: (64 keys, 32 rows).
                     st, dpt = _transposed_scores(
-                        k_smem, v_smem, q_slot.at[:, my_rows], do_slot.at[:, my_rows],
-                        q_ready.at[slot], do_ready.at[slot])
+                        k_smem,
+                        v_smem,
+                        q_slot.at[:, my_rows],
+                        do_slot.at[:, my_rows],
+                        q_ready.at[slot],
+                        do_ready.at[slot],
+                    )
                     st, c, dcap = _log2_scores(st, cfg)
-                    st = mask_scores(st, geom, kind, qstep * DKV_BLOCK_Q + wg * _ROWS, col0,
-                                     _LAYOUT, transposed=True)
+                    st = mask_scores(
+                        st,
+                        geom,
+                        kind,
+                        qstep * DKV_BLOCK_Q + wg * _ROWS,
+                        col0,
+                        _LAYOUT,
+                        transposed=True,
+                    )
                     plgpu.barrier_wait(stats_ready.at[slot])
                     lse2 = plgpu.load(stats.at[slot, 0, my_rows], layout=_COL)
                     dlt = plgpu.load(stats.at[slot, 1, my_rows], layout=_COL)
@@ -174,7 +210,7 @@ def ffa_dkv_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConf
                     mine = exchange.at[parity]
                     mine.at[0, wg][...] = pt.astype(dtype)
                     mine.at[1, wg][...] = dst.astype(dtype)
-                    plgpu.commit_smem()   # the wgmmas (async proxy) read what was stored
+                    plgpu.commit_smem()  # the wgmmas (async proxy) read what was stored
                     both_consumers_here()
                     # dV[:, half wg] += Pᵀ·dO[:, half wg] and dK[:, half wg] += dSᵀ·Q[:,
                     # half wg], contracted over the step's 64 query rows as the two
@@ -184,14 +220,17 @@ def ffa_dkv_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConf
                         plgpu.wgmma(dv_acc, mine.at[0, u], do_slot.at[wg, part])
                         plgpu.wgmma(dk_acc, mine.at[1, u], q_slot.at[wg, part])
                     plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(free.at[slot])   # Q, dO, lse2, delta all read
+                    plgpu.barrier_arrive(free.at[slot])  # Q, dO, lse2, delta all read
                     return carry
 
                 lax.fori_loop(0, num_steps, step, 0)
                 return dk_acc[...], dv_acc[...]
 
-            dk, dv = pl.run_scoped(run, plgpu.ACC((_KEYS, _HALF_D), jnp.float32),
-                                   plgpu.ACC((_KEYS, _HALF_D), jnp.float32))
+            dk, dv = pl.run_scoped(
+                run,
+                plgpu.ACC((_KEYS, _HALF_D), jnp.float32),
+                plgpu.ACC((_KEYS, _HALF_D), jnp.float32),
+            )
             # dK and dV leave through this consumer's K and V halves. Only the Sᵀ/dPᵀ wgmmas
             # read those, and each consumer waits for its own before its last step's
             # dK/dV wgmmas, so once both are past one more barrier (after their last
@@ -199,20 +238,32 @@ def ffa_dkv_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConf
             # their loads are complete (kv_ready).
             pl.when(num_steps > 0)(both_consumers_here)
 
-            def dst(l):   # where output l (0: dK, 1: dV) takes these keys
+            def dst(l):  # where output l (0: dK, 1: dV) takes these keys
                 def store(src):
                     if not split:
                         plgpu.copy_smem_to_gmem(src, outs[l].at[batch, keys, kv_head, my_d])
                         return
                     head_part, rest = outs[l], outs[2 + l]
-                    pl.when(col0 < split)(lambda: plgpu.copy_smem_to_gmem(
-                        src, head_part.at[batch, keys, kv_head, my_d]))
-                    pl.when(col0 >= split)(lambda: plgpu.copy_smem_to_gmem(
-                        src, rest.at[batch, pl.ds(col0 - split, _KEYS), kv_head, my_d]))
+                    pl.when(col0 < split)(
+                        lambda: plgpu.copy_smem_to_gmem(
+                            src, head_part.at[batch, keys, kv_head, my_d]
+                        )
+                    )
+                    pl.when(col0 >= split)(
+                        lambda: plgpu.copy_smem_to_gmem(
+                            src, rest.at[batch, pl.ds(col0 - split, _KEYS), kv_head, my_d]
+                        )
+                    )
+
                 return store
 
-            _store_outputs([(k_smem.at[wg], (dk * cfg.scale).astype(dtype), dst(0)),
-                            (v_smem.at[wg], dv.astype(dtype), dst(1))], persistent=False)
+            _store_outputs(
+                [
+                    (k_smem.at[wg], (dk * cfg.scale).astype(dtype), dst(0)),
+                    (v_smem.at[wg], dv.astype(dtype), dst(1)),
+                ],
+                persistent=False,
+            )
 
         @pl.when(wg == _COMPUTE_WGS)
         def producer():
@@ -234,10 +285,13 @@ def ffa_dkv_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConf
                     for h in range(_COMPUTE_WGS):
                         plgpu.copy_gmem_to_smem(
                             src.at[batch, rows, head, pl.ds(h * _HALF_D, _HALF_D)],
-                            dst_.at[slot, h], ready.at[slot])
+                            dst_.at[slot, h],
+                            ready.at[slot],
+                        )
                 for s, src in enumerate((lse_ref, delta_ref)):
-                    plgpu.copy_gmem_to_smem(src.at[batch, head, rows], stats.at[slot, s],
-                                            stats_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(
+                        src.at[batch, head, rows], stats.at[slot, s], stats_ready.at[slot]
+                    )
 
             # Drain: observe the release of the last slots, so every barrier phase is seen
             # before the shared memory is given back.
@@ -251,26 +305,37 @@ def ffa_dkv_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConf
     # exchange (209 KiB) would need a second barrier a step, for the other consumer's reads.
     per_stage = lambda n: plgpu.Barrier(num_arrivals=n, num_barriers=stages)
     scratch = dict(
-        k=smem64((_COMPUTE_WGS, _KEYS, _HALF_D), dtype),   # by head-dim half
+        k=smem64((_COMPUTE_WGS, _KEYS, _HALF_D), dtype),  # by head-dim half
         v=smem64((_COMPUTE_WGS, _KEYS, _HALF_D), dtype),
-        q=smem64((stages, _COMPUTE_WGS, DKV_BLOCK_Q, _HALF_D), dtype),   # the ring
+        q=smem64((stages, _COMPUTE_WGS, DKV_BLOCK_Q, _HALF_D), dtype),  # the ring
         do=smem64((stages, _COMPUTE_WGS, DKV_BLOCK_Q, _HALF_D), dtype),
-        stats=plgpu.SMEM((stages, 2, DKV_BLOCK_Q), jnp.float32),   # lse2, delta
+        stats=plgpu.SMEM((stages, 2, DKV_BLOCK_Q), jnp.float32),  # lse2, delta
         exchange=smem64((2, 2, _COMPUTE_WGS, _KEYS, _ROWS), dtype),
-        kv_ready=plgpu.Barrier(num_arrivals=2 * _COMPUTE_WGS),   # K, V halves
-        q_ready=per_stage(_COMPUTE_WGS), do_ready=per_stage(_COMPUTE_WGS),   # halves
-        stats_ready=per_stage(2),                                # lse2, delta
-        free=per_stage(_COMPUTE_WGS),                            # the slot, by both
+        kv_ready=plgpu.Barrier(num_arrivals=2 * _COMPUTE_WGS),  # K, V halves
+        q_ready=per_stage(_COMPUTE_WGS),
+        do_ready=per_stage(_COMPUTE_WGS),  # halves
+        stats_ready=per_stage(2),  # lse2, delta
+        free=per_stage(_COMPUTE_WGS),  # the slot, by both
         exchanged=plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
     )
-    check_smem(f"dK/dV (D = {d})", list(scratch.values()), stages_knob="dkv_num_stages",
-               stages=stages, d=d, dtype=dtype)
+    check_smem(
+        f"dK/dV (D = {d})",
+        list(scratch.values()),
+        stages_knob="dkv_num_stages",
+        stages=stages,
+        d=d,
+        dtype=dtype,
+    )
     kv = lambda rows: jax.ShapeDtypeStruct((b, rows, hkv, d), dtype)
-    out_type = (kv(split), kv(split), kv(tk - split), kv(tk - split)) if split else (kv(tk),
-                                                                                       kv(tk))
+    out_type = (kv(split), kv(split), kv(tk - split), kv(tk - split)) if split else (kv(tk), kv(tk))
     return plgpu.kernel(
-        kernel, out_type=out_type, scratch_types=list(scratch.values()), grid=grid,
-        grid_names=grid_names, num_threads=_COMPUTE_WGS + 1, thread_name="wg",
+        kernel,
+        out_type=out_type,
+        scratch_types=list(scratch.values()),
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
         # No cross-warp reductions here, so none of the scratch Mosaic GPU reserves for
         # them: the buffers above are all the shared memory (check_smem's count).
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),

@@ -38,16 +38,32 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (WIDE_D, WIDE_HALF_D, ItemField, check_smem, item_fields,
-                                    launch_grid, mask_scores, smem, smem64)
-from magi_jax.pallas.ffa_bwd import (_LAYOUT, _ROW, BwdConfig, _drain, _exp2_minus,
-                                     _log2_scores, _params)
+from magi_jax.pallas.common import (
+    WIDE_D,
+    WIDE_HALF_D,
+    ItemField,
+    check_smem,
+    item_fields,
+    launch_grid,
+    mask_scores,
+    smem,
+    smem64,
+)
+from magi_jax.pallas.ffa_bwd import (
+    _LAYOUT,
+    _ROW,
+    BwdConfig,
+    _drain,
+    _exp2_minus,
+    _log2_scores,
+    _params,
+)
 from magi_jax.planning.work_list import FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["ffa_dq_wide", "WIDE_D"]
 
 _COMPUTE_WGS = 2
-_HALF = WIDE_HALF_D   # the head-dim half each consumer warpgroup accumulates
+_HALF = WIDE_HALF_D  # the head-dim half each consumer warpgroup accumulates
 # Query rows of a program (half a q-tile), keys of a step (half a key tile), and the keys of
 # a step whose scores one warpgroup computes.
 _ROWS = FWD_BLOCK_Q // 2
@@ -55,11 +71,10 @@ _STEP_KEYS = FWD_BLOCK_K // 2
 _COLS = _STEP_KEYS // _COMPUTE_WGS
 
 
-
-
 def _two_sums(shape, pairs_a, pairs_b):
     """``(Σ a·b over pairs_a, Σ a·b over pairs_b)`` in float32 registers: every wgmma issued
     back to back, one wait."""
+
     def body(a_ref, b_ref):
         for acc, pairs in ((a_ref, pairs_a), (b_ref, pairs_b)):
             for a, b in pairs:
@@ -75,35 +90,55 @@ def ffa_dq_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfi
     float32, the forward work list. One program per (64-row half of a q-tile, batch, query
     head). Returns dq like q."""
     if cfg.persistent:
-        raise ValueError(f"persistent={cfg.persistent}: the dQ kernel runs one program per "
-                         "unit (a persistent dQ measured slower on every mask); pass a "
-                         "BwdConfig with persistent=0")
+        raise ValueError(
+            f"persistent={cfg.persistent}: the dQ kernel runs one program per "
+            "unit (a persistent dQ measured slower on every mask); pass a "
+            "BwdConfig with persistent=0"
+        )
     if cfg.turns:
-        raise ValueError("turns=True: the dQ kernels' consumers issue as they go; pass a "
-                         "BwdConfig with turns=False")
+        raise ValueError(
+            "turns=True: the dQ kernels' consumers issue as they go; pass a "
+            "BwdConfig with turns=False"
+        )
     b, tq, hq, d = q.shape
     if d != WIDE_D or k.shape[-1] != d or v.shape[-1] != d:
-        raise ValueError(f"the wide dQ kernel takes D = {WIDE_D}; got q {q.shape}, k "
-                         f"{k.shape}, v {v.shape}")
+        raise ValueError(
+            f"the wide dQ kernel takes D = {WIDE_D}; got q {q.shape}, k {k.shape}, v {v.shape}"
+        )
     hkv = k.shape[2]
     group = hq // hkv
     num_tiles = tq // FWD_BLOCK_Q
     assert order.shape == (num_tiles,)
     dtype, stages, halves = q.dtype, cfg.num_stages, _COMPUTE_WGS
-    per_tile = FWD_BLOCK_Q // _ROWS    # programs of a q-tile
-    sub = FWD_BLOCK_K // _STEP_KEYS    # steps of an item
+    per_tile = FWD_BLOCK_Q // _ROWS  # programs of a q-tile
+    sub = FWD_BLOCK_K // _STEP_KEYS  # steps of an item
     # Program t of the tile axis is half t % 2 of q-tile order[t // 2]: the two halves of a
     # tile launch together, heaviest tile first, head-major as in ffa_dq.
     grid, grid_names = launch_grid(per_tile * num_tiles, b, hq)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, order_ref, off_ref, items_ref,
-               dq_ref, *refs):
+    def kernel(
+        q_ref,
+        k_ref,
+        v_ref,
+        do_ref,
+        lse_ref,
+        delta_ref,
+        order_ref,
+        off_ref,
+        items_ref,
+        dq_ref,
+        *refs,
+    ):
         buf = dict(zip(scratch, refs, strict=True))
         q_smem, do_smem, stat_smem = buf["q"], buf["do"], buf["stats"]
         k_smem, v_smem, ex_smem = buf["k"], buf["v"], buf["ex"]
         in_ready, ex_ready = buf["in_ready"], buf["ex_ready"]
-        k_ready, v_ready, k_free, v_free = (buf["k_ready"], buf["v_ready"], buf["k_free"],
-                                            buf["v_free"])
+        k_ready, v_ready, k_free, v_free = (
+            buf["k_ready"],
+            buf["v_ready"],
+            buf["k_free"],
+            buf["v_free"],
+        )
         wg = lax.axis_index("wg")
         t = lax.axis_index("tile")
         tile = order_ref[lax.div(t, jnp.int32(per_tile))]
@@ -117,10 +152,12 @@ def ffa_dq_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfi
         def step_keys(i):
             """Step ``i``'s work item and first key: half ``i % 2`` of item ``i // 2``."""
             it = first + lax.div(i, jnp.int32(sub))
-            return it, (items_ref[it, ItemField.OTHER_TILE] * FWD_BLOCK_K
-                        + lax.rem(i, jnp.int32(sub)) * _STEP_KEYS)
+            return it, (
+                items_ref[it, ItemField.OTHER_TILE] * FWD_BLOCK_K
+                + lax.rem(i, jnp.int32(sub)) * _STEP_KEYS
+            )
 
-        def half(ref, idx, h):   # head-dim half h of ref[idx] (a [B, T, H, D] array)
+        def half(ref, idx, h):  # head-dim half h of ref[idx] (a [B, T, H, D] array)
             return ref.at[(*idx, pl.ds(h * _HALF, _HALF))]
 
         @pl.when(wg < _COMPUTE_WGS)
@@ -128,14 +165,10 @@ def ffa_dq_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfi
             plgpu.set_max_registers(cfg.registers[0], action="increase")
             # Both warpgroups multiply both halves of Q and dO: each loads its own half of
             # them, and its own copy of the rows' lse2 and delta, onto one barrier.
-            plgpu.copy_gmem_to_smem(half(q_ref, (batch, rows, head), wg), q_smem.at[wg],
-                                    in_ready)
-            plgpu.copy_gmem_to_smem(half(do_ref, (batch, rows, head), wg), do_smem.at[wg],
-                                    in_ready)
-            plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], stat_smem.at[wg, 0],
-                                    in_ready)
-            plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], stat_smem.at[wg, 1],
-                                    in_ready)
+            plgpu.copy_gmem_to_smem(half(q_ref, (batch, rows, head), wg), q_smem.at[wg], in_ready)
+            plgpu.copy_gmem_to_smem(half(do_ref, (batch, rows, head), wg), do_smem.at[wg], in_ready)
+            plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], stat_smem.at[wg, 0], in_ready)
+            plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], stat_smem.at[wg, 1], in_ready)
             plgpu.barrier_wait(in_ready)
             lse2 = plgpu.load(stat_smem.at[wg, 0], layout=_ROW)
             delta = plgpu.load(stat_smem.at[wg, 1], layout=_ROW)
@@ -154,8 +187,8 @@ def ffa_dq_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfi
                     s, dp = _two_sums(
                         (_ROWS, _COLS),
                         [(q_smem.at[h], k_smem.at[slot, h, my_keys].T) for h in range(halves)],
-                        [(do_smem.at[h], v_smem.at[slot, h, my_keys].T)
-                         for h in range(halves)])
+                        [(do_smem.at[h], v_smem.at[slot, h, my_keys].T) for h in range(halves)],
+                    )
                     plgpu.barrier_arrive(v_free.at[slot])
                     s, c, dcap = _log2_scores(s, cfg)
 
@@ -209,13 +242,15 @@ def ffa_dq_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfi
                 slot = lax.rem(i, jnp.int32(stages))
                 keys = pl.ds(step_keys(i)[1], _STEP_KEYS)
                 for gmem, ring, ready, free in streams:
+
                     @pl.when(i >= stages)
                     def _():
                         plgpu.barrier_wait(free.at[slot])
 
                     for h in range(halves):
-                        plgpu.copy_gmem_to_smem(half(gmem, (batch, keys, kv_head), h),
-                                                ring.at[slot, h], ready.at[slot])
+                        plgpu.copy_gmem_to_smem(
+                            half(gmem, (batch, keys, kv_head), h), ring.at[slot, h], ready.at[slot]
+                        )
 
             _drain(num_steps, stages, streams)
 
@@ -223,24 +258,35 @@ def ffa_dq_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfi
     # lse/delta 1 KiB, the K/V ring 2 x 32 KiB per stage, the dS exchange 2 x 8 KiB:
     # 209 KiB (3 stages: 273 KiB, too much).
     scratch = dict(
-        q=smem64((halves, _ROWS, _HALF), dtype),   # by head-dim half
+        q=smem64((halves, _ROWS, _HALF), dtype),  # by head-dim half
         do=smem((halves, _ROWS, _HALF), dtype),
-        stats=plgpu.SMEM((_COMPUTE_WGS, 2, _ROWS), jnp.float32),   # each consumer's lse, delta
+        stats=plgpu.SMEM((_COMPUTE_WGS, 2, _ROWS), jnp.float32),  # each consumer's lse, delta
         k=smem64((stages, halves, _STEP_KEYS, _HALF), dtype),
         v=smem((stages, halves, _STEP_KEYS, _HALF), dtype),
-        ex=smem64((2, _COMPUTE_WGS, _ROWS, _COLS), dtype),   # dS by step parity, writer
+        ex=smem64((2, _COMPUTE_WGS, _ROWS, _COLS), dtype),  # dS by step parity, writer
         # Q, dO halves and lse, delta of each consumer.
         in_ready=plgpu.Barrier(num_arrivals=4 * _COMPUTE_WGS),
         k_ready=plgpu.Barrier(num_arrivals=halves, num_barriers=stages),
         v_ready=plgpu.Barrier(num_arrivals=halves, num_barriers=stages),
         k_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
         v_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
-        ex_ready=plgpu.Barrier(num_arrivals=_COMPUTE_WGS),   # both dS blocks written
+        ex_ready=plgpu.Barrier(num_arrivals=_COMPUTE_WGS),  # both dS blocks written
     )
-    check_smem("wide dQ", list(scratch.values()), stages_knob="dq_num_stages", stages=stages,
-               d=d, dtype=dtype)
+    check_smem(
+        "wide dQ",
+        list(scratch.values()),
+        stages_knob="dq_num_stages",
+        stages=stages,
+        d=d,
+        dtype=dtype,
+    )
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        scratch_types=list(scratch.values()), grid=grid, grid_names=grid_names,
-        num_threads=_COMPUTE_WGS + 1, thread_name="wg", **_params(cfg),
+        kernel,
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        scratch_types=list(scratch.values()),
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        **_params(cfg),
     )(q, k, v, dout, lse2, delta, order, offsets, items)

@@ -29,9 +29,21 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from magi_jax.pallas.common import (LN2, LOG2E, ItemField, check_fma_cols, check_pipeline,
-                                    check_smem, exp2_cols, item_geometry, kernel_grid,
-                                    mask_scores, mma_lhs, scheduled_units, smem)
+from magi_jax.pallas.common import (
+    LN2,
+    LOG2E,
+    ItemField,
+    check_fma_cols,
+    check_pipeline,
+    check_smem,
+    exp2_cols,
+    item_geometry,
+    kernel_grid,
+    mask_scores,
+    mma_lhs,
+    scheduled_units,
+    smem,
+)
 from magi_jax.planning.work_list import FULL, FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["FwdConfig", "ffa_forward"]
@@ -118,7 +130,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
         return jnp.where(m == -jnp.inf, -jnp.inf, jnp.tanh(m) * (softcap * LOG2E))
 
     def kernel(q_ref, k_ref, v_ref, order_ref, off_ref, items_ref, *refs):
-        sched_refs, refs = refs[:len(schedule)], refs[len(schedule):]
+        sched_refs, refs = refs[: len(schedule)], refs[len(schedule) :]
         out_ref, lse_ref, *refs = refs
         row_max_ref = refs.pop(0) if cfg.row_max else None
         buf = dict(zip(scratch, refs, strict=True))
@@ -155,8 +167,11 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
         def coords(j):
             """(q-tile, batch, head) of this program's ``j``-th unit."""
             if not persistent:
-                return (order_ref[lax.axis_index("tile")], lax.axis_index("batch"),
-                        lax.axis_index("head"))
+                return (
+                    order_ref[lax.axis_index("tile")],
+                    lax.axis_index("batch"),
+                    lax.axis_index("head"),
+                )
             return unit_coords(j)
 
         def for_units(body):
@@ -166,8 +181,9 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
             if not persistent:
                 # base: a Python 0 (a captured array constant does not lower inside loops).
                 return body(0, *coords(0), 0)
-            return lax.fori_loop(0, num_mine, lambda j, base: body(j, *coords(j), base),
-                                 jnp.int32(0))
+            return lax.fori_loop(
+                0, num_mine, lambda j, base: body(j, *coords(j), base), jnp.int32(0)
+            )
 
         @pl.when(wg < _COMPUTE_WGS)
         def consumer():
@@ -181,8 +197,10 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
             def load_q(j):
                 tile, batch, head = coords(j)
                 plgpu.copy_gmem_to_smem(
-                    q_ref.at[batch, pl.ds(tile * FWD_BLOCK_Q + wg * bq, bq), head], my_q,
-                    q_ready.at[wg])
+                    q_ref.at[batch, pl.ds(tile * FWD_BLOCK_Q + wg * bq, bq), head],
+                    my_q,
+                    q_ready.at[wg],
+                )
 
             def prefetch_q(j, when):
                 """Loads the next unit's Q (persistent mode) once this one's is read."""
@@ -191,7 +209,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
 
             if persistent:
                 pl.when(num_mine > 0)(lambda: load_q(0))
-            pl.when(wg == 1)(pass_turn)   # the first turn is warpgroup 0's
+            pl.when(wg == 1)(pass_turn)  # the first turn is warpgroup 0's
 
             def unit(j, tile, batch, head, base):
                 first = off_ref[tile]
@@ -208,7 +226,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     """Scores of item ``i`` to ``(P, alpha, m, l)``: the item's probabilities
                     (float32), the factor that moves the running output to the new row
                     maxima, and the running maxima and sums."""
-                    exp_scale = None   # the scale still to apply inside exp2
+                    exp_scale = None  # the scale still to apply inside exp2
 
                     def mask(s):
                         if not masked:
@@ -228,19 +246,21 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     else:
                         if softcap:
                             s = jnp.tanh(s * s2_scale) * (softcap * LOG2E)
-                        else:   # scaled inside the exponent: exp2(s·c − m), one FMA a score
+                        else:  # scaled inside the exponent: exp2(s·c − m), one FMA a score
                             exp_scale = s2_scale
                         s = mask(s)
                         row_max = s.max(axis=1)
                         m_new = jnp.maximum(
-                            m_i, row_max if exp_scale is None else row_max * exp_scale)
+                            m_i, row_max if exp_scale is None else row_max * exp_scale
+                        )
                         m_prev, m_cur = m_i, m_new
                     # Rows with no cell yet keep m = -inf; use 0 there so exp2 gives 0, not NaN.
                     m_use = jnp.where(m_cur == -jnp.inf, 0.0, m_cur)
                     alpha = jnp.exp2(m_prev - m_use)
                     m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
-                    p = exp2_cols(s - m_b if exp_scale is None else s * exp_scale - m_b,
-                                  cfg.fma_exp_cols)
+                    p = exp2_cols(
+                        s - m_b if exp_scale is None else s * exp_scale - m_b, cfg.fma_exp_cols
+                    )
                     return p, alpha, m_new, l_i * alpha + p.sum(axis=1)
 
                 def rescale(acc, alpha):
@@ -255,8 +275,9 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     """Issues ``o_ref += P·V`` of item ``i − 1`` (its P in registers)."""
                     prev = slot_of(base + i - 1)
                     plgpu.barrier_wait(v_ready.at[prev])
-                    mma_lhs(o_ref, p_prev, v_smem.at[prev],
-                            None if p_stage is None else p_stage.at[wg])
+                    mma_lhs(
+                        o_ref, p_prev, v_smem.at[prev], None if p_stage is None else p_stage.at[wg]
+                    )
 
                 def pv_last(o_ref, p_last, i):
                     """The P·V of the unit's last item ``i − 1``, in this warpgroup's turn."""
@@ -280,8 +301,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                             pv_prev(o_ref, p_prev, i)
                         pass_turn()
                         # Waits for the Q·Kᵀ only; the P·V stays in flight.
-                        return plgpu.wgmma_accumulator_load(
-                            s_ref, wait_n=0 if o_ref is None else 1)
+                        return plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if o_ref is None else 1)
 
                     s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
@@ -298,22 +318,25 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     (measured on the H200: 20-30 % slower)."""
                     acc, *rest = carry
                     if fused:
+
                         def body(refs):
                             o_ref, m_ref, l_ref, p_ref = refs
                             p, alpha, m_new, l_new = overlapped(
-                                o_ref, (m_ref[...], l_ref[...], p_ref[...]), i, masked)
+                                o_ref, (m_ref[...], l_ref[...], p_ref[...]), i, masked
+                            )
                             o, p = lax.optimization_barrier((o_ref[...], p))
                             o_ref[...] = rescale(o, alpha)
                             m_ref[...], l_ref[...], p_ref[...] = m_new, l_new, p.astype(dtype)
 
-                        acc, m_new, l_new, p16 = pl.run_state(body)(
-                            (plgpu.ACC.init(acc), *rest))
+                        acc, m_new, l_new, p16 = pl.run_state(body)((plgpu.ACC.init(acc), *rest))
                     else:
+
                         def body(o_ref):
                             return (*overlapped(o_ref, rest, i, masked), o_ref[...])
 
                         p, alpha, m_new, l_new, o = pl.run_scoped(
-                            body, plgpu.ACC((bq, d), jnp.float32))
+                            body, plgpu.ACC((bq, d), jnp.float32)
+                        )
                         acc, p16 = rescale(acc + o, alpha), p.astype(dtype)
                     plgpu.barrier_arrive(v_free.at[slot_of(base + i - 1)])
                     return acc, m_new, l_new, p16
@@ -323,15 +346,19 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                 # after.
                 def walk(start, carry, step_fn):
                     """Items ``start..`` through ``step_fn(i, carry, masked)``."""
+
                     def more_full(c):
                         it = jnp.minimum(item_of(first, c[0]), last_item)
                         return (c[0] < num_steps) & (items_ref[it, ItemField.KIND] == FULL)
 
                     split, *carry = lax.while_loop(
-                        more_full, lambda c: (c[0] + 1, *step_fn(c[0], c[1:], False)),
-                        (start, *carry))
-                    return lax.fori_loop(split, num_steps, lambda i, c: step_fn(i, c, True),
-                                         tuple(carry))
+                        more_full,
+                        lambda c: (c[0] + 1, *step_fn(c[0], c[1:], False)),
+                        (start, *carry),
+                    )
+                    return lax.fori_loop(
+                        split, num_steps, lambda i, c: step_fn(i, c, True), tuple(carry)
+                    )
 
                 # Item 0 alone (any kind), then items 1.. with the previous item's P·V under
                 # each softmax, then the last item's P·V. p0 only gives the P of the carry
@@ -342,16 +369,17 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     p, _, m_new, l_new = overlapped(None, c[1:], i, True)
                     return c[0], m_new, l_new, p.astype(dtype)
 
-                carry = lax.fori_loop(0, jnp.minimum(num_steps, 1), first_item,
-                                      (acc, m_i, l_i, p0))
+                carry = lax.fori_loop(0, jnp.minimum(num_steps, 1), first_item, (acc, m_i, l_i, p0))
                 carry = walk(jnp.minimum(num_steps, 1), carry, overlapped_step)
 
                 def last_pv(i, c):
                     acc, m_i, l_i, p_last = c
                     if fused:
                         acc = pl.run_state(lambda o_ref: pv_last(o_ref, p_last, i))(
-                            plgpu.ACC.init(acc))
+                            plgpu.ACC.init(acc)
+                        )
                     else:
+
                         def body(o_ref):
                             pv_last(o_ref, p_last, i)
                             return o_ref[...]
@@ -360,15 +388,15 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     plgpu.barrier_arrive(v_free.at[slot_of(base + i - 1)])
                     return acc, m_i, l_i, p_last
 
-                acc, m_i, l_i, _ = lax.fori_loop(num_steps, num_steps + jnp.minimum(
-                    num_steps, 1), last_pv, tuple(carry))
+                acc, m_i, l_i, _ = lax.fori_loop(
+                    num_steps, num_steps + jnp.minimum(num_steps, 1), last_pv, tuple(carry)
+                )
                 prefetch_q(j, num_steps == 0)
                 seen = l_i > 0
                 inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
                 acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
                 m_lse = capped(m_i) if raw_m else m_i
-                lse = jnp.where(seen, (m_lse + jnp.log2(jnp.where(seen, l_i, 1.0))) * LN2,
-                                -jnp.inf)
+                lse = jnp.where(seen, (m_lse + jnp.log2(jnp.where(seen, l_i, 1.0))) * LN2, -jnp.inf)
                 if persistent:
                     # The previous unit's stores must have read my_o and lse_smem out.
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -379,15 +407,15 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                     row_max_smem[wg] = m_i * (softcap if raw_m else LN2)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(my_o, out_ref.at[batch, pl.ds(row0, bq), head])
-                plgpu.copy_smem_to_gmem(lse_smem.at[wg],
-                                        lse_ref.at[batch, head, pl.ds(row0, bq)])
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(row0, bq)])
                 if cfg.row_max:
-                    plgpu.copy_smem_to_gmem(row_max_smem.at[wg],
-                                            row_max_ref.at[batch, head, pl.ds(row0, bq)])
+                    plgpu.copy_smem_to_gmem(
+                        row_max_smem.at[wg], row_max_ref.at[batch, head, pl.ds(row0, bq)]
+                    )
                 return base + num_steps
 
             for_units(unit)
-            pl.when(wg == 0)(take_turn)   # observe the last turn passed back
+            pl.when(wg == 0)(take_turn)  # observe the last turn passed back
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == _COMPUTE_WGS)
@@ -430,33 +458,44 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
 
-    out_shape = (jax.ShapeDtypeStruct(q.shape, dtype),
-                 jax.ShapeDtypeStruct((b, hq, tq), jnp.float32))
+    out_shape = (
+        jax.ShapeDtypeStruct(q.shape, dtype),
+        jax.ShapeDtypeStruct((b, hq, tq), jnp.float32),
+    )
     if cfg.row_max:
         out_shape += (jax.ShapeDtypeStruct((b, hq, tq), jnp.float32),)
     # Shared memory by name, allocated in this order.
     scratch = dict(
-        q=smem((_COMPUTE_WGS, bq, d), dtype),              # each consumer's Q
-        k=smem((stages, bk, d), dtype),                    # the K/V ring
+        q=smem((_COMPUTE_WGS, bq, d), dtype),  # each consumer's Q
+        k=smem((stages, bk, d), dtype),  # the K/V ring
         v=smem((stages, bk, d), dtype),
-        lse=plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),   # the lse on its way out
+        lse=plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),  # the lse on its way out
         q_ready=plgpu.Barrier(num_barriers=_COMPUTE_WGS),
         k_ready=plgpu.Barrier(num_barriers=stages),
         v_ready=plgpu.Barrier(num_barriers=stages),
         k_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
         v_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
-        turn=plgpu.Barrier(num_barriers=_COMPUTE_WGS),      # whose turn to issue wgmmas
+        turn=plgpu.Barrier(num_barriers=_COMPUTE_WGS),  # whose turn to issue wgmmas
     )
     # Persistent: each consumer's output leaves through a buffer of its own (else through
     # its Q buffer).
     out_scratch = dict(o=smem((_COMPUTE_WGS, bq, d), dtype)) if persistent else {}
-    row_max_scratch = (dict(row_max=plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32))
-                       if cfg.row_max else {})
-    check_smem("forward", [*scratch.values(), *row_max_scratch.values()],
-               list(out_scratch.values()), stages_knob="num_stages", stages=stages,
-               persistent_knob="persistent", persistent=cfg.persistent, d=d, dtype=dtype)
+    row_max_scratch = (
+        dict(row_max=plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32)) if cfg.row_max else {}
+    )
+    check_smem(
+        "forward",
+        [*scratch.values(), *row_max_scratch.values()],
+        list(out_scratch.values()),
+        stages_knob="num_stages",
+        stages=stages,
+        persistent_knob="persistent",
+        persistent=cfg.persistent,
+        d=d,
+        dtype=dtype,
+    )
     scratch |= out_scratch
-    if cfg.interpret:   # P through shared memory (mma_lhs)
+    if cfg.interpret:  # P through shared memory (mma_lhs)
         scratch["p_stage"] = smem((_COMPUTE_WGS, bq, bk), dtype)
     scratch |= row_max_scratch
     return plgpu.kernel(

@@ -17,21 +17,23 @@ __all__ = ["HostPlanner", "HOST_PLANNERS", "FFA_BACKENDS", "host_planner"]
 
 class HostPlanner(NamedTuple):
     name: str
-    build: Callable       # (shapes, total_q, total_k, block_q, block_k) -> plan arrays
-    stack: Callable       # [plan arrays per rank] -> stacked plan arrays
+    build: Callable  # (shapes, total_q, total_k, block_q, block_k) -> plan arrays
+    stack: Callable  # [plan arrays per rank] -> stacked plan arrays
 
 
 def _build(backend):
     def build(shapes, total_q, total_k, block_q, block_k):
         blocks = backend_blocks(backend, total_q, total_k, block_q, block_k)
         return build_plan_arrays(shapes, total_q, total_k, *blocks)
+
     return build
 
 
 # One plan format for both: the work lists, on each backend's own tiles (the Mosaic GPU
 # kernels tile with fixed block sizes, so block_q/block_k only reach the xla backend).
-HOST_PLANNERS = {name: HostPlanner(name, build=_build(name), stack=stack_plans)
-                 for name in ("xla", "pallas")}
+HOST_PLANNERS = {
+    name: HostPlanner(name, build=_build(name), stack=stack_plans) for name in ("xla", "pallas")
+}
 FFA_BACKENDS = tuple(HOST_PLANNERS)
 
 

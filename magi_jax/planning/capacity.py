@@ -107,31 +107,52 @@ class PlanCapacity:
         for name in ("total_q", "total_k"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"PlanCapacity.{name}={value!r} must be a positive number "
-                                 "of tokens")
+                raise ValueError(
+                    f"PlanCapacity.{name}={value!r} must be a positive number of tokens"
+                )
             object.__setattr__(self, name, int(value))
         if self.items is None:
             object.__setattr__(self, "items", default_items(self.total_q, self.total_k))
-        for name in ("items", "q_runs", "k_runs", "remote_kv", "cast_width", "send_runs",
-                     "recv_runs", "chunk_size"):
+        for name in (
+            "items",
+            "q_runs",
+            "k_runs",
+            "remote_kv",
+            "cast_width",
+            "send_runs",
+            "recv_runs",
+            "chunk_size",
+        ):
             value = getattr(self, name)
             if value is None:
                 continue
             if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"PlanCapacity.{name}={value!r} must be a positive integer "
-                                 "(or None for the default)")
+                raise ValueError(
+                    f"PlanCapacity.{name}={value!r} must be a positive integer "
+                    "(or None for the default)"
+                )
             object.__setattr__(self, name, int(value))
         if self.overlap_degree is not None:
-            if not isinstance(self.overlap_degree, (int, np.integer)) or \
-                    not 0 <= self.overlap_degree <= 8:
-                raise ValueError(f"PlanCapacity.overlap_degree={self.overlap_degree!r} must "
-                                 "be an integer in [0, 8] (or None for the cost model's)")
+            if (
+                not isinstance(self.overlap_degree, (int, np.integer))
+                or not 0 <= self.overlap_degree <= 8
+            ):
+                raise ValueError(
+                    f"PlanCapacity.overlap_degree={self.overlap_degree!r} must "
+                    "be an integer in [0, 8] (or None for the cost model's)"
+                )
             object.__setattr__(self, "overlap_degree", int(self.overlap_degree))
         object.__setattr__(self, "persistent", bool(self.persistent))
 
     @classmethod
-    def from_masks(cls, masks: Iterable[AttnMask], *, headroom: float = _HEADROOM,
-                   mesh_size: int | None = None, **fixed) -> "PlanCapacity":
+    def from_masks(
+        cls,
+        masks: Iterable[AttnMask],
+        *,
+        headroom: float = _HEADROOM,
+        mesh_size: int | None = None,
+        **fixed,
+    ) -> "PlanCapacity":
         """The tightest capacity that holds every mask of a sample, times ``headroom``.
 
         ``masks``: a sample of the masks a loader produces (same lengths). Without
@@ -146,14 +167,17 @@ class PlanCapacity:
         tq = {m.total_q for m in masks}
         tk = {m.total_k for m in masks}
         if len(tq) != 1 or len(tk) != 1:
-            raise ValueError(f"masks cover different lengths (total_q {sorted(tq)}, total_k "
-                             f"{sorted(tk)}); a capacity is for one length")
+            raise ValueError(
+                f"masks cover different lengths (total_q {sorted(tq)}, total_k "
+                f"{sorted(tk)}); a capacity is for one length"
+            )
         total_q, total_k = tq.pop(), tk.pop()
         grow = lambda x: max(1, int(np.ceil(x * headroom)))
         fields = dict(total_q=total_q, total_k=total_k)
         if mesh_size is None:
             from magi_jax.planning.tiling import count_items
             from magi_jax.planning.work_list import count_runs
+
             fields["items"] = grow(max(count_items(m.shapes, total_q, total_k) for m in masks))
             runs = np.max([count_runs(m.shapes, total_q, total_k) for m in masks], axis=0)
             fields.update(q_runs=grow(runs[0]), k_runs=grow(runs[1]))
@@ -163,15 +187,21 @@ class PlanCapacity:
             fields["persistent"] = bool(mean < 32 * tile_count(total_q))
         else:
             from magi_jax.planning.defaults import capacity_needs
-            need = capacity_needs(masks, int(mesh_size), fixed.get("chunk_size"),
-                                  fixed.get("overlap_degree"))
-            fields.update(items=grow(need["items"]), q_runs=grow(need["q_runs"]),
-                          k_runs=grow(need["k_runs"]),
-                          remote_kv=grow(need["remote_kv"]),
-                          cast_width=grow(need["cast_width"]),
-                          send_runs=grow(need["send_runs"]), recv_runs=grow(need["recv_runs"]),
-                          overlap_degree=need["overlap_degree"],
-                          chunk_size=need["chunk_size"])
+
+            need = capacity_needs(
+                masks, int(mesh_size), fixed.get("chunk_size"), fixed.get("overlap_degree")
+            )
+            fields.update(
+                items=grow(need["items"]),
+                q_runs=grow(need["q_runs"]),
+                k_runs=grow(need["k_runs"]),
+                remote_kv=grow(need["remote_kv"]),
+                cast_width=grow(need["cast_width"]),
+                send_runs=grow(need["send_runs"]),
+                recv_runs=grow(need["recv_runs"]),
+                overlap_degree=need["overlap_degree"],
+                chunk_size=need["chunk_size"],
+            )
         fields.update(fixed)
         return cls(**fields)
 
@@ -182,4 +212,5 @@ class PlanCapacity:
             raise CapacityError(
                 f"{what} needs PlanCapacity.{field}={needed}, but the capacity holds {have}; "
                 f"build the capacity with {field}>={needed} (or PlanCapacity.from_masks over "
-                "a sample of your masks)")
+                "a sample of your masks)"
+            )

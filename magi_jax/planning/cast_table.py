@@ -14,9 +14,17 @@ import numpy as np
 
 from magi_jax.planning.solver import DispatchMeta, ranges_repeat
 
-
-__all__ = ["CastTable", "build_cast_table", "cast_table_from_pieces", "choose_transport",
-           "cast_moves", "cast_model", "reduce_model", "index_runs", "expand_runs"]
+__all__ = [
+    "CastTable",
+    "build_cast_table",
+    "cast_table_from_pieces",
+    "choose_transport",
+    "cast_moves",
+    "cast_model",
+    "reduce_model",
+    "index_runs",
+    "expand_runs",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +49,14 @@ class CastTable:
         """The table of dense ``send_index [cp, n_slots, S]`` and ``recv_index [cp, B]``."""
         send, recv = np.asarray(send_index), np.asarray(recv_index)
         cp, _, s = send.shape
-        return cls(index_runs(send.reshape(cp, -1), split=s), index_runs(recv, value_split=s),
-                   tuple(int(x) for x in shifts), tuple(int(w) for w in widths), int(s),
-                   int(recv.shape[1]))
+        return cls(
+            index_runs(send.reshape(cp, -1), split=s),
+            index_runs(recv, value_split=s),
+            tuple(int(x) for x in shifts),
+            tuple(int(w) for w in widths),
+            int(s),
+            int(recv.shape[1]),
+        )
 
     @property
     def cp(self) -> int:
@@ -56,7 +69,8 @@ class CastTable:
     @functools.cached_property
     def send_index(self) -> np.ndarray:
         return expand_runs(self.send_runs, self.n_slots * self.slot_len).reshape(
-            self.cp, self.n_slots, self.slot_len)
+            self.cp, self.n_slots, self.slot_len
+        )
 
     @functools.cached_property
     def recv_index(self) -> np.ndarray:
@@ -103,8 +117,13 @@ def expand_runs(runs: np.ndarray, size: int) -> np.ndarray:
     return out.reshape(lead + (int(size),))
 
 
-def index_runs(index: np.ndarray, split: int | None = None, num_runs: int | None = None,
-               field: str | None = None, value_split: int | None = None) -> np.ndarray:
+def index_runs(
+    index: np.ndarray,
+    split: int | None = None,
+    num_runs: int | None = None,
+    field: str | None = None,
+    value_split: int | None = None,
+) -> np.ndarray:
     """Runs of an index table: int ``[cp, N]`` -> int32 ``[cp, R, 2]`` (:func:`expand_runs`
     gives ``index`` back). A run is a stretch of consecutive values (or of ``-1``), cut where
     an entry is a multiple of ``split`` or a value one of ``value_split`` (a slot
@@ -116,22 +135,40 @@ def index_runs(index: np.ndarray, split: int | None = None, num_runs: int | None
     cp, n = index.shape
     real = index >= 0
     new = np.ones((cp, n), bool)
-    new[:, 1:] = (real[:, 1:] != real[:, :-1]) | (real[:, 1:] & (index[:, 1:] !=
-                                                                index[:, :-1] + 1))
+    new[:, 1:] = (real[:, 1:] != real[:, :-1]) | (real[:, 1:] & (index[:, 1:] != index[:, :-1] + 1))
     if split:
         new[:, np.arange(n) % split == 0] = True
     if value_split:
         new |= real & (index % value_split == 0)
-    first = np.nonzero(new.reshape(-1))[0]            # every run, real or padding, flat
-    length = np.diff(np.append(first, cp * n))       # a rank's first entry starts a run
+    first = np.nonzero(new.reshape(-1))[0]  # every run, real or padding, flat
+    length = np.diff(np.append(first, cp * n))  # a rank's first entry starts a run
     keep = real.reshape(-1)[first]
     first, length = first[keep], length[keep]
-    return _pack_runs(cp, first // n, first % n, index.reshape(-1)[first], length, num_runs,
-                      field, split=split, value_split=value_split)
+    return _pack_runs(
+        cp,
+        first // n,
+        first % n,
+        index.reshape(-1)[first],
+        length,
+        num_runs,
+        field,
+        split=split,
+        value_split=value_split,
+    )
 
 
-def _pack_runs(cp, rank, start, value, length, num_runs=None, field=None, split=None,
-               value_split=None, limit=None):
+def _pack_runs(
+    cp,
+    rank,
+    start,
+    value,
+    length,
+    num_runs=None,
+    field=None,
+    split=None,
+    value_split=None,
+    limit=None,
+):
     """Real runs ``(rank, start entry, first value, length)`` (non-overlapping within a
     rank) -> the packed runs ``[cp, R, 2]``: each rank's runs in entry order, with a padding
     run before each run that does not start where the previous one ended, and adjoining
@@ -141,14 +178,16 @@ def _pack_runs(cp, rank, start, value, length, num_runs=None, field=None, split=
     with ``split`` it bounds a rank's real runs (the send table: ``num_runs`` keeps room for
     a padding run per slot), else all its runs; a rank over it (or over ``num_runs``)
     raises :class:`~magi_jax.planning.capacity.CapacityError`."""
-    rank, start, value, length = (np.asarray(x, np.int64) for x in (rank, start, value,
-                                                                     length))
+    rank, start, value, length = (np.asarray(x, np.int64) for x in (rank, start, value, length))
     keep = length > 0
     order = np.lexsort((start[keep], rank[keep]))
     rank, start, value, length = (x[keep][order] for x in (rank, start, value, length))
     glue = np.zeros(len(rank), bool)
-    glue[1:] = (rank[1:] == rank[:-1]) & (start[1:] == start[:-1] + length[:-1]) & \
-        (value[1:] == value[:-1] + length[:-1])
+    glue[1:] = (
+        (rank[1:] == rank[:-1])
+        & (start[1:] == start[:-1] + length[:-1])
+        & (value[1:] == value[:-1] + length[:-1])
+    )
     if split:
         glue &= start % split != 0
     if value_split:
@@ -168,11 +207,13 @@ def _pack_runs(cp, rank, start, value, length, num_runs=None, field=None, split=
     limit = size if limit is None else int(limit)
     if num_runs is not None and (need > limit or count.max(initial=0) > size):
         from magi_jax.planning.capacity import CapacityError
+
         raise CapacityError(
             f"this mask needs PlanCapacity.{field}>={need} (runs of consecutive rows in one "
             f"rank's cast table of one stage), but the capacity holds {limit}; build "
             f"the capacity with {field}>={need} (or PlanCapacity.from_masks over a sample of "
-            "your masks)")
+            "your masks)"
+        )
     out = np.zeros((cp, size, 2), np.int32)
     out[:, :, 0] = -1
     # Each real run takes its place after its rank's earlier runs and padding runs.
@@ -195,32 +236,45 @@ def choose_transport(table: CastTable) -> str:
     return "ppermute"
 
 
-def build_cast_table(meta: DispatchMeta, remote: list[np.ndarray], buffer_len: int,
-                     width: int | None = None) -> CastTable:
+def build_cast_table(
+    meta: DispatchMeta, remote: list[np.ndarray], buffer_len: int, width: int | None = None
+) -> CastTable:
     """Tables of one stage. ``remote[r]``: rank ``r``'s pieces ``[p, 5]`` = (global start,
     global end, owner rank, stage, offset in the stage buffer); ``buffer_len`` >= every
     rank's buffer. With ``width`` (keys at a capacity): a slot for every other rank (shifts
     ``1 .. cp-1``), each ``width`` rows wide, so the table's shapes and static part depend on
     ``(cp, width, buffer_len)`` alone; a rank that sends another more rows raises
     :class:`~magi_jax.planning.capacity.CapacityError` naming ``cast_width``."""
-    pieces = [np.column_stack([rem[:, :3], np.full(len(rem), r), rem[:, 4]])
-              for r, rem in enumerate(remote) if len(rem)]
+    pieces = [
+        np.column_stack([rem[:, :3], np.full(len(rem), r), rem[:, 4]])
+        for r, rem in enumerate(remote)
+        if len(rem)
+    ]
     pieces = np.concatenate(pieces) if pieces else np.zeros((0, 5), np.int64)
-    return cast_table_from_pieces(meta, *(pieces[:, i] for i in range(5)),
-                                  buffer_len=buffer_len, width=width)
+    return cast_table_from_pieces(
+        meta, *(pieces[:, i] for i in range(5)), buffer_len=buffer_len, width=width
+    )
 
 
-def cast_table_from_pieces(meta: DispatchMeta, g0, g1, src, dst, offset, buffer_len: int,
-                           width: int | None = None, send_runs: int | None = None,
-                           recv_runs: int | None = None) -> CastTable:
+def cast_table_from_pieces(
+    meta: DispatchMeta,
+    g0,
+    g1,
+    src,
+    dst,
+    offset,
+    buffer_len: int,
+    width: int | None = None,
+    send_runs: int | None = None,
+    recv_runs: int | None = None,
+) -> CastTable:
     """:func:`build_cast_table` from flat piece arrays: piece ``i`` moves global keys
     ``[g0[i], g1[i])`` from their owner ``src[i]`` to rank ``dst[i]``'s stage buffer at
     ``offset[i]``. ``send_runs`` / ``recv_runs`` (keys at a capacity, with ``width``): the
     runs of each rank's tables (:class:`~magi_jax.planning.capacity.PlanCapacity`'s fields
     of those names), so the run arrays' shapes depend on the capacity alone."""
     cp, c = meta.cp, meta.chunk_size
-    g0, g1, src, dst, off_b = (np.asarray(x).astype(np.int64) for x in (g0, g1, src, dst,
-                                                                         offset))
+    g0, g1, src, dst, off_b = (np.asarray(x).astype(np.int64) for x in (g0, g1, src, dst, offset))
     # Work per piece first (few), then per block and per buffer: a piece's rows sit in the
     # block (owner -> receiver) after the earlier pieces of that owner, in global-position
     # order.
@@ -230,7 +284,7 @@ def cast_table_from_pieces(meta: DispatchMeta, g0, g1, src, dst, offset, buffer_
     pair = src * cp + dst
     first = np.searchsorted(pair, pair, side="left")
     cum = np.concatenate([[0], np.cumsum(length)])
-    off_block = cum[:-1] - cum[first]                         # piece start inside its block
+    off_block = cum[:-1] - cum[first]  # piece start inside its block
     block_len = np.zeros(cp * cp, np.int64)
     np.add.at(block_len, pair, length)
     shift = (dst - src) % cp
@@ -259,29 +313,51 @@ def cast_table_from_pieces(meta: DispatchMeta, g0, g1, src, dst, offset, buffer_
     # consecutive buffer rows.
     first_row = meta.chunk_slot[g0 // c] * c + g0 % c
     first_entry = out_slot * s_len + off_block
-    send = _pack_runs(cp, src, first_entry, first_row, length, send_size, "send_runs",
-                      split=s_len, limit=send_runs)
+    send = _pack_runs(
+        cp,
+        src,
+        first_entry,
+        first_row,
+        length,
+        send_size,
+        "send_runs",
+        split=s_len,
+        limit=send_runs,
+    )
     o = np.lexsort((off_b, dst))
     d, ob, ln = dst[o], off_b[o], length[o]
-    if np.any((d[1:] == d[:-1]) & (ob[1:] < ob[:-1] + ln[:-1])):     # overlapping pieces
+    if np.any((d[1:] == d[:-1]) & (ob[1:] < ob[:-1] + ln[:-1])):  # overlapping pieces
         # A later piece overwrites an earlier one's rows: write them in order, then runs.
         dense = np.full((cp, b_len), -1, np.int64)
         for k in range(len(length)):
-            dense[dst[k], off_b[k]:off_b[k] + length[k]] = np.arange(
-                first_entry[k], first_entry[k] + length[k])
+            dense[dst[k], off_b[k] : off_b[k] + length[k]] = np.arange(
+                first_entry[k], first_entry[k] + length[k]
+            )
         recv = index_runs(dense, value_split=s_len, num_runs=recv_size, field="recv_runs")
     else:
-        recv = _pack_runs(cp, dst, off_b, first_entry, length, recv_size, "recv_runs",
-                          value_split=s_len, limit=recv_runs)
+        recv = _pack_runs(
+            cp,
+            dst,
+            off_b,
+            first_entry,
+            length,
+            recv_size,
+            "recv_runs",
+            value_split=s_len,
+            limit=recv_runs,
+        )
     return CastTable(send, recv, out_shifts, out_widths, s_len, b_len)
 
 
 def _width_error(need: int, width: int):
     from magi_jax.planning.capacity import CapacityError
-    raise CapacityError(f"this mask needs PlanCapacity.cast_width>={need} (KV tokens one "
-                        f"rank sends another in one stage), but the capacity holds "
-                        f"{width}; build the capacity with cast_width>={need} (or "
-                        "PlanCapacity.from_masks over a sample of your masks)")
+
+    raise CapacityError(
+        f"this mask needs PlanCapacity.cast_width>={need} (KV tokens one "
+        f"rank sends another in one stage), but the capacity holds "
+        f"{width}; build the capacity with cast_width>={need} (or "
+        "PlanCapacity.from_masks over a sample of your masks)"
+    )
 
 
 def cast_moves(table: CastTable):
@@ -300,6 +376,7 @@ def cast_moves(table: CastTable):
 
 
 # ---- NumPy models (the meaning of the tables; used by tests) ---------------------------------
+
 
 def _moves(table: CastTable):
     """Every real move of a cast: ``(dst rank, dst buffer row, src rank, src row)``."""

@@ -64,8 +64,9 @@ def capacity_overlap_degree(total: int, cp: int, chunk_size: int) -> int:
     return default_overlap_degree(proxy, solve_dispatch(proxy, cp, chunk_size, "magi"))
 
 
-def capacity_needs(masks, cp: int, chunk_size: int | None = None,
-                   overlap_degree: int | None = None) -> dict:
+def capacity_needs(
+    masks, cp: int, chunk_size: int | None = None, overlap_degree: int | None = None
+) -> dict:
     """What keys of ``masks`` (one packed length) over ``cp`` ranks need, per rank and
     stage: ``items`` (the longest q-tile list, on the ``xla`` backend's tiles, which are
     never larger than the kernels'), ``q_runs`` / ``k_runs`` (the most runs of items on a
@@ -75,18 +76,30 @@ def capacity_needs(masks, cp: int, chunk_size: int | None = None,
     ``overlap_degree`` the keys use — the inputs of :meth:`PlanCapacity.from_masks`."""
     from magi_jax.planning.stages import build_dist_plan, resolve_kv
     from magi_jax.planning.work_list import count_runs, default_block_sizes
+
     masks = list(masks)
     total = masks[0].total_q
     chunk = int(chunk_size or capacity_chunk_size(total, cp))
-    degree = int(overlap_degree if overlap_degree is not None
-                 else capacity_overlap_degree(total, cp, chunk))
-    need = dict(items=1, q_runs=1, k_runs=1, remote_kv=1, cast_width=1, send_runs=1, recv_runs=1,
-                chunk_size=chunk, overlap_degree=degree)
+    degree = int(
+        overlap_degree if overlap_degree is not None else capacity_overlap_degree(total, cp, chunk)
+    )
+    need = dict(
+        items=1,
+        q_runs=1,
+        k_runs=1,
+        remote_kv=1,
+        cast_width=1,
+        send_runs=1,
+        recv_runs=1,
+        chunk_size=chunk,
+        overlap_degree=degree,
+    )
     for mask in masks:
         meta = solve_dispatch(mask, cp, chunk, "magi")
-        kv = resolve_kv(mask, meta)           # cross attention: the automatic key layout
-        kv_local = (meta.local_len if kv is None else mask.total_k if isinstance(kv, str)
-                    else kv.local_len)
+        kv = resolve_kv(mask, meta)  # cross attention: the automatic key layout
+        kv_local = (
+            meta.local_len if kv is None else mask.total_k if isinstance(kv, str) else kv.local_len
+        )
         bq, bk = default_block_sizes(meta.local_len, kv_local)
         plan = build_dist_plan(mask, meta, degree, bq, bk, "xla", kv=kv)
         stages = max(degree, 1)
@@ -95,18 +108,24 @@ def capacity_needs(masks, cp: int, chunk_size: int | None = None,
         for st in plan.stages:
             # Runs on either backend's tiles (the Mosaic GPU k-tile list steps over 64 rows).
             sizes = [len(x.q0) for x in st.shapes]
-            flat = SliceShapes(*(np.concatenate([getattr(x, f) for x in st.shapes])
-                                 for f in ("q0", "q1", "k0", "k1", "dlo", "dhi")))
-            runs = count_runs(flat, meta.local_len, st.kv_len, (bq, bk),
-                              np.repeat(np.arange(cp), sizes), cp)
+            flat = SliceShapes(
+                *(
+                    np.concatenate([getattr(x, f) for x in st.shapes])
+                    for f in ("q0", "q1", "k0", "k1", "dlo", "dhi")
+                )
+            )
+            runs = count_runs(
+                flat, meta.local_len, st.kv_len, (bq, bk), np.repeat(np.arange(cp), sizes), cp
+            )
             need["q_runs"] = max(need["q_runs"], runs[0])
             need["k_runs"] = max(need["k_runs"], runs[1])
         if remote:
             # Stages split a rank's remote KV evenly: the longest stage bounds them all.
             longest = max(int(st.cast.rows_received().max()) for st in remote)
             need["remote_kv"] = max(need["remote_kv"], longest * stages)
-            need["cast_width"] = max(need["cast_width"],
-                                     max(max(st.cast.widths, default=1) for st in remote))
+            need["cast_width"] = max(
+                need["cast_width"], max(max(st.cast.widths, default=1) for st in remote)
+            )
             for st in remote:
                 send_runs, recv_runs = st.cast.run_counts()
                 need["send_runs"] = max(need["send_runs"], send_runs)

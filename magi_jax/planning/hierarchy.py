@@ -46,8 +46,15 @@ import numpy as np
 
 from magi_jax.planning.cast_table import CastTable, cast_moves
 
-__all__ = ["NodeLayout", "RelayTable", "build_relay_table", "inter_node_rows",
-           "inter_node_wire_rows", "relay_cast_model", "relay_reduce_model"]
+__all__ = [
+    "NodeLayout",
+    "RelayTable",
+    "build_relay_table",
+    "inter_node_rows",
+    "inter_node_wire_rows",
+    "relay_cast_model",
+    "relay_reduce_model",
+]
 
 # The relay choice keeps the set of ranks that need a row as a bitmask.
 _MAX_LOCAL = 62
@@ -68,8 +75,9 @@ class NodeLayout:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"NodeLayout.{name}={v!r} must be a positive integer")
         if self.local > _MAX_LOCAL:
-            raise ValueError(f"NodeLayout.local={self.local} must be at most {_MAX_LOCAL} "
-                             "ranks per node")
+            raise ValueError(
+                f"NodeLayout.local={self.local} must be at most {_MAX_LOCAL} ranks per node"
+            )
 
     @property
     def cp(self) -> int:
@@ -131,20 +139,30 @@ def inter_node_wire_rows(table: CastTable, layout: NodeLayout) -> int:
     included: slot ``j``'s width from every rank whose receiver sits in another node."""
     _check_layout(table, layout)
     r = np.arange(table.cp)
-    return int(sum(w * int((r // layout.local != ((r + shift) % table.cp) // layout.local)
-                           .sum()) for shift, w in zip(table.shifts, table.widths)))
+    return int(
+        sum(
+            w * int((r // layout.local != ((r + shift) % table.cp) // layout.local).sum())
+            for shift, w in zip(table.shifts, table.widths)
+        )
+    )
 
 
 def _check_layout(table: CastTable, layout: NodeLayout):
     if not isinstance(layout, NodeLayout):
         raise TypeError(f"layout must be a NodeLayout; got {type(layout).__name__}")
     if layout.cp != table.cp:
-        raise ValueError(f"layout {layout.nodes} x {layout.local} = {layout.cp} ranks, but "
-                         f"the cast table has {table.cp}; the layout must cover every rank")
+        raise ValueError(
+            f"layout {layout.nodes} x {layout.local} = {layout.cp} ranks, but "
+            f"the cast table has {table.cp}; the layout must cover every rank"
+        )
 
 
-def build_relay_table(table: CastTable, layout: NodeLayout, inter_width: int | None = None,
-                      intra_width: int | None = None) -> RelayTable:
+def build_relay_table(
+    table: CastTable,
+    layout: NodeLayout,
+    inter_width: int | None = None,
+    intra_width: int | None = None,
+) -> RelayTable:
     """The two-hop tables that deliver exactly the rows of the flat cast ``table``.
 
     Without widths, every slot is as wide as its widest real block and only the slots some
@@ -159,8 +177,10 @@ def build_relay_table(table: CastTable, layout: NodeLayout, inter_width: int | N
     nodes, local = layout.nodes, layout.local
     fixed = inter_width is not None or intra_width is not None
     if fixed and (inter_width is None or intra_width is None):
-        raise ValueError("pass both inter_width and intra_width (keys at a capacity) or "
-                         "neither (tables sized for this cast)")
+        raise ValueError(
+            "pass both inter_width and intra_width (keys at a capacity) or "
+            "neither (tables sized for this cast)"
+        )
     dst, row, src, x = cast_moves(table)
     cross = dst // local != src // local
     num_rows = int(table.send_index.max(initial=-1)) + 1
@@ -178,14 +198,21 @@ def build_relay_table(table: CastTable, layout: NodeLayout, inter_width: int | N
     u_src, u_node = u_sn // nodes, u_sn % nodes
     relay = u_node * local + _relay_local(u_sn, u_x, need, local)
 
-    blocks1 = _Blocks(u_src, relay, u_x, lambda s, t: _inter_slot(s, t, layout), layout,
-                      inter_width, [(dn, dl) for dn in range(1, nodes) for dl in range(local)])
-    u_entry = blocks1.entry                        # relay-row entry at the relay
+    blocks1 = _Blocks(
+        u_src,
+        relay,
+        u_x,
+        lambda s, t: _inter_slot(s, t, layout),
+        layout,
+        inter_width,
+        [(dn, dl) for dn in range(1, nodes) for dl in range(local)],
+    )
+    u_entry = blocks1.entry  # relay-row entry at the relay
     relay_total = blocks1.total
 
     # -- intra-node hop: relays forward to the other ranks of the node that need the row;
     # owners in the receiver's node send directly (local rows after the relay rows).
-    u_of = which                                   # inter move -> its distinct row
+    u_of = which  # inter move -> its distinct row
     fwd = relay[u_of] != d_in
     i_src = np.concatenate([relay[u_of][fwd], src[~cross]])
     i_dst = np.concatenate([d_in[fwd], dst[~cross]])
@@ -196,8 +223,15 @@ def build_relay_table(table: CastTable, layout: NodeLayout, inter_width: int | N
     v_row = uniq2 % span
     v_pair = uniq2 // span
     v_src, v_dst = v_pair // layout.cp, v_pair % layout.cp
-    blocks2 = _Blocks(v_src, v_dst, v_row, lambda s, t: (t - s) % local, layout, intra_width,
-                      list(range(1, local)))
+    blocks2 = _Blocks(
+        v_src,
+        v_dst,
+        v_row,
+        lambda s, t: (t - s) % local,
+        layout,
+        intra_width,
+        list(range(1, local)),
+    )
 
     recv = np.full(table.recv_index.shape, -1, np.int32)
     d_cross, b_cross = dst[cross], row[cross]
@@ -205,10 +239,16 @@ def build_relay_table(table: CastTable, layout: NodeLayout, inter_width: int | N
     recv[d_cross[direct], b_cross[direct]] = u_entry[u_of][direct]
     b_via = np.concatenate([b_cross[fwd], row[~cross]])
     recv[i_dst, b_via] = relay_total + blocks2.entry[which2]
-    return RelayTable(layout=layout, inter_send=blocks1.send, intra_send=blocks2.send,
-                      recv_index=recv, inter_shifts=blocks1.shifts,
-                      inter_widths=blocks1.widths, intra_shifts=blocks2.shifts,
-                      intra_widths=blocks2.widths)
+    return RelayTable(
+        layout=layout,
+        inter_send=blocks1.send,
+        intra_send=blocks2.send,
+        recv_index=recv,
+        inter_shifts=blocks1.shifts,
+        inter_widths=blocks1.widths,
+        intra_shifts=blocks2.shifts,
+        intra_widths=blocks2.widths,
+    )
 
 
 def _relay_local(group, x, need, local):
@@ -225,7 +265,7 @@ def _relay_local(group, x, need, local):
     first = np.nonzero(new)[0]
     length = np.diff(np.append(first, n))
     k = np.arange(n) - first[run]
-    bits = (need[:, None] >> np.arange(local)[None, :]) & 1            # [n, local]
+    bits = (need[:, None] >> np.arange(local)[None, :]) & 1  # [n, local]
     m = bits.sum(axis=1)
     part = (k * m) // length[run]
     pick = (part + run) % m
@@ -293,14 +333,18 @@ def _decode(code, layout, all_slots):
 
 def _width_error(need: int, width: int, all_slots):
     from magi_jax.planning.capacity import CapacityError
+
     hop = "inter-node" if all_slots and isinstance(all_slots[0], tuple) else "intra-node"
-    raise CapacityError(f"this mask needs {need} rows in one {hop} block of the two-hop "
-                        f"cast, but its tables hold {width}; build the capacity with a "
-                        "larger cast_width (inter-node blocks) or remote_kv (intra-node "
-                        "blocks), or use hierarchical=False")
+    raise CapacityError(
+        f"this mask needs {need} rows in one {hop} block of the two-hop "
+        f"cast, but its tables hold {width}; build the capacity with a "
+        "larger cast_width (inter-node blocks) or remote_kv (intra-node "
+        "blocks), or use hierarchical=False"
+    )
 
 
 # ---- NumPy models (the meaning of the tables; used by tests) ---------------------------------
+
 
 def _hop(src_rows: list, send: np.ndarray, widths, dest, cp: int):
     """One hop: rank ``r`` sends ``src_rows[r][send[r, j, :w_j]]`` (zero rows for padding)
@@ -313,8 +357,7 @@ def _hop(src_rows: list, send: np.ndarray, widths, dest, cp: int):
             block[idx >= 0] = src_rows[r][idx[idx >= 0]]
             got[dest(r, j)][j] = block
     trail = src_rows[0].shape[1:]
-    return [np.concatenate(g) if g else np.zeros((0,) + trail, src_rows[0].dtype)
-            for g in got]
+    return [np.concatenate(g) if g else np.zeros((0,) + trail, src_rows[0].dtype) for g in got]
 
 
 def _dests(rt: RelayTable):

@@ -44,9 +44,20 @@ import numpy as np
 
 from magi_jax.mask import AttnMask, SliceShapes
 
-__all__ = ["ALGORITHMS", "DispatchMeta", "solve_dispatch", "chunk_areas", "needed_kv",
-           "remote_kv_tokens", "ranges_repeat", "auto_chunk_size", "KV_LAYOUTS",
-           "auto_kv_layout", "solve_kv_dispatch", "kv_chunk_size"]
+__all__ = [
+    "ALGORITHMS",
+    "DispatchMeta",
+    "solve_dispatch",
+    "chunk_areas",
+    "needed_kv",
+    "remote_kv_tokens",
+    "ranges_repeat",
+    "auto_chunk_size",
+    "KV_LAYOUTS",
+    "auto_kv_layout",
+    "solve_kv_dispatch",
+    "kv_chunk_size",
+]
 
 ALGORITHMS = ("magi", "greedy", "contiguous", "zigzag", "striped")
 # Where the keys of a cross-attention plan live (``"auto"``: :func:`auto_kv_layout`).
@@ -82,9 +93,9 @@ class DispatchMeta:
     total: int
     cp: int
     chunk_size: int
-    rank_chunks: np.ndarray          # int64 [cp, chunks_per_rank]
+    rank_chunks: np.ndarray  # int64 [cp, chunks_per_rank]
     algorithm: str
-    chunk_area: np.ndarray           # int64 [num_chunks]
+    chunk_area: np.ndarray  # int64 [num_chunks]
 
     @property
     def chunks_per_rank(self) -> int:
@@ -156,8 +167,7 @@ def slice_chunk_pairs(sh: SliceShapes, chunk_size: int):
     """Every (slice, query chunk) pair with cells: ``(slice, chunk, row_a, row_b, k_first,
     k_end)`` — the slice's rows inside the chunk and the (contiguous) key extent they see."""
     live = np.nonzero(sh.nonempty)[0]
-    owner, chunk = ranges_repeat(sh.q0[live] // chunk_size,
-                                 (sh.q1[live] - 1) // chunk_size + 1)
+    owner, chunk = ranges_repeat(sh.q0[live] // chunk_size, (sh.q1[live] - 1) // chunk_size + 1)
     s = live[owner]
     a = np.maximum(sh.q0[s], chunk * chunk_size)
     b = np.minimum(sh.q1[s], (chunk + 1) * chunk_size)
@@ -170,8 +180,9 @@ def chunk_areas(mask: AttnMask, chunk_size: int, num_chunks: int) -> np.ndarray:
     """int64 [num_chunks]: exact mask area of each chunk's query rows."""
     sh = mask.shapes
     s, chunk, a, b, _, _ = slice_chunk_pairs(sh, chunk_size)
-    return np.bincount(chunk, weights=_shape_rows_area(sh, s, a, b),
-                       minlength=num_chunks).astype(np.int64)[:num_chunks]
+    return np.bincount(chunk, weights=_shape_rows_area(sh, s, a, b), minlength=num_chunks).astype(
+        np.int64
+    )[:num_chunks]
 
 
 def needed_kv(mask: AttnMask, meta: DispatchMeta) -> list[np.ndarray]:
@@ -183,7 +194,7 @@ def needed_kv(mask: AttnMask, meta: DispatchMeta) -> list[np.ndarray]:
     rank, k0, k1 = rank[order], k0[order], k1[order]
     bounds = np.searchsorted(rank, np.arange(meta.cp + 1))
     for r in range(meta.cp):
-        out.append(merge_intervals(k0[bounds[r]:bounds[r + 1]], k1[bounds[r]:bounds[r + 1]]))
+        out.append(merge_intervals(k0[bounds[r] : bounds[r + 1]], k1[bounds[r] : bounds[r + 1]]))
     return out
 
 
@@ -206,9 +217,12 @@ def _coverage(intervals: np.ndarray, x: np.ndarray) -> np.ndarray:
         return np.zeros_like(x)
     lengths = intervals[:, 1] - intervals[:, 0]
     cum = np.concatenate([[0], np.cumsum(lengths)])
-    i = np.searchsorted(intervals[:, 0], x, side="right")   # intervals starting <= x
-    inside = np.where(i > 0, np.minimum(x, intervals[np.maximum(i - 1, 0), 1])
-                      - intervals[np.maximum(i - 1, 0), 0], 0)
+    i = np.searchsorted(intervals[:, 0], x, side="right")  # intervals starting <= x
+    inside = np.where(
+        i > 0,
+        np.minimum(x, intervals[np.maximum(i - 1, 0), 1]) - intervals[np.maximum(i - 1, 0), 0],
+        0,
+    )
     return cum[np.maximum(i - 1, 0)] * (i > 0) + inside
 
 
@@ -227,6 +241,7 @@ def remote_kv_tokens(mask: AttnMask, meta: DispatchMeta) -> np.ndarray:
 
 
 # ---- assignment algorithms -------------------------------------------------------------------
+
 
 def _contiguous(n: int, cp: int, area: np.ndarray) -> np.ndarray:
     return np.arange(n).reshape(cp, -1)
@@ -256,8 +271,9 @@ def _greedy(n: int, cp: int, area: np.ndarray) -> np.ndarray:
     return np.array(assign, np.int64)
 
 
-def _greedy_affinity(n: int, cp: int, area: np.ndarray, mask: AttnMask,
-                     chunk_size: int) -> np.ndarray:
+def _greedy_affinity(
+    n: int, cp: int, area: np.ndarray, mask: AttnMask, chunk_size: int
+) -> np.ndarray:
     """Communication-aware greedy: chunks by decreasing area; a chunk goes to the rank that
     already holds (owns or needs) most of the key chunks it sees, among the ranks with room
     where it still fits under the mean load; when it fits nowhere, to the least loaded rank
@@ -265,7 +281,7 @@ def _greedy_affinity(n: int, cp: int, area: np.ndarray, mask: AttnMask,
     fetch less; the swap pass then restores the balance the tie-break gave up."""
     m = n // cp
     indptr, kc = _chunk_kv_extents(mask, chunk_size, n)
-    if not _local_enough(kc, n):        # dense: every rank needs nearly everything anyway
+    if not _local_enough(kc, n):  # dense: every rank needs nearly everything anyway
         return _greedy(n, cp, area)
     order = np.lexsort((np.arange(n), -area))
     target = area.sum() / cp
@@ -274,14 +290,15 @@ def _greedy_affinity(n: int, cp: int, area: np.ndarray, mask: AttnMask,
     have = np.zeros((cp, n), np.int32)
     assign = [[] for _ in range(cp)]
     for x in order.tolist():
-        seen = kc[indptr[x]:indptr[x + 1]]
+        seen = kc[indptr[x] : indptr[x + 1]]
         room = counts < m
         fits = room & (loads + area[x] <= target)
         if fits.any():
             score = have[:, seen].sum(axis=1) + have[:, x]
             # Highest affinity, then lowest load, then lowest rank.
-            key = np.where(fits, score * (1 << 20) - np.argsort(np.argsort(loads,
-                                                                           kind="stable")), -1 << 62)
+            key = np.where(
+                fits, score * (1 << 20) - np.argsort(np.argsort(loads, kind="stable")), -1 << 62
+            )
             r = int(np.argmax(key))
         else:
             r = int(np.argmin(np.where(room, loads, np.iinfo(np.int64).max)))
@@ -316,28 +333,28 @@ def _refine_swaps(assign: np.ndarray, area: np.ndarray, locality=None) -> np.nda
         slot[assign.reshape(-1)] = np.tile(np.arange(m), cp)
         need = np.zeros((cp, n), np.int64)
         np.add.at(need, (owner[np.repeat(np.arange(n), np.diff(indptr))], kc), 1)
-        seg = np.repeat(np.arange(n), np.diff(indptr))          # chunk of each CSR entry
+        seg = np.repeat(np.arange(n), np.diff(indptr))  # chunk of each CSR entry
         # Which chunks' keys each rank holds (owns or needs); a swap changes two rows.
-        hold = (need > 0) | (owner[None, :] == np.arange(cp)[:, None])         # [cp, n]
+        hold = (need > 0) | (owner[None, :] == np.arange(cp)[:, None])  # [cp, n]
         # has[q, x]: keys of chunk x that rank q holds; kept up to date through the key
         # chunks -> query chunks CSR (those whose rows see each key chunk).
         has = _seen_sums(hold, indptr, kc)
         by_key = np.argsort(kc, kind="stable")
         key_ptr = np.searchsorted(kc[by_key], np.arange(n + 1))
-        key_of = seg[by_key]                                    # query chunk of each entry
+        key_of = seg[by_key]  # query chunk of each entry
     for _ in range(_MAX_SWAPS_PER_RANK * cp):
         top = int(np.argmax(loads))
-        gap = loads[top] - loads                                # [cp]
+        gap = loads[top] - loads  # [cp]
         order = np.argsort(area[assign], axis=1, kind="stable")
-        b = np.take_along_axis(area[assign], order, axis=1)     # [cp, m] sorted
-        a = area[assign[top]]                                   # [m]
+        b = np.take_along_axis(area[assign], order, axis=1)  # [cp, m] sorted
+        a = area[assign[top]]  # [m]
         # Ideal partner area: a_i - gap_r / 2 (the swap then evens the pair).
-        target = a[None, :] - gap[:, None] // 2                 # [cp, m]
+        target = a[None, :] - gap[:, None] // 2  # [cp, m]
         above = _row_searchsorted(b, target)
         j = np.stack([above, above - 1], -1)
-        j = np.clip(j, 0, m - 1)                                # [cp, m, 2]
+        j = np.clip(j, 0, m - 1)  # [cp, m, 2]
         rows = np.arange(cp)[:, None, None]
-        bj = b[rows, j]                                         # [cp, m, 2]
+        bj = b[rows, j]  # [cp, m, 2]
         d = a[None, :, None] - bj
         new_max = np.maximum(loads[top] - d, loads[:, None, None] + d)
         ok = (d > 0) & (new_max < loads[top])
@@ -356,12 +373,12 @@ def _refine_swaps(assign: np.ndarray, area: np.ndarray, locality=None) -> np.nda
             y = assign[rows, order[rows, j]]
             r_has = has[:, assign[top]]
             gain = top_has[y] + r_has[:, :, None]
-            score = np.where(good, gain * 2.0 ** 40 - new_max / max(loads[top], 1), -np.inf)
+            score = np.where(good, gain * 2.0**40 - new_max / max(loads[top], 1), -np.inf)
             r, i, t = np.unravel_index(int(np.argmax(score)), d.shape)
         jj = order[r, j[r, i, t]]
         if locality is not None:
             x, y_ = int(assign[top, i]), int(assign[r, jj])
-            sx, sy = kc[indptr[x]:indptr[x + 1]], kc[indptr[y_]:indptr[y_ + 1]]
+            sx, sy = kc[indptr[x] : indptr[x + 1]], kc[indptr[y_] : indptr[y_ + 1]]
             np.add.at(need[top], sx, -1)
             np.add.at(need[r], sx, 1)
             np.add.at(need[r], sy, -1)
@@ -373,8 +390,9 @@ def _refine_swaps(assign: np.ndarray, area: np.ndarray, locality=None) -> np.nda
                 if len(changed):
                     step = np.where(row[changed], 1, -1)
                     i_, pos = ranges_repeat(key_ptr[changed], key_ptr[changed + 1])
-                    has[q] += np.bincount(key_of[pos], weights=step[i_],
-                                          minlength=n).astype(np.int64)
+                    has[q] += np.bincount(key_of[pos], weights=step[i_], minlength=n).astype(
+                        np.int64
+                    )
                     hold[q] = row
         assign[top, i], assign[r, jj] = assign[r, jj], assign[top, i]
         loads[top] -= d[r, i, t]
@@ -431,8 +449,9 @@ def _chunk_kv_extents(mask: AttnMask, chunk_size: int, n: int):
     return indptr, kc
 
 
-def _refine_comm(assign: np.ndarray, area: np.ndarray, mask: AttnMask, chunk_size: int,
-                 rounds: int = 2) -> np.ndarray:
+def _refine_comm(
+    assign: np.ndarray, area: np.ndarray, mask: AttnMask, chunk_size: int, rounds: int = 2
+) -> np.ndarray:
     """Swaps that keep every rank's area under the current maximum and lower the number of
     (rank, key chunk) pairs ranks must fetch remotely — a chunk-level proxy of the remote-KV
     volume that pulls chunks attending to one another onto one rank. First-improvement over
@@ -442,7 +461,7 @@ def _refine_comm(assign: np.ndarray, area: np.ndarray, mask: AttnMask, chunk_siz
     cp, m = assign.shape
     n = assign.size
     indptr, kc = _chunk_kv_extents(mask, chunk_size, n)
-    if not _local_enough(kc, n):   # dense masks (every chunk sees most chunks): little to gain
+    if not _local_enough(kc, n):  # dense masks (every chunk sees most chunks): little to gain
         return assign
     assign = assign.copy()
     owner = np.empty(n, np.int64)
@@ -451,10 +470,10 @@ def _refine_comm(assign: np.ndarray, area: np.ndarray, mask: AttnMask, chunk_siz
     slot[assign.reshape(-1)] = np.tile(np.arange(m), cp)
     loads = area[assign].sum(axis=1)
     cap = loads.max()
-    need = np.zeros((cp, n), np.int64)      # need[r, c]: rank r's query chunks that see c
+    need = np.zeros((cp, n), np.int64)  # need[r, c]: rank r's query chunks that see c
     qc_of = np.repeat(np.arange(n), np.diff(indptr))
     np.add.at(need, (owner[qc_of], kc), 1)
-    seen = [kc[indptr[c]:indptr[c + 1]] for c in range(n)]
+    seen = [kc[indptr[c] : indptr[c + 1]] for c in range(n)]
 
     def remote(rank_need, own_mask_cols, cols):
         return int(((rank_need[cols] > 0) & ~own_mask_cols).sum())
@@ -477,7 +496,7 @@ def _refine_comm(assign: np.ndarray, area: np.ndarray, mask: AttnMask, chunk_siz
             after += int(((nr > 0) & ~own2).sum())
         return after - before
 
-    budget = _COMM_EVALS_PER_CHUNK * n            # deterministic bound on the work
+    budget = _COMM_EVALS_PER_CHUNK * n  # deterministic bound on the work
     for _ in range(rounds):
         improved = False
         for x in range(n):
@@ -489,8 +508,9 @@ def _refine_comm(assign: np.ndarray, area: np.ndarray, mask: AttnMask, chunk_siz
                 if ry == rx or need[ry, x] == 0:
                     continue
                 ys = assign[ry]
-                feasible = ((loads[rx] - area[x] + area[ys] <= cap)
-                            & (loads[ry] - area[ys] + area[x] <= cap))
+                feasible = (loads[rx] - area[x] + area[ys] <= cap) & (
+                    loads[ry] - area[ys] + area[x] <= cap
+                )
                 ys = ys[feasible]
                 if not len(ys):
                     continue
@@ -517,8 +537,7 @@ def _refine_comm(assign: np.ndarray, area: np.ndarray, mask: AttnMask, chunk_siz
     return assign
 
 
-_ASSIGN = {"contiguous": _contiguous, "striped": _striped, "zigzag": _zigzag,
-           "greedy": _greedy}
+_ASSIGN = {"contiguous": _contiguous, "striped": _striped, "zigzag": _zigzag, "greedy": _greedy}
 
 
 def auto_chunk_size(total: int, cp: int, chunks_per_rank: int) -> int:
@@ -535,15 +554,17 @@ def _validate(mask, cp, chunk_size, algorithm):
     if int(cp) < 1:
         raise ValueError(f"cp={cp} must be >= 1 (the size of the context-parallel mesh axis)")
     if chunk_size is not None and int(chunk_size) < 1:
-        raise ValueError(f"chunk_size={chunk_size} must be a positive number of tokens, or None "
-                         "for automatic")
+        raise ValueError(
+            f"chunk_size={chunk_size} must be a positive number of tokens, or None for automatic"
+        )
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
 
 
 @functools.lru_cache(maxsize=128)
-def solve_dispatch(mask: AttnMask, cp: int, chunk_size: int | None = None,
-                   algorithm: str = "magi") -> DispatchMeta:
+def solve_dispatch(
+    mask: AttnMask, cp: int, chunk_size: int | None = None, algorithm: str = "magi"
+) -> DispatchMeta:
     """Assigns chunks of the (padded) sequence — of the queries, for a cross-attention mask —
     to ``cp`` ranks; cached by (mask fingerprint, cp, chunk_size, algorithm).
 
@@ -574,7 +595,7 @@ def _solve(mask: AttnMask, cp: int, chunk_size: int, algorithm: str) -> Dispatch
     total = mask.total_q
     m = max(1, -(-total // (cp * chunk_size)))
     if algorithm == "zigzag" and m % 2:
-        m += 1                     # two halves per rank
+        m += 1  # two halves per rank
     n = m * cp
     area = chunk_areas(mask, chunk_size, n)
     if algorithm in ("magi", "balance"):
@@ -613,11 +634,18 @@ def _meta(mask, cp, chunk_size, assign, area, algorithm) -> DispatchMeta:
     assign = np.sort(assign, axis=1).astype(np.int64)
     assign.setflags(write=False)
     area.setflags(write=False)
-    return DispatchMeta(total=total, cp=cp, chunk_size=chunk_size, rank_chunks=assign,
-                        algorithm=algorithm, chunk_area=area)
+    return DispatchMeta(
+        total=total,
+        cp=cp,
+        chunk_size=chunk_size,
+        rank_chunks=assign,
+        algorithm=algorithm,
+        chunk_area=area,
+    )
 
 
 # ---- cross attention: where the keys live ----------------------------------------------------
+
 
 def kv_chunk_size(total_k: int, cp: int) -> int:
     """The chunk of a dispatched key sequence: about 16 key chunks per rank."""
@@ -639,8 +667,9 @@ def auto_kv_layout(total_q: int, total_k: int, cp: int) -> str:
     return "replicated" if int(total_k) <= _REPLICATE_KV_RATIO * local_q else "dispatched"
 
 
-def solve_kv_dispatch(mask: AttnMask, meta: DispatchMeta,
-                      chunk_size: int | None = None) -> DispatchMeta:
+def solve_kv_dispatch(
+    mask: AttnMask, meta: DispatchMeta, chunk_size: int | None = None
+) -> DispatchMeta:
     """Dispatch of the *keys* of a cross-attention ``mask`` whose queries are dispatched by
     ``meta``; cached by (mask fingerprint, query dispatch, chunk size).
 
@@ -655,21 +684,37 @@ def solve_kv_dispatch(mask: AttnMask, meta: DispatchMeta,
     if not isinstance(mask, AttnMask):
         raise TypeError(f"mask must be an AttnMask; got {type(mask).__name__}")
     if not isinstance(meta, DispatchMeta) or meta.total != mask.total_q:
-        raise ValueError("meta must be the DispatchMeta of the mask's queries (solve_dispatch "
-                         f"of a mask with total_q={mask.total_q})")
+        raise ValueError(
+            "meta must be the DispatchMeta of the mask's queries (solve_dispatch "
+            f"of a mask with total_q={mask.total_q})"
+        )
     if chunk_size is not None and int(chunk_size) < 1:
-        raise ValueError(f"chunk_size={chunk_size} must be a positive number of tokens, or None "
-                         "for automatic")
+        raise ValueError(
+            f"chunk_size={chunk_size} must be a positive number of tokens, or None for automatic"
+        )
     chunk = int(chunk_size or kv_chunk_size(mask.total_k, meta.cp))
-    return _solve_kv(mask, meta.total, meta.cp, meta.chunk_size, meta.rank_chunks.tobytes(),
-                     meta.rank_chunks.shape, chunk)
+    return _solve_kv(
+        mask,
+        meta.total,
+        meta.cp,
+        meta.chunk_size,
+        meta.rank_chunks.tobytes(),
+        meta.rank_chunks.shape,
+        chunk,
+    )
 
 
 @functools.lru_cache(maxsize=64)
 def _solve_kv(mask, total_q, cp, q_chunk, rank_chunks_bytes, shape, chunk) -> DispatchMeta:
     rank_chunks = np.frombuffer(rank_chunks_bytes, np.int64).reshape(shape)
-    q_meta = DispatchMeta(total=total_q, cp=cp, chunk_size=q_chunk, rank_chunks=rank_chunks,
-                          algorithm="", chunk_area=np.zeros(rank_chunks.size, np.int64))
+    q_meta = DispatchMeta(
+        total=total_q,
+        cp=cp,
+        chunk_size=q_chunk,
+        rank_chunks=rank_chunks,
+        algorithm="",
+        chunk_area=np.zeros(rank_chunks.size, np.int64),
+    )
     m = max(1, -(-mask.total_k // (cp * chunk)))
     n = m * cp
     edges = np.arange(n + 1) * chunk
@@ -685,17 +730,24 @@ def _solve_kv(mask, total_q, cp, q_chunk, rank_chunks_bytes, shape, chunk) -> Di
             owner[c] = r
             room[r] -= 1
     for c in np.nonzero(owner < 0)[0].tolist():
-        r = int(np.argmax(room))              # the most room left, lowest rank first
+        r = int(np.argmax(room))  # the most room left, lowest rank first
         owner[c] = r
         room[r] -= 1
     assign = np.stack([np.nonzero(owner == r)[0] for r in range(cp)])
-    return _meta_over(mask.total_k, cp, chunk, assign, demand.sum(axis=0).astype(np.int64),
-                      "affinity")
+    return _meta_over(
+        mask.total_k, cp, chunk, assign, demand.sum(axis=0).astype(np.int64), "affinity"
+    )
 
 
 def _meta_over(total, cp, chunk_size, assign, area, algorithm) -> DispatchMeta:
     assign = np.sort(assign, axis=1).astype(np.int64)
     assign.setflags(write=False)
     area.setflags(write=False)
-    return DispatchMeta(total=total, cp=cp, chunk_size=chunk_size, rank_chunks=assign,
-                        algorithm=algorithm, chunk_area=area)
+    return DispatchMeta(
+        total=total,
+        cp=cp,
+        chunk_size=chunk_size,
+        rank_chunks=assign,
+        algorithm=algorithm,
+        chunk_area=area,
+    )

@@ -42,14 +42,38 @@ from magi_jax.mask import AttnMask, SliceShapes
 from magi_jax.planning.backends import HOST_PLANNERS, host_planner
 from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.cast_table import CastTable, cast_table_from_pieces
-from magi_jax.planning.solver import (KV_LAYOUTS, DispatchMeta, auto_kv_layout, ranges_repeat,
-                                      slice_chunk_pairs, solve_kv_dispatch)
-from magi_jax.planning.work_list import (backend_blocks, check_items, check_runs, plan_runs,
-                                         work_list_runs)
+from magi_jax.planning.solver import (
+    KV_LAYOUTS,
+    DispatchMeta,
+    auto_kv_layout,
+    ranges_repeat,
+    slice_chunk_pairs,
+    solve_kv_dispatch,
+)
+from magi_jax.planning.work_list import (
+    backend_blocks,
+    check_items,
+    check_runs,
+    plan_runs,
+    work_list_runs,
+)
 
-__all__ = ["DistPlan", "StagePlan", "build_dist_plan", "RankView", "rank_views", "split_areas",
-           "clear_cache", "stage_buffer_len", "cast_width", "cast_runs", "phase_times",
-           "PHASES", "REPLICATED_KV", "resolve_kv"]
+__all__ = [
+    "DistPlan",
+    "StagePlan",
+    "build_dist_plan",
+    "RankView",
+    "rank_views",
+    "split_areas",
+    "clear_cache",
+    "stage_buffer_len",
+    "cast_width",
+    "cast_runs",
+    "phase_times",
+    "PHASES",
+    "REPLICATED_KV",
+    "resolve_kv",
+]
 
 # The ``kv`` of build_dist_plan for keys that every rank holds whole.
 REPLICATED_KV = "replicated"
@@ -111,11 +135,11 @@ class StagePlan:
     :func:`~magi_jax.planning.work_list.expand_runs` on the host). A planner other than the
     built-in ones gives its own plan arrays, used as they are (``items`` is then ``None``)."""
 
-    ffa: tuple                      # the backend's plan arrays (NamedTuple), stacked
+    ffa: tuple  # the backend's plan arrays (NamedTuple), stacked
     kv_len: int
     cast: CastTable | None
-    num_slices: np.ndarray          # int64 [cp]: canonical pieces in the plan, per rank
-    area: np.ndarray                # int64 [cp]: cells per rank
+    num_slices: np.ndarray  # int64 [cp]: canonical pieces in the plan, per rank
+    area: np.ndarray  # int64 [cp]: cells per rank
     shapes: tuple[SliceShapes, ...]  # per rank: the local-coordinate shapes planned
     items: tuple[int, int] | None = None
 
@@ -130,7 +154,7 @@ class DistPlan:
     block_q: int
     block_k: int
     stages: tuple[StagePlan, ...]
-    remote_tokens: np.ndarray       # int64 [cp]: KV tokens fetched by each rank (all stages)
+    remote_tokens: np.ndarray  # int64 [cp]: KV tokens fetched by each rank (all stages)
     needed: tuple[np.ndarray, ...]  # per rank: global key intervals its queries see [n, 2]
     # Where the keys live: "shared" (self-attention: the queries' dispatch), "dispatched"
     # (cross attention, keys dispatched by kv_meta) or "replicated" (every rank holds all).
@@ -148,10 +172,10 @@ class RankView:
     coordinates, the key intervals it needs, the remote pieces ``(g0, g1, owner, stage,
     offset)`` in stage-buffer coordinates."""
 
-    pairs: tuple[np.ndarray, ...]   # (slice, chunk, a, b, e0, e1) of its query chunks
-    needed: np.ndarray              # [n, 2] merged global key intervals
-    remote: np.ndarray              # [p, 5] (g0, g1, owner, stage, offset in stage buffer)
-    stage_len: np.ndarray           # [num_remote_stages] tokens per stage
+    pairs: tuple[np.ndarray, ...]  # (slice, chunk, a, b, e0, e1) of its query chunks
+    needed: np.ndarray  # [n, 2] merged global key intervals
+    remote: np.ndarray  # [p, 5] (g0, g1, owner, stage, offset in stage buffer)
+    stage_len: np.ndarray  # [num_remote_stages] tokens per stage
 
 
 def _split_even(total: int, parts: int) -> np.ndarray:
@@ -169,7 +193,7 @@ class _Flat:
     def split(self, x):
         """``x`` (flat, grouped like ``rank``) as one view per rank."""
         b = self.bounds
-        return tuple(x[b[r]:b[r + 1]] for r in range(len(b) - 1))
+        return tuple(x[b[r] : b[r + 1]] for r in range(len(b) - 1))
 
 
 class _Geometry:
@@ -185,8 +209,7 @@ class _Geometry:
         # The keys' side: their dispatch (None when every rank holds them all) and the rows
         # of a rank's local KV.
         self.kv_meta = meta if kv is None else None if kv == REPLICATED_KV else kv
-        self.kv_local_len = (mask.total_k if self.kv_meta is None
-                             else self.kv_meta.local_len)
+        self.kv_local_len = mask.total_k if self.kv_meta is None else self.kv_meta.local_len
         kv_rows = mask.total_k if self.kv_meta is None else self.kv_meta.padded_total
         # Offsets that keep the ranks apart in one sorted array: rank r's positions live in
         # [r * big, (r + 1) * big).
@@ -206,8 +229,9 @@ class _Geometry:
             first = np.nonzero(new)[0]
             last = np.append(first[1:], len(e0)) - 1
             need_rank = rank[first]
-            self.needed = np.stack([e0[first], run_end[last] - need_rank * big],
-                                   axis=1).astype(np.int64)
+            self.needed = np.stack([e0[first], run_end[last] - need_rank * big], axis=1).astype(
+                np.int64
+            )
         else:
             need_rank = np.zeros(0, np.int64)
             self.needed = np.zeros((0, 2), np.int64)
@@ -218,7 +242,7 @@ class _Geometry:
         iv, ch = ranges_repeat(nd[:, 0] // kc, (nd[:, 1] - 1) // kc + 1)
         g0 = np.maximum(nd[iv, 0], ch * kc)
         g1 = np.minimum(nd[iv, 1], (ch + 1) * kc)
-        if self.kv_meta is None:                      # replicated: every key is local
+        if self.kv_meta is None:  # replicated: every key is local
             keep = np.zeros(len(iv), bool)
             own = np.zeros(len(iv), np.int64)
         else:
@@ -236,8 +260,9 @@ class _Geometry:
         """The remote pieces cut into ``k`` stages: ``(remote [p, 5] (g0, g1, owner, stage,
         offset), its ranks (:class:`_Flat`), stage_len [cp, k])``; cached per ``k``."""
         if k not in self._cuts:
-            self._cuts[k] = _cut_stages_flat(*self.pieces, self.piece_rank, self.meta.cp, k,
-                                             self.big)
+            self._cuts[k] = _cut_stages_flat(
+                *self.pieces, self.piece_rank, self.meta.cp, k, self.big
+            )
         return self._cuts[k]
 
     def stage_shapes(self, which, k: int = 1):
@@ -250,7 +275,7 @@ class _Geometry:
 
     def _stage_shapes(self, which, k):
         cp, t_loc, kv = self.meta.cp, self.kv_local_len, self.kv_meta
-        if kv is None:                    # replicated: local key j is global key j
+        if kv is None:  # replicated: local key j is global key j
             local_g0, local_shift = np.zeros(cp, np.int64), np.zeros(cp, np.int64)
             c, local_rank = self.mask.total_k, np.arange(cp)
         else:
@@ -275,8 +300,17 @@ class _Geometry:
             order = np.lexsort((g0, rank))
             g0, g1, sk, rank = g0[order], g1[order], sk[order], rank[order]
         g0, g1, sk, rank = _merge_runs_flat(g0, g1, sk, rank)
-        shapes, shape_rank = _clip_flat(self.mask.shapes, self.merged, self.merged_rank, g0, g1,
-                                        sk, rank, self.q_shift, self.big)
+        shapes, shape_rank = _clip_flat(
+            self.mask.shapes,
+            self.merged,
+            self.merged_rank,
+            g0,
+            g1,
+            sk,
+            rank,
+            self.q_shift,
+            self.big,
+        )
         return shapes, _Flat(shape_rank, cp)
 
 
@@ -284,8 +318,9 @@ _GEOMETRY: dict = {}
 _GEOMETRY_MAX = 4
 
 
-def resolve_kv(mask: AttnMask, meta: DispatchMeta, kv_layout: str = "auto",
-               kv_chunk_size: int | None = None):
+def resolve_kv(
+    mask: AttnMask, meta: DispatchMeta, kv_layout: str = "auto", kv_chunk_size: int | None = None
+):
     """The ``kv`` of :func:`build_dist_plan` for a key layout of
     :data:`~magi_jax.planning.solver.KV_LAYOUTS`: ``"auto"`` gives ``None`` (self-attention)
     for a mask with ``total_q == total_k`` and
@@ -310,16 +345,20 @@ def _kv_part(mask: AttnMask, meta: DispatchMeta, kv):
             raise ValueError(
                 f"the mask is cross attention (total_q={mask.total_q} != total_k="
                 f"{mask.total_k}): say where its keys live, kv=solve_kv_dispatch(mask, meta) "
-                f"or kv={REPLICATED_KV!r}")
+                f"or kv={REPLICATED_KV!r}"
+            )
         return None
     if isinstance(kv, str):
         if kv != REPLICATED_KV:
-            raise ValueError(f"kv={kv!r} must be None, {REPLICATED_KV!r} or a DispatchMeta of "
-                             "the keys")
+            raise ValueError(
+                f"kv={kv!r} must be None, {REPLICATED_KV!r} or a DispatchMeta of the keys"
+            )
         return kv
     if not isinstance(kv, DispatchMeta) or kv.total != mask.total_k or kv.cp != meta.cp:
-        raise ValueError(f"kv must be a DispatchMeta over the mask's total_k={mask.total_k} "
-                         f"keys on the queries' {meta.cp} ranks (solve_kv_dispatch)")
+        raise ValueError(
+            f"kv must be a DispatchMeta over the mask's total_k={mask.total_k} "
+            f"keys on the queries' {meta.cp} ranks (solve_kv_dispatch)"
+        )
     return ("dispatched", kv.fingerprint())
 
 
@@ -337,8 +376,9 @@ def _geometry(mask: AttnMask, meta: DispatchMeta, kv=None) -> _Geometry:
     return geo
 
 
-def rank_views(mask: AttnMask, meta: DispatchMeta, num_remote_stages: int,
-               kv=None) -> list[RankView]:
+def rank_views(
+    mask: AttnMask, meta: DispatchMeta, num_remote_stages: int, kv=None
+) -> list[RankView]:
     """Every rank's :class:`RankView`; remote keys cut into ``num_remote_stages`` stages of
     nearly equal token counts (by buffer position); ``kv`` as for :func:`build_dist_plan`."""
     geo = _geometry(mask, meta, kv)
@@ -346,12 +386,20 @@ def rank_views(mask: AttnMask, meta: DispatchMeta, num_remote_stages: int,
     pairs = [geo.pair_rank.split(p) for p in geo.pairs]
     needed = geo.need_rank.split(geo.needed)
     if k == 0:
-        return [RankView(tuple(p[r] for p in pairs), needed[r], np.zeros((0, 5), np.int64),
-                         np.zeros((0,), np.int64)) for r in range(cp)]
+        return [
+            RankView(
+                tuple(p[r] for p in pairs),
+                needed[r],
+                np.zeros((0, 5), np.int64),
+                np.zeros((0,), np.int64),
+            )
+            for r in range(cp)
+        ]
     remote, remote_rank, stage_len = geo.cut(k)
     remote = remote_rank.split(remote)
-    return [RankView(tuple(p[r] for p in pairs), needed[r], remote[r], stage_len[r])
-            for r in range(cp)]
+    return [
+        RankView(tuple(p[r] for p in pairs), needed[r], remote[r], stage_len[r]) for r in range(cp)
+    ]
 
 
 def _cut_stages_flat(g0, g1, own, piece_rank: _Flat, cp: int, k: int, big: int):
@@ -360,17 +408,21 @@ def _cut_stages_flat(g0, g1, own, piece_rank: _Flat, cp: int, k: int, big: int):
     rank = piece_rank.rank
     lengths = g1 - g0
     cum = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    base = cum[piece_rank.bounds[:-1]]                           # per rank
-    total = cum[piece_rank.bounds[1:]] - base                    # remote tokens per rank
+    base = cum[piece_rank.bounds[:-1]]  # per rank
+    total = cum[piece_rank.bounds[1:]] - base  # remote tokens per rank
     if k == 0:
-        return (np.zeros((0, 5), np.int64), _Flat(np.zeros(0, np.int64), cp),
-                np.zeros((cp, 0), np.int64))
-    stage_bounds = (np.arange(k + 1)[None, :] * total[:, None]) // k       # [cp, k + 1]
-    start = cum[:-1] - base[rank]                                # piece start in its buffer
+        return (
+            np.zeros((0, 5), np.int64),
+            _Flat(np.zeros(0, np.int64), cp),
+            np.zeros((cp, 0), np.int64),
+        )
+    stage_bounds = (np.arange(k + 1)[None, :] * total[:, None]) // k  # [cp, k + 1]
+    start = cum[:-1] - base[rank]  # piece start in its buffer
     # Cuts: piece starts and stage starts, per rank, below the rank's total.
     sb_rank = np.repeat(np.arange(cp), k)
-    keys = np.unique(np.concatenate([start + rank * big,
-                                     stage_bounds[:, :-1].reshape(-1) + sb_rank * big]))
+    keys = np.unique(
+        np.concatenate([start + rank * big, stage_bounds[:, :-1].reshape(-1) + sb_rank * big])
+    )
     cut_rank = keys // big
     cuts = keys - cut_rank * big
     keep = cuts < total[cut_rank]
@@ -384,21 +436,34 @@ def _cut_stages_flat(g0, g1, own, piece_rank: _Flat, cp: int, k: int, big: int):
     a = g0[piece] + (cuts - start[piece])
     b = a + (ends - cuts)
     remote = np.stack([a, b, own[piece], stage, cuts - stage_bounds[cut_rank, stage]], axis=1)
-    return (remote.astype(np.int64), _Flat(cut_rank.astype(np.int64), cp),
-            np.diff(stage_bounds, axis=1).astype(np.int64))
+    return (
+        remote.astype(np.int64),
+        _Flat(cut_rank.astype(np.int64), cp),
+        np.diff(stage_bounds, axis=1).astype(np.int64),
+    )
 
 
 def _clip_to_segments(sh: SliceShapes, pairs, seg_g0, seg_g1, seg_shift, q_shift_of_chunk):
     """Clips each (slice, query chunk) pair to the key segments ``[g0, g1)`` (sorted,
     disjoint), splits at kinks and shifts into local coordinates: ``q += q_shift``,
     ``k += seg_shift``. Returns a :class:`SliceShapes` (kink-free pieces)."""
-    shapes, _ = _clip_flat(sh, pairs, np.zeros(len(pairs[0]), np.int64), seg_g0, seg_g1,
-                           seg_shift, np.zeros(len(seg_g0), np.int64), q_shift_of_chunk, 0)
+    shapes, _ = _clip_flat(
+        sh,
+        pairs,
+        np.zeros(len(pairs[0]), np.int64),
+        seg_g0,
+        seg_g1,
+        seg_shift,
+        np.zeros(len(seg_g0), np.int64),
+        q_shift_of_chunk,
+        0,
+    )
     return shapes
 
 
-def _clip_flat(sh: SliceShapes, pairs, pair_rank, seg_g0, seg_g1, seg_shift, seg_rank,
-               q_shift_of_chunk, big):
+def _clip_flat(
+    sh: SliceShapes, pairs, pair_rank, seg_g0, seg_g1, seg_shift, seg_rank, q_shift_of_chunk, big
+):
     """:func:`_clip_to_segments` of every rank at once: pairs and segments grouped by rank
     (each rank's segments sorted, disjoint), a pair clipped to its rank's segments only.
     Returns ``(SliceShapes, rank of each piece)``, ranks in order."""
@@ -427,10 +492,13 @@ def _clip_flat(sh: SliceShapes, pairs, pair_rank, seg_g0, seg_g1, seg_shift, seg
     d = sk - sq
     dlo_, dhi_ = rep(dlo)[keep], rep(dhi)[keep]
     return SliceShapes(
-        q0=band_a[keep] + sq, q1=band_b[keep] + sq,
-        k0=rep(k0)[keep] + sk, k1=rep(k1)[keep] + sk,
+        q0=band_a[keep] + sq,
+        q1=band_b[keep] + sq,
+        k0=rep(k0)[keep] + sk,
+        k1=rep(k1)[keep] + sk,
         dlo=np.where(np.abs(dlo_) >= _UNBOUNDED, dlo_, dlo_ + d),
-        dhi=np.where(np.abs(dhi_) >= _UNBOUNDED, dhi_, dhi_ + d)), rep(rank)[keep]
+        dhi=np.where(np.abs(dhi_) >= _UNBOUNDED, dhi_, dhi_ + d),
+    ), rep(rank)[keep]
 
 
 def _merge_runs_flat(g0, g1, shift, rank):
@@ -458,12 +526,17 @@ def _merge_pairs_flat(pairs, rank, q_shift):
     s, chunk, a, b, e0, e1, rank = (x[order] for x in (s, chunk, a, b, e0, e1, rank))
     sh = q_shift[chunk]
     new = np.ones(len(s), bool)
-    new[1:] = ((s[1:] != s[:-1]) | (a[1:] != b[:-1]) | (sh[1:] != sh[:-1])
-               | (rank[1:] != rank[:-1]))
+    new[1:] = (s[1:] != s[:-1]) | (a[1:] != b[:-1]) | (sh[1:] != sh[:-1]) | (rank[1:] != rank[:-1])
     first = np.nonzero(new)[0]
     last = np.append(first[1:], len(s)) - 1
-    return (s[first], chunk[first], a[first], b[last], np.minimum.reduceat(e0, first),
-            np.maximum.reduceat(e1, first)), rank[first]
+    return (
+        s[first],
+        chunk[first],
+        a[first],
+        b[last],
+        np.minimum.reduceat(e0, first),
+        np.maximum.reduceat(e1, first),
+    ), rank[first]
 
 
 def _rank_sums(x: np.ndarray, flat: _Flat) -> np.ndarray:
@@ -489,9 +562,16 @@ def _plan_bytes(plan: "DistPlan") -> int:
     return total
 
 
-def build_dist_plan(mask: AttnMask, meta: DispatchMeta, overlap_degree: int, block_q: int,
-                    block_k: int, ffa_backend: str = "xla",
-                    capacity: PlanCapacity | None = None, kv=None) -> DistPlan:
+def build_dist_plan(
+    mask: AttnMask,
+    meta: DispatchMeta,
+    overlap_degree: int,
+    block_q: int,
+    block_k: int,
+    ffa_backend: str = "xla",
+    capacity: PlanCapacity | None = None,
+    kv=None,
+) -> DistPlan:
     """The distributed plan of ``mask`` over the dispatch ``meta``; cached by (mask
     fingerprint, dispatch, overlap_degree, block sizes, FFA backend, capacity, kv).
 
@@ -508,23 +588,33 @@ def build_dist_plan(mask: AttnMask, meta: DispatchMeta, overlap_degree: int, blo
     hold the capacity's items, and the stages exist whether or not this mask needs remote
     KV. A mask that needs more raises :class:`~magi_jax.planning.capacity.CapacityError`."""
     if int(overlap_degree) < 0:
-        raise ValueError(f"overlap_degree={overlap_degree} must be >= 0 (0: one FFA call "
-                         "after fetching all remote KV; k: host stage + k remote stages)")
+        raise ValueError(
+            f"overlap_degree={overlap_degree} must be >= 0 (0: one FFA call "
+            "after fetching all remote KV; k: host stage + k remote stages)"
+        )
     backend = host_planner(ffa_backend)
-    key = (mask.fingerprint, meta.fingerprint(), int(overlap_degree), int(block_q),
-           int(block_k), backend.name, capacity, _kv_part(mask, meta, kv))
+    key = (
+        mask.fingerprint,
+        meta.fingerprint(),
+        int(overlap_degree),
+        int(block_q),
+        int(block_k),
+        backend.name,
+        capacity,
+        _kv_part(mask, meta, kv),
+    )
     with _CACHE_LOCK:
         hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    plan = _build(mask, meta, int(overlap_degree), int(block_q), int(block_k), backend,
-                  capacity, kv)
+    plan = _build(
+        mask, meta, int(overlap_degree), int(block_q), int(block_k), backend, capacity, kv
+    )
     with _CACHE_LOCK:
         if len(_CACHE) >= _CACHE_MAX:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = plan
-        while len(_CACHE) > 1 and sum(_plan_bytes(p) for p in _CACHE.values()) > \
-                _CACHE_MAX_BYTES:
+        while len(_CACHE) > 1 and sum(_plan_bytes(p) for p in _CACHE.values()) > _CACHE_MAX_BYTES:
             _CACHE.pop(next(iter(_CACHE)))
     return plan
 
@@ -533,7 +623,7 @@ def _stage_shapes(mask, meta, views, r, which):
     """Rank ``r``'s local-coordinate shapes for ``which`` = ``"host"`` (local KV),
     ``"combined"`` (local KV then the whole remote buffer) or a remote stage index."""
     c, t_loc = meta.chunk_size, meta.local_len
-    q_shift = meta.chunk_slot * c - np.arange(meta.num_chunks) * c     # per chunk
+    q_shift = meta.chunk_slot * c - np.arange(meta.num_chunks) * c  # per chunk
     local_g0 = meta.rank_chunks[r] * c
     local_shift = np.arange(meta.chunks_per_rank) * c - local_g0
     if which == "host":
@@ -550,8 +640,9 @@ def _stage_shapes(mask, meta, views, r, which):
         order = np.argsort(g0, kind="stable")
         g0, g1, sk = g0[order], g1[order], sk[order]
     g0, g1, sk = _merge_runs(g0, g1, sk)
-    return _clip_to_segments(mask.shapes, _merge_pairs(views[r].pairs, q_shift), g0, g1, sk,
-                             q_shift)
+    return _clip_to_segments(
+        mask.shapes, _merge_pairs(views[r].pairs, q_shift), g0, g1, sk, q_shift
+    )
 
 
 def _merge_runs(g0, g1, shift):
@@ -581,8 +672,14 @@ def _merge_pairs(pairs, q_shift):
     new[1:] = (s[1:] != s[:-1]) | (a[1:] != b[:-1]) | (sh[1:] != sh[:-1])
     first = np.nonzero(new)[0]
     last = np.append(first[1:], len(s)) - 1
-    return (s[first], chunk[first], a[first], b[last], np.minimum.reduceat(e0, first),
-            np.maximum.reduceat(e1, first))
+    return (
+        s[first],
+        chunk[first],
+        a[first],
+        b[last],
+        np.minimum.reduceat(e0, first),
+        np.maximum.reduceat(e1, first),
+    )
 
 
 def split_areas(mask: AttnMask, meta: DispatchMeta, kv=None):
@@ -593,13 +690,12 @@ def split_areas(mask: AttnMask, meta: DispatchMeta, kv=None):
     host, host_rank = geo.stage_shapes("host")
     remote, remote_rank = geo.stage_shapes(0, 1)
     tokens = geo.cut(1)[2].sum(axis=1).astype(np.int64)
-    return (_rank_sums(host.areas(), host_rank), _rank_sums(remote.areas(), remote_rank),
-            tokens)
+    return (_rank_sums(host.areas(), host_rank), _rank_sums(remote.areas(), remote_rank), tokens)
 
 
 def stage_buffer_len(capacity: PlanCapacity, meta: DispatchMeta, num_remote: int) -> int:
     """KV tokens of one remote stage's buffer at ``capacity``."""
-    most = max(meta.padded_total - meta.local_len, 1)       # every token the rank does not own
+    most = max(meta.padded_total - meta.local_len, 1)  # every token the rank does not own
     remote = min(capacity.remote_kv or most, most)
     return max(1, -(-remote // num_remote))
 
@@ -609,13 +705,16 @@ def cast_width(capacity: PlanCapacity, buffer_len: int) -> int:
     return min(capacity.cast_width or buffer_len, buffer_len)
 
 
-def cast_runs(capacity: PlanCapacity, cp: int, width: int, buffer_len: int,
-              local_len: int) -> tuple[int, int]:
+def cast_runs(
+    capacity: PlanCapacity, cp: int, width: int, buffer_len: int, local_len: int
+) -> tuple[int, int]:
     """``(send_runs, recv_runs)`` of a cast at ``capacity``: the capacity's fields, or by
     default what always fits (every row a run of its own: a slot of ``width`` rows holds at
     most ``min(width, local_len)`` of one owner's rows, a buffer ``buffer_len``)."""
-    return (capacity.send_runs or (cp - 1) * min(width, local_len),
-            capacity.recv_runs or buffer_len)
+    return (
+        capacity.send_runs or (cp - 1) * min(width, local_len),
+        capacity.recv_runs or buffer_len,
+    )
 
 
 def _build(mask, meta, degree, bq, bk, backend, capacity=None, kv=None) -> DistPlan:
@@ -629,37 +728,57 @@ def _build(mask, meta, degree, bq, bk, backend, capacity=None, kv=None) -> DistP
     # Replicated keys: nothing is remote, at a capacity too (no stages to hold the place of).
     fetches = kv_meta is not None
     if capacity is None or not fetches:
-        buf_len = np.maximum(stage_len.max(axis=0), 1)                    # per remote stage
+        buf_len = np.maximum(stage_len.max(axis=0), 1)  # per remote stage
     else:
         buf_len = np.full(num_remote, stage_buffer_len(capacity, kv_meta, num_remote))
         capacity.check("remote_kv", int(stage_len.max(initial=0)) * num_remote)
     with _phase("cast_tables"):
         # At a capacity (cp > 1) every cast has a slot for every other rank.
-        width = (cast_width(capacity, int(buf_len[0])) if capacity is not None and cp > 1
-                 else None)
+        width = cast_width(capacity, int(buf_len[0])) if capacity is not None and cp > 1 else None
         casts = []
         for s in range(num_remote if fetches else 0):
             sel = remote[:, 3] == s
-            runs = ((None, None) if width is None else
-                    cast_runs(capacity, cp, width, int(buf_len[s]), kv_meta.local_len))
-            casts.append(cast_table_from_pieces(
-                kv_meta, remote[sel, 0], remote[sel, 1], remote[sel, 2], remote_rank.rank[sel],
-                remote[sel, 4], buffer_len=int(buf_len[s]), width=width, send_runs=runs[0],
-                recv_runs=runs[1]))
+            runs = (
+                (None, None)
+                if width is None
+                else cast_runs(capacity, cp, width, int(buf_len[s]), kv_meta.local_len)
+            )
+            casts.append(
+                cast_table_from_pieces(
+                    kv_meta,
+                    remote[sel, 0],
+                    remote[sel, 1],
+                    remote[sel, 2],
+                    remote_rank.rank[sel],
+                    remote[sel, 4],
+                    buffer_len=int(buf_len[s]),
+                    width=width,
+                    send_runs=runs[0],
+                    recv_runs=runs[1],
+                )
+            )
     # At a capacity the stages exist whatever this mask needs (their shapes are static).
     any_remote = bool(stage_len.sum()) or (capacity is not None and cp > 1 and fetches)
 
     def make_stage(which, kv_len, cast):
         with _phase("stage_shapes"):
             flat, rank = geo.stage_shapes(which, num_remote)
-            shapes = tuple(SliceShapes(*x) for x in zip(*(rank.split(getattr(flat, f)) for f in
-                                                          _SHAPE_FIELDS)))
+            shapes = tuple(
+                SliceShapes(*x) for x in zip(*(rank.split(getattr(flat, f)) for f in _SHAPE_FIELDS))
+            )
             num_slices = np.diff(rank.bounds).astype(np.int64)
             area = _rank_sums(flat.areas(), rank)
-        ffa, items = _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity,
-                                  shapes)
-        return StagePlan(ffa=ffa, kv_len=kv_len, cast=cast, num_slices=num_slices, area=area,
-                         shapes=shapes, items=items)
+        ffa, items = _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, shapes)
+        return StagePlan(
+            ffa=ffa,
+            kv_len=kv_len,
+            cast=cast,
+            num_slices=num_slices,
+            area=area,
+            shapes=shapes,
+            items=items,
+        )
+
     if degree == 0 or not any_remote:
         if any_remote:
             stages = (make_stage("combined", kv_loc + int(buf_len[0]), casts[0]),)
@@ -667,11 +786,20 @@ def _build(mask, meta, degree, bq, bk, backend, capacity=None, kv=None) -> DistP
             stages = (make_stage("host", kv_loc, None),)
     else:
         stages = (make_stage("host", kv_loc, None),) + tuple(
-            make_stage(s, int(buf_len[s]), casts[s]) for s in range(num_remote))
+            make_stage(s, int(buf_len[s]), casts[s]) for s in range(num_remote)
+        )
     layout = "shared" if kv is None else "replicated" if kv_meta is None else "dispatched"
-    return DistPlan(meta=meta, overlap_degree=degree if any_remote else 0, block_q=bq,
-                    block_k=bk, stages=stages, remote_tokens=stage_len.sum(axis=1),
-                    needed=needed, kv_layout=layout, kv_meta=None if kv is None else kv_meta)
+    return DistPlan(
+        meta=meta,
+        overlap_degree=degree if any_remote else 0,
+        block_q=bq,
+        block_k=bk,
+        stages=stages,
+        remote_tokens=stage_len.sum(axis=1),
+        needed=needed,
+        kv_layout=layout,
+        kv_meta=None if kv is None else kv_meta,
+    )
 
 
 _SHAPE_FIELDS = ("q0", "q1", "k0", "k1", "dlo", "dhi")
@@ -682,7 +810,7 @@ def _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, shape
     arrays: runs (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) standing for lists of
     the capacity's items (at ``capacity``; runs padded to :func:`_capacity_runs`) or of the
     longest rank's."""
-    if HOST_PLANNERS.get(backend.name) is not backend:      # another planner: rank by rank
+    if HOST_PLANNERS.get(backend.name) is not backend:  # another planner: rank by rank
         with _phase("work_lists"):
             plans = [backend.build(x, t_loc, kv_len, bq, bk) for x in shapes]
         with _phase("stack_pad"):
@@ -698,9 +826,9 @@ def _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, shape
         num_runs = None
     else:
         items = _capacity_items(capacity, backend.name, t_loc, kv_len)
-        for r in range(cp):          # the first rank and list over the capacity, as padding
-            check_items(runs_q.per_rank[r:r + 1], items[0])
-            check_items(runs_k.per_rank[r:r + 1], items[1])
+        for r in range(cp):  # the first rank and list over the capacity, as padding
+            check_items(runs_q.per_rank[r : r + 1], items[0])
+            check_items(runs_k.per_rank[r : r + 1], items[1])
         num_runs = _capacity_runs(capacity, items)
         check_runs(runs_q, num_runs[0], "q_runs")
         check_runs(runs_k, num_runs[1], "k_runs")
@@ -712,8 +840,10 @@ def _capacity_runs(capacity: PlanCapacity, items: tuple[int, int]) -> tuple[int,
     """Runs of the q-tile and k-tile lists at ``capacity`` (lists of ``items``): its
     ``q_runs`` / ``k_runs`` bounds, never more than a list's items (a run holds at least
     one)."""
-    return tuple(int(n) if bound is None else min(int(bound), int(n))
-                 for bound, n in zip((capacity.q_runs, capacity.k_runs), items))
+    return tuple(
+        int(n) if bound is None else min(int(bound), int(n))
+        for bound, n in zip((capacity.q_runs, capacity.k_runs), items)
+    )
 
 
 def _capacity_items(capacity: PlanCapacity, backend: str, t_loc: int, kv_len: int):

@@ -36,7 +36,7 @@ class TileItems:
     q_tile: np.ndarray
     k_tile: np.ndarray
     slice_id: np.ndarray
-    full: np.ndarray           # bool
+    full: np.ndarray  # bool
     block_q: int
     block_k: int
     num_q_tiles: int
@@ -54,8 +54,9 @@ def _ranges_repeat(start: np.ndarray, stop: np.ndarray) -> tuple[np.ndarray, np.
     return owner, value
 
 
-def tile_items(shapes: SliceShapes, total_q: int, total_k: int, block_q: int,
-               block_k: int) -> TileItems:
+def tile_items(
+    shapes: SliceShapes, total_q: int, total_k: int, block_q: int, block_k: int
+) -> TileItems:
     """Enumerates the non-empty (slice, q-tile, k-tile) items of ``shapes``."""
     if block_q <= 0 or block_k <= 0:
         raise ValueError(f"block_q={block_q} and block_k={block_k} must be positive")
@@ -76,17 +77,28 @@ def tile_items(shapes: SliceShapes, total_q: int, total_k: int, block_q: int,
     tile_c0, tile_c1 = kt * block_k, (kt + 1) * block_k - 1
     rows_inside = (tile_r0 >= shapes.q0[s]) & (tile_r1 < shapes.q1[s])
     # Within the slice's rows, lo/hi are nondecreasing: check the extreme rows.
-    full = (rows_inside & (shapes.lo(tile_r1, s) <= tile_c0) & (shapes.hi(tile_r0, s) >= tile_c1)
-            & (tile_c1 < total_k))
+    full = (
+        rows_inside
+        & (shapes.lo(tile_r1, s) <= tile_c0)
+        & (shapes.hi(tile_r0, s) >= tile_c1)
+        & (tile_c1 < total_k)
+    )
     order = np.lexsort((kt, s, qt))
-    return TileItems(q_tile=qt[order].astype(np.int64), k_tile=kt[order].astype(np.int64),
-                     slice_id=s[order].astype(np.int64), full=full[order], block_q=block_q,
-                     block_k=block_k, num_q_tiles=-(-total_q // block_q),
-                     num_k_tiles=-(-total_k // block_k))
+    return TileItems(
+        q_tile=qt[order].astype(np.int64),
+        k_tile=kt[order].astype(np.int64),
+        slice_id=s[order].astype(np.int64),
+        full=full[order],
+        block_q=block_q,
+        block_k=block_k,
+        num_q_tiles=-(-total_q // block_q),
+        num_k_tiles=-(-total_k // block_k),
+    )
 
 
-def count_items(shapes: SliceShapes, total_q: int, total_k: int, block_q: int = 128,
-                block_k: int = 128) -> int:
+def count_items(
+    shapes: SliceShapes, total_q: int, total_k: int, block_q: int = 128, block_k: int = 128
+) -> int:
     """The number of work items of ``shapes`` on ``block_q x block_k`` tiles (what
     :class:`~magi_jax.planning.capacity.PlanCapacity` bounds)."""
     return len(tile_items(shapes, total_q, total_k, block_q, block_k))

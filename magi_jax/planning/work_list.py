@@ -17,7 +17,6 @@ visited.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import heapq
 from typing import NamedTuple
@@ -27,14 +26,42 @@ import numpy as np
 from magi_jax.mask import AttnMask, SliceShapes
 from magi_jax.planning.tiling import EMPTY_ITEM, ITEM_FIELDS, tile_items
 
-__all__ = ["ITEM_FIELDS", "NUM_FIELDS", "EMPTY_ITEM", "WorkList", "FFAPlanArrays",
-           "RUN_FIELDS", "NUM_RUN_FIELDS", "EMPTY_RUN", "FFAPlanRuns", "emit_run_lists",
-           "check_runs", "expand_runs", "plan_runs", "count_runs",
-           "build_work_list", "build_work_lists", "work_list_runs", "emit_work_lists",
-           "check_items", "ListRuns", "build_plan_arrays", "plan_for_mask", "pad_work_list",
-           "stack_plans", "persistent_schedule", "backend_blocks", "default_block_sizes",
-           "FWD_BLOCK_Q", "FWD_BLOCK_K", "DKV_BLOCK_Q", "DKV_BLOCK_K", "GENERAL", "FULL",
-           "BAND"]
+__all__ = [
+    "ITEM_FIELDS",
+    "NUM_FIELDS",
+    "EMPTY_ITEM",
+    "WorkList",
+    "FFAPlanArrays",
+    "RUN_FIELDS",
+    "NUM_RUN_FIELDS",
+    "EMPTY_RUN",
+    "FFAPlanRuns",
+    "emit_run_lists",
+    "check_runs",
+    "expand_runs",
+    "plan_runs",
+    "count_runs",
+    "build_work_list",
+    "build_work_lists",
+    "work_list_runs",
+    "emit_work_lists",
+    "check_items",
+    "ListRuns",
+    "build_plan_arrays",
+    "plan_for_mask",
+    "pad_work_list",
+    "stack_plans",
+    "persistent_schedule",
+    "backend_blocks",
+    "default_block_sizes",
+    "FWD_BLOCK_Q",
+    "FWD_BLOCK_K",
+    "DKV_BLOCK_Q",
+    "DKV_BLOCK_K",
+    "GENERAL",
+    "FULL",
+    "BAND",
+]
 
 # Items have the columns of magi_jax.planning.tiling.ITEM_FIELDS (the tile on the other side, the
 # slice's canonical geometry, the mask kind below); padding items are tiling.EMPTY_ITEM.
@@ -110,8 +137,10 @@ class FFAPlanArrays(NamedTuple):
 
     def pad_to(self, num_q_items: int, num_k_items: int) -> "FFAPlanArrays":
         """The same plan with its item arrays padded to ``num_q_items`` / ``num_k_items``."""
-        return FFAPlanArrays(*pad_work_list(WorkList(*self[:3]), num_q_items),
-                             *pad_work_list(WorkList(*self[3:]), num_k_items))
+        return FFAPlanArrays(
+            *pad_work_list(WorkList(*self[:3]), num_q_items),
+            *pad_work_list(WorkList(*self[3:]), num_k_items),
+        )
 
 
 class FFAPlanRuns(NamedTuple):
@@ -158,9 +187,9 @@ def emit_run_lists(runs: ListRuns, num_runs: int | None = None):
     out = np.empty((cp, width, NUM_RUN_FIELDS), np.int32)
     for r in range(cp):
         a, b = runs.run_bounds[r], runs.run_bounds[r + 1]
-        out[r, :b - a, :NUM_FIELDS] = runs.rows[a:b]
-        out[r, :b - a, _LENGTH] = runs.length[a:b]
-        out[r, b - a:] = EMPTY_RUN
+        out[r, : b - a, :NUM_FIELDS] = runs.rows[a:b]
+        out[r, : b - a, _LENGTH] = runs.length[a:b]
+        out[r, b - a :] = EMPTY_RUN
     return runs.order, runs.offsets, out
 
 
@@ -171,15 +200,19 @@ def check_runs(runs: ListRuns, num_runs: int, field: str = "q_runs"):
     over = np.nonzero(per_call > int(num_runs))[0]
     if len(over):
         from magi_jax.planning.capacity import CapacityError
+
         have = int(per_call[over[0]])
-        raise CapacityError(f"this mask needs PlanCapacity.{field}>={have} runs of work items "
-                            f"on one list, but the capacity holds {num_runs}; build the "
-                            f"capacity with {field}>={have} (or PlanCapacity.from_masks over "
-                            "a sample of your masks)")
+        raise CapacityError(
+            f"this mask needs PlanCapacity.{field}>={have} runs of work items "
+            f"on one list, but the capacity holds {num_runs}; build the "
+            f"capacity with {field}>={have} (or PlanCapacity.from_masks over "
+            "a sample of your masks)"
+        )
 
 
-def plan_runs(runs_q: ListRuns, runs_k: ListRuns, num_runs: tuple[int, int] | None = None
-              ) -> FFAPlanRuns:
+def plan_runs(
+    runs_q: ListRuns, runs_k: ListRuns, num_runs: tuple[int, int] | None = None
+) -> FFAPlanRuns:
     """The stacked :class:`FFAPlanRuns` of both lists' runs, padded to ``num_runs = (q, k)``
     (default: the most of any call)."""
     nq, nk = (None, None) if num_runs is None else num_runs
@@ -210,8 +243,9 @@ def expand_runs(plan: FFAPlanRuns, num_q_items: int, num_k_items: int) -> FFAPla
     :func:`magi_jax.ffa.plan.expand_lists`)."""
     if not isinstance(plan, FFAPlanRuns):
         raise TypeError(f"plan must be FFAPlanRuns; got {type(plan).__name__}")
-    return FFAPlanArrays(*_expand_list(*plan[:3], int(num_q_items)),
-                         *_expand_list(*plan[3:], int(num_k_items)))
+    return FFAPlanArrays(
+        *_expand_list(*plan[:3], int(num_q_items)), *_expand_list(*plan[3:], int(num_k_items))
+    )
 
 
 def pad_work_list(work: WorkList, num_items: int, field: str = "items") -> WorkList:
@@ -220,22 +254,27 @@ def pad_work_list(work: WorkList, num_items: int, field: str = "items") -> WorkL
     have = len(work.items)
     if have > num_items:
         from magi_jax.planning.capacity import CapacityError
-        raise CapacityError(f"this mask needs PlanCapacity.{field}>={have} work items on one "
-                            f"list, but the capacity holds {num_items}; build the capacity "
-                            "with more items (or PlanCapacity.from_masks over a sample of your "
-                            "masks)")
+
+        raise CapacityError(
+            f"this mask needs PlanCapacity.{field}>={have} work items on one "
+            f"list, but the capacity holds {num_items}; build the capacity "
+            "with more items (or PlanCapacity.from_masks over a sample of your "
+            "masks)"
+        )
     extra = np.broadcast_to(EMPTY_ITEM, (num_items - have, NUM_FIELDS))
     items = np.concatenate([work.items, extra]).astype(np.int32)
     return WorkList(work.order.astype(np.int32), work.offsets.astype(np.int32), items)
 
 
-def build_work_list(shapes: SliceShapes, total_q: int, total_k: int, block_q: int,
-                    block_k: int, by: str) -> WorkList:
+def build_work_list(
+    shapes: SliceShapes, total_q: int, total_k: int, block_q: int, block_k: int, by: str
+) -> WorkList:
     """Items of tiles ``block_q x block_k`` owned by q-tiles (``by="q"``) or k-tiles
     (``by="k"``)."""
     _check_blocks(block_q, block_k, by)
-    work = build_work_lists(shapes, np.zeros(len(shapes.q0), np.int64), 1, total_q, total_k,
-                            block_q, block_k, by)
+    work = build_work_lists(
+        shapes, np.zeros(len(shapes.q0), np.int64), 1, total_q, total_k, block_q, block_k, by
+    )
     return WorkList(work.order[0], work.offsets[0], work.items[0])
 
 
@@ -246,9 +285,18 @@ def _check_blocks(block_q, block_k, by):
         raise ValueError(f"by={by!r}: use 'q' or 'k'")
 
 
-def build_work_lists(shapes: SliceShapes, slice_rank: np.ndarray, cp: int, total_q: int,
-                     total_k: int, block_q: int, block_k: int, by: str,
-                     num_items: int | None = None, field: str = "items") -> WorkList:
+def build_work_lists(
+    shapes: SliceShapes,
+    slice_rank: np.ndarray,
+    cp: int,
+    total_q: int,
+    total_k: int,
+    block_q: int,
+    block_k: int,
+    by: str,
+    num_items: int | None = None,
+    field: str = "items",
+) -> WorkList:
     """The work lists of ``cp`` calls at once, stacked: ``order [cp, N]``, ``offsets
     [cp, N + 1]``, ``items [cp, W, 8]`` int32 — exactly ``stack_plans`` of
     :func:`build_work_list` of each call's slices, each list padded to ``W = num_items``
@@ -289,30 +337,45 @@ def check_items(per_rank: np.ndarray, num_items: int, field: str = "items"):
     over = np.nonzero(np.asarray(per_rank) > int(num_items))[0]
     if len(over):
         have = int(per_rank[over[0]])
-        pad_work_list(WorkList(np.zeros(0, np.int32), np.zeros(1, np.int32),
-                               np.zeros((have, NUM_FIELDS), np.int32)), num_items, field)
+        pad_work_list(
+            WorkList(
+                np.zeros(0, np.int32), np.zeros(1, np.int32), np.zeros((have, NUM_FIELDS), np.int32)
+            ),
+            num_items,
+            field,
+        )
 
 
-def work_list_runs(shapes: SliceShapes, slice_rank: np.ndarray, cp: int, total_q: int,
-                   total_k: int, block_q: int, block_k: int, by: str) -> ListRuns:
+def work_list_runs(
+    shapes: SliceShapes,
+    slice_rank: np.ndarray,
+    cp: int,
+    total_q: int,
+    total_k: int,
+    block_q: int,
+    block_k: int,
+    by: str,
+) -> ListRuns:
     """The runs of :func:`build_work_lists` (its arguments; no items written yet)."""
     _check_blocks(block_q, block_k, by)
     bo, bx = (block_q, block_k) if by == "q" else (block_k, block_q)
-    num = -(-(total_q if by == "q" else total_k) // bo)          # owned tiles per call
+    num = -(-(total_q if by == "q" else total_k) // bo)  # owned tiles per call
     n_other = -(-(total_k if by == "q" else total_q) // bx)
     slice_rank = np.asarray(slice_rank, np.int64)
     live = np.nonzero(shapes.nonempty)[0]
     if by == "k" and not _rows_nonempty(shapes, live):
         return _runs_fallback(shapes, slice_rank, cp, total_q, total_k, block_q, block_k, by)
-    rank, own, start, length, kind, s = _item_runs(shapes, live, slice_rank, total_q, total_k,
-                                                   block_q, block_k, by)
+    rank, own, start, length, kind, s = _item_runs(
+        shapes, live, slice_rank, total_q, total_k, block_q, block_k, by
+    )
     # Order: call, owned tile, FULL first, other tile, slice. Full runs of one tile never
     # share an other tile (slices are disjoint), masked runs rarely do: those that share one
     # with another run of their tile are cut into single items, so that sorting runs by their
     # first other tile orders every item.
-    rank, own, start, length, kind, s = _order_runs(rank, own, start, length, kind, s, cp,
-                                                    num, n_other, len(shapes.q0))
-    counts = np.bincount(rank * num + own, weights=length, minlength=cp * num)[:cp * num]
+    rank, own, start, length, kind, s = _order_runs(
+        rank, own, start, length, kind, s, cp, num, n_other, len(shapes.q0)
+    )
+    counts = np.bincount(rank * num + own, weights=length, minlength=cp * num)[: cp * num]
     counts = counts.astype(np.int64).reshape(cp, num)
     # One row per run: the item its first tile gives (the other tile, the slice, the kind).
     clip = lambda x: np.clip(x, -_I32.max, _I32.max)
@@ -330,15 +393,19 @@ def _with_tiles(rows, length, run_bounds, counts) -> ListRuns:
     cp, num = counts.shape
     per_rank = counts.sum(axis=1)
     if per_rank.max(initial=0) > _I32.max:
-        raise ValueError(f"{int(per_rank.max())} work items do not fit int32 offsets; use a "
-                         "smaller problem per call (e.g. context parallelism)")
+        raise ValueError(
+            f"{int(per_rank.max())} work items do not fit int32 offsets; use a "
+            "smaller problem per call (e.g. context parallelism)"
+        )
     offsets = np.zeros((cp, num + 1), np.int64)
     np.cumsum(counts, axis=1, out=offsets[:, 1:])
     # Heaviest first; ties by tile index (per call).
-    launch = np.lexsort((np.tile(np.arange(num), cp), -counts.reshape(-1),
-                         np.repeat(np.arange(cp), num))).reshape(cp, num) % max(num, 1)
-    return ListRuns(rows, length, run_bounds, per_rank, launch.astype(np.int32),
-                    offsets.astype(np.int32))
+    launch = np.lexsort(
+        (np.tile(np.arange(num), cp), -counts.reshape(-1), np.repeat(np.arange(cp), num))
+    ).reshape(cp, num) % max(num, 1)
+    return ListRuns(
+        rows, length, run_bounds, per_rank, launch.astype(np.int32), offsets.astype(np.int32)
+    )
 
 
 def emit_work_lists(runs: ListRuns, num_items: int | None = None) -> WorkList:
@@ -359,14 +426,13 @@ def emit_work_lists(runs: ListRuns, num_items: int | None = None) -> WorkList:
             if n == b - a:
                 dst[...] = rows[a:b]
             else:
-                np.take(rows[a:b], np.repeat(np.arange(b - a), lens), axis=0, out=dst,
-                        mode="clip")
+                np.take(rows[a:b], np.repeat(np.arange(b - a), lens), axis=0, out=dst, mode="clip")
                 first = rows[a:b, 0].astype(np.int64)
                 step = np.ones(n, np.int32)
                 step[0] = first[0]
                 step[(np.cumsum(lens) - lens)[1:]] = np.diff(first) - (lens[:-1] - 1)
                 np.cumsum(step, out=dst[:, 0])
-        items[r, n:] = pad[:width - n]
+        items[r, n:] = pad[: width - n]
     return WorkList(runs.order, runs.offsets, items)
 
 
@@ -377,7 +443,7 @@ def _padding(n: int) -> np.ndarray:
     k = 1
     while k < n:
         m = min(k, n - k)
-        pad[k:k + m] = pad[:m]
+        pad[k : k + m] = pad[:m]
         k += m
     return pad[:n]
 
@@ -389,8 +455,10 @@ def _rows_nonempty(sh: SliceShapes, live: np.ndarray) -> bool:
     if not len(live):
         return True
     first, last = sh.q0[live], sh.q1[live] - 1
-    return bool(np.all(sh.lo(first, live) <= sh.hi(first, live))
-                and np.all(sh.lo(last, live) <= sh.hi(last, live)))
+    return bool(
+        np.all(sh.lo(first, live) <= sh.hi(first, live))
+        and np.all(sh.lo(last, live) <= sh.hi(last, live))
+    )
 
 
 def _ceil_div(a, b):
@@ -437,7 +505,7 @@ def _item_runs(sh, live, slice_rank, total_q, total_k, bq, bk, by):
         fa = np.maximum(_ceil_div(q0, bq), _ceil_div(c1 - dhi, bq))
         fb = np.minimum(q1 // bq, (c0 - dlo + 1) // bq)
         ia, ib = _ceil_div(q0, bq), q1 // bq
-    ob = np.maximum(ob, oa)               # rows that see no key (shapes not canonical)
+    ob = np.maximum(ob, oa)  # rows that see no key (shapes not canonical)
     fa = np.where(full_ok, np.clip(fa, oa, ob), oa)
     fb = np.where(full_ok, np.clip(fb, oa, ob), oa)
     fb = np.maximum(fa, fb)
@@ -470,14 +538,15 @@ def _order_runs(rank, own, start, length, kind, s, cp, num, n_other, n_slices):
 
     def order_of(rank, own, masked, start, s):
         bound = float(max(cp, 1)) * max(num, 1) * 2 * max(n_other, 1) * max(n_slices, 1)
-        if bound < 2.0 ** 62:
+        if bound < 2.0**62:
             key = (((rank * num + own) * 2 + masked) * n_other + start) * n_slices + s
             return np.argsort(key, kind="stable")
         return np.lexsort((s, start, masked, own, rank))
 
     o = order_of(rank, own, masked, start, s)
-    rank, own, start, length, kind, s, masked = (x[o] for x in (rank, own, start, length,
-                                                                 kind, s, masked))
+    rank, own, start, length, kind, s, masked = (
+        x[o] for x in (rank, own, start, length, kind, s, masked)
+    )
     if len(s) > 1:
         group = (rank * num + own) * 2 + masked
         g0 = group * n_other
@@ -490,13 +559,13 @@ def _order_runs(rank, own, start, length, kind, s, cp, num, n_other, n_slices):
             keep = ~cut
             i, step = _ranges_incl(np.zeros(int(cut.sum()), np.int64), length[cut] - 1)
             idx = np.nonzero(cut)[0][i]
-            rank, own, kind, s, masked = (np.concatenate([x[keep], x[idx]]) for x in
-                                          (rank, own, kind, s, masked))
+            rank, own, kind, s, masked = (
+                np.concatenate([x[keep], x[idx]]) for x in (rank, own, kind, s, masked)
+            )
             start = np.concatenate([start[keep], start[idx] + step])
             length = np.concatenate([length[keep], np.ones(len(idx), np.int64)])
             o = order_of(rank, own, masked, start, s)
-            rank, own, start, length, kind, s = (x[o] for x in (rank, own, start, length,
-                                                                kind, s))
+            rank, own, start, length, kind, s = (x[o] for x in (rank, own, start, length, kind, s))
     return rank, own, start, length, kind, s
 
 
@@ -507,8 +576,7 @@ def _runs_fallback(shapes, slice_rank, cp, total_q, total_k, block_q, block_k, b
     lists = []
     for r in range(cp):
         sl = slice(bounds[r], bounds[r + 1])
-        sub = SliceShapes(*(getattr(shapes, f)[sl] for f in ("q0", "q1", "k0", "k1", "dlo",
-                                                             "dhi")))
+        sub = SliceShapes(*(getattr(shapes, f)[sl] for f in ("q0", "q1", "k0", "k1", "dlo", "dhi")))
         lists.append(_build_work_list_items(sub, total_q, total_k, block_q, block_k, by))
     rows = np.concatenate([w.items for w in lists]).reshape(-1, NUM_FIELDS)
     sizes = np.array([len(w.items) for w in lists], np.int64)
@@ -517,8 +585,9 @@ def _runs_fallback(shapes, slice_rank, cp, total_q, total_k, block_q, block_k, b
     return _with_tiles(rows, np.ones(len(rows), np.int64), run_bounds, counts)
 
 
-def _build_work_list_items(shapes: SliceShapes, total_q: int, total_k: int, block_q: int,
-                           block_k: int, by: str) -> WorkList:
+def _build_work_list_items(
+    shapes: SliceShapes, total_q: int, total_k: int, block_q: int, block_k: int, by: str
+) -> WorkList:
     """:func:`build_work_list` item by item (from :func:`tiling.tile_items`)."""
     ti = tile_items(shapes, total_q, total_k, block_q, block_k)
     if by == "q":
@@ -535,25 +604,50 @@ def _build_work_list_items(shapes: SliceShapes, total_q: int, total_k: int, bloc
     counts = np.bincount(own, minlength=num).astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(counts)])
     if offsets[-1] > _I32.max:
-        raise ValueError(f"{offsets[-1]} work items do not fit int32 offsets; use a smaller "
-                         "problem per call (e.g. context parallelism)")
+        raise ValueError(
+            f"{offsets[-1]} work items do not fit int32 offsets; use a smaller "
+            "problem per call (e.g. context parallelism)"
+        )
     clip = lambda x: np.clip(x, -_I32.max, _I32.max)
     # A boundary tile inside the slice's query and key ranges is cut only by the diagonals.
     q_tile, k_tile = (own, other) if by == "q" else (other, own)
-    inside = ((shapes.q0[s] <= q_tile * block_q) & ((q_tile + 1) * block_q <= shapes.q1[s])
-              & (shapes.k0[s] <= k_tile * block_k) & ((k_tile + 1) * block_k <= shapes.k1[s]))
+    inside = (
+        (shapes.q0[s] <= q_tile * block_q)
+        & ((q_tile + 1) * block_q <= shapes.q1[s])
+        & (shapes.k0[s] <= k_tile * block_k)
+        & ((k_tile + 1) * block_k <= shapes.k1[s])
+    )
     kind = np.where(full, FULL, np.where(inside, BAND, GENERAL))
-    items = np.stack([other, shapes.q0[s], shapes.q1[s], shapes.k0[s], shapes.k1[s],
-                      clip(shapes.dlo[s]), clip(shapes.dhi[s]), kind],
-                     axis=-1).astype(np.int32).reshape(-1, NUM_FIELDS)
+    items = (
+        np.stack(
+            [
+                other,
+                shapes.q0[s],
+                shapes.q1[s],
+                shapes.k0[s],
+                shapes.k1[s],
+                clip(shapes.dlo[s]),
+                clip(shapes.dhi[s]),
+                kind,
+            ],
+            axis=-1,
+        )
+        .astype(np.int32)
+        .reshape(-1, NUM_FIELDS)
+    )
     # Heaviest first; ties by tile index so the order is deterministic.
     launch = np.lexsort((np.arange(num), -counts)).astype(np.int32)
     return WorkList(launch, offsets.astype(np.int32), items)
 
 
-def count_runs(shapes: SliceShapes, total_q: int, total_k: int,
-               xla_blocks: tuple[int, int] | None = None, slice_rank: np.ndarray | None = None,
-               cp: int = 1) -> tuple[int, int]:
+def count_runs(
+    shapes: SliceShapes,
+    total_q: int,
+    total_k: int,
+    xla_blocks: tuple[int, int] | None = None,
+    slice_rank: np.ndarray | None = None,
+    cp: int = 1,
+) -> tuple[int, int]:
     """The most runs (:class:`FFAPlanRuns`) on a q-tile list and on a k-tile list of any
     call, over both backends' tiles (the ``xla`` backend's: ``xla_blocks``, default its
     own): what :attr:`~magi_jax.planning.capacity.PlanCapacity.q_runs` and ``k_runs``
@@ -573,13 +667,16 @@ def count_runs(shapes: SliceShapes, total_q: int, total_k: int,
 def default_block_sizes(total_q: int, total_k: int) -> tuple[int, int]:
     """Tiles of the ``xla`` backend: 128 x 128, shrunk (to a power of two >= 8) for short
     sequences."""
+
     def pick(t):
         return int(min(_XLA_BLOCK, max(_XLA_MIN_BLOCK, 1 << max(int(t) - 1, 0).bit_length())))
+
     return pick(total_q), pick(total_k)
 
 
-def backend_blocks(backend: str, total_q: int, total_k: int, block_q: int | None = None,
-                   block_k: int | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
+def backend_blocks(
+    backend: str, total_q: int, total_k: int, block_q: int | None = None, block_k: int | None = None
+) -> tuple[tuple[int, int], tuple[int, int]]:
     """``(q-list tiles, k-list tiles)`` as ``(block_q, block_k)`` pairs for ``backend``:
     the Mosaic GPU kernels' fixed tiles, or the ``xla`` backend's (``block_q``/``block_k``
     override its defaults)."""
@@ -592,8 +689,13 @@ def backend_blocks(backend: str, total_q: int, total_k: int, block_q: int | None
     return block, block
 
 
-def build_plan_arrays(shapes: SliceShapes, total_q: int, total_k: int,
-                      fwd_block: tuple[int, int], bwd_block: tuple[int, int]) -> FFAPlanArrays:
+def build_plan_arrays(
+    shapes: SliceShapes,
+    total_q: int,
+    total_k: int,
+    fwd_block: tuple[int, int],
+    bwd_block: tuple[int, int],
+) -> FFAPlanArrays:
     """Both work lists of one call: the q-tile list on ``fwd_block`` tiles and the k-tile
     list on ``bwd_block`` tiles."""
     fwd = build_work_list(shapes, total_q, total_k, *fwd_block, "q")
@@ -602,12 +704,12 @@ def build_plan_arrays(shapes: SliceShapes, total_q: int, total_k: int,
 
 
 @functools.lru_cache(maxsize=256)
-def plan_for_mask(mask: AttnMask, backend: str, block_q: int | None = None,
-                  block_k: int | None = None) -> FFAPlanArrays:
+def plan_for_mask(
+    mask: AttnMask, backend: str, block_q: int | None = None, block_k: int | None = None
+) -> FFAPlanArrays:
     """The exact-size work lists of ``mask`` for ``backend``, cached by the mask's
     fingerprint."""
-    fwd_block, bwd_block = backend_blocks(backend, mask.total_q, mask.total_k, block_q,
-                                          block_k)
+    fwd_block, bwd_block = backend_blocks(backend, mask.total_q, mask.total_k, block_q, block_k)
     return build_plan_arrays(mask.shapes, mask.total_q, mask.total_k, fwd_block, bwd_block)
 
 
@@ -620,8 +722,10 @@ def stack_plans(plans: list[FFAPlanArrays]) -> FFAPlanArrays:
     nq = {len(p.q_order) for p in plans}
     nk = {len(p.k_order) for p in plans}
     if len(nq) != 1 or len(nk) != 1:
-        raise ValueError(f"plans cover different numbers of tiles (q {sorted(nq)}, k "
-                         f"{sorted(nk)}); every rank must hold the same local Tq and Tk")
+        raise ValueError(
+            f"plans cover different numbers of tiles (q {sorted(nq)}, k "
+            f"{sorted(nk)}); every rank must hold the same local Tq and Tk"
+        )
     wq = max(len(p.q_items) for p in plans)
     wk = max(len(p.k_items) for p in plans)
     padded = [p.pad_to(wq, wk) for p in plans]
@@ -633,8 +737,9 @@ def stack_plans(plans: list[FFAPlanArrays]) -> FFAPlanArrays:
 UNIT_OVERHEAD_ITEMS = 1.0
 
 
-def persistent_schedule(work: WorkList, groups: int, num_progs: int,
-                        overhead: float = UNIT_OVERHEAD_ITEMS) -> tuple[np.ndarray, np.ndarray]:
+def persistent_schedule(
+    work: WorkList, groups: int, num_progs: int, overhead: float = UNIT_OVERHEAD_ITEMS
+) -> tuple[np.ndarray, np.ndarray]:
     """Which units each program of a persistent kernel walks, fixed on the host.
 
     Units are numbered in the launch order of the head-major grid: ``u = g * N + r`` for
@@ -652,8 +757,9 @@ def persistent_schedule(work: WorkList, groups: int, num_progs: int,
     walks ``units[offsets[p]:offsets[p + 1]]`` in order."""
     if num_progs < 1 or groups < 1:
         raise ValueError(f"num_progs={num_progs} and groups={groups} must be >= 1")
-    return _schedule(work.counts()[work.order].astype(np.float64).tobytes(), groups,
-                     num_progs, float(overhead))
+    return _schedule(
+        work.counts()[work.order].astype(np.float64).tobytes(), groups, num_progs, float(overhead)
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -662,7 +768,7 @@ def _schedule(costs_bytes: bytes, groups: int, num_progs: int, overhead: float):
     n = len(costs)
     num_units = n * groups
     progs = min(num_progs, num_units)
-    head = (groups - -(-groups // 4)) * n   # units before the last quarter of the groups
+    head = (groups - -(-groups // 4)) * n  # units before the last quarter of the groups
     tail = np.arange(head, num_units)
     tail = tail[np.argsort(-costs[tail % n], kind="stable")]
     mine = [[] for _ in range(progs)]

@@ -23,13 +23,30 @@ and keep activations in dispatched order between layers, rather than dispatching
 activations per layer.
 """
 
+from magi_jax.planning.solver import solve_dispatch
 from magi_jax.sharding.attention import magi_attention, magi_attention_local
 from magi_jax.sharding.collectives import group_cast, group_reduce
-from magi_jax.sharding.key import (MagiKey, dispatch, make_flex_key, make_varlen_key,
-                                   position_ids, undispatch)
+from magi_jax.sharding.key import (
+    MagiKey,
+    dispatch,
+    make_flex_key,
+    make_varlen_key,
+    position_ids,
+    undispatch,
+)
 from magi_jax.sharding.roll import roll
-from magi_jax.planning.solver import solve_dispatch
 
-__all__ = ["MagiKey", "dispatch", "group_cast", "group_reduce", "magi_attention",
-           "magi_attention_local", "make_flex_key", "make_varlen_key", "position_ids",
-           "roll", "solve_dispatch", "undispatch"]
+__all__ = [
+    "MagiKey",
+    "dispatch",
+    "group_cast",
+    "group_reduce",
+    "magi_attention",
+    "magi_attention_local",
+    "make_flex_key",
+    "make_varlen_key",
+    "position_ids",
+    "roll",
+    "solve_dispatch",
+    "undispatch",
+]

@@ -20,16 +20,15 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from magi_jax.sharding import native
-from magi_jax.sharding.collectives import _cast, _reduce, _start_reduce, group_cast
 from magi_jax.ffa.plan import expand_lists
 from magi_jax.ffa.sinks import apply_sink, check_sink
+from magi_jax.sharding import native
+from magi_jax.sharding.collectives import _cast, _reduce, _start_reduce
 from magi_jax.sharding.ffa_backends import get_backend
-from magi_jax.sharding.key import (MagiKey, _check_key, _checked, _cp_names, _cp_ranks,
-                                   _rows_desc)
+from magi_jax.sharding.key import MagiKey, _check_key, _checked, _cp_names, _cp_ranks, _rows_desc
 
 __all__ = ["magi_attention", "magi_attention_local", "merge_partials"]
 
@@ -41,10 +40,10 @@ def merge_partials(outs, lses, dtype):
     if len(outs) == 1:
         return outs[0].astype(dtype), lses[0]
     acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
-    lse = jnp.stack([x.astype(acc) for x in lses])                  # [n, T, H]
+    lse = jnp.stack([x.astype(acc) for x in lses])  # [n, T, H]
     m = jax.lax.stop_gradient(jnp.max(lse, axis=0))
     m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.exp(lse - m)                                             # 0 where lse = -inf
+    w = jnp.exp(lse - m)  # 0 where lse = -inf
     total = w.sum(axis=0)
     has = total > 0
     safe = jnp.where(has, total, 1.0)
@@ -67,7 +66,7 @@ class _StagesCfg(NamedTuple):
     """Static configuration of one rank's stages (hashable: a custom-VJP static argument)."""
 
     backend: str
-    kw: tuple                  # (("softmax_scale", s), ("softcap", c), ("block_q", ..), ..)
+    kw: tuple  # (("softmax_scale", s), ("softcap", c), ("block_q", ..), ..)
     stages: tuple
     refetch: bool
     # Start the last remote stage's reduce where the transport can (CudaTuning.started_reduce
@@ -121,9 +120,12 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
     order = sorted(range(len(cfg.stages)), key=lambda i: cfg.stages[i].cast is None)
     final = len(order) == 1
     remote = [i for i in order if cfg.stages[i].cast is not None]
-    starter = (send_back.start(remote[-1], final)
-               if remote and cfg.start_reduce and hasattr(send_back, "start") else None)
-    finish = None                      # ends the started reduce
+    starter = (
+        send_back.start(remote[-1], final)
+        if remote and cfg.start_reduce and hasattr(send_back, "start")
+        else None
+    )
+    finish = None  # ends the started reduce
     for i in order:
         stage, (ffa_arrays, _) = cfg.stages[i], stage_arrays[i]
         kk, vv = kv if stage.cast is None else fetch(i)
@@ -133,15 +135,16 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
             own_rows = kv[0].shape[0] if stage.combined else 0
 
             def between(dk, dv):
-                if own_rows:     # (local rows, fetched rows) each
+                if own_rows:  # (local rows, fetched rows) each
                     rows, own = (dk[1], dv[1]), (dk[0], dv[0])
                 else:
                     rows, own = (dk, dv), None
                 pending["token"], pending["done"] = starter(rows, own)
                 return pending["token"]
 
-            dq_i, _, _, token = be.split_bwd(*args, between_dkv_dq=between,
-                                             split_kv_at=own_rows, **kw)
+            dq_i, _, _, token = be.split_bwd(
+                *args, between_dkv_dq=between, split_kv_at=own_rows, **kw
+            )
             finish = functools.partial(pending["done"], token)
         else:
             dq_i, dk_i, dv_i = be.split_bwd(*args, **kw)
@@ -170,7 +173,8 @@ class group_send_back:
     def _args(self, i, final):
         stage = self.cfg.stages[i]
         return (self.stage_arrays[i][1], stage.cast, self.rows), dict(
-            prefix=stage.combined, round_to_input=final)
+            prefix=stage.combined, round_to_input=final
+        )
 
     def __call__(self, i, rows, final):
         args, kw = self._args(i, final)
@@ -185,8 +189,7 @@ class group_send_back:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def rank_stages(q, kv, stage_arrays, cfg: _StagesCfg, fetcher=group_fetch,
-                sender=group_send_back):
+def rank_stages(q, kv, stage_arrays, cfg: _StagesCfg, fetcher=group_fetch, sender=group_send_back):
     """One rank's stages and merge -> ``(out, lse)`` (and the rank's max logits, with
     ``cfg.max_logits``; they get no gradient). Backward (docs/design.md §3.2): re-fetch
     each remote stage's KV (``cfg.refetch``; else keep the forward's buffers), FFA backward
@@ -205,27 +208,41 @@ def _rank_stages_fwd(q, kv, stage_arrays, cfg, fetcher, sender):
 
 def _rank_stages_bwd(cfg, fetcher, sender, res, cts):
     q, kv, stage_arrays, out, lse, kept = res
-    cts = cts[:2]                       # the max logits, if returned, have no gradient
+    cts = cts[:2]  # the max logits, if returned, have no gradient
     fetch = fetcher(kv, stage_arrays, cfg) if kept is None else kept.__getitem__
-    dq, dkv = stages_backward(q, kv, stage_arrays, cfg, out, lse, cts, fetch,
-                              sender(kv, stage_arrays, cfg))
-    return (dq.astype(q.dtype), jax.tree.map(lambda d, x: d.astype(x.dtype), dkv, kv),
-            jax.tree.map(lambda _: None, stage_arrays))
+    dq, dkv = stages_backward(
+        q, kv, stage_arrays, cfg, out, lse, cts, fetch, sender(kv, stage_arrays, cfg)
+    )
+    return (
+        dq.astype(q.dtype),
+        jax.tree.map(lambda d, x: d.astype(x.dtype), dkv, kv),
+        jax.tree.map(lambda _: None, stage_arrays),
+    )
 
 
 rank_stages.defvjp(_rank_stages_fwd, _rank_stages_bwd)
 
 
-def stages_cfg(key: MagiKey, scale: float, softcap: float,
-               max_logits: bool = False) -> _StagesCfg:
-    kw = (("softmax_scale", scale), ("softcap", softcap), ("block_q", key.block_q),
-          ("block_k", key.block_k))
-    return _StagesCfg(key.ffa_backend, kw, tuple(key.stages), key.backward_refetch,
-                      native.cuda_tuning().started_reduce, bool(max_logits))
+def stages_cfg(key: MagiKey, scale: float, softcap: float, max_logits: bool = False) -> _StagesCfg:
+    kw = (
+        ("softmax_scale", scale),
+        ("softcap", softcap),
+        ("block_q", key.block_q),
+        ("block_k", key.block_k),
+    )
+    return _StagesCfg(
+        key.ffa_backend,
+        kw,
+        tuple(key.stages),
+        key.backward_refetch,
+        native.cuda_tuning().started_reduce,
+        bool(max_logits),
+    )
 
 
-def _local(q, k, v, stage_arrays, key: MagiKey, scale: float, softcap: float,
-           max_logits: bool = False):
+def _local(
+    q, k, v, stage_arrays, key: MagiKey, scale: float, softcap: float, max_logits: bool = False
+):
     """One rank: q/k/v ``[(B,) local_len, H, D]``, ``stage_arrays`` this rank's plan arrays.
     One pipeline for both layouts: a batch is folded into the heads (query head ``b·Hq + h``
     keeps key head ``b·Hkv + h // G``), so the sequence stays the first axis the casts move
@@ -238,24 +255,28 @@ def _local(q, k, v, stage_arrays, key: MagiKey, scale: float, softcap: float,
         b, t, hq, d = q.shape
         fold = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], b * x.shape[2], d)
         res = rank_stages(fold(q), (fold(k), fold(v)), tuple(stage_arrays), cfg)
-        res = (jnp.moveaxis(res[0].reshape(t, b, hq, d), 1, 0),
-               jnp.moveaxis(res[1].reshape(t, b, hq), 1, 0)) + tuple(
-                   x.reshape(b, hq) for x in res[2:])
+        res = (
+            jnp.moveaxis(res[0].reshape(t, b, hq, d), 1, 0),
+            jnp.moveaxis(res[1].reshape(t, b, hq), 1, 0),
+        ) + tuple(x.reshape(b, hq) for x in res[2:])
     # stop_gradient: a custom VJP's outputs all carry tangents, and pmax has no JVP.
-    return res[:2] + tuple(jax.lax.pmax(jax.lax.stop_gradient(x), key.cp_axis)
-                           for x in res[2:])
+    return res[:2] + tuple(jax.lax.pmax(jax.lax.stop_gradient(x), key.cp_axis) for x in res[2:])
 
 
 def _check_inputs(q, k, v, key):
     _check_key(key)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not (hasattr(x, "ndim") and hasattr(x, "shape") and hasattr(x, "dtype")):
-            raise TypeError(f"magi_attention: {name} must be an array (dispatched tokens); "
-                            f"got {type(x).__name__}")
+            raise TypeError(
+                f"magi_attention: {name} must be an array (dispatched tokens); "
+                f"got {type(x).__name__}"
+            )
         if x.ndim not in (3, 4) or x.ndim != q.ndim:
-            raise ValueError(f"magi_attention: {name} must be [padded_total, H, D] or "
-                             f"[B, padded_total, H, D] (dispatched tokens, like q); got shape "
-                             f"{tuple(x.shape)}")
+            raise ValueError(
+                f"magi_attention: {name} must be [padded_total, H, D] or "
+                f"[B, padded_total, H, D] (dispatched tokens, like q); got shape "
+                f"{tuple(x.shape)}"
+            )
         if name != "q" and key.cross:
             if x.shape[-3] != key.kv_padded_total:
                 raise ValueError(_kv_length_message(name, x, key))
@@ -268,27 +289,38 @@ def _check_inputs(q, k, v, key):
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"head dims differ: q has D={q.shape[-1]}, k/v have D={k.shape[-1]}")
     from magi_jax.ffa.api import _MAX_HEAD_DIM
+
     d = q.shape[-1]
     if d % 8 or not 8 <= d <= _MAX_HEAD_DIM:
-        raise ValueError(f"magi_attention: head dim D={d} is not supported: use a multiple "
-                         f"of 8 in [8, {_MAX_HEAD_DIM}] (as flex_flash_attention)")
+        raise ValueError(
+            f"magi_attention: head dim D={d} is not supported: use a multiple "
+            f"of 8 in [8, {_MAX_HEAD_DIM}] (as flex_flash_attention)"
+        )
     if q.shape[-2] % k.shape[-2]:
-        raise ValueError(f"q has {q.shape[-2]} heads and k/v have {k.shape[-2]}: the number "
-                         "of query heads must be a multiple of the number of key/value heads")
+        raise ValueError(
+            f"q has {q.shape[-2]} heads and k/v have {k.shape[-2]}: the number "
+            "of query heads must be a multiple of the number of key/value heads"
+        )
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them "
-                        "to one dtype")
+        raise TypeError(
+            f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype"
+        )
     if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise TypeError(f"magi_attention: q, k, v have dtype {q.dtype}; attention needs "
-                        "floating-point inputs (bfloat16, float16 or float32)")
+        raise TypeError(
+            f"magi_attention: q, k, v have dtype {q.dtype}; attention needs "
+            "floating-point inputs (bfloat16, float16 or float32)"
+        )
     if key.ffa_backend == "pallas":
         from magi_jax.pallas.api import supported
+
         ok, why = supported(q, k, v, check_device=False)
         if not ok:
-            raise ValueError(f"magi_attention: the key runs the Mosaic GPU kernels "
-                             f"(ffa_backend='pallas', the default on sm90 GPUs), which cannot "
-                             f"take these inputs: {why}; cast q, k, v to bfloat16, or build "
-                             "the key with ffa_backend='xla'")
+            raise ValueError(
+                f"magi_attention: the key runs the Mosaic GPU kernels "
+                f"(ffa_backend='pallas', the default on sm90 GPUs), which cannot "
+                f"take these inputs: {why}; cast q, k, v to bfloat16, or build "
+                "the key with ffa_backend='xla'"
+            )
     for name, x in (("q", q), ("k", k), ("v", v)):
         if name == "q" or key.kv_layout in ("shared", "dispatched"):
             _check_dispatched_layout(name, x, key, "q" if name == "q" else "kv")
@@ -297,40 +329,54 @@ def _check_inputs(q, k, v, key):
 def _kv_length_message(name, x, key):
     """Keys/values of a cross-attention key with the wrong number of rows."""
     n = x.shape[-3]
-    layout = ("every rank holds all of them (replicated)" if key.kv_layout == "replicated"
-              else f"dispatched: {key.kv_padded_total} rows ({key.total_k} keys + "
-              f"{key.kv_padded_total - key.total_k} padding)")
-    msg = (f"magi_attention: {name} has {n} tokens (shape {tuple(x.shape)}) but the key "
-           f"(cross attention, kv_layout={key.kv_layout!r}) takes {key.total_k} keys, "
-           f"{layout}")
+    layout = (
+        "every rank holds all of them (replicated)"
+        if key.kv_layout == "replicated"
+        else f"dispatched: {key.kv_padded_total} rows ({key.total_k} keys + "
+        f"{key.kv_padded_total - key.total_k} padding)"
+    )
+    msg = (
+        f"magi_attention: {name} has {n} tokens (shape {tuple(x.shape)}) but the key "
+        f"(cross attention, kv_layout={key.kv_layout!r}) takes {key.total_k} keys, "
+        f"{layout}"
+    )
     if n == key.total_k:
         msg += "; these look like natural-order keys"
     elif n == key.padded_total:
         msg += "; these look like dispatched queries (role='q')"
     seq = ", seq_axis=1" if x.ndim == 4 else ""
-    return (f"{msg}. dispatch first: {name} = mj.dispatch(x, key{seq}, role='kv') lays out "
-            "keys and values as the key wants them")
+    return (
+        f"{msg}. dispatch first: {name} = mj.dispatch(x, key{seq}, role='kv') lays out "
+        "keys and values as the key wants them"
+    )
 
 
-_DISPATCH_FIRST = ("dispatch first: {name} = mj.dispatch(x, key{seq}) turns a natural-order "
-                   "array into the dispatched layout (rank r holds rows [r·{L}, (r+1)·{L}))")
+_DISPATCH_FIRST = (
+    "dispatch first: {name} = mj.dispatch(x, key{seq}) turns a natural-order "
+    "array into the dispatched layout (rank r holds rows [r·{L}, (r+1)·{L}))"
+)
 
 
 def _fix(name, x, key):
-    return _DISPATCH_FIRST.format(name=name, seq=", seq_axis=1" if x.ndim == 4 else "",
-                                  L=key.local_len)
+    return _DISPATCH_FIRST.format(
+        name=name, seq=", seq_axis=1" if x.ndim == 4 else "", L=key.local_len
+    )
 
 
 def _length_message(name, x, key):
     n, st = x.shape[-3], key.static
-    msg = (f"magi_attention: {name} has {n} tokens (shape {tuple(x.shape)}) but the key "
-           f"dispatches {_rows_desc(key)}")
+    msg = (
+        f"magi_attention: {name} has {n} tokens (shape {tuple(x.shape)}) but the key "
+        f"dispatches {_rows_desc(key)}"
+    )
     looks = []
     if n == key.total:
         looks.append("natural-order tokens")
     if _checked(key) and n == st.padded_total:
-        looks.append("tokens dispatched with the key's unchecked twin (make_flex_key without "
-                     "check_dispatch): dispatch with this key")
+        looks.append(
+            "tokens dispatched with the key's unchecked twin (make_flex_key without "
+            "check_dispatch): dispatch with this key"
+        )
     if not _checked(key) and n == st.padded_total + st.cp:
         looks.append("tokens dispatched with a check_dispatch=True key: use that key here too")
     if looks:
@@ -361,6 +407,7 @@ def _length_message(name, x, key):
 # natural length. The checks below are Python at trace time: the compiled program of the
 # default path is unchanged.
 
+
 def _check_dispatched_layout(name, x, key, role="q"):
     seq = x.ndim - 3
     if isinstance(x, jax.core.Tracer):
@@ -378,9 +425,9 @@ def _entry(e) -> tuple:
 def _check_type(name, x, key, seq):
     """A traced input on a mesh whose cp axis is Explicit: its sharding type."""
     types = dict(zip(key.mesh.axis_names, key.mesh.axis_types))
-    names = _cp_names(key.cp_axis)               # cp over one mesh axis or several
+    names = _cp_names(key.cp_axis)  # cp over one mesh axis or several
     if all(types[a] != AxisType.Explicit for a in names):
-        return                                  # Auto: the type says nothing
+        return  # Auto: the type says nothing
     sharding = getattr(jax.typeof(x), "sharding", None)
     if not isinstance(sharding, NamedSharding):
         return
@@ -390,11 +437,15 @@ def _check_type(name, x, key, seq):
     if not set(names) <= set(sharding.mesh.axis_names):
         where = "is not on the key's mesh (its type names no mesh axis)"
     elif got == ():
-        where = (f"is typed {sharding.spec}: not split over {key.cp_axis!r} (replicated along "
-                 "the sequence)")
+        where = (
+            f"is typed {sharding.spec}: not split over {key.cp_axis!r} (replicated along "
+            "the sequence)"
+        )
     elif got != names:
-        where = (f"is typed {sharding.spec}: its sequence axis is split over {got}, not "
-                 f"over ({key.cp_axis!r},)")
+        where = (
+            f"is typed {sharding.spec}: its sequence axis is split over {got}, not "
+            f"over ({key.cp_axis!r},)"
+        )
     else:
         others = [i for i, e in enumerate(spec) if i != seq and _entry(e)]
         if not others:
@@ -402,9 +453,12 @@ def _check_type(name, x, key, seq):
         raise ValueError(
             f"magi_attention: {name} is typed {sharding.spec}, but magi_attention shards only "
             f"the sequence axis of its inputs (over {key.cp_axis!r}); reshard {name} to "
-            f"{want}: jax.sharding.reshard({name}, NamedSharding(key.mesh, {want}))")
-    raise ValueError(f"magi_attention: {name} {where}, so it is not in the dispatched layout "
-                     f"{want}. {_fix(name, x, key)}")
+            f"{want}: jax.sharding.reshard({name}, NamedSharding(key.mesh, {want}))"
+        )
+    raise ValueError(
+        f"magi_attention: {name} {where}, so it is not in the dispatched layout "
+        f"{want}. {_fix(name, x, key)}"
+    )
 
 
 def _check_placement(name, x, key, seq, local=None):
@@ -421,8 +475,11 @@ def _check_placement(name, x, key, seq, local=None):
     held = sharding.devices_indices_map(tuple(x.shape))
     n = x.shape[seq]
     if set(held) != set(rank):
-        where = (f"lives on one device ({next(iter(held))})" if len(held) == 1 else
-                 f"lives on {len(held)} devices")
+        where = (
+            f"lives on one device ({next(iter(held))})"
+            if len(held) == 1
+            else f"lives on {len(held)} devices"
+        )
         where += f", not on the key's mesh of {mesh_devices.size} devices"
     else:
         where = None
@@ -430,21 +487,28 @@ def _check_placement(name, x, key, seq, local=None):
             a, b, _ = index[seq].indices(n)
             r = rank[d]
             if (a, b) != (r * local, (r + 1) * local):
-                where = ("is replicated along the sequence" if (a, b) == (0, n) else
-                         f"has rows [{a}, {b}) on {d}")
-                where += (f", but rank {r} of {key.cp_axis!r} must hold rows "
-                          f"[{r * local}, {(r + 1) * local})")
+                where = (
+                    "is replicated along the sequence"
+                    if (a, b) == (0, n)
+                    else f"has rows [{a}, {b}) on {d}"
+                )
+                where += (
+                    f", but rank {r} of {key.cp_axis!r} must hold rows "
+                    f"[{r * local}, {(r + 1) * local})"
+                )
                 break
         if where is None:
             return
     raise ValueError(
         f"magi_attention: {name} {where}, so it is not in the dispatched layout. "
         f"{_fix(name, x, key)}. If {name} already is in dispatched order, shard it: "
-        f"jax.device_put({name}, NamedSharding(key.mesh, {spec}))")
+        f"jax.device_put({name}, NamedSharding(key.mesh, {spec}))"
+    )
 
 
 def _check_options(softmax_scale, softcap):
     from magi_jax.ffa.api import check_options
+
     check_options(softmax_scale, softcap)
 
 
@@ -456,12 +520,22 @@ def _strip_hidden(x, key):
 def _add_hidden(out, lse):
     """The hidden row back: ``out = 0``, ``lse = -inf`` (like padding)."""
     pad = lambda a, axis, value: jnp.pad(
-        a, [(0, 1) if i == axis else (0, 0) for i in range(a.ndim)], constant_values=value)
+        a, [(0, 1) if i == axis else (0, 0) for i in range(a.ndim)], constant_values=value
+    )
     return pad(out, out.ndim - 3, 0), pad(lse, lse.ndim - 2, -jnp.inf)
 
 
-def magi_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
-                   softcap: float = 0.0, sink=None, return_max_logits: bool = False):
+def magi_attention(
+    q,
+    k,
+    v,
+    key: MagiKey,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    sink=None,
+    return_max_logits: bool = False,
+):
     """Context-parallel attention of dispatched tokens.
 
     Args:
@@ -512,9 +586,13 @@ def magi_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
         return (_add_hidden(*res[:2]) + res[2:]) if hidden else res
 
     arr_specs = jax.tree.map(lambda _: plan_spec, key.stage_arrays)
-    fn = jax.shard_map(body, mesh=key.mesh, in_specs=(spec, kv_spec, kv_spec, arr_specs),
-                       out_specs=(spec, spec) + ((P(),) if max_logits else ()),
-                       check_vma=False)
+    fn = jax.shard_map(
+        body,
+        mesh=key.mesh,
+        in_specs=(spec, kv_spec, kv_spec, arr_specs),
+        out_specs=(spec, spec) + ((P(),) if max_logits else ()),
+        check_vma=False,
+    )
     if sink is None:
         return fn(q, k, v, key.stage_arrays)
     check_sink(sink, q.shape[-2])
@@ -522,8 +600,16 @@ def magi_attention(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
     return apply_sink(*res[:2], sink) + tuple(res[2:])
 
 
-def magi_attention_local(q, k, v, key: MagiKey, *, softmax_scale: float | None = None,
-                         softcap: float = 0.0, return_max_logits: bool = False):
+def magi_attention_local(
+    q,
+    k,
+    v,
+    key: MagiKey,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    return_max_logits: bool = False,
+):
     """The per-rank body, for callers already inside ``shard_map`` over ``key.cp_axis``:
     q/k/v are this rank's ``[local_len, H, D]`` tokens; the rank's plan rows are picked with
     ``lax.axis_index`` from the (replicated) stacked plan. Returns ``(out, lse)`` local
@@ -539,7 +625,8 @@ def magi_attention_local(q, k, v, key: MagiKey, *, softmax_scale: float | None =
                 f"{tuple(x.shape)}) but every rank of this cross-attention key (kv_layout="
                 f"{key.kv_layout!r}) holds {key.kv_local_len} keys; pass the rank's keys "
                 f"from mj.dispatch(k, key, role='kv') (in_specs "
-                f"{'P()' if key.kv_layout == 'replicated' else f'P({key.cp_axis!r})'})")
+                f"{'P()' if key.kv_layout == 'replicated' else f'P({key.cp_axis!r})'})"
+            )
     for name, x in (("q", q), ("k", k), ("v", v)):
         if key.cross and name != "q":
             continue
@@ -549,7 +636,8 @@ def magi_attention_local(q, k, v, key: MagiKey, *, softmax_scale: float | None =
                 f"{tuple(x.shape)}) but every rank of the key holds local_len={key.local_len}"
                 f"; pass one rank's block of dispatched tokens (shard_map in_specs "
                 f"P({key.cp_axis!r}) over arrays from mj.dispatch(x, key)). "
-                f"{_fix(name, x, key)}")
+                f"{_fix(name, x, key)}"
+            )
     _check_options(softmax_scale, softcap)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     r = jax.lax.axis_index(key.cp_axis)

@@ -53,11 +53,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magi_jax.ffa.segments import _ragged, _take as _take_in_bounds
+from magi_jax.ffa.segments import _ragged
+from magi_jax.ffa.segments import _take as _take_in_bounds
 from magi_jax.sharding import native
 
-__all__ = ["CastArrays", "CastRuns", "CastSpec", "RelayArrays", "RelayRuns", "RelaySpec",
-           "TRANSPORTS", "expand_runs", "expand_tables", "group_cast", "group_reduce"]
+__all__ = [
+    "CastArrays",
+    "CastRuns",
+    "CastSpec",
+    "RelayArrays",
+    "RelayRuns",
+    "RelaySpec",
+    "TRANSPORTS",
+    "expand_runs",
+    "expand_tables",
+    "group_cast",
+    "group_reduce",
+]
 
 TRANSPORTS = ("ppermute", "all_to_all", "native")
 
@@ -152,8 +164,9 @@ class RelaySpec:
     def __post_init__(self):
         if len(self.axes) != 2:
             raise ValueError(f"axes={self.axes!r} must name the (node, local) mesh axes")
-        if len(self.inter_shifts) != len(self.inter_widths) or \
-                len(self.intra_shifts) != len(self.intra_widths):
+        if len(self.inter_shifts) != len(self.inter_widths) or len(self.intra_shifts) != len(
+            self.intra_widths
+        ):
             raise ValueError("shifts and widths must have one entry per slot")
 
     @property
@@ -167,6 +180,7 @@ class RelaySpec:
 
 
 # ---- device code (inside shard_map over spec.axis_name) -------------------------------------
+
 
 def expand_runs(runs, size: int):
     """The index table of ``runs`` (int32 ``[R, 2]`` rows ``(first value, length)``, in
@@ -187,14 +201,18 @@ def expand_tables(tables, spec):
     tables the host would have built); tables already expanded pass through."""
     if isinstance(tables, CastRuns):
         n, s = len(spec.shifts), spec.slot_len
-        return CastArrays(expand_runs(tables.send_runs, n * s).reshape(n, s),
-                          expand_runs(tables.recv_runs, spec.buffer_len))
+        return CastArrays(
+            expand_runs(tables.send_runs, n * s).reshape(n, s),
+            expand_runs(tables.recv_runs, spec.buffer_len),
+        )
     if isinstance(tables, RelayRuns):
         n1, s1 = len(spec.inter_shifts), spec.inter_slot_len
         n2, s2 = len(spec.intra_shifts), spec.intra_slot_len
-        return RelayArrays(expand_runs(tables.inter_runs, n1 * s1).reshape(n1, s1),
-                           expand_runs(tables.intra_runs, n2 * s2).reshape(n2, s2),
-                           expand_runs(tables.recv_runs, spec.buffer_len))
+        return RelayArrays(
+            expand_runs(tables.inter_runs, n1 * s1).reshape(n1, s1),
+            expand_runs(tables.intra_runs, n2 * s2).reshape(n2, s2),
+            expand_runs(tables.recv_runs, spec.buffer_len),
+        )
     return tables
 
 
@@ -231,8 +249,11 @@ def _inverse(index, size: int, fill: int):
     ``fill`` elsewhere: a scatter of int32 positions, so that data moves by gathers."""
     pos = jnp.arange(index.shape[0], dtype=jnp.int32)
     # Padding entries point past the end, each to its own place: truly unique, then dropped.
-    return jnp.full((size,), fill, jnp.int32).at[jnp.where(index < 0, size + pos, index)].set(
-        pos, mode="drop", unique_indices=True)
+    return (
+        jnp.full((size,), fill, jnp.int32)
+        .at[jnp.where(index < 0, size + pos, index)]
+        .set(pos, mode="drop", unique_indices=True)
+    )
 
 
 def _take(x, idx):
@@ -250,7 +271,7 @@ def _native(fn, leaves, *args):
         by_dtype.setdefault(jnp.dtype(a.dtype), []).append(i)
     for idx in by_dtype.values():
         for c in range(0, len(idx), native.MAX_ARRAYS):
-            part = idx[c:c + native.MAX_ARRAYS]
+            part = idx[c : c + native.MAX_ARRAYS]
             for i, g in zip(part, fn([leaves[i] for i in part], *args)):
                 got[i] = g
     return got
@@ -263,8 +284,9 @@ def _cast(x, tables: CastArrays, spec: CastSpec, prefix: bool = False):
     leaves, tree = jax.tree.flatten(x)
     tables = expand_tables(tables, spec)
     if spec.transport == "native" and spec.shifts:
-        return tree.unflatten(_native(functools.partial(native.group_cast, prefix=prefix),
-                                      leaves, tables, spec))
+        return tree.unflatten(
+            _native(functools.partial(native.group_cast, prefix=prefix), leaves, tables, spec)
+        )
     if prefix:
         got = jax.tree.leaves(_cast(x, tables, spec))
         return tree.unflatten([jnp.concatenate([a, g]) for a, g in zip(leaves, got)])
@@ -278,16 +300,27 @@ def _cast(x, tables: CastArrays, spec: CastSpec, prefix: bool = False):
     idx = jnp.where(send < 0, leaves[0].shape[0], send)
     if spec.transport == "ppermute":
         # One ppermute per slot carrying only its real width; received blocks stay packed.
-        blocks = [jax.lax.ppermute(tuple(_take(a, idx[j, :w]) for a in leaves),
-                                   spec.axis_name, _perm(spec, shift, False))
-                  for j, (shift, w) in enumerate(zip(spec.shifts, spec.widths))]
+        blocks = [
+            jax.lax.ppermute(
+                tuple(_take(a, idx[j, :w]) for a in leaves),
+                spec.axis_name,
+                _perm(spec, shift, False),
+            )
+            for j, (shift, w) in enumerate(zip(spec.shifts, spec.widths))
+        ]
         entry = _packed_entry(recv, spec, s)
-        return tree.unflatten([_take(jnp.concatenate([blk[i] for blk in blocks]), entry)
-                               for i in range(len(leaves))])
+        return tree.unflatten(
+            [_take(jnp.concatenate([blk[i] for blk in blocks]), entry) for i in range(len(leaves))]
+        )
     entry = jnp.where(recv < 0, n * s, recv)
-    return tree.unflatten([
-        _take(_exchange(_take(a, idx), spec, reverse=False).reshape((n * s,) + a.shape[1:]),
-              entry) for a in leaves])
+    return tree.unflatten(
+        [
+            _take(
+                _exchange(_take(a, idx), spec, reverse=False).reshape((n * s,) + a.shape[1:]), entry
+            )
+            for a in leaves
+        ]
+    )
 
 
 # Gathers (one per slot, each over all owner rows) replace the float32 scatter-add of the
@@ -299,8 +332,14 @@ def _acc_dtype(dtype):
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
-def _reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, prefix: bool = False,
-            round_to_input: bool = False):
+def _reduce(
+    y,
+    tables: CastArrays,
+    spec: CastSpec,
+    num_rows: int,
+    prefix: bool = False,
+    round_to_input: bool = False,
+):
     """``y``: an array ``[B, ...]`` or a pytree of them; sums in float32 (float64 for
     float64) -> the same structure of ``[num_rows, ...]``. ``prefix``: each array is
     ``[num_rows + B, ...]``, the owner's own rows first, added to the sums (the adjoint of
@@ -309,50 +348,75 @@ def _reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, prefix: bool =
     leaves, tree = jax.tree.flatten(y)
     tables = expand_tables(tables, spec)
     if spec.transport == "native" and spec.shifts:
-        fn = functools.partial(native.group_reduce, prefix=prefix,
-                               out_dtype=leaves[0].dtype if round_to_input else None)
+        fn = functools.partial(
+            native.group_reduce,
+            prefix=prefix,
+            out_dtype=leaves[0].dtype if round_to_input else None,
+        )
         return tree.unflatten(_native(fn, leaves, tables, spec, num_rows))
     if prefix or round_to_input:
         bufs = [a[num_rows:] for a in leaves] if prefix else leaves
         got = jax.tree.leaves(_reduce(tree.unflatten(bufs), tables, spec, num_rows))
         if prefix:
             got = [g + a[:num_rows].astype(g.dtype) for g, a in zip(got, leaves)]
-        return tree.unflatten([g.astype(a.dtype) if round_to_input else g
-                               for g, a in zip(got, leaves)])
+        return tree.unflatten(
+            [g.astype(a.dtype) if round_to_input else g for g, a in zip(got, leaves)]
+        )
     if isinstance(spec, RelaySpec):
         return tree.unflatten(_relay_reduce(leaves, tables, spec, num_rows))
     send, recv = tables
     if not spec.shifts:
-        return tree.unflatten([jnp.zeros((num_rows,) + a.shape[1:], _acc_dtype(a.dtype))
-                               for a in leaves])
+        return tree.unflatten(
+            [jnp.zeros((num_rows,) + a.shape[1:], _acc_dtype(a.dtype)) for a in leaves]
+        )
     n, s = send.shape
     b = leaves[0].shape[0]
     # Buffer rows back into their slot entries: recv is injective, so a gather by its inverse.
     inv_recv = _inverse(recv, n * s, b)
     if spec.transport == "ppermute":
-        back = [jax.lax.ppermute(
-            tuple(_take(a, inv_recv[j * s:j * s + w]).astype(_acc_dtype(a.dtype))
-                  for a in leaves), spec.axis_name, _perm(spec, shift, True))
-            for j, (shift, w) in enumerate(zip(spec.shifts, spec.widths))]
+        back = [
+            jax.lax.ppermute(
+                tuple(
+                    _take(a, inv_recv[j * s : j * s + w]).astype(_acc_dtype(a.dtype))
+                    for a in leaves
+                ),
+                spec.axis_name,
+                _perm(spec, shift, True),
+            )
+            for j, (shift, w) in enumerate(zip(spec.shifts, spec.widths))
+        ]
     else:
-        got = [_exchange(_take(a, inv_recv).astype(_acc_dtype(a.dtype)).reshape(
-            (n, s) + a.shape[1:]), spec, reverse=True) for a in leaves]
+        got = [
+            _exchange(
+                _take(a, inv_recv).astype(_acc_dtype(a.dtype)).reshape((n, s) + a.shape[1:]),
+                spec,
+                reverse=True,
+            )
+            for a in leaves
+        ]
         back = [tuple(g[j] for g in got) for j in range(n)]
     widths = [blk[0].shape[0] for blk in back]
     if n <= _GATHER_MAX_SLOTS:
         # Within a slot every owner row appears at most once: sum one gather per slot.
         invs = [_inverse(send[j, :w], num_rows, w) for j, w in enumerate(widths)]
-        return tree.unflatten([sum(_take(blk[i], inv) for blk, inv in zip(back, invs))
-                               for i in range(len(leaves))])
-    idx = jnp.concatenate([jnp.where(send[j, :w] < 0, num_rows, send[j, :w])
-                           for j, w in enumerate(widths)])
-    return tree.unflatten([
-        jnp.zeros((num_rows,) + a.shape[1:], _acc_dtype(a.dtype)).at[idx].add(
-            jnp.concatenate([blk[i] for blk in back]), mode="drop")
-        for i, a in enumerate(leaves)])
+        return tree.unflatten(
+            [sum(_take(blk[i], inv) for blk, inv in zip(back, invs)) for i in range(len(leaves))]
+        )
+    idx = jnp.concatenate(
+        [jnp.where(send[j, :w] < 0, num_rows, send[j, :w]) for j, w in enumerate(widths)]
+    )
+    return tree.unflatten(
+        [
+            jnp.zeros((num_rows,) + a.shape[1:], _acc_dtype(a.dtype))
+            .at[idx]
+            .add(jnp.concatenate([blk[i] for blk in back]), mode="drop")
+            for i, a in enumerate(leaves)
+        ]
+    )
 
 
 # ---- the two-hop cast on a mesh of nodes (RelaySpec) -----------------------------------------
+
 
 def _relay_perms(spec: RelaySpec, reverse: bool):
     """Per slot, the ``ppermute`` pairs of both hops: inter-node over the flattened
@@ -360,8 +424,7 @@ def _relay_perms(spec: RelaySpec, reverse: bool):
     n, l, sign = spec.nodes, spec.local, -1 if reverse else 1
     inter = []
     for dn, dl in spec.inter_shifts:
-        pairs = [(a * l + b, ((a + dn) % n) * l + (b + dl) % l)
-                 for a in range(n) for b in range(l)]
+        pairs = [(a * l + b, ((a + dn) % n) * l + (b + dl) % l) for a in range(n) for b in range(l)]
         inter.append([(t, s) for s, t in pairs] if reverse else pairs)
     intra = [[(b, (b + sign * sh) % l) for b in range(l)] for sh in spec.intra_shifts]
     return inter, intra
@@ -371,10 +434,14 @@ def _hop(rows, send, widths, axis, perms):
     """One hop of every leaf: slot ``j`` sends ``rows[send[j, :w_j]]`` (zeros for padding);
     returns the received blocks packed back to back at their widths."""
     idx = jnp.where(send < 0, rows[0].shape[0], send)
-    got = [jax.lax.ppermute(tuple(_take(a, idx[j, :w]) for a in rows), axis, perm)
-           for j, (w, perm) in enumerate(zip(widths, perms))]
-    return [jnp.concatenate([g[i] for g in got]) if got else
-            jnp.zeros((0,) + a.shape[1:], a.dtype) for i, a in enumerate(rows)]
+    got = [
+        jax.lax.ppermute(tuple(_take(a, idx[j, :w]) for a in rows), axis, perm)
+        for j, (w, perm) in enumerate(zip(widths, perms))
+    ]
+    return [
+        jnp.concatenate([g[i] for g in got]) if got else jnp.zeros((0,) + a.shape[1:], a.dtype)
+        for i, a in enumerate(rows)
+    ]
 
 
 def _relay_cast(leaves, tables: RelayArrays, spec: RelaySpec):
@@ -392,10 +459,17 @@ def _hop_back(ct, send, widths, axis, perms, num_rows):
     """Transpose of :func:`_hop`: received blocks ``ct`` (packed) go back to their senders
     and are summed into ``num_rows`` rows there."""
     offsets = np.concatenate([[0], np.cumsum(widths)]).astype(int)
-    back = [jax.lax.ppermute(tuple(c[offsets[j]:offsets[j + 1]] for c in ct), axis, perm)
-            for j, perm in enumerate(perms)]
-    idx = jnp.concatenate([jnp.where(send[j, :w] < 0, num_rows, send[j, :w])
-                           for j, w in enumerate(widths)]) if widths else None
+    back = [
+        jax.lax.ppermute(tuple(c[offsets[j] : offsets[j + 1]] for c in ct), axis, perm)
+        for j, perm in enumerate(perms)
+    ]
+    idx = (
+        jnp.concatenate(
+            [jnp.where(send[j, :w] < 0, num_rows, send[j, :w]) for j, w in enumerate(widths)]
+        )
+        if widths
+        else None
+    )
     out = []
     for i, c in enumerate(ct):
         acc = jnp.zeros((num_rows,) + c.shape[1:], c.dtype)
@@ -412,17 +486,24 @@ def _relay_reduce(leaves, tables: RelayArrays, spec: RelaySpec, num_rows: int):
     inter, intra = _relay_perms(spec, reverse=True)
     r_len = int(sum(spec.inter_widths))
     size = r_len + int(sum(spec.intra_widths))
-    inv = _inverse(recv, size, leaves[0].shape[0])      # recv is injective: a gather
+    inv = _inverse(recv, size, leaves[0].shape[0])  # recv is injective: a gather
     got = [_take(a, inv).astype(_acc_dtype(a.dtype)) for a in leaves]
-    x2 = _hop_back([g[r_len:] for g in got], intra_send, spec.intra_widths, spec.axes[1],
-                   intra, r_len + num_rows)
+    x2 = _hop_back(
+        [g[r_len:] for g in got],
+        intra_send,
+        spec.intra_widths,
+        spec.axes[1],
+        intra,
+        r_len + num_rows,
+    )
     relay = [x[:r_len] + g[:r_len] for x, g in zip(x2, got)]
     back = _hop_back(relay, inter_send, spec.inter_widths, spec.axes, inter, num_rows)
     return [x[r_len:] + b for x, b in zip(x2, back)]
 
 
-def _start_reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, own=None,
-                  round_to_input: bool = False):
+def _start_reduce(
+    y, tables: CastArrays, spec: CastSpec, num_rows: int, own=None, round_to_input: bool = False
+):
     """:func:`_reduce` started (:func:`magi_jax.sharding.native.group_reduce_start`; call it where
     ``spec``'s transport is native and :func:`magi_jax.sharding.native.can_start_reduce`):
     ``(token, done)`` with ``done(token)`` giving ``_reduce``'s result. ``own``: the owner's
@@ -430,9 +511,13 @@ def _start_reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int, own=None
     prefix, apart: with ``round_to_input`` the sums are written into them in place)."""
     leaves, tree = jax.tree.flatten(y)
     token, done = native.group_reduce_start(
-        leaves, expand_tables(tables, spec), spec, num_rows,
+        leaves,
+        expand_tables(tables, spec),
+        spec,
+        num_rows,
         own=None if own is None else tree.flatten_up_to(own),
-        out_dtype=leaves[0].dtype if round_to_input else None)
+        out_dtype=leaves[0].dtype if round_to_input else None,
+    )
     return token, lambda t: tree.unflatten(done(t))
 
 
@@ -458,8 +543,11 @@ def _cast_fwd(x, tables, spec, prefix):
 def _cast_bwd(spec, prefix, res, ct):
     tables, carrier = res
     rows = jax.tree.leaves(carrier)[0].shape[0]
-    dx = jax.tree.map(lambda d, c: d.astype(c.dtype),
-                      _reduce(ct, tables, spec, rows, prefix, round_to_input=True), carrier)
+    dx = jax.tree.map(
+        lambda d, c: d.astype(c.dtype),
+        _reduce(ct, tables, spec, rows, prefix, round_to_input=True),
+        carrier,
+    )
     return dx, jax.tree.map(lambda _: None, tables)
 
 
@@ -481,8 +569,10 @@ def _reduce_fwd(y, tables, spec, num_rows):
 def _reduce_bwd(spec, num_rows, res, ct):
     tables, carrier = res
     back = _cast(ct, tables, spec)
-    return (jax.tree.map(lambda d, c: d.astype(c.dtype), back, carrier),
-            jax.tree.map(lambda _: None, tables))
+    return (
+        jax.tree.map(lambda d, c: d.astype(c.dtype), back, carrier),
+        jax.tree.map(lambda _: None, tables),
+    )
 
 
 group_reduce.defvjp(_reduce_fwd, _reduce_bwd)

@@ -40,9 +40,9 @@ class FFABackend:
     arrays, rows ``[:n]`` and ``[n:]`` (the pallas kernel stores them apart)."""
 
     name: str
-    build: Callable       # (shapes, total_q, total_k, block_q, block_k) -> plan arrays
-    stack: Callable       # [plan arrays per rank] -> stacked plan arrays
-    call: Callable        # (q, k, v, plan, *, softmax_scale, softcap, block_q, block_k)
+    build: Callable  # (shapes, total_q, total_k, block_q, block_k) -> plan arrays
+    stack: Callable  # [plan arrays per rank] -> stacked plan arrays
+    call: Callable  # (q, k, v, plan, *, softmax_scale, softcap, block_q, block_k)
     split_fwd: Callable | None = None
     split_bwd: Callable | None = None
 
@@ -71,7 +71,9 @@ def _xla() -> FFABackend:
         build=host.build,
         stack=host.stack,
         call=xla_ffa,
-        split_fwd=split_fwd, split_bwd=split_bwd)
+        split_fwd=split_fwd,
+        split_bwd=split_bwd,
+    )
 
 
 def _pallas(interpret: bool = False) -> FFABackend:
@@ -79,32 +81,68 @@ def _pallas(interpret: bool = False) -> FFABackend:
 
     # Split VJP: the forward saves its (out, lse); each stage's backward runs against the
     # merged (out, lse). Plans are traced here, so the kernels run one program per unit.
-    def split_fwd(q, k, v, plan, *, softmax_scale, softcap, block_q, block_k,
-                  return_max_logits=False):
+    def split_fwd(
+        q, k, v, plan, *, softmax_scale, softcap, block_q, block_k, return_max_logits=False
+    ):
         del block_q, block_k
-        res = ffa_pallas(q, k, v, plan, softmax_scale=softmax_scale, softcap=softcap,
-                         interpret=interpret, persistent=0,
-                         return_max_logits=return_max_logits)
+        res = ffa_pallas(
+            q,
+            k,
+            v,
+            plan,
+            softmax_scale=softmax_scale,
+            softcap=softcap,
+            interpret=interpret,
+            persistent=0,
+            return_max_logits=return_max_logits,
+        )
         return res, res[:2]
 
-    def split_bwd(saved, q, k, v, plan, cts, *, softmax_scale, softcap, block_q, block_k,
-                  between_dkv_dq=None, split_kv_at=0):
+    def split_bwd(
+        saved,
+        q,
+        k,
+        v,
+        plan,
+        cts,
+        *,
+        softmax_scale,
+        softcap,
+        block_q,
+        block_k,
+        between_dkv_dq=None,
+        split_kv_at=0,
+    ):
         del block_q, block_k
-        return ffa_pallas_backward(q, k, v, plan, *saved, *cts, softmax_scale=softmax_scale,
-                                   softcap=softcap, interpret=interpret,
-                                   between_dkv_dq=between_dkv_dq, split_kv_at=split_kv_at)
+        return ffa_pallas_backward(
+            q,
+            k,
+            v,
+            plan,
+            *saved,
+            *cts,
+            softmax_scale=softmax_scale,
+            softcap=softcap,
+            interpret=interpret,
+            between_dkv_dq=between_dkv_dq,
+            split_kv_at=split_kv_at,
+        )
 
     def call(q, k, v, plan, *, softmax_scale, softcap, block_q, block_k):
-        del block_q, block_k            # the kernels tile with their own block sizes
-        return ffa_pallas(q, k, v, plan, softmax_scale=softmax_scale, softcap=softcap,
-                          interpret=interpret)
+        del block_q, block_k  # the kernels tile with their own block sizes
+        return ffa_pallas(
+            q, k, v, plan, softmax_scale=softmax_scale, softcap=softcap, interpret=interpret
+        )
 
     host = HOST_PLANNERS["pallas"]
     return FFABackend(
         "pallas_interpret" if interpret else "pallas",
         build=host.build,
         stack=host.stack,
-        call=call, split_fwd=split_fwd, split_bwd=split_bwd)
+        call=call,
+        split_fwd=split_fwd,
+        split_bwd=split_bwd,
+    )
 
 
 _FACTORIES = {"xla": _xla, "pallas": _pallas}

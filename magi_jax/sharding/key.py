@@ -19,31 +19,49 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import os
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from magi_jax.mask import AttnMask
-from magi_jax.planning.cast_table import choose_transport
-from magi_jax.planning.work_list import default_block_sizes
 from magi_jax.planning.capacity import PlanCapacity
-from magi_jax.planning.defaults import (capacity_chunk_size, capacity_overlap_degree,
-                                        default_overlap_degree)
+from magi_jax.planning.cast_table import choose_transport
+from magi_jax.planning.defaults import (
+    capacity_chunk_size,
+    capacity_overlap_degree,
+    default_overlap_degree,
+)
 from magi_jax.planning.solver import ALGORITHMS, KV_LAYOUTS, solve_dispatch
 from magi_jax.planning.stages import DistPlan, build_dist_plan, resolve_kv
+from magi_jax.planning.work_list import default_block_sizes
 from magi_jax.sharding import native
 from magi_jax.sharding.collectives import TRANSPORTS, CastRuns, CastSpec
 from magi_jax.sharding.ffa_backends import FFA_BACKENDS
 
-__all__ = ["MagiKey", "KeyStatic", "StageStatic", "CheckedKey", "make_flex_key",
-           "make_varlen_key", "dispatch", "undispatch", "position_ids",
-           "default_overlap_degree", "ffa_backend_reason", "clear_key_cache", "COMM_BACKENDS",
-           "MAX_OVERLAP_DEGREE", "CHECK_DISPATCH_ENV", "KV_LAYOUTS", "ROLES"]
+__all__ = [
+    "MagiKey",
+    "KeyStatic",
+    "StageStatic",
+    "CheckedKey",
+    "make_flex_key",
+    "make_varlen_key",
+    "dispatch",
+    "undispatch",
+    "position_ids",
+    "default_overlap_degree",
+    "ffa_backend_reason",
+    "clear_key_cache",
+    "COMM_BACKENDS",
+    "MAX_OVERLAP_DEGREE",
+    "CHECK_DISPATCH_ENV",
+    "KV_LAYOUTS",
+    "ROLES",
+]
 
 COMM_BACKENDS = ("auto", "xla") + TRANSPORTS
 # Largest overlap degree a key accepts (the bound of PlanCapacity.overlap_degree): every stage
@@ -53,6 +71,8 @@ MAX_OVERLAP_DEGREE = 8
 CHECK_DISPATCH_ENV = "MAGI_JAX_CHECK_DISPATCH"
 # What dispatch / undispatch / position_ids lay out: queries (and outputs), or keys/values.
 ROLES = ("q", "kv")
+
+
 @dataclasses.dataclass(frozen=True)
 class StageStatic:
     """Static description of one stage: its KV length, whether its KV is local KV followed
@@ -62,7 +82,7 @@ class StageStatic:
 
     kv_len: int
     combined: bool
-    cast: CastSpec | None            # or a RelaySpec (two-hop casts, hierarchical=...)
+    cast: CastSpec | None  # or a RelaySpec (two-hop casts, hierarchical=...)
     items: tuple[int, int] | None = None
 
 
@@ -74,7 +94,7 @@ class KeyStatic:
     capacity; for a key of one mask, ``fingerprint`` names the mask and its dispatch."""
 
     mesh: Mesh
-    cp_axis: str | tuple[str, ...]    # a tuple: cp over the flattened axes
+    cp_axis: str | tuple[str, ...]  # a tuple: cp over the flattened axes
     cp: int
     total: int
     padded_total: int
@@ -95,7 +115,7 @@ class KeyStatic:
     total_k: int | None = None
     kv_padded_total: int | None = None
     kv_local_len: int | None = None
-    kv_chunk_size: int | None = None          # tokens per key chunk ("dispatched" only)
+    kv_chunk_size: int | None = None  # tokens per key chunk ("dispatched" only)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -124,8 +144,18 @@ class MagiKey:
     ``[total_k]``; all ``None`` otherwise: self-attention keys have no key leaves).
     """
 
-    def __init__(self, static: KeyStatic, chunk_order, chunk_inverse, stage_arrays,
-                 kv_chunk_order=None, kv_chunk_inverse=None, *, plan=None, mask=None):
+    def __init__(
+        self,
+        static: KeyStatic,
+        chunk_order,
+        chunk_inverse,
+        stage_arrays,
+        kv_chunk_order=None,
+        kv_chunk_inverse=None,
+        *,
+        plan=None,
+        mask=None,
+    ):
         self.static = static
         self.chunk_order = chunk_order
         self.chunk_inverse = chunk_inverse
@@ -151,7 +181,7 @@ class MagiKey:
     def inverse(self):
         """int32 ``[total]``: the dispatched index of each natural position (expanded from
         ``chunk_inverse``)."""
-        return _token_index(self.chunk_inverse, self.static.chunk_size)[:self.static.total]
+        return _token_index(self.chunk_inverse, self.static.chunk_size)[: self.static.total]
 
     @property
     def kv_order(self):
@@ -167,8 +197,7 @@ class MagiKey:
         unless ``kv_layout == "dispatched"``)."""
         if self.kv_chunk_inverse is None:
             return None
-        return _token_index(self.kv_chunk_inverse,
-                            self.static.kv_chunk_size)[:self.static.total_k]
+        return _token_index(self.kv_chunk_inverse, self.static.kv_chunk_size)[: self.static.total_k]
 
     @classmethod
     def tree_unflatten(cls, static, children):
@@ -191,12 +220,15 @@ class MagiKey:
     capacity = property(lambda self: self.static.capacity)
     kv_layout = property(lambda self: self.static.kv_layout)
     cross = property(lambda self: self.static.kv_layout != "shared")
-    total_k = property(lambda self: self.static.total if self.static.total_k is None
-                       else self.static.total_k)
-    kv_padded_total = property(lambda self: self.padded_total if not self.cross
-                               else self.static.kv_padded_total)
-    kv_local_len = property(lambda self: self.local_len if not self.cross
-                            else self.static.kv_local_len)
+    total_k = property(
+        lambda self: self.static.total if self.static.total_k is None else self.static.total_k
+    )
+    kv_padded_total = property(
+        lambda self: self.padded_total if not self.cross else self.static.kv_padded_total
+    )
+    kv_local_len = property(
+        lambda self: self.local_len if not self.cross else self.static.kv_local_len
+    )
 
     def nbytes(self) -> int:
         """Bytes of the key's device arrays (all ranks together)."""
@@ -205,23 +237,29 @@ class MagiKey:
     def plot(self, path=None, **kwargs):
         """Picture of the plan (PNG at ``path``); see :func:`magi_jax.plot.plot_plan`."""
         if self.plan is None:
-            raise ValueError("this key carries no host plan (it was rebuilt inside a traced "
-                             "function); plot the key make_flex_key returned")
+            raise ValueError(
+                "this key carries no host plan (it was rebuilt inside a traced "
+                "function); plot the key make_flex_key returned"
+            )
         from magi_jax.plot import plot_key
+
         return plot_key(self, path, **kwargs)
 
     def __repr__(self):
         extra = ""
         if self.plan is not None:
             p = self.plan
-            extra = (f", imbalance={p.meta.imbalance():.4f}, "
-                     f"max_remote_kv={int(p.remote_tokens.max(initial=0))}")
+            extra = (
+                f", imbalance={p.meta.imbalance():.4f}, "
+                f"max_remote_kv={int(p.remote_tokens.max(initial=0))}"
+            )
         cap = "" if self.capacity is None else ", capacity"
-        cross = (f", total_k={self.total_k}, kv_layout={self.kv_layout!r}" if self.cross
-                 else "")
-        return (f"MagiKey(cp={self.cp}, total={self.total}, padded_total={self.padded_total}, "
-                f"chunk_size={self.chunk_size}, overlap_degree={self.overlap_degree}"
-                f"{cross}{extra}{cap})")
+        cross = f", total_k={self.total_k}, kv_layout={self.kv_layout!r}" if self.cross else ""
+        return (
+            f"MagiKey(cp={self.cp}, total={self.total}, padded_total={self.padded_total}, "
+            f"chunk_size={self.chunk_size}, overlap_degree={self.overlap_degree}"
+            f"{cross}{extra}{cap})"
+        )
 
 
 def _check_mesh(mesh, cp_axis):
@@ -229,18 +267,24 @@ def _check_mesh(mesh, cp_axis):
         raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
     try:
         names = _cp_names(cp_axis)
-    except TypeError:                   # neither a name nor a tuple of names (e.g. 0, None)
+    except TypeError:  # neither a name nor a tuple of names (e.g. 0, None)
         names = ()
-    if not names or len(set(names)) != len(names) or \
-            any(not isinstance(a, str) or a not in mesh.axis_names for a in names):
-        raise ValueError(f"cp_axis={cp_axis!r} is not an axis of the mesh (axes: "
-                         f"{mesh.axis_names}); pass the name of the context-parallel axis, "
-                         "or a tuple of distinct axis names (e.g. ('node', 'local')) to "
-                         "spread context parallelism over their flattening")
+    if (
+        not names
+        or len(set(names)) != len(names)
+        or any(not isinstance(a, str) or a not in mesh.axis_names for a in names)
+    ):
+        raise ValueError(
+            f"cp_axis={cp_axis!r} is not an axis of the mesh (axes: "
+            f"{mesh.axis_names}); pass the name of the context-parallel axis, "
+            "or a tuple of distinct axis names (e.g. ('node', 'local')) to "
+            "spread context parallelism over their flattening"
+        )
     return int(np.prod([mesh.shape[a] for a in names]))
 
 
 # ---- cp over several mesh axes (a tuple cp_axis: the flattened axes, the first major) -------
+
 
 def _cp_names(cp_axis) -> tuple:
     """The mesh axes a cp axis spans: ``("cp",)`` for ``"cp"``, the tuple itself else."""
@@ -251,8 +295,10 @@ def _cp_ranks(mesh: Mesh, cp_axis) -> dict:
     """Each device's cp rank: its index along the flattened cp axes (the first major)."""
     idx = [mesh.axis_names.index(a) for a in _cp_names(cp_axis)]
     sizes = [int(mesh.shape[a]) for a in _cp_names(cp_axis)]
-    return {d: int(np.ravel_multi_index([pos[i] for i in idx], sizes))
-            for pos, d in np.ndenumerate(mesh.devices)}
+    return {
+        d: int(np.ravel_multi_index([pos[i] for i in idx], sizes))
+        for pos, d in np.ndenumerate(mesh.devices)
+    }
 
 
 def _normal_cp_axis(cp_axis):
@@ -269,28 +315,35 @@ HIERARCHICAL = (True, False, "auto")
 def _relay_layout(mesh, cp_axis, hierarchical, comm_backend, capacity):
     """The :class:`~magi_jax.planning.hierarchy.NodeLayout` of a key's two-hop casts and
     whether they are forced (``(layout, forced)``), or ``None`` for flat casts."""
-    if not (isinstance(hierarchical, bool) or (isinstance(hierarchical, str)
-                                               and hierarchical == "auto")):
-        raise ValueError(f"hierarchical={hierarchical!r} must be True, False or 'auto' (two-hop "
-                         "casts on a mesh of nodes; 'auto': where they move fewer rows between "
-                         "nodes)")
+    if not (
+        isinstance(hierarchical, bool) or (isinstance(hierarchical, str) and hierarchical == "auto")
+    ):
+        raise ValueError(
+            f"hierarchical={hierarchical!r} must be True, False or 'auto' (two-hop "
+            "casts on a mesh of nodes; 'auto': where they move fewer rows between "
+            "nodes)"
+        )
     names = _cp_names(cp_axis)
     if hierarchical is True:
         if len(names) != 2:
-            raise ValueError(f"hierarchical=True needs cp_axis=(node_axis, local_axis), two "
-                             f"mesh axes; got cp_axis={cp_axis!r}: build the mesh with a node "
-                             "axis and a local axis, e.g. jax.make_mesh((nodes, gpus_per_node)"
-                             ", ('node', 'local')), or pass hierarchical=False")
+            raise ValueError(
+                f"hierarchical=True needs cp_axis=(node_axis, local_axis), two "
+                f"mesh axes; got cp_axis={cp_axis!r}: build the mesh with a node "
+                "axis and a local axis, e.g. jax.make_mesh((nodes, gpus_per_node)"
+                ", ('node', 'local')), or pass hierarchical=False"
+            )
         if comm_backend in ("all_to_all", "native"):
-            raise ValueError(f"hierarchical=True runs on lax.ppermute (comm_backend='xla', "
-                             f"'ppermute' or 'auto'); got comm_backend={comm_backend!r}: "
-                             "pass one of those or hierarchical=False")
+            raise ValueError(
+                f"hierarchical=True runs on lax.ppermute (comm_backend='xla', "
+                f"'ppermute' or 'auto'); got comm_backend={comm_backend!r}: "
+                "pass one of those or hierarchical=False"
+            )
     if hierarchical is False or len(names) != 2 or comm_backend in ("all_to_all", "native"):
         return None
     from magi_jax.planning.hierarchy import NodeLayout
+
     layout = NodeLayout(int(mesh.shape[names[0]]), int(mesh.shape[names[1]]))
-    if hierarchical == "auto" and (layout.nodes == 1 or layout.local == 1
-                                   or capacity is not None):
+    if hierarchical == "auto" and (layout.nodes == 1 or layout.local == 1 or capacity is not None):
         # At a capacity every slot is padded to its width, so the two-hop cast moves as
         # many rows between nodes as the flat one: only an explicit True turns it on.
         return None
@@ -301,38 +354,58 @@ def _relay_stage(cast, layout, forced, capacity, cp_axis):
     """``(RelaySpec, RelayRuns of host tables)`` of a stage's cast, or ``None`` where the
     flat cast stays (``"auto"`` and no fewer rows sent between nodes, padding included: the
     ``ppermute`` of a slot sends its whole width)."""
-    from magi_jax.planning.hierarchy import build_relay_table, inter_node_wire_rows
     from magi_jax.planning.cast_table import index_runs
+    from magi_jax.planning.hierarchy import build_relay_table, inter_node_wire_rows
     from magi_jax.sharding.collectives import RelayRuns, RelaySpec
-    widths = ({} if capacity is None else
-              dict(inter_width=cast.slot_len, intra_width=cast.buffer_len))
+
+    widths = (
+        {} if capacity is None else dict(inter_width=cast.slot_len, intra_width=cast.buffer_len)
+    )
     rt = build_relay_table(cast, layout, **widths)
     if not forced and rt.inter_node_wire_rows() >= inter_node_wire_rows(cast, layout):
         return None
-    spec = RelaySpec(tuple(cp_axis), layout.nodes, layout.local, rt.inter_shifts,
-                     rt.inter_widths, rt.intra_shifts, rt.intra_widths)
+    spec = RelaySpec(
+        tuple(cp_axis),
+        layout.nodes,
+        layout.local,
+        rt.inter_shifts,
+        rt.inter_widths,
+        rt.intra_shifts,
+        rt.intra_widths,
+    )
     cp = rt.cp
     s1, s2 = rt.inter_send.shape[2], rt.intra_send.shape[2]
     # At a capacity, room for a run per entry (always fits; the shapes follow the capacity).
     fit = (lambda a: None) if capacity is None else (lambda a: max(a[0].size, 1))
-    runs = RelayRuns(index_runs(rt.inter_send.reshape(cp, -1), split=s1,
-                                num_runs=fit(rt.inter_send)),
-                     index_runs(rt.intra_send.reshape(cp, -1), split=s2,
-                                num_runs=fit(rt.intra_send)),
-                     index_runs(rt.recv_index, num_runs=fit(rt.recv_index)))
-    return dataclasses.replace(spec, inter_slot_len=s1, intra_slot_len=s2,
-                               buffer_len=rt.buffer_len), runs
+    runs = RelayRuns(
+        index_runs(rt.inter_send.reshape(cp, -1), split=s1, num_runs=fit(rt.inter_send)),
+        index_runs(rt.intra_send.reshape(cp, -1), split=s2, num_runs=fit(rt.intra_send)),
+        index_runs(rt.recv_index, num_runs=fit(rt.recv_index)),
+    )
+    return dataclasses.replace(
+        spec, inter_slot_len=s1, intra_slot_len=s2, buffer_len=rt.buffer_len
+    ), runs
 
 
-def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
-                  chunk_size: int | None = None, overlap_degree: int | None = None,
-                  comm_backend: str = "auto", dispatch_algorithm: str = "magi",
-                  dispatch_from: MagiKey | None = None, block_q: int | None = None,
-                  block_k: int | None = None, ffa_backend: str = "auto",
-                  backward_refetch: bool = True,
-                  capacity: PlanCapacity | None = None,
-                  check_dispatch: bool | None = None, kv_layout: str = "auto",
-                  hierarchical: bool | str = "auto") -> MagiKey:
+def make_flex_key(
+    mask: AttnMask,
+    mesh: Mesh,
+    cp_axis: str = "cp",
+    *,
+    chunk_size: int | None = None,
+    overlap_degree: int | None = None,
+    comm_backend: str = "auto",
+    dispatch_algorithm: str = "magi",
+    dispatch_from: MagiKey | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    ffa_backend: str = "auto",
+    backward_refetch: bool = True,
+    capacity: PlanCapacity | None = None,
+    check_dispatch: bool | None = None,
+    kv_layout: str = "auto",
+    hierarchical: bool | str = "auto",
+) -> MagiKey:
     """Plans context-parallel attention of ``mask`` over ``mesh``'s ``cp_axis``.
 
     Args:
@@ -408,80 +481,118 @@ def make_flex_key(mask: AttnMask, mesh: Mesh, cp_axis: str = "cp", *,
     cache bounded by the bytes of its keys' arrays (:func:`clear_key_cache`).
     """
     if not isinstance(mask, AttnMask):
-        raise TypeError(f"mask must be an AttnMask (e.g. AttnMask.varlen(...)); got "
-                        f"{type(mask).__name__}")
+        raise TypeError(
+            f"mask must be an AttnMask (e.g. AttnMask.varlen(...)); got {type(mask).__name__}"
+        )
     cp_axis = _normal_cp_axis(cp_axis)
     cp = _check_mesh(mesh, cp_axis)
     if mask.total_q == 0 and mask.total_k == 0:
-        raise ValueError("the mask has no tokens (total_q = total_k = 0): context-parallel "
-                         "attention needs a packed sequence of at least one token")
+        raise ValueError(
+            "the mask has no tokens (total_q = total_k = 0): context-parallel "
+            "attention needs a packed sequence of at least one token"
+        )
     if kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout={kv_layout!r} is not one of {KV_LAYOUTS} (\"auto\": "
-                         "shared for self-attention, by the size rule for cross attention)")
+        raise ValueError(
+            f'kv_layout={kv_layout!r} is not one of {KV_LAYOUTS} ("auto": '
+            "shared for self-attention, by the size rule for cross attention)"
+        )
     cross = kv_layout != "auto" or mask.total_q != mask.total_k
     if cross and (mask.total_q == 0 or mask.total_k == 0):
-        raise ValueError(f"the cross-attention mask has total_q={mask.total_q}, total_k="
-                         f"{mask.total_k}: context parallelism needs at least one query and "
-                         "one key")
+        raise ValueError(
+            f"the cross-attention mask has total_q={mask.total_q}, total_k="
+            f"{mask.total_k}: context parallelism needs at least one query and "
+            "one key"
+        )
     chunk_size = _check_int("chunk_size", chunk_size, 1, "a positive number of tokens")
     block_q = _check_int("block_q", block_q, 1, "a positive tile size")
     block_k = _check_int("block_k", block_k, 1, "a positive tile size")
     overlap_degree = _check_int(
-        "overlap_degree", overlap_degree, 0,
+        "overlap_degree",
+        overlap_degree,
+        0,
         f"in [0, {MAX_OVERLAP_DEGREE}] (0: fetch all remote KV, then one FFA call; k: the "
         "host stage plus k remote stages, each costing a kernel, a merge and a collective)",
-        hi=MAX_OVERLAP_DEGREE)
+        hi=MAX_OVERLAP_DEGREE,
+    )
     check = _check_dispatch_flag(check_dispatch)
     if check and cross:
-        raise ValueError("check_dispatch=True is for self-attention keys; this key is cross "
-                         f"attention (total_q={mask.total_q}, total_k={mask.total_k}, "
-                         f"kv_layout={kv_layout!r}): build it with check_dispatch=False (and "
-                         f"unset {CHECK_DISPATCH_ENV})")
+        raise ValueError(
+            "check_dispatch=True is for self-attention keys; this key is cross "
+            f"attention (total_q={mask.total_q}, total_k={mask.total_k}, "
+            f"kv_layout={kv_layout!r}): build it with check_dispatch=False (and "
+            f"unset {CHECK_DISPATCH_ENV})"
+        )
     if comm_backend not in COMM_BACKENDS:
         raise ValueError(f"comm_backend={comm_backend!r} is not one of {COMM_BACKENDS}")
     if comm_backend == "native" and cross:
-        raise ValueError("comm_backend='native' does not take cross-attention keys (total_q="
-                         f"{mask.total_q}, total_k={mask.total_k}); use comm_backend='xla' "
-                         "(or 'auto', which picks it for them)")
+        raise ValueError(
+            "comm_backend='native' does not take cross-attention keys (total_q="
+            f"{mask.total_q}, total_k={mask.total_k}); use comm_backend='xla' "
+            "(or 'auto', which picks it for them)"
+        )
     if comm_backend == "native" and not isinstance(cp_axis, str):
-        raise ValueError(f"comm_backend='native' takes one cp axis; got cp_axis={cp_axis!r}: "
-                         "use comm_backend='xla' (or 'auto', which picks it here)")
+        raise ValueError(
+            f"comm_backend='native' takes one cp axis; got cp_axis={cp_axis!r}: "
+            "use comm_backend='xla' (or 'auto', which picks it here)"
+        )
     if comm_backend == "native":
         native.check_mesh(mesh, cp_axis)
-    elif comm_backend == "auto" and not cross and isinstance(cp_axis, str) and \
-            native.auto_reason(mesh, cp_axis) is None:
+    elif (
+        comm_backend == "auto"
+        and not cross
+        and isinstance(cp_axis, str)
+        and native.auto_reason(mesh, cp_axis) is None
+    ):
         comm_backend = "native"
     relay = _relay_layout(mesh, cp_axis, hierarchical, comm_backend, capacity)
     if ffa_backend not in ("auto",) + FFA_BACKENDS:
-        raise ValueError(f"ffa_backend={ffa_backend!r} is not one of "
-                         f"{('auto',) + FFA_BACKENDS}")
+        raise ValueError(f"ffa_backend={ffa_backend!r} is not one of {('auto',) + FFA_BACKENDS}")
     if ffa_backend == "auto":
         ffa_backend = "xla" if ffa_backend_reason() else "pallas"
     if capacity is not None:
-        chunk_size, overlap_degree = _capacity_options(capacity, mask, cp, chunk_size,
-                                                       overlap_degree)
+        chunk_size, overlap_degree = _capacity_options(
+            capacity, mask, cp, chunk_size, overlap_degree
+        )
     if dispatch_algorithm not in ALGORITHMS:
-        raise ValueError(f"dispatch_algorithm={dispatch_algorithm!r} is not one of "
-                         f"{ALGORITHMS}")
+        raise ValueError(f"dispatch_algorithm={dispatch_algorithm!r} is not one of {ALGORITHMS}")
     if dispatch_from is not None:
         if not isinstance(dispatch_from, MagiKey):
-            raise TypeError(f"dispatch_from must be a MagiKey; got "
-                            f"{type(dispatch_from).__name__}")
-        if dispatch_from.total != mask.total_q or dispatch_from.mesh != mesh or \
-                dispatch_from.cp_axis != cp_axis:
+            raise TypeError(f"dispatch_from must be a MagiKey; got {type(dispatch_from).__name__}")
+        if (
+            dispatch_from.total != mask.total_q
+            or dispatch_from.mesh != mesh
+            or dispatch_from.cp_axis != cp_axis
+        ):
             raise ValueError(
                 f"dispatch_from was made for {dispatch_from.total} tokens on axis "
                 f"{dispatch_from.cp_axis!r} of its mesh, but this mask has {mask.total_q} "
-                f"tokens (axis {cp_axis!r}); a shared dispatch needs the same sequence and mesh")
+                f"tokens (axis {cp_axis!r}); a shared dispatch needs the same sequence and mesh"
+            )
     if dispatch_from is not None and dispatch_from.plan is None:
-        raise ValueError("dispatch_from carries no host plan (it was rebuilt inside a traced "
-                         "function); pass the key make_flex_key returned")
+        raise ValueError(
+            "dispatch_from carries no host plan (it was rebuilt inside a traced "
+            "function); pass the key make_flex_key returned"
+        )
     if not isinstance(backward_refetch, (bool, np.bool_)):
         raise ValueError(f"backward_refetch={backward_refetch!r} must be True or False")
-    args = (mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, dispatch_algorithm,
-            None if dispatch_from is None else _MetaRef(dispatch_from.plan.meta),
-            block_q, block_k, ffa_backend, cp, bool(backward_refetch), capacity, kv_layout,
-            relay)
+    args = (
+        mask,
+        mesh,
+        cp_axis,
+        chunk_size,
+        overlap_degree,
+        comm_backend,
+        dispatch_algorithm,
+        None if dispatch_from is None else _MetaRef(dispatch_from.plan.meta),
+        block_q,
+        block_k,
+        ffa_backend,
+        cp,
+        bool(backward_refetch),
+        capacity,
+        kv_layout,
+        relay,
+    )
     key = _KEYS.get(args, lambda: _make_key(*args))
     return CheckedKey.of(key) if check else key
 
@@ -493,12 +604,15 @@ def _check_int(name, value, lo, what, hi=None):
     value = value.item() if isinstance(value, np.generic) else value
     ok = not isinstance(value, bool) and (
         isinstance(value, (int, np.integer))
-        or (isinstance(value, (float, np.floating)) and float(value).is_integer()))
+        or (isinstance(value, (float, np.floating)) and float(value).is_integer())
+    )
     if not ok or value < lo or (hi is not None and value > hi):
         default = "the cost model's choice" if name == "overlap_degree" else "the default"
-        raise ValueError(f"{name}={value!r} must be an integer {what} (or None for {default})"
-                         if hi is not None else
-                         f"{name}={value!r} must be {what} (or None for {default})")
+        raise ValueError(
+            f"{name}={value!r} must be an integer {what} (or None for {default})"
+            if hi is not None
+            else f"{name}={value!r} must be {what} (or None for {default})"
+        )
     return int(value)
 
 
@@ -510,14 +624,17 @@ def _check_dispatch_flag(value) -> bool:
         return False
     if env in ("1", "true", "yes", "on"):
         return True
-    raise ValueError(f"{CHECK_DISPATCH_ENV}={os.environ[CHECK_DISPATCH_ENV]!r}: use 1 (check "
-                     "that magi_attention's inputs were dispatched) or 0")
+    raise ValueError(
+        f"{CHECK_DISPATCH_ENV}={os.environ[CHECK_DISPATCH_ENV]!r}: use 1 (check "
+        "that magi_attention's inputs were dispatched) or 0"
+    )
 
 
 def ffa_backend_reason() -> str | None:
     """``None`` when ``ffa_backend="auto"`` picks ``"pallas"`` (the default device is an sm90
     GPU), else why it picks ``"xla"``."""
     from magi_jax.pallas.api import device_supported
+
     ok, why = device_supported()
     return None if ok else f"pallas (Mosaic GPU) not used: {why}"
 
@@ -527,19 +644,27 @@ def _capacity_options(capacity, mask, cp, chunk_size, overlap_degree):
     if not isinstance(capacity, PlanCapacity):
         raise TypeError(f"capacity must be a PlanCapacity; got {type(capacity).__name__}")
     if (capacity.total_q, capacity.total_k) != (mask.total_q, mask.total_k):
-        raise ValueError(f"capacity is for total_q={capacity.total_q}, total_k="
-                         f"{capacity.total_k} but the mask has total_q={mask.total_q}, "
-                         f"total_k={mask.total_k}; build the capacity for the packed lengths")
-    for name, given, fixed in (("chunk_size", chunk_size, capacity.chunk_size),
-                               ("overlap_degree", overlap_degree, capacity.overlap_degree)):
+        raise ValueError(
+            f"capacity is for total_q={capacity.total_q}, total_k="
+            f"{capacity.total_k} but the mask has total_q={mask.total_q}, "
+            f"total_k={mask.total_k}; build the capacity for the packed lengths"
+        )
+    for name, given, fixed in (
+        ("chunk_size", chunk_size, capacity.chunk_size),
+        ("overlap_degree", overlap_degree, capacity.overlap_degree),
+    ):
         if given is not None and fixed is not None and int(given) != fixed:
-            raise ValueError(f"{name}={given} but capacity.{name}={fixed}; set it in one "
-                             "place (the capacity fixes the key's static part)")
-    chunk = int(chunk_size or capacity.chunk_size
-                or capacity_chunk_size(capacity.total_q, cp))
+            raise ValueError(
+                f"{name}={given} but capacity.{name}={fixed}; set it in one "
+                "place (the capacity fixes the key's static part)"
+            )
+    chunk = int(chunk_size or capacity.chunk_size or capacity_chunk_size(capacity.total_q, cp))
     if overlap_degree is None:
-        overlap_degree = (capacity.overlap_degree if capacity.overlap_degree is not None
-                          else capacity_overlap_degree(capacity.total_q, cp, chunk))
+        overlap_degree = (
+            capacity.overlap_degree
+            if capacity.overlap_degree is not None
+            else capacity_overlap_degree(capacity.total_q, cp, chunk)
+        )
     return chunk, int(overlap_degree)
 
 
@@ -609,9 +734,24 @@ class _MetaRef:
         return isinstance(other, _MetaRef) and self._fp == other._fp
 
 
-def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, algorithm,
-              meta_ref, block_q, block_k, ffa_backend, cp, backward_refetch,
-              capacity, kv_layout="auto", relay=None) -> MagiKey:
+def _make_key(
+    mask,
+    mesh,
+    cp_axis,
+    chunk_size,
+    overlap_degree,
+    comm_backend,
+    algorithm,
+    meta_ref,
+    block_q,
+    block_k,
+    ffa_backend,
+    cp,
+    backward_refetch,
+    capacity,
+    kv_layout="auto",
+    relay=None,
+) -> MagiKey:
     if meta_ref is not None:
         meta = meta_ref.meta
     else:
@@ -619,12 +759,14 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
     # Cross attention: where the keys live (None: self-attention, the queries' dispatch).
     kv = resolve_kv(mask, meta, kv_layout)
     kv_meta = kv if kv is not None and not isinstance(kv, str) else None
-    kv_local = (meta.local_len if kv is None else mask.total_k if kv_meta is None
-                else kv_meta.local_len)
+    kv_local = (
+        meta.local_len if kv is None else mask.total_k if kv_meta is None else kv_meta.local_len
+    )
     auto_q, auto_k = default_block_sizes(meta.local_len, kv_local)
     bq, bk = int(block_q or auto_q), int(block_k or auto_k)
-    degree = (default_overlap_degree(mask, meta, kv) if overlap_degree is None
-              else int(overlap_degree))
+    degree = (
+        default_overlap_degree(mask, meta, kv) if overlap_degree is None else int(overlap_degree)
+    )
     plan: DistPlan = build_dist_plan(mask, meta, degree, bq, bk, ffa_backend, capacity, kv=kv)
     shard = NamedSharding(mesh, P(cp_axis))
     put = lambda a: _put(a, shard)
@@ -638,43 +780,73 @@ def _make_key(mask, mesh, cp_axis, chunk_size, overlap_degree, comm_backend, alg
         # Two-hop casts on a mesh of nodes (hierarchical=...; see _relay_stage).
         two_hop = None if relay is None else _relay_stage(st.cast, *relay, capacity, cp_axis)
         if two_hop is not None:
-            statics.append(StageStatic(st.kv_len, st.kv_len != st.cast.buffer_len, two_hop[0],
-                                       st.items))
+            statics.append(
+                StageStatic(st.kv_len, st.kv_len != st.cast.buffer_len, two_hop[0], st.items)
+            )
             arrays.append((ffa, type(two_hop[1])(*(put(a) for a in two_hop[1]))))
             continue
-        transport = (choose_transport(st.cast) if comm_backend in ("auto", "xla")
-                     else comm_backend)
+        transport = choose_transport(st.cast) if comm_backend in ("auto", "xla") else comm_backend
         runs = None
         if transport == "native":
             native.check_table(st.cast)
             # The started reduce needs the receive table's runs as static data: a key of one
             # mask only.
             runs = native.reduce_runs(st.cast) if capacity is None else None
-        spec = CastSpec(cp_axis, cp, st.cast.shifts, st.cast.widths, transport, runs,
-                        st.cast.slot_len, st.cast.buffer_len)
+        spec = CastSpec(
+            cp_axis,
+            cp,
+            st.cast.shifts,
+            st.cast.widths,
+            transport,
+            runs,
+            st.cast.slot_len,
+            st.cast.buffer_len,
+        )
         combined = st.kv_len != st.cast.buffer_len
         statics.append(StageStatic(st.kv_len, combined, spec, st.items))
         # The tables travel as runs; the collectives expand them on the device.
         arrays.append((ffa, CastRuns(put(st.cast.send_runs), put(st.cast.recv_runs))))
     replicated = NamedSharding(mesh, P())
     fingerprint = None if capacity is not None else (mask.fingerprint, meta.fingerprint())
-    static = KeyStatic(mesh=mesh, cp_axis=cp_axis, cp=cp, total=meta.total,
-                       padded_total=meta.padded_total, local_len=meta.local_len,
-                       chunk_size=meta.chunk_size, overlap_degree=plan.overlap_degree,
-                       block_q=bq, block_k=bk, stages=tuple(statics), ffa_backend=ffa_backend,
-                       comm_backend=comm_backend, backward_refetch=backward_refetch,
-                       capacity=capacity, fingerprint=fingerprint)
+    static = KeyStatic(
+        mesh=mesh,
+        cp_axis=cp_axis,
+        cp=cp,
+        total=meta.total,
+        padded_total=meta.padded_total,
+        local_len=meta.local_len,
+        chunk_size=meta.chunk_size,
+        overlap_degree=plan.overlap_degree,
+        block_q=bq,
+        block_k=bk,
+        stages=tuple(statics),
+        ffa_backend=ffa_backend,
+        comm_backend=comm_backend,
+        backward_refetch=backward_refetch,
+        capacity=capacity,
+        fingerprint=fingerprint,
+    )
     kv_leaves = ()
     if kv is not None:
         kv_rows = mask.total_k if kv_meta is None else kv_meta.padded_total
-        static = dataclasses.replace(static, kv_layout=plan.kv_layout, total_k=mask.total_k,
-                                     kv_padded_total=kv_rows, kv_local_len=kv_local,
-                                     kv_chunk_size=None if kv_meta is None
-                                     else kv_meta.chunk_size)
+        static = dataclasses.replace(
+            static,
+            kv_layout=plan.kv_layout,
+            total_k=mask.total_k,
+            kv_padded_total=kv_rows,
+            kv_local_len=kv_local,
+            kv_chunk_size=None if kv_meta is None else kv_meta.chunk_size,
+        )
         if kv_meta is not None:
             kv_leaves = tuple(_put(a, replicated) for a in _chunk_permutation(kv_meta))
-    return MagiKey(static, *(_put(a, replicated) for a in _chunk_permutation(meta)),
-                   tuple(arrays), *kv_leaves, plan=plan, mask=mask)
+    return MagiKey(
+        static,
+        *(_put(a, replicated) for a in _chunk_permutation(meta)),
+        tuple(arrays),
+        *kv_leaves,
+        plan=plan,
+        mask=mask,
+    )
 
 
 def _chunk_permutation(meta) -> tuple[np.ndarray, np.ndarray]:
@@ -701,19 +873,22 @@ def _put(a: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
 
 
-def make_varlen_key(cu_seqlens, mesh: Mesh, cp_axis: str = "cp", *, causal: bool = True,
-                    window=None, **options) -> MagiKey:
+def make_varlen_key(
+    cu_seqlens, mesh: Mesh, cp_axis: str = "cp", *, causal: bool = True, window=None, **options
+) -> MagiKey:
     """:func:`make_flex_key` for packed documents (``AttnMask.varlen(cu_seqlens, causal,
     window)``; causal by default, like ``AttnMask.varlen``); ``options`` as for
     :func:`make_flex_key`."""
-    return make_flex_key(AttnMask.varlen(cu_seqlens, causal=causal, window=window), mesh,
-                         cp_axis, **options)
+    return make_flex_key(
+        AttnMask.varlen(cu_seqlens, causal=causal, window=window), mesh, cp_axis, **options
+    )
 
 
 def _check_key(key):
     if not isinstance(key, MagiKey):
-        raise TypeError(f"key must be a MagiKey from make_flex_key/make_varlen_key; got "
-                        f"{type(key).__name__}")
+        raise TypeError(
+            f"key must be a MagiKey from make_flex_key/make_varlen_key; got {type(key).__name__}"
+        )
 
 
 @jax.tree_util.register_pytree_node_class
@@ -744,10 +919,18 @@ class CheckedKey(MagiKey):
         if isinstance(key, CheckedKey):
             return key
         if key.cross:
-            raise ValueError(f"CheckedKey.of: the key is cross attention (kv_layout="
-                             f"{key.kv_layout!r}); check_dispatch is for self-attention keys")
-        return cls(key.static, key.chunk_order, key.chunk_inverse, key.stage_arrays,
-                   plan=key.plan, mask=key.mask)
+            raise ValueError(
+                f"CheckedKey.of: the key is cross attention (kv_layout="
+                f"{key.kv_layout!r}); check_dispatch is for self-attention keys"
+            )
+        return cls(
+            key.static,
+            key.chunk_order,
+            key.chunk_inverse,
+            key.stage_arrays,
+            plan=key.plan,
+            mask=key.mask,
+        )
 
     def __repr__(self):
         return super().__repr__()[:-1] + ", check_dispatch=True)"
@@ -760,24 +943,26 @@ def _checked(key) -> bool:
 def _rows_desc(key) -> str:
     """How the key's dispatched rows add up, for messages."""
     st = key.static
-    extra = (f" + {st.cp} hidden check rows (check_dispatch=True)" if _checked(key) else "")
-    return (f"{key.padded_total} rows ({st.total} tokens + {st.padded_total - st.total} "
-            f"padding{extra})")
+    extra = f" + {st.cp} hidden check rows (check_dispatch=True)" if _checked(key) else ""
+    return (
+        f"{key.padded_total} rows ({st.total} tokens + {st.padded_total - st.total} padding{extra})"
+    )
 
 
 # Dispatch moves whole chunks (padding sits at the end of the padded sequence, in chunks of
 # its own), so both directions are one gather of [num_chunks, chunk_size, ...] blocks by the
 # key's [num_chunks] leaves: no token-level index exists, on the host or on the device.
 
+
 def _split_axis(x, axis: int, *sizes):
     """``x`` with axis ``axis`` split into ``sizes`` (their product is its length)."""
-    return x.reshape(x.shape[:axis] + sizes + x.shape[axis + 1:])
+    return x.reshape(x.shape[:axis] + sizes + x.shape[axis + 1 :])
 
 
 def _merge_axes(x, axis: int, count: int):
     """``x`` with axes ``axis .. axis + count - 1`` merged into one."""
-    n = int(np.prod(x.shape[axis:axis + count]))
-    return x.reshape(x.shape[:axis] + (n,) + x.shape[axis + count:])
+    n = int(np.prod(x.shape[axis : axis + count]))
+    return x.reshape(x.shape[:axis] + (n,) + x.shape[axis + count :])
 
 
 def _take_chunks(x, chunks, chunk_size: int, axis: int):
@@ -800,8 +985,9 @@ def _pad_rows(x, axis: int, rows: int):
 def _add_hidden_rows(x, key, axis: int):
     """Checked layout: one zero row after each rank's ``local_len`` rows."""
     st = key.static
-    return _merge_axes(_pad_rows(_split_axis(x, axis, st.cp, st.local_len), axis + 1,
-                                 st.local_len + 1), axis, 2)
+    return _merge_axes(
+        _pad_rows(_split_axis(x, axis, st.cp, st.local_len), axis + 1, st.local_len + 1), axis, 2
+    )
 
 
 def _drop_hidden_rows(x, key, axis: int):
@@ -824,12 +1010,16 @@ def _length_error(fn, x, axis, seq_axis, want, what, other=None):
     """A ValueError for an array whose ``seq_axis`` does not hold ``want`` rows, with the
     likely fix: another axis that has them, or the other layout."""
     n = x.shape[axis]
-    msg = (f"{fn}: x has shape {tuple(x.shape)}; its axis {axis} (seq_axis={seq_axis}) has "
-           f"{n} rows but {what}")
+    msg = (
+        f"{fn}: x has shape {tuple(x.shape)}; its axis {axis} (seq_axis={seq_axis}) has "
+        f"{n} rows but {what}"
+    )
     fits = [i for i, d in enumerate(x.shape) if d == want and i != axis]
     if fits:
-        msg += (f". Axis {fits[0]} has {want} rows: pass seq_axis={fits[0]} (the axis of "
-                "the packed sequence)")
+        msg += (
+            f". Axis {fits[0]} has {want} rows: pass seq_axis={fits[0]} (the axis of "
+            "the packed sequence)"
+        )
     elif other is not None and n == other[0]:
         msg += f". {other[1]}"
     else:
@@ -839,8 +1029,10 @@ def _length_error(fn, x, axis, seq_axis, want, what, other=None):
 
 def _check_role(role, fn):
     if role not in ROLES:
-        raise ValueError(f"{fn}: role={role!r} is not one of {ROLES} (\"q\": queries and "
-                         "outputs; \"kv\": keys and values)")
+        raise ValueError(
+            f'{fn}: role={role!r} is not one of {ROLES} ("q": queries and '
+            'outputs; "kv": keys and values)'
+        )
 
 
 def _kv_role(key, role) -> bool:
@@ -852,21 +1044,30 @@ def _kv_length_error(fn, x, axis, seq_axis, key, want, what):
     """A ValueError for keys/values of a cross key whose ``seq_axis`` has the wrong length."""
     err = _length_error(fn, x, axis, seq_axis, want, what)
     if x.shape[axis] == key.total and key.total != want:
-        return ValueError(f"{err}. That is the queries' length: lay out queries with "
-                          "role='q' (the default)")
+        return ValueError(
+            f"{err}. That is the queries' length: lay out queries with role='q' (the default)"
+        )
     return err
 
 
 def _dispatch_kv(x, key, axis, seq_axis):
     """Keys/values of a cross key, natural order -> its key layout."""
     if x.shape[axis] != key.total_k:
-        raise _kv_length_error("dispatch", x, axis, seq_axis, key, key.total_k,
-                               f"the key's keys are {key.total_k} tokens in natural order")
+        raise _kv_length_error(
+            "dispatch",
+            x,
+            axis,
+            seq_axis,
+            key,
+            key.total_k,
+            f"the key's keys are {key.total_k} tokens in natural order",
+        )
     if key.kv_layout == "replicated":
         return _shard_rows(x, key, axis, replicated=True)
     x = _pad_rows(x, axis, key.kv_padded_total)
-    return _shard_rows(_take_chunks(x, key.kv_chunk_order, key.static.kv_chunk_size, axis),
-                       key, axis)
+    return _shard_rows(
+        _take_chunks(x, key.kv_chunk_order, key.static.kv_chunk_size, axis), key, axis
+    )
 
 
 def dispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
@@ -886,15 +1087,25 @@ def dispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
     if _kv_role(key, role):
         return _dispatch_kv(x, key, axis, seq_axis)
     if x.shape[axis] != key.total and key.cross and x.shape[axis] == key.total_k:
-        raise ValueError(f"dispatch: x has {key.total_k} rows along seq_axis={seq_axis}: the "
-                         f"key's keys, but role='q' lays out its {key.total} queries; pass "
-                         "role='kv' for keys and values")
+        raise ValueError(
+            f"dispatch: x has {key.total_k} rows along seq_axis={seq_axis}: the "
+            f"key's keys, but role='q' lays out its {key.total} queries; pass "
+            "role='kv' for keys and values"
+        )
     if x.shape[axis] != key.total:
         raise _length_error(
-            "dispatch", x, axis, seq_axis, key.total,
+            "dispatch",
+            x,
+            axis,
+            seq_axis,
+            key.total,
             f"the key is for {key.total} tokens in natural order",
-            (key.padded_total, "That is the key's dispatched length: x looks dispatched "
-             "already (pass it to magi_attention as it is, or undispatch it first)"))
+            (
+                key.padded_total,
+                "That is the key's dispatched length: x looks dispatched "
+                "already (pass it to magi_attention as it is, or undispatch it first)",
+            ),
+        )
     st = key.static
     y = _take_chunks(_pad_rows(x, axis, st.padded_total), key.chunk_order, st.chunk_size, axis)
     if _checked(key):
@@ -913,9 +1124,16 @@ def undispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
     axis = _axis(x, seq_axis, "undispatch")
     if _kv_role(key, role):
         if x.shape[axis] != key.kv_padded_total:
-            raise _kv_length_error("undispatch", x, axis, seq_axis, key, key.kv_padded_total,
-                                   f"the key lays out keys in {key.kv_padded_total} rows "
-                                   f"(kv_layout={key.kv_layout!r})")
+            raise _kv_length_error(
+                "undispatch",
+                x,
+                axis,
+                seq_axis,
+                key,
+                key.kv_padded_total,
+                f"the key lays out keys in {key.kv_padded_total} rows "
+                f"(kv_layout={key.kv_layout!r})",
+            )
         if key.kv_layout == "replicated":
             return x
         if any(t == jax.sharding.AxisType.Explicit for t in key.mesh.axis_types):
@@ -924,10 +1142,18 @@ def undispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
         return jax.lax.slice_in_dim(y, 0, key.total_k, axis=axis)
     if x.shape[axis] != key.padded_total:
         raise _length_error(
-            "undispatch", x, axis, seq_axis, key.padded_total,
+            "undispatch",
+            x,
+            axis,
+            seq_axis,
+            key.padded_total,
             f"the key dispatches {_rows_desc(key)}",
-            (key.total, "That is the natural-order length: x looks undispatched already "
-             "(undispatch takes outputs of dispatch / magi_attention with this key)"))
+            (
+                key.total,
+                "That is the natural-order length: x looks undispatched already "
+                "(undispatch takes outputs of dispatch / magi_attention with this key)",
+            ),
+        )
     if any(t == jax.sharding.AxisType.Explicit for t in key.mesh.axis_types):
         x = jax.sharding.reshard(x, NamedSharding(key.mesh, P()))
     if _checked(key):
@@ -939,11 +1165,13 @@ def undispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
 
 def _axis(x, seq_axis, fn):
     if isinstance(seq_axis, (bool, np.bool_)) or not isinstance(seq_axis, (int, np.integer)):
-        raise TypeError(f"{fn}: seq_axis={seq_axis!r} must be an int (the axis of the packed "
-                        "sequence)")
+        raise TypeError(
+            f"{fn}: seq_axis={seq_axis!r} must be an int (the axis of the packed sequence)"
+        )
     if not -x.ndim <= seq_axis < x.ndim:
-        raise ValueError(f"{fn}: seq_axis={seq_axis} is out of range for an array of shape "
-                         f"{tuple(x.shape)}")
+        raise ValueError(
+            f"{fn}: seq_axis={seq_axis} is out of range for an array of shape {tuple(x.shape)}"
+        )
     return seq_axis % x.ndim
 
 
@@ -973,8 +1201,7 @@ def position_ids(key: MagiKey, *, role: str = "q"):
 def _shard_rows(x, key: MagiKey, axis: int = 0, replicated: bool = False):
     """Constrains ``x`` to be sharded along ``axis`` over the cp axis (Auto or Explicit), or
     to be replicated."""
-    spec = P() if replicated else P(*([None] * axis), key.cp_axis,
-                                    *([None] * (x.ndim - axis - 1)))
+    spec = P() if replicated else P(*([None] * axis), key.cp_axis, *([None] * (x.ndim - axis - 1)))
     explicit = any(t == jax.sharding.AxisType.Explicit for t in key.mesh.axis_types)
     if explicit:
         return jax.sharding.reshard(x, NamedSharding(key.mesh, spec))

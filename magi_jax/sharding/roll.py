@@ -34,10 +34,18 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from magi_jax.sharding.key import (MagiKey, _axis, _check_key, _checked, _merge_axes, _put,
-                                   _rows_desc, _split_axis)
+from magi_jax.sharding.key import (
+    MagiKey,
+    _axis,
+    _check_key,
+    _merge_axes,
+    _put,
+    _rows_desc,
+    _split_axis,
+)
 
 __all__ = ["roll", "roll_tables", "RollTables", "clear_roll_cache"]
 
@@ -61,8 +69,9 @@ class RollTables:
         return tuple(int(s.shape[1]) for s in self.send)
 
 
-def roll_tables(rank_chunks: np.ndarray, chunk_size: int, total: int, shift: int,
-                rows: int | None = None) -> RollTables:
+def roll_tables(
+    rank_chunks: np.ndarray, chunk_size: int, total: int, shift: int, rows: int | None = None
+) -> RollTables:
     """Host plan of a roll by ``shift`` over a dispatch (pure NumPy).
 
     Args:
@@ -129,6 +138,7 @@ def roll_tables(rank_chunks: np.ndarray, chunk_size: int, total: int, shift: int
 
 # ---- where the host knows the dispatch ----------------------------------------------------
 
+
 def _dispatch_of(key: MagiKey):
     """``(rank_chunks, fingerprint)`` of the key's dispatch, from host data only.
 
@@ -150,7 +160,8 @@ def _dispatch_of(key: MagiKey):
         # roll() sends such keys down the device-planned path (_edge_route) before this.
         raise ValueError(
             "roll: the key was built at a PlanCapacity and is traced (passed to a jitted "
-            "function as an argument), so its dispatch is data the host cannot plan from")
+            "function as an argument), so its dispatch is data the host cannot plan from"
+        )
     rank_chunks = np.asarray(key.chunk_order).astype(np.int64).reshape(st.cp, -1)
     return rank_chunks, (st.total, st.cp, st.chunk_size, rank_chunks.tobytes())
 
@@ -205,6 +216,7 @@ def _device_tables(key: MagiKey, shift: int):
 
 # ---- the device half ----------------------------------------------------------------------
 
+
 def _move(x, send, gather, deltas, cp, cp_axis, axis):
     """One rank: send each delta's rows, then fill every row from local + received + zero."""
     parts = [x]
@@ -236,9 +248,13 @@ class _Route:
         def body(x, send, gather):
             return _move(x, send, gather, deltas, self.cp, self.cp_axis, self.axis)
 
-        fn = jax.shard_map(body, mesh=self.mesh,
-                           in_specs=(spec, tuple(table_spec for _ in deltas), table_spec),
-                           out_specs=spec, check_vma=False)
+        fn = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(spec, tuple(table_spec for _ in deltas), table_spec),
+            out_specs=spec,
+            check_vma=False,
+        )
         return fn(x, send, gather)
 
 
@@ -268,10 +284,14 @@ _roll_linear.defvjp(_roll_linear_fwd, _roll_linear_bwd)
 # never O(total)), and one gather with indices computed from chunk_order / chunk_inverse
 # fills every local row.
 
+
 def _traced_dispatch(key: MagiKey) -> bool:
     """Whether the key's dispatch is traced data the host cannot read (see _dispatch_of)."""
-    return (key.static.fingerprint is None and key.plan is None
-            and isinstance(key.chunk_order, jax.core.Tracer))
+    return (
+        key.static.fingerprint is None
+        and key.plan is None
+        and isinstance(key.chunk_order, jax.core.Tracer)
+    )
 
 
 def _signed_shift(shift: int, total: int) -> int:
@@ -289,7 +309,7 @@ def _move_edges(x, chunk_order, chunk_inverse, t, route):
     slot = jax.lax.axis_index(route.cp_axis).astype(jnp.int32) * per_rank + j // c
     row_in_chunk = j % c
     chunk = jnp.take(chunk_order, slot, mode="clip")
-    src = chunk * c + row_in_chunk - t          # natural source position before wrapping
+    src = chunk * c + row_in_chunk - t  # natural source position before wrapping
     real = chunk * c + row_in_chunk < total
     parts = [x]
     idx = j - t
@@ -298,30 +318,28 @@ def _move_edges(x, chunk_order, chunk_inverse, t, route):
         # Edge rows: the last k rows of every chunk (t > 0: they start the next chunk) or
         # its first k (t < 0: they end the previous one), [per_rank·k] from this rank.
         blocks = _split_axis(jax.lax.slice_in_dim(x, 0, local, axis=axis), axis, per_rank, c)
-        edge = jax.lax.slice_in_dim(blocks, c - k if t > 0 else 0, c if t > 0 else k,
-                                    axis=axis + 1)
+        edge = jax.lax.slice_in_dim(blocks, c - k if t > 0 else 0, c if t > 0 else k, axis=axis + 1)
         # Wrap rows: positions [total - k, total) (t > 0) or [0, k) (t < 0), which may span
         # two chunks when the last one is partial; every rank takes the rows at their local
         # places, and the receivers read each from its owner only.
         wrap_start = total - k if t > 0 else 0
         wrap_pos = wrap_start + jnp.arange(k, dtype=jnp.int32)
         wrap_slot = jnp.take(chunk_inverse, wrap_pos // c, mode="clip")
-        wrap_rows = jnp.take(x, (wrap_slot % per_rank) * c + wrap_pos % c, axis=axis,
-                             mode="clip")
+        wrap_rows = jnp.take(x, (wrap_slot % per_rank) * c + wrap_pos % c, axis=axis, mode="clip")
         mine = jnp.concatenate([_merge_axes(edge, axis, 2), wrap_rows], axis=axis)
         parts.append(jax.lax.all_gather(mine, route.cp_axis, axis=axis, tiled=True))
-        width = (per_rank + 1) * k                  # rows each rank contributes
+        width = (per_rank + 1) * k  # rows each rank contributes
 
         wraps = (src < 0) | (src >= total)
         same_chunk = (row_in_chunk - t >= 0) & (row_in_chunk - t < c)
         n = route.num_chunks
-        near_slot = jnp.take(chunk_inverse, jnp.clip(chunk - (1 if t > 0 else -1), 0, n - 1),
-                             mode="clip")
+        near_slot = jnp.take(
+            chunk_inverse, jnp.clip(chunk - (1 if t > 0 else -1), 0, n - 1), mode="clip"
+        )
         # Row within the neighbour's edge block: t > 0 reads the tail row i (rows i < t),
         # t < 0 the head row i + k - c.
         edge_row = row_in_chunk if t > 0 else row_in_chunk + k - c
-        from_edge = rows + (near_slot // per_rank) * width + (near_slot % per_rank) * k \
-            + edge_row
+        from_edge = rows + (near_slot // per_rank) * width + (near_slot % per_rank) * k + edge_row
         m = jnp.clip(jnp.mod(src, total) - wrap_start, 0, k - 1)
         from_wrap = rows + (jnp.take(wrap_slot, m) // per_rank) * width + per_rank * k + m
         idx = jnp.where(wraps, from_wrap, jnp.where(same_chunk, j - t, from_edge))
@@ -362,8 +380,9 @@ class _EdgeRoute:
         def body(x, chunk_order, chunk_inverse):
             return _move_edges(x, chunk_order, chunk_inverse, t, self)
 
-        fn = jax.shard_map(body, mesh=self.mesh, in_specs=(spec, P(), P()), out_specs=spec,
-                           check_vma=False)
+        fn = jax.shard_map(
+            body, mesh=self.mesh, in_specs=(spec, P(), P()), out_specs=spec, check_vma=False
+        )
         return fn(x, chunk_order, chunk_inverse)
 
 
@@ -378,9 +397,19 @@ def _edge_route(key: MagiKey, shift: int, axis: int) -> _EdgeRoute:
             "traced data, roll moves only the |shift| edge rows of every chunk, so it takes "
             f"|shift| < {st.chunk_size}. Close over the key instead (jax.jit(lambda x: "
             "mj.roll(x, shift, key))), pass a key built without capacity=, or, for label "
-            "shifts, roll the token ids in natural order before mj.dispatch")
-    return _EdgeRoute(st.mesh, st.cp_axis, st.cp, axis, st.chunk_size, st.total,
-                      st.padded_total // st.chunk_size, t, -t)
+            "shifts, roll the token ids in natural order before mj.dispatch"
+        )
+    return _EdgeRoute(
+        st.mesh,
+        st.cp_axis,
+        st.cp,
+        axis,
+        st.chunk_size,
+        st.total,
+        st.padded_total // st.chunk_size,
+        t,
+        -t,
+    )
 
 
 def _check_shift(shift):
@@ -392,9 +421,12 @@ def _check_shift(shift):
                 f"roll: shift must be a static Python int; got a JAX array "
                 f"({getattr(shift, 'dtype', '?')}{tuple(getattr(shift, 'shape', ()))}). The "
                 "transfers are planned per shift: pass an int (under jit, mark "
-                "it static, e.g. jax.jit(f, static_argnums=...))")
-        raise TypeError(f"roll: shift={shift!r} must be a Python int (positive or negative, "
-                        f"any size); got {type(shift).__name__}")
+                "it static, e.g. jax.jit(f, static_argnums=...))"
+            )
+        raise TypeError(
+            f"roll: shift={shift!r} must be a Python int (positive or negative, "
+            f"any size); got {type(shift).__name__}"
+        )
     return shift
 
 
@@ -455,15 +487,22 @@ def roll(x, shift: int, key: MagiKey, *, seq_axis: int = 0):
             raise TypeError(f"roll: x must be an array; got {type(x).__name__}") from None
     axis = _axis(x, seq_axis, "roll")
     if x.shape[axis] != key.padded_total:
-        msg = (f"roll: x has shape {tuple(x.shape)}; its axis {axis} (seq_axis={seq_axis}) "
-               f"has {x.shape[axis]} rows but the key dispatches {_rows_desc(key)}")
+        msg = (
+            f"roll: x has shape {tuple(x.shape)}; its axis {axis} (seq_axis={seq_axis}) "
+            f"has {x.shape[axis]} rows but the key dispatches {_rows_desc(key)}"
+        )
         if x.shape[axis] == key.total and key.total != key.padded_total:
-            msg += ("; x looks like natural-order tokens: mj.dispatch(x, key) first, or use "
-                    "jnp.roll on the natural-order array")
+            msg += (
+                "; x looks like natural-order tokens: mj.dispatch(x, key) first, or use "
+                "jnp.roll on the natural-order array"
+            )
         else:
             fits = [i for i, n in enumerate(x.shape) if n == key.padded_total and i != axis]
-            msg += (f"; axis {fits[0]} has {key.padded_total} rows: pass seq_axis={fits[0]}"
-                    if fits else "; pass an array dispatched with this key")
+            msg += (
+                f"; axis {fits[0]} has {key.padded_total} rows: pass seq_axis={fits[0]}"
+                if fits
+                else "; pass an array dispatched with this key"
+            )
         raise ValueError(msg)
     if _traced_dispatch(key):
         dispatch = (key.chunk_order, key.chunk_inverse)

@@ -13,17 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.baselines.allgather import make_allgather_plan, allgather_attention
+from benchmarks.baselines.allgather import allgather_attention, make_allgather_plan
 from benchmarks.baselines.common import LocalFFA, make_layout, pick_backend
 from benchmarks.baselines.ring import make_ring_plan, ring_attention
 from benchmarks.baselines.ulysses import kv_repeat, make_ulysses_plan, ulysses_attention
-from magi_jax.mask import AttnMask
 from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 from magi_jax.ffa.xla import xla_ffa
+from magi_jax.mask import AttnMask
 from magi_jax.planning.work_list import EMPTY_ITEM, FFAPlanArrays, plan_for_mask
 
 CP = 8
-LENS = [13, 1, 22, 9, 19]                      # 64 tokens, documents cut across ranks
+LENS = [13, 1, 22, 9, 19]  # 64 tokens, documents cut across ranks
 CU = np.cumsum([0] + LENS)
 T = int(CU[-1])
 MASKS = {
@@ -44,19 +44,21 @@ _FAST_COMPILE = dict(xla_llvm_disable_expensive_passes=True)
 
 @functools.lru_cache(maxsize=None)
 def _mesh(cp=CP):
-    return jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.make_mesh(
+        (cp,), ("cp",), devices=jax.devices()[:cp], axis_types=(jax.sharding.AxisType.Auto,)
+    )
 
 
 def _pad_plan(plan: FFAPlanArrays, sizes) -> FFAPlanArrays:
     """Pads stacked plan arrays (any leading axes) to ``sizes = (Wq, Wk)`` items."""
+
     def pad(items, w):
         items = np.asarray(items)
         extra = np.zeros(items.shape[:-2] + (w - items.shape[-2], items.shape[-1]), np.int32)
         extra[..., :] = EMPTY_ITEM
         return np.concatenate([items, extra], axis=-2)
-    return plan._replace(q_items=pad(plan.q_items, sizes[0]), k_items=pad(plan.k_items,
-                                                                          sizes[1]))
+
+    return plan._replace(q_items=pad(plan.q_items, sizes[0]), k_items=pad(plan.k_items, sizes[1]))
 
 
 def _plan_sizes(p: FFAPlanArrays):
@@ -76,8 +78,9 @@ def _with_arrays(plan, arrays):
 def _plans(baseline: str):
     """Every mask's (layout, plan) for ``baseline``, the plans padded to one shape."""
     make, _ = BASELINES[baseline]
-    built = {n: (lay := make_layout(m, _mesh())) and (lay, make(lay, FFA))
-             for n, m in MASKS.items()}
+    built = {
+        n: (lay := make_layout(m, _mesh())) and (lay, make(lay, FFA)) for n, m in MASKS.items()
+    }
     sizes = np.max([_plan_sizes(_arrays_of(p)) for _, p in built.values()], axis=0)
     out = {}
     for name, (lay, plan) in built.items():
@@ -108,6 +111,7 @@ def _runner(baseline: str):
         if key not in cache:
             cache[key] = run.lower(*args).compile(compiler_options=_FAST_COMPILE)
         return cache[key](*args)
+
     return call
 
 
@@ -170,14 +174,17 @@ def test_local_ffa_backward_matches_autodiff():
     mask = MASKS["shared_question"]
     q, k, v, dout, dlse = random_inputs(jax.random.key(3), mask, 4, 2, 16, jnp.float32)
     plan = jax.tree.map(jnp.asarray, plan_for_mask(mask, "xla", 8, 8))
-    fwd = lambda q_, k_, v_: xla_ffa(q_, k_, v_, plan, softmax_scale=0.3, softcap=0.0,
-                                     block_q=8, block_k=8)
+    fwd = lambda q_, k_, v_: xla_ffa(
+        q_, k_, v_, plan, softmax_scale=0.3, softcap=0.0, block_q=8, block_k=8
+    )
 
     @jax.jit
     def both(q, k, v, dout, dlse):
         (out, lse), vjp = jax.vjp(fwd, q, k, v)
-        return vjp((dout, dlse)), FFA.backward(q, k, v, out, lse, dout, dlse, plan, scale=0.3,
-                                               softcap=0.0)
+        return vjp((dout, dlse)), FFA.backward(
+            q, k, v, out, lse, dout, dlse, plan, scale=0.3, softcap=0.0
+        )
+
     want, got = both(q, k, v, dout, dlse)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
@@ -192,7 +199,7 @@ def test_ulysses_head_checks():
 
 
 def test_pick_backend_on_cpu():
-    assert pick_backend("auto", jnp.bfloat16, 128)[0] == "xla"      # no sm90 here
+    assert pick_backend("auto", jnp.bfloat16, 128)[0] == "xla"  # no sm90 here
     assert pick_backend("pallas", jnp.bfloat16, 128)[0] == "pallas"
     with pytest.raises(ValueError, match="backend"):
         pick_backend("cuda", jnp.bfloat16, 128)
@@ -204,8 +211,9 @@ def test_local_ffa_pallas_backward_matches_autodiff():
     attention runs on the GPU, from stacked (padded) plan arrays."""
     mask = AttnMask.varlen([0, 70, 150, 200], causal=True)
     ffa = LocalFFA("pallas", interpret=True)
-    plans = ffa.stack([ffa.plan(mask.shapes, 200, 200),
-                       ffa.plan(AttnMask.causal(200).shapes, 200, 200)])
+    plans = ffa.stack(
+        [ffa.plan(mask.shapes, 200, 200), ffa.plan(AttnMask.causal(200).shapes, 200, 200)]
+    )
     plan = jax.tree.map(lambda a: jnp.asarray(a[0]), plans)
     q, k, v, dout, dlse = random_inputs(jax.random.key(4), mask, 2, 1, 64, jnp.bfloat16)
 
@@ -213,8 +221,12 @@ def test_local_ffa_pallas_backward_matches_autodiff():
     def both(q, k, v, dout, dlse):
         fwd = lambda q_, k_, v_: ffa.forward(q_, k_, v_, plan, scale=0.2, softcap=0.0)
         (out, lse), vjp = jax.vjp(fwd, q, k, v)
-        return (out, lse), vjp((dout, dlse)), ffa.backward(q, k, v, out, lse, dout, dlse, plan,
-                                                           scale=0.2, softcap=0.0)
+        return (
+            (out, lse),
+            vjp((dout, dlse)),
+            ffa.backward(q, k, v, out, lse, dout, dlse, plan, scale=0.2, softcap=0.0),
+        )
+
     (out, lse), want, got = both(q, k, v, dout, dlse)
     assert_matches_reference(dict(out=out, lse=lse), q, k, v, mask, softmax_scale=0.2)
     for g, w in zip(got, want):
@@ -227,7 +239,7 @@ def _dense_of(shapes, tq, tk):
     out = np.zeros((tq, tk), np.int64)
     for s in np.nonzero(shapes.nonempty)[0]:
         for q in range(int(shapes.q0[s]), int(shapes.q1[s])):
-            out[q, int(shapes.lo(np.int64(q), s)):int(shapes.hi(np.int64(q), s)) + 1] += 1
+            out[q, int(shapes.lo(np.int64(q), s)) : int(shapes.hi(np.int64(q), s)) + 1] += 1
     return out
 
 
@@ -236,6 +248,7 @@ def test_sub_shapes_are_the_dense_sub_masks(name):
     """Each ring step's local shapes are exactly the global mask restricted to the rank's
     query positions and the travelling block's key positions (padding sees nothing)."""
     from benchmarks.baselines.common import sub_shapes
+
     mask = MASKS[name]
     cp = 4
     lay = make_layout(mask, _mesh(cp))
@@ -247,7 +260,11 @@ def test_sub_shapes_are_the_dense_sub_masks(name):
     for r in range(cp):
         for s in range(cp):
             src = (r - s) % cp
-            got = _dense_of(sub_shapes(lay, [r], lay.meta.rank_chunks[src], offsets),
-                            lay.local_len, lay.local_len)
-            np.testing.assert_array_equal(got, dense[np.ix_(pos[r], pos[src])],
-                                          err_msg=f"rank {r} step {s}")
+            got = _dense_of(
+                sub_shapes(lay, [r], lay.meta.rank_chunks[src], offsets),
+                lay.local_len,
+                lay.local_len,
+            )
+            np.testing.assert_array_equal(
+                got, dense[np.ix_(pos[r], pos[src])], err_msg=f"rank {r} step {s}"
+            )

@@ -9,23 +9,26 @@ def _row(mask, length, mode, impl, tflops):
 
 def _judged(rows):
     """``{line: (target, value rounded, holds)}`` of the targets ``rows`` measure."""
-    return {c["line"]: (c["target"], round(c["value"], 4), c["holds"])
-            for c in kb.target_lines(rows)}
+    return {
+        c["line"]: (c["target"], round(c["value"], 4), c["holds"]) for c in kb.target_lines(rows)
+    }
 
 
 def test_target_lines_ratios_absolutes_and_zoo():
-    rows = [_row("full", 16384, "fwd", "ffa_pallas", 600.0),
-            _row("full", 16384, "fwd", "cudnn", 600.0),       # 1.0: holds at the line
-            _row("full", 16384, "fwd+bwd", "ffa_pallas", 400.0),
-            _row("full", 16384, "fwd+bwd", "cudnn", 500.0),   # 0.80 < 1.0
-            _row("causal", 16384, "fwd+bwd", "ffa_pallas", 480.0),
-            _row("doc_causal", 32768, "fwd", "ffa_pallas", 599.6),
-            _row("swa_causal_1024", 16384, "fwd+bwd", "ffa_pallas", 432.0),   # 0.9x causal
-            _row("prefix_lm", 16384, "fwd+bwd", "ffa_pallas", 431.0),
-            _row("prefix_lm", 16384, "fwd+bwd", "tokamax", 10.0),
-            _row("causal", 8192, "fwd+bwd", "ffa_pallas", 400.0),
-            _row("doc_causal", 8192, "fwd+bwd", "ffa_pallas", 320.0),   # short docs: 0.8x
-            dict(mask="doc_full", length=16384, impl="cudnn", mode="-", skipped="no mask")]
+    rows = [
+        _row("full", 16384, "fwd", "ffa_pallas", 600.0),
+        _row("full", 16384, "fwd", "cudnn", 600.0),  # 1.0: holds at the line
+        _row("full", 16384, "fwd+bwd", "ffa_pallas", 400.0),
+        _row("full", 16384, "fwd+bwd", "cudnn", 500.0),  # 0.80 < 1.0
+        _row("causal", 16384, "fwd+bwd", "ffa_pallas", 480.0),
+        _row("doc_causal", 32768, "fwd", "ffa_pallas", 599.6),
+        _row("swa_causal_1024", 16384, "fwd+bwd", "ffa_pallas", 432.0),  # 0.9x causal
+        _row("prefix_lm", 16384, "fwd+bwd", "ffa_pallas", 431.0),
+        _row("prefix_lm", 16384, "fwd+bwd", "tokamax", 10.0),
+        _row("causal", 8192, "fwd+bwd", "ffa_pallas", 400.0),
+        _row("doc_causal", 8192, "fwd+bwd", "ffa_pallas", 320.0),  # short docs: 0.8x
+        dict(mask="doc_full", length=16384, impl="cudnn", mode="-", skipped="no mask"),
+    ]
     got = _judged(rows)
     assert got == {
         "full 16384 fwd": (">= 1x cudnn", 1.0, True),
@@ -35,9 +38,20 @@ def test_target_lines_ratios_absolutes_and_zoo():
         "prefix_lm 16384 fwd+bwd": (">= 0.9x FFA causal", 0.8979, False),
         "doc_causal 8192 fwd+bwd": (">= 0.8x FFA causal", 0.8, True),
     }
-    md = kb.markdown(rows, dict(date="d", device="dev", versions={}, heads=16, kv_heads=16,
-                                head_dim=128, dtype="bfloat16", tokens_per_batch=32768,
-                                flops="f"))
+    md = kb.markdown(
+        rows,
+        dict(
+            date="d",
+            device="dev",
+            versions={},
+            heads=16,
+            kv_heads=16,
+            head_dim=128,
+            dtype="bfloat16",
+            tokens_per_batch=32768,
+            flops="f",
+        ),
+    )
     assert "| full 16384 fwd+bwd | >= 1x cudnn | 0.800 | no |" in md
 
 
@@ -45,13 +59,15 @@ def test_target_lines_by_head_configuration():
     """GQA, D = 64 and D = 256 rows are judged by their own targets and never against the
     default configuration's rows."""
     cfg = lambda r, h, kvh, d: dict(r, heads=h, kv_heads=kvh, head_dim=d)
-    rows = [cfg(_row("causal", 16384, "fwd", "ffa_pallas", 570.0), 32, 32, 64),
-            cfg(_row("causal", 16384, "fwd", "cudnn", 600.0), 32, 32, 64),        # 0.95
-            cfg(_row("causal", 16384, "fwd", "ffa_pallas", 590.0), 64, 8, 128),
-            cfg(_row("causal", 16384, "fwd", "cudnn", 600.0), 64, 8, 128),
-            cfg(_row("causal", 8192, "fwd+bwd", "ffa_pallas", 360.0), 16, 16, 256),
-            cfg(_row("causal", 8192, "fwd+bwd", "cudnn", 400.0), 16, 16, 256),
-            _row("causal", 16384, "fwd", "cudnn", 100.0)]   # default config: not a pair
+    rows = [
+        cfg(_row("causal", 16384, "fwd", "ffa_pallas", 570.0), 32, 32, 64),
+        cfg(_row("causal", 16384, "fwd", "cudnn", 600.0), 32, 32, 64),  # 0.95
+        cfg(_row("causal", 16384, "fwd", "ffa_pallas", 590.0), 64, 8, 128),
+        cfg(_row("causal", 16384, "fwd", "cudnn", 600.0), 64, 8, 128),
+        cfg(_row("causal", 8192, "fwd+bwd", "ffa_pallas", 360.0), 16, 16, 256),
+        cfg(_row("causal", 8192, "fwd+bwd", "cudnn", 400.0), 16, 16, 256),
+        _row("causal", 16384, "fwd", "cudnn", 100.0),
+    ]  # default config: not a pair
     got = _judged(rows)
     assert got == {
         "causal 16384 fwd [d64]": (">= 0.95x cudnn", 0.95, True),
@@ -67,17 +83,32 @@ def test_many_docs_mask():
 
 def test_target_lines_skip_what_was_not_measured():
     # No cuDNN row for the ratio lines, no causal row for the zoo line: nothing to judge.
-    rows = [_row("full", 16384, "fwd", "ffa_pallas", 570.0),
-            _row("block_causal", 8192, "fwd+bwd", "ffa_pallas", 400.0)]
+    rows = [
+        _row("full", 16384, "fwd", "ffa_pallas", 570.0),
+        _row("block_causal", 8192, "fwd+bwd", "ffa_pallas", 400.0),
+    ]
     assert kb.target_lines(rows) == []
-    assert "acceptance lines" not in kb.markdown(rows, dict(
-        date="d", device="dev", versions={}, heads=1, kv_heads=1, head_dim=64,
-        dtype="bfloat16", tokens_per_batch=1, flops="f"))
+    assert "acceptance lines" not in kb.markdown(
+        rows,
+        dict(
+            date="d",
+            device="dev",
+            versions={},
+            heads=1,
+            kv_heads=1,
+            head_dim=64,
+            dtype="bfloat16",
+            tokens_per_batch=1,
+            flops="f",
+        ),
+    )
 
 
 def test_judge_reads_a_results_file(tmp_path, capsys):
-    rows = [_row("causal", 16384, "fwd", "ffa_pallas", 560.0),
-            _row("causal", 16384, "fwd", "cudnn", 560.0)]
+    rows = [
+        _row("causal", 16384, "fwd", "ffa_pallas", 560.0),
+        _row("causal", 16384, "fwd", "cudnn", 560.0),
+    ]
     path = tmp_path / "kernel.json"
     path.write_text(kb.json.dumps(dict(meta={}, rows=rows)))
     checks = kb.main(["--judge", str(path)])

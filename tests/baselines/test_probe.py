@@ -4,17 +4,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magi_jax.sharding import dispatch, make_flex_key
-from magi_jax.sharding import magi_attention
 from benchmarks.probe import measure_overlap, nocomm_attention, overlap_probe, time_ms
 from magi_jax.ffa.testing import random_inputs
+from magi_jax.sharding import dispatch, magi_attention, make_flex_key
 from tests.sharding.masks import ZOO
 
 
 def test_comm_then_compute_equals_both():
     mask = ZOO["shared_question"]
-    mesh = jax.make_mesh((4,), ("cp",), devices=jax.devices()[:4],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+        (4,), ("cp",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,)
+    )
     key = make_flex_key(mask, mesh, "cp", overlap_degree=2, chunk_size=3)
     q, k, v, _, _ = random_inputs(jax.random.key(0), mask, 2, 1, 8, jnp.float32)
     q, k, v = (dispatch(x, key) for x in (q, k, v))
@@ -34,20 +34,26 @@ def test_nocomm_probe_is_magi_without_remote_kv():
     then magi_attention itself, forward and backward; with remote KV (two stages) it still
     runs both and stays finite."""
     from magi_jax.mask import AttnMask
-    mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+
+    mesh = jax.make_mesh(
+        (2,), ("cp",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,)
+    )
 
     def value_and_grads(fn, key, q, k, v):
         def loss(q, k, v):
             out, lse = fn(q, k, v, key)
             return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
         return jax.tree.leaves(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v))
 
-    cases = ((AttnMask.varlen([0, 16, 32], causal=True), 0, True),
-             (ZOO["shared_question"], 1, False))
+    cases = (
+        (AttnMask.varlen([0, 16, 32], causal=True), 0, True),
+        (ZOO["shared_question"], 1, False),
+    )
     for mask, degree, local_only in cases:
-        key = make_flex_key(mask, mesh, "cp", overlap_degree=degree, chunk_size=4,
-                            dispatch_algorithm="contiguous")
+        key = make_flex_key(
+            mask, mesh, "cp", overlap_degree=degree, chunk_size=4, dispatch_algorithm="contiguous"
+        )
         assert (int(key.plan.remote_tokens.max()) == 0) == local_only
         q, k, v, _, _ = random_inputs(jax.random.key(1), mask, 2, 1, 8, jnp.float32)
         q, k, v = (dispatch(x, key) for x in (q, k, v))

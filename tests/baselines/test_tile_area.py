@@ -16,11 +16,14 @@ def _touched_dense(mask, bq, bk):
 
 
 def test_touched_tiles_match_a_dense_count():
-    masks = [AttnMask.causal(256),                                   # 3 tiles of 128 x 128
-             AttnMask.varlen([0, 100, 290, 300, 520], causal=True),  # cut documents
-             AttnMask.varlen([0, 700], causal=True, window=150),     # a band
-             AttnMask.from_ranges([[0, 300], [300, 520]], [[0, 520], [40, 400]],
-                                  ["inv_causal", "bi_causal"], 520, 520)]
+    masks = [
+        AttnMask.causal(256),  # 3 tiles of 128 x 128
+        AttnMask.varlen([0, 100, 290, 300, 520], causal=True),  # cut documents
+        AttnMask.varlen([0, 700], causal=True, window=150),  # a band
+        AttnMask.from_ranges(
+            [[0, 300], [300, 520]], [[0, 520], [40, 400]], ["inv_causal", "bi_causal"], 520, 520
+        ),
+    ]
     assert ta.touched_tiles(masks[0], 128, 128) == 3
     for mask in masks:
         for bq, bk in ta.GRAINS:
@@ -31,7 +34,7 @@ def test_cell_counts_of_causal():
     row = ta.cell_counts(AttnMask.causal(256))
     area = 256 * 257 // 2
     assert row["area"] == area
-    assert row["fwd_list"] == 3 * 128 * 128 / area      # the diagonal tiles and one full one
+    assert row["fwd_list"] == 3 * 128 * 128 / area  # the diagonal tiles and one full one
     assert row["touched_64x64"] == 10 * 64 * 64 / area
     # dK/dV: k-tile 0 meets 4 q-steps of 64 rows, k-tile 1 two: 6 items of 64 x 128.
     assert row["dkv_list"] == 6 * 64 * 128 / area

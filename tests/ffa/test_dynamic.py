@@ -8,8 +8,8 @@ import pytest
 
 import magi_jax as mj
 from magi_jax.ffa.testing import assert_matches_reference, random_inputs
-from tests.xla_options import OPTIMIZED
 from tests.dynamic_masks import mixed_packings, varlen_packings
+from tests.xla_options import OPTIMIZED
 
 T = 200
 
@@ -17,12 +17,12 @@ T = 200
 def _step():
     def loss(q, k, v, plan, dout, dlse):
         out, lse = mj.flex_flash_attention(q, k, v, plan)
-        return (out * dout).sum() + (jnp.where(jnp.isfinite(lse), lse, 0) * dlse).sum(), \
-            (out, lse)
+        return (out * dout).sum() + (jnp.where(jnp.isfinite(lse), lse, 0) * dlse).sum(), (out, lse)
 
     # It runs 20 times: worth optimising (tests/xla_options.py).
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True),
-                   compiler_options=OPTIMIZED)
+    return jax.jit(
+        jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), compiler_options=OPTIMIZED
+    )
 
 
 @pytest.fixture
@@ -41,8 +41,9 @@ def test_twenty_packings_compile_once(packings, float32_matmuls):
         q, k, v, dout, dlse = random_inputs(jax.random.key(i), mask, 4, 2, 16, jnp.float32)
         plan = mj.plan_attention(mask, capacity, backend="xla")
         (_, (out, lse)), (dq, dk, dv) = step(q, k, v, plan, dout, dlse)
-        assert_matches_reference(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, mask,
-                                 dout, dlse)
+        assert_matches_reference(
+            dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, mask, dout, dlse
+        )
     assert step._cache_size() == 1
 
 
@@ -78,6 +79,7 @@ def test_from_masks_is_tight():
     masks = list(varlen_packings(T, 5, seed=2))
     cap = mj.PlanCapacity.from_masks(masks, headroom=1.0)
     from magi_jax.planning.tiling import count_items
+
     assert cap.items == max(count_items(m.shapes, T, T) for m in masks)
     for m in masks:
         mj.plan_attention(m, cap, backend="xla")
@@ -98,8 +100,9 @@ def test_pallas_packings_compile_once(persistent):
         plan = mj.plan_attention(mask, capacity, backend="pallas", num_heads=(4, 2))
         assert bool(plan.schedules) == persistent
         (_, (out, lse)), (dq, dk, dv) = step(q, k, v, plan, dout, dlse)
-        assert_matches_reference(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, mask,
-                                 dout, dlse)
+        assert_matches_reference(
+            dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, mask, dout, dlse
+        )
     assert step._cache_size() == 1
 
 
@@ -109,8 +112,13 @@ def test_plans_travel_as_runs_and_expand_to_the_item_lists(backend):
     the item lists the kernels read, padded to the capacity, for every zoo mask."""
     from magi_jax.ffa.plan import expand_lists
     from magi_jax.mask_zoo import zoo
-    from magi_jax.planning.work_list import (FFAPlanRuns, backend_blocks, build_work_list,
-                                             pad_work_list)
+    from magi_jax.planning.work_list import (
+        FFAPlanRuns,
+        backend_blocks,
+        build_work_list,
+        pad_work_list,
+    )
+
     total = 512
     masks = zoo(total)
     cap = mj.PlanCapacity.from_masks(masks.values())
@@ -119,10 +127,14 @@ def test_plans_travel_as_runs_and_expand_to_the_item_lists(backend):
     for name, mask in masks.items():
         plan = mj.plan_attention(mask, cap, backend=backend)
         assert isinstance(plan.lists, FFAPlanRuns), name
-        want = (*pad_work_list(build_work_list(mask.shapes, total, total, *fwd, "q"),
-                               plan.static.items[0]),
-                *pad_work_list(build_work_list(mask.shapes, total, total, *bwd, "k"),
-                               plan.static.items[1]))
+        want = (
+            *pad_work_list(
+                build_work_list(mask.shapes, total, total, *fwd, "q"), plan.static.items[0]
+            ),
+            *pad_work_list(
+                build_work_list(mask.shapes, total, total, *bwd, "k"), plan.static.items[1]
+            ),
+        )
         got = expand(plan.lists, plan.static.items)
         for field, x, y in zip(got._fields, got, want):
             assert x.dtype == y.dtype and x.shape == y.shape, (name, field)
@@ -131,16 +143,21 @@ def test_plans_travel_as_runs_and_expand_to_the_item_lists(backend):
 
 def test_runs_over_capacity_name_the_field():
     from magi_jax.planning.work_list import count_runs
+
     mask = mj.AttnMask.varlen([0, 50, 120, T], causal=True)
     cap = mj.PlanCapacity.from_masks([mask], headroom=1.0)
     assert (cap.q_runs, cap.k_runs) == count_runs(mask.shapes, T, T)
     lists = mj.plan_attention(mask, mj.PlanCapacity(T), backend="pallas").lists
-    need = dict(q_runs=int((lists.q_runs[:, -1] > 0).sum()),
-                k_runs=int((lists.k_runs[:, -1] > 0).sum()))
+    need = dict(
+        q_runs=int((lists.q_runs[:, -1] > 0).sum()), k_runs=int((lists.k_runs[:, -1] > 0).sum())
+    )
     mj.plan_attention(mask, mj.PlanCapacity(T, **need), backend="pallas")
     for field, n in need.items():
-        with pytest.raises(mj.CapacityError, match=rf"PlanCapacity\.{field}>={n} .* holds "
-                                                   rf"{n - 1};"):
+        with pytest.raises(
+            mj.CapacityError,
+            match=rf"PlanCapacity\.{field}>={n} .* holds "
+            rf"{n - 1};",
+        ):
             mj.plan_attention(mask, mj.PlanCapacity(T, **{field: n - 1}), backend="pallas")
     with pytest.raises(ValueError, match=r"PlanCapacity\.k_runs=0"):
         mj.PlanCapacity(T, k_runs=0)

@@ -6,11 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import magi_jax as mj
-from magi_jax.mask import AttnMask
 from magi_jax.ffa.testing import assert_matches_reference, random_inputs
+from magi_jax.mask import AttnMask
 from tests.strategies import slice_masks
 
 LENS = [13, 1, 22, 9, 19]
@@ -40,17 +41,29 @@ def _run(mask, q, k, v, dout, dlse, **kw):
         (out, lse), vjp = jax.vjp(fn, q, k, v)
         dq, dk, dv = vjp((dout, dlse))
         return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
     return run(q, k, v, dout, dlse)
 
 
-def _check(mask, dtype=jnp.float32, hq=4, hkv=2, d=16, batch=None, seed=0, softcap=0.0,
-           softmax_scale=None, **kw):
+def _check(
+    mask,
+    dtype=jnp.float32,
+    hq=4,
+    hkv=2,
+    d=16,
+    batch=None,
+    seed=0,
+    softcap=0.0,
+    softmax_scale=None,
+    **kw,
+):
     q, k, v, dout, dlse = random_inputs(jax.random.key(seed), mask, hq, hkv, d, dtype, batch)
     res = _run(mask, q, k, v, dout, dlse, softcap=softcap, softmax_scale=softmax_scale, **kw)
     assert res["out"].dtype == dtype and res["lse"].dtype == jnp.float32
     assert res["dq"].dtype == dtype and res["dk"].dtype == dtype
-    return assert_matches_reference(res, q, k, v, mask, dout, dlse, softcap=softcap,
-                                    softmax_scale=softmax_scale)
+    return assert_matches_reference(
+        res, q, k, v, mask, dout, dlse, softcap=softcap, softmax_scale=softmax_scale
+    )
 
 
 @pytest.mark.parametrize("name", list(ZOO))
@@ -59,16 +72,26 @@ def test_zoo(name, dtype):
     _check(ZOO[name], dtype, block_q=16, block_k=8)
 
 
-@given(slice_masks(max_len=40), st.sampled_from([(2, 2), (4, 1), (3, 3)]),
-       st.sampled_from([(8, 8), (16, 8), (4, 16)]))
+@given(
+    slice_masks(max_len=40),
+    st.sampled_from([(2, 2), (4, 1), (3, 3)]),
+    st.sampled_from([(8, 8), (16, 8), (4, 16)]),
+)
 def test_random_slices(mask, heads, blocks):
-    _check(mask, jnp.float32, hq=heads[0], hkv=heads[1], d=8, block_q=blocks[0],
-           block_k=blocks[1])
+    _check(mask, jnp.float32, hq=heads[0], hkv=heads[1], d=8, block_q=blocks[0], block_k=blocks[1])
 
 
 def test_softcap_and_scale_gqa():
-    _check(ZOO["shared_question"], jnp.float32, hq=6, hkv=2, softcap=3.0, softmax_scale=0.5,
-           block_q=8, block_k=16)
+    _check(
+        ZOO["shared_question"],
+        jnp.float32,
+        hq=6,
+        hkv=2,
+        softcap=3.0,
+        softmax_scale=0.5,
+        block_q=8,
+        block_k=16,
+    )
     _check(ZOO["doc_causal"], jnp.bfloat16, hq=4, hkv=1, softcap=5.0)
 
 
@@ -100,7 +123,7 @@ def test_jit_grad_vmap():
 
     def loss(q_, k_, v_):
         out, lse = mj.flex_flash_attention(q_, k_, v_, mask, block_q=8, block_k=8)
-        return jnp.sum(out ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+        return jnp.sum(out**2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
     g_batched = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     g_vmapped = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
@@ -128,8 +151,11 @@ def test_no_dense_matrix_in_the_program():
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q).as_text()
     import re
-    sizes = [np.prod([int(x) for x in dims.split("x") if x.isdigit()] or [1])
-             for dims in re.findall(r"tensor<([0-9x]+)x(?:f|i|bf)\d+>", text)]
+
+    sizes = [
+        np.prod([int(x) for x in dims.split("x") if x.isdigit()] or [1])
+        for dims in re.findall(r"tensor<([0-9x]+)x(?:f|i|bf)\d+>", text)
+    ]
     assert max(sizes) < t * t / 4, max(sizes)
 
 

@@ -8,7 +8,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import magi_jax as mj
 from magi_jax.ffa.reference import dense_attention
@@ -44,16 +43,27 @@ def _check(res, q, k, v, mask, softcap):
     with jax.enable_x64(True):
         x64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)]
         ref64 = {n: np.asarray(r) for n, r in zip(names, _dense(*x64, dense, softcap))}
-    ref_lp = {n: np.asarray(jnp.asarray(r, jnp.float32), np.float64)
-              for n, r in zip(names, _dense(q, k, v, dense, softcap))}
-    assert_matches_reference(dict(out=out, lse=lse, max_logits=max_logits), q, k, v, mask,
-                             softcap=softcap, ref64=ref64, ref_lp=ref_lp)
+    ref_lp = {
+        n: np.asarray(jnp.asarray(r, jnp.float32), np.float64)
+        for n, r in zip(names, _dense(q, k, v, dense, softcap))
+    }
+    assert_matches_reference(
+        dict(out=out, lse=lse, max_logits=max_logits),
+        q,
+        k,
+        v,
+        mask,
+        softcap=softcap,
+        ref64=ref64,
+        ref_lp=ref_lp,
+    )
     return np.asarray(max_logits)
 
 
 def _ffa(q, k, v, mask, softcap, **kw):
-    return mj.flex_flash_attention(q, k, v, mask, softcap=softcap, backend="xla",
-                                   return_max_logits=True, **kw)
+    return mj.flex_flash_attention(
+        q, k, v, mask, softcap=softcap, backend="xla", return_max_logits=True, **kw
+    )
 
 
 # Plans as data: every mask through one compilation.
@@ -64,9 +74,13 @@ def test_zoo_softcap_gqa_and_empty_heads():
     """Every zoo mask with a softcap well below the logits, GQA; plus a mask without any
     cell (every head's max is -inf, out = 0, lse = -inf) and one whose rows [40, 60) see
     nothing (they neither pull the max to -inf nor add to it)."""
-    masks = dict(ZOO, empty=mj.AttnMask.from_ranges([], [], [], total_q=T, total_k=T),
-                 holes=mj.AttnMask.from_ranges([[0, 40], [60, 96]], [[0, 50], [10, 96]],
-                                               ["causal", "full"], total_q=T, total_k=T))
+    masks = dict(
+        ZOO,
+        empty=mj.AttnMask.from_ranges([], [], [], total_q=T, total_k=T),
+        holes=mj.AttnMask.from_ranges(
+            [[0, 40], [60, 96]], [[0, 50], [10, 96]], ["causal", "full"], total_q=T, total_k=T
+        ),
+    )
     cap = mj.PlanCapacity(T)
     q, k, v = _inputs(ZOO["causal"])
     for name, mask in masks.items():
@@ -82,7 +96,7 @@ def test_no_gradient_and_sinks_not_counted():
     """A mask object without softcap (the max is the forward's running row max)."""
     mask = ZOO["shared-question"]
     q, k, v = _inputs(mask)
-    sink = jnp.full((2, 4), 50.0)                   # far above every logit
+    sink = jnp.full((2, 4), 50.0)  # far above every logit
 
     @jax.jit
     def run(q, k, v, sink):
@@ -93,7 +107,7 @@ def test_no_gradient_and_sinks_not_counted():
 
     grads, res, ml_sink = run(q, k, v, sink)
     ml = _check(res, q, k, v, mask, 0.0)
-    for g in grads:                                 # a statistic: no gradient
+    for g in grads:  # a statistic: no gradient
         assert not np.asarray(g).any()
     # Sinks join the softmax but are no key's logit: the max is the sink-free one.
     np.testing.assert_array_equal(ml_sink, ml)
@@ -105,8 +119,9 @@ def test_context_parallel_equals_one_device():
     per-rank maxima over the stages, then pmax over the ranks; replicated, equal to the
     single-device result, which matches the reference."""
     mask = ZOO["doc-causal"]
-    mesh = jax.make_mesh((4,), ("cp",), devices=jax.devices()[:4],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+        (4,), ("cp",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,)
+    )
     key = mj.make_flex_key(mask, mesh, "cp", ffa_backend="xla", overlap_degree=2)
     assert len(key.stages) == 3
     q, k, v = _inputs(mask, jnp.bfloat16, hkv=1, batch=2, seed=3)
@@ -114,15 +129,24 @@ def test_context_parallel_equals_one_device():
 
     @jax.jit
     def both(q, k, v, sink):
-        out, _, ml = mj.magi_attention(*(mj.dispatch(x, key, seq_axis=1) for x in (q, k, v)),
-                                       key, sink=sink, return_max_logits=True)
-        return (mj.undispatch(out, key, seq_axis=1), ml, _ffa(q, k, v, mask, 0.0, sink=sink),
-                _ffa(q, k, v, mask, 0.0))
+        out, _, ml = mj.magi_attention(
+            *(mj.dispatch(x, key, seq_axis=1) for x in (q, k, v)),
+            key,
+            sink=sink,
+            return_max_logits=True,
+        )
+        return (
+            mj.undispatch(out, key, seq_axis=1),
+            ml,
+            _ffa(q, k, v, mask, 0.0, sink=sink),
+            _ffa(q, k, v, mask, 0.0),
+        )
 
     out, ml, one_sink, one = both(q, k, v, sink)
     assert ml.shape == (2, 4) and ml.sharding.is_fully_replicated
     np.testing.assert_allclose(ml, one_sink[2], rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(one_sink[0], np.float32),
-                               atol=1.6e-2)
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(one_sink[0], np.float32), atol=1.6e-2
+    )
     ml1 = _check(one, q, k, v, mask, 0.0)
-    assert not np.array_equal(ml1[0], ml1[1])       # each batch row its own
+    assert not np.array_equal(ml1[0], ml1[1])  # each batch row its own

@@ -2,8 +2,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magi_jax.mask import AttnMask
 from magi_jax.ffa.reference import reference_attention, reference_attention_vjp
+from magi_jax.mask import AttnMask
 
 
 def _loop_reference(q, k, v, dense, scale, softcap=0.0):
@@ -29,12 +29,18 @@ def _loop_reference(q, k, v, dense, scale, softcap=0.0):
 
 def test_matches_row_loop_gqa_softcap():
     rng = np.random.default_rng(0)
-    mask = AttnMask.from_ranges([[0, 5], [5, 9], [0, 3]], [[0, 5], [2, 11], [7, 11]],
-                                ["causal", "inv_causal", "full"], total_q=12, total_k=11)
+    mask = AttnMask.from_ranges(
+        [[0, 5], [5, 9], [0, 3]],
+        [[0, 5], [2, 11], [7, 11]],
+        ["causal", "inv_causal", "full"],
+        total_q=12,
+        total_k=11,
+    )
     q, k, v = (rng.standard_normal(s) for s in [(12, 4, 8), (11, 2, 8), (11, 2, 8)])
     with jax.enable_x64(True):
-        out, lse = reference_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
-                                       softmax_scale=0.3, softcap=2.0)
+        out, lse = reference_attention(
+            jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, softmax_scale=0.3, softcap=2.0
+        )
         out, lse = np.asarray(out), np.asarray(lse)
     want_out, want_lse = _loop_reference(q, k, v, mask.to_dense(), 0.3, 2.0)
     np.testing.assert_allclose(out, want_out, atol=1e-12)
@@ -45,8 +51,10 @@ def test_matches_row_loop_gqa_softcap():
 def test_fully_masked_rows_zero_gradients_no_nan():
     mask = AttnMask.from_ranges([[2, 4]], [[0, 3]], ["full"], total_q=6, total_k=3)
     rng = np.random.default_rng(1)
-    q, k, v, do = (jnp.asarray(rng.standard_normal(s), jnp.float32)
-                   for s in [(6, 2, 8), (3, 2, 8), (3, 2, 8), (6, 2, 8)])
+    q, k, v, do = (
+        jnp.asarray(rng.standard_normal(s), jnp.float32)
+        for s in [(6, 2, 8), (3, 2, 8), (3, 2, 8), (6, 2, 8)]
+    )
     dlse = jnp.ones((6, 2))
     out, lse, (dq, dk, dv) = reference_attention_vjp(q, k, v, mask, do, dlse)
     for x in (out, dq, dk, dv):

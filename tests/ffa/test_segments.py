@@ -14,8 +14,8 @@ from magi_jax.mask import AttnMask, AttnMaskType
 from magi_jax.planning.tiling import EMPTY_ITEM
 from magi_jax.planning.work_list import build_work_list
 
-
 # ---- host mask ----------------------------------------------------------------------------
+
 
 def _dense_from_ids(ids, causal, left=None, right=None):
     """jax.nn's rule on a [T] row (runs are distinct ids here): same nonzero id, window."""
@@ -33,9 +33,14 @@ def _dense_from_ids(ids, causal, left=None, right=None):
 
 def test_from_segment_ids_dense_and_rows():
     ids = np.array([0, 1, 1, 1, 2, 3, 3, 0, 0, 4, 4, 4, 4, 0])
-    for causal, window, lr in [(True, None, (None, None)), (False, None, (None, None)),
-                               (True, 1, (1, None)), (False, 1, (1, 1)),
-                               (False, (2, 0), (2, 0)), (True, (0, 0), (0, None))]:
+    for causal, window, lr in [
+        (True, None, (None, None)),
+        (False, None, (None, None)),
+        (True, 1, (1, None)),
+        (False, 1, (1, 1)),
+        (False, (2, 0), (2, 0)),
+        (True, (0, 0), (0, None)),
+    ]:
         mask = AttnMask.from_segment_ids(ids, causal=causal, window=window)
         np.testing.assert_array_equal(mask.to_dense(), _dense_from_ids(ids, causal, *lr))
     # [B, T]: rows packed, documents never cross rows (row 0 ends and row 1 starts with id 5).
@@ -51,14 +56,17 @@ def test_from_segment_ids_dense_and_rows():
 
 
 def test_from_segment_ids_rejects_split_ids():
-    with pytest.raises(ValueError, match=r"segment id 7 .*positions \[1, 3\) and \[4, 5\).*"
-                                         "contiguous runs"):
+    with pytest.raises(
+        ValueError,
+        match=r"segment id 7 .*positions \[1, 3\) and \[4, 5\).*"
+        "contiguous runs",
+    ):
         AttnMask.from_segment_ids([0, 7, 7, 2, 7])
     with pytest.raises(ValueError, match="row 1"):
         AttnMask.from_segment_ids([[1, 2, 3], [3, 0, 3]])
     with pytest.raises(ValueError, match="contradicts causal"):
         AttnMask.from_segment_ids([1, 1], causal=True, window=(1, 1))
-    AttnMask.from_segment_ids([[1, 2, 3], [3, 2, 1]])     # the same id in two rows is fine
+    AttnMask.from_segment_ids([[1, 2, 3], [3, 2, 1]])  # the same id in two rows is fine
 
 
 def test_pack_rows_round_trip():
@@ -71,6 +79,7 @@ def test_pack_rows_round_trip():
 
 # ---- device-built work lists against the host ---------------------------------------------
 
+
 def _random_ids(rng, t):
     """Packed documents with padding: runs of length 1, zeros at the start/middle/end,
     all-padding and single-document rows, ids arbitrary distinct ints."""
@@ -79,7 +88,7 @@ def _random_ids(rng, t):
         return np.zeros(t, np.int32)
     if kind == 1:
         return np.full(t, 3, np.int32)
-    if kind == 2:                                    # many runs of length 1 and 2
+    if kind == 2:  # many runs of length 1 and 2
         lens = rng.integers(1, 3, size=t)
     else:
         n = int(rng.integers(1, 9))
@@ -124,14 +133,25 @@ def _assert_equal_lists(dev, host, cap):
 def _mapped_builder(t, bq, bk, by, cap):
     """One compilation per (T, blocks, list side, capacity): maps the builder over a batch of
     (ids, left, right) — the window is traced in the core."""
-    core = functools.partial(seg._work_lists, row_len=t, block_q=bq, block_k=bk, by=by,
-                             capacity_items=cap)
+    core = functools.partial(
+        seg._work_lists, row_len=t, block_q=bq, block_k=bk, by=by, capacity_items=cap
+    )
     return jax.jit(lambda ids, l, r: jax.lax.map(lambda a: core(*a), (ids, l, r)))
 
 
-@pytest.mark.parametrize("t,bq,bk,by", [
-    (700, 16, 16, "q"), (700, 16, 16, "k"), (513, 64, 128, "q"), (513, 64, 128, "k"),
-    (300, 128, 128, "q"), (300, 128, 128, "k"), (1, 16, 16, "q"), (130, 128, 128, "k")])
+@pytest.mark.parametrize(
+    "t,bq,bk,by",
+    [
+        (700, 16, 16, "q"),
+        (700, 16, 16, "k"),
+        (513, 64, 128, "q"),
+        (513, 64, 128, "k"),
+        (300, 128, 128, "q"),
+        (300, 128, 128, "k"),
+        (1, 16, 16, "q"),
+        (130, 128, 128, "k"),
+    ],
+)
 def test_device_lists_equal_host(t, bq, bk, by):
     rng = np.random.default_rng(t * 7 + bq + (by == "k"))
     n = 40
@@ -150,22 +170,36 @@ def test_device_lists_equal_host(t, bq, bk, by):
 def test_public_builder_batch_rows_and_static_windows():
     """segment_work_lists itself (the window static), on [B, T] rows whose ids run on across
     a row boundary (they must not merge), under jit."""
-    rows = np.array([[4, 4, 4, 9, 9, 9, 9, 9], [9, 9, 0, 0, 1, 1, 1, 1],
-                     [1, 2, 3, 4, 5, 6, 7, 0]], np.int32)
-    for causal, window, (bq, bk), by in [(True, None, (8, 8), "q"), (False, 2, (4, 8), "k"),
-                                         (True, (3, 0), (8, 4), "q"),
-                                         (False, (1, 2), (16, 16), "k")]:
+    rows = np.array(
+        [[4, 4, 4, 9, 9, 9, 9, 9], [9, 9, 0, 0, 1, 1, 1, 1], [1, 2, 3, 4, 5, 6, 7, 0]], np.int32
+    )
+    for causal, window, (bq, bk), by in [
+        (True, None, (8, 8), "q"),
+        (False, 2, (4, 8), "k"),
+        (True, (3, 0), (8, 4), "q"),
+        (False, (1, 2), (16, 16), "k"),
+    ]:
         host = _host_list(rows, causal, window, bq, bk, by)
         cap = len(host.items) + 5
-        f = jax.jit(functools.partial(seg.segment_work_lists, causal=causal, window=window,
-                                      block_q=bq, block_k=bk, by=by, capacity_items=cap))
+        f = jax.jit(
+            functools.partial(
+                seg.segment_work_lists,
+                causal=causal,
+                window=window,
+                block_q=bq,
+                block_k=bk,
+                by=by,
+                capacity_items=cap,
+            )
+        )
         _assert_equal_lists(f(rows), host, cap)
 
 
 def test_overflow_reports_needed_and_contiguity_check():
-    ids = np.arange(1, 65, dtype=np.int32)            # 64 documents of one token: 64 items
-    build = jax.jit(functools.partial(seg.segment_work_lists, block_q=64, block_k=64, by="q",
-                                      capacity_items=8))
+    ids = np.arange(1, 65, dtype=np.int32)  # 64 documents of one token: 64 items
+    build = jax.jit(
+        functools.partial(seg.segment_work_lists, block_q=64, block_k=64, by="q", capacity_items=8)
+    )
     *_, needed = build(ids)
     assert int(needed) == 64
     bad, i, a, b = jax.jit(seg.noncontiguous_ids)(np.array([[1, 1, 2, 2], [3, 0, 0, 3]]))
@@ -176,13 +210,20 @@ def test_overflow_reports_needed_and_contiguity_check():
 
 # ---- the pallas kernels (interpret mode) on device-built lists ----------------------------
 
+
 def test_pallas_interpret_on_device_lists():
     """The Mosaic GPU kernels in interpret mode, driven by lists built in the same jit from
     traced segment ids (forward and backward), against the reference by docs/design.md §5."""
     from magi_jax.ffa.testing import assert_matches_reference, random_inputs
     from magi_jax.pallas import ffa_pallas
-    from magi_jax.planning.work_list import (DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K,
-                                             FWD_BLOCK_Q, FFAPlanArrays)
+    from magi_jax.planning.work_list import (
+        DKV_BLOCK_K,
+        DKV_BLOCK_Q,
+        FWD_BLOCK_K,
+        FWD_BLOCK_Q,
+        FFAPlanArrays,
+    )
+
     ids = np.repeat(np.array([0, 5, 6, 0, 8], np.int32), [7, 60, 1, 12, 80])
     mask = AttnMask.from_segment_ids(ids, causal=True, window=70)
     q, k, v, dout, dlse = random_inputs(jax.random.key(0), mask, 2, 1, 64, jnp.bfloat16)
@@ -193,8 +234,7 @@ def test_pallas_interpret_on_device_lists():
         *fwd, _ = lists(block_q=FWD_BLOCK_Q, block_k=FWD_BLOCK_K, by="q", capacity_items=16)
         *bwd, _ = lists(block_q=DKV_BLOCK_Q, block_k=DKV_BLOCK_K, by="k", capacity_items=32)
         plan = FFAPlanArrays(*fwd, *bwd)
-        f = lambda q, k, v: ffa_pallas(q, k, v, plan, softmax_scale=64 ** -0.5,
-                                       interpret=True)
+        f = lambda q, k, v: ffa_pallas(q, k, v, plan, softmax_scale=64**-0.5, interpret=True)
         (out, lse), vjp = jax.vjp(f, q, k, v)
         return dict(zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *vjp((dout, dlse)))))
 
@@ -204,6 +244,7 @@ def test_pallas_interpret_on_device_lists():
 
 
 # ---- dot_product_attention against jax.nn -------------------------------------------------
+
 
 @pytest.fixture(autouse=True)
 def _exact_float32_matmuls():
@@ -220,20 +261,23 @@ def _nn_mask(ids, is_causal, window):
 
 def _random_packing(rng, b, t):
     ids = np.stack([_random_ids(rng, t) for _ in range(b)])
-    ids[0, -3:] = 0                                   # always some padding
+    ids[0, -3:] = 0  # always some padding
     return ids
 
 
 def _inputs(key, b, t, n, kv, h):
     kq, kk, kv_ = jax.random.split(key, 3)
-    return (jax.random.normal(kq, (b, t, n, h), jnp.float32),
-            jax.random.normal(kk, (b, t, kv, h), jnp.float32),
-            jax.random.normal(kv_, (b, t, kv, h), jnp.float32))
+    return (
+        jax.random.normal(kq, (b, t, n, h), jnp.float32),
+        jax.random.normal(kk, (b, t, kv, h), jnp.float32),
+        jax.random.normal(kv_, (b, t, kv, h), jnp.float32),
+    )
 
 
 def _ref(q, k, v, mask, scale=None):
-    out = jax.nn.dot_product_attention(q, k, v, mask=jnp.asarray(mask), scale=scale,
-                                       implementation="xla")
+    out = jax.nn.dot_product_attention(
+        q, k, v, mask=jnp.asarray(mask), scale=scale, implementation="xla"
+    )
     # Fully masked rows: jax.nn averages the values there; ours are 0.
     seen = np.asarray(mask).any(-1)[:, 0][..., None, None]
     return jnp.where(seen, out, 0)
@@ -246,12 +290,14 @@ def test_matches_jax_nn_forward_and_grads(is_causal, window):
     q, k, v = _inputs(jax.random.key(2), b, t, n, kv, h)
     ids = _random_packing(rng, b, t)
     mask = _nn_mask(ids, is_causal, window)
-    ours = lambda q, k, v: (seg.dot_product_attention(
-        q, k, v, segment_ids=ids, is_causal=is_causal, local_window_size=window,
-        backend="xla") ** 2).sum()
+    ours = lambda q, k, v: (
+        seg.dot_product_attention(
+            q, k, v, segment_ids=ids, is_causal=is_causal, local_window_size=window, backend="xla"
+        )
+        ** 2
+    ).sum()
     ref = lambda q, k, v: (_ref(q, k, v, mask) ** 2).sum()
-    (lo, go), (lr, gr) = (jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
-                          for f in (ours, ref))
+    (lo, go), (lr, gr) = (jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v) for f in (ours, ref))
     np.testing.assert_allclose(lo, lr, rtol=1e-5)
     for a, r in zip(go, gr):
         np.testing.assert_allclose(a, r, atol=2e-5, rtol=2e-5)
@@ -260,14 +306,18 @@ def test_matches_jax_nn_forward_and_grads(is_causal, window):
 def test_compiles_once_over_packings_and_padding_is_zero():
     rng = np.random.default_rng(3)
     b, t, n, kv, h = 2, 32, 2, 1, 8
-    step = jax.jit(lambda q, k, v, ids: seg.dot_product_attention(
-        q, k, v, segment_ids=ids, is_causal=True, scale=0.3, backend="xla"))
+    step = jax.jit(
+        lambda q, k, v, ids: seg.dot_product_attention(
+            q, k, v, segment_ids=ids, is_causal=True, scale=0.3, backend="xla"
+        )
+    )
     for i in range(4):
         q, k, v = _inputs(jax.random.key(10 + i), b, t, n, kv, h)
         ids = _random_packing(rng, b, t)
         out = step(q, k, v, ids)
-        np.testing.assert_allclose(out, _ref(q, k, v, _nn_mask(ids, True, None), scale=0.3),
-                                   atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(
+            out, _ref(q, k, v, _nn_mask(ids, True, None), scale=0.3), atol=2e-5, rtol=2e-5
+        )
         assert (np.asarray(out)[ids == 0] == 0).all()
     assert step._cache_size() == 1
 
@@ -276,10 +326,12 @@ def test_without_segment_ids_and_cross_lengths():
     q, _, _ = _inputs(jax.random.key(4), 2, 12, 2, 2, 8)
     _, k, v = _inputs(jax.random.key(5), 2, 20, 2, 2, 8)
     for is_causal, window in [(True, None), (False, None), (False, (2, 3))]:
-        out = seg.dot_product_attention(q, k, v, is_causal=is_causal, local_window_size=window,
-                                       backend="xla")
-        ref = jax.nn.dot_product_attention(q, k, v, is_causal=is_causal,
-                                           local_window_size=window, implementation="xla")
+        out = seg.dot_product_attention(
+            q, k, v, is_causal=is_causal, local_window_size=window, backend="xla"
+        )
+        ref = jax.nn.dot_product_attention(
+            q, k, v, is_causal=is_causal, local_window_size=window, implementation="xla"
+        )
         np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="T == S"):
         seg.dot_product_attention(q, k, v, segment_ids=np.ones((2, 12), np.int32))
@@ -288,19 +340,25 @@ def test_without_segment_ids_and_cross_lengths():
 def test_over_capacity_and_split_ids_raise_or_give_nan():
     b, t = 1, 64
     q, k, v = _inputs(jax.random.key(6), b, t, 1, 1, 8)
-    ids = np.arange(1, t + 1, dtype=np.int32)[None]   # 64 one-token documents: 64 items
+    ids = np.arange(1, t + 1, dtype=np.int32)[None]  # 64 one-token documents: 64 items
     split = np.ones((1, t), np.int32)
     split[0, 10:20] = 2
     good = np.repeat(np.array([[1, 2]], np.int32), t // 2, axis=1)
-    step = jax.jit(lambda q, k, v, ids: seg.dot_product_attention(
-        q, k, v, segment_ids=ids, capacity=8, backend="xla", check_segment_ids=True))
+    step = jax.jit(
+        lambda q, k, v, ids: seg.dot_product_attention(
+            q, k, v, segment_ids=ids, capacity=8, backend="xla", check_segment_ids=True
+        )
+    )
     with pytest.raises(Exception, match=r"PlanCapacity.items=64"):
         jax.block_until_ready(step(q, k, v, ids))
     with pytest.raises(Exception, match="segment id 1 appears in two separate runs"):
         jax.block_until_ready(step(q, k, v, split))
     # Without the (host round trip) check: never a wrong finite answer, all NaN instead.
-    fast = jax.jit(lambda q, k, v, ids: seg.dot_product_attention(
-        q, k, v, segment_ids=ids, capacity=8, backend="xla"))
+    fast = jax.jit(
+        lambda q, k, v, ids: seg.dot_product_attention(
+            q, k, v, segment_ids=ids, capacity=8, backend="xla"
+        )
+    )
     assert np.isnan(np.asarray(fast(q, k, v, ids))).all()
     assert np.isnan(np.asarray(fast(q, k, v, split))).all()
     out = np.asarray(fast(q, k, v, good))
@@ -317,26 +375,41 @@ def test_gpu_backends_against_reference(backend):
     by docs/design.md §5 against the dense reference of the same packed mask."""
     from magi_jax.ffa.testing import assert_matches_reference
     from magi_jax.pallas import device_supported
+
     if backend == "pallas" and not device_supported()[0]:
         pytest.skip(device_supported()[1])
     rng = np.random.default_rng(8)
     b, t, n, kv, h = 2, 640, 4, 2, 64
-    step = jax.jit(lambda q, k, v, ids, do: jax.vjp(
-        lambda q, k, v: seg.dot_product_attention(q, k, v, segment_ids=ids, is_causal=True,
-                                                  backend=backend), q, k, v)[1](do))
-    fwd = jax.jit(lambda q, k, v, ids: seg.dot_product_attention(
-        q, k, v, segment_ids=ids, is_causal=True, backend=backend))
+    step = jax.jit(
+        lambda q, k, v, ids, do: jax.vjp(
+            lambda q, k, v: seg.dot_product_attention(
+                q, k, v, segment_ids=ids, is_causal=True, backend=backend
+            ),
+            q,
+            k,
+            v,
+        )[1](do)
+    )
+    fwd = jax.jit(
+        lambda q, k, v, ids: seg.dot_product_attention(
+            q, k, v, segment_ids=ids, is_causal=True, backend=backend
+        )
+    )
     for i in range(3):
-        q, k, v, do = (x.astype(jnp.bfloat16) for x in (
-            *_inputs(jax.random.key(20 + i), b, t, n, kv, h),
-            jax.random.normal(jax.random.key(30 + i), (b, t, n, h))))
+        q, k, v, do = (
+            x.astype(jnp.bfloat16)
+            for x in (
+                *_inputs(jax.random.key(20 + i), b, t, n, kv, h),
+                jax.random.normal(jax.random.key(30 + i), (b, t, n, h)),
+            )
+        )
         ids = _random_packing(rng, b, t)
         mask = AttnMask.from_segment_ids(ids, causal=True)
         out = fwd(q, k, v, ids)
         dq, dk, dv = step(q, k, v, ids, do)
-        res = {name: seg.pack_rows(x) for name, x in
-               dict(out=out, dq=dq, dk=dk, dv=dv).items()}
-        assert_matches_reference(res, *(seg.pack_rows(x) for x in (q, k, v)), mask,
-                                 seg.pack_rows(do))
+        res = {name: seg.pack_rows(x) for name, x in dict(out=out, dq=dq, dk=dk, dv=dv).items()}
+        assert_matches_reference(
+            res, *(seg.pack_rows(x) for x in (q, k, v)), mask, seg.pack_rows(do)
+        )
         assert (np.asarray(out, np.float32)[ids == 0] == 0).all()
     assert fwd._cache_size() == 1 and step._cache_size() == 1

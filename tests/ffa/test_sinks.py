@@ -17,6 +17,7 @@ def _grads(attn, q, k, v, sink, dout):
     def loss(q, k, v, sink):
         out, lse = attn(q, k, v, sink)
         return (out.astype(jnp.float32) * dout).sum() + lse.sum()
+
     return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sink)
 
 
@@ -37,27 +38,32 @@ def _check(attn, mask, atol):
         empty = ~mask.to_dense().any(axis=1)
         if empty.any():
             assert (np.asarray(out)[empty] == 0).all()
-            np.testing.assert_allclose(np.asarray(lse)[empty],
-                                       np.broadcast_to(jax.scipy.special.logsumexp(
-                                           x64[3], axis=0), (int(empty.sum()), 4)), atol=1e-5)
+            np.testing.assert_allclose(
+                np.asarray(lse)[empty],
+                np.broadcast_to(jax.scipy.special.logsumexp(x64[3], axis=0), (int(empty.sum()), 4)),
+                atol=1e-5,
+            )
 
 
-MASKS = {"doc_causal": mj.AttnMask.varlen([0, 30, 31, 96], causal=True),
-         "holes": mj.AttnMask.from_ranges([[0, 40], [60, 96]], [[0, 50], [10, 96]],
-                                          ["causal", "full"], total_q=T, total_k=T)}
+MASKS = {
+    "doc_causal": mj.AttnMask.varlen([0, 30, 31, 96], causal=True),
+    "holes": mj.AttnMask.from_ranges(
+        [[0, 40], [60, 96]], [[0, 50], [10, 96]], ["causal", "full"], total_q=T, total_k=T
+    ),
+}
 
 
 @pytest.mark.parametrize("name", list(MASKS))
 def test_one_device(name):
-    attn = lambda q, k, v, s: mj.flex_flash_attention(q, k, v, MASKS[name], sink=s,
-                                                      backend="xla")
+    attn = lambda q, k, v, s: mj.flex_flash_attention(q, k, v, MASKS[name], sink=s, backend="xla")
     _check(attn, MASKS[name], 2e-5)
 
 
 @pytest.mark.parametrize("name", list(MASKS))
 def test_context_parallel(name):
-    mesh = jax.make_mesh((4,), ("cp",), devices=jax.devices()[:4],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+        (4,), ("cp",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,)
+    )
     key = mj.make_flex_key(MASKS[name], mesh, "cp", ffa_backend="xla")
 
     def attn(q, k, v, s):

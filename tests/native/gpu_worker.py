@@ -9,7 +9,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def _global(x, mesh, spec):
@@ -26,8 +27,7 @@ def main(rank, nprocs, port):
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nprocs, process_id=rank)
     from magi_jax.mask import AttnMask
     from magi_jax.planning.cast_table import cast_model, reduce_model
-    from magi_jax.sharding import dispatch, magi_attention, make_flex_key, undispatch
-    from magi_jax.sharding import native
+    from magi_jax.sharding import dispatch, magi_attention, make_flex_key, native, undispatch
     from magi_jax.sharding.collectives import CastArrays, CastSpec, group_cast, group_reduce
     from tests.sharding.test_collectives import _random_table
 
@@ -45,11 +45,16 @@ def main(rank, nprocs, port):
                 return group_cast(x_[0], t, spec)[None]
             if op == "reduce":
                 return group_reduce(x_[0], t, spec, num_rows)[None]
-            _, vjp = jax.vjp(lambda a: group_cast(a, t, spec),
-                             jnp.zeros((num_rows,) + x_.shape[2:], x_.dtype))
+            _, vjp = jax.vjp(
+                lambda a: group_cast(a, t, spec), jnp.zeros((num_rows,) + x_.shape[2:], x_.dtype)
+            )
             return vjp(x_[0])[0][None]
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 3, out_specs=P("cp"),
-                                  check_vma=False))
+
+        f = jax.jit(
+            jax.shard_map(
+                body, mesh=mesh, in_specs=(P("cp"),) * 3, out_specs=P("cp"), check_vma=False
+            )
+        )
         g = lambda a: _global(a, mesh, P("cp"))
         return _local(f(g(x), g(table.send_index), g(table.recv_index)))[0]
 
@@ -57,9 +62,11 @@ def main(rank, nprocs, port):
     checks = 0
     # Random tables of several layouts back to back (epochs, acks and flags reused), bf16/f32,
     # small rows and KV-sized rows; each collective run twice.
-    for chunk, per_rank, feat, dtype in [(3, 2, (2, 4), np.float32),
-                                         (256, 16, (2, 8, 128), "bf16"),
-                                         (128, 4, (2, 64), np.float16)]:
+    for chunk, per_rank, feat, dtype in [
+        (3, 2, (2, 4), np.float32),
+        (256, 16, (2, 8, 128), "bf16"),
+        (128, 4, (2, 64), np.float16),
+    ]:
         dt = jnp.bfloat16 if dtype == "bf16" else dtype
         table, t_loc = _random_table(rng, nprocs, chunk, per_rank, 1)
         native.check_table(table)
@@ -74,10 +81,18 @@ def main(rank, nprocs, port):
             got = run("reduce", y, table, t_loc, "native")
             assert got.dtype == np.float32
             np.testing.assert_allclose(got, want_r, rtol=tol, atol=tol)
-        np.testing.assert_allclose(run("cast_vjp", y, table, t_loc, "native").astype(np.float64),
-                                   want_r, rtol=tol, atol=tol)
-        np.testing.assert_allclose(run("reduce", y, table, t_loc, "native"),
-                                   run("reduce", y, table, t_loc, "ppermute"), rtol=tol, atol=tol)
+        np.testing.assert_allclose(
+            run("cast_vjp", y, table, t_loc, "native").astype(np.float64),
+            want_r,
+            rtol=tol,
+            atol=tol,
+        )
+        np.testing.assert_allclose(
+            run("reduce", y, table, t_loc, "native"),
+            run("reduce", y, table, t_loc, "ppermute"),
+            rtol=tol,
+            atol=tol,
+        )
         checks += 1
     print(f"rank {rank}: {checks} table layouts OK", flush=True)
 
@@ -89,11 +104,16 @@ def main(rank, nprocs, port):
     spec = CastSpec("cp", nprocs, table.shifts, table.widths, "native")
     g = lambda a: _global(a, mesh, P("cp"))
     for shapes in ([(8, 128), (8, 128)], [(8, 128), (3,)], [(3,), (5,), (2, 4)]):
-        xs = [rng.standard_normal((nprocs, t_loc) + shp).astype(jnp.bfloat16 if len(shp) > 1
-                                                               else np.float16)
-              for shp in shapes]
-        ys = [rng.standard_normal((nprocs, table.buffer_len) + shp).astype(jnp.bfloat16)
-              for shp in shapes]
+        xs = [
+            rng.standard_normal((nprocs, t_loc) + shp).astype(
+                jnp.bfloat16 if len(shp) > 1 else np.float16
+            )
+            for shp in shapes
+        ]
+        ys = [
+            rng.standard_normal((nprocs, table.buffer_len) + shp).astype(jnp.bfloat16)
+            for shp in shapes
+        ]
         accs = [rng.standard_normal((nprocs, t_loc) + shp).astype(np.float32) for shp in shapes]
         k = len(shapes)
 
@@ -101,22 +121,34 @@ def main(rank, nprocs, port):
             *arrs, send, recv = a
             t = CastArrays(send[0], recv[0])
             cast = native.group_cast([x[0] for x in arrs[:k]], t, spec)
-            red = native.group_reduce([y[0] for y in arrs[k:2 * k]], t, spec, t_loc,
-                                      acc=[c[0] for c in arrs[2 * k:]])
+            red = native.group_reduce(
+                [y[0] for y in arrs[k : 2 * k]], t, spec, t_loc, acc=[c[0] for c in arrs[2 * k :]]
+            )
             return tuple(o[None] for o in (*cast, *red))
+
         for mode in ("push", "pull"):
-            f = jax.jit(jax.shard_map(multi, mesh=mesh, in_specs=(P("cp"),) * (3 * k + 2),
-                                      out_specs=(P("cp"),) * (2 * k), check_vma=False))
-            with native.tuning(mode=mode):      # traced here, on the first call
-                outs = [_local(o)[0] for o in f(*map(g, xs + ys + accs), g(table.send_index),
-                                                 g(table.recv_index))]
+            f = jax.jit(
+                jax.shard_map(
+                    multi,
+                    mesh=mesh,
+                    in_specs=(P("cp"),) * (3 * k + 2),
+                    out_specs=(P("cp"),) * (2 * k),
+                    check_vma=False,
+                )
+            )
+            with native.tuning(mode=mode):  # traced here, on the first call
+                outs = [
+                    _local(o)[0]
+                    for o in f(*map(g, xs + ys + accs), g(table.send_index), g(table.recv_index))
+                ]
             for i in range(k):
-                np.testing.assert_array_equal(outs[i], cast_model(xs[i], table)[rank],
-                                              err_msg=f"{shapes} {mode} cast {i}")
-                want_i = accs[i][rank] + reduce_model(ys[i].astype(np.float64), table,
-                                                      t_loc)[rank]
-                np.testing.assert_allclose(outs[k + i], want_i, rtol=2e-2, atol=2e-2,
-                                           err_msg=f"{shapes} {mode} reduce {i}")
+                np.testing.assert_array_equal(
+                    outs[i], cast_model(xs[i], table)[rank], err_msg=f"{shapes} {mode} cast {i}"
+                )
+                want_i = accs[i][rank] + reduce_model(ys[i].astype(np.float64), table, t_loc)[rank]
+                np.testing.assert_allclose(
+                    outs[k + i], want_i, rtol=2e-2, atol=2e-2, err_msg=f"{shapes} {mode} reduce {i}"
+                )
     print(f"rank {rank}: several arrays per collective OK", flush=True)
 
     # A combined stage's collectives: the cast writes [x; cast(x)] for K and V in one call;
@@ -127,33 +159,46 @@ def main(rank, nprocs, port):
     spec = CastSpec("cp", nprocs, table.shifts, table.widths, "native")
     B = table.buffer_len
     xs = [rng.standard_normal((nprocs, t_loc, 8, 128)).astype(jnp.bfloat16) for _ in range(2)]
-    ys = [rng.standard_normal((nprocs, t_loc + B, 8, 128)).astype(jnp.bfloat16)
-          for _ in range(2)]
+    ys = [rng.standard_normal((nprocs, t_loc + B, 8, 128)).astype(jnp.bfloat16) for _ in range(2)]
 
     def combined(x0, x1, y0, y1, send, recv):
         t = CastArrays(send[0], recv[0])
         cast = native.group_cast([x0[0], x1[0]], t, spec, prefix=True)
         red = native.group_reduce([y0[0], y1[0]], t, spec, t_loc, prefix=True)
-        narrow = native.group_reduce([y0[0], y1[0]], t, spec, t_loc, prefix=True,
-                                     out_dtype=jnp.bfloat16)
+        narrow = native.group_reduce(
+            [y0[0], y1[0]], t, spec, t_loc, prefix=True, out_dtype=jnp.bfloat16
+        )
         return tuple(o[None] for o in (*cast, *red, *narrow))
+
     for tv in (dict(mode="push"), dict(mode="pull")):
         mode = str(tv)
-        f = jax.jit(jax.shard_map(combined, mesh=mesh, in_specs=(P("cp"),) * 6,
-                                  out_specs=(P("cp"),) * 6, check_vma=False))
+        f = jax.jit(
+            jax.shard_map(
+                combined,
+                mesh=mesh,
+                in_specs=(P("cp"),) * 6,
+                out_specs=(P("cp"),) * 6,
+                check_vma=False,
+            )
+        )
         with native.tuning(**tv):
-            outs = [_local(o)[0] for o in f(*map(g, xs + ys), g(table.send_index),
-                                             g(table.recv_index))]
+            outs = [
+                _local(o)[0] for o in f(*map(g, xs + ys), g(table.send_index), g(table.recv_index))
+            ]
         for i in range(2):
             np.testing.assert_array_equal(
-                outs[i], np.concatenate([xs[i][rank], cast_model(xs[i], table)[rank]]),
-                err_msg=f"{mode} prefix cast {i}")
+                outs[i],
+                np.concatenate([xs[i][rank], cast_model(xs[i], table)[rank]]),
+                err_msg=f"{mode} prefix cast {i}",
+            )
             want = ys[i][rank, :t_loc].astype(np.float32) + reduce_model(
-                ys[i][:, t_loc:].astype(np.float32), table, t_loc)[rank].astype(np.float32)
+                ys[i][:, t_loc:].astype(np.float32), table, t_loc
+            )[rank].astype(np.float32)
             assert outs[2 + i].dtype == np.float32 and outs[4 + i].dtype == jnp.bfloat16
             np.testing.assert_array_equal(outs[2 + i], want, err_msg=f"{mode} prefix reduce {i}")
-            np.testing.assert_array_equal(outs[4 + i], want.astype(jnp.bfloat16),
-                                          err_msg=f"{mode} prefix reduce to bf16 {i}")
+            np.testing.assert_array_equal(
+                outs[4 + i], want.astype(jnp.bfloat16), err_msg=f"{mode} prefix reduce to bf16 {i}"
+            )
     print(f"rank {rank}: combined-stage collectives (prefix, bf16 sums) OK", flush=True)
 
     # Started reduces (a copy kernel on a side stream, then the summing kernel): the same
@@ -165,8 +210,9 @@ def main(rank, nprocs, port):
 
     def started(x0, y0, y1, send, recv):
         t = CastArrays(send[0], recv[0])
-        tok, done = native.group_reduce_start([y0[0], y1[0]], t, spec_s, t_loc, prefix=True,
-                                              out_dtype=jnp.bfloat16)
+        tok, done = native.group_reduce_start(
+            [y0[0], y1[0]], t, spec_s, t_loc, prefix=True, out_dtype=jnp.bfloat16
+        )
         cast = native.group_cast(x0[0], t, spec_s, prefix=True)
         red = native.group_reduce(y0[0], t, spec_s, t_loc, prefix=True)
         tok, cast = jax.lax.optimization_barrier((tok, cast))
@@ -179,26 +225,39 @@ def main(rank, nprocs, port):
         # and synchronous.
         b0, b1, _ = jax.lax.optimization_barrier((y0[0], y1[0], second))
         own = [b0[:t_loc], b1[:t_loc]]
-        tok3, done3 = native.group_reduce_start([b0[t_loc:], b1[t_loc:]], t, spec_s, t_loc,
-                                                own=own, out_dtype=jnp.bfloat16)
+        tok3, done3 = native.group_reduce_start(
+            [b0[t_loc:], b1[t_loc:]], t, spec_s, t_loc, own=own, out_dtype=jnp.bfloat16
+        )
         third = done3(tok3)
-        apart = native.group_reduce(b0[t_loc:], t, spec_s, t_loc, own=b0[:t_loc],
-                                    out_dtype=jnp.bfloat16)
+        apart = native.group_reduce(
+            b0[t_loc:], t, spec_s, t_loc, own=b0[:t_loc], out_dtype=jnp.bfloat16
+        )
         return tuple(o[None] for o in (*first, *second, cast, red, *third, apart))
-    f = jax.jit(jax.shard_map(started, mesh=mesh, in_specs=(P("cp"),) * 5,
-                              out_specs=(P("cp"),) * 9, check_vma=False))
+
+    f = jax.jit(
+        jax.shard_map(
+            started, mesh=mesh, in_specs=(P("cp"),) * 5, out_specs=(P("cp"),) * 9, check_vma=False
+        )
+    )
     for _ in range(3):
-        outs = [_local(o)[0] for o in f(g(xs[0]), g(ys[0]), g(ys[1]), g(table.send_index),
-                                        g(table.recv_index))]
-        sums = [ys[i][rank, :t_loc].astype(np.float32) + reduce_model(
-            ys[i][:, t_loc:].astype(np.float32), table, t_loc)[rank].astype(np.float32)
-            for i in range(2)]
+        outs = [
+            _local(o)[0]
+            for o in f(g(xs[0]), g(ys[0]), g(ys[1]), g(table.send_index), g(table.recv_index))
+        ]
+        sums = [
+            ys[i][rank, :t_loc].astype(np.float32)
+            + reduce_model(ys[i][:, t_loc:].astype(np.float32), table, t_loc)[rank].astype(
+                np.float32
+            )
+            for i in range(2)
+        ]
         np.testing.assert_array_equal(outs[0], sums[0].astype(jnp.bfloat16), "started 0")
         np.testing.assert_array_equal(outs[1], sums[1].astype(jnp.bfloat16), "started 1")
         np.testing.assert_array_equal(outs[2], sums[1], "second started 0")
         np.testing.assert_array_equal(outs[3], sums[0], "second started 1")
         np.testing.assert_array_equal(
-            outs[4], np.concatenate([xs[0][rank], cast_model(xs[0], table)[rank]]), "cast")
+            outs[4], np.concatenate([xs[0][rank], cast_model(xs[0], table)[rank]]), "cast"
+        )
         np.testing.assert_array_equal(outs[5], sums[0], "reduce between")
         for i, name in ((6, "own apart 0"), (7, "own apart 1"), (8, "own apart, sync")):
             np.testing.assert_array_equal(outs[i], sums[(i - 6) % 2].astype(jnp.bfloat16), name)
@@ -208,10 +267,13 @@ def main(rank, nprocs, port):
     # and few blocks: several chunks per send block, several rows per receiving warp), then
     # a chain of back-to-back collectives of mixed variants in one program (staging regions
     # alternate, flags and acknowledgements reused across data paths).
-    variants = [dict(mode="pull"), dict(mode="push", double_buffer=True),
-                dict(mode="pull", double_buffer=True),
-                dict(mode="push", chunk_kib=1, send_blocks=3, recv_blocks=2),
-                dict(mode="pull", chunk_kib=1, send_blocks=3, recv_blocks=2)]
+    variants = [
+        dict(mode="pull"),
+        dict(mode="push", double_buffer=True),
+        dict(mode="pull", double_buffer=True),
+        dict(mode="push", chunk_kib=1, send_blocks=3, recv_blocks=2),
+        dict(mode="pull", chunk_kib=1, send_blocks=3, recv_blocks=2),
+    ]
     table, t_loc = _random_table(rng, nprocs, 256, 16, 1)
     native.check_table(table)
     x = rng.standard_normal((nprocs, t_loc, 2, 8, 64)).astype(jnp.bfloat16)
@@ -220,10 +282,16 @@ def main(rank, nprocs, port):
     want_r = reduce_model(y.astype(np.float64), table, t_loc)[rank]
     for tv in variants:
         with native.tuning(**tv):
-            np.testing.assert_array_equal(run("cast", x, table, t_loc, "native"), want,
-                                          err_msg=str(tv))
-            np.testing.assert_allclose(run("reduce", y, table, t_loc, "native"), want_r,
-                                       rtol=2e-2, atol=2e-2, err_msg=str(tv))
+            np.testing.assert_array_equal(
+                run("cast", x, table, t_loc, "native"), want, err_msg=str(tv)
+            )
+            np.testing.assert_allclose(
+                run("reduce", y, table, t_loc, "native"),
+                want_r,
+                rtol=2e-2,
+                atol=2e-2,
+                err_msg=str(tv),
+            )
     spec = CastSpec("cp", nprocs, table.shifts, table.widths, "native")
 
     def chain(x_, y_, send, recv):
@@ -236,23 +304,30 @@ def main(rank, nprocs, port):
                 else:
                     outs.append(group_cast(x_[0] * (i + 1), t, spec).astype(jnp.float32)[None])
         return tuple(outs)
+
     n_ops = 2 * len(variants) + 1
-    f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(P("cp"),) * 4,
-                              out_specs=(P("cp"),) * n_ops, check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            chain, mesh=mesh, in_specs=(P("cp"),) * 4, out_specs=(P("cp"),) * n_ops, check_vma=False
+        )
+    )
     g = lambda a: _global(a, mesh, P("cp"))
     outs = f(g(x), g(y), g(table.send_index), g(table.recv_index))
     for i, o in enumerate(outs):
         got = _local(o)[0]
         if i % 2:
             want_i = reduce_model((y * (i + 1)).astype(np.float64), table, t_loc)[rank]
-            np.testing.assert_allclose(got, want_i, rtol=3e-2, atol=3e-2 * (i + 1),
-                                       err_msg=f"chain op {i}")
+            np.testing.assert_allclose(
+                got, want_i, rtol=3e-2, atol=3e-2 * (i + 1), err_msg=f"chain op {i}"
+            )
         else:
             want_i = cast_model((x * (i + 1)).astype(np.float32), table)[rank]
-            np.testing.assert_allclose(got, want_i, rtol=1e-2, atol=1e-2,
-                                       err_msg=f"chain op {i}")
-    print(f"rank {rank}: {len(variants)} CUDA tuning variants and a mixed chain of {n_ops} "
-          "collectives OK", flush=True)
+            np.testing.assert_allclose(got, want_i, rtol=1e-2, atol=1e-2, err_msg=f"chain op {i}")
+    print(
+        f"rank {rank}: {len(variants)} CUDA tuning variants and a mixed chain of {n_ops} "
+        "collectives OK",
+        flush=True,
+    )
 
     # magi_attention forward + backward: native vs the XLA transport (same plan, same math
     # apart from the order of float32 sums), and vs a dense float64 reference on the host.
@@ -296,27 +371,29 @@ def main(rank, nprocs, port):
     qkv16, do16 = qkv.astype(jnp.bfloat16), do.astype(jnp.bfloat16)
 
     def grads16(comm, degree):
-        key = make_flex_key(mask, mesh, "cp", comm_backend=comm, overlap_degree=degree,
-                            ffa_backend="pallas")
+        key = make_flex_key(
+            mask, mesh, "cp", comm_backend=comm, overlap_degree=degree, ffa_backend="pallas"
+        )
         args = (*(rep(a) for a in qkv16), rep(do16), key)
         if comm == "native":
             hlo = step.lower(*args).as_text()
             assert ("magi_group_reduce_start" in hlo) == native.cuda_tuning().started_reduce
         (_, o), gr = step(*args)
         return [_local(o).astype(np.float32)] + [_local(x).astype(np.float32) for x in gr]
+
     for degree in (0, 2):
         res_p = grads16("native", degree)
         for name, a, b in zip(("out", "dq", "dk", "dv"), res_p, grads16("ppermute", degree)):
-            np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2,
-                                       err_msg=f"pallas bf16 degree {degree} {name}")
+            np.testing.assert_allclose(
+                a, b, rtol=2e-2, atol=2e-2, err_msg=f"pallas bf16 degree {degree} {name}"
+            )
         jax.clear_caches()
         with native.tuning(started_reduce=False):
             res_sync = grads16("native", degree)
         jax.clear_caches()
         for name, a, b in zip(("out", "dq", "dk", "dv"), res_p, res_sync):
             np.testing.assert_array_equal(a, b, err_msg=f"started vs not, degree {degree} {name}")
-    print(f"rank {rank}: pallas bf16: started reduce == synchronous; native ~ ppermute",
-          flush=True)
+    print(f"rank {rank}: pallas bf16: started reduce == synchronous; native ~ ppermute", flush=True)
     dense = mask.to_dense()
     q, k, v = (a.astype(np.float64) for a in qkv)
     s = np.einsum("thd,shd->hts", q, k) / np.sqrt(D)
@@ -329,8 +406,10 @@ def main(rank, nprocs, port):
     np.testing.assert_allclose(res_n[3], dv, rtol=2e-3, atol=2e-3, err_msg="dv vs float64")
     np.testing.assert_allclose(res_c[0], out, rtol=2e-3, atol=2e-3, err_msg="combined out")
     np.testing.assert_allclose(res_c[3], dv, rtol=2e-3, atol=2e-3, err_msg="combined dv")
-    print(f"rank {rank}: magi_attention fwd+bwd native == xla transport == float64 reference",
-          flush=True)
+    print(
+        f"rank {rank}: magi_attention fwd+bwd native == xla transport == float64 reference",
+        flush=True,
+    )
     print(f"PASS {rank}", flush=True)
 
 

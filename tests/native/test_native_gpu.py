@@ -28,8 +28,10 @@ def _gpu_count() -> int:
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(_gpu_count() < 2, reason="needs 2 NVIDIA GPUs"),
-    pytest.mark.skipif(library.find_library("_magi_native_cuda.so") is None,
-                       reason="the CUDA/NVSHMEM library was not built"),
+    pytest.mark.skipif(
+        library.find_library("_magi_native_cuda.so") is None,
+        reason="the CUDA/NVSHMEM library was not built",
+    ),
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,14 +47,27 @@ def test_two_processes_cast_reduce_and_attention():
     port = _free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(rank), PYTHONUNBUFFERED="1",
-                   XLA_PYTHON_CLIENT_MEM_FRACTION="0.5", NVSHMEM_DISABLE_NVLS="1",
-                   NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="lo", JAX_PLATFORMS="cuda",
-                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        env.pop("XLA_FLAGS", None)   # no forced host devices in the workers
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.native.gpu_worker", str(rank), "2", str(port)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            CUDA_VISIBLE_DEVICES=str(rank),
+            PYTHONUNBUFFERED="1",
+            XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
+            NVSHMEM_DISABLE_NVLS="1",
+            NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="lo",
+            JAX_PLATFORMS="cuda",
+            PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
+        env.pop("XLA_FLAGS", None)  # no forced host devices in the workers
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.native.gpu_worker", str(rank), "2", str(port)],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outs = []
     for p in procs:
         try:

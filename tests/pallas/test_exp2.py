@@ -35,6 +35,8 @@ def test_fma_cols_checked():
     check_fma_cols(16, 128, "blocks")
     with pytest.raises(ValueError, match="fma_exp_cols=12 must be a multiple of 8"):
         check_fma_cols(12)
-    with pytest.raises(ValueError, match="fma_exp_cols=64 must be below the 64 columns of "
-                       "the dK/dV kernel's score blocks"):
+    with pytest.raises(
+        ValueError,
+        match="fma_exp_cols=64 must be below the 64 columns of the dK/dV kernel's score blocks",
+    ):
         check_fma_cols(64, 64, "the dK/dV kernel's score blocks")

@@ -12,26 +12,37 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 from magi_jax.mask import AttnMask
 from magi_jax.pallas import ffa_pallas, flex_flash_attention_pallas, plan_for_mask
 from magi_jax.pallas.common import smem
 from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq
 from magi_jax.planning.work_list import WorkList, persistent_schedule
-from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 
 # Units without work in both kernels: q-tile [128, 256) sees no key (dQ) and k-tile
 # [128, 256) is seen by no query (dK/dV); rows [100, 128) and [330, 384) see nothing; q-tile
 # [256, 384) walks two key tiles and k-tile [0, 128) four query steps per head.
-HOLES = AttnMask.from_ranges([[0, 100], [256, 330], [256, 330]],
-                             [[0, 128], [256, 384], [0, 60]],
-                             ["causal", "inv_causal", "full"], 384, 384)
+HOLES = AttnMask.from_ranges(
+    [[0, 100], [256, 330], [256, 330]],
+    [[0, 128], [256, 384], [0, 60]],
+    ["causal", "inv_causal", "full"],
+    384,
+    384,
+)
 # GQA (Hq = 4, Hkv = 2), batch 2: 24 dQ units and 12 dK/dV units.
 _SHAPE = dict(hq=4, hkv=2, d=64, batch=2)
 
 
 def _inputs(seed=8):
-    return random_inputs(jax.random.key(seed), HOLES, _SHAPE["hq"], _SHAPE["hkv"],
-                         _SHAPE["d"], jnp.bfloat16, _SHAPE["batch"])
+    return random_inputs(
+        jax.random.key(seed),
+        HOLES,
+        _SHAPE["hq"],
+        _SHAPE["hkv"],
+        _SHAPE["d"],
+        jnp.bfloat16,
+        _SHAPE["batch"],
+    )
 
 
 def _grads(**tuning):
@@ -48,12 +59,16 @@ def _plain_grads():
 
 # Programs owning several units, counts that do not divide the 12 dK/dV units, and rings of
 # 1-3 slots whose phases carry on across units (dQ, one program per unit: 1 and 2 slots).
-_PERSISTENT = [dict(dkv_persistent=1), dict(dkv_persistent=2, dkv_num_stages=3),
-               dict(dkv_persistent=5, dkv_num_stages=1, dq_num_stages=1)]
+_PERSISTENT = [
+    dict(dkv_persistent=1),
+    dict(dkv_persistent=2, dkv_num_stages=3),
+    dict(dkv_persistent=5, dkv_num_stages=1, dq_num_stages=1),
+]
 
 
-@pytest.mark.parametrize("tuning", _PERSISTENT,
-                         ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items()))
+@pytest.mark.parametrize(
+    "tuning", _PERSISTENT, ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items())
+)
 def test_persistent_backward_matches_reference_and_plain(tuning):
     got = _grads(**tuning)
     q, k, v, dout, dlse = _inputs()
@@ -67,16 +82,20 @@ def test_persistent_backward_matches_reference_and_plain(tuning):
 
 def _racy_store(x):
     """A kernel that overwrites a buffer its TMA store may still be reading."""
+
     def kernel(x_ref, o_ref, buf, ready):
         plgpu.copy_gmem_to_smem(x_ref, buf, ready)
         plgpu.barrier_wait(ready)
         plgpu.copy_smem_to_gmem(buf, o_ref)
-        buf[...] = jnp.zeros(buf.shape, buf.dtype)   # no wait_smem_to_gmem first
+        buf[...] = jnp.zeros(buf.shape, buf.dtype)  # no wait_smem_to_gmem first
         plgpu.wait_smem_to_gmem(0)
 
-    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        scratch_types=[smem(x.shape, x.dtype), plgpu.Barrier()],
-                        interpret=plgpu.InterpretGPUParams(detect_races=True))(x)
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        scratch_types=[smem(x.shape, x.dtype), plgpu.Barrier()],
+        interpret=plgpu.InterpretGPUParams(detect_races=True),
+    )(x)
 
 
 def test_persistent_kernels_race_free_and_equal_to_plain(capfd):
@@ -93,19 +112,27 @@ def test_persistent_kernels_race_free_and_equal_to_plain(capfd):
     b, t, hq = q.shape[:3]
     ks = jax.random.split(jax.random.key(9), 2)
     # lse·log2(e) of plausible size (P stays below 1) and +inf rows (P = 0), like the real ones.
-    lse2 = jax.random.uniform(ks[0], (b, hq, t), jnp.float32, 6.0, 9.0).at[:, :, 100:128].set(
-        jnp.inf)
+    lse2 = (
+        jax.random.uniform(ks[0], (b, hq, t), jnp.float32, 6.0, 9.0).at[:, :, 100:128].set(jnp.inf)
+    )
     delta = jax.random.normal(ks[1], (b, hq, t), jnp.float32)
 
     def run(persistent, races):
         cfg = BwdConfig(scale=0.125, persistent=persistent, interpret=True)
-        sched = (persistent_schedule(WorkList(*plan[3:]), b * k.shape[2], persistent)
-                 if persistent else ())
-        ctx = (plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True))
-               if races else contextlib.nullcontext())
+        sched = (
+            persistent_schedule(WorkList(*plan[3:]), b * k.shape[2], persistent)
+            if persistent
+            else ()
+        )
+        ctx = (
+            plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True))
+            if races
+            else contextlib.nullcontext()
+        )
         with ctx:
-            dq = ffa_dq(q, k, v, dout, lse2, delta, *plan[:3],
-                        BwdConfig(scale=0.125, interpret=True))
+            dq = ffa_dq(
+                q, k, v, dout, lse2, delta, *plan[:3], BwdConfig(scale=0.125, interpret=True)
+            )
             dk, dv = ffa_dkv(q, k, v, dout, lse2, delta, *plan[3:], cfg, sched)
             out = [np.asarray(x, np.float32) for x in (dq, dk, dv)]
         return out, capfd.readouterr().out
@@ -127,15 +154,18 @@ def test_shared_memory_budget_and_config_errors():
     q = jax.ShapeDtypeStruct((256, 2, 128), jnp.bfloat16)
 
     def trace_grad(**tuning):
-        loss = lambda a, b, c: ffa_pallas(a, b, c, plan, softmax_scale=0.1, **tuning)[0].astype(
-            jnp.float32).sum()
+        loss = lambda a, b, c: (
+            ffa_pallas(a, b, c, plan, softmax_scale=0.1, **tuning)[0].astype(jnp.float32).sum()
+        )
         jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q)
 
-    with pytest.raises(ValueError, match="dQ kernel with dq_num_stages=3, D=128 and bfloat16 "
-                       r"needs .* lower dq_num_stages(?! or)"):
+    with pytest.raises(
+        ValueError,
+        match="dQ kernel with dq_num_stages=3, D=128 and bfloat16 "
+        r"needs .* lower dq_num_stages(?! or)",
+    ):
         trace_grad(dq_num_stages=3)
-    with pytest.raises(ValueError, match="dkv_num_stages=4, persistent=4.*turn dkv_persistent "
-                       "off"):
+    with pytest.raises(ValueError, match="dkv_num_stages=4, persistent=4.*turn dkv_persistent off"):
         trace_grad(dkv_persistent=4, dkv_num_stages=4)
     with pytest.raises(ValueError, match="persistent=-1"):
         BwdConfig(scale=0.1, persistent=-1)
@@ -149,8 +179,9 @@ def test_shared_memory_budget_and_config_errors():
 _TURNS = [dict(), dict(persistent=2, num_stages=3), dict(num_stages=4, steps_per_wait=2)]
 
 
-@pytest.mark.parametrize("tuning", _TURNS,
-                         ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items()) or "plain")
+@pytest.mark.parametrize(
+    "tuning", _TURNS, ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items()) or "plain"
+)
 def test_dkv_turns_equal_to_free_issue(tuning):
     """``BwdConfig.turns``: the dK/dV consumers hand an issue token back and forth; the
     products and their order are those of free issue, so dK, dV are bit for bit the same (on
@@ -160,15 +191,20 @@ def test_dkv_turns_equal_to_free_issue(tuning):
     D = 256 kernels refuse it."""
     from magi_jax.pallas import api as P
 
-    assert [P._dkv_turns(d, persistent) for d, persistent in [
-        (64, False), (128, False), (128, True), (256, False)]] == [False, True, False, False]
+    assert [
+        P._dkv_turns(d, persistent)
+        for d, persistent in [(64, False), (128, False), (128, True), (256, False)]
+    ] == [False, True, False, False]
     plan = plan_for_mask(HOLES, "pallas")
     q, k, v, dout, _ = _inputs()
     b, t, hq = q.shape[:3]
     lse2 = jnp.full((b, hq, t), 8.0, jnp.float32).at[:, :, 100:128].set(jnp.inf)
     delta = jax.random.normal(jax.random.key(3), (b, hq, t), jnp.float32)
-    sched = (persistent_schedule(WorkList(*plan[3:]), b * k.shape[2], tuning["persistent"])
-             if "persistent" in tuning else ())
+    sched = (
+        persistent_schedule(WorkList(*plan[3:]), b * k.shape[2], tuning["persistent"])
+        if "persistent" in tuning
+        else ()
+    )
 
     def run(turns, split=0):
         cfg = BwdConfig(scale=0.125, turns=turns, interpret=True, **tuning)
@@ -179,15 +215,19 @@ def test_dkv_turns_equal_to_free_issue(tuning):
         x = np.asarray(x, np.float32)
         assert np.isfinite(x).all() and np.abs(x).max() > 0, name
         np.testing.assert_array_equal(x, np.asarray(y, np.float32), err_msg=name)
-    if not tuning:   # context parallelism's split store, in turns
+    if not tuning:  # context parallelism's split store, in turns
         dk1, dv1, dk2, dv2 = run(True, split=128)
         for name, parts, y in (("dk", (dk1, dk2), free[0]), ("dv", (dv1, dv2), free[1])):
-            np.testing.assert_array_equal(np.concatenate(parts, axis=1).astype(np.float32),
-                                          np.asarray(y, np.float32), err_msg=name)
+            np.testing.assert_array_equal(
+                np.concatenate(parts, axis=1).astype(np.float32),
+                np.asarray(y, np.float32),
+                err_msg=name,
+            )
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v, dout, lse2, delta)]
     cfg = BwdConfig(scale=0.125, turns=True, **tuning)
     jax.jit(lambda *a: ffa_dkv(*a, *plan[3:], cfg, sched)).trace(*shapes).lower(
-        lowering_platforms=("cuda",))
+        lowering_platforms=("cuda",)
+    )
     if not tuning:
         with pytest.raises(ValueError, match="turns=True: the dQ kernel"):
             ffa_dq(q, k, v, dout, lse2, delta, *plan[:3], BwdConfig(scale=0.1, turns=True))
@@ -203,25 +243,34 @@ def test_backward_lowers_for_sm90(d):
     plan = plan_for_mask(mask, "pallas")
     q = jax.ShapeDtypeStruct((2, mask.total_q, 4, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, mask.total_k, 2, d), jnp.bfloat16)
-    for tuning in [{}, dict(dkv_persistent=132), dict(dkv_persistent=5, dkv_num_stages=3),
-                   dict(dkv_persistent=3, softcap=2.0)]:
+    for tuning in [
+        {},
+        dict(dkv_persistent=132),
+        dict(dkv_persistent=5, dkv_num_stages=3),
+        dict(dkv_persistent=3, softcap=2.0),
+    ]:
+
         def loss(q_, k_, v_):
             out, lse = ffa_pallas(q_, k_, v_, plan, softmax_scale=0.1, **tuning)
             return out.astype(jnp.float32).sum() + lse.sum()
 
         jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
-            lowering_platforms=("cuda",))
+            lowering_platforms=("cuda",)
+        )
 
 
 # k-tiles 0 and 1 walk three query blocks, k-tile 2 two: with Hq = Hkv every unit's step
 # count is its item count, so pairs of steps end on a single step in two of the three.
-ODD = AttnMask.from_ranges([[0, 192], [256, 384]], [[0, 192], [200, 384]], ["causal", "full"],
-                           384, 384)
+ODD = AttnMask.from_ranges(
+    [[0, 192], [256, 384]], [[0, 192], [200, 384]], ["causal", "full"], 384, 384
+)
 
 
-@pytest.mark.parametrize("tuning", [dict(dkv_num_stages=4),
-                                    dict(dkv_num_stages=5, dkv_persistent=2)],
-                         ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items()))
+@pytest.mark.parametrize(
+    "tuning",
+    [dict(dkv_num_stages=4), dict(dkv_num_stages=5, dkv_persistent=2)],
+    ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items()),
+)
 def test_two_steps_per_wait(tuning):
     """``dkv_steps_per_wait=2`` (the D = 64 default with 4 or more ring slots): each dK/dV
     consumer takes two query blocks between waits, odd step counts ending on one. Against the
@@ -238,15 +287,22 @@ def test_two_steps_per_wait(tuning):
     paired = grads(dkv_steps_per_wait=2, **tuning)
     assert_matches_reference(paired, q, k, v, ODD, dout, dlse)
     for name, x in grads(dkv_steps_per_wait=1, **tuning).items():
-        np.testing.assert_array_equal(np.asarray(paired[name], np.float32),
-                                      np.asarray(x, np.float32), err_msg=name)
+        np.testing.assert_array_equal(
+            np.asarray(paired[name], np.float32), np.asarray(x, np.float32), err_msg=name
+        )
     plan = plan_for_mask(ODD, "pallas")
     shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     programs = dict(dkv_persistent=132) if "dkv_persistent" in tuning else {}
-    loss = lambda a, b, c: ffa_pallas(a, b, c, plan, softmax_scale=0.125, dkv_steps_per_wait=2,
-                                      **{**tuning, **programs})[0].astype(jnp.float32).sum()
+    loss = lambda a, b, c: (
+        ffa_pallas(
+            a, b, c, plan, softmax_scale=0.125, dkv_steps_per_wait=2, **{**tuning, **programs}
+        )[0]
+        .astype(jnp.float32)
+        .sum()
+    )
     jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(shape, shape, shape).lower(
-        lowering_platforms=("cuda",))
+        lowering_platforms=("cuda",)
+    )
 
 
 def test_two_steps_per_wait_limits():
@@ -256,15 +312,19 @@ def test_two_steps_per_wait_limits():
 
     def trace_grad(d, **tuning):
         x = jax.ShapeDtypeStruct((384, 1, d), jnp.bfloat16)
-        loss = lambda a, b, c: ffa_pallas(a, b, c, plan, softmax_scale=0.1,
-                                          dkv_steps_per_wait=2, **tuning)[0].astype(
-            jnp.float32).sum()
+        loss = lambda a, b, c: (
+            ffa_pallas(a, b, c, plan, softmax_scale=0.1, dkv_steps_per_wait=2, **tuning)[0]
+            .astype(jnp.float32)
+            .sum()
+        )
         jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x)
 
     with pytest.raises(ValueError, match="dkv_steps_per_wait=2 needs D <= 64 .* got D=128"):
         trace_grad(128, dkv_num_stages=4, dkv_persistent=0)
-    with pytest.raises(ValueError, match="dkv_steps_per_wait=2: at D = 256 the dK/dV kernel "
-                       "takes one query block per wait"):
+    with pytest.raises(
+        ValueError,
+        match="dkv_steps_per_wait=2: at D = 256 the dK/dV kernel takes one query block per wait",
+    ):
         trace_grad(256, dkv_num_stages=2, dkv_persistent=0)
     with pytest.raises(ValueError, match="dkv_num_stages >= 4; got D=64, dkv_num_stages=3"):
         trace_grad(64, dkv_num_stages=3)

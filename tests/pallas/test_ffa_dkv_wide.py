@@ -22,9 +22,13 @@ from magi_jax.planning.work_list import FWD_BLOCK_Q, plan_for_mask
 # As in test_ffa_bwd.py: rows [100, 128) and [330, 384) see nothing, k-tile [128, 256) is seen
 # by no query (both its 64-key programs walk no step), k-tile [0, 128) four query steps per
 # head; the slices cut tiles inside both 64-key halves.
-HOLES = AttnMask.from_ranges([[0, 100], [256, 330], [256, 330]],
-                             [[0, 128], [256, 384], [0, 60]],
-                             ["causal", "inv_causal", "full"], 384, 384)
+HOLES = AttnMask.from_ranges(
+    [[0, 100], [256, 330], [256, 330]],
+    [[0, 128], [256, 384], [0, 60]],
+    ["causal", "inv_causal", "full"],
+    384,
+    384,
+)
 CAUSAL = AttnMask.causal(256)
 
 
@@ -33,8 +37,11 @@ def _kernel_inputs(q, k, v, dout, dlse, mask, scale, softcap):
     """``(q, k, v, dout, lse2, delta)`` of the kernel from the portable forward, built and
     padded as ``_ffa_bwd`` in :mod:`magi_jax.pallas.api` does (the masks here have whole
     tiles, so only the row statistics' padding matters)."""
-    out, lse = jax.vmap(lambda a, b, c: mj.flex_flash_attention(
-        a, b, c, mask, softmax_scale=scale, softcap=softcap, backend="xla"))(q, k, v)
+    out, lse = jax.vmap(
+        lambda a, b, c: mj.flex_flash_attention(
+            a, b, c, mask, softmax_scale=scale, softcap=softcap, backend="xla"
+        )
+    )(q, k, v)
     lse_bht = jnp.swapaxes(lse, 1, 2)
     finite = jnp.isfinite(lse_bht)
     delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), dout.astype(jnp.float32))
@@ -47,12 +54,11 @@ def _kernel_inputs(q, k, v, dout, dlse, mask, scale, softcap):
 def _grads(mask, dtype, *, softcap=0.0, split=0, seed=0, hq=4, hkv=2, batch=2, **cfg):
     """``(inputs, dk, dv)`` of the kernel in interpret mode (split parts joined again)."""
     inputs = random_inputs(jax.random.key(seed), mask, hq, hkv, WIDE_D, dtype, batch)
-    scale = WIDE_D ** -0.5
+    scale = WIDE_D**-0.5
     args = _kernel_inputs(*inputs, mask, scale, softcap)
     plan = plan_for_mask(mask, "pallas")
     config = BwdConfig(scale=scale, softcap=softcap, interpret=True, **cfg)
-    parts = ffa_dkv_wide(*args, plan.k_order, plan.k_offsets, plan.k_items, config,
-                         split=split)
+    parts = ffa_dkv_wide(*args, plan.k_order, plan.k_offsets, plan.k_items, config, split=split)
     if split:
         assert [p.shape[1] for p in parts] == [split] * 2 + [mask.total_k - split] * 2
         dk, dv = (jnp.concatenate(parts[i::2], axis=1) for i in range(2))
@@ -61,18 +67,23 @@ def _grads(mask, dtype, *, softcap=0.0, split=0, seed=0, hq=4, hkv=2, batch=2, *
     return inputs, dk, dv
 
 
-@pytest.mark.parametrize("mask, dtype, tuning", [
-    (HOLES, jnp.bfloat16, dict(num_stages=1)),
-    (CAUSAL, jnp.float16, dict(softcap=2.0, split=64)),
-], ids=["holes-bf16-1stage", "causal-fp16-softcap-split64-2stages"])
+@pytest.mark.parametrize(
+    "mask, dtype, tuning",
+    [
+        (HOLES, jnp.bfloat16, dict(num_stages=1)),
+        (CAUSAL, jnp.float16, dict(softcap=2.0, split=64)),
+    ],
+    ids=["holes-bf16-1stage", "causal-fp16-softcap-split64-2stages"],
+)
 def test_matches_reference(mask, dtype, tuning):
     """GQA (Hq = 4, Hkv = 2), batch 2: each key head sums its two query heads."""
     (q, k, v, dout, dlse), dk, dv = _grads(mask, dtype, **tuning)
     for name, x in (("dk", dk), ("dv", dv)):
         assert not np.isnan(np.asarray(x, np.float32)).any(), name
-    assert_matches_reference(dict(dk=dk, dv=dv), q, k, v, mask, dout, dlse,
-                             softcap=tuning.get("softcap", 0.0))
-    if mask is HOLES:   # the k-tile no query sees: programs without steps store zeros
+    assert_matches_reference(
+        dict(dk=dk, dv=dv), q, k, v, mask, dout, dlse, softcap=tuning.get("softcap", 0.0)
+    )
+    if mask is HOLES:  # the k-tile no query sees: programs without steps store zeros
         assert (np.asarray(dk, np.float32)[:, 128:256] == 0).all()
         assert (np.asarray(dv, np.float32)[:, 128:256] == 0).all()
 

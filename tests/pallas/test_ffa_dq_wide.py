@@ -12,20 +12,24 @@ import numpy as np
 import pytest
 
 import magi_jax as mj
+from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 from magi_jax.mask import AttnMask
 from magi_jax.pallas import plan_for_mask
 from magi_jax.pallas.common import LOG2E
 from magi_jax.pallas.ffa_bwd import BwdConfig
 from magi_jax.pallas.ffa_dq_wide import WIDE_D, ffa_dq_wide
 from magi_jax.planning.work_list import FWD_BLOCK_Q
-from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 
 # q-tile [128, 256) sees no key; rows [100, 128) and [330, 384) see nothing; the slices cut
 # tiles inside both 64-row halves of a q-tile and both 32-key parts of a step; q-tile
 # [256, 384) walks two key tiles.
-HOLES = AttnMask.from_ranges([[0, 100], [256, 330], [256, 330]],
-                             [[0, 128], [256, 384], [0, 60]],
-                             ["causal", "inv_causal", "full"], 384, 384)
+HOLES = AttnMask.from_ranges(
+    [[0, 100], [256, 330], [256, 330]],
+    [[0, 128], [256, 384], [0, 60]],
+    ["causal", "inv_causal", "full"],
+    384,
+    384,
+)
 
 
 def _pad_rows(x, axis):
@@ -38,27 +42,35 @@ def _pad_rows(x, axis):
 def _kernel_inputs(q, k, v, dout, dlse, mask, scale, softcap):
     """``(q, k, v, dout, lse2, delta)`` of the dQ kernel from the portable forward, built and
     padded as ``_ffa_bwd`` in :mod:`magi_jax.pallas.api` builds them."""
-    out, lse = jax.vmap(lambda a, b, c: mj.flex_flash_attention(
-        a, b, c, mask, softmax_scale=scale, softcap=softcap, backend="xla"))(q, k, v)
+    out, lse = jax.vmap(
+        lambda a, b, c: mj.flex_flash_attention(
+            a, b, c, mask, softmax_scale=scale, softcap=softcap, backend="xla"
+        )
+    )(q, k, v)
     lse_bht = jnp.swapaxes(lse, 1, 2)
     finite = jnp.isfinite(lse_bht)
     delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), dout.astype(jnp.float32))
     delta = delta - jnp.where(finite, jnp.swapaxes(dlse, 1, 2).astype(jnp.float32), 0.0)
     lse2 = jnp.where(finite, lse_bht * LOG2E, jnp.inf)
-    return (_pad_rows(q, 1), _pad_rows(k, 1), _pad_rows(v, 1), _pad_rows(dout, 1),
-            _pad_rows(lse2, 2), _pad_rows(delta, 2))
+    return (
+        _pad_rows(q, 1),
+        _pad_rows(k, 1),
+        _pad_rows(v, 1),
+        _pad_rows(dout, 1),
+        _pad_rows(lse2, 2),
+        _pad_rows(delta, 2),
+    )
 
 
 def _dq(mask, dtype, hq, hkv, batch, softcap=0.0, seed=0, **tuning):
     """The kernel's dq (unpadded, float32) and its inputs."""
-    q, k, v, dout, dlse = random_inputs(jax.random.key(seed), mask, hq, hkv, WIDE_D, dtype,
-                                        batch)
-    scale = WIDE_D ** -0.5
+    q, k, v, dout, dlse = random_inputs(jax.random.key(seed), mask, hq, hkv, WIDE_D, dtype, batch)
+    scale = WIDE_D**-0.5
     args = _kernel_inputs(q, k, v, dout, dlse, mask, scale, softcap)
     plan = plan_for_mask(mask, "pallas")
     cfg = BwdConfig(scale=scale, softcap=softcap, interpret=True, **tuning)
     dq = ffa_dq_wide(*args, plan.q_order, plan.q_offsets, plan.q_items, cfg)
-    return np.asarray(dq[:, :mask.total_q], np.float32), (q, k, v, dout, dlse)
+    return np.asarray(dq[:, : mask.total_q], np.float32), (q, k, v, dout, dlse)
 
 
 def _check(mask, dtype, hq, hkv, batch, softcap=0.0, seed=0, **tuning):
@@ -105,10 +117,14 @@ def test_config_errors():
         ffa_dq_wide(*args, BwdConfig(scale=0.1, persistent=4))
     with pytest.raises(ValueError, match="turns=True: the dQ kernels"):
         ffa_dq_wide(*args, BwdConfig(scale=0.1, turns=True))
-    with pytest.raises(ValueError, match=r"wide dQ kernel with dq_num_stages=3, D=256 .* "
-                       "lower dq_num_stages"):
-        jax.eval_shape(lambda *a: ffa_dq_wide(*a, *plan[:3], BwdConfig(scale=0.1,
-                                                                        num_stages=3)), *args[:6])
+    with pytest.raises(
+        ValueError,
+        match=r"wide dQ kernel with dq_num_stages=3, D=256 .* "
+        "lower dq_num_stages",
+    ):
+        jax.eval_shape(
+            lambda *a: ffa_dq_wide(*a, *plan[:3], BwdConfig(scale=0.1, num_stages=3)), *args[:6]
+        )
     small = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="takes D = 256"):
         ffa_dq_wide(*(small,) * 6, *plan[:3], BwdConfig(scale=0.1))
@@ -123,6 +139,5 @@ def test_lowers_for_sm90(softcap):
     kv = jax.ShapeDtypeStruct((2, HOLES.total_k, 2, WIDE_D), jnp.bfloat16)
     stat = jax.ShapeDtypeStruct((2, 4, HOLES.total_q), jnp.float32)
     cfg = BwdConfig(scale=0.1, softcap=softcap)
-    f = lambda q_, k_, v_, do, lse2, delta: ffa_dq_wide(q_, k_, v_, do, lse2, delta,
-                                                        *plan[:3], cfg)
+    f = lambda q_, k_, v_, do, lse2, delta: ffa_dq_wide(q_, k_, v_, do, lse2, delta, *plan[:3], cfg)
     jax.jit(f).trace(q, kv, kv, q, stat, stat).lower(lowering_platforms=("cuda",))

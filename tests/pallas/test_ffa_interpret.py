@@ -10,27 +10,35 @@ import numpy as np
 import pytest
 
 import magi_jax.pallas.api as P
-from magi_jax.mask import AttnMask
-from magi_jax.pallas import (ffa_pallas, flex_flash_attention_pallas, plan_for_mask,
-                             supported)
-from magi_jax.planning.work_list import BAND
 from magi_jax.ffa.testing import assert_matches_reference, random_inputs
+from magi_jax.mask import AttnMask
+from magi_jax.pallas import ffa_pallas, flex_flash_attention_pallas, plan_for_mask, supported
+from magi_jax.planning.work_list import BAND
 
 # Non-square slices, rows covered by several slices, rows [190, 200) covered by none, and
 # lengths that are not multiples of the 128-row tiles.
-IRREGULAR = AttnMask.from_ranges([[0, 100], [100, 190], [100, 190]],
-                                 [[0, 100], [0, 60], [100, 200]],
-                                 ["causal", "full", "causal"], 200, 200)
+IRREGULAR = AttnMask.from_ranges(
+    [[0, 100], [100, 190], [100, 190]],
+    [[0, 100], [0, 60], [100, 200]],
+    ["causal", "full", "causal"],
+    200,
+    200,
+)
 # A whole q-tile ([128, 256)) that sees nothing and keys [300, 384) that nobody sees.
-EMPTY_TILES = AttnMask.from_ranges([[0, 128], [256, 384], [256, 384]],
-                                   [[0, 200], [0, 50], [50, 300]],
-                                   ["inv_causal", "full", "bi_causal"], 384, 384)
+EMPTY_TILES = AttnMask.from_ranges(
+    [[0, 128], [256, 384], [256, 384]],
+    [[0, 200], [0, 50], [50, 300]],
+    ["inv_causal", "full", "bi_causal"],
+    384,
+    384,
+)
 
 
 def _run(mask, dtype, hq, hkv, d, batch=None, softcap=0.0, seed=0, jit=False, **tuning):
     q, k, v, dout, dlse = random_inputs(jax.random.key(seed), mask, hq, hkv, d, dtype, batch)
-    fn = functools.partial(flex_flash_attention_pallas, mask=mask, softcap=softcap,
-                           interpret=True, **tuning)
+    fn = functools.partial(
+        flex_flash_attention_pallas, mask=mask, softcap=softcap, interpret=True, **tuning
+    )
     f = lambda a, b, c: fn(a, b, c)
     if jit:
         f = jax.jit(f)
@@ -92,32 +100,35 @@ def test_plan_arrays_entry_point_with_padded_items():
 def test_supported_reasons():
     mask = AttnMask.causal(16)
     x = lambda dt, d=64, h=2: jnp.zeros((16, h, d), dt)
-    ok, why = supported(x(jnp.float32), x(jnp.float32), x(jnp.float32), mask,
-                        check_device=False)
+    ok, why = supported(x(jnp.float32), x(jnp.float32), x(jnp.float32), mask, check_device=False)
     assert not ok and "bfloat16 or float16" in why
-    ok, why = supported(x(jnp.bfloat16, 96), x(jnp.bfloat16, 96), x(jnp.bfloat16, 96), mask,
-                        check_device=False)
+    ok, why = supported(
+        x(jnp.bfloat16, 96), x(jnp.bfloat16, 96), x(jnp.bfloat16, 96), mask, check_device=False
+    )
     assert not ok and "head dim 96" in why
-    ok, why = supported(x(jnp.bfloat16, h=3), x(jnp.bfloat16), x(jnp.bfloat16), mask,
-                        check_device=False)
+    ok, why = supported(
+        x(jnp.bfloat16, h=3), x(jnp.bfloat16), x(jnp.bfloat16), mask, check_device=False
+    )
     assert not ok and "multiple" in why
-    assert supported(x(jnp.bfloat16), x(jnp.bfloat16), x(jnp.bfloat16), mask,
-                     check_device=False) == (True, "")
+    assert supported(
+        x(jnp.bfloat16), x(jnp.bfloat16), x(jnp.bfloat16), mask, check_device=False
+    ) == (True, "")
     e = jnp.zeros((0, 2, 64), jnp.bfloat16)
     assert supported(e, x(jnp.bfloat16), x(jnp.bfloat16), check_device=False)[1].startswith(
-        "empty sequence")
+        "empty sequence"
+    )
     big = jax.ShapeDtypeStruct((128 * 65536, 2, 64), jnp.bfloat16)
     assert "tiles" in supported(big, big, big, check_device=False)[1]
     if jax.devices()[0].platform == "cpu":
         ok, why = supported(x(jnp.bfloat16), x(jnp.bfloat16), x(jnp.bfloat16), mask)
         assert not ok and "cpu" in why
         with pytest.raises(ValueError, match="backend='pallas' cannot run"):
-            flex_flash_attention_pallas(x(jnp.bfloat16), x(jnp.bfloat16), x(jnp.bfloat16),
-                                        mask)
+            flex_flash_attention_pallas(x(jnp.bfloat16), x(jnp.bfloat16), x(jnp.bfloat16), mask)
 
 
 def test_front_door_backend_choice_without_gpu():
     import magi_jax as mj
+
     if jax.devices()[0].platform != "cpu":
         pytest.skip("checks the CPU fallback")
     mask = AttnMask.causal(16)
@@ -127,7 +138,7 @@ def test_front_door_backend_choice_without_gpu():
     assert mj.select_backend("auto")[0] == "xla"
     with pytest.raises(NotImplementedError, match="Mosaic GPU FFA kernels are not available"):
         mj.flex_flash_attention(q, q, q, mask, backend="pallas")
-    out, lse = mj.flex_flash_attention(q, q, q, mask)   # auto: xla, still works
+    out, lse = mj.flex_flash_attention(q, q, q, mask)  # auto: xla, still works
     assert out.shape == q.shape and lse.shape == (16, 2)
 
 
@@ -137,17 +148,22 @@ def test_stacked_per_rank_plans():
     each rank sees its slice; GPU interpret mode keeps global state, so running two devices'
     kernels concurrently on the CPU is not reliable and this checks rank by rank.)"""
     from magi_jax.planning.work_list import FFAPlanArrays, stack_plans
+
     masks = [AttnMask.causal(128), AttnMask.varlen([0, 50, 128], causal=True)]
-    qkv = [jax.random.normal(kk, (2, 128, 1, 64), jnp.float32).astype(jnp.bfloat16)
-           for kk in jax.random.split(jax.random.key(7), 3)]
+    qkv = [
+        jax.random.normal(kk, (2, 128, 1, 64), jnp.float32).astype(jnp.bfloat16)
+        for kk in jax.random.split(jax.random.key(7), 3)
+    ]
     stacked = stack_plans([plan_for_mask(m, "pallas") for m in masks])
-    run = jax.jit(lambda q, k, v, plan: ffa_pallas(q, k, v, plan, softmax_scale=0.125,
-                                                   interpret=True))
+    run = jax.jit(
+        lambda q, k, v, plan: ffa_pallas(q, k, v, plan, softmax_scale=0.125, interpret=True)
+    )
     for r, m in enumerate(masks):
         mine = FFAPlanArrays(*(jnp.asarray(a[r]) for a in stacked))
         o1, l1 = run(*(x[r] for x in qkv), mine)
-        o2, l2 = ffa_pallas(*(x[r] for x in qkv), plan_for_mask(m, "pallas"),
-                            softmax_scale=0.125, interpret=True)
+        o2, l2 = ffa_pallas(
+            *(x[r] for x in qkv), plan_for_mask(m, "pallas"), softmax_scale=0.125, interpret=True
+        )
         np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
         np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
 
@@ -162,18 +178,30 @@ def _forward_only(mask, dtype, hq, hkv, d, seed, batch=None, **tuning):
 # The forward's pipeline knobs: 1, 2 and 3 slots (3 fit D = 128 only without the reduction
 # scratch), one persistent program, exponentials split between the units. Forward only: the
 # backward kernels ignore them.
-_FWD_KNOBS = [{}, dict(num_stages=3), dict(num_stages=1), dict(persistent=1),
-              dict(fma_exp_cols=32), dict(fma_exp_cols=120, persistent=1)]
+_FWD_KNOBS = [
+    {},
+    dict(num_stages=3),
+    dict(num_stages=1),
+    dict(persistent=1),
+    dict(fma_exp_cols=32),
+    dict(fma_exp_cols=120, persistent=1),
+]
 
 
 # Like IRREGULAR, but q-tiles walk 10 and 6 items (several per k-tile): more than the slots
 # of the K/V ring, so every slot is refilled and its barriers change phase.
-WIDE = AttnMask.from_ranges([[0, 100], [100, 190], [100, 190]], [[0, 500], [0, 60], [60, 640]],
-                            ["causal", "full", "inv_causal"], 200, 640)
+WIDE = AttnMask.from_ranges(
+    [[0, 100], [100, 190], [100, 190]],
+    [[0, 500], [0, 60], [60, 640]],
+    ["causal", "full", "inv_causal"],
+    200,
+    640,
+)
 
 
-@pytest.mark.parametrize("tuning", _FWD_KNOBS,
-                         ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items()) or "default")
+@pytest.mark.parametrize(
+    "tuning", _FWD_KNOBS, ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items()) or "default"
+)
 def test_forward_pipeline_knobs(tuning):
     """Non-square slices, rows covered by several slices, empty rows (WIDE), a whole empty
     q-tile (EMPTY_TILES); D = 128."""
@@ -200,10 +228,14 @@ def test_forward_shared_memory_budget_error():
     q = jax.ShapeDtypeStruct((WIDE.total_q, 1, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((WIDE.total_k, 1, 128), jnp.bfloat16)
     plan = plan_for_mask(WIDE, "pallas")
-    f = jax.jit(lambda q, k, v: ffa_pallas(q, k, v, plan, softmax_scale=0.1, num_stages=3,
-                                           persistent=132))
-    with pytest.raises(ValueError, match="forward kernel with num_stages=3, persistent=132, "
-                       "D=128 and bfloat16 needs .* lower num_stages or turn persistent off"):
+    f = jax.jit(
+        lambda q, k, v: ffa_pallas(q, k, v, plan, softmax_scale=0.1, num_stages=3, persistent=132)
+    )
+    with pytest.raises(
+        ValueError,
+        match="forward kernel with num_stages=3, persistent=132, "
+        "D=128 and bfloat16 needs .* lower num_stages or turn persistent off",
+    ):
         f.trace(q, kv, kv).lower(lowering_platforms=("cuda",))
 
 
@@ -235,9 +267,10 @@ def test_default_persistent_programs(monkeypatch):
     assert P._default_programs(plan, interpret=True) == 0
     traced = []
     jax.jit(lambda o: traced.append(P._default_programs(plan._replace(q_order=o), False)))(
-        plan.q_order)
+        plan.q_order
+    )
     assert traced == [0]
-    monkeypatch.setattr(jax, "devices", lambda *a: [object()])   # no core count: off
+    monkeypatch.setattr(jax, "devices", lambda *a: [object()])  # no core count: off
     assert P._default_programs(plan, interpret=False) == 0
     # Long rows (full 8k: 64 items per q-tile) run one program per unit; a window of 1024
     # (at most 9 items per q-tile) runs persistent.
@@ -264,62 +297,84 @@ def test_head_dim_64_default_rings():
     assert P._default_tuning(64, fwd_persistent=True, dkv_persistent=True) == (2, 3, 3)
     assert P._default_tuning(128, fwd_persistent=False, dkv_persistent=False) == (2, 2, 2)
     assert [P._fma_exp_cols(d) for d in (64, 128, 256)] == [16, 0, 0]
-    assert [P._steps_per_wait(d, n, persistent) for d, n, persistent in [
-        (64, 4, False), (64, 4, True), (64, 3, False), (128, 4, False)]] == [2, 1, 1, 1]
+    assert [
+        P._steps_per_wait(d, n, persistent)
+        for d, n, persistent in [(64, 4, False), (64, 4, True), (64, 3, False), (128, 4, False)]
+    ] == [2, 1, 1, 1]
     _run(WIDE, jnp.bfloat16, hq=2, hkv=1, d=64, seed=9)
     plan = plan_for_mask(WIDE, "pallas")
     q = jax.ShapeDtypeStruct((WIDE.total_q, 2, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((WIDE.total_k, 1, 64), jnp.bfloat16)
     for programs in (0, 132):
-        loss = lambda q, k, v: ffa_pallas(q, k, v, plan, softmax_scale=0.125,
-                                          persistent=programs,
-                                          dkv_persistent=programs)[0].sum()
+        loss = lambda q, k, v: ffa_pallas(
+            q, k, v, plan, softmax_scale=0.125, persistent=programs, dkv_persistent=programs
+        )[0].sum()
         jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
-            lowering_platforms=("cuda",))
+            lowering_platforms=("cuda",)
+        )
 
 
 def test_backward_entry_point_equals_the_vjp():
     """``ffa_pallas_backward`` from the forward's own (out, lse) is the VJP of
     ``ffa_pallas``, bit for bit (batched; CP uses it unbatched, tests/sharding)."""
     from magi_jax.pallas import ffa_pallas_backward
+
     plan = plan_for_mask(IRREGULAR, "pallas")
-    q, k, v, dout, dlse = random_inputs(jax.random.key(11), IRREGULAR, 2, 1, 64,
-                                        jnp.bfloat16, 2)
+    q, k, v, dout, dlse = random_inputs(jax.random.key(11), IRREGULAR, 2, 1, 64, jnp.bfloat16, 2)
     f = lambda a, b, c: ffa_pallas(a, b, c, plan, softmax_scale=0.125, interpret=True)
     (out, lse), vjp = jax.vjp(f, q, k, v)
     want = vjp((dout, dlse))
-    got = ffa_pallas_backward(q, k, v, plan, out, lse, dout, dlse, softmax_scale=0.125,
-                              interpret=True)
+    got = ffa_pallas_backward(
+        q, k, v, plan, out, lse, dout, dlse, softmax_scale=0.125, interpret=True
+    )
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                      err_msg=name)
+        np.testing.assert_array_equal(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name
+        )
 
 
 def test_backward_with_work_between_dkv_and_dq():
     # dK/dV first, then the hook (context parallelism starts the dK/dV reduce there), then
     # dQ: the same gradients; the hook saw the dK/dV that come back, and its token returns.
     from magi_jax.pallas import ffa_pallas_backward
+
     plan = plan_for_mask(IRREGULAR, "pallas")
-    q, k, v, dout, dlse = random_inputs(jax.random.key(12), IRREGULAR, 2, 1, 64,
-                                        jnp.bfloat16)                   # unbatched, as CP
+    q, k, v, dout, dlse = random_inputs(
+        jax.random.key(12), IRREGULAR, 2, 1, 64, jnp.bfloat16
+    )  # unbatched, as CP
     out, lse = ffa_pallas(q, k, v, plan, softmax_scale=0.125, interpret=True)
-    want = ffa_pallas_backward(q, k, v, plan, out, lse, dout, dlse, softmax_scale=0.125,
-                               interpret=True)
+    want = ffa_pallas_backward(
+        q, k, v, plan, out, lse, dout, dlse, softmax_scale=0.125, interpret=True
+    )
     seen = []
 
     def hook(dk, dv):
         seen.append((dk, dv))
         return (dk.astype(jnp.float32).sum() + dv.astype(jnp.float32).sum())[None]
-    *grads, token = ffa_pallas_backward(q, k, v, plan, out, lse, dout, dlse,
-                                        softmax_scale=0.125, interpret=True,
-                                        between_dkv_dq=hook)
+
+    *grads, token = ffa_pallas_backward(
+        q,
+        k,
+        v,
+        plan,
+        out,
+        lse,
+        dout,
+        dlse,
+        softmax_scale=0.125,
+        interpret=True,
+        between_dkv_dq=hook,
+    )
     for name, a, b in zip(("dq", "dk", "dv"), grads, want):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                      err_msg=name)
+        np.testing.assert_array_equal(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name
+        )
     assert seen[0][0] is grads[1] and seen[0][1] is grads[2]
-    np.testing.assert_allclose(np.asarray(token)[0], float(
-        np.asarray(want[1], np.float32).sum() + np.asarray(want[2], np.float32).sum()),
-        rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(token)[0],
+        float(np.asarray(want[1], np.float32).sum() + np.asarray(want[2], np.float32).sum()),
+        rtol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("split", [128, 100])
@@ -327,26 +382,42 @@ def test_backward_hook_with_dkv_in_two_parts(split):
     # split_kv_at: the hook gets dK and dV as (rows [:split], rows [split:]); an aligned split
     # is stored apart by the kernel (128), another sliced (100); the same values either way.
     from magi_jax.pallas import DKV_SPLIT_ALIGN, ffa_pallas_backward
+
     assert (split % DKV_SPLIT_ALIGN == 0) == (split == 128)
     plan = plan_for_mask(IRREGULAR, "pallas")
-    q, k, v, dout, dlse = random_inputs(jax.random.key(13), IRREGULAR, 2, 1, 64,
-                                        jnp.bfloat16)
+    q, k, v, dout, dlse = random_inputs(jax.random.key(13), IRREGULAR, 2, 1, 64, jnp.bfloat16)
     out, lse = ffa_pallas(q, k, v, plan, softmax_scale=0.125, interpret=True)
-    _, dk, dv = ffa_pallas_backward(q, k, v, plan, out, lse, dout, dlse, softmax_scale=0.125,
-                                    interpret=True)
+    _, dk, dv = ffa_pallas_backward(
+        q, k, v, plan, out, lse, dout, dlse, softmax_scale=0.125, interpret=True
+    )
     seen = []
 
     def hook(dk2, dv2):
         seen.append((dk2, dv2))
         return jnp.zeros((1,), jnp.int32)
-    _, dk2, dv2, _ = ffa_pallas_backward(q, k, v, plan, out, lse, dout, dlse,
-                                         softmax_scale=0.125, interpret=True,
-                                         between_dkv_dq=hook, split_kv_at=split)
+
+    _, dk2, dv2, _ = ffa_pallas_backward(
+        q,
+        k,
+        v,
+        plan,
+        out,
+        lse,
+        dout,
+        dlse,
+        softmax_scale=0.125,
+        interpret=True,
+        between_dkv_dq=hook,
+        split_kv_at=split,
+    )
     assert seen[0][0] is dk2 and seen[0][1] is dv2
     for name, parts, whole in (("dk", dk2, dk), ("dv", dv2, dv)):
         assert [p.shape[0] for p in parts] == [split, k.shape[0] - split], name
-        np.testing.assert_array_equal(np.asarray(jnp.concatenate(parts), np.float32),
-                                      np.asarray(whole, np.float32), err_msg=name)
+        np.testing.assert_array_equal(
+            np.asarray(jnp.concatenate(parts), np.float32),
+            np.asarray(whole, np.float32),
+            err_msg=name,
+        )
 
 
 def test_head_dim_256_forward_and_backward():

@@ -9,23 +9,28 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 from magi_jax.mask import AttnMask
 from magi_jax.pallas import device_supported, flex_flash_attention_pallas
-from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 
 # Rows [190, 200) see no key, lengths are not multiples of the 128-row tiles, and the
 # second q-tile holds boundary items of every kind.
-IRREGULAR = AttnMask.from_ranges([[0, 100], [100, 190], [100, 190]],
-                                 [[0, 100], [0, 60], [100, 200]],
-                                 ["causal", "full", "causal"], 200, 200)
-GAIN = 3.0          # logits well past the softcap
+IRREGULAR = AttnMask.from_ranges(
+    [[0, 100], [100, 190], [100, 190]],
+    [[0, 100], [0, 60], [100, 200]],
+    ["causal", "full", "causal"],
+    200,
+    200,
+)
+GAIN = 3.0  # logits well past the softcap
 
 
 def _run(mask, dtype, hq, hkv, d, batch=None, softcap=0.0, grads=False, seed=0, **tuning):
     q, k, v, dout, dlse = random_inputs(jax.random.key(seed), mask, hq, hkv, d, dtype, batch)
     q = (q.astype(jnp.float32) * GAIN).astype(dtype)
-    fn = lambda a, b, c: flex_flash_attention_pallas(a, b, c, mask, softcap=softcap,
-                                                     return_max_logits=True, **tuning)
+    fn = lambda a, b, c: flex_flash_attention_pallas(
+        a, b, c, mask, softcap=softcap, return_max_logits=True, **tuning
+    )
     if grads:
         (out, lse, ml), vjp = jax.vjp(fn, q, k, v)
         dq, dk, dv = vjp((dout, dlse, jnp.ones_like(ml)))
@@ -42,9 +47,10 @@ def _run(mask, dtype, hq, hkv, d, batch=None, softcap=0.0, grads=False, seed=0, 
 def test_interpret(softcap, hq, batch):
     """GQA without softcap (the max from the softmax's running max); a batch with a softcap
     (the raw running max, its tanh the softmax's)."""
-    ml = _run(IRREGULAR, jnp.bfloat16, hq=hq, hkv=1, d=64, batch=batch, softcap=softcap,
-              interpret=True)
-    assert np.isfinite(ml).all() and (ml > 4.0).all()     # past the cap, as intended
+    ml = _run(
+        IRREGULAR, jnp.bfloat16, hq=hq, hkv=1, d=64, batch=batch, softcap=softcap, interpret=True
+    )
+    assert np.isfinite(ml).all() and (ml > 4.0).all()  # past the cap, as intended
 
 
 @pytest.mark.gpu

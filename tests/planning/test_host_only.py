@@ -10,15 +10,20 @@ import magi_jax.planning
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = ["magi_jax.mask", "magi_jax.planning"] + sorted(
-    f"magi_jax.planning.{m.name}" for m in pkgutil.iter_modules(magi_jax.planning.__path__))
+    f"magi_jax.planning.{m.name}" for m in pkgutil.iter_modules(magi_jax.planning.__path__)
+)
 
 
 def _loaded_after(modules):
-    code = ("import sys\n" + "".join(f"import {m}\n" for m in modules) +
-            "print(','.join(sorted(n for n in sys.modules if n == 'jax' or "
-            "n.startswith(('jax.', 'jaxlib')))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in modules)
+        + "print(','.join(sorted(n for n in sys.modules if n == 'jax' or "
+        "n.startswith(('jax.', 'jaxlib')))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     return [n for n in out.stdout.strip().split(",") if n]
 

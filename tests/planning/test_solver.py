@@ -2,7 +2,8 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from magi_jax.mask import AttnMask
 from magi_jax.planning import solver as S
@@ -11,7 +12,7 @@ from tests.sharding.masks import ZOO, self_attention_masks
 
 def _dense_needed(mask, meta, r):
     dense = np.zeros((meta.padded_total, meta.padded_total), bool)
-    dense[:mask.total_q, :mask.total_k] = mask.to_dense()
+    dense[: mask.total_q, : mask.total_k] = mask.to_dense()
     return dense[meta.positions[r]].any(axis=0)
 
 
@@ -41,19 +42,18 @@ def test_layouts_are_equal_token_partitions(algorithm, cp):
     assert meta.padded_total >= 64 and meta.padded_total % cp == 0
     assert meta.rank_chunks.shape == (cp, meta.chunks_per_rank)
     # positions: each global position exactly once
-    np.testing.assert_array_equal(np.sort(meta.positions.reshape(-1)),
-                                  np.arange(meta.padded_total))
+    np.testing.assert_array_equal(np.sort(meta.positions.reshape(-1)), np.arange(meta.padded_total))
     assert meta.rank_area().sum() == ZOO["doc_causal"].area
 
 
 def test_baseline_layouts_hand_checked():
     m = AttnMask.causal(16)
-    assert S.solve_dispatch(m, 2, 2, "contiguous").rank_chunks.tolist() == [[0, 1, 2, 3],
-                                                                            [4, 5, 6, 7]]
-    assert S.solve_dispatch(m, 2, 2, "zigzag").rank_chunks.tolist() == [[0, 1, 6, 7],
-                                                                        [2, 3, 4, 5]]
-    assert S.solve_dispatch(m, 2, 2, "striped").rank_chunks.tolist() == [[0, 2, 4, 6],
-                                                                         [1, 3, 5, 7]]
+    assert S.solve_dispatch(m, 2, 2, "contiguous").rank_chunks.tolist() == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+    ]
+    assert S.solve_dispatch(m, 2, 2, "zigzag").rank_chunks.tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert S.solve_dispatch(m, 2, 2, "striped").rank_chunks.tolist() == [[0, 2, 4, 6], [1, 3, 5, 7]]
     # zigzag is exactly balanced for causal: 1+..+4 rows-sums per chunk pair.
     assert S.solve_dispatch(m, 2, 2, "zigzag").imbalance() == 1.0
 
@@ -61,7 +61,7 @@ def test_baseline_layouts_hand_checked():
 def test_uneven_lengths_are_padded_not_rejected():
     meta = S.solve_dispatch(AttnMask.causal(37), 4, 3)
     assert meta.padded_total == 48 and meta.total == 37 and meta.local_len == 12
-    assert meta.chunk_area[13:].sum() == 0          # padding chunks attend nothing
+    assert meta.chunk_area[13:].sum() == 0  # padding chunks attend nothing
 
 
 def test_deterministic_and_cached():
@@ -105,10 +105,10 @@ def test_s1_balance_and_remote_kv_on_zoo(cp):
         remote = S.remote_kv_tokens(mask, magi)
         ring = magi.padded_total - magi.local_len
         assert remote.max() <= ring, name
-        balanced = S._solve(mask, cp, magi.chunk_size, "balance")   # no comm-aware passes
+        balanced = S._solve(mask, cp, magi.chunk_size, "balance")  # no comm-aware passes
         before = S.remote_kv_tokens(mask, balanced).sum()
         assert remote.sum() <= 1.05 * before, name
-        if before < 0.5 * ring * cp:              # masks where locality can matter
+        if before < 0.5 * ring * cp:  # masks where locality can matter
             totals[0] += remote.sum()
             totals[1] += before
     # The communication-aware passes lower the remote KV of the local masks measurably.
@@ -129,8 +129,9 @@ def test_swap_refinement_beats_greedy_at_equal_chunking():
     assert S.solve_dispatch(mask, 16).imbalance() <= 1.02
 
 
-@given(self_attention_masks(max_len=40), st.sampled_from([1, 2, 3, 4]),
-       st.sampled_from(S.ALGORITHMS))
+@given(
+    self_attention_masks(max_len=40), st.sampled_from([1, 2, 3, 4]), st.sampled_from(S.ALGORITHMS)
+)
 def test_needed_and_remote_kv_match_dense(mask, cp, algorithm):
     meta = S.solve_dispatch(mask, cp, None, algorithm)
     needed = S.needed_kv(mask, meta)
@@ -148,7 +149,7 @@ def test_needed_and_remote_kv_match_dense(mask, cp, algorithm):
 
 
 def test_errors_name_the_argument():
-    assert S.solve_dispatch(AttnMask.full(4, 6), 2).total == 4     # cross: queries dispatched
+    assert S.solve_dispatch(AttnMask.full(4, 6), 2).total == 4  # cross: queries dispatched
     with pytest.raises(ValueError, match="cp=0"):
         S.solve_dispatch(AttnMask.causal(8), 0)
     with pytest.raises(ValueError, match="chunk_size=0"):

@@ -3,10 +3,12 @@ move exactly the keys its queries need from elsewhere — each once (host NumPy 
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from magi_jax.mask import AttnMask
-from magi_jax.planning import solver as S, stages as D
+from magi_jax.planning import solver as S
+from magi_jax.planning import stages as D
 from magi_jax.planning.cast_table import cast_model
 from tests.sharding.masks import ZOO, self_attention_masks
 
@@ -28,8 +30,8 @@ def check_plan(mask, cp, degree, algorithm="magi", chunk_size=None):
     t, tp = mask.total_q, meta.padded_total
     dense = np.zeros((tp, tp), np.int64)
     dense[:t, :t] = mask.to_dense()
-    pos = meta.positions                                     # [cp, local_len]
-    tagged = (pos + 1)[:, :, None].astype(np.int64)          # 0 marks padding rows
+    pos = meta.positions  # [cp, local_len]
+    tagged = (pos + 1)[:, :, None].astype(np.int64)  # 0 marks padding rows
     for r in range(cp):
         covered = np.zeros((meta.local_len, tp), np.int64)
         fetched = []
@@ -37,7 +39,7 @@ def check_plan(mask, cp, degree, algorithm="magi", chunk_size=None):
             if st_.cast is None:
                 kv = pos[r]
             else:
-                buf = cast_model(tagged, st_.cast)[r, :, 0] - 1          # -1 = padding
+                buf = cast_model(tagged, st_.cast)[r, :, 0] - 1  # -1 = padding
                 fetched.append(buf[buf >= 0])
                 kv = np.concatenate([pos[r], buf]) if st_.kv_len != st_.cast.buffer_len else buf
             assert len(kv) == st_.kv_len
@@ -56,15 +58,28 @@ def check_plan(mask, cp, degree, algorithm="magi", chunk_size=None):
     return plan
 
 
-@pytest.mark.parametrize("name", ["causal", "doc_causal", "sliding_window", "shared_question",
-                                  "global_sliding_window", "causal_blockwise"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "causal",
+        "doc_causal",
+        "sliding_window",
+        "shared_question",
+        "global_sliding_window",
+        "causal_blockwise",
+    ],
+)
 @pytest.mark.parametrize("degree", [0, 1, 3])
 def test_zoo_plans_are_exact(name, degree):
     check_plan(ZOO[name], 4, degree)
 
 
-@given(self_attention_masks(max_len=40), st.sampled_from([1, 2, 3, 4]),
-       st.sampled_from([0, 1, 2, 3]), st.sampled_from(S.ALGORITHMS))
+@given(
+    self_attention_masks(max_len=40),
+    st.sampled_from([1, 2, 3, 4]),
+    st.sampled_from([0, 1, 2, 3]),
+    st.sampled_from(S.ALGORITHMS),
+)
 def test_random_plans_are_exact(mask, cp, degree, algorithm):
     check_plan(mask, cp, degree, algorithm)
 
@@ -82,16 +97,22 @@ def test_stages_split_remote_kv_evenly_and_stack():
 
 
 def test_no_remote_kv_gives_single_host_stage():
-    plan = D.build_dist_plan(AttnMask.varlen([0, 16, 32], causal=False), S.solve_dispatch(
-        AttnMask.varlen([0, 16, 32], causal=False), 2, 16, "contiguous"), 2, 8, 8)
+    plan = D.build_dist_plan(
+        AttnMask.varlen([0, 16, 32], causal=False),
+        S.solve_dispatch(AttnMask.varlen([0, 16, 32], causal=False), 2, 16, "contiguous"),
+        2,
+        8,
+        8,
+    )
     assert len(plan.stages) == 1 and plan.stages[0].cast is None
     assert plan.overlap_degree == 0 and plan.remote_tokens.tolist() == [0, 0]
 
 
 def test_cached_and_errors():
     meta = S.solve_dispatch(ZOO["causal"], 2)
-    assert D.build_dist_plan(ZOO["causal"], meta, 1, 8, 8) is \
-        D.build_dist_plan(ZOO["causal"], meta, 1, 8, 8)
+    assert D.build_dist_plan(ZOO["causal"], meta, 1, 8, 8) is D.build_dist_plan(
+        ZOO["causal"], meta, 1, 8, 8
+    )
     with pytest.raises(ValueError, match="overlap_degree=-1"):
         D.build_dist_plan(ZOO["causal"], meta, -1, 8, 8)
 
@@ -101,15 +122,16 @@ def test_cast_runs_from_pieces_are_those_of_the_tables(name):
     """The runs built from the pieces are the canonical runs of the tables they expand to
     (each maximal within a slot), with and without a capacity's fixed slots."""
     from magi_jax.planning import cast_table
+
     mask = ZOO[name]
     meta = S.solve_dispatch(mask, 4, 4)
     views = D.rank_views(mask, meta, 2)
     for width in (None, 40):
         for s in range(2):
             a = cast_table.build_cast_table(
-                meta, [v.remote[v.remote[:, 3] == s] for v in views], 40, width)
-            b = cast_table.CastTable.from_index(a.send_index, a.recv_index, a.shifts,
-                                                a.widths)
+                meta, [v.remote[v.remote[:, 3] == s] for v in views], 40, width
+            )
+            b = cast_table.CastTable.from_index(a.send_index, a.recv_index, a.shifts, a.widths)
             np.testing.assert_array_equal(a.send_runs, b.send_runs)
             np.testing.assert_array_equal(a.recv_runs, b.recv_runs)
             assert a.tokens_moved() == int((a.send_index >= 0).sum()) > 0
@@ -118,6 +140,7 @@ def test_cast_runs_from_pieces_are_those_of_the_tables(name):
 
 def test_split_areas_and_default_overlap_degree():
     from magi_jax.planning.defaults import default_overlap_degree
+
     mask = AttnMask.causal(4096)
     meta = S.solve_dispatch(mask, 4)
     host, remote, tokens = D.split_areas(mask, meta)

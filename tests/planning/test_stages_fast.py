@@ -12,25 +12,58 @@ import heapq  # noqa: F401  (the oracle's solver)
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from magi_jax.mask import AttnMask, SliceShapes
 from magi_jax.mask_zoo import MASKS, make_mask
-from magi_jax.planning import cast_table as C, solver as S, stages as D, work_list as W
+from magi_jax.planning import cast_table as C
+from magi_jax.planning import solver as S
+from magi_jax.planning import stages as D
+from magi_jax.planning import work_list as W
 from magi_jax.planning.capacity import CapacityError, PlanCapacity
 from magi_jax.planning.cast_table import CastTable
-from magi_jax.planning.solver import (_AUTO_CHUNKS_PER_RANK, _AUTO_TARGET, _ASSIGN,
-                                      _MAX_SWAPS_PER_RANK, DispatchMeta, _greedy,
-                                      _greedy_affinity, _local_enough, _meta, _refine_comm,
-                                      _row_searchsorted, _validate, auto_chunk_size,
-                                      chunk_areas, merge_intervals, ranges_repeat,
-                                      slice_chunk_pairs)
-from magi_jax.planning.stages import (_UNBOUNDED, DistPlan, RankView, StagePlan, _split_even,
-                                      cast_width, stage_buffer_len)
+from magi_jax.planning.solver import (
+    _ASSIGN,
+    _AUTO_CHUNKS_PER_RANK,
+    _AUTO_TARGET,
+    _MAX_SWAPS_PER_RANK,
+    DispatchMeta,
+    _greedy,
+    _greedy_affinity,
+    _local_enough,
+    _meta,
+    _refine_comm,
+    _row_searchsorted,
+    _validate,
+    auto_chunk_size,
+    chunk_areas,
+    merge_intervals,
+    ranges_repeat,
+    slice_chunk_pairs,
+)
+from magi_jax.planning.stages import (
+    _UNBOUNDED,
+    DistPlan,
+    RankView,
+    StagePlan,
+    _split_even,
+    cast_width,
+    stage_buffer_len,
+)
 from magi_jax.planning.tiling import TileItems
-from magi_jax.planning.work_list import (BAND, EMPTY_ITEM, FULL, GENERAL, NUM_FIELDS,
-                                         FFAPlanArrays, FFAPlanRuns, WorkList, backend_blocks,
-                                         expand_runs)
+from magi_jax.planning.work_list import (
+    BAND,
+    EMPTY_ITEM,
+    FULL,
+    GENERAL,
+    NUM_FIELDS,
+    FFAPlanArrays,
+    FFAPlanRuns,
+    WorkList,
+    backend_blocks,
+    expand_runs,
+)
 from tests.sharding.masks import ZOO, self_attention_masks
 from tests.strategies import slice_masks
 
@@ -41,8 +74,10 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=list(H
 
 # ---- the oracle: the previous implementation ------------------------------------------------
 
-def old_tile_items(shapes: SliceShapes, total_q: int, total_k: int, block_q: int,
-               block_k: int) -> TileItems:
+
+def old_tile_items(
+    shapes: SliceShapes, total_q: int, total_k: int, block_q: int, block_k: int
+) -> TileItems:
     """Enumerates the non-empty (slice, q-tile, k-tile) items of ``shapes``."""
     if block_q <= 0 or block_k <= 0:
         raise ValueError(f"block_q={block_q} and block_k={block_k} must be positive")
@@ -63,13 +98,23 @@ def old_tile_items(shapes: SliceShapes, total_q: int, total_k: int, block_q: int
     tile_c0, tile_c1 = kt * block_k, (kt + 1) * block_k - 1
     rows_inside = (tile_r0 >= shapes.q0[s]) & (tile_r1 < shapes.q1[s])
     # Within the slice's rows, lo/hi are nondecreasing: check the extreme rows.
-    full = (rows_inside & (shapes.lo(tile_r1, s) <= tile_c0) & (shapes.hi(tile_r0, s) >= tile_c1)
-            & (tile_c1 < total_k))
+    full = (
+        rows_inside
+        & (shapes.lo(tile_r1, s) <= tile_c0)
+        & (shapes.hi(tile_r0, s) >= tile_c1)
+        & (tile_c1 < total_k)
+    )
     order = np.lexsort((kt, s, qt))
-    return TileItems(q_tile=qt[order].astype(np.int64), k_tile=kt[order].astype(np.int64),
-                     slice_id=s[order].astype(np.int64), full=full[order], block_q=block_q,
-                     block_k=block_k, num_q_tiles=-(-total_q // block_q),
-                     num_k_tiles=-(-total_k // block_k))
+    return TileItems(
+        q_tile=qt[order].astype(np.int64),
+        k_tile=kt[order].astype(np.int64),
+        slice_id=s[order].astype(np.int64),
+        full=full[order],
+        block_q=block_q,
+        block_k=block_k,
+        num_q_tiles=-(-total_q // block_q),
+        num_k_tiles=-(-total_k // block_k),
+    )
 
 
 def old_ranges_repeat(start: np.ndarray, stop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -86,17 +131,21 @@ def old_pad_work_list(work: WorkList, num_items: int, field: str = "items") -> W
     have = len(work.items)
     if have > num_items:
         from magi_jax.planning.capacity import CapacityError
-        raise CapacityError(f"this mask needs PlanCapacity.{field}>={have} work items on one "
-                            f"list, but the capacity holds {num_items}; build the capacity "
-                            "with more items (or PlanCapacity.from_masks over a sample of your "
-                            "masks)")
+
+        raise CapacityError(
+            f"this mask needs PlanCapacity.{field}>={have} work items on one "
+            f"list, but the capacity holds {num_items}; build the capacity "
+            "with more items (or PlanCapacity.from_masks over a sample of your "
+            "masks)"
+        )
     extra = np.broadcast_to(EMPTY_ITEM, (num_items - have, NUM_FIELDS))
     items = np.concatenate([work.items, extra]).astype(np.int32)
     return WorkList(work.order.astype(np.int32), work.offsets.astype(np.int32), items)
 
 
-def old_build_work_list(shapes: SliceShapes, total_q: int, total_k: int, block_q: int,
-                    block_k: int, by: str) -> WorkList:
+def old_build_work_list(
+    shapes: SliceShapes, total_q: int, total_k: int, block_q: int, block_k: int, by: str
+) -> WorkList:
     """Items of tiles ``block_q x block_k`` owned by q-tiles (``by="q"``) or k-tiles
     (``by="k"``)."""
     ti = old_tile_items(shapes, total_q, total_k, block_q, block_k)
@@ -114,32 +163,56 @@ def old_build_work_list(shapes: SliceShapes, total_q: int, total_k: int, block_q
     counts = np.bincount(own, minlength=num).astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(counts)])
     if offsets[-1] > _I32.max:
-        raise ValueError(f"{offsets[-1]} work items do not fit int32 offsets; use a smaller "
-                         "problem per call (e.g. context parallelism)")
+        raise ValueError(
+            f"{offsets[-1]} work items do not fit int32 offsets; use a smaller "
+            "problem per call (e.g. context parallelism)"
+        )
     clip = lambda x: np.clip(x, -_I32.max, _I32.max)
     # A boundary tile inside the slice's query and key ranges is cut only by the diagonals.
     q_tile, k_tile = (own, other) if by == "q" else (other, own)
-    inside = ((shapes.q0[s] <= q_tile * block_q) & ((q_tile + 1) * block_q <= shapes.q1[s])
-              & (shapes.k0[s] <= k_tile * block_k) & ((k_tile + 1) * block_k <= shapes.k1[s]))
+    inside = (
+        (shapes.q0[s] <= q_tile * block_q)
+        & ((q_tile + 1) * block_q <= shapes.q1[s])
+        & (shapes.k0[s] <= k_tile * block_k)
+        & ((k_tile + 1) * block_k <= shapes.k1[s])
+    )
     kind = np.where(full, FULL, np.where(inside, BAND, GENERAL))
-    items = np.stack([other, shapes.q0[s], shapes.q1[s], shapes.k0[s], shapes.k1[s],
-                      clip(shapes.dlo[s]), clip(shapes.dhi[s]), kind],
-                     axis=-1).astype(np.int32).reshape(-1, NUM_FIELDS)
+    items = (
+        np.stack(
+            [
+                other,
+                shapes.q0[s],
+                shapes.q1[s],
+                shapes.k0[s],
+                shapes.k1[s],
+                clip(shapes.dlo[s]),
+                clip(shapes.dhi[s]),
+                kind,
+            ],
+            axis=-1,
+        )
+        .astype(np.int32)
+        .reshape(-1, NUM_FIELDS)
+    )
     # Heaviest first; ties by tile index so the order is deterministic.
     launch = np.lexsort((np.arange(num), -counts)).astype(np.int32)
     return WorkList(launch, offsets.astype(np.int32), items)
 
 
-def old_build_cast_table(meta: DispatchMeta, remote: list[np.ndarray],
-                         buffer_len: int) -> CastTable:
+def old_build_cast_table(
+    meta: DispatchMeta, remote: list[np.ndarray], buffer_len: int
+) -> CastTable:
     """Tables of one stage. ``remote[r]``: rank ``r``'s pieces ``[p, 5]`` = (global start,
     global end, owner rank, stage, offset in the stage buffer); ``buffer_len`` >= every
     rank's buffer."""
     cp, c = meta.cp, meta.chunk_size
     # Work per piece first (few), then expand to tokens once: a piece's rows sit in the block
     # (owner -> receiver) after the earlier pieces of that owner, in global-position order.
-    pieces = [np.column_stack([rem[:, :3], np.full(len(rem), r), rem[:, 4]])
-              for r, rem in enumerate(remote) if len(rem)]
+    pieces = [
+        np.column_stack([rem[:, :3], np.full(len(rem), r), rem[:, 4]])
+        for r, rem in enumerate(remote)
+        if len(rem)
+    ]
     pieces = np.concatenate(pieces) if pieces else np.zeros((0, 5), np.int64)
     g0, g1, src, dst, off_b = (pieces[:, i].astype(np.int64) for i in range(5))
     order = np.lexsort((g0, dst, src))
@@ -148,7 +221,7 @@ def old_build_cast_table(meta: DispatchMeta, remote: list[np.ndarray],
     pair = src * cp + dst
     first = np.searchsorted(pair, pair, side="left")
     cum = np.concatenate([[0], np.cumsum(length)])
-    off_block = cum[:-1] - cum[first]                         # piece start inside its block
+    off_block = cum[:-1] - cum[first]  # piece start inside its block
     block_len = np.zeros(cp * cp, np.int64)
     np.add.at(block_len, pair, length)
     shift = (dst - src) % cp
@@ -168,16 +241,19 @@ def old_build_cast_table(meta: DispatchMeta, remote: list[np.ndarray],
         # Long runs: slice writes (no token-sized temporaries).
         for k in range(len(length)):
             n_k = int(length[k])
-            send[src[k], slot[k], off_block[k]:off_block[k] + n_k] = np.arange(
-                first_row[k], first_row[k] + n_k)
-            recv[dst[k], off_b[k]:off_b[k] + n_k] = np.arange(first_entry[k],
-                                                               first_entry[k] + n_k)
+            send[src[k], slot[k], off_block[k] : off_block[k] + n_k] = np.arange(
+                first_row[k], first_row[k] + n_k
+            )
+            recv[dst[k], off_b[k] : off_b[k] + n_k] = np.arange(
+                first_entry[k], first_entry[k] + n_k
+            )
     else:
         pi, step = ranges_repeat(np.zeros_like(length), length)
         send[src[pi], slot[pi], off_block[pi] + step] = first_row[pi] + step
         recv[dst[pi], off_b[pi] + step] = first_entry[pi] + step
-    return CastTable.from_index(send, recv, tuple(int(s) for s in shifts),
-                                tuple(int(w) for w in widths))
+    return CastTable.from_index(
+        send, recv, tuple(int(s) for s in shifts), tuple(int(w) for w in widths)
+    )
 
 
 def old_widen_cast_table(table: CastTable, width: int) -> CastTable:
@@ -186,13 +262,16 @@ def old_widen_cast_table(table: CastTable, width: int) -> CastTable:
     (plans at a capacity). Raises :class:`~magi_jax.planning.capacity.CapacityError` when a
     rank sends another more than ``width`` rows."""
     from magi_jax.planning.capacity import CapacityError
+
     cp = table.cp
     need = max(table.widths, default=0)
     if need > width:
-        raise CapacityError(f"this mask needs PlanCapacity.cast_width>={need} (KV tokens one "
-                            f"rank sends another in one stage), but the capacity holds "
-                            f"{width}; build the capacity with cast_width>={need} (or "
-                            "PlanCapacity.from_masks over a sample of your masks)")
+        raise CapacityError(
+            f"this mask needs PlanCapacity.cast_width>={need} (KV tokens one "
+            f"rank sends another in one stage), but the capacity holds "
+            f"{width}; build the capacity with cast_width>={need} (or "
+            "PlanCapacity.from_masks over a sample of your masks)"
+        )
     shifts = tuple(range(1, cp))
     send = np.full((cp, len(shifts), max(width, 1)), -1, np.int32)
     s_len = table.slot_len
@@ -202,14 +281,15 @@ def old_widen_cast_table(table: CastTable, width: int) -> CastTable:
     recv = table.recv_index.astype(np.int64)
     real = recv >= 0
     j, p = recv // s_len, recv % s_len
-    moved = np.where(real, new_slot[np.clip(j, 0, max(len(new_slot) - 1, 0))] * max(width, 1)
-                     + p, -1) if len(new_slot) else np.full_like(recv, -1)
-    return CastTable.from_index(send, moved.astype(np.int32), shifts,
-                                (int(width),) * len(shifts))
+    moved = (
+        np.where(real, new_slot[np.clip(j, 0, max(len(new_slot) - 1, 0))] * max(width, 1) + p, -1)
+        if len(new_slot)
+        else np.full_like(recv, -1)
+    )
+    return CastTable.from_index(send, moved.astype(np.int32), shifts, (int(width),) * len(shifts))
 
 
-def old_rank_views(mask: AttnMask, meta: DispatchMeta,
-                   num_remote_stages: int) -> list[RankView]:
+def old_rank_views(mask: AttnMask, meta: DispatchMeta, num_remote_stages: int) -> list[RankView]:
     """Every rank's :class:`RankView`; remote keys cut into ``num_remote_stages`` stages of
     nearly equal token counts (by buffer position)."""
     c = meta.chunk_size
@@ -283,17 +363,20 @@ def old_clip_to_segments(sh: SliceShapes, pairs, seg_g0, seg_g1, seg_shift, q_sh
     d = sk - sq
     dlo_, dhi_ = rep(dlo)[keep], rep(dhi)[keep]
     return SliceShapes(
-        q0=band_a[keep] + sq, q1=band_b[keep] + sq,
-        k0=rep(k0)[keep] + sk, k1=rep(k1)[keep] + sk,
+        q0=band_a[keep] + sq,
+        q1=band_b[keep] + sq,
+        k0=rep(k0)[keep] + sk,
+        k1=rep(k1)[keep] + sk,
         dlo=np.where(np.abs(dlo_) >= _UNBOUNDED, dlo_, dlo_ + d),
-        dhi=np.where(np.abs(dhi_) >= _UNBOUNDED, dhi_, dhi_ + d))
+        dhi=np.where(np.abs(dhi_) >= _UNBOUNDED, dhi_, dhi_ + d),
+    )
 
 
 def old_stage_shapes(mask, meta, views, r, which):
     """Rank ``r``'s local-coordinate shapes for ``which`` = ``"host"`` (local KV),
     ``"combined"`` (local KV then the whole remote buffer) or a remote stage index."""
     c, t_loc = meta.chunk_size, meta.local_len
-    q_shift = meta.chunk_slot * c - np.arange(meta.num_chunks) * c     # per chunk
+    q_shift = meta.chunk_slot * c - np.arange(meta.num_chunks) * c  # per chunk
     local_g0 = meta.rank_chunks[r] * c
     local_shift = np.arange(meta.chunks_per_rank) * c - local_g0
     if which == "host":
@@ -310,8 +393,9 @@ def old_stage_shapes(mask, meta, views, r, which):
         order = np.argsort(g0, kind="stable")
         g0, g1, sk = g0[order], g1[order], sk[order]
     g0, g1, sk = old_merge_runs(g0, g1, sk)
-    return old_clip_to_segments(mask.shapes, old_merge_pairs(views[r].pairs, q_shift), g0, g1, sk,
-                             q_shift)
+    return old_clip_to_segments(
+        mask.shapes, old_merge_pairs(views[r].pairs, q_shift), g0, g1, sk, q_shift
+    )
 
 
 def old_merge_runs(g0, g1, shift):
@@ -341,18 +425,27 @@ def old_merge_pairs(pairs, q_shift):
     new[1:] = (s[1:] != s[:-1]) | (a[1:] != b[:-1]) | (sh[1:] != sh[:-1])
     first = np.nonzero(new)[0]
     last = np.append(first[1:], len(s)) - 1
-    return (s[first], chunk[first], a[first], b[last], np.minimum.reduceat(e0, first),
-            np.maximum.reduceat(e1, first))
+    return (
+        s[first],
+        chunk[first],
+        a[first],
+        b[last],
+        np.minimum.reduceat(e0, first),
+        np.maximum.reduceat(e1, first),
+    )
 
 
 def old_split_areas(mask: AttnMask, meta: DispatchMeta):
     """Per rank: area on local KV, area on remote KV and remote KV tokens (int64 ``[cp]``
     each) — the inputs of the overlap cost model, without building any kernel plan."""
     views = old_rank_views(mask, meta, 1)
-    host = np.array([old_stage_shapes(mask, meta, views, r, "host").areas().sum()
-                     for r in range(meta.cp)], np.int64)
-    remote = np.array([old_stage_shapes(mask, meta, views, r, 0).areas().sum()
-                       for r in range(meta.cp)], np.int64)
+    host = np.array(
+        [old_stage_shapes(mask, meta, views, r, "host").areas().sum() for r in range(meta.cp)],
+        np.int64,
+    )
+    remote = np.array(
+        [old_stage_shapes(mask, meta, views, r, 0).areas().sum() for r in range(meta.cp)], np.int64
+    )
     tokens = np.array([int(v.stage_len.sum()) for v in views], np.int64)
     return host, remote, tokens
 
@@ -363,12 +456,14 @@ def old_build(mask, meta, degree, bq, bk, backend, capacity=None) -> DistPlan:
     views = old_rank_views(mask, meta, num_remote)
     stage_len = np.array([v.stage_len for v in views]).reshape(cp, num_remote)
     if capacity is None:
-        buf_len = np.maximum(stage_len.max(axis=0), 1)                    # per remote stage
+        buf_len = np.maximum(stage_len.max(axis=0), 1)  # per remote stage
     else:
         buf_len = np.full(num_remote, stage_buffer_len(capacity, meta, num_remote))
         capacity.check("remote_kv", int(stage_len.max(initial=0)) * num_remote)
-    casts = [old_build_cast_table(meta, [v.remote[v.remote[:, 3] == s] for v in views],
-                              int(buf_len[s])) for s in range(num_remote)]
+    casts = [
+        old_build_cast_table(meta, [v.remote[v.remote[:, 3] == s] for v in views], int(buf_len[s]))
+        for s in range(num_remote)
+    ]
     if capacity is not None and cp > 1:
         casts = [old_widen_cast_table(c, cast_width(capacity, int(buf_len[0]))) for c in casts]
     # At a capacity the stages exist whatever this mask needs (their shapes are static).
@@ -377,15 +472,18 @@ def old_build(mask, meta, degree, bq, bk, backend, capacity=None) -> DistPlan:
 
     def make_stage(which, kv_len, cast):
         shapes = [stage_shapes(r, which) for r in range(cp)]
-        plans = [old_plan_arrays(x, backend.name, t_loc, kv_len, bq, bk)
-                 for x in shapes]
+        plans = [old_plan_arrays(x, backend.name, t_loc, kv_len, bq, bk) for x in shapes]
         if capacity is not None:
-            plans = [old_at_capacity(p, capacity, backend.name, t_loc, kv_len)
-                     for p in plans]
-        return StagePlan(ffa=old_stack(plans), kv_len=kv_len, cast=cast,
-                         num_slices=np.array([len(x.q0) for x in shapes], np.int64),
-                         area=np.array([int(x.areas().sum()) for x in shapes], np.int64),
-                         shapes=tuple(shapes))
+            plans = [old_at_capacity(p, capacity, backend.name, t_loc, kv_len) for p in plans]
+        return StagePlan(
+            ffa=old_stack(plans),
+            kv_len=kv_len,
+            cast=cast,
+            num_slices=np.array([len(x.q0) for x in shapes], np.int64),
+            area=np.array([int(x.areas().sum()) for x in shapes], np.int64),
+            shapes=tuple(shapes),
+        )
+
     if degree == 0 or not any_remote:
         if any_remote:
             stages = (make_stage("combined", t_loc + int(buf_len[0]), casts[0]),)
@@ -393,10 +491,17 @@ def old_build(mask, meta, degree, bq, bk, backend, capacity=None) -> DistPlan:
             stages = (make_stage("host", t_loc, None),)
     else:
         stages = (make_stage("host", t_loc, None),) + tuple(
-            make_stage(s, int(buf_len[s]), casts[s]) for s in range(num_remote))
-    return DistPlan(meta=meta, overlap_degree=degree if any_remote else 0, block_q=bq,
-                    block_k=bk, stages=stages, remote_tokens=stage_len.sum(axis=1),
-                    needed=tuple(v.needed for v in views))
+            make_stage(s, int(buf_len[s]), casts[s]) for s in range(num_remote)
+        )
+    return DistPlan(
+        meta=meta,
+        overlap_degree=degree if any_remote else 0,
+        block_q=bq,
+        block_k=bk,
+        stages=stages,
+        remote_tokens=stage_len.sum(axis=1),
+        needed=tuple(v.needed for v in views),
+    )
 
 
 def old_refine_swaps(assign: np.ndarray, area: np.ndarray, locality=None) -> np.ndarray:
@@ -422,17 +527,17 @@ def old_refine_swaps(assign: np.ndarray, area: np.ndarray, locality=None) -> np.
         slot[assign.reshape(-1)] = np.tile(np.arange(m), cp)
         need = np.zeros((cp, n), np.int64)
         np.add.at(need, (owner[np.repeat(np.arange(n), np.diff(indptr))], kc), 1)
-        seg = np.repeat(np.arange(n), np.diff(indptr))          # chunk of each CSR entry
+        seg = np.repeat(np.arange(n), np.diff(indptr))  # chunk of each CSR entry
     for _ in range(_MAX_SWAPS_PER_RANK * cp):
         top = int(np.argmax(loads))
-        gap = loads[top] - loads                                # [cp]
+        gap = loads[top] - loads  # [cp]
         order = np.argsort(area[assign], axis=1, kind="stable")
-        b = np.take_along_axis(area[assign], order, axis=1)     # [cp, m] sorted
-        a = area[assign[top]]                                   # [m]
+        b = np.take_along_axis(area[assign], order, axis=1)  # [cp, m] sorted
+        a = area[assign[top]]  # [m]
         # Ideal partner area: a_i - gap_r / 2 (the swap then evens the pair).
-        target = a[None, :] - gap[:, None] // 2                 # [cp, m]
+        target = a[None, :] - gap[:, None] // 2  # [cp, m]
         j = np.stack([_row_searchsorted(b, target), _row_searchsorted(b, target) - 1], -1)
-        j = np.clip(j, 0, m - 1)                                # [cp, m, 2]
+        j = np.clip(j, 0, m - 1)  # [cp, m, 2]
         bj = np.take_along_axis(b[:, None, :].repeat(m, 1), j, axis=2)
         d = a[None, :, None] - bj
         new_max = np.maximum(loads[top] - d, loads[:, None, None] + d)
@@ -447,20 +552,23 @@ def old_refine_swaps(assign: np.ndarray, area: np.ndarray, locality=None) -> np.
         else:
             best = new_max[ok].min()
             good = ok & (new_max <= best + (loads[top] - best) // 2)
-            hold = (need > 0) | (owner[None, :] == np.arange(cp)[:, None])     # [cp, n]
+            hold = (need > 0) | (owner[None, :] == np.arange(cp)[:, None])  # [cp, n]
             # Keys of chunk y already held by the top rank; keys of x held by each rank.
             top_has = np.bincount(seg, weights=hold[top, kc], minlength=n)
-            y = np.take_along_axis(assign[:, None, :].repeat(m, 1),
-                                   np.take_along_axis(order[:, None, :].repeat(m, 1), j, 2), 2)
+            y = np.take_along_axis(
+                assign[:, None, :].repeat(m, 1),
+                np.take_along_axis(order[:, None, :].repeat(m, 1), j, 2),
+                2,
+            )
             xs = assign[top]
-            r_has = np.stack([hold[:, kc[indptr[x]:indptr[x + 1]]].sum(1) for x in xs], 1)
+            r_has = np.stack([hold[:, kc[indptr[x] : indptr[x + 1]]].sum(1) for x in xs], 1)
             gain = top_has[y] + r_has[:, :, None]
-            score = np.where(good, gain * 2.0 ** 40 - new_max / max(loads[top], 1), -np.inf)
+            score = np.where(good, gain * 2.0**40 - new_max / max(loads[top], 1), -np.inf)
             r, i, t = np.unravel_index(int(np.argmax(score)), d.shape)
         jj = order[r, j[r, i, t]]
         if locality is not None:
             x, y_ = int(assign[top, i]), int(assign[r, jj])
-            sx, sy = kc[indptr[x]:indptr[x + 1]], kc[indptr[y_]:indptr[y_ + 1]]
+            sx, sy = kc[indptr[x] : indptr[x + 1]], kc[indptr[y_] : indptr[y_ + 1]]
             np.add.at(need[top], sx, -1)
             np.add.at(need[r], sx, 1)
             np.add.at(need[r], sy, -1)
@@ -483,8 +591,9 @@ def old_chunk_kv_extents(mask: AttnMask, chunk_size: int, n: int):
     return indptr, kc
 
 
-def old_solve_dispatch(mask: AttnMask, cp: int, chunk_size: int | None = None,
-                   algorithm: str = "magi") -> DispatchMeta:
+def old_solve_dispatch(
+    mask: AttnMask, cp: int, chunk_size: int | None = None, algorithm: str = "magi"
+) -> DispatchMeta:
     """Assigns chunks of the (padded) sequence to ``cp`` ranks; cached by (mask fingerprint,
     cp, chunk_size, algorithm).
 
@@ -515,7 +624,7 @@ def old_solve(mask: AttnMask, cp: int, chunk_size: int, algorithm: str) -> Dispa
     total = mask.total_q
     m = max(1, -(-total // (cp * chunk_size)))
     if algorithm == "zigzag" and m % 2:
-        m += 1                     # two halves per rank
+        m += 1  # two halves per rank
     n = m * cp
     area = chunk_areas(mask, chunk_size, n)
     if algorithm in ("magi", "balance"):
@@ -536,26 +645,32 @@ def old_solve(mask: AttnMask, cp: int, chunk_size: int, algorithm: str) -> Dispa
 
 def old_plan_arrays(shapes, backend, total_q, total_k, block_q, block_k):
     fwd, bwd = backend_blocks(backend, total_q, total_k, block_q, block_k)
-    return FFAPlanArrays(*old_build_work_list(shapes, total_q, total_k, *fwd, "q"),
-                         *old_build_work_list(shapes, total_q, total_k, *bwd, "k"))
+    return FFAPlanArrays(
+        *old_build_work_list(shapes, total_q, total_k, *fwd, "q"),
+        *old_build_work_list(shapes, total_q, total_k, *bwd, "k"),
+    )
 
 
 def old_at_capacity(plan, capacity, backend, t_loc, kv_len):
     fwd_block, bwd_block = backend_blocks(backend, t_loc, kv_len)
     ratio = max(1, fwd_block[0] // bwd_block[0])
-    return FFAPlanArrays(*old_pad_work_list(plan.fwd, capacity.items),
-                         *old_pad_work_list(plan.bwd, capacity.items * ratio))
+    return FFAPlanArrays(
+        *old_pad_work_list(plan.fwd, capacity.items),
+        *old_pad_work_list(plan.bwd, capacity.items * ratio),
+    )
 
 
 def old_stack(plans):
     wq = max(len(p.q_items) for p in plans)
     wk = max(len(p.k_items) for p in plans)
-    padded = [FFAPlanArrays(*old_pad_work_list(p.fwd, wq), *old_pad_work_list(p.bwd, wk))
-              for p in plans]
+    padded = [
+        FFAPlanArrays(*old_pad_work_list(p.fwd, wq), *old_pad_work_list(p.bwd, wk)) for p in plans
+    ]
     return FFAPlanArrays(*(np.stack(parts) for parts in zip(*padded)))
 
 
 # ---- comparisons -----------------------------------------------------------------------------
+
 
 def same_array(a, b, what=""):
     a, b = np.asarray(a), np.asarray(b)
@@ -612,13 +727,13 @@ def outcome(fn, *args):
         return Raised((type(e), str(e)))
 
 
-def check_plan(mask, cp, degree, backend="xla", capacity=None, algorithm="magi",
-               chunk_size=None, block=8):
+def check_plan(
+    mask, cp, degree, backend="xla", capacity=None, algorithm="magi", chunk_size=None, block=8
+):
     meta = S.solve_dispatch(mask, cp, chunk_size, algorithm)
     D.clear_cache()
     new = outcome(D.build_dist_plan, mask, meta, degree, block, block, backend, capacity)
-    old = outcome(old_build, mask, meta, degree, block, block, D.host_planner(backend),
-                  capacity)
+    old = outcome(old_build, mask, meta, degree, block, block, D.host_planner(backend), capacity)
     if isinstance(old, Raised):
         assert old == new
         return None
@@ -654,6 +769,7 @@ CAPS = list(capacities(ZOO["causal"].total_q))
 
 # ---- distributed plans -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", sorted(ZOO))
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
 def test_zoo_plans_identical(name, cp):
@@ -666,21 +782,31 @@ def test_zoo_plans_identical(name, cp):
 
 
 @SETTINGS
-@given(self_attention_masks(max_len=48), st.sampled_from([1, 2, 3, 4]),
-       st.sampled_from([0, 1, 2, 3]), st.sampled_from(S.ALGORITHMS),
-       st.sampled_from(["xla", "pallas"]), st.sampled_from(range(len(CAPS))),
-       st.sampled_from([4, 8, 16]))
+@given(
+    self_attention_masks(max_len=48),
+    st.sampled_from([1, 2, 3, 4]),
+    st.sampled_from([0, 1, 2, 3]),
+    st.sampled_from(S.ALGORITHMS),
+    st.sampled_from(["xla", "pallas"]),
+    st.sampled_from(range(len(CAPS))),
+    st.sampled_from([4, 8, 16]),
+)
 def test_random_plans_identical(mask, cp, degree, algorithm, backend, cap, block):
     capacity = CAPS[cap]
     if capacity is not None:
-        capacity = PlanCapacity(mask.total_q, items=capacity.items,
-                                remote_kv=capacity.remote_kv, cast_width=capacity.cast_width)
+        capacity = PlanCapacity(
+            mask.total_q,
+            items=capacity.items,
+            remote_kv=capacity.remote_kv,
+            cast_width=capacity.cast_width,
+        )
     check_plan(mask, cp, degree, backend, capacity, algorithm, block=block)
     check_views(mask, cp, algorithm)
 
 
-@pytest.mark.parametrize("name", ["doc-causal", "many-docs", "shared-question", "prefix-lm",
-                                  "sliding-window", "causal"])
+@pytest.mark.parametrize(
+    "name", ["doc-causal", "many-docs", "shared-question", "prefix-lm", "sliding-window", "causal"]
+)
 def test_benchmark_masks_identical(name):
     """Longer masks (more chunks, ranks and tiles), at tight capacities too."""
     mask = make_mask(name, 8192, window=512)
@@ -688,11 +814,11 @@ def test_benchmark_masks_identical(name):
         plan = check_plan(mask, cp, degree, "pallas", block=128)
         if plan is not None and cp > 1:
             tight = PlanCapacity.from_masks([mask], mesh_size=cp, overlap_degree=degree)
-            check_plan(mask, cp, degree, "pallas", tight, chunk_size=tight.chunk_size,
-                       block=128)
+            check_plan(mask, cp, degree, "pallas", tight, chunk_size=tight.chunk_size, block=128)
 
 
 # ---- cast tables, stored as runs ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["causal", "doc_causal", "shared_question", "full"])
 def test_cast_tables_identical(name):
@@ -714,17 +840,21 @@ def test_cast_tables_identical(name):
                     continue
                 same_table(want, got)
                 send_need, recv_need = got.run_counts()
-                pieces = np.concatenate([np.column_stack([rem[:, :3], np.full(len(rem), r),
-                                                          rem[:, 4]]) for r, rem in
-                                         enumerate(remote) if len(rem)] or
-                                        [np.zeros((0, 5), np.int64)])
+                pieces = np.concatenate(
+                    [
+                        np.column_stack([rem[:, :3], np.full(len(rem), r), rem[:, 4]])
+                        for r, rem in enumerate(remote)
+                        if len(rem)
+                    ]
+                    or [np.zeros((0, 5), np.int64)]
+                )
                 build = lambda a, b: C.cast_table_from_pieces(
-                    meta, *pieces.T, buffer_len=50, width=width, send_runs=a, recv_runs=b)
+                    meta, *pieces.T, buffer_len=50, width=width, send_runs=a, recv_runs=b
+                )
                 for a, b in ((send_need, recv_need), (send_need + 5, recv_need + 3)):
                     at_cap = build(a, b)
                     same_table(want, at_cap)
-                    assert at_cap.send_runs.shape == (cp, min(a + cp - 1, (cp - 1) * width),
-                                                      2)
+                    assert at_cap.send_runs.shape == (cp, min(a + cp - 1, (cp - 1) * width), 2)
                     assert at_cap.recv_runs.shape == (cp, min(b, 50), 2)
                 if send_need > 1:
                     with pytest.raises(CapacityError, match="send_runs"):
@@ -735,6 +865,7 @@ def test_cast_tables_identical(name):
 
 
 # ---- work lists --------------------------------------------------------------------------------
+
 
 def check_list(shapes, total_q, total_k, block_q, block_k, by):
     old = outcome(old_build_work_list, shapes, total_q, total_k, block_q, block_k, by)
@@ -747,8 +878,11 @@ def check_list(shapes, total_q, total_k, block_q, block_k, by):
 
 
 @SETTINGS
-@given(slice_masks(max_len=60), st.sampled_from([(8, 8), (16, 8), (4, 16), (1, 1), (3, 5),
-                                                  (64, 64)]), st.sampled_from(["q", "k"]))
+@given(
+    slice_masks(max_len=60),
+    st.sampled_from([(8, 8), (16, 8), (4, 16), (1, 1), (3, 5), (64, 64)]),
+    st.sampled_from(["q", "k"]),
+)
 def test_work_lists_identical(mask, blocks, by):
     check_list(mask.shapes, mask.total_q, mask.total_k, *blocks, by)
 
@@ -761,8 +895,14 @@ def test_work_lists_of_shapes_not_canonical():
         q0 = rng.integers(0, 30, n)
         k0 = rng.integers(0, 30, n)
         dlo = rng.integers(-20, 10, n)
-        sh = SliceShapes(q0, q0 + rng.integers(0, 15, n), k0, k0 + rng.integers(1, 15, n),
-                         dlo, dlo + rng.integers(-2, 20, n))
+        sh = SliceShapes(
+            q0,
+            q0 + rng.integers(0, 15, n),
+            k0,
+            k0 + rng.integers(1, 15, n),
+            dlo,
+            dlo + rng.integers(-2, 20, n),
+        )
         for by in "qk":
             for blocks in ((4, 4), (8, 2), (1, 3)):
                 check_list(sh, 50, 50, *blocks, by)
@@ -773,11 +913,18 @@ def test_stacked_work_lists_are_stacked_single_lists(by):
     """build_work_lists over several calls = each call's list, padded and stacked; the
     capacity error names the first call over the capacity."""
     lens = [300, 77, 512, 129, 250]
-    masks = [AttnMask.varlen(np.cumsum([0] + lens), causal=True),
-             AttnMask.shared_question(lens), AttnMask.sliding_window(1268, 100, 31),
-             AttnMask.from_ranges([], [], [], total_q=1268, total_k=1268)]
-    flat = SliceShapes(*(np.concatenate([getattr(m.shapes, f) for m in masks])
-                         for f in ("q0", "q1", "k0", "k1", "dlo", "dhi")))
+    masks = [
+        AttnMask.varlen(np.cumsum([0] + lens), causal=True),
+        AttnMask.shared_question(lens),
+        AttnMask.sliding_window(1268, 100, 31),
+        AttnMask.from_ranges([], [], [], total_q=1268, total_k=1268),
+    ]
+    flat = SliceShapes(
+        *(
+            np.concatenate([getattr(m.shapes, f) for m in masks])
+            for f in ("q0", "q1", "k0", "k1", "dlo", "dhi")
+        )
+    )
     rank = np.repeat(np.arange(len(masks)), [m.num_slices for m in masks])
     blocks = (64, 128)
     singles = [old_build_work_list(m.shapes, 1268, 1268, *blocks, by) for m in masks]
@@ -793,6 +940,7 @@ def test_stacked_work_lists_are_stacked_single_lists(by):
 
 # ---- the dispatch solver -------------------------------------------------------------------------
 
+
 def check_solve(mask, cp, chunk_size=None, algorithm="magi"):
     old = outcome(old_solve_dispatch, mask, cp, chunk_size, algorithm)
     S.solve_dispatch.cache_clear()
@@ -805,8 +953,12 @@ def check_solve(mask, cp, chunk_size=None, algorithm="magi"):
 
 
 @SETTINGS
-@given(self_attention_masks(max_len=64), st.sampled_from([1, 2, 3, 4, 8]),
-       st.sampled_from([None, 1, 2, 3, 5]), st.sampled_from(S.ALGORITHMS))
+@given(
+    self_attention_masks(max_len=64),
+    st.sampled_from([1, 2, 3, 4, 8]),
+    st.sampled_from([None, 1, 2, 3, 5]),
+    st.sampled_from(S.ALGORITHMS),
+)
 def test_random_dispatch_identical(mask, cp, chunk_size, algorithm):
     check_solve(mask, cp, chunk_size, algorithm)
 
@@ -836,11 +988,13 @@ def test_swaps_and_seen_sums(seed, monkeypatch):
     loc = old_chunk_kv_extents(mask, c, n)
     start = _greedy_affinity(n, cp, area, mask, c)
     same_array(old_refine_swaps(start, area, loc), S._refine_swaps(start, area, loc))
-    same_array(old_refine_swaps(_greedy(n, cp, area), area),
-               S._refine_swaps(_greedy(n, cp, area), area))
+    same_array(
+        old_refine_swaps(_greedy(n, cp, area), area), S._refine_swaps(_greedy(n, cp, area), area)
+    )
     hold = np.random.default_rng(seed).random((cp, n)) > 0.6
-    want = np.array([[hold[q, loc[1][loc[0][x]:loc[0][x + 1]]].sum() for x in range(n)]
-                     for q in range(cp)])
+    want = np.array(
+        [[hold[q, loc[1][loc[0][x] : loc[0][x + 1]]].sum() for x in range(n)] for q in range(cp)]
+    )
     same_array(want, S._seen_sums(hold, *loc))
     monkeypatch.setattr(S, "_SEEN_SUMS_MATMUL_MAX", 0)
     same_array(want, S._seen_sums(hold, *loc))

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from magi_jax.mask import AttnMask
 from magi_jax.mask_zoo import DOC_LENGTHS
@@ -13,9 +14,15 @@ def _item_cells(mask, items, n):
     sh = mask.shapes
     s = items.slice_id[n]
     q, k = np.arange(mask.total_q)[:, None], np.arange(mask.total_k)[None, :]
-    tile = ((q // items.block_q == items.q_tile[n]) & (k // items.block_k == items.k_tile[n]))
-    inside = ((q >= sh.q0[s]) & (q < sh.q1[s]) & (k >= sh.k0[s]) & (k < sh.k1[s])
-              & (k - q >= sh.dlo[s]) & (k - q <= sh.dhi[s]))
+    tile = (q // items.block_q == items.q_tile[n]) & (k // items.block_k == items.k_tile[n])
+    inside = (
+        (q >= sh.q0[s])
+        & (q < sh.q1[s])
+        & (k >= sh.k0[s])
+        & (k < sh.k1[s])
+        & (k - q >= sh.dlo[s])
+        & (k - q <= sh.dhi[s])
+    )
     return tile & inside, tile
 
 
@@ -36,8 +43,11 @@ def test_every_cell_visited_exactly_once(mask, bq, bk):
 def test_hand_checked_causal():
     m = AttnMask.causal(4)
     items = tile_items(m.shapes, 4, 4, 2, 2)
-    assert list(zip(items.q_tile, items.k_tile, items.full)) == [(0, 0, False), (1, 0, True),
-                                                                 (1, 1, False)]
+    assert list(zip(items.q_tile, items.k_tile, items.full)) == [
+        (0, 0, False),
+        (1, 0, True),
+        (1, 1, False),
+    ]
     assert count_items(m.shapes, 4, 4, 2, 2) == 3
 
 
@@ -45,7 +55,7 @@ def test_hand_checked_causal():
 def test_cost_follows_area_32k_document_mask(block):
     """A 32k document-causal mask: the plan visits the tiles that hold cells, no more —
     at most area/(bq·bk) full tiles plus the boundary tiles — not (Tq/bq)·(Tk/bk)."""
-    lens = list(DOC_LENGTHS)   # the benchmark documents
+    lens = list(DOC_LENGTHS)  # the benchmark documents
     m = AttnMask.varlen(np.cumsum([0] + lens), causal=True)
     items = tile_items(m.shapes, m.total_q, m.total_k, block, block)
     nt = -(-m.total_q // block)
@@ -62,7 +72,7 @@ def test_cost_follows_area_32k_document_mask(block):
     full = cells == block * block
     visited = np.zeros((nt, nt), bool)
     visited[items.q_tile, items.k_tile] = True
-    assert len(items) == touched.sum()                   # one item per touched tile here
+    assert len(items) == touched.sum()  # one item per touched tile here
     np.testing.assert_array_equal(visited, touched)
     assert items.full.sum() == full.sum()
     boundary = touched.sum() - full.sum()

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from magi_jax.mask import AttnMask, AttnMaskType, shape_to_slices
 
-LENS = [13, 1, 22, 9, 22]          # 67 tokens: padded for every cp > 1
+LENS = [13, 1, 22, 9, 22]  # 67 tokens: padded for every cp > 1
 CU = np.cumsum([0] + LENS)
 T = int(CU[-1])
 
@@ -36,8 +36,11 @@ def self_attention_masks(draw, min_len: int = 1, max_len: int = 48, max_cuts: in
     slices = []
     for a, b in zip(cuts[:-1], cuts[1:]):
         for c, d in zip(kcuts[:-1], kcuts[1:]):
-            kind = draw(st.sampled_from(["none", "none", "full", "causal", "inv_causal",
-                                         "bi_causal", "window"]))
+            kind = draw(
+                st.sampled_from(
+                    ["none", "none", "full", "causal", "inv_causal", "bi_causal", "window"]
+                )
+            )
             if kind == "none":
                 continue
             if kind == "window":
@@ -48,5 +51,10 @@ def self_attention_masks(draw, min_len: int = 1, max_len: int = 48, max_cuts: in
                 slices.append((a, b, c, d, AttnMaskType.coerce(kind)))
     if not slices:
         return AttnMask.from_ranges([], [], [], total_q=t, total_k=t)
-    return AttnMask.from_ranges([[s[0], s[1]] for s in slices], [[s[2], s[3]] for s in slices],
-                                [s[4] for s in slices], total_q=t, total_k=t)
+    return AttnMask.from_ranges(
+        [[s[0], s[1]] for s in slices],
+        [[s[2], s[3]] for s in slices],
+        [s[4] for s in slices],
+        total_q=t,
+        total_k=t,
+    )

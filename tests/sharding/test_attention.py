@@ -7,14 +7,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import magi_jax as mj
-from magi_jax.mask import AttnMask
-from magi_jax.sharding import (dispatch, magi_attention, magi_attention_local, make_flex_key,
-                               make_varlen_key, position_ids, undispatch)
 from magi_jax.ffa.testing import assert_matches_reference, random_inputs
-from tests.sharding.masks import CU, T, ZOO, self_attention_masks
+from magi_jax.mask import AttnMask
+from magi_jax.sharding import (
+    dispatch,
+    magi_attention,
+    magi_attention_local,
+    make_flex_key,
+    make_varlen_key,
+    position_ids,
+    undispatch,
+)
+from tests.sharding.masks import CU, ZOO, T, self_attention_masks
 
 
 @functools.lru_cache(maxsize=None)
@@ -22,16 +30,24 @@ def _mesh(cp):
     """Auto-sharded meshes, except cp = 2: jax.make_mesh's default (Explicit) axis type."""
     if cp == 2:
         return jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
-    return jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.make_mesh(
+        (cp,), ("cp",), devices=jax.devices()[:cp], axis_types=(jax.sharding.AxisType.Auto,)
+    )
 
 
 @functools.lru_cache(maxsize=None)
 def _end_to_end(key, softcap=0.0, softmax_scale=None):
     """Jitted natural-order forward + VJP through dispatch -> magi_attention -> undispatch."""
+
     def fwd(q, k, v):
-        o, l = magi_attention(dispatch(q, key), dispatch(k, key), dispatch(v, key), key,
-                              softcap=softcap, softmax_scale=softmax_scale)
+        o, l = magi_attention(
+            dispatch(q, key),
+            dispatch(k, key),
+            dispatch(v, key),
+            key,
+            softcap=softcap,
+            softmax_scale=softmax_scale,
+        )
         return undispatch(o, key), undispatch(l, key)
 
     @jax.jit
@@ -39,14 +55,22 @@ def _end_to_end(key, softcap=0.0, softmax_scale=None):
         (out, lse), vjp = jax.vjp(fwd, q, k, v)
         dq, dk, dv = vjp((dout, dlse))
         return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
     return run
 
 
 def _check(mask, cp, degree=None, dtype=jnp.float32, hq=2, hkv=1, d=8, seed=0, **kw):
-    key = make_flex_key(mask, _mesh(cp), "cp", overlap_degree=degree,
-                        **{k: kw.pop(k) for k in ("chunk_size", "dispatch_algorithm",
-                                                  "comm_backend", "backward_refetch")
-                           if k in kw})
+    key = make_flex_key(
+        mask,
+        _mesh(cp),
+        "cp",
+        overlap_degree=degree,
+        **{
+            k: kw.pop(k)
+            for k in ("chunk_size", "dispatch_algorithm", "comm_backend", "backward_refetch")
+            if k in kw
+        },
+    )
     q, k, v, dout, dlse = random_inputs(jax.random.key(seed), mask, hq, hkv, d, dtype)
     res = _end_to_end(key, **kw)(q, k, v, dout, dlse)
     assert res["out"].dtype == dtype and res["lse"].dtype == jnp.float32
@@ -68,27 +92,44 @@ def test_overlap_degrees_agree():
     results = {}
     for degree in (0, 1, 3):
         # degree 1 keeps the fetched KV for the backward; 0 and 3 re-fetch it (default).
-        key, results[degree] = _check(ZOO["shared_question"], 4, degree, chunk_size=3,
-                                      backward_refetch=degree != 1)
+        key, results[degree] = _check(
+            ZOO["shared_question"], 4, degree, chunk_size=3, backward_refetch=degree != 1
+        )
         assert key.overlap_degree == degree
         assert len(key.stages) == (1 if degree == 0 else degree + 1)
     for degree in (1, 3):
         for n in results[0]:
-            np.testing.assert_allclose(np.asarray(results[degree][n]),
-                                       np.asarray(results[0][n]), rtol=2e-5, atol=2e-5,
-                                       err_msg=f"{n}, degree {degree}")
+            np.testing.assert_allclose(
+                np.asarray(results[degree][n]),
+                np.asarray(results[0][n]),
+                rtol=2e-5,
+                atol=2e-5,
+                err_msg=f"{n}, degree {degree}",
+            )
 
 
 @settings(max_examples=3)
-@given(self_attention_masks(min_len=5, max_len=40), st.sampled_from([2, 4, 8]),
-       st.sampled_from([0, 1, 3]))
+@given(
+    self_attention_masks(min_len=5, max_len=40),
+    st.sampled_from([2, 4, 8]),
+    st.sampled_from([0, 1, 3]),
+)
 def test_random_masks(mask, cp, degree):
     _check(mask, cp, degree)
 
 
 def test_bfloat16_gqa_softcap_all_to_all():
-    _check(ZOO["block_causal"], 4, 1, jnp.bfloat16, hq=4, hkv=2, d=16, softcap=4.0,
-           comm_backend="all_to_all")
+    _check(
+        ZOO["block_causal"],
+        4,
+        1,
+        jnp.bfloat16,
+        hq=4,
+        hkv=2,
+        d=16,
+        softcap=4.0,
+        comm_backend="all_to_all",
+    )
 
 
 def test_dispatch_undispatch_positions_and_shared_dispatch():
@@ -112,21 +153,29 @@ def test_dispatch_undispatch_positions_and_shared_dispatch():
     np.testing.assert_array_equal(np.asarray(position_ids(key2)), pos)
     assert key2.plan.meta is key.plan.meta
     q, k, v, dout, dlse = random_inputs(jax.random.key(2), key2.mask, 2, 1, 8, jnp.float32)
-    assert_matches_reference(_end_to_end(key2)(q, k, v, dout, dlse), q, k, v, key2.mask,
-                             dout, dlse)
+    assert_matches_reference(_end_to_end(key2)(q, k, v, dout, dlse), q, k, v, key2.mask, dout, dlse)
 
 
 def test_local_api_inside_user_shard_map():
     from jax.sharding import PartitionSpec as P
+
     mask = ZOO["prefix_lm"]
     key = make_flex_key(mask, _mesh(4), "cp", overlap_degree=1)
     q, k, v, _, _ = random_inputs(jax.random.key(3), mask, 2, 1, 8, jnp.float32)
     body = lambda q_, k_, v_: magi_attention_local(q_, k_, v_, key)
-    f = jax.jit(jax.shard_map(body, mesh=key.mesh, in_specs=(P("cp"),) * 3,
-                              out_specs=(P("cp"), P("cp")), check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=key.mesh,
+            in_specs=(P("cp"),) * 3,
+            out_specs=(P("cp"), P("cp")),
+            check_vma=False,
+        )
+    )
     out, lse = f(dispatch(q, key), dispatch(k, key), dispatch(v, key))
-    assert_matches_reference(dict(out=undispatch(out, key), lse=undispatch(lse, key)), q, k, v,
-                             mask)
+    assert_matches_reference(
+        dict(out=undispatch(out, key), lse=undispatch(lse, key)), q, k, v, mask
+    )
 
 
 def test_key_is_cached_and_a_pytree():
@@ -160,8 +209,14 @@ def test_errors_name_argument_value_and_fix():
 
 
 def test_public_names():
-    for name in ("make_flex_key", "make_varlen_key", "dispatch", "undispatch",
-                 "magi_attention", "position_ids"):
+    for name in (
+        "make_flex_key",
+        "make_varlen_key",
+        "dispatch",
+        "undispatch",
+        "magi_attention",
+        "position_ids",
+    ):
         assert getattr(mj, name) is getattr(__import__("magi_jax.sharding").sharding, name)
 
 
@@ -171,8 +226,9 @@ def test_key_passes_through_jit_as_an_argument():
     q, k, v, _, _ = random_inputs(jax.random.key(4), mask, 2, 1, 8, jnp.float32)
     f = jax.jit(lambda q_, k_, v_, key_: magi_attention(q_, k_, v_, key_))
     out, lse = f(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)
-    assert_matches_reference(dict(out=undispatch(out, key), lse=undispatch(lse, key)), q, k, v,
-                             mask)
+    assert_matches_reference(
+        dict(out=undispatch(out, key), lse=undispatch(lse, key)), q, k, v, mask
+    )
 
 
 def test_batched_inputs_share_the_mask():
@@ -189,6 +245,7 @@ def test_batched_inputs_share_the_mask():
     def run(q_, k_, v_, do, dl):
         (out, lse), vjp = jax.vjp(fwd, q_, k_, v_)
         return dict(zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *vjp((do, dl)))))
+
     assert_matches_reference(run(q, k, v, dout, dlse), q, k, v, mask, dout, dlse)
 
 
@@ -202,5 +259,6 @@ def test_two_dimensional_mesh_replicates_over_the_other_axis():
     def fwd(q_, k_, v_):
         o, l = magi_attention(dispatch(q_, key), dispatch(k_, key), dispatch(v_, key), key)
         return undispatch(o, key), undispatch(l, key)
+
     out, lse = fwd(q, k, v)
     assert_matches_reference(dict(out=out, lse=lse), q, k, v, mask)

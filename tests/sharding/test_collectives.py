@@ -6,20 +6,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 from magi_jax.planning import solver as S
-from magi_jax.planning.cast_table import (CastTable, build_cast_table, cast_model,
-                                          expand_runs as host_expand_runs, index_runs,
-                                          reduce_model)
-from magi_jax.sharding.collectives import (CastArrays, CastRuns, CastSpec, expand_runs,
-                                           expand_tables, group_cast, group_reduce)
+from magi_jax.planning.cast_table import (
+    build_cast_table,
+    cast_model,
+    index_runs,
+    reduce_model,
+)
+from magi_jax.planning.cast_table import (
+    expand_runs as host_expand_runs,
+)
+from magi_jax.sharding.collectives import (
+    CastArrays,
+    CastRuns,
+    CastSpec,
+    expand_runs,
+    expand_tables,
+    group_cast,
+    group_reduce,
+)
 
 
 def _mesh(cp):
-    return jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.make_mesh(
+        (cp,), ("cp",), devices=jax.devices()[:cp], axis_types=(jax.sharding.AxisType.Auto,)
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,30 +49,43 @@ def _runner(cp, spec, num_rows, op):
             return group_cast(x[0], tables, spec)[None]
         if op == "reduce":
             return group_reduce(x[0], tables, spec, num_rows)[None]
-        _, vjp = jax.vjp(lambda a: group_cast(a, tables, spec), jnp.zeros((num_rows,) +
-                                                                           x.shape[2:], x.dtype))
+        _, vjp = jax.vjp(
+            lambda a: group_cast(a, tables, spec), jnp.zeros((num_rows,) + x.shape[2:], x.dtype)
+        )
         return vjp(x[0])[0][None]
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 3,
-                                 out_specs=P("cp"), check_vma=False))
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 3, out_specs=P("cp"), check_vma=False)
+    )
 
 
 def _run(op, x, table, num_rows, transport, runs=False):
     """``runs``: pass the tables as the key does (CastRuns, expanded on the device)."""
-    spec = CastSpec("cp", table.cp, table.shifts, table.widths, transport,
-                    slot_len=table.slot_len if runs else 0,
-                    buffer_len=table.buffer_len if runs else 0)
-    tables = (table.send_runs, table.recv_runs) if runs else (table.send_index,
-                                                               table.recv_index)
-    return np.asarray(_runner(table.cp, spec, num_rows, op)(
-        jnp.asarray(x), *map(jnp.asarray, tables)))
+    spec = CastSpec(
+        "cp",
+        table.cp,
+        table.shifts,
+        table.widths,
+        transport,
+        slot_len=table.slot_len if runs else 0,
+        buffer_len=table.buffer_len if runs else 0,
+    )
+    tables = (table.send_runs, table.recv_runs) if runs else (table.send_index, table.recv_index)
+    return np.asarray(
+        _runner(table.cp, spec, num_rows, op)(jnp.asarray(x), *map(jnp.asarray, tables))
+    )
 
 
 def _meta(cp, chunk, per_rank):
     rank_chunks = np.arange(cp * per_rank).reshape(cp, per_rank)
-    return S.DispatchMeta(total=cp * per_rank * chunk, cp=cp, chunk_size=chunk,
-                          rank_chunks=rank_chunks, algorithm="contiguous",
-                          chunk_area=np.zeros(cp * per_rank, np.int64))
+    return S.DispatchMeta(
+        total=cp * per_rank * chunk,
+        cp=cp,
+        chunk_size=chunk,
+        rank_chunks=rank_chunks,
+        algorithm="contiguous",
+        chunk_area=np.zeros(cp * per_rank, np.int64),
+    )
 
 
 def test_hand_checked_table():
@@ -86,7 +114,7 @@ def _random_table(rng, cp, chunk, per_rank, buffer_extra):
     for r in range(cp):
         # Random disjoint global intervals owned by other ranks, cut at chunk boundaries.
         wanted = rng.random(meta.padded_total) < rng.uniform(0, 0.6)
-        wanted[r * t_loc:(r + 1) * t_loc] = False
+        wanted[r * t_loc : (r + 1) * t_loc] = False
         g = np.nonzero(wanted)[0]
         pieces, off = [], 0
         for x in g:
@@ -98,8 +126,9 @@ def _random_table(rng, cp, chunk, per_rank, buffer_extra):
 
 
 @settings(max_examples=6)
-@given(st.integers(0, 10_000), st.sampled_from([2, 4, 8]), st.sampled_from(
-    ["ppermute", "all_to_all"]))
+@given(
+    st.integers(0, 10_000), st.sampled_from([2, 4, 8]), st.sampled_from(["ppermute", "all_to_all"])
+)
 def test_random_tables_match_numpy_model(seed, cp, transport):
     rng = np.random.default_rng(seed)
     table, t_loc = _random_table(rng, cp, 3, 2, int(rng.integers(0, 3)))
@@ -107,13 +136,16 @@ def test_random_tables_match_numpy_model(seed, cp, transport):
     y = rng.standard_normal((cp, table.buffer_len, 2, 4)).astype(np.float32)
     want = reduce_model(y, table, t_loc)
     for runs in (False, True):
-        np.testing.assert_array_equal(_run("cast", x, table, t_loc, transport, runs),
-                                      cast_model(x, table))
-        np.testing.assert_allclose(_run("reduce", y, table, t_loc, transport, runs), want,
-                                   rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(
+            _run("cast", x, table, t_loc, transport, runs), cast_model(x, table)
+        )
+        np.testing.assert_allclose(
+            _run("reduce", y, table, t_loc, transport, runs), want, rtol=1e-6, atol=1e-6
+        )
         # The cast's VJP is the reduce.
-        np.testing.assert_allclose(_run("cast_vjp", y, table, t_loc, transport, runs), want,
-                                   rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(
+            _run("cast_vjp", y, table, t_loc, transport, runs), want, rtol=1e-6, atol=1e-6
+        )
 
 
 @pytest.mark.parametrize("transport", ["ppermute", "all_to_all"])
@@ -122,14 +154,19 @@ def test_reduce_by_gathers_and_by_scatter_add_agree(monkeypatch, transport, gath
     """The reduce sums per-slot gathers while slots are few, else one scatter-add: force each
     path on a table where every rank talks to every other (7 slots, shared rows)."""
     from magi_jax.sharding import collectives
+
     monkeypatch.setattr(collectives, "_GATHER_MAX_SLOTS", gather_max_slots)
     _runner.cache_clear()
     rng = np.random.default_rng(7)
     table, t_loc = _random_table(rng, 8, 3, 2, 1)
     assert len(table.shifts) > 4
     y = rng.standard_normal((8, table.buffer_len, 2, 4)).astype(np.float32)
-    np.testing.assert_allclose(_run("reduce", y, table, t_loc, transport),
-                               reduce_model(y, table, t_loc), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        _run("reduce", y, table, t_loc, transport),
+        reduce_model(y, table, t_loc),
+        rtol=1e-6,
+        atol=1e-6,
+    )
     _runner.cache_clear()
 
 
@@ -148,15 +185,19 @@ def test_pytrees_move_like_their_leaves(transport):
         red = group_reduce(got, tables, spec, t_loc)
         return tuple(x[None] for x in (*got, *red))
 
-    fn = jax.jit(jax.shard_map(body, mesh=_mesh(4), in_specs=(P("cp"),) * 4,
-                               out_specs=P("cp"), check_vma=False))
+    fn = jax.jit(
+        jax.shard_map(
+            body, mesh=_mesh(4), in_specs=(P("cp"),) * 4, out_specs=P("cp"), check_vma=False
+        )
+    )
     ga, gb, ra, rb = fn(a, b, table.send_index, table.recv_index)
     np.testing.assert_array_equal(ga, cast_model(a, table))
     np.testing.assert_array_equal(gb, cast_model(b, table))
     assert ra.dtype == rb.dtype == np.float32
     np.testing.assert_allclose(ra, reduce_model(cast_model(a, table), table, t_loc), rtol=1e-6)
-    np.testing.assert_allclose(rb, reduce_model(cast_model(b, table).astype(np.float32), table,
-                                                t_loc), rtol=1e-3)
+    np.testing.assert_allclose(
+        rb, reduce_model(cast_model(b, table).astype(np.float32), table, t_loc), rtol=1e-3
+    )
 
 
 def test_reduce_sums_in_float32():
@@ -165,7 +206,7 @@ def test_reduce_sums_in_float32():
     meta = _meta(4, 1, 1)
     remote = [np.zeros((0, 5), np.int64)] + [np.array([[0, 1, 0, 0, 0]])] * 3
     table = build_cast_table(meta, remote, 1)
-    y = jnp.full((4, 1, 1), 1.0 + 2 ** -7, jnp.bfloat16)
+    y = jnp.full((4, 1, 1), 1.0 + 2**-7, jnp.bfloat16)
     out = _run("reduce", y, table, 1, "ppermute")
     assert out.dtype == np.float32 and out[0, 0, 0] == 3.0234375
     assert float(jnp.bfloat16(3.0234375)) != 3.0234375
@@ -191,7 +232,7 @@ def _random_index(rng, cp, n, slot):
             ln = int(rng.integers(1, 7))
             if rng.random() < 0.6:
                 v = int(rng.integers(0, 50))
-                idx[r, p:p + ln] = np.arange(v, v + ln)[:n - p]
+                idx[r, p : p + ln] = np.arange(v, v + ln)[: n - p]
             p += ln
     return idx
 
@@ -199,7 +240,7 @@ def _random_index(rng, cp, n, slot):
 @settings(max_examples=10, deadline=None)
 @given(st.integers(0, 10_000), st.integers(1, 4), st.integers(1, 9))
 def test_random_index_tables_expand_exactly(seed, cp, slot):
-    n = 60                                  # one size: the device expansion compiles once
+    n = 60  # one size: the device expansion compiles once
     rng = np.random.default_rng(seed)
     idx = _random_index(rng, cp, n, slot)
     for split, value_split in ((None, None), (slot, None), (None, slot)):
@@ -218,6 +259,7 @@ def test_random_index_tables_expand_exactly(seed, cp, slot):
 def _stage_tables(mask, cp, capacity):
     from magi_jax.planning.stages import build_dist_plan
     from magi_jax.planning.work_list import default_block_sizes
+
     meta = S.solve_dispatch(mask, cp, capacity and capacity.chunk_size)
     degree = 2 if capacity is None else capacity.overlap_degree
     blocks = default_block_sizes(meta.local_len, meta.local_len)
@@ -232,14 +274,22 @@ def test_zoo_stage_tables_expand_exactly(cp):
     at a capacity every mask's runs have the capacity's shapes."""
     from magi_jax.planning.capacity import PlanCapacity
     from tests.sharding.masks import ZOO
+
     masks = list(ZOO.values())
     cap = PlanCapacity.from_masks(masks, mesh_size=cp, overlap_degree=2)
     shapes = set()
     for i, mask in enumerate(masks):
         for capacity in (cap, None) if i < 3 else (cap,):
             for table in _stage_tables(mask, cp, capacity):
-                spec = CastSpec("cp", cp, table.shifts, table.widths, "ppermute",
-                                slot_len=table.slot_len, buffer_len=table.buffer_len)
+                spec = CastSpec(
+                    "cp",
+                    cp,
+                    table.shifts,
+                    table.widths,
+                    "ppermute",
+                    slot_len=table.slot_len,
+                    buffer_len=table.buffer_len,
+                )
                 if capacity is not None:
                     shapes.add((table.send_runs.shape, table.recv_runs.shape, spec))
                 got = _expand_ranks(CastRuns(table.send_runs, table.recv_runs), spec)

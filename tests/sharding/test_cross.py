@@ -9,15 +9,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from magi_jax.ffa.testing import assert_matches_reference, fwd_bwd, random_inputs
 from magi_jax.mask import AttnMask
 from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.solver import auto_kv_layout, solve_dispatch, solve_kv_dispatch
 from magi_jax.planning.stages import REPLICATED_KV, build_dist_plan, resolve_kv
-from magi_jax.sharding import (dispatch, magi_attention, magi_attention_local, make_flex_key,
-                               position_ids, undispatch)
-from magi_jax.ffa.testing import assert_matches_reference, fwd_bwd, random_inputs
+from magi_jax.sharding import (
+    dispatch,
+    magi_attention,
+    magi_attention_local,
+    make_flex_key,
+    position_ids,
+    undispatch,
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,8 +36,13 @@ def _mesh(cp, explicit=False):
 def _pairs(q_lens, k_lens, types):
     """Query document ``i`` attends to key document ``i`` (``types[i]``)."""
     qc, kc = np.cumsum([0] + list(q_lens)), np.cumsum([0] + list(k_lens))
-    return AttnMask.from_ranges(np.stack([qc[:-1], qc[1:]], 1), np.stack([kc[:-1], kc[1:]], 1),
-                                list(types), total_q=int(qc[-1]), total_k=int(kc[-1]))
+    return AttnMask.from_ranges(
+        np.stack([qc[:-1], qc[1:]], 1),
+        np.stack([kc[:-1], kc[1:]], 1),
+        list(types),
+        total_q=int(qc[-1]),
+        total_k=int(kc[-1]),
+    )
 
 
 # 41 x 19: lengths that divide nothing, so both sequences are padded for every cp > 1; one
@@ -52,25 +64,29 @@ def cross_masks(draw, max_docs=4):
     n = draw(st.integers(1, max_docs))
     q = draw(st.lists(st.integers(1, 12), min_size=n, max_size=n))
     k = draw(st.lists(st.integers(1, 12), min_size=n, max_size=n))
-    types = draw(st.lists(st.sampled_from(["full", "causal", "inv_causal"]), min_size=n,
-                          max_size=n))
+    types = draw(
+        st.lists(st.sampled_from(["full", "causal", "inv_causal"]), min_size=n, max_size=n)
+    )
     return _pairs(q, k, types)
 
 
 # ---- host: the rule, the keys' dispatch, the plan ----------------------------------------
 
+
 def test_auto_layout_rule():
     # Replicated up to one rank's share of the queries, dispatched beyond.
     assert auto_kv_layout(1000, 125, 8) == "replicated"
     assert auto_kv_layout(1000, 126, 8) == "dispatched"
-    assert auto_kv_layout(1001, 126, 8) == "replicated"          # ceil(1001 / 8) = 126
+    assert auto_kv_layout(1001, 126, 8) == "replicated"  # ceil(1001 / 8) = 126
     mesh = _mesh(4)
     assert make_flex_key(AttnMask.full(40, 10), mesh).kv_layout == "replicated"
     assert make_flex_key(AttnMask.full(40, 11), mesh).kv_layout == "dispatched"
-    assert make_flex_key(AttnMask.full(40, 10), mesh, kv_layout="dispatched").kv_layout == \
-        "dispatched"
-    assert make_flex_key(AttnMask.full(40, 11), mesh, kv_layout="replicated").kv_layout == \
-        "replicated"
+    assert (
+        make_flex_key(AttnMask.full(40, 10), mesh, kv_layout="dispatched").kv_layout == "dispatched"
+    )
+    assert (
+        make_flex_key(AttnMask.full(40, 11), mesh, kv_layout="replicated").kv_layout == "replicated"
+    )
 
 
 def test_self_attention_keys_unchanged():
@@ -78,7 +94,10 @@ def test_self_attention_keys_unchanged():
     key = make_flex_key(mask, _mesh(4))
     assert key.kv_layout == "shared" and not key.cross
     assert (key.total_k, key.kv_padded_total, key.kv_local_len) == (
-        key.total, key.padded_total, key.local_len)
+        key.total,
+        key.padded_total,
+        key.local_len,
+    )
     assert key.kv_order is None and len(key.tree_flatten()[0]) == 3
     assert key.plan.kv_layout == "shared" and key.plan.kv_meta is None
     assert resolve_kv(mask, key.plan.meta) is None
@@ -108,8 +127,7 @@ def test_plans_cover_the_mask(mask, cp, degree):
     queries see that it does not own."""
     meta = solve_dispatch(mask, cp)
     assert meta.total == mask.total_q
-    np.testing.assert_array_equal(np.sort(meta.rank_chunks.reshape(-1)),
-                                  np.arange(meta.num_chunks))
+    np.testing.assert_array_equal(np.sort(meta.rank_chunks.reshape(-1)), np.arange(meta.num_chunks))
     dense = mask.to_dense()
     for kv in (REPLICATED_KV, solve_kv_dispatch(mask, meta)):
         plan = build_dist_plan(mask, meta, degree, 8, 8, "xla", kv=kv)
@@ -125,42 +143,52 @@ def test_plans_cover_the_mask(mask, cp, degree):
                 continue
             owned = np.zeros(kv.padded_total, bool)
             owned[kv.positions[r]] = True
-            assert plan.remote_tokens[r] == (seen & ~owned[:mask.total_k]).sum()
+            assert plan.remote_tokens[r] == (seen & ~owned[: mask.total_k]).sum()
         if isinstance(kv, str):
             assert plan.kv_layout == "replicated" and len(plan.stages) == 1
             assert plan.stages[0].kv_len == mask.total_k and plan.stages[0].cast is None
         else:
-            np.testing.assert_array_equal(np.sort(kv.rank_chunks.reshape(-1)),
-                                          np.arange(kv.num_chunks))
+            np.testing.assert_array_equal(
+                np.sort(kv.rank_chunks.reshape(-1)), np.arange(kv.num_chunks)
+            )
 
 
 # ---- devices: forward and gradients against the float64 reference ------------------------
 
+
 @functools.lru_cache(maxsize=None)
 def _end_to_end(key, seq_axis=0):
     def fwd(q, k, v):
-        o, l = magi_attention(dispatch(q, key, seq_axis), dispatch(k, key, seq_axis, role="kv"),
-                              dispatch(v, key, seq_axis, role="kv"), key)
+        o, l = magi_attention(
+            dispatch(q, key, seq_axis),
+            dispatch(k, key, seq_axis, role="kv"),
+            dispatch(v, key, seq_axis, role="kv"),
+            key,
+        )
         return undispatch(o, key, seq_axis), undispatch(l, key, seq_axis)
 
     return fwd_bwd(fwd)
 
 
 def _check(key, mask, batch=None, seed=0):
-    q, k, v, dout, dlse = random_inputs(jax.random.key(seed), mask, 2, 1, 8, jnp.float32,
-                                        batch=batch)
+    q, k, v, dout, dlse = random_inputs(
+        jax.random.key(seed), mask, 2, 1, 8, jnp.float32, batch=batch
+    )
     with jax.set_mesh(key.mesh):
         res = _end_to_end(key, 0 if batch is None else 1)(q, k, v, dout, dlse)
     assert_matches_reference(res, q, k, v, mask, dout, dlse)
 
 
-@pytest.mark.parametrize("name, cp, layout, options", [
-    # replicated (19 <= ceil(41 / 2)); rows before the bottom-right diagonal see no key;
-    # [B, T, H, D] inputs; a mesh with Explicit axes.
-    ("causal", 2, "auto", dict(batch=2, explicit=True)),
-    ("pairs", 4, "dispatched", dict(overlap_degree=1)),             # host + remote stage
-    ("full", 8, "auto", {}),                                        # dispatched: 19 > 6
-])
+@pytest.mark.parametrize(
+    "name, cp, layout, options",
+    [
+        # replicated (19 <= ceil(41 / 2)); rows before the bottom-right diagonal see no key;
+        # [B, T, H, D] inputs; a mesh with Explicit axes.
+        ("causal", 2, "auto", dict(batch=2, explicit=True)),
+        ("pairs", 4, "dispatched", dict(overlap_degree=1)),  # host + remote stage
+        ("full", 8, "auto", {}),  # dispatched: 19 > 6
+    ],
+)
 def test_matches_reference(name, cp, layout, options):
     options = dict(options)
     batch, explicit = options.pop("batch", None), options.pop("explicit", False)
@@ -186,8 +214,9 @@ def test_masks_as_data_compile_once():
     assert keys[0].kv_layout == "dispatched" and keys[0].static == keys[1].static
 
     def fwd(q, k, v, key):
-        o, l = magi_attention(dispatch(q, key), dispatch(k, key, role="kv"),
-                              dispatch(v, key, role="kv"), key)
+        o, l = magi_attention(
+            dispatch(q, key), dispatch(k, key, role="kv"), dispatch(v, key, role="kv"), key
+        )
         return undispatch(o, key), undispatch(l, key)
 
     @jax.jit
@@ -195,6 +224,7 @@ def test_masks_as_data_compile_once():
         (out, lse), vjp = jax.vjp(lambda *x: fwd(*x, key), q, k, v)
         dq, dk, dv = vjp((dout, dlse))
         return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
     for seed, (mask, key) in enumerate(zip(masks, keys)):
         q, k, v, dout, dlse = random_inputs(jax.random.key(seed), mask, 2, 1, 8, jnp.float32)
         assert_matches_reference(step(q, k, v, dout, dlse, key), q, k, v, mask, dout, dlse)
@@ -215,7 +245,7 @@ def test_layouts_of_dispatch():
     pos = np.asarray(position_ids(dis, role="kv"))
     real = pos < 19
     np.testing.assert_array_equal(np.asarray(y)[real, 0], pos[real])
-    assert not np.asarray(y)[~real].any()                        # padding rows are zero
+    assert not np.asarray(y)[~real].any()  # padding rows are zero
     np.testing.assert_array_equal(np.asarray(undispatch(y, dis, role="kv")), np.asarray(x))
     # Queries keep the queries' layout.
     assert dispatch(jnp.zeros((41, 1)), dis).shape == (dis.padded_total, 1)
@@ -223,22 +253,26 @@ def test_layouts_of_dispatch():
     # and cross-attention layers over one token order).
     self_key = make_flex_key(AttnMask.causal(41), mesh)
     shared = make_flex_key(PAIRS, mesh, dispatch_from=self_key)
-    np.testing.assert_array_equal(shared.plan.meta.rank_chunks,
-                                  self_key.plan.meta.rank_chunks)
+    np.testing.assert_array_equal(shared.plan.meta.rank_chunks, self_key.plan.meta.rank_chunks)
 
 
 def test_local_body_in_own_shard_map():
     """magi_attention_local with replicated keys unmapped (P()) in the caller's shard_map:
     shard_map's transpose sums their gradients over the ranks."""
     from jax.sharding import PartitionSpec as P
+
     mask = MASKS["full"]
     key = make_flex_key(mask, _mesh(4), "cp")
-    assert key.kv_layout == "dispatched"              # 19 > ceil(41 / 4): replicate by hand
+    assert key.kv_layout == "dispatched"  # 19 > ceil(41 / 4): replicate by hand
     key = make_flex_key(mask, _mesh(4), "cp", kv_layout="replicated")
     q, k, v, dout, dlse = random_inputs(jax.random.key(3), mask, 2, 1, 8, jnp.float32)
-    body = jax.shard_map(lambda q, k, v: magi_attention_local(q, k, v, key), mesh=key.mesh,
-                         in_specs=(P("cp"), P(), P()), out_specs=(P("cp"), P("cp")),
-                         check_vma=False)
+    body = jax.shard_map(
+        lambda q, k, v: magi_attention_local(q, k, v, key),
+        mesh=key.mesh,
+        in_specs=(P("cp"), P(), P()),
+        out_specs=(P("cp"), P("cp")),
+        check_vma=False,
+    )
 
     def fwd(q, k, v):
         o, l = body(dispatch(q, key), dispatch(k, key, role="kv"), dispatch(v, key, role="kv"))
@@ -248,6 +282,7 @@ def test_local_body_in_own_shard_map():
 
 
 # ---- errors at the boundary --------------------------------------------------------------
+
 
 def test_errors_name_argument_value_and_fix():
     mesh = _mesh(4)
@@ -263,9 +298,9 @@ def test_errors_name_argument_value_and_fix():
         build_dist_plan(PAIRS, solve_dispatch(PAIRS, 4), 0, 8, 8)
     key = make_flex_key(PAIRS, mesh, kv_layout="dispatched")
     with pytest.raises(ValueError, match="role='kv'"):
-        dispatch(jnp.zeros((19, 2)), key)                        # keys laid out as queries
+        dispatch(jnp.zeros((19, 2)), key)  # keys laid out as queries
     with pytest.raises(ValueError, match="role='q'"):
-        dispatch(jnp.zeros((41, 2)), key, role="kv")             # queries laid out as keys
+        dispatch(jnp.zeros((41, 2)), key, role="kv")  # queries laid out as keys
     with pytest.raises(ValueError, match="role='key' is not one of"):
         dispatch(jnp.zeros((19, 2)), key, role="key")
     q = dispatch(jnp.zeros((41, 2, 8)), key)

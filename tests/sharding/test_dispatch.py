@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import magi_jax as mj
 from magi_jax.sharding.key import CheckedKey
-from tests.sharding.masks import T, ZOO
+from tests.sharding.masks import ZOO
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,7 +43,7 @@ def _token_indices(key, role="q"):
     order, inverse = _host_permutation(key.plan.meta, st.total)
     if not isinstance(key, CheckedKey):
         return order, st.padded_total, inverse
-    hidden = np.full((st.cp, 1), st.padded_total)             # the zero row
+    hidden = np.full((st.cp, 1), st.padded_total)  # the zero row
     order = np.concatenate([order.reshape(st.cp, st.local_len), hidden], 1).reshape(-1)
     return order, st.padded_total + 1, inverse + inverse // st.local_len
 
@@ -69,12 +69,16 @@ def _keys():
         key = mj.make_flex_key(doc, mesh, "cp", chunk_size=4, ffa_backend="xla")
         yield f"padded-{explicit}", key, "q"
         yield f"checked-{explicit}", CheckedKey.of(key), "q"
-        cross = mj.make_flex_key(mj.AttnMask.full(41, 19), mesh, "cp", ffa_backend="xla",
-                                 kv_layout="dispatched")
+        cross = mj.make_flex_key(
+            mj.AttnMask.full(41, 19), mesh, "cp", ffa_backend="xla", kv_layout="dispatched"
+        )
         yield f"cross-q-{explicit}", cross, "q"
         yield f"cross-kv-{explicit}", cross, "kv"
-    yield "capacity", mj.make_flex_key(doc, _mesh(8), "cp", capacity=_capacity(),
-                                       ffa_backend="xla"), "q"
+    yield (
+        "capacity",
+        mj.make_flex_key(doc, _mesh(8), "cp", capacity=_capacity(), ffa_backend="xla"),
+        "q",
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,8 +104,11 @@ def test_leaves_are_per_chunk():
         assert all(a.dtype == jnp.int32 and a.sharding.is_fully_replicated for a in leaves)
         # The key's leaves are the stage arrays and these, nothing of token length.
         stage_bytes = sum(a.nbytes for a in jax.tree.leaves(key.stage_arrays))
-        assert key.nbytes() - stage_bytes == sum(a.nbytes for a in leaves) == \
-            4 * sum(a.size for a in leaves), name
+        assert (
+            key.nbytes() - stage_bytes
+            == sum(a.nbytes for a in leaves)
+            == 4 * sum(a.size for a in leaves)
+        ), name
 
 
 def test_token_views_equal_the_host_permutation():
@@ -117,10 +124,8 @@ def test_token_views_equal_the_host_permutation():
 
 
 def test_capacity_keys_have_one_shape():
-    a = mj.make_flex_key(ZOO["doc_causal"], _mesh(8), "cp", capacity=_capacity(),
-                         ffa_backend="xla")
-    b = mj.make_flex_key(ZOO["causal"], _mesh(8), "cp", capacity=_capacity(),
-                         ffa_backend="xla")
+    a = mj.make_flex_key(ZOO["doc_causal"], _mesh(8), "cp", capacity=_capacity(), ffa_backend="xla")
+    b = mj.make_flex_key(ZOO["causal"], _mesh(8), "cp", capacity=_capacity(), ffa_backend="xla")
     assert a.chunk_order.shape == b.chunk_order.shape == (a.padded_total // a.chunk_size,)
     assert not np.array_equal(np.asarray(a.chunk_order), np.asarray(b.chunk_order))
     # Traced, the token views still expand (position_ids of a key passed to jit).
@@ -148,23 +153,25 @@ def test_dispatch_equals_token_gathers(name, seq_axis):
             assert y.sharding.spec[axis] == key.cp_axis
             # Cotangents typed like the outputs (sharded ones on an Explicit mesh).
             dy = jax.random.normal(jax.random.key(1), y.shape, y.dtype)
-            np.testing.assert_array_equal(np.asarray(vjp(jax.device_put(dy, y.sharding))[0]),
-                                          np.asarray(want_vjp(dy)[0]))
+            np.testing.assert_array_equal(
+                np.asarray(vjp(jax.device_put(dy, y.sharding))[0]), np.asarray(want_vjp(dy)[0])
+            )
             z, vjp = jax.vjp(bwd, y)
-            want, want_vjp = jax.vjp(lambda y: jnp.take(_replicated(y, key), jnp.asarray(inverse),
-                                                        axis=axis), y)
+            want, want_vjp = jax.vjp(
+                lambda y: jnp.take(_replicated(y, key), jnp.asarray(inverse), axis=axis), y
+            )
             np.testing.assert_array_equal(np.asarray(z), np.asarray(x))
             np.testing.assert_array_equal(np.asarray(z), np.asarray(want))
             dz = jax.random.normal(jax.random.key(2), z.shape, z.dtype)
-            np.testing.assert_array_equal(np.asarray(vjp(jax.device_put(dz, z.sharding))[0]),
-                                          np.asarray(want_vjp(dz)[0]))
+            np.testing.assert_array_equal(
+                np.asarray(vjp(jax.device_put(dz, z.sharding))[0]), np.asarray(want_vjp(dz)[0])
+            )
     want = index.copy()
-    if isinstance(key, CheckedKey) and role == "q":     # hidden rows: positions >= total
+    if isinstance(key, CheckedKey) and role == "q":  # hidden rows: positions >= total
         st = key.static
         want = want.reshape(st.cp, -1)
         want[:, -1] = st.padded_total + np.arange(st.cp)
-    np.testing.assert_array_equal(np.asarray(mj.position_ids(key, role=role)),
-                                  want.reshape(-1))
+    np.testing.assert_array_equal(np.asarray(mj.position_ids(key, role=role)), want.reshape(-1))
 
 
 def test_dispatch_moves_whole_chunks():
@@ -176,5 +183,6 @@ def test_dispatch_moves_whole_chunks():
     np.testing.assert_array_equal(order - order[:, :1], np.tile(np.arange(4), (20, 1)))
     np.testing.assert_array_equal(order[:, 0] // 4, np.asarray(key.chunk_order))
     np.testing.assert_array_equal(np.sort(np.asarray(key.chunk_order)), np.arange(20))
-    np.testing.assert_array_equal(np.asarray(key.chunk_inverse)[np.asarray(key.chunk_order)],
-                                  np.arange(20))
+    np.testing.assert_array_equal(
+        np.asarray(key.chunk_inverse)[np.asarray(key.chunk_order)], np.arange(20)
+    )

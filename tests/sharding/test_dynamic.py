@@ -12,19 +12,20 @@ import pytest
 
 import magi_jax as mj
 from magi_jax.ffa.testing import assert_matches_reference, random_inputs
-from tests.xla_options import OPTIMIZED
 from tests.dynamic_masks import mixed_packings, varlen_packings
+from tests.xla_options import OPTIMIZED
 
 T = 256
 CP = 8
 
 
 def _mesh():
-    return jax.make_mesh((CP,), ("cp",), devices=jax.devices()[:CP],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.make_mesh(
+        (CP,), ("cp",), devices=jax.devices()[:CP], axis_types=(jax.sharding.AxisType.Auto,)
+    )
 
 
-@functools.partial(jax.jit, compiler_options=OPTIMIZED)   # runs 20 times: worth optimising
+@functools.partial(jax.jit, compiler_options=OPTIMIZED)  # runs 20 times: worth optimising
 def _step(q, k, v, dout, dlse, key):
     def loss(q, k, v):
         o, lse = mj.magi_attention(*(mj.dispatch(x, key) for x in (q, k, v)), key)
@@ -46,8 +47,9 @@ def test_twenty_packings_compile_once(packings):
         key = mj.make_flex_key(mask, mesh, "cp", capacity=capacity, ffa_backend="xla")
         q, k, v, dout, dlse = random_inputs(jax.random.key(i), mask, 4, 2, 16, jnp.float32)
         out, lse, (dq, dk, dv) = _step(q, k, v, dout, dlse, key)
-        assert_matches_reference(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, mask,
-                                 dout, dlse)
+        assert_matches_reference(
+            dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, mask, dout, dlse
+        )
     assert _step._cache_size() == size + 1
 
 
@@ -60,28 +62,39 @@ def test_key_static_part_depends_on_capacity_only():
     assert jax.tree.structure(ka) == jax.tree.structure(kb)
     assert [x.shape for x in jax.tree.leaves(ka)] == [x.shape for x in jax.tree.leaves(kb)]
     # Without a capacity the static part names the mask.
-    assert (mj.make_flex_key(a, _mesh(), "cp", ffa_backend="xla").static
-            != mj.make_flex_key(b, _mesh(), "cp", ffa_backend="xla").static)
+    assert (
+        mj.make_flex_key(a, _mesh(), "cp", ffa_backend="xla").static
+        != mj.make_flex_key(b, _mesh(), "cp", ffa_backend="xla").static
+    )
 
 
 def test_over_capacity_names_the_field():
     mask = mj.AttnMask.full(T)
     mesh = _mesh()
-    for field, cap in (("remote_kv", mj.PlanCapacity(T, remote_kv=8)),
-                       ("cast_width", mj.PlanCapacity(T, cast_width=2)),
-                       ("items", mj.PlanCapacity(T, items=1))):
+    for field, cap in (
+        ("remote_kv", mj.PlanCapacity(T, remote_kv=8)),
+        ("cast_width", mj.PlanCapacity(T, cast_width=2)),
+        ("items", mj.PlanCapacity(T, items=1)),
+    ):
         with pytest.raises(mj.CapacityError, match=rf"PlanCapacity\.{field}"):
             mj.make_flex_key(mask, mesh, "cp", capacity=cap, ffa_backend="xla")
     with pytest.raises(ValueError, match="overlap_degree=2 but capacity.overlap_degree=1"):
-        mj.make_flex_key(mask, mesh, "cp", capacity=mj.PlanCapacity(T, overlap_degree=1),
-                         overlap_degree=2, ffa_backend="xla")
+        mj.make_flex_key(
+            mask,
+            mesh,
+            "cp",
+            capacity=mj.PlanCapacity(T, overlap_degree=1),
+            overlap_degree=2,
+            ffa_backend="xla",
+        )
 
 
 def test_key_cache_is_bounded_by_bytes():
     from magi_jax.sharding.key import _KEYS, clear_key_cache
+
     mesh = _mesh()
     try:
-        clear_key_cache(max_bytes=1)          # room for one key at a time
+        clear_key_cache(max_bytes=1)  # room for one key at a time
         for mask in varlen_packings(T, 3, seed=9):
             mj.make_flex_key(mask, mesh, "cp", ffa_backend="xla")
         assert len(_KEYS._keys) == 1
@@ -96,31 +109,49 @@ def test_stage_lists_travel_as_runs_and_expand_to_the_item_lists(backend):
     masks, with and without a capacity."""
     from magi_jax.ffa.plan import expand_lists
     from magi_jax.mask_zoo import zoo
-    from magi_jax.planning.work_list import (FFAPlanRuns, backend_blocks, build_work_list,
-                                             pad_work_list)
+    from magi_jax.planning.work_list import (
+        FFAPlanRuns,
+        backend_blocks,
+        build_work_list,
+        pad_work_list,
+    )
+
     masks = dict(list(zoo(T).items())[:6])
     mesh = _mesh()
-    expand = jax.jit(lambda lists, items: [expand_lists(jax.tree.map(lambda a: a[r], lists),
-                                                        items) for r in range(CP)],
-                     static_argnums=1)
+    expand = jax.jit(
+        lambda lists, items: [
+            expand_lists(jax.tree.map(lambda a: a[r], lists), items) for r in range(CP)
+        ],
+        static_argnums=1,
+    )
     for capacity in (None, mj.PlanCapacity.from_masks(masks.values(), mesh_size=CP)):
         for name, mask in masks.items():
-            key = mj.make_flex_key(mask, mesh, "cp", capacity=capacity, ffa_backend=backend,
-                                   comm_backend="xla")
-            for i, ((lists, _), st, stage) in enumerate(zip(key.stage_arrays, key.plan.stages,
-                                                            key.static.stages)):
+            key = mj.make_flex_key(
+                mask, mesh, "cp", capacity=capacity, ffa_backend=backend, comm_backend="xla"
+            )
+            for i, ((lists, _), st, stage) in enumerate(
+                zip(key.stage_arrays, key.plan.stages, key.static.stages)
+            ):
                 assert isinstance(lists, FFAPlanRuns) and stage.items == st.items
-                fwd, bwd = backend_blocks(backend, key.local_len, st.kv_len, key.block_q,
-                                          key.block_k)
+                fwd, bwd = backend_blocks(
+                    backend, key.local_len, st.kv_len, key.block_q, key.block_k
+                )
                 for r, got in enumerate(expand(lists, stage.items)):
-                    want = (*pad_work_list(build_work_list(st.shapes[r], key.local_len,
-                                                           st.kv_len, *fwd, "q"), st.items[0]),
-                            *pad_work_list(build_work_list(st.shapes[r], key.local_len,
-                                                           st.kv_len, *bwd, "k"), st.items[1]))
+                    want = (
+                        *pad_work_list(
+                            build_work_list(st.shapes[r], key.local_len, st.kv_len, *fwd, "q"),
+                            st.items[0],
+                        ),
+                        *pad_work_list(
+                            build_work_list(st.shapes[r], key.local_len, st.kv_len, *bwd, "k"),
+                            st.items[1],
+                        ),
+                    )
                     for field, x, y in zip(got._fields, got, want):
                         assert x.shape == y.shape and x.dtype == y.dtype, (name, i, r, field)
-                        np.testing.assert_array_equal(np.asarray(x), y,
-                                                      err_msg=f"{name} stage {i} rank {r}")
+                        np.testing.assert_array_equal(
+                            np.asarray(x), y, err_msg=f"{name} stage {i} rank {r}"
+                        )
 
 
 def test_runs_over_capacity_name_the_field():
@@ -130,8 +161,7 @@ def test_runs_over_capacity_name_the_field():
     for mask in masks:
         mj.make_flex_key(mask, mesh, "cp", capacity=cap, ffa_backend="xla")
     for field in ("q_runs", "k_runs"):
-        small = mj.PlanCapacity.from_masks(masks, mesh_size=CP, headroom=1.0,
-                                           **{field: 1})
+        small = mj.PlanCapacity.from_masks(masks, mesh_size=CP, headroom=1.0, **{field: 1})
         with pytest.raises(mj.CapacityError, match=rf"PlanCapacity\.{field}>=\d+ .* holds 1;"):
             for mask in masks:
                 mj.make_flex_key(mask, mesh, "cp", capacity=small, ffa_backend="xla")

@@ -8,12 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from magi_jax.ffa.api import flex_flash_attention
+from magi_jax.ffa.testing import assert_matches_reference, fwd_bwd, random_inputs, reference_results
 from magi_jax.mask import AttnMask
 from magi_jax.sharding import dispatch, magi_attention, make_flex_key, undispatch
 from magi_jax.sharding.ffa_backends import get_backend
-from magi_jax.ffa.api import flex_flash_attention
-from magi_jax.ffa.testing import (assert_matches_reference, fwd_bwd, random_inputs,
-                                  reference_results)
 
 
 def _gpus():
@@ -25,13 +24,14 @@ def _gpus():
 
 def test_pallas_plans_build_on_the_host():
     """Planning with the pallas backend is host work and runs anywhere."""
-    mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices("cpu")[:2],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+        (2,), ("cp",), devices=jax.devices("cpu")[:2], axis_types=(jax.sharding.AxisType.Auto,)
+    )
     mask = AttnMask.varlen([0, 700, 1100, 2048], causal=True)
     key = make_flex_key(mask, mesh, "cp", overlap_degree=1, ffa_backend="pallas")
     assert key.ffa_backend == "pallas" and len(key.stages) == 2
     for (ffa, _), st in zip(key.stage_arrays, key.plan.stages):
-        assert type(ffa).__name__ == "FFAPlanRuns"     # expanded on the device
+        assert type(ffa).__name__ == "FFAPlanRuns"  # expanded on the device
         assert all(a.shape[0] == 2 and a.dtype == np.int32 for a in ffa)
     assert get_backend("pallas").name == "pallas"
 
@@ -42,6 +42,7 @@ def test_pallas_split_vjp_matches_ffa_pallas_in_interpret_mode():
     with ffa_pallas's own VJP (single device, Mosaic GPU interpret mode; ~15 s on CPU)."""
     from magi_jax.pallas import ffa_pallas
     from magi_jax.sharding.ffa_backends import _pallas
+
     mask = AttnMask.varlen([0, 50, 128], causal=True)
     be = _pallas(interpret=True)
     plan = be.build(mask.shapes, 128, 128, 0, 0)
@@ -49,8 +50,9 @@ def test_pallas_split_vjp_matches_ffa_pallas_in_interpret_mode():
     kw = dict(softmax_scale=0.125, softcap=0.0, block_q=0, block_k=0)
     (out, lse), saved = be.split_fwd(q, k, v, plan, **kw)
     grads = be.split_bwd(saved, q, k, v, plan, (dout, dlse), **kw)
-    (out2, lse2), vjp = jax.vjp(lambda a, b, c: ffa_pallas(a, b, c, plan, softmax_scale=0.125,
-                                                           interpret=True), q, k, v)
+    (out2, lse2), vjp = jax.vjp(
+        lambda a, b, c: ffa_pallas(a, b, c, plan, softmax_scale=0.125, interpret=True), q, k, v
+    )
     for a, b in zip((out, lse, *grads), (out2, lse2, *vjp((dout, dlse)))):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
@@ -64,25 +66,32 @@ def test_pallas_stage_backwards_from_the_merged_result_in_interpret_mode():
     from magi_jax.pallas import ffa_pallas
     from magi_jax.sharding.attention import merge_partials
     from magi_jax.sharding.ffa_backends import _pallas
-    mask = AttnMask.from_ranges([[0, 128], [0, 128]], [[0, 128], [128, 256]],
-                                ["full", "causal"], 128, 256)
+
+    mask = AttnMask.from_ranges(
+        [[0, 128], [0, 128]], [[0, 128], [128, 256]], ["full", "causal"], 128, 256
+    )
     be = _pallas(interpret=True)
     kw = dict(softmax_scale=0.125, softcap=0.0, block_q=0, block_k=0)
     q, k, v, dout, dlse = random_inputs(jax.random.key(2), mask, 2, 1, 64, jnp.bfloat16)
-    parts = [AttnMask.from_ranges([[0, 128]], [[0, 128]], ["full"], 128, 128),
-             AttnMask.from_ranges([[0, 128]], [[0, 128]], ["causal"], 128, 128)]
+    parts = [
+        AttnMask.from_ranges([[0, 128]], [[0, 128]], ["full"], 128, 128),
+        AttnMask.from_ranges([[0, 128]], [[0, 128]], ["causal"], 128, 128),
+    ]
     halves = [(k[:128], v[:128]), (k[128:], v[128:])]
     plans = [be.build(m.shapes, 128, 128, 0, 0) for m in parts]
     outs = [be.split_fwd(q, kk, vv, p, **kw)[0] for (kk, vv), p in zip(halves, plans)]
     out, lse = merge_partials([o for o, _ in outs], [l for _, l in outs], q.dtype)
-    grads = [be.split_bwd((out, lse), q, kk, vv, p, (dout, dlse), **kw)
-             for (kk, vv), p in zip(halves, plans)]
+    grads = [
+        be.split_bwd((out, lse), q, kk, vv, p, (dout, dlse), **kw)
+        for (kk, vv), p in zip(halves, plans)
+    ]
     dq = grads[0][0].astype(jnp.float32) + grads[1][0].astype(jnp.float32)
     dk = jnp.concatenate([grads[0][1], grads[1][1]])
     dv = jnp.concatenate([grads[0][2], grads[1][2]])
     plan = be.build(mask.shapes, 128, 256, 0, 0)
-    (out1, lse1), vjp = jax.vjp(lambda a, b, c: ffa_pallas(a, b, c, plan, softmax_scale=0.125,
-                                                           interpret=True), q, k, v)
+    (out1, lse1), vjp = jax.vjp(
+        lambda a, b, c: ffa_pallas(a, b, c, plan, softmax_scale=0.125, interpret=True), q, k, v
+    )
     want = (out1, lse1, *vjp((dout, dlse)))
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), want):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -96,8 +105,7 @@ def test_pallas_cp_matches_reference(degree):
     if not gpus or not getattr(gpus[0], "compute_capability", "").startswith("9"):
         pytest.skip("needs Hopper GPUs")
     cp = len(gpus)
-    mesh = jax.make_mesh((cp,), ("cp",), devices=gpus,
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((cp,), ("cp",), devices=gpus, axis_types=(jax.sharding.AxisType.Auto,))
     lens = [3000, 700, 5000, 1200, 6483]
     mask = AttnMask.varlen(np.cumsum([0] + lens), causal=True)
     key = make_flex_key(mask, mesh, "cp", overlap_degree=degree, ffa_backend="pallas")
@@ -111,6 +119,7 @@ def test_pallas_cp_matches_reference(degree):
     def run(q_, k_, v_, do, dl):
         (out, lse), vjp = jax.vjp(fwd, q_, k_, v_)
         return dict(zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *vjp((do, dl)))))
+
     assert_matches_reference(run(q, k, v, dout, dlse), q, k, v, mask, dout, dlse)
 
 
@@ -121,17 +130,23 @@ def test_pallas_cp_at_64k_matches_single_gpu_ffa(name):
     the same inputs to bf16 rounding (both are exact algorithms; they differ in summation
     order and in the float32 merge of partial results)."""
     import magi_jax as mj
+
     gpus = _gpus()
     if len(gpus) < 2 or not getattr(gpus[0], "compute_capability", "").startswith("9"):
         pytest.skip("needs two or more Hopper GPUs")
-    mesh = jax.make_mesh((len(gpus),), ("cp",), devices=gpus,
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+        (len(gpus),), ("cp",), devices=gpus, axis_types=(jax.sharding.AxisType.Auto,)
+    )
     total = 65536 + 1000
     from magi_jax.mask_zoo import DOC_LENGTHS
+
     docs = [d * 2 for d in DOC_LENGTHS]
     docs[-1] += total - sum(docs)
-    mask = (AttnMask.varlen(np.cumsum([0] + docs), causal=True) if name == "doc_causal"
-            else AttnMask.causal(total))
+    mask = (
+        AttnMask.varlen(np.cumsum([0] + docs), causal=True)
+        if name == "doc_causal"
+        else AttnMask.causal(total)
+    )
     key = make_flex_key(mask, mesh, "cp", ffa_backend="pallas")
     q, k, v, dout, dlse = random_inputs(jax.random.key(1), mask, 8, 8, 128, jnp.bfloat16)
 
@@ -147,6 +162,7 @@ def test_pallas_cp_at_64k_matches_single_gpu_ffa(name):
         def f(q_, k_, v_, do, dl):
             (out, lse), vjp = jax.vjp(fwd, q_, k_, v_)
             return (out, lse, *vjp((do, dl)))
+
         return [np.asarray(jnp.asarray(x, jnp.float32)) for x in f(q, k, v, dout, dlse)]
 
     got, want = run(cp_fwd), run(one_fwd)
@@ -159,8 +175,9 @@ def _gpu_mesh():
     gpus = _gpus()
     if not gpus or not getattr(gpus[0], "compute_capability", "").startswith("9"):
         pytest.skip("needs Hopper GPUs")
-    return jax.make_mesh((len(gpus),), ("cp",), devices=gpus,
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.make_mesh(
+        (len(gpus),), ("cp",), devices=gpus, axis_types=(jax.sharding.AxisType.Auto,)
+    )
 
 
 @pytest.mark.gpu
@@ -170,16 +187,21 @@ def test_pallas_cross_attention_matches_reference(layout):
     layouts: query document i attends to key document i."""
     mesh = _gpu_mesh()
     qc, kc = np.cumsum([0, 3000, 2000, 1192]), np.cumsum([0, 300, 517, 224])
-    mask = AttnMask.from_ranges(np.stack([qc[:-1], qc[1:]], 1), np.stack([kc[:-1], kc[1:]], 1),
-                                ["full", "causal", "full"], total_q=int(qc[-1]),
-                                total_k=int(kc[-1]))
+    mask = AttnMask.from_ranges(
+        np.stack([qc[:-1], qc[1:]], 1),
+        np.stack([kc[:-1], kc[1:]], 1),
+        ["full", "causal", "full"],
+        total_q=int(qc[-1]),
+        total_k=int(kc[-1]),
+    )
     key = make_flex_key(mask, mesh, "cp", kv_layout=layout, ffa_backend="pallas")
     assert key.kv_layout == layout and key.ffa_backend == "pallas"
     q, k, v, dout, dlse = random_inputs(jax.random.key(3), mask, 4, 2, 128, jnp.bfloat16)
 
     def fwd(q_, k_, v_):
-        o, l = magi_attention(dispatch(q_, key), dispatch(k_, key, role="kv"),
-                              dispatch(v_, key, role="kv"), key)
+        o, l = magi_attention(
+            dispatch(q_, key), dispatch(k_, key, role="kv"), dispatch(v_, key, role="kv"), key
+        )
         return undispatch(o, key), undispatch(l, key)
 
     assert_matches_reference(fwd_bwd(fwd)(q, k, v, dout, dlse), q, k, v, mask, dout, dlse)
@@ -197,12 +219,19 @@ def test_pallas_sinks_and_max_logits_match_reference():
     sink = jax.random.normal(jax.random.key(5), (2, 4), jnp.float32)
 
     def one_device(q_, k_, v_, s_):
-        return flex_flash_attention(q_, k_, v_, mask, sink=s_, backend="pallas",
-                                    return_max_logits=True)
+        return flex_flash_attention(
+            q_, k_, v_, mask, sink=s_, backend="pallas", return_max_logits=True
+        )
 
     def context_parallel(q_, k_, v_, s_):
-        o, l, ml = magi_attention(dispatch(q_, key), dispatch(k_, key), dispatch(v_, key), key,
-                                  sink=s_, return_max_logits=True)
+        o, l, ml = magi_attention(
+            dispatch(q_, key),
+            dispatch(k_, key),
+            dispatch(v_, key),
+            key,
+            sink=s_,
+            return_max_logits=True,
+        )
         return undispatch(o, key), undispatch(l, key), ml
 
     @functools.partial(jax.jit, static_argnums=0)
@@ -210,11 +239,22 @@ def test_pallas_sinks_and_max_logits_match_reference():
         fn = lambda *a: attn(*a)[:2]
         (out, lse), vjp = jax.vjp(fn, q_, k_, v_, s_)
         dq, dk, dv, ds = vjp((do, dl))
-        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dsink=ds,
-                    max_logits=attn(q_, k_, v_, s_)[2])
+        return dict(
+            out=out, lse=lse, dq=dq, dk=dk, dv=dv, dsink=ds, max_logits=attn(q_, k_, v_, s_)[2]
+        )
 
     ref64 = reference_results(q, k, v, mask, dout, dlse, sink=sink, float64=True)
     ref_lp = reference_results(q, k, v, mask, dout, dlse, sink=sink, float64=False)
     for attn in (one_device, context_parallel):
-        assert_matches_reference(run(attn, q, k, v, sink, dout, dlse), q, k, v, mask, dout,
-                                 dlse, sink=sink, ref64=ref64, ref_lp=ref_lp)
+        assert_matches_reference(
+            run(attn, q, k, v, sink, dout, dlse),
+            q,
+            k,
+            v,
+            mask,
+            dout,
+            dlse,
+            sink=sink,
+            ref64=ref64,
+            ref_lp=ref_lp,
+        )

@@ -9,19 +9,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
-from jax.sharding import AxisType, PartitionSpec as P
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
+from magi_jax.ffa.testing import assert_matches_reference, fwd_bwd, random_inputs
 from magi_jax.planning import solver as S
 from magi_jax.planning.capacity import CapacityError, PlanCapacity
 from magi_jax.planning.cast_table import build_cast_table, cast_model, reduce_model
-from magi_jax.planning.hierarchy import (NodeLayout, build_relay_table, inter_node_rows,
-                                         inter_node_wire_rows, relay_cast_model,
-                                         relay_reduce_model)
+from magi_jax.planning.hierarchy import (
+    NodeLayout,
+    build_relay_table,
+    inter_node_rows,
+    inter_node_wire_rows,
+    relay_cast_model,
+    relay_reduce_model,
+)
 from magi_jax.sharding import dispatch, magi_attention, make_flex_key, undispatch
-from magi_jax.sharding.collectives import (CastArrays, CastSpec, RelayArrays, RelaySpec,
-                                           group_cast, group_reduce)
-from magi_jax.ffa.testing import assert_matches_reference, fwd_bwd, random_inputs
+from magi_jax.sharding.collectives import (
+    CastArrays,
+    CastSpec,
+    RelayArrays,
+    RelaySpec,
+    group_cast,
+    group_reduce,
+)
 from tests.sharding.masks import ZOO
 
 AXES = ("node", "local")
@@ -34,9 +47,14 @@ def _mesh():
 
 
 def _meta(cp, chunk, per_rank):
-    return S.DispatchMeta(total=cp * per_rank * chunk, cp=cp, chunk_size=chunk,
-                          rank_chunks=np.arange(cp * per_rank).reshape(cp, per_rank),
-                          algorithm="contiguous", chunk_area=np.zeros(cp * per_rank, np.int64))
+    return S.DispatchMeta(
+        total=cp * per_rank * chunk,
+        cp=cp,
+        chunk_size=chunk,
+        rank_chunks=np.arange(cp * per_rank).reshape(cp, per_rank),
+        algorithm="contiguous",
+        chunk_area=np.zeros(cp * per_rank, np.int64),
+    )
 
 
 def _random_table(rng, cp=8, chunk=3, per_rank=2, density=None):
@@ -46,33 +64,41 @@ def _random_table(rng, cp=8, chunk=3, per_rank=2, density=None):
     t_loc = chunk * per_rank
     remote = []
     for r in range(cp):
-        wanted = rng.random(meta.padded_total) < (rng.uniform(0, 0.8) if density is None
-                                                  else density)
-        wanted[r * t_loc:(r + 1) * t_loc] = False
+        wanted = rng.random(meta.padded_total) < (
+            rng.uniform(0, 0.8) if density is None else density
+        )
+        wanted[r * t_loc : (r + 1) * t_loc] = False
         g = np.nonzero(wanted)[0]
         off = rng.permutation(len(g))
-        remote.append(np.array([[x, x + 1, x // t_loc, 0, o] for x, o in zip(g, off)],
-                               np.int64).reshape(-1, 5))
+        remote.append(
+            np.array([[x, x + 1, x // t_loc, 0, o] for x, o in zip(g, off)], np.int64).reshape(
+                -1, 5
+            )
+        )
     blen = max(1, max(len(p) for p in remote))
     return build_cast_table(meta, remote, blen), t_loc
 
 
 # ---- host tables --------------------------------------------------------------------------
 
+
 def test_hand_checked_relay():
     # 2 nodes x 2 ranks, 2 tokens per rank (chunk 1). Ranks 2 and 3 (node 1) both need
     # rank 0's row 1 (global 1); rank 2 also needs rank 1's row 0 (global 2) and rank 3's
     # row 0 (global 6, same node).
     meta = _meta(4, 1, 2)
-    remote = [np.zeros((0, 5), np.int64), np.zeros((0, 5), np.int64),
-              np.array([[1, 2, 0, 0, 0], [2, 3, 1, 0, 1], [6, 7, 3, 0, 2]]),
-              np.array([[1, 2, 0, 0, 0]])]
+    remote = [
+        np.zeros((0, 5), np.int64),
+        np.zeros((0, 5), np.int64),
+        np.array([[1, 2, 0, 0, 0], [2, 3, 1, 0, 1], [6, 7, 3, 0, 2]]),
+        np.array([[1, 2, 0, 0, 0]]),
+    ]
     flat = build_cast_table(meta, remote, 3)
     lay = NodeLayout(2, 2)
-    assert inter_node_rows(flat, lay) == 3                 # global 1 crosses twice
+    assert inter_node_rows(flat, lay) == 3  # global 1 crosses twice
     rt = build_relay_table(flat, lay)
-    assert rt.inter_node_rows() == 2                       # ... now once
-    assert rt.intra_node_rows() == 2                       # relay -> sibling, 3 -> 2
+    assert rt.inter_node_rows() == 2  # ... now once
+    assert rt.intra_node_rows() == 2  # relay -> sibling, 3 -> 2
     x = np.arange(4 * 2, dtype=np.float32).reshape(4, 2, 1) + 1
     np.testing.assert_array_equal(relay_cast_model(x, rt), cast_model(x, flat))
     got = relay_cast_model(x, rt)
@@ -81,8 +107,7 @@ def test_hand_checked_relay():
 
 
 @settings(max_examples=10)
-@given(st.integers(0, 10_000), st.sampled_from([(2, 4), (4, 2), (1, 8), (8, 1)]),
-       st.booleans())
+@given(st.integers(0, 10_000), st.sampled_from([(2, 4), (4, 2), (1, 8), (8, 1)]), st.booleans())
 def test_relay_tables_deliver_the_flat_cast(seed, shape, fixed):
     rng = np.random.default_rng(seed)
     flat, t_loc = _random_table(rng)
@@ -95,6 +120,7 @@ def test_relay_tables_deliver_the_flat_cast(seed, shape, fixed):
     np.testing.assert_array_equal(relay_reduce_model(y, rt, t_loc), reduce_model(y, flat, t_loc))
     # Each (row, destination node) crosses once: the distinct pairs of the flat cast.
     from magi_jax.planning.cast_table import cast_moves
+
     d, _, s, row = cast_moves(flat)
     cross = d // lay.local != s // lay.local
     distinct = len({(a, b, c) for a, b, c in zip(s[cross], row[cross], d[cross] // lay.local)})
@@ -111,7 +137,8 @@ def test_relays_are_balanced_over_the_node():
     rng = np.random.default_rng(0)
     meta = _meta(8, 8, 1)
     remote = [np.zeros((0, 5), np.int64)] * 4 + [
-        np.array([[g, g + 8, g // 8, 0, g] for g in range(0, 32, 8)])] * 4
+        np.array([[g, g + 8, g // 8, 0, g] for g in range(0, 32, 8)])
+    ] * 4
     flat = build_cast_table(meta, remote, 32)
     rt = build_relay_table(flat, LAYOUT)
     received = [(rt.inter_send[s] >= 0).sum() for s in range(4)]
@@ -137,34 +164,40 @@ def test_narrow_capacity_is_named():
 
 # ---- device casts: the two hops give the flat cast's bits -----------------------------------
 
+
 @functools.lru_cache(maxsize=None)
 def _runner(spec, flat_spec, num_rows):
     """The flat and the two-hop cast, reduce and cast VJP, in one shard_map over both axes."""
+
     def body(x, y, a, b, c, send, recv):
         relay = RelayArrays(a[0], b[0], c[0])
         flat = CastArrays(send[0], recv[0])
         out = []
         for tb, sp in ((flat, flat_spec), (relay, spec)):
             _, vjp = jax.vjp(lambda z: group_cast(z, tb, sp), x[0])
-            out += [group_cast(x[0], tb, sp), group_reduce(y[0], tb, sp, num_rows),
-                    vjp(y[0])[0]]
+            out += [group_cast(x[0], tb, sp), group_reduce(y[0], tb, sp, num_rows), vjp(y[0])[0]]
         return tuple(o[None] for o in out)
 
-    return jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P(AXES),) * 7,
-                                 out_specs=P(AXES), check_vma=False))
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=_mesh(), in_specs=(P(AXES),) * 7, out_specs=P(AXES), check_vma=False
+        )
+    )
 
 
 def _device_check(flat, t_loc, rng, dtype=np.float32):
     rt = build_relay_table(flat, LAYOUT)
-    spec = RelaySpec(AXES, 2, 4, rt.inter_shifts, rt.inter_widths, rt.intra_shifts,
-                     rt.intra_widths)
+    spec = RelaySpec(AXES, 2, 4, rt.inter_shifts, rt.inter_widths, rt.intra_shifts, rt.intra_widths)
     flat_spec = CastSpec(AXES, 8, flat.shifts, flat.widths, "ppermute")
     x = rng.standard_normal((8, t_loc, 2, 3)).astype(dtype)
     # Small integers: every sum is exact, whatever the order, so reduces compare bit for bit.
     y = rng.integers(-8, 9, (8, flat.buffer_len, 2, 3)).astype(dtype)
-    got = [np.asarray(a) for a in _runner(spec, flat_spec, t_loc)(
-        x, y, rt.inter_send, rt.intra_send, rt.recv_index, flat.send_index,
-        flat.recv_index)]
+    got = [
+        np.asarray(a)
+        for a in _runner(spec, flat_spec, t_loc)(
+            x, y, rt.inter_send, rt.intra_send, rt.recv_index, flat.send_index, flat.recv_index
+        )
+    ]
     f_cast, f_red, f_vjp, h_cast, h_red, h_vjp = got
     np.testing.assert_array_equal(h_cast, f_cast)
     np.testing.assert_array_equal(h_cast, cast_model(x, flat))
@@ -187,6 +220,7 @@ def test_device_relay_matches_flat():
 
 # ---- magi_attention over ("node", "local") ------------------------------------------------
 
+
 def _end_to_end(key):
     def fwd(q, k, v):
         o, l = magi_attention(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)
@@ -199,32 +233,35 @@ def test_magi_attention_two_hop_vs_reference_and_flat():
     # Degree 0: one combined stage (local KV, then the cast buffer), so the prefix cast and
     # its reduce go through the two hops; the device test above covers plain stage casts.
     mask, degree = ZOO["doc_causal"], 0
-    keys = {h: make_flex_key(mask, _mesh(), AXES, overlap_degree=degree, hierarchical=h)
-            for h in (True, False)}
+    keys = {
+        h: make_flex_key(mask, _mesh(), AXES, overlap_degree=degree, hierarchical=h)
+        for h in (True, False)
+    }
     assert all(isinstance(s.cast, RelaySpec) for s in keys[True].stages if s.cast is not None)
     assert not any(isinstance(s.cast, RelaySpec) for s in keys[False].stages)
     q, k, v, dout, dlse = random_inputs(jax.random.key(1), mask, 2, 1, 8, jnp.float32)
     two_hop = _end_to_end(keys[True])(q, k, v, dout, dlse)
     flat = _end_to_end(keys[False])(q, k, v, dout, dlse)
     assert_matches_reference(two_hop, q, k, v, mask, dout, dlse)
-    for n in ("out", "lse"):          # the same rows reach the same kernels
+    for n in ("out", "lse"):  # the same rows reach the same kernels
         np.testing.assert_array_equal(np.asarray(two_hop[n]), np.asarray(flat[n]), err_msg=n)
-    for n in ("dq", "dk", "dv"):      # dK/dV partials summed in another order
-        np.testing.assert_allclose(np.asarray(two_hop[n]), np.asarray(flat[n]), rtol=1e-5,
-                                   atol=1e-6, err_msg=n)
+    for n in ("dq", "dk", "dv"):  # dK/dV partials summed in another order
+        np.testing.assert_allclose(
+            np.asarray(two_hop[n]), np.asarray(flat[n]), rtol=1e-5, atol=1e-6, err_msg=n
+        )
 
 
 def test_auto_and_options():
     mask = ZOO["doc_causal"]
     auto = make_flex_key(mask, _mesh(), AXES, overlap_degree=1, chunk_size=2)
     remote = [s for s in auto.stages if s.cast is not None]
-    flat = make_flex_key(mask, _mesh(), AXES, overlap_degree=1, chunk_size=2,
-                         hierarchical=False)
+    flat = make_flex_key(mask, _mesh(), AXES, overlap_degree=1, chunk_size=2, hierarchical=False)
     flat_cast = [s.cast for s in flat.plan.stages if s.cast is not None][0]
     # "auto" takes the two-hop cast exactly where it sends fewer rows between nodes,
     # padding of the ppermute slots included.
-    fewer = build_relay_table(flat_cast, LAYOUT).inter_node_wire_rows() < \
-        inter_node_wire_rows(flat_cast, LAYOUT)
+    fewer = build_relay_table(flat_cast, LAYOUT).inter_node_wire_rows() < inter_node_wire_rows(
+        flat_cast, LAYOUT
+    )
     assert isinstance(remote[0].cast, RelaySpec) == fewer
     assert fewer
     # Where padding outweighs the dedup (a sliding window's one neighbour): rank 4 (node 1)
@@ -239,8 +276,10 @@ def test_auto_and_options():
     assert rt.inter_node_wire_rows() == 8 > inter_node_wire_rows(narrow, LAYOUT) == 2
     # At a capacity "auto" stays flat (padded slots); True takes it.
     cap = PlanCapacity(mask.total_q)
-    assert not any(isinstance(s.cast, RelaySpec) for s in make_flex_key(
-        mask, _mesh(), AXES, capacity=cap).stages)
+    assert not any(
+        isinstance(s.cast, RelaySpec)
+        for s in make_flex_key(mask, _mesh(), AXES, capacity=cap).stages
+    )
     capped = make_flex_key(mask, _mesh(), AXES, capacity=cap, hierarchical=True)
     assert any(isinstance(s.cast, RelaySpec) for s in capped.stages)
     with pytest.raises(ValueError, match="hierarchical=True needs cp_axis"):

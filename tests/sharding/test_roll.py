@@ -10,13 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
-from jax.sharding import NamedSharding, PartitionSpec as P
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import magi_jax as mj
 from magi_jax.sharding.roll import roll, roll_tables
 from tests.dynamic_masks import varlen_packings
-from tests.sharding.masks import CU, T, ZOO
+from tests.sharding.masks import CU, ZOO, T
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,11 +28,13 @@ def _mesh(cp, explicit=False):
 
 
 def _definition(x, shift, key, seq_axis=0):
-    return mj.dispatch(jnp.roll(mj.undispatch(x, key, seq_axis), shift, axis=seq_axis), key,
-                       seq_axis)
+    return mj.dispatch(
+        jnp.roll(mj.undispatch(x, key, seq_axis), shift, axis=seq_axis), key, seq_axis
+    )
 
 
 # ---- host tables ------------------------------------------------------------------------
+
 
 def _apply_tables(tables, x_local):
     """NumPy model of the device half: x_local [cp, rows] -> rolled [cp, rows]."""
@@ -57,8 +61,8 @@ def test_tables_match_the_roll_of_natural_order(data):
     perm = np.asarray(data.draw(st.permutations(range(cp * per_rank))))
     rank_chunks = np.sort(perm.reshape(cp, per_rank), axis=1)
     positions = (rank_chunks[:, :, None] * chunk + np.arange(chunk)).reshape(cp, -1)
-    natural = np.arange(1, total + 1)                       # token p holds p + 1; 0 = padding
-    x_local = np.where(positions < total, positions + 1, -5)   # padding holds junk
+    natural = np.arange(1, total + 1)  # token p holds p + 1; 0 = padding
+    x_local = np.where(positions < total, positions + 1, -5)  # padding holds junk
     tables = roll_tables(rank_chunks, chunk, total, shift)
     rolled = np.roll(natural, shift)
     want = np.where(positions < total, rolled[np.minimum(positions, total - 1)], 0)
@@ -83,12 +87,12 @@ def test_tables_hand_checked():
 def test_tables_shift_zero_is_local_and_zeroes_padding():
     t = roll_tables(np.array([[0, 3], [1, 2]]), 2, 7, 0)
     assert t.deltas == () and t.send == ()
-    np.testing.assert_array_equal(t.gather, [[0, 1, 2, 4], [0, 1, 2, 3]])   # 4: zero row
+    np.testing.assert_array_equal(t.gather, [[0, 1, 2, 4], [0, 1, 2, 3]])  # 4: zero row
 
 
 # ---- on the devices -----------------------------------------------------------------------
 
-CASES = [   # (cp, explicit mesh, mask, chunk size): every one has padding (T = 67)
+CASES = [  # (cp, explicit mesh, mask, chunk size): every one has padding (T = 67)
     (2, True, "doc_causal", 4),
     (4, False, "sliding_window", 3),
     (8, False, "shared_question", 3),
@@ -125,42 +129,44 @@ def test_forward_and_gradient_match_the_definition(case):
     w = jnp.asarray(rng.standard_normal((key.padded_total, 3)), jnp.float32)
 
     @jax.jit
-    def run(xd, w, key):    # the key as an argument: its plan comes from its static part
+    def run(xd, w, key):  # the key as an argument: its plan comes from its static part
         loss = lambda f, s: lambda a: jnp.sum(f(a, s) * w)
         got = [roll(xd, s, key) for s in shifts]
         g_got = [jax.grad(loss(lambda a, s: roll(a, s, key), s))(xd) for s in grad_shifts]
-        g_want = [jax.grad(loss(lambda a, s: _definition(a, s, key), s))(xd)
-                  for s in grad_shifts]
+        g_want = [jax.grad(loss(lambda a, s: _definition(a, s, key), s))(xd) for s in grad_shifts]
         return got, _definition(xd, shifts[1], key), g_got, g_want
 
     with jax.set_mesh(key.mesh):
-        xd = mj.dispatch(x, key) + 1.0    # padding rows hold junk; roll must not read it
+        xd = mj.dispatch(x, key) + 1.0  # padding rows hold junk; roll must not read it
         got, want_1, g_got, g_want = run(xd, w, key)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want_1))
     for s, a in zip(shifts, got):
-        np.testing.assert_array_equal(np.asarray(a), _definition_np(xd, s, key),
-                                      err_msg=f"shift {s}")
+        np.testing.assert_array_equal(
+            np.asarray(a), _definition_np(xd, s, key), err_msg=f"shift {s}"
+        )
         assert a.sharding.is_equivalent_to(NamedSharding(key.mesh, P("cp")), 2)
     for s, a, b in zip(grad_shifts, g_got, g_want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"grad {s}")
-    np.testing.assert_array_equal(np.asarray(mj.undispatch(got[1], key)),
-                                  np.roll(np.asarray(x) + 1.0, 1, axis=0))
+    np.testing.assert_array_equal(
+        np.asarray(mj.undispatch(got[1], key)), np.roll(np.asarray(x) + 1.0, 1, axis=0)
+    )
 
 
 def test_eager_batch_layout_int_ids_and_natural_roll():
     key = _key(4, False, "sliding_window", 3)
     ids = jnp.asarray(np.arange(2 * T).reshape(2, T), jnp.int32)
     xd = mj.dispatch(ids, key, seq_axis=1)
-    y = roll(xd, -2, key, seq_axis=1)                      # eager, no jit
+    y = roll(xd, -2, key, seq_axis=1)  # eager, no jit
     assert y.dtype == jnp.int32 and y.shape == xd.shape
-    np.testing.assert_array_equal(np.asarray(mj.undispatch(y, key, seq_axis=1)),
-                                  np.roll(np.asarray(ids), -2, axis=1))
+    np.testing.assert_array_equal(
+        np.asarray(mj.undispatch(y, key, seq_axis=1)), np.roll(np.asarray(ids), -2, axis=1)
+    )
     np.testing.assert_array_equal(np.asarray(y), np.asarray(_definition(xd, -2, key, 1)))
 
 
 def test_multi_token_prediction_labels():
     """The docstring's recipe: labels of head k are the tokens k + 1 ahead, same document."""
-    key = _key(4, False, "sliding_window", 3)     # labels depend on the dispatch only
+    key = _key(4, False, "sliding_window", 3)  # labels depend on the dispatch only
     tokens = jnp.asarray(np.random.default_rng(1).integers(1, 50, T), jnp.int32)
     ids, pos = mj.dispatch(tokens, key), mj.position_ids(key)
     cu = jnp.asarray(CU)
@@ -182,8 +188,9 @@ def test_checked_and_capacity_keys():
     checked = mj.make_flex_key(mask, _mesh(2, True), "cp", chunk_size=4, check_dispatch=True)
     with jax.set_mesh(checked.mesh):
         y = roll(mj.dispatch(x, checked), 5, checked)
-        np.testing.assert_array_equal(np.asarray(mj.undispatch(y, checked)),
-                                      np.roll(np.asarray(x), 5))
+        np.testing.assert_array_equal(
+            np.asarray(mj.undispatch(y, checked)), np.roll(np.asarray(x), 5)
+        )
     hidden = np.asarray(y).reshape(2, checked.local_len)[:, -1]
     np.testing.assert_array_equal(hidden, 0)
 
@@ -235,12 +242,12 @@ def test_errors():
         roll(xd, 1, key, seq_axis=2)
     with pytest.raises(TypeError, match="key must be a MagiKey"):
         roll(xd, 1, "cp")
-    assert roll(xd, np.int64(3), key).shape == xd.shape    # NumPy integers are ints
+    assert roll(xd, np.int64(3), key).shape == xd.shape  # NumPy integers are ints
 
 
 # ---- capacity keys traced under jit: the device-planned path --------------------------------
 
-CAPACITY_CASES = [   # (cp, explicit mesh, chunk size): T = 67 is a multiple of none of them
+CAPACITY_CASES = [  # (cp, explicit mesh, chunk size): T = 67 is a multiple of none of them
     (2, True, 6),
     (4, False, 5),
     (8, False, 3),
@@ -249,18 +256,20 @@ CAPACITY_CASES = [   # (cp, explicit mesh, chunk size): T = 67 is a multiple of 
 
 def _small_shifts(chunk):
     """The signed shifts |t| < chunk of the brief, each once."""
-    return tuple(s for s in dict.fromkeys((0, 1, -1, 3, -4, chunk - 1, -(chunk - 1)))
-                 if abs(s) < chunk)
+    return tuple(
+        s for s in dict.fromkeys((0, 1, -1, 3, -4, chunk - 1, -(chunk - 1))) if abs(s) < chunk
+    )
 
 
 def _capacity_keys(cp, explicit, chunk, count, seed, **options):
     cap = mj.PlanCapacity(T, chunk_size=chunk)
-    return [mj.make_flex_key(m, _mesh(cp, explicit), "cp", capacity=cap, ffa_backend="xla",
-                             **options) for m in varlen_packings(T, count, seed=seed)]
+    return [
+        mj.make_flex_key(m, _mesh(cp, explicit), "cp", capacity=cap, ffa_backend="xla", **options)
+        for m in varlen_packings(T, count, seed=seed)
+    ]
 
 
-@pytest.mark.parametrize("case", CAPACITY_CASES, ids=[f"cp{c[0]}-C{c[2]}" for c in
-                                                      CAPACITY_CASES])
+@pytest.mark.parametrize("case", CAPACITY_CASES, ids=[f"cp{c[0]}-C{c[2]}" for c in CAPACITY_CASES])
 def test_capacity_key_traced_matches_the_definition_and_compiles_once(case):
     cp, explicit, chunk = case
     keys = _capacity_keys(cp, explicit, chunk, 3, seed=cp)
@@ -269,24 +278,24 @@ def test_capacity_key_traced_matches_the_definition_and_compiles_once(case):
     x = jnp.asarray(rng.standard_normal((T, 3)), jnp.float32)
 
     @jax.jit
-    def step(xd, w, key):    # the key is an argument: its dispatch is traced data
+    def step(xd, w, key):  # the key is an argument: its dispatch is traced data
         loss = lambda f, s: lambda a: jnp.sum(f(a, s) * w)
         got = [roll(xd, s, key) for s in shifts]
         g_got = [jax.grad(loss(lambda a, s: roll(a, s, key), s))(xd) for s in grad_shifts]
-        g_want = [jax.grad(loss(lambda a, s: _definition(a, s, key), s))(xd)
-                  for s in grad_shifts]
+        g_want = [jax.grad(loss(lambda a, s: _definition(a, s, key), s))(xd) for s in grad_shifts]
         return got, g_got, g_want
 
     with jax.set_mesh(keys[0].mesh):
         for key in keys:
             assert key.static == keys[0].static and key.total % chunk
-            xd = mj.dispatch(x, key) + 1.0     # padding rows hold junk; roll must not read it
+            xd = mj.dispatch(x, key) + 1.0  # padding rows hold junk; roll must not read it
             w = jnp.asarray(rng.standard_normal((key.padded_total, 3)), jnp.float32)
             got, g_got, g_want = step(xd, w, key)
             pad = np.asarray(key.order) >= key.total
             for s, a in zip(shifts, got):
-                np.testing.assert_array_equal(np.asarray(a), _definition_np(xd, s, key),
-                                              err_msg=f"shift {s}")
+                np.testing.assert_array_equal(
+                    np.asarray(a), _definition_np(xd, s, key), err_msg=f"shift {s}"
+                )
                 assert not np.asarray(a)[pad].any()
                 assert a.sharding.is_equivalent_to(NamedSharding(key.mesh, P("cp")), 2)
             for s, a, b in zip(grad_shifts, g_got, g_want):
@@ -303,8 +312,10 @@ def test_capacity_key_traced_checked_batch_of_int_ids():
 
     @jax.jit
     def step(xd, key):
-        return ([roll(xd, s, key, seq_axis=1) for s in shifts],
-                [_definition(xd, s, key, 1) for s in shifts])
+        return (
+            [roll(xd, s, key, seq_axis=1) for s in shifts],
+            [_definition(xd, s, key, 1) for s in shifts],
+        )
 
     for key in keys:
         xd = mj.dispatch(ids, key, seq_axis=1)
@@ -312,8 +323,9 @@ def test_capacity_key_traced_checked_batch_of_int_ids():
         for s, a, b in zip(shifts, got, want):
             assert a.dtype == jnp.int32 and a.shape == xd.shape
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"shift {s}")
-            np.testing.assert_array_equal(np.asarray(mj.undispatch(a, key, seq_axis=1)),
-                                          np.roll(np.asarray(ids), s, axis=1))
+            np.testing.assert_array_equal(
+                np.asarray(mj.undispatch(a, key, seq_axis=1)), np.roll(np.asarray(ids), s, axis=1)
+            )
             hidden = np.asarray(a).reshape(2, key.cp, key.local_len)[:, :, -1]
             np.testing.assert_array_equal(hidden, 0)
     assert step._cache_size() == 1
@@ -324,16 +336,20 @@ def test_capacity_key_traced_gathers_edge_rows_only():
     key = _capacity_keys(cp, False, chunk, 1, seed=3)[0]
     xd = mj.dispatch(jnp.ones((T, 4)), key)
     num_chunks = key.padded_total // chunk
-    edge_rows = (num_chunks + cp) * abs(shift)       # edges of every chunk + the wrap rows
+    edge_rows = (num_chunks + cp) * abs(shift)  # edges of every chunk + the wrap rows
     assert edge_rows < key.padded_total
     programs = (
         jax.jit(lambda a, k: roll(a, shift, k)).lower(xd, key).compile().as_text(),
-        jax.jit(jax.grad(lambda a, k: jnp.sum(roll(a, shift, k) ** 2))).lower(xd, key)
-        .compile().as_text())
+        jax.jit(jax.grad(lambda a, k: jnp.sum(roll(a, shift, k) ** 2)))
+        .lower(xd, key)
+        .compile()
+        .as_text(),
+    )
     for program in programs:
         gathers = [line for line in program.splitlines() if " all-gather(" in line]
-        assert gathers and all(f"f32[{edge_rows},4]" in line.split(" all-gather(")[0]
-                               for line in gathers), gathers
+        assert gathers and all(
+            f"f32[{edge_rows},4]" in line.split(" all-gather(")[0] for line in gathers
+        ), gathers
         assert "all-to-all" not in program and "all-reduce" not in program
 
 
@@ -341,10 +357,14 @@ def test_capacity_key_traced_rejects_shifts_of_a_chunk_or_more():
     key = _capacity_keys(4, False, 5, 1, seed=4)[0]
     xd = mj.dispatch(jnp.ones((T,)), key)
     for shift in (5, -5, T - 5, 30):
-        with pytest.raises(ValueError, match=rf"shift={shift} .*chunk size 5.*Close over the "
-                                             r"key.*without capacity=.*before mj.dispatch"):
+        with pytest.raises(
+            ValueError,
+            match=rf"shift={shift} .*chunk size 5.*Close over the "
+            r"key.*without capacity=.*before mj.dispatch",
+        ):
             jax.jit(lambda a, k: roll(a, shift, k))(xd, key)
     # shifts are taken modulo total first: T + 4 is a roll by 4
     np.testing.assert_array_equal(
         np.asarray(jax.jit(lambda a, k: roll(a, T + 4, k))(xd, key)),
-        np.asarray(_definition(xd, 4, key)))
+        np.asarray(_definition(xd, 4, key)),
+    )

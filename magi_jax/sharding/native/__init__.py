@@ -7,14 +7,46 @@ run it.
 """
 
 from magi_jax.sharding.native.library import NativeUnavailable, check_mesh
-from magi_jax.sharding.native.transport import (DEFAULT_TIMEOUT_S, MAX_ARRAYS, MAX_RUNS,
-                                                CudaTuning, auto_reason, available,
-                                                can_start_reduce, check_table, cuda_tuning,
-                                                finalize, group_cast, group_reduce,
-                                                group_reduce_start, initialize, reduce_runs,
-                                                staging_bytes, tuning, unavailable_reason)
+from magi_jax.sharding.native.transport import (
+    DEFAULT_TIMEOUT_S,
+    MAX_ARRAYS,
+    MAX_RUNS,
+    CudaTuning,
+    auto_reason,
+    available,
+    can_start_reduce,
+    check_table,
+    cuda_tuning,
+    finalize,
+    group_cast,
+    group_reduce,
+    group_reduce_start,
+    initialize,
+    reduce_runs,
+    staging_bytes,
+    tuning,
+    unavailable_reason,
+)
 
-__all__ = ["available", "unavailable_reason", "group_cast", "group_reduce", "MAX_ARRAYS",
-           "check_table", "initialize", "finalize", "staging_bytes", "auto_reason",
-           "DEFAULT_TIMEOUT_S", "CudaTuning", "tuning", "cuda_tuning", "group_reduce_start",
-           "can_start_reduce", "reduce_runs", "MAX_RUNS", "check_mesh", "NativeUnavailable"]
+__all__ = [
+    "available",
+    "unavailable_reason",
+    "group_cast",
+    "group_reduce",
+    "MAX_ARRAYS",
+    "check_table",
+    "initialize",
+    "finalize",
+    "staging_bytes",
+    "auto_reason",
+    "DEFAULT_TIMEOUT_S",
+    "CudaTuning",
+    "tuning",
+    "cuda_tuning",
+    "group_reduce_start",
+    "can_start_reduce",
+    "reduce_runs",
+    "MAX_RUNS",
+    "check_mesh",
+    "NativeUnavailable",
+]

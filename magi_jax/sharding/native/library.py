@@ -64,13 +64,16 @@ def load_library(platform: str):
         raise NativeUnavailable(f"no native group collectives for platform {platform!r}")
     path = find_library(name)
     if path is None:
-        hint = ("install the package with `pip install -e .` (it compiles ffi/ with CMake)"
-                if platform == "cpu" else
-                "it is built when nvcc and the NVSHMEM headers (pip install "
-                "nvidia-nvshmem-cu13) are present at install time, or with "
-                "-C cmake.define.MAGI_JAX_CUDA=ON")
-        raise NativeUnavailable(f"{name} was not found next to magi_jax ({_search_dirs()[0]}) "
-                                f"or on sys.path; {hint}")
+        hint = (
+            "install the package with `pip install -e .` (it compiles ffi/ with CMake)"
+            if platform == "cpu"
+            else "it is built when nvcc and the NVSHMEM headers (pip install "
+            "nvidia-nvshmem-cu13) are present at install time, or with "
+            "-C cmake.define.MAGI_JAX_CUDA=ON"
+        )
+        raise NativeUnavailable(
+            f"{name} was not found next to magi_jax ({_search_dirs()[0]}) or on sys.path; {hint}"
+        )
     if platform == "cuda":
         _preload_nvshmem()
     try:
@@ -79,32 +82,50 @@ def load_library(platform: str):
         raise NativeUnavailable(f"could not load {path}: {e}") from e
     plat = "cpu" if platform == "cpu" else "CUDA"
     if platform == "cpu":
-        for target, sym in ((CAST_TARGET, "MagiGroupCastCpu"),
-                            (REDUCE_TARGET, "MagiGroupReduceCpu"),
-                            (START_TARGET, "MagiGroupReduceStartCpu"),
-                            (DONE_TARGET, "MagiGroupReduceDoneCpu")):
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, sym)),
-                                        platform=plat)
+        for target, sym in (
+            (CAST_TARGET, "MagiGroupCastCpu"),
+            (REDUCE_TARGET, "MagiGroupReduceCpu"),
+            (START_TARGET, "MagiGroupReduceStartCpu"),
+            (DONE_TARGET, "MagiGroupReduceDoneCpu"),
+        ):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, sym)), platform=plat)
     else:
         lib.MagiNvStateTypeId.restype = ctypes.c_void_p
         lib.MagiNvStateTypeInfo.restype = ctypes.c_void_p
         jax.ffi.register_ffi_type(
             "magi_jax.nvshmem_collective_state",
-            {"type_id": _capsule(lib.MagiNvStateTypeId()),
-             "type_info": _capsule(lib.MagiNvStateTypeInfo())}, platform=plat)
-        for target, stem in ((CAST_TARGET, "MagiGroupCastCuda"),
-                             (REDUCE_TARGET, "MagiGroupReduceCuda"),
-                             (START_TARGET, "MagiGroupReduceStartCuda"),
-                             (DONE_TARGET, "MagiGroupReduceDoneCuda")):
+            {
+                "type_id": _capsule(lib.MagiNvStateTypeId()),
+                "type_info": _capsule(lib.MagiNvStateTypeInfo()),
+            },
+            platform=plat,
+        )
+        for target, stem in (
+            (CAST_TARGET, "MagiGroupCastCuda"),
+            (REDUCE_TARGET, "MagiGroupReduceCuda"),
+            (START_TARGET, "MagiGroupReduceStartCuda"),
+            (DONE_TARGET, "MagiGroupReduceDoneCuda"),
+        ):
             jax.ffi.register_ffi_target(
-                target, {"instantiate": jax.ffi.pycapsule(getattr(lib, stem + "Instantiate")),
-                         "execute": jax.ffi.pycapsule(getattr(lib, stem + "Execute"))},
-                platform=plat)
+                target,
+                {
+                    "instantiate": jax.ffi.pycapsule(getattr(lib, stem + "Instantiate")),
+                    "execute": jax.ffi.pycapsule(getattr(lib, stem + "Execute")),
+                },
+                platform=plat,
+            )
         lib.magi_nv_uid_size.restype = ctypes.c_int
         lib.magi_nv_get_uid.argtypes = [ctypes.c_void_p]
-        lib.magi_nv_init.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int,
-                                     ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t,
-                                     ctypes.c_char_p, ctypes.c_int]
+        lib.magi_nv_init.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
         lib.magi_nv_finalize.restype = ctypes.c_int
     return lib
 
@@ -115,8 +136,9 @@ def _preload_nvshmem():
     try:
         import nvidia.nvshmem as m
     except ImportError as e:
-        raise NativeUnavailable("the CUDA handlers need NVSHMEM at run time: pip install "
-                                "nvidia-nvshmem-cu13") from e
+        raise NativeUnavailable(
+            "the CUDA handlers need NVSHMEM at run time: pip install nvidia-nvshmem-cu13"
+        ) from e
     lib_dir = Path(list(m.__path__)[0]) / "lib"
     host = sorted(lib_dir.glob("libnvshmem_host.so*"))
     if not host:
@@ -165,32 +187,41 @@ def init_problem() -> str | None:
     global _INIT_FAILURE
     if _INIT_FAILURE is None:
         from magi_jax.sharding.native import transport
+
         try:
             transport.initialize()
             _INIT_FAILURE = ""
         except (RuntimeError, OSError, ValueError) as e:
             _INIT_FAILURE = f"NVSHMEM failed to initialize ({type(e).__name__}: {e})"
             import warnings
-            warnings.warn(f"comm_backend='auto' uses 'xla': {_INIT_FAILURE}", RuntimeWarning,
-                          stacklevel=3)
+
+            warnings.warn(
+                f"comm_backend='auto' uses 'xla': {_INIT_FAILURE}", RuntimeWarning, stacklevel=3
+            )
     return _INIT_FAILURE or None
 
 
-_INIT_FAILURE: str | None = None   # None: not tried; "": initialized; else the failure
+_INIT_FAILURE: str | None = None  # None: not tried; "": initialized; else the failure
 
 
 def _gpu_mesh_problem(mesh, cp_axis: str) -> str | None:
     if jax.local_device_count() != 1:
-        return (f"this process drives {jax.local_device_count()} GPUs; NVSHMEM needs one "
-                "process per GPU (set CUDA_VISIBLE_DEVICES per process)")
+        return (
+            f"this process drives {jax.local_device_count()} GPUs; NVSHMEM needs one "
+            "process per GPU (set CUDA_VISIBLE_DEVICES per process)"
+        )
     if int(mesh.shape[cp_axis]) != jax.process_count() or mesh.devices.size != jax.process_count():
-        return (f"the cp axis has {mesh.shape[cp_axis]} ranks over a mesh of {mesh.devices.size} "
-                f"devices and {jax.process_count()} processes; the CUDA native transport "
-                "supports a mesh whose only axis of size > 1 is the cp axis over all processes")
+        return (
+            f"the cp axis has {mesh.shape[cp_axis]} ranks over a mesh of {mesh.devices.size} "
+            f"devices and {jax.process_count()} processes; the CUDA native transport "
+            "supports a mesh whose only axis of size > 1 is the cp axis over all processes"
+        )
     procs = [d.process_index for d in np.asarray(mesh.devices).reshape(-1)]
     if procs != list(range(len(procs))):
-        return (f"the cp ranks sit on processes {procs}; the CUDA native transport needs rank r "
-                "on process r (build the mesh from jax.devices() in order)")
+        return (
+            f"the cp ranks sit on processes {procs}; the CUDA native transport needs rank r "
+            "on process r (build the mesh from jax.devices() in order)"
+        )
     return None
 
 
@@ -203,5 +234,6 @@ def check_mesh(mesh, cp_axis: str) -> None:
     else:
         problem = unavailable_reason(plat)
     if problem:
-        raise ValueError(f"comm_backend='native' cannot run here: {problem}; use "
-                         "comm_backend='auto' or 'xla'")
+        raise ValueError(
+            f"comm_backend='native' cannot run here: {problem}; use comm_backend='auto' or 'xla'"
+        )

@@ -53,14 +53,38 @@ import numpy as np
 
 # The library's loading and the platform / mesh checks live in library.py; the public ones
 # are this module's API too.
-from magi_jax.sharding.native.library import (CAST_TARGET, DONE_TARGET, REDUCE_TARGET,
-                                              START_TARGET, auto_reason, available, check_mesh,
-                                              load_library, platform_key, unavailable_reason)
+from magi_jax.sharding.native.library import (
+    CAST_TARGET,
+    DONE_TARGET,
+    REDUCE_TARGET,
+    START_TARGET,
+    auto_reason,
+    available,
+    load_library,
+    platform_key,
+    unavailable_reason,
+)
 
-__all__ = ["available", "unavailable_reason", "group_cast", "group_reduce", "MAX_ARRAYS",
-           "check_table", "initialize", "finalize", "staging_bytes", "auto_reason",
-           "DEFAULT_TIMEOUT_S", "CudaTuning", "tuning", "cuda_tuning", "group_reduce_start",
-           "can_start_reduce", "reduce_runs", "MAX_RUNS"]
+__all__ = [
+    "available",
+    "unavailable_reason",
+    "group_cast",
+    "group_reduce",
+    "MAX_ARRAYS",
+    "check_table",
+    "initialize",
+    "finalize",
+    "staging_bytes",
+    "auto_reason",
+    "DEFAULT_TIMEOUT_S",
+    "CudaTuning",
+    "tuning",
+    "cuda_tuning",
+    "group_reduce_start",
+    "can_start_reduce",
+    "reduce_runs",
+    "MAX_RUNS",
+]
 
 DEFAULT_TIMEOUT_S = 60.0
 # Runs per rank above which a reduce is not started (each run is one contiguous copy per
@@ -69,7 +93,7 @@ MAX_RUNS = 64
 _FLAG_CAPACITY = 1 << 16
 _DEFAULT_SYMMETRIC_BYTES = 1 << 30
 _call_ids = itertools.count(1)
-_MODES = {"push": 0, "pull": 1}   # CudaTuning.mode -> the handlers' `mode` attribute
+_MODES = {"push": 0, "pull": 1}  # CudaTuning.mode -> the handlers' `mode` attribute
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +144,10 @@ class CudaTuning:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"CudaTuning.{name} must be >= 1, got {getattr(self, name)}")
         if self.stream != "collective" and not (str(self.stream).isdigit()):
-            raise ValueError(f"CudaTuning.stream must be an int >= 0 (0: XLA's compute "
-                             f"stream) or 'collective', got {self.stream!r}")
+            raise ValueError(
+                f"CudaTuning.stream must be an int >= 0 (0: XLA's compute "
+                f"stream) or 'collective', got {self.stream!r}"
+            )
 
 
 def _stream(v: str) -> int | str:
@@ -129,16 +155,18 @@ def _stream(v: str) -> int | str:
 
 
 def _tuning_from_env() -> CudaTuning:
-    env, d = os.environ.get, CudaTuning()   # the defaults live in one place: the class
-    return CudaTuning(mode=env("MAGI_NATIVE_CAST_MODE", d.mode),
-                      send_blocks=int(env("MAGI_NATIVE_SEND_BLOCKS", d.send_blocks)),
-                      recv_blocks=int(env("MAGI_NATIVE_RECV_BLOCKS", d.recv_blocks)),
-                      chunk_kib=int(env("MAGI_NATIVE_CHUNK_KIB", d.chunk_kib)),
-                      double_buffer=env("MAGI_NATIVE_DOUBLE_BUFFER", str(int(d.double_buffer)))
-                      not in ("0", "false"),
-                      stream=_stream(env("MAGI_NATIVE_STREAM", str(d.stream))),
-                      started_reduce=env("MAGI_NATIVE_STARTED_REDUCE",
-                                         str(int(d.started_reduce))) not in ("0", "false"))
+    env, d = os.environ.get, CudaTuning()  # the defaults live in one place: the class
+    return CudaTuning(
+        mode=env("MAGI_NATIVE_CAST_MODE", d.mode),
+        send_blocks=int(env("MAGI_NATIVE_SEND_BLOCKS", d.send_blocks)),
+        recv_blocks=int(env("MAGI_NATIVE_RECV_BLOCKS", d.recv_blocks)),
+        chunk_kib=int(env("MAGI_NATIVE_CHUNK_KIB", d.chunk_kib)),
+        double_buffer=env("MAGI_NATIVE_DOUBLE_BUFFER", str(int(d.double_buffer)))
+        not in ("0", "false"),
+        stream=_stream(env("MAGI_NATIVE_STREAM", str(d.stream))),
+        started_reduce=env("MAGI_NATIVE_STARTED_REDUCE", str(int(d.started_reduce)))
+        not in ("0", "false"),
+    )
 
 
 _tuning = [_tuning_from_env()]
@@ -180,7 +208,8 @@ def check_table(table) -> None:
             raise ValueError(
                 f"cast table: rank {d} receives slot entries {sorted(set(e) ^ set(want))[:8]} "
                 "that are padding, or misses real ones; the native transport needs every real "
-                "send entry received exactly once (tables from build_cast_table satisfy this)")
+                "send entry received exactly once (tables from build_cast_table satisfy this)"
+            )
 
 
 # ---- NVSHMEM bootstrap ----------------------------------------------------------------------
@@ -188,8 +217,9 @@ def check_table(table) -> None:
 _nv = {"bytes": 0, "started_bytes": 0, "all_mapped": False, "initialized": False}
 
 
-def initialize(symmetric_bytes: int = _DEFAULT_SYMMETRIC_BYTES,
-               started_bytes: int | None = None) -> None:
+def initialize(
+    symmetric_bytes: int = _DEFAULT_SYMMETRIC_BYTES, started_bytes: int | None = None
+) -> None:
     """Joins NVSHMEM (every process must call this, in the same order as its other
     collectives) and reserves ``symmetric_bytes`` of staging per GPU, plus ``started_bytes``
     for started reduces (default: as much when :attr:`CudaTuning.started_reduce` is on, else
@@ -200,22 +230,27 @@ def initialize(symmetric_bytes: int = _DEFAULT_SYMMETRIC_BYTES,
     :attr:`CudaTuning.double_buffer`), 1 GiB)."""
     if _nv["initialized"]:
         if symmetric_bytes > _nv["bytes"]:
-            raise ValueError(f"NVSHMEM is already initialized with {_nv['bytes']} bytes of "
-                             f"staging; {symmetric_bytes} were asked for. Call "
-                             "magi_jax.sharding.native.initialize(symmetric_bytes=...) with "
-                             "the largest need before the first native collective and the "
-                             "first make_flex_key(comm_backend='auto') on GPUs (which joins "
-                             "NVSHMEM with the default staging)")
+            raise ValueError(
+                f"NVSHMEM is already initialized with {_nv['bytes']} bytes of "
+                f"staging; {symmetric_bytes} were asked for. Call "
+                "magi_jax.sharding.native.initialize(symmetric_bytes=...) with "
+                "the largest need before the first native collective and the "
+                "first make_flex_key(comm_backend='auto') on GPUs (which joins "
+                "NVSHMEM with the default staging)"
+            )
         return
     lib = load_library("cuda")
     rank, n = jax.process_index(), jax.process_count()
     size = lib.magi_nv_uid_size()
     if n > 1:
         from jax._src import distributed
+
         client = distributed.global_state.client
         if client is None:
-            raise RuntimeError("the native transport over several processes needs "
-                               "jax.distributed.initialize() first")
+            raise RuntimeError(
+                "the native transport over several processes needs "
+                "jax.distributed.initialize() first"
+            )
         key = "magi_jax/nvshmem_uid"
         if rank == 0:
             buf = ctypes.create_string_buffer(size)
@@ -229,18 +264,25 @@ def initialize(symmetric_bytes: int = _DEFAULT_SYMMETRIC_BYTES,
             raise RuntimeError("nvshmemx_get_uniqueid failed")
         uid = buf.raw
     symmetric_bytes = int(symmetric_bytes)
-    started_bytes = int(symmetric_bytes if started_bytes is None and
-                        cuda_tuning().started_reduce else started_bytes or 0)
+    started_bytes = int(
+        symmetric_bytes
+        if started_bytes is None and cuda_tuning().started_reduce
+        else started_bytes or 0
+    )
     flags_bytes = 16 * _FLAG_CAPACITY + (1 << 20)
-    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE",
-                          str(symmetric_bytes + started_bytes + flags_bytes + (64 << 20)))
+    os.environ.setdefault(
+        "NVSHMEM_SYMMETRIC_SIZE", str(symmetric_bytes + started_bytes + flags_bytes + (64 << 20))
+    )
     err = ctypes.create_string_buffer(512)
-    rc = lib.magi_nv_init(uid, rank, n, symmetric_bytes, _FLAG_CAPACITY, started_bytes, err,
-                          512)
+    rc = lib.magi_nv_init(uid, rank, n, symmetric_bytes, _FLAG_CAPACITY, started_bytes, err, 512)
     if rc != 0:
         raise RuntimeError(f"NVSHMEM initialization failed ({rc}): {err.value.decode()}")
-    _nv.update(bytes=symmetric_bytes, started_bytes=started_bytes,
-               all_mapped=lib.magi_nv_all_mapped() == 1, initialized=True)
+    _nv.update(
+        bytes=symmetric_bytes,
+        started_bytes=started_bytes,
+        all_mapped=lib.magi_nv_all_mapped() == 1,
+        initialized=True,
+    )
     atexit.register(finalize)
 
 
@@ -258,6 +300,7 @@ def staging_bytes(n_slots: int, slot_len: int, row_shape, dtype) -> int:
 
 
 # ---- the collectives (inside shard_map) -----------------------------------------------------
+
 
 def _where(axis_name: str):
     """int32 [2]: this device's rank on the cp axis and the index of its cp group (the other
@@ -278,10 +321,13 @@ def _platform() -> str:
 
 
 def _common_attrs(spec, timeout_s, prefix):
-    return dict(cp=np.int64(spec.cp), shifts=np.asarray(spec.shifts, np.int64),
-                call_id=np.int64(next(_call_ids)), prefix=bool(prefix),
-                timeout_ms=np.int64(int(1000 * (DEFAULT_TIMEOUT_S if timeout_s is None
-                                                else timeout_s))))
+    return dict(
+        cp=np.int64(spec.cp),
+        shifts=np.asarray(spec.shifts, np.int64),
+        call_id=np.int64(next(_call_ids)),
+        prefix=bool(prefix),
+        timeout_ms=np.int64(int(1000 * (DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s))),
+    )
 
 
 def _cuda_attrs(spec, n_rows_per_slot, row_bytes):
@@ -291,15 +337,21 @@ def _cuda_attrs(spec, n_rows_per_slot, row_bytes):
     # more than one bank of flags holds (the kernels use a bank per staging region).
     bank = _FLAG_CAPACITY // 2
     chunk_rows = max(1, t.chunk_kib * 1024 // max(1, row_bytes))
-    rows_per_chunk = max(1, min(chunk_rows, -(-total // t.send_blocks)),
-                         -(-total // (bank - len(spec.widths))))
+    rows_per_chunk = max(
+        1, min(chunk_rows, -(-total // t.send_blocks)), -(-total // (bank - len(spec.widths)))
+    )
     chunks = sum(-(-w // rows_per_chunk) for w in spec.widths)
     if chunks > bank:
         raise ValueError(f"native collective needs {chunks} flags (> {bank})")
-    return dict(widths=np.asarray(spec.widths, np.int64), slot_len=np.int64(n_rows_per_slot),
-                rows_per_chunk=np.int64(rows_per_chunk), send_blocks=np.int64(t.send_blocks),
-                recv_blocks=np.int64(t.recv_blocks), mode=np.int64(_MODES[t.mode]),
-                double_buffer=bool(t.double_buffer))
+    return dict(
+        widths=np.asarray(spec.widths, np.int64),
+        slot_len=np.int64(n_rows_per_slot),
+        rows_per_chunk=np.int64(rows_per_chunk),
+        send_blocks=np.int64(t.send_blocks),
+        recv_blocks=np.int64(t.recv_blocks),
+        mode=np.int64(_MODES[t.mode]),
+        double_buffer=bool(t.double_buffer),
+    )
 
 
 def _on_stream(plat, call):
@@ -308,8 +360,10 @@ def _on_stream(plat, call):
     if plat != "cuda" or n in (0, "0"):
         return call
     from jax.experimental.compute_on import compute_on
-    return compute_on(compute_type=f"gpu_stream:{n}",
-                      out_memory_spaces=jax.memory.Space.Device)(call)
+
+    return compute_on(compute_type=f"gpu_stream:{n}", out_memory_spaces=jax.memory.Space.Device)(
+        call
+    )
 
 
 def _ensure_staging(send, row_bytes: int, what: str):
@@ -324,7 +378,8 @@ def _ensure_staging(send, row_bytes: int, what: str):
             f"slots x {s} rows of {what}) but only "
             f"{_nv['bytes'] / 2**20:.1f} MiB of NVSHMEM symmetric memory were reserved; call "
             f"magi_jax.sharding.native.initialize(symmetric_bytes={need}) (or more) before "
-            "the first native collective, or use more overlap stages (smaller casts)")
+            "the first native collective, or use more overlap stages (smaller casts)"
+        )
 
 
 # Arrays one native collective moves at once (the handlers' kMaxLeaves).
@@ -339,8 +394,10 @@ def _arrays(x, what: str):
     if not 1 <= len(xs) <= MAX_ARRAYS:
         raise ValueError(f"native {what} moves 1 to {MAX_ARRAYS} arrays at once; got {len(xs)}")
     if len({a.shape[0] for a in xs}) != 1:
-        raise ValueError(f"native {what}: the arrays must have the same number of rows; got "
-                         f"shapes {[tuple(a.shape) for a in xs]}")
+        raise ValueError(
+            f"native {what}: the arrays must have the same number of rows; got "
+            f"shapes {[tuple(a.shape) for a in xs]}"
+        )
     return xs, single
 
 
@@ -371,7 +428,8 @@ def group_cast(x, tables, spec, *, prefix: bool = False, timeout_s: float | None
     flat = [a.reshape(a.shape[0], -1) for a in xs]
     outs = [jax.ShapeDtypeStruct((rows, f.shape[1]), f.dtype) for f in flat]
     got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(CAST_TARGET, outs)(*a, **attrs))(
-        send, recv, _where(spec.axis_name), *flat)
+        send, recv, _where(spec.axis_name), *flat
+    )
     got = [g.reshape((rows,) + a.shape[1:]) for g, a in zip(got, xs)]
     return got[0] if single else got
 
@@ -386,8 +444,10 @@ def _reduce_call(y, tables, spec, num_rows, acc, prefix, out_dtype, timeout_s, o
     load_library(plat)
     ys, single = _arrays(y, "group_reduce")
     if len({a.dtype for a in ys}) != 1:
-        raise TypeError("native group_reduce sums arrays of one dtype at a time; got "
-                        f"{[str(a.dtype) for a in ys]}")
+        raise TypeError(
+            "native group_reduce sums arrays of one dtype at a time; got "
+            f"{[str(a.dtype) for a in ys]}"
+        )
     dtype = ys[0].dtype
     wide = dtype == jnp.float64
     acc_dtype = jnp.float64 if wide else jnp.float32
@@ -395,27 +455,36 @@ def _reduce_call(y, tables, spec, num_rows, acc, prefix, out_dtype, timeout_s, o
         raise TypeError(f"native group_reduce on GPU takes bf16, f16 or f32; got {dtype}")
     out_dtype = acc_dtype if out_dtype is None else jnp.dtype(out_dtype)
     if out_dtype not in (acc_dtype, dtype):
-        raise TypeError(f"native group_reduce: out_dtype={out_dtype} is neither the sums' "
-                        f"{jnp.dtype(acc_dtype)} nor the input's {dtype}")
+        raise TypeError(
+            f"native group_reduce: out_dtype={out_dtype} is neither the sums' "
+            f"{jnp.dtype(acc_dtype)} nor the input's {dtype}"
+        )
     owns = []
     if own is not None:
         owns = [own] if single else list(own)
         if prefix:
-            raise ValueError("native group_reduce: pass the own rows either in y (prefix=True) "
-                             "or as own=, not both")
+            raise ValueError(
+                "native group_reduce: pass the own rows either in y (prefix=True) "
+                "or as own=, not both"
+            )
         if len(owns) != len(ys):
-            raise ValueError(f"native group_reduce: {len(owns)} own arrays for {len(ys)} "
-                             "arrays; pass one per array")
+            raise ValueError(
+                f"native group_reduce: {len(owns)} own arrays for {len(ys)} "
+                "arrays; pass one per array"
+            )
         for i, (o, a) in enumerate(zip(owns, ys)):
             if o.shape != (num_rows,) + a.shape[1:] or o.dtype != dtype:
                 raise ValueError(
                     f"native group_reduce: own[{i}] is {tuple(o.shape)} {o.dtype}, expected "
-                    f"{(num_rows,) + a.shape[1:]} {dtype} (num_rows rows of y[{i}]'s rows)")
+                    f"{(num_rows,) + a.shape[1:]} {dtype} (num_rows rows of y[{i}]'s rows)"
+                )
     want = recv.shape[0] + (num_rows if prefix else 0)
     if ys[0].shape[0] != want:
-        raise ValueError(f"native group_reduce: y has {ys[0].shape[0]} rows, expected {want} ("
-                         + (f"num_rows={num_rows} own rows, then " if prefix else "")
-                         + f"one per buffer row, {recv.shape[0]})")
+        raise ValueError(
+            f"native group_reduce: y has {ys[0].shape[0]} rows, expected {want} ("
+            + (f"num_rows={num_rows} own rows, then " if prefix else "")
+            + f"one per buffer row, {recv.shape[0]})"
+        )
     flat = [a.reshape(a.shape[0], -1) for a in ys]
     outs = [jax.ShapeDtypeStruct((num_rows, f.shape[1]), out_dtype) for f in flat]
     accumulate = acc is not None
@@ -423,8 +492,10 @@ def _reduce_call(y, tables, spec, num_rows, acc, prefix, out_dtype, timeout_s, o
     if accumulate:
         accs = [acc] if single else list(acc)
         if len(accs) != len(ys):
-            raise ValueError(f"native group_reduce: {len(accs)} initial sums for {len(ys)} "
-                             "arrays; pass one per array")
+            raise ValueError(
+                f"native group_reduce: {len(accs)} initial sums for {len(ys)} "
+                "arrays; pass one per array"
+            )
         accs = [a.astype(acc_dtype).reshape(num_rows, f.shape[1]) for a, f in zip(accs, flat)]
     attrs = _common_attrs(spec, timeout_s, prefix)
     attrs["accumulate"] = accumulate
@@ -438,8 +509,11 @@ def _reduce_call(y, tables, spec, num_rows, acc, prefix, out_dtype, timeout_s, o
         attrs.update(_cuda_attrs(spec, send.shape[1], _row_bytes(ys)))
         head += _inverse_tables(send, recv, num_rows)
     # Sums in the own rows' dtype and nothing to add: in place (rows nobody sends to stay).
-    aliases = ({len(head) + i: i for i in range(len(owns))}
-               if owns and out_dtype == dtype and not accumulate else {})
+    aliases = (
+        {len(head) + i: i for i in range(len(owns))}
+        if owns and out_dtype == dtype and not accumulate
+        else {}
+    )
     return (plat, ys, single, [*head, *owns, *flat, *accs], outs, attrs, flat, aliases)
 
 
@@ -449,12 +523,17 @@ def _inverse_tables(send, recv, num_rows):
     (the buffer row that answers it)."""
     n, s = send.shape
     rows = jnp.where(send < 0, num_rows, send)
-    inv = jnp.full((num_rows + 1, n), -1, jnp.int32).at[
-        rows, jnp.arange(n)[:, None]].set(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32),
-                                                          (n, s)))[:num_rows]
+    inv = (
+        jnp.full((num_rows + 1, n), -1, jnp.int32)
+        .at[rows, jnp.arange(n)[:, None]]
+        .set(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (n, s)))[:num_rows]
+    )
     ridx = jnp.where(recv < 0, n * s, recv)
-    rinv = jnp.full((n * s + 1,), -1, jnp.int32).at[ridx].set(
-        jnp.arange(recv.shape[0], dtype=jnp.int32))[:n * s]
+    rinv = (
+        jnp.full((n * s + 1,), -1, jnp.int32)
+        .at[ridx]
+        .set(jnp.arange(recv.shape[0], dtype=jnp.int32))[: n * s]
+    )
     return [inv, rinv]
 
 
@@ -463,8 +542,18 @@ def _unflat(got, ys, num_rows, single):
     return got[0] if single else got
 
 
-def group_reduce(y, tables, spec, num_rows: int, *, acc=None, prefix: bool = False,
-                 own=None, out_dtype=None, timeout_s: float | None = None):
+def group_reduce(
+    y,
+    tables,
+    spec,
+    num_rows: int,
+    *,
+    acc=None,
+    prefix: bool = False,
+    own=None,
+    out_dtype=None,
+    timeout_s: float | None = None,
+):
     """Native :func:`~magi_jax.sharding.collectives.group_reduce`: ``y [B, ...]`` summed in
     float32 (float64 for float64 ``y``; CPU only) into the owners' rows ->
     ``[num_rows, ...]``, added to ``acc`` (same shape, float32) when given. ``y`` (and
@@ -477,9 +566,12 @@ def group_reduce(y, tables, spec, num_rows: int, *, acc=None, prefix: bool = Fal
     copies an ``own`` that is used afterwards) and rows nobody sends to cost nothing.
     ``out_dtype``: the float32 (float64) sums by default, or ``y``'s dtype, rounded once."""
     plat, ys, single, args, outs, attrs, _, aliases = _reduce_call(
-        y, tables, spec, num_rows, acc, prefix, out_dtype, timeout_s, own)
-    got = _on_stream(plat, lambda *a: jax.ffi.ffi_call(
-        REDUCE_TARGET, outs, input_output_aliases=aliases)(*a, **attrs))(*args)
+        y, tables, spec, num_rows, acc, prefix, out_dtype, timeout_s, own
+    )
+    got = _on_stream(
+        plat,
+        lambda *a: jax.ffi.ffi_call(REDUCE_TARGET, outs, input_output_aliases=aliases)(*a, **attrs),
+    )(*args)
     return _unflat(got, ys, num_rows, single)
 
 
@@ -518,8 +610,17 @@ def can_start_reduce(spec) -> bool:
     return _nv["initialized"] and _nv["all_mapped"] and _nv["started_bytes"] > 0
 
 
-def group_reduce_start(y, tables, spec, num_rows: int, *, prefix: bool = False, own=None,
-                       out_dtype=None, timeout_s: float | None = None):
+def group_reduce_start(
+    y,
+    tables,
+    spec,
+    num_rows: int,
+    *,
+    prefix: bool = False,
+    own=None,
+    out_dtype=None,
+    timeout_s: float | None = None,
+):
     """:func:`group_reduce` in two calls, so that other kernels run while its rows move:
     returns ``(token, done)``; ``done(token)`` returns what ``group_reduce`` would. On GPU the
     start queues, on a high-priority side stream, a copy kernel of 16 blocks that writes the
@@ -532,31 +633,47 @@ def group_reduce_start(y, tables, spec, num_rows: int, *, prefix: bool = False, 
     :func:`can_start_reduce`. On CPU the start checks the runs against the tables and the
     done call does the whole reduce."""
     if not can_start_reduce(spec):
-        raise ValueError("group_reduce_start: this reduce cannot be started here (see "
-                         "magi_jax.sharding.native.can_start_reduce); call group_reduce")
+        raise ValueError(
+            "group_reduce_start: this reduce cannot be started here (see "
+            "magi_jax.sharding.native.can_start_reduce); call group_reduce"
+        )
     plat, ys, single, args, outs, attrs, flat, aliases = _reduce_call(
-        y, tables, spec, num_rows, None, prefix, out_dtype, timeout_s, own)
-    if plat == "cuda" and (not _nv["all_mapped"] or _nv["started_bytes"] <
-                           staging_bytes(*tables[0].shape, (_row_bytes(ys),), np.uint8)):
+        y, tables, spec, num_rows, None, prefix, out_dtype, timeout_s, own
+    )
+    if plat == "cuda" and (
+        not _nv["all_mapped"]
+        or _nv["started_bytes"] < staging_bytes(*tables[0].shape, (_row_bytes(ys),), np.uint8)
+    ):
         raise ValueError(
             "group_reduce_start needs every PE load/store reachable and staging for started "
             f"reduces of {staging_bytes(*tables[0].shape, (_row_bytes(ys),), np.uint8)} "
             f"bytes; {_nv['started_bytes']} were reserved (magi_jax.sharding.native.initialize("
-            "started_bytes=...))")
+            "started_bytes=...))"
+        )
     runs, offsets = spec.runs
-    start_attrs = dict(cp=attrs["cp"], slot_len=np.int64(tables[0].shape[1]),
-                       runs=np.asarray(runs, np.int64), run_offsets=np.asarray(offsets,
-                                                                               np.int64))
+    start_attrs = dict(
+        cp=attrs["cp"],
+        slot_len=np.int64(tables[0].shape[1]),
+        runs=np.asarray(runs, np.int64),
+        run_offsets=np.asarray(offsets, np.int64),
+    )
     if plat == "cuda":
-        start_attrs.update({k: v for k, v in attrs.items()
-                            if k not in ("accumulate", "out_input_dtype", "own_apart")})
+        start_attrs.update(
+            {
+                k: v
+                for k, v in attrs.items()
+                if k not in ("accumulate", "out_input_dtype", "own_apart")
+            }
+        )
     _, recv, where = args[:3]
     token = jax.ffi.ffi_call(START_TARGET, jax.ShapeDtypeStruct((1,), jnp.int32))(
-        recv, where, *flat, **start_attrs)
+        recv, where, *flat, **start_attrs
+    )
 
     def done(token):
-        got = jax.ffi.ffi_call(DONE_TARGET, outs, input_output_aliases={
-            i + 1: o for i, o in aliases.items()})(token, *args, **attrs)
+        got = jax.ffi.ffi_call(
+            DONE_TARGET, outs, input_output_aliases={i + 1: o for i, o in aliases.items()}
+        )(token, *args, **attrs)
         return _unflat(got, ys, num_rows, single)
 
     return token, done
