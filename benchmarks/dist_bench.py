@@ -161,8 +161,8 @@ from benchmarks.baselines.ulysses import make_ulysses_plan, ulysses_attention  #
 from benchmarks.kernel_bench import make_mask  # noqa: E402
 from benchmarks.probe import nocomm_attention  # noqa: E402
 from magi_jax.planning.stages import build_dist_plan  # noqa: E402
-from magi_jax.sharding import key as key_mod  # noqa: E402
 from magi_jax.sharding import magi_attention, make_flex_key  # noqa: E402
+from magi_jax.sharding import make_key as key_mod  # noqa: E402
 
 IMPLS = ("single", "magi", "ring", "allgather", "ulysses", "magi_nocomm")
 FWD_BWD = 3.5  # fwd+bwd FLOPs = 3.5 x forward (every benchmark here)

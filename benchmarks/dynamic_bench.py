@@ -115,7 +115,7 @@ def packings(total: int, count: int, seed: int, num_docs: int = 10) -> list[Attn
 
 def host_key(mask: AttnMask, cp: int, capacity: PlanCapacity | None, ffa_backend: str):
     """What ``make_flex_key(mask, mesh, capacity=capacity, ffa_backend=ffa_backend)`` does
-    on the host (magi_jax/sharding/key.py ``_make_key``), the device put left out. Returns
+    on the host (magi_jax/sharding/make_key.py ``_make_key``), the device put left out. Returns
     ``(plan, chunk_order, chunk_inverse, seconds per phase)``."""
     times = dict.fromkeys(PHASES, 0.0)
     t_start = time.perf_counter()
@@ -161,10 +161,10 @@ class ViaKey:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         import jax
 
-        import magi_jax.sharding.key as key_mod
+        import magi_jax.sharding.make_key as key_mod
 
         self.jax, self.key_mod = jax, key_mod
-        key_mod._put = lambda a, sharding: np.ascontiguousarray(a, np.int32)
+        key_mod.put_global = lambda a, sharding: np.ascontiguousarray(a, np.int32)
         self.meshes = {}
 
     def total(self, mask, cp, capacity, ffa_backend) -> float:

@@ -133,7 +133,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import magi_jax as mj  # noqa: E402
 from magi_jax.nn import SelfAttention, apply_rope, attend, rope_positions  # noqa: E402
-from magi_jax.sharding.key import ffa_backend_reason  # noqa: E402
+from magi_jax.sharding.make_key import ffa_backend_reason  # noqa: E402
 
 # ---- model ----------------------------------------------------------------------------------
 

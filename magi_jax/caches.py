@@ -2,7 +2,7 @@
 
 Host plans are cached by mask fingerprint (work lists, dispatches, distributed plans) and
 keys by their arguments, in a cache bounded by the bytes of its keys' device arrays
-(:func:`magi_jax.sharding.key.clear_key_cache` sets the bound)."""
+(:func:`magi_jax.sharding.make_key.clear_key_cache` sets the bound)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def clear_caches():
     stages.clear_cache()
     import sys
 
-    key = sys.modules.get("magi_jax.sharding.key")
+    key = sys.modules.get("magi_jax.sharding.make_key")
     if key is not None:
         key.clear_key_cache()
     roll = sys.modules.get("magi_jax.sharding.roll")

@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import magi_jax as mj
 from magi_jax.sharding import magi_attention_local
-from magi_jax.sharding.key import CHECK_DISPATCH_ENV, CheckedKey
+from magi_jax.sharding.key import CheckedKey
+from magi_jax.sharding.make_key import CHECK_DISPATCH_ENV
 
 T = 256  # 8 ranks x 32 tokens: no padding
 MASK = mj.AttnMask.varlen([0, 100, 256])  # causal documents (the default)

@@ -30,7 +30,8 @@ from magi_jax.ffa import flex_flash_attention
 from magi_jax.ffa.sinks import MAX_SINKS, apply_sink, check_sink
 from magi_jax.mask import AttnMask
 from magi_jax.sharding.attention import magi_attention, magi_attention_local
-from magi_jax.sharding.key import MagiKey, position_ids
+from magi_jax.sharding.key import MagiKey
+from magi_jax.sharding.layout import position_ids
 
 __all__ = ["make_attention_fn", "SelfAttention", "apply_rope", "rope_positions"]
 

@@ -26,14 +26,9 @@ activations per layer.
 from magi_jax.planning.solver import solve_dispatch
 from magi_jax.sharding.attention import magi_attention, magi_attention_local
 from magi_jax.sharding.collectives import group_cast, group_reduce
-from magi_jax.sharding.key import (
-    MagiKey,
-    dispatch,
-    make_flex_key,
-    make_varlen_key,
-    position_ids,
-    undispatch,
-)
+from magi_jax.sharding.key import MagiKey
+from magi_jax.sharding.layout import dispatch, position_ids, undispatch
+from magi_jax.sharding.make_key import make_flex_key, make_varlen_key
 from magi_jax.sharding.roll import roll
 
 __all__ = [

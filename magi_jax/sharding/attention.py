@@ -28,7 +28,7 @@ from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.sharding import native
 from magi_jax.sharding.collectives import _cast, _reduce, _start_reduce
 from magi_jax.sharding.ffa_backends import get_backend
-from magi_jax.sharding.key import MagiKey, _check_key, _checked, _cp_names, _cp_ranks, _rows_desc
+from magi_jax.sharding.key import MagiKey, check_key, cp_names, cp_ranks, is_checked, rows_desc
 
 __all__ = ["magi_attention", "magi_attention_local", "merge_partials"]
 
@@ -264,7 +264,7 @@ def _local(
 
 
 def _check_inputs(q, k, v, key):
-    _check_key(key)
+    check_key(key)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not (hasattr(x, "ndim") and hasattr(x, "shape") and hasattr(x, "dtype")):
             raise TypeError(
@@ -367,17 +367,17 @@ def _length_message(name, x, key):
     n, st = x.shape[-3], key.static
     msg = (
         f"magi_attention: {name} has {n} tokens (shape {tuple(x.shape)}) but the key "
-        f"dispatches {_rows_desc(key)}"
+        f"dispatches {rows_desc(key)}"
     )
     looks = []
     if n == key.total:
         looks.append("natural-order tokens")
-    if _checked(key) and n == st.padded_total:
+    if is_checked(key) and n == st.padded_total:
         looks.append(
             "tokens dispatched with the key's unchecked twin (make_flex_key without "
             "check_dispatch): dispatch with this key"
         )
-    if not _checked(key) and n == st.padded_total + st.cp:
+    if not is_checked(key) and n == st.padded_total + st.cp:
         looks.append("tokens dispatched with a check_dispatch=True key: use that key here too")
     if looks:
         msg += "; these look like " + ", or ".join(looks)
@@ -425,7 +425,7 @@ def _entry(e) -> tuple:
 def _check_type(name, x, key, seq):
     """A traced input on a mesh whose cp axis is Explicit: its sharding type."""
     types = dict(zip(key.mesh.axis_names, key.mesh.axis_types))
-    names = _cp_names(key.cp_axis)  # cp over one mesh axis or several
+    names = cp_names(key.cp_axis)  # cp over one mesh axis or several
     if all(types[a] != AxisType.Explicit for a in names):
         return  # Auto: the type says nothing
     sharding = getattr(jax.typeof(x), "sharding", None)
@@ -471,7 +471,7 @@ def _check_placement(name, x, key, seq, local=None):
         return
     local = key.local_len if local is None else local
     mesh_devices = key.mesh.devices
-    rank = _cp_ranks(key.mesh, key.cp_axis)
+    rank = cp_ranks(key.mesh, key.cp_axis)
     held = sharding.devices_indices_map(tuple(x.shape))
     n = x.shape[seq]
     if set(held) != set(rank):
@@ -540,7 +540,7 @@ def magi_attention(
 
     Args:
       q: ``[padded_total, Hq, D]``, k/v: ``[padded_total, Hkv, D]`` — outputs of
-        :func:`~magi_jax.sharding.key.dispatch` (or computed from dispatched activations),
+        :func:`~magi_jax.sharding.layout.dispatch` (or computed from dispatched activations),
         sharded over ``key.cp_axis``; or ``[B, padded_total, H, D]`` (one mask for the
         batch; dispatch with ``seq_axis=1``). Cross-attention keys (``key.kv_layout``
         ``"replicated"`` or ``"dispatched"``): k/v are ``[(B,) key.kv_padded_total, Hkv, D]``
@@ -574,7 +574,7 @@ def magi_attention(
     # Replicated keys enter every rank whole; shard_map's transpose sums their cotangents.
     kv_spec = P() if key.kv_layout == "replicated" else spec
     plan_spec = P(key.cp_axis)
-    hidden = _checked(key)
+    hidden = is_checked(key)
 
     max_logits = bool(return_max_logits)
 
@@ -617,7 +617,7 @@ def magi_attention_local(
     cp axis). Cross-attention keys: k/v are the rank's ``[kv_local_len, Hkv, D]`` block of
     ``dispatch(k, key, role="kv")`` (``"dispatched"``), or all ``total_k`` keys unmapped
     (``P()`` in ``in_specs``, so that ``shard_map`` sums their gradients: ``"replicated"``)."""
-    _check_key(key)
+    check_key(key)
     for name, x in (("k", k), ("v", v)):
         if key.cross and x.ndim in (3, 4) and x.shape[-3] != key.kv_local_len:
             raise ValueError(
@@ -643,7 +643,7 @@ def magi_attention_local(
     r = jax.lax.axis_index(key.cp_axis)
     stage_arrays = jax.tree.map(lambda a: jnp.asarray(a)[r], key.stage_arrays)
     max_logits = bool(return_max_logits)
-    if not _checked(key):
+    if not is_checked(key):
         return _local(q, k, v, stage_arrays, key, scale, float(softcap), max_logits)
     q, k, v = (_strip_hidden(x, key) for x in (q, k, v))
     res = _local(q, k, v, stage_arrays, key, scale, float(softcap), max_logits)

@@ -37,15 +37,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from magi_jax.sharding.key import (
-    MagiKey,
-    _axis,
-    _check_key,
-    _merge_axes,
-    _put,
-    _rows_desc,
-    _split_axis,
-)
+from magi_jax.sharding.key import MagiKey, check_key, rows_desc
+from magi_jax.sharding.layout import check_seq_axis, merge_axes, split_axis
+from magi_jax.sharding.make_key import put_global
 
 __all__ = ["roll", "roll_tables", "RollTables", "clear_roll_cache"]
 
@@ -209,7 +203,7 @@ def _device_tables(key: MagiKey, shift: int):
     def build():
         t = roll_tables(rank_chunks, st.chunk_size, st.total, shift, rows)
         shard = NamedSharding(st.mesh, P(st.cp_axis))
-        return t.deltas, tuple(_put(s, shard) for s in t.send), _put(t.gather, shard)
+        return t.deltas, tuple(put_global(s, shard) for s in t.send), put_global(t.gather, shard)
 
     return _TABLES.get((fp, shift, st.mesh, st.cp_axis, rows), build)
 
@@ -317,7 +311,7 @@ def _move_edges(x, chunk_order, chunk_inverse, t, route):
     if k:
         # Edge rows: the last k rows of every chunk (t > 0: they start the next chunk) or
         # its first k (t < 0: they end the previous one), [per_rank·k] from this rank.
-        blocks = _split_axis(jax.lax.slice_in_dim(x, 0, local, axis=axis), axis, per_rank, c)
+        blocks = split_axis(jax.lax.slice_in_dim(x, 0, local, axis=axis), axis, per_rank, c)
         edge = jax.lax.slice_in_dim(blocks, c - k if t > 0 else 0, c if t > 0 else k, axis=axis + 1)
         # Wrap rows: positions [total - k, total) (t > 0) or [0, k) (t < 0), which may span
         # two chunks when the last one is partial; every rank takes the rows at their local
@@ -326,7 +320,7 @@ def _move_edges(x, chunk_order, chunk_inverse, t, route):
         wrap_pos = wrap_start + jnp.arange(k, dtype=jnp.int32)
         wrap_slot = jnp.take(chunk_inverse, wrap_pos // c, mode="clip")
         wrap_rows = jnp.take(x, (wrap_slot % per_rank) * c + wrap_pos % c, axis=axis, mode="clip")
-        mine = jnp.concatenate([_merge_axes(edge, axis, 2), wrap_rows], axis=axis)
+        mine = jnp.concatenate([merge_axes(edge, axis, 2), wrap_rows], axis=axis)
         parts.append(jax.lax.all_gather(mine, route.cp_axis, axis=axis, tiled=True))
         width = (per_rank + 1) * k  # rows each rank contributes
 
@@ -478,18 +472,18 @@ def roll(x, shift: int, key: MagiKey, *, seq_axis: int = 0):
     The hidden states of the main model can be shifted the same way
     (``mj.roll(h, -1, key)``), and gradients flow back through the roll.
     """
-    _check_key(key)
+    check_key(key)
     shift = _check_shift(shift)
     if not (hasattr(x, "ndim") and hasattr(x, "shape")):
         try:
             x = jnp.asarray(x)
         except TypeError:
             raise TypeError(f"roll: x must be an array; got {type(x).__name__}") from None
-    axis = _axis(x, seq_axis, "roll")
+    axis = check_seq_axis(x, seq_axis, "roll")
     if x.shape[axis] != key.padded_total:
         msg = (
             f"roll: x has shape {tuple(x.shape)}; its axis {axis} (seq_axis={seq_axis}) "
-            f"has {x.shape[axis]} rows but the key dispatches {_rows_desc(key)}"
+            f"has {x.shape[axis]} rows but the key dispatches {rows_desc(key)}"
         )
         if x.shape[axis] == key.total and key.total != key.padded_total:
             msg += (

@@ -90,7 +90,7 @@ def test_over_capacity_names_the_field():
 
 
 def test_key_cache_is_bounded_by_bytes():
-    from magi_jax.sharding.key import _KEYS, clear_key_cache
+    from magi_jax.sharding.make_key import _KEYS, clear_key_cache
 
     mesh = _mesh()
     try:

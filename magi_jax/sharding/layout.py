@@ -1,0 +1,288 @@
+"""The dispatched layout: :func:`dispatch` / :func:`undispatch` move arrays between natural
+and dispatched order, :func:`position_ids` gives every dispatched token its global position,
+and the row helpers here are what :mod:`~magi_jax.sharding.roll` and
+:mod:`~magi_jax.sharding.attention` lay arrays out with.
+
+Dispatch moves whole chunks (padding sits at the end of the padded sequence, in chunks of
+its own), so both directions are one gather of ``[num_chunks, chunk_size, ...]`` blocks by
+the key's ``[num_chunks]`` leaves: no token-level index exists, on the host or on the device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from magi_jax.sharding.key import ROLES, MagiKey, check_key, is_checked, rows_desc
+
+__all__ = [
+    "dispatch",
+    "undispatch",
+    "position_ids",
+    "split_axis",
+    "merge_axes",
+    "check_seq_axis",
+    "shard_rows",
+]
+
+
+# Dispatch moves whole chunks (padding sits at the end of the padded sequence, in chunks of
+# its own), so both directions are one gather of [num_chunks, chunk_size, ...] blocks by the
+# key's [num_chunks] leaves: no token-level index exists, on the host or on the device.
+
+
+def split_axis(x, axis: int, *sizes):
+    """``x`` with axis ``axis`` split into ``sizes`` (their product is its length)."""
+    return x.reshape(x.shape[:axis] + sizes + x.shape[axis + 1 :])
+
+
+def merge_axes(x, axis: int, count: int):
+    """``x`` with axes ``axis .. axis + count - 1`` merged into one."""
+    n = int(np.prod(x.shape[axis : axis + count]))
+    return x.reshape(x.shape[:axis] + (n,) + x.shape[axis + count :])
+
+
+def _take_chunks(x, chunks, chunk_size: int, axis: int):
+    """Row block ``i`` (``chunk_size`` rows along ``axis``) of the result is block
+    ``chunks[i]`` of ``x`` (``x.shape[axis] == len(chunks) · chunk_size``)."""
+    blocks = split_axis(x, axis, chunks.shape[0], chunk_size)
+    return merge_axes(jnp.take(blocks, chunks, axis=axis), axis, 2)
+
+
+def _pad_rows(x, axis: int, rows: int):
+    """``x`` zero-padded at the end of ``axis`` to ``rows`` rows."""
+    pad = rows - x.shape[axis]
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _add_hidden_rows(x, key, axis: int):
+    """Checked layout: one zero row after each rank's ``local_len`` rows."""
+    st = key.static
+    return merge_axes(
+        _pad_rows(split_axis(x, axis, st.cp, st.local_len), axis + 1, st.local_len + 1), axis, 2
+    )
+
+
+def _drop_hidden_rows(x, key, axis: int):
+    """The inverse of :func:`_add_hidden_rows`."""
+    st = key.static
+    blocks = split_axis(x, axis, st.cp, st.local_len + 1)
+    return merge_axes(jax.lax.slice_in_dim(blocks, 0, st.local_len, axis=axis + 1), axis, 2)
+
+
+def _as_array(x, fn):
+    if hasattr(x, "ndim") and hasattr(x, "shape"):
+        return x
+    try:
+        return jnp.asarray(x)
+    except TypeError:
+        raise TypeError(f"{fn}: x must be an array; got {type(x).__name__}") from None
+
+
+def _length_error(fn, x, axis, seq_axis, want, what, other=None):
+    """A ValueError for an array whose ``seq_axis`` does not hold ``want`` rows, with the
+    likely fix: another axis that has them, or the other layout."""
+    n = x.shape[axis]
+    msg = (
+        f"{fn}: x has shape {tuple(x.shape)}; its axis {axis} (seq_axis={seq_axis}) has "
+        f"{n} rows but {what}"
+    )
+    fits = [i for i, d in enumerate(x.shape) if d == want and i != axis]
+    if fits:
+        msg += (
+            f". Axis {fits[0]} has {want} rows: pass seq_axis={fits[0]} (the axis of "
+            "the packed sequence)"
+        )
+    elif other is not None and n == other[0]:
+        msg += f". {other[1]}"
+    else:
+        msg += "; x must hold the packed sequence the key was made for"
+    return ValueError(msg)
+
+
+def _check_role(role, fn):
+    if role not in ROLES:
+        raise ValueError(
+            f'{fn}: role={role!r} is not one of {ROLES} ("q": queries and '
+            'outputs; "kv": keys and values)'
+        )
+
+
+def _kv_role(key, role) -> bool:
+    """Whether ``role`` takes the keys' own layout (cross-attention keys, role ``"kv"``)."""
+    return role == "kv" and key.cross
+
+
+def _kv_length_error(fn, x, axis, seq_axis, key, want, what):
+    """A ValueError for keys/values of a cross key whose ``seq_axis`` has the wrong length."""
+    err = _length_error(fn, x, axis, seq_axis, want, what)
+    if x.shape[axis] == key.total and key.total != want:
+        return ValueError(
+            f"{err}. That is the queries' length: lay out queries with role='q' (the default)"
+        )
+    return err
+
+
+def _dispatch_kv(x, key, axis, seq_axis):
+    """Keys/values of a cross key, natural order -> its key layout."""
+    if x.shape[axis] != key.total_k:
+        raise _kv_length_error(
+            "dispatch",
+            x,
+            axis,
+            seq_axis,
+            key,
+            key.total_k,
+            f"the key's keys are {key.total_k} tokens in natural order",
+        )
+    if key.kv_layout == "replicated":
+        return shard_rows(x, key, axis, replicated=True)
+    x = _pad_rows(x, axis, key.kv_padded_total)
+    return shard_rows(
+        _take_chunks(x, key.kv_chunk_order, key.static.kv_chunk_size, axis), key, axis
+    )
+
+
+def dispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
+    """Natural order -> dispatched order along ``seq_axis`` (``total`` -> ``padded_total``
+    rows), sharded over the cp axis: rank ``r`` holds rows ``[r·local_len, (r+1)·local_len)``;
+    padding rows are zero. Differentiable (the VJP gathers the cotangent back).
+
+    ``role="kv"`` lays out keys and values (``total_k`` rows): for self-attention keys the
+    same as queries; for cross-attention keys the layout ``key.kv_layout`` names:
+    ``"replicated"`` returns ``x`` replicated on every rank (``total_k`` rows, no padding),
+    ``"dispatched"`` permutes it to ``key.kv_padded_total`` rows, rank ``r`` holding rows
+    ``[r·kv_local_len, (r+1)·kv_local_len)``. Call it for k and v whatever the layout."""
+    check_key(key)
+    _check_role(role, "dispatch")
+    x = _as_array(x, "dispatch")
+    axis = check_seq_axis(x, seq_axis, "dispatch")
+    if _kv_role(key, role):
+        return _dispatch_kv(x, key, axis, seq_axis)
+    if x.shape[axis] != key.total and key.cross and x.shape[axis] == key.total_k:
+        raise ValueError(
+            f"dispatch: x has {key.total_k} rows along seq_axis={seq_axis}: the "
+            f"key's keys, but role='q' lays out its {key.total} queries; pass "
+            "role='kv' for keys and values"
+        )
+    if x.shape[axis] != key.total:
+        raise _length_error(
+            "dispatch",
+            x,
+            axis,
+            seq_axis,
+            key.total,
+            f"the key is for {key.total} tokens in natural order",
+            (
+                key.padded_total,
+                "That is the key's dispatched length: x looks dispatched "
+                "already (pass it to magi_attention as it is, or undispatch it first)",
+            ),
+        )
+    st = key.static
+    y = _take_chunks(_pad_rows(x, axis, st.padded_total), key.chunk_order, st.chunk_size, axis)
+    if is_checked(key):
+        y = _add_hidden_rows(y, key, axis)
+    return shard_rows(y, key, axis)
+
+
+def undispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
+    """Dispatched -> natural order along ``seq_axis`` (``padded_total`` -> ``total`` rows,
+    padding dropped). Differentiable (padding rows get zero cotangent). ``role="kv"``: the
+    inverse of ``dispatch(..., role="kv")`` (``key.kv_padded_total`` -> ``total_k`` rows; a
+    replicated layout comes back as it is)."""
+    check_key(key)
+    _check_role(role, "undispatch")
+    x = _as_array(x, "undispatch")
+    axis = check_seq_axis(x, seq_axis, "undispatch")
+    if _kv_role(key, role):
+        if x.shape[axis] != key.kv_padded_total:
+            raise _kv_length_error(
+                "undispatch",
+                x,
+                axis,
+                seq_axis,
+                key,
+                key.kv_padded_total,
+                f"the key lays out keys in {key.kv_padded_total} rows "
+                f"(kv_layout={key.kv_layout!r})",
+            )
+        if key.kv_layout == "replicated":
+            return x
+        if any(t == jax.sharding.AxisType.Explicit for t in key.mesh.axis_types):
+            x = jax.sharding.reshard(x, NamedSharding(key.mesh, P()))
+        y = _take_chunks(x, key.kv_chunk_inverse, key.static.kv_chunk_size, axis)
+        return jax.lax.slice_in_dim(y, 0, key.total_k, axis=axis)
+    if x.shape[axis] != key.padded_total:
+        raise _length_error(
+            "undispatch",
+            x,
+            axis,
+            seq_axis,
+            key.padded_total,
+            f"the key dispatches {rows_desc(key)}",
+            (
+                key.total,
+                "That is the natural-order length: x looks undispatched already "
+                "(undispatch takes outputs of dispatch / magi_attention with this key)",
+            ),
+        )
+    if any(t == jax.sharding.AxisType.Explicit for t in key.mesh.axis_types):
+        x = jax.sharding.reshard(x, NamedSharding(key.mesh, P()))
+    if is_checked(key):
+        x = _drop_hidden_rows(x, key, axis)
+    st = key.static
+    y = _take_chunks(x, key.chunk_inverse, st.chunk_size, axis)
+    return jax.lax.slice_in_dim(y, 0, st.total, axis=axis)
+
+
+def check_seq_axis(x, seq_axis, fn):
+    if isinstance(seq_axis, (bool, np.bool_)) or not isinstance(seq_axis, (int, np.integer)):
+        raise TypeError(
+            f"{fn}: seq_axis={seq_axis!r} must be an int (the axis of the packed sequence)"
+        )
+    if not -x.ndim <= seq_axis < x.ndim:
+        raise ValueError(
+            f"{fn}: seq_axis={seq_axis} is out of range for an array of shape {tuple(x.shape)}"
+        )
+    return seq_axis % x.ndim
+
+
+def position_ids(key: MagiKey, *, role: str = "q"):
+    """int32 ``[padded_total]``: the global position of every dispatched token (for RoPE);
+    padding tokens get positions ``>= total``. Sharded like dispatched arrays: on a mesh
+    with Explicit axes it is typed ``P(cp_axis)`` like them (so RoPE's products stay
+    sharded), and JAX then asks for an ``out_sharding`` to index it; look at it with
+    ``np.asarray(pos)`` or ``jax.sharding.reshard(pos, NamedSharding(key.mesh, P()))``.
+    ``role="kv"``: the positions of the keys in ``dispatch(..., role="kv")``'s layout
+    (``[kv_padded_total]``; ``arange(total_k)`` replicated for a replicated layout)."""
+    check_key(key)
+    _check_role(role, "position_ids")
+    if _kv_role(key, role):
+        if key.kv_layout == "replicated":
+            return shard_rows(jnp.arange(key.total_k, dtype=jnp.int32), key, replicated=True)
+        return shard_rows(key.kv_order, key)
+    order = key.order
+    if is_checked(key):
+        st = key.static
+        hidden = st.padded_total + jnp.arange(st.cp, dtype=order.dtype)[:, None]
+        order = jnp.concatenate([order.reshape(st.cp, st.local_len), hidden], axis=1)
+        order = order.reshape(-1)
+    return shard_rows(order, key)
+
+
+def shard_rows(x, key: MagiKey, axis: int = 0, replicated: bool = False):
+    """Constrains ``x`` to be sharded along ``axis`` over the cp axis (Auto or Explicit), or
+    to be replicated."""
+    spec = P() if replicated else P(*([None] * axis), key.cp_axis, *([None] * (x.ndim - axis - 1)))
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in key.mesh.axis_types)
+    if explicit:
+        return jax.sharding.reshard(x, NamedSharding(key.mesh, spec))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(key.mesh, spec))
