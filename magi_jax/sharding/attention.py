@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -28,7 +29,15 @@ from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.sharding import native
 from magi_jax.sharding.collectives import _cast, _reduce, _start_reduce
 from magi_jax.sharding.ffa_backends import get_backend
-from magi_jax.sharding.key import MagiKey, check_key, cp_names, cp_ranks, is_checked, rows_desc
+from magi_jax.sharding.key import (
+    MagiKey,
+    axes_entry,
+    check_key,
+    cp_names,
+    cp_ranks,
+    is_checked,
+    rows_desc,
+)
 
 __all__ = ["magi_attention", "magi_attention_local", "merge_partials"]
 
@@ -284,6 +293,7 @@ def _check_inputs(q, k, v, key):
             raise ValueError(_length_message(name, x, key))
     if q.ndim == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    _check_pod_shapes(q, k, key)
     if k.shape != v.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     if q.shape[-1] != k.shape[-1]:
@@ -324,6 +334,35 @@ def _check_inputs(q, k, v, key):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if name == "q" or key.kv_layout in ("shared", "dispatched"):
             _check_dispatched_layout(name, x, key, "q" if name == "q" else "kv")
+
+
+def _axes_size(key: MagiKey, axes) -> int:
+    return int(np.prod([key.mesh.shape[a] for a in axes]))
+
+
+def _check_pod_shapes(q, k, key: MagiKey):
+    """Batch rows and heads split evenly over the key's batch and head axes."""
+    if key.batched and (q.ndim != 4 or q.shape[0] != key.rows):
+        raise ValueError(
+            f"magi_attention: q has shape {tuple(q.shape)}, but the key is batched (one plan "
+            f"for each of {key.rows} rows): q, k, v must be [{key.rows}, padded_total, H, D] "
+            "(mj.dispatch(x, key, seq_axis=1))"
+        )
+    shards = _axes_size(key, key.batch_axes)
+    if q.ndim == 4 and q.shape[0] % shards:
+        raise ValueError(
+            f"magi_attention: the batch of {q.shape[0]} rows cannot be split over the key's "
+            f"batch_axes={key.batch_axes!r} ({shards} shards); use a multiple of {shards} rows"
+        )
+    shards = _axes_size(key, key.head_axes)
+    for name, x in (("q", q), ("k/v", k)):
+        if x.shape[-2] % shards:
+            raise ValueError(
+                f"magi_attention: {name} has {x.shape[-2]} heads, which cannot be split over "
+                f"the key's head_axes={key.head_axes!r} ({shards} shards): every shard needs "
+                "whole query and key/value heads (use head counts divisible by the "
+                "tensor-parallel size)"
+            )
 
 
 def _kv_length_message(name, x, key):
@@ -447,13 +486,22 @@ def _check_type(name, x, key, seq):
             f"over ({key.cp_axis!r},)"
         )
     else:
-        others = [i for i, e in enumerate(spec) if i != seq and _entry(e)]
+        allowed = {x.ndim - 2: _entry(axes_entry(key.head_axes))}
+        if seq == 1:
+            allowed[0] = _entry(axes_entry(key.batch_axes))
+        others = [
+            i for i, e in enumerate(spec) if i != seq and _entry(e) and _entry(e) != allowed.get(i)
+        ]
         if not others:
             return
+        want = pod_specs(key, x.ndim).q
         raise ValueError(
-            f"magi_attention: {name} is typed {sharding.spec}, but magi_attention shards only "
-            f"the sequence axis of its inputs (over {key.cp_axis!r}); reshard {name} to "
-            f"{want}: jax.sharding.reshard({name}, NamedSharding(key.mesh, {want}))"
+            f"magi_attention: {name} is typed {sharding.spec}, but this key shards the "
+            f"sequence over {key.cp_axis!r}, the batch over batch_axes={key.batch_axes!r} "
+            f"and the heads over head_axes={key.head_axes!r} only; reshard {name} to "
+            f"{want}: jax.sharding.reshard({name}, NamedSharding(key.mesh, {want})), or "
+            "build the key with the axes your arrays use (make_flex_key(..., batch_axes=, "
+            "head_axes=))"
         )
     raise ValueError(
         f"magi_attention: {name} {where}, so it is not in the dispatched layout "
@@ -464,7 +512,7 @@ def _check_type(name, x, key, seq):
 def _check_placement(name, x, key, seq, local=None):
     """A concrete input (eager call): the rows each rank's devices hold (``local`` rows per
     rank; default the queries' ``key.local_len``)."""
-    spec = P(*([None] * seq), key.cp_axis)
+    spec = pod_specs(key, x.ndim).q
     want = NamedSharding(key.mesh, spec)
     sharding = x.sharding
     if sharding.is_equivalent_to(want, x.ndim):
@@ -525,6 +573,42 @@ def _add_hidden(out, lse):
     return pad(out, out.ndim - 3, 0), pad(lse, lse.ndim - 2, -jnp.inf)
 
 
+class PodSpecs(NamedTuple):
+    """The ``shard_map`` specs of one :func:`magi_attention` call: q, k/v and out
+    ``[(B,) T, H, D]``, lse ``[(B,) T, H]``, max logits ``[(B,) H]``, and the plan leaves
+    (``[cp, ...]``, or ``[B, cp, ...]`` for a batched key)."""
+
+    q: P
+    kv: P
+    lse: P
+    max_logits: P
+    plan: P
+
+
+def pod_specs(key: MagiKey, ndim: int) -> PodSpecs:
+    """How ``ndim``-dimensional inputs and the key's plans are sharded: the sequence over the
+    cp axis, a batch axis over ``key.batch_axes``, the heads over ``key.head_axes``."""
+    batch, heads = axes_entry(key.batch_axes), axes_entry(key.head_axes)
+    lead = (batch,) if ndim == 4 else ()
+    q = P(*lead, key.cp_axis, heads)
+    kv = P(*lead, None, heads) if key.kv_layout == "replicated" else q
+    plan = P(batch, key.cp_axis) if key.batched else P(key.cp_axis)
+    return PodSpecs(q, kv, P(*lead, key.cp_axis, heads), P(*lead, heads), plan)
+
+
+def _plan_guard(res, plan_id, key: MagiKey):
+    """NaN rows where the ranks of a CP group hold different plans (``plan_id``, this rank's
+    ``[(B,) 1]``: the processes planned different masks — a loader bug, another seed): never
+    a finite wrong answer. Two scalar collectives over the cp axis per call."""
+    ident = plan_id[..., 0]
+    agree = jax.lax.pmin(ident, key.cp_axis) == jax.lax.pmax(ident, key.cp_axis)
+    if not key.batched:
+        return tuple(jnp.where(agree, x, jnp.nan) for x in res)
+    return tuple(
+        jnp.where(agree.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.nan) for x in res
+    )
+
+
 def magi_attention(
     q,
     k,
@@ -570,33 +654,54 @@ def magi_attention(
     _check_inputs(q, k, v, key)
     _check_options(softmax_scale, softcap)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    spec = P(key.cp_axis) if q.ndim == 3 else P(None, key.cp_axis)
-    # Replicated keys enter every rank whole; shard_map's transpose sums their cotangents.
-    kv_spec = P() if key.kv_layout == "replicated" else spec
-    plan_spec = P(key.cp_axis)
+    specs = pod_specs(key, q.ndim)
     hidden = is_checked(key)
-
     max_logits = bool(return_max_logits)
 
-    def body(q, k, v, stage_arrays):
-        stage_arrays = jax.tree.map(lambda a: a[0], stage_arrays)
+    def body(q, k, v, stage_arrays, plan_id):
         if hidden:
             q, k, v = (_strip_hidden(x, key) for x in (q, k, v))
-        res = _local(q, k, v, stage_arrays, key, scale, float(softcap), max_logits)
+        if key.batched:  # one plan per row: each local row runs its own
+            rows = [
+                _local(
+                    q[i],
+                    k[i],
+                    v[i],
+                    jax.tree.map(lambda a, i=i: a[i, 0], stage_arrays),
+                    key,
+                    scale,
+                    float(softcap),
+                    max_logits,
+                )
+                for i in range(q.shape[0])
+            ]
+            res = tuple(jnp.stack(parts) for parts in zip(*rows))
+        else:
+            stage_arrays = jax.tree.map(lambda a: a[0], stage_arrays)
+            res = _local(q, k, v, stage_arrays, key, scale, float(softcap), max_logits)
+        res = _plan_guard(res, plan_id, key)
         return (_add_hidden(*res[:2]) + res[2:]) if hidden else res
 
-    arr_specs = jax.tree.map(lambda _: plan_spec, key.stage_arrays)
     fn = jax.shard_map(
         body,
         mesh=key.mesh,
-        in_specs=(spec, kv_spec, kv_spec, arr_specs),
-        out_specs=(spec, spec) + ((P(),) if max_logits else ()),
+        in_specs=(
+            specs.q,
+            specs.kv,
+            specs.kv,
+            jax.tree.map(lambda _: specs.plan, key.stage_arrays),
+            specs.plan,
+        ),
+        out_specs=(specs.q, specs.lse) + ((specs.max_logits,) if max_logits else ()),
         check_vma=False,
     )
+    plan_id = key.plan_id
+    if plan_id is None:  # a key built before plan ids (e.g. by hand): nothing to compare
+        plan_id = jnp.zeros(((key.rows,) if key.batched else ()) + (key.cp,), jnp.int32)
     if sink is None:
-        return fn(q, k, v, key.stage_arrays)
+        return fn(q, k, v, key.stage_arrays, plan_id)
     check_sink(sink, q.shape[-2])
-    res = fn(q, k, v, key.stage_arrays)
+    res = fn(q, k, v, key.stage_arrays, plan_id)
     return apply_sink(*res[:2], sink) + tuple(res[2:])
 
 
@@ -618,6 +723,12 @@ def magi_attention_local(
     ``dispatch(k, key, role="kv")`` (``"dispatched"``), or all ``total_k`` keys unmapped
     (``P()`` in ``in_specs``, so that ``shard_map`` sums their gradients: ``"replicated"``)."""
     check_key(key)
+    if key.batched:
+        raise ValueError(
+            "magi_attention_local: the key is batched (one plan per row, sharded over "
+            f"batch_axes={key.batch_axes!r}); call mj.magi_attention, which runs each "
+            "device's rows under its own shard_map"
+        )
     for name, x in (("k", k), ("v", v)):
         if key.cross and x.ndim in (3, 4) and x.shape[-3] != key.kv_local_len:
             raise ValueError(

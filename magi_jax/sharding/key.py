@@ -35,6 +35,8 @@ __all__ = [
     "cp_names",
     "cp_ranks",
     "normal_cp_axis",
+    "axes_entry",
+    "check_pod_axes",
 ]
 
 # What dispatch / undispatch / position_ids lay out: queries (and outputs), or keys/values.
@@ -84,6 +86,13 @@ class KeyStatic:
     kv_padded_total: int | None = None
     kv_local_len: int | None = None
     kv_chunk_size: int | None = None  # tokens per key chunk ("dispatched" only)
+    # Pods: the mesh axes the batch axis of the inputs is sharded over (each device attends
+    # its own rows only) and those their heads are sharded over (tensor parallelism: every
+    # head shard runs the same plan). rows: the batch of a batched key (one plan per row,
+    # leaves [rows, ...]); None for a key of one mask, which every row shares.
+    batch_axes: tuple[str, ...] = ()
+    head_axes: tuple[str, ...] = ()
+    rows: int | None = None
 
 
 @jax.tree_util.register_pytree_node_class
@@ -106,6 +115,15 @@ class MagiKey:
     Host only (``None`` on a key rebuilt inside a traced function): ``plan`` (the
     :class:`~magi_jax.planning.stages.DistPlan`) and ``mask``, for pictures and inspection.
 
+    ``plan_id`` int32 ``[cp]`` (``[rows, cp]`` batched), sharded like the plan: a fingerprint
+    of the plan each device's process built; :func:`~magi_jax.magi_attention` compares it
+    over the cp axis and gives NaN rows where the processes of a CP group planned different
+    masks.
+
+    A batched key (:func:`~magi_jax.sharding.make_key.make_batch_key`, ``key.rows`` set) holds
+    one plan per batch row: every leaf has a leading ``[rows]`` axis sharded over
+    ``key.batch_axes``, and ``plan`` / ``mask`` are ``None``.
+
     Cross attention with ``kv_layout == "dispatched"`` adds two leaves for the keys,
     ``kv_chunk_order`` and ``kv_chunk_inverse`` int32 ``[kv_padded_total / kv_chunk_size]``
     (their token-level views: ``kv_order`` ``[kv_padded_total]``, ``kv_inverse``
@@ -121,6 +139,7 @@ class MagiKey:
         kv_chunk_order=None,
         kv_chunk_inverse=None,
         *,
+        plan_id=None,
         plan=None,
         mask=None,
     ):
@@ -130,26 +149,32 @@ class MagiKey:
         self.stage_arrays = stage_arrays
         self.kv_chunk_order = kv_chunk_order
         self.kv_chunk_inverse = kv_chunk_inverse
+        self.plan_id = plan_id
         self.plan = plan
         self.mask = mask
 
     def tree_flatten(self):
-        children = (self.chunk_order, self.chunk_inverse, self.stage_arrays)
-        if self.kv_chunk_order is not None:
-            children += (self.kv_chunk_order, self.kv_chunk_inverse)
+        children = (
+            self.chunk_order,
+            self.chunk_inverse,
+            self.stage_arrays,
+            self.kv_chunk_order,
+            self.kv_chunk_inverse,
+            self.plan_id,
+        )
         return children, self.static
 
     @property
     def order(self):
-        """int32 ``[padded_total]``: the global position of each dispatched token (expanded
-        from ``chunk_order``)."""
+        """int32 ``[padded_total]`` (``[rows, padded_total]`` batched): the global position of
+        each dispatched token (expanded from ``chunk_order``)."""
         return token_index(self.chunk_order, self.static.chunk_size)
 
     @property
     def inverse(self):
-        """int32 ``[total]``: the dispatched index of each natural position (expanded from
-        ``chunk_inverse``)."""
-        return token_index(self.chunk_inverse, self.static.chunk_size)[: self.static.total]
+        """int32 ``[total]`` (``[rows, total]`` batched): the dispatched index of each natural
+        position (expanded from ``chunk_inverse``)."""
+        return token_index(self.chunk_inverse, self.static.chunk_size)[..., : self.static.total]
 
     @property
     def kv_order(self):
@@ -165,11 +190,14 @@ class MagiKey:
         unless ``kv_layout == "dispatched"``)."""
         if self.kv_chunk_inverse is None:
             return None
-        return token_index(self.kv_chunk_inverse, self.static.kv_chunk_size)[: self.static.total_k]
+        return token_index(self.kv_chunk_inverse, self.static.kv_chunk_size)[
+            ..., : self.static.total_k
+        ]
 
     @classmethod
     def tree_unflatten(cls, static, children):
-        return cls(static, *children)
+        *leaves, plan_id = children
+        return cls(static, *leaves, plan_id=plan_id)
 
     mesh = property(lambda self: self.static.mesh)
     cp_axis = property(lambda self: self.static.cp_axis)
@@ -187,6 +215,10 @@ class MagiKey:
     backward_refetch = property(lambda self: self.static.backward_refetch)
     capacity = property(lambda self: self.static.capacity)
     kv_layout = property(lambda self: self.static.kv_layout)
+    batch_axes = property(lambda self: self.static.batch_axes)
+    head_axes = property(lambda self: self.static.head_axes)
+    rows = property(lambda self: self.static.rows)
+    batched = property(lambda self: self.static.rows is not None)
     cross = property(lambda self: self.static.kv_layout != "shared")
     total_k = property(
         lambda self: self.static.total if self.static.total_k is None else self.static.total_k
@@ -223,18 +255,28 @@ class MagiKey:
             )
         cap = "" if self.capacity is None else ", capacity"
         cross = f", total_k={self.total_k}, kv_layout={self.kv_layout!r}" if self.cross else ""
+        pod = "".join(
+            f", {name}={value!r}"
+            for name, value in (
+                ("rows", self.rows),
+                ("batch_axes", self.batch_axes),
+                ("head_axes", self.head_axes),
+            )
+            if value
+        )
         return (
             f"MagiKey(cp={self.cp}, total={self.total}, padded_total={self.padded_total}, "
             f"chunk_size={self.chunk_size}, overlap_degree={self.overlap_degree}"
-            f"{cross}{extra}{cap})"
+            f"{cross}{pod}{extra}{cap})"
         )
 
 
 def token_index(chunks, chunk_size: int):
-    """int32 ``[len(chunks)·chunk_size]``: the token-level view of a chunk permutation (row
-    ``i`` -> ``chunks[i // chunk_size]·chunk_size + i % chunk_size``), on the device."""
-    rows = chunks[:, None] * chunk_size + jnp.arange(chunk_size, dtype=chunks.dtype)
-    return rows.reshape(-1)
+    """int32 ``[(B,) len(chunks)·chunk_size]``: the token-level view of a chunk permutation
+    (row ``i`` -> ``chunks[i // chunk_size]·chunk_size + i % chunk_size``), on the device;
+    ``chunks`` ``[(B,) num_chunks]``."""
+    rows = chunks[..., None] * chunk_size + jnp.arange(chunk_size, dtype=chunks.dtype)
+    return rows.reshape(chunks.shape[:-1] + (-1,))
 
 
 def check_key(key):
@@ -276,11 +318,17 @@ class CheckedKey(MagiKey):
                 f"CheckedKey.of: the key is cross attention (kv_layout="
                 f"{key.kv_layout!r}); check_dispatch is for self-attention keys"
             )
+        if key.batched:
+            raise ValueError(
+                "CheckedKey.of: the key is batched (one plan per row); check_dispatch is "
+                "for keys of one mask"
+            )
         return cls(
             key.static,
             key.chunk_order,
             key.chunk_inverse,
             key.stage_arrays,
+            plan_id=key.plan_id,
             plan=key.plan,
             mask=key.mask,
         )
@@ -347,3 +395,36 @@ def normal_cp_axis(cp_axis):
         cp_axis = tuple(cp_axis)
         return cp_axis[0] if len(cp_axis) == 1 else cp_axis
     return cp_axis
+
+
+def axes_entry(axes: tuple[str, ...]):
+    """A ``PartitionSpec`` entry for mesh axes: ``None`` (none), the name (one), the tuple."""
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def check_pod_axes(mesh: Mesh, cp_axis, batch_axes, head_axes) -> tuple[tuple, tuple]:
+    """``(batch_axes, head_axes)`` as tuples of distinct mesh axes, none of them a cp axis."""
+    out = []
+    for name, axes in (("batch_axes", batch_axes), ("head_axes", head_axes)):
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        bad = [a for a in axes if not isinstance(a, str) or a not in mesh.axis_names]
+        if bad or len(set(axes)) != len(axes):
+            raise ValueError(
+                f"{name}={axes!r} must name distinct axes of the mesh (axes: "
+                f"{mesh.axis_names}), e.g. {name}=('dp',)"
+            )
+        clash = set(axes) & set(cp_names(cp_axis))
+        if clash:
+            raise ValueError(
+                f"{name}={axes!r} shares {sorted(clash)} with cp_axis={cp_axis!r}: an axis "
+                "carries either the sequence or the " + ("batch" if name[0] == "b" else "heads")
+            )
+        out.append(axes)
+    if set(out[0]) & set(out[1]):
+        raise ValueError(
+            f"batch_axes={out[0]!r} and head_axes={out[1]!r} share an axis: each mesh axis "
+            "shards one dimension of q, k, v"
+        )
+    return out[0], out[1]

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from magi_jax.sharding.key import ROLES, MagiKey, check_key, is_checked, rows_desc
+from magi_jax.sharding.key import ROLES, MagiKey, axes_entry, check_key, is_checked, rows_desc
 
 __all__ = [
     "dispatch",
@@ -50,6 +50,34 @@ def _take_chunks(x, chunks, chunk_size: int, axis: int):
     ``chunks[i]`` of ``x`` (``x.shape[axis] == len(chunks) · chunk_size``)."""
     blocks = split_axis(x, axis, chunks.shape[0], chunk_size)
     return merge_axes(jnp.take(blocks, chunks, axis=axis), axis, 2)
+
+
+def _gather_chunks(x, key: MagiKey, chunks, chunk_size: int, axis: int):
+    """:func:`_take_chunks` by the key's permutation; a batched key's rows each by their own
+    (``x``'s axis 0 is the batch, ``chunks`` ``[B, num_chunks]``)."""
+    if not key.batched:
+        return _take_chunks(x, chunks, chunk_size, axis)
+    take = lambda xb, cb: _take_chunks(xb, cb, chunk_size, axis - 1)
+    return jax.vmap(take)(x, chunks)
+
+
+def _check_rows(x, key: MagiKey, axis: int, fn: str):
+    """A batched key's arrays are ``[B, ...]`` with the sequence on a later axis."""
+    if key.batched and (axis == 0 or x.shape[0] != key.rows):
+        raise ValueError(
+            f"{fn}: x has shape {tuple(x.shape)} (sequence on axis {axis}), but the key is "
+            f"batched: one plan for each of {key.rows} rows, so x must be [{key.rows}, ...] "
+            "with the sequence on axis 1 (seq_axis=1)"
+        )
+
+
+def _unshard_explicit(x, key: MagiKey, axis: int):
+    """On a mesh with Explicit axes, ``x`` resharded to keep only its batch axis split (the
+    chunk gathers then run on whole sequences)."""
+    if any(t == jax.sharding.AxisType.Explicit for t in key.mesh.axis_types):
+        batch = axes_entry(key.batch_axes) if axis > 0 else None
+        x = jax.sharding.reshard(x, NamedSharding(key.mesh, P(batch)))
+    return x
 
 
 def _pad_rows(x, axis: int, rows: int):
@@ -146,7 +174,7 @@ def _dispatch_kv(x, key, axis, seq_axis):
         return shard_rows(x, key, axis, replicated=True)
     x = _pad_rows(x, axis, key.kv_padded_total)
     return shard_rows(
-        _take_chunks(x, key.kv_chunk_order, key.static.kv_chunk_size, axis), key, axis
+        _gather_chunks(x, key, key.kv_chunk_order, key.static.kv_chunk_size, axis), key, axis
     )
 
 
@@ -164,6 +192,7 @@ def dispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
     _check_role(role, "dispatch")
     x = _as_array(x, "dispatch")
     axis = check_seq_axis(x, seq_axis, "dispatch")
+    _check_rows(x, key, axis, "dispatch")
     if _kv_role(key, role):
         return _dispatch_kv(x, key, axis, seq_axis)
     if x.shape[axis] != key.total and key.cross and x.shape[axis] == key.total_k:
@@ -187,7 +216,8 @@ def dispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
             ),
         )
     st = key.static
-    y = _take_chunks(_pad_rows(x, axis, st.padded_total), key.chunk_order, st.chunk_size, axis)
+    y = _pad_rows(x, axis, st.padded_total)
+    y = _gather_chunks(y, key, key.chunk_order, st.chunk_size, axis)
     if is_checked(key):
         y = _add_hidden_rows(y, key, axis)
     return shard_rows(y, key, axis)
@@ -202,6 +232,7 @@ def undispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
     _check_role(role, "undispatch")
     x = _as_array(x, "undispatch")
     axis = check_seq_axis(x, seq_axis, "undispatch")
+    _check_rows(x, key, axis, "undispatch")
     if _kv_role(key, role):
         if x.shape[axis] != key.kv_padded_total:
             raise _kv_length_error(
@@ -216,9 +247,8 @@ def undispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
             )
         if key.kv_layout == "replicated":
             return x
-        if any(t == jax.sharding.AxisType.Explicit for t in key.mesh.axis_types):
-            x = jax.sharding.reshard(x, NamedSharding(key.mesh, P()))
-        y = _take_chunks(x, key.kv_chunk_inverse, key.static.kv_chunk_size, axis)
+        x = _unshard_explicit(x, key, axis)
+        y = _gather_chunks(x, key, key.kv_chunk_inverse, key.static.kv_chunk_size, axis)
         return jax.lax.slice_in_dim(y, 0, key.total_k, axis=axis)
     if x.shape[axis] != key.padded_total:
         raise _length_error(
@@ -234,12 +264,11 @@ def undispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
                 "(undispatch takes outputs of dispatch / magi_attention with this key)",
             ),
         )
-    if any(t == jax.sharding.AxisType.Explicit for t in key.mesh.axis_types):
-        x = jax.sharding.reshard(x, NamedSharding(key.mesh, P()))
+    x = _unshard_explicit(x, key, axis)
     if is_checked(key):
         x = _drop_hidden_rows(x, key, axis)
     st = key.static
-    y = _take_chunks(x, key.chunk_inverse, st.chunk_size, axis)
+    y = _gather_chunks(x, key, key.chunk_inverse, st.chunk_size, axis)
     return jax.lax.slice_in_dim(y, 0, st.total, axis=axis)
 
 
@@ -256,7 +285,8 @@ def check_seq_axis(x, seq_axis, fn):
 
 
 def position_ids(key: MagiKey, *, role: str = "q"):
-    """int32 ``[padded_total]``: the global position of every dispatched token (for RoPE);
+    """int32 ``[padded_total]`` (``[B, padded_total]`` for a batched key: each row's own): the
+    global position of every dispatched token (for RoPE);
     padding tokens get positions ``>= total``. Sharded like dispatched arrays: on a mesh
     with Explicit axes it is typed ``P(cp_axis)`` like them (so RoPE's products stay
     sharded), and JAX then asks for an ``out_sharding`` to index it; look at it with
@@ -267,21 +297,30 @@ def position_ids(key: MagiKey, *, role: str = "q"):
     _check_role(role, "position_ids")
     if _kv_role(key, role):
         if key.kv_layout == "replicated":
-            return shard_rows(jnp.arange(key.total_k, dtype=jnp.int32), key, replicated=True)
-        return shard_rows(key.kv_order, key)
+            pos = jnp.arange(key.total_k, dtype=jnp.int32)
+            if key.batched:
+                pos = jnp.broadcast_to(pos, (key.rows, key.total_k))
+            return shard_rows(pos, key, pos.ndim - 1, replicated=True)
+        return shard_rows(key.kv_order, key, key.kv_order.ndim - 1)
     order = key.order
     if is_checked(key):
         st = key.static
         hidden = st.padded_total + jnp.arange(st.cp, dtype=order.dtype)[:, None]
         order = jnp.concatenate([order.reshape(st.cp, st.local_len), hidden], axis=1)
         order = order.reshape(-1)
-    return shard_rows(order, key)
+    return shard_rows(order, key, order.ndim - 1)
 
 
 def shard_rows(x, key: MagiKey, axis: int = 0, replicated: bool = False):
     """Constrains ``x`` to be sharded along ``axis`` over the cp axis (Auto or Explicit), or
-    to be replicated."""
-    spec = P() if replicated else P(*([None] * axis), key.cp_axis, *([None] * (x.ndim - axis - 1)))
+    to be replicated along it; an axis 0 before the sequence is the batch, sharded over the
+    key's batch axes."""
+    entries = [None] * x.ndim
+    if axis > 0:
+        entries[0] = axes_entry(key.batch_axes)
+    if not replicated:
+        entries[axis] = key.cp_axis
+    spec = P(*entries)
     explicit = any(t == jax.sharding.AxisType.Explicit for t in key.mesh.axis_types)
     if explicit:
         return jax.sharding.reshard(x, NamedSharding(key.mesh, spec))

@@ -17,6 +17,9 @@ import collections
 import dataclasses
 import os
 import threading
+import zlib
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -42,13 +45,17 @@ from magi_jax.sharding.key import (
     KeyStatic,
     MagiKey,
     StageStatic,
+    axes_entry,
     check_mesh,
+    check_pod_axes,
     cp_names,
     normal_cp_axis,
 )
 
 __all__ = [
     "make_flex_key",
+    "make_batch_key",
+    "batch_rows",
     "make_varlen_key",
     "ffa_backend_reason",
     "clear_key_cache",
@@ -165,6 +172,8 @@ def make_flex_key(
     check_dispatch: bool | None = None,
     kv_layout: str = "auto",
     hierarchical: bool | str = "auto",
+    batch_axes: str | Sequence[str] = (),
+    head_axes: str | Sequence[str] = (),
 ) -> MagiKey:
     """Plans context-parallel attention of ``mask`` over ``mesh``'s ``cp_axis``.
 
@@ -237,15 +246,77 @@ def make_flex_key(
         fewer; ``True`` turns it on there). ``True``: every stage; needs two cp axes and
         the ``lax.ppermute`` transport. ``False``: flat casts.
 
+      batch_axes: mesh axes the batch axis of ``[B, T, H, D]`` inputs is sharded over (data
+        or fully-sharded data parallelism, e.g. ``("dp",)`` or ``("dp", "fsdp")``): each
+        device attends only the rows it holds, with no collective over these axes. Default
+        ``()``: the batch is replicated over every non-cp axis (each device computes every
+        row). For a different packing per row, see :func:`make_batch_key`.
+      head_axes: mesh axes the heads of q, k, v are sharded over (tensor parallelism): every
+        head shard runs the same plan on its heads, with no collective over these axes; the
+        query and key/value head counts must divide by their size.
+
     Returns a :class:`MagiKey`; cached by (mask fingerprint, mesh, options, capacity), in a
     cache bounded by the bytes of its keys' arrays (:func:`clear_key_cache`).
     """
+    args, check = _key_args(mask, mesh, cp_axis, **_options(locals()))
+    key = _KEYS.get(args, lambda: _make_key(*args))
+    return CheckedKey.of(key) if check else key
+
+
+# The options of make_flex_key beside (mask, mesh, cp_axis), as make_batch_key passes them on.
+_OPTIONS = (
+    "chunk_size",
+    "overlap_degree",
+    "comm_backend",
+    "dispatch_algorithm",
+    "dispatch_from",
+    "block_q",
+    "block_k",
+    "ffa_backend",
+    "backward_refetch",
+    "capacity",
+    "check_dispatch",
+    "kv_layout",
+    "hierarchical",
+    "batch_axes",
+    "head_axes",
+)
+
+
+def _options(scope: dict) -> dict:
+    return {name: scope[name] for name in _OPTIONS}
+
+
+def _key_args(
+    mask,
+    mesh,
+    cp_axis,
+    *,
+    chunk_size,
+    overlap_degree,
+    comm_backend,
+    dispatch_algorithm,
+    dispatch_from,
+    block_q,
+    block_k,
+    ffa_backend,
+    backward_refetch,
+    capacity,
+    check_dispatch,
+    kv_layout,
+    hierarchical,
+    batch_axes,
+    head_axes,
+) -> tuple[tuple, bool]:
+    """make_flex_key's options checked and resolved: the arguments of :func:`_host_key`
+    (hashable: the key cache's key) and whether to return the checked view."""
     if not isinstance(mask, AttnMask):
         raise TypeError(
             f"mask must be an AttnMask (e.g. AttnMask.varlen(...)); got {type(mask).__name__}"
         )
     cp_axis = normal_cp_axis(cp_axis)
     cp = check_mesh(mesh, cp_axis)
+    batch_axes, head_axes = check_pod_axes(mesh, cp_axis, batch_axes, head_axes)
     if mask.total_q == 0 and mask.total_k == 0:
         raise ValueError(
             "the mask has no tokens (total_q = total_k = 0): context-parallel "
@@ -352,9 +423,10 @@ def make_flex_key(
         capacity,
         kv_layout,
         relay,
+        batch_axes,
+        head_axes,
     )
-    key = _KEYS.get(args, lambda: _make_key(*args))
-    return CheckedKey.of(key) if check else key
+    return args, check
 
 
 def _check_int(name, value, lo, what, hi=None):
@@ -494,7 +566,22 @@ class _MetaRef:
         return isinstance(other, _MetaRef) and self._fp == other._fp
 
 
-def _make_key(
+class HostKey(NamedTuple):
+    """A key on the host, before its arrays become global ones: the static part, the leaves
+    as NumPy arrays (``stage_arrays`` and ``plan_id`` ``[cp, ...]``, the chunk permutations
+    ``[num_chunks]``) and the host plan."""
+
+    static: KeyStatic
+    chunk_order: np.ndarray
+    chunk_inverse: np.ndarray
+    stage_arrays: tuple
+    kv_chunks: tuple  # (kv_chunk_order, kv_chunk_inverse) or ()
+    plan_id: np.ndarray
+    plan: DistPlan
+    mask: AttnMask
+
+
+def _host_key(
     mask,
     mesh,
     cp_axis,
@@ -511,7 +598,9 @@ def _make_key(
     capacity,
     kv_layout="auto",
     relay=None,
-) -> MagiKey:
+    batch_axes=(),
+    head_axes=(),
+) -> HostKey:
     if meta_ref is not None:
         meta = meta_ref.meta
     else:
@@ -528,11 +617,9 @@ def _make_key(
         default_overlap_degree(mask, meta, kv) if overlap_degree is None else int(overlap_degree)
     )
     plan: DistPlan = build_dist_plan(mask, meta, degree, bq, bk, ffa_backend, capacity, kv=kv)
-    shard = NamedSharding(mesh, P(cp_axis))
-    put = lambda a: put_global(a, shard)
     statics, arrays = [], []
     for st in plan.stages:
-        ffa = type(st.ffa)(*(put(a) for a in st.ffa))
+        ffa = st.ffa
         if st.cast is None:
             statics.append(StageStatic(st.kv_len, False, None, st.items))
             arrays.append((ffa, None))
@@ -543,7 +630,7 @@ def _make_key(
             statics.append(
                 StageStatic(st.kv_len, st.kv_len != st.cast.buffer_len, two_hop[0], st.items)
             )
-            arrays.append((ffa, type(two_hop[1])(*(put(a) for a in two_hop[1]))))
+            arrays.append((ffa, two_hop[1]))
             continue
         transport = choose_transport(st.cast) if comm_backend in ("auto", "xla") else comm_backend
         runs = None
@@ -565,8 +652,7 @@ def _make_key(
         combined = st.kv_len != st.cast.buffer_len
         statics.append(StageStatic(st.kv_len, combined, spec, st.items))
         # The tables travel as runs; the collectives expand them on the device.
-        arrays.append((ffa, CastRuns(put(st.cast.send_runs), put(st.cast.recv_runs))))
-    replicated = NamedSharding(mesh, P())
+        arrays.append((ffa, CastRuns(st.cast.send_runs, st.cast.recv_runs)))
     fingerprint = None if capacity is not None else (mask.fingerprint, meta.fingerprint())
     static = KeyStatic(
         mesh=mesh,
@@ -585,8 +671,10 @@ def _make_key(
         backward_refetch=backward_refetch,
         capacity=capacity,
         fingerprint=fingerprint,
+        batch_axes=batch_axes,
+        head_axes=head_axes,
     )
-    kv_leaves = ()
+    kv_chunks = ()
     if kv is not None:
         kv_rows = mask.total_k if kv_meta is None else kv_meta.padded_total
         static = dataclasses.replace(
@@ -598,14 +686,38 @@ def _make_key(
             kv_chunk_size=None if kv_meta is None else kv_meta.chunk_size,
         )
         if kv_meta is not None:
-            kv_leaves = tuple(put_global(a, replicated) for a in _chunk_permutation(kv_meta))
-    return MagiKey(
+            kv_chunks = _chunk_permutation(kv_meta)
+    # What this process planned, as one int32 per rank: ranks of one CP group compare it.
+    ident = repr((mask.fingerprint, meta.fingerprint(), kv_meta and kv_meta.fingerprint()))
+    plan_id = np.full(cp, zlib.crc32(ident.encode()) & 0x7FFFFFFF, np.int64)
+    return HostKey(
         static,
-        *(put_global(a, replicated) for a in _chunk_permutation(meta)),
+        *_chunk_permutation(meta),
         tuple(arrays),
-        *kv_leaves,
-        plan=plan,
-        mask=mask,
+        kv_chunks,
+        plan_id,
+        plan,
+        mask,
+    )
+
+
+def _make_key(*args) -> MagiKey:
+    """A key of one mask: :func:`_host_key`, its arrays made global (plans sharded over the
+    cp axis, replicated over every other axis; the chunk permutations replicated)."""
+    hk = _host_key(*args)
+    mesh, cp_axis = hk.static.mesh, hk.static.cp_axis
+    by_rank = NamedSharding(mesh, P(cp_axis))
+    replicated = NamedSharding(mesh, P())
+    stage_arrays = jax.tree.map(lambda a: put_global(a, by_rank), hk.stage_arrays)
+    return MagiKey(
+        hk.static,
+        put_global(hk.chunk_order, replicated),
+        put_global(hk.chunk_inverse, replicated),
+        stage_arrays,
+        *(put_global(a, replicated) for a in hk.kv_chunks),
+        plan_id=put_global(hk.plan_id, by_rank),
+        plan=hk.plan,
+        mask=hk.mask,
     )
 
 
@@ -635,3 +747,171 @@ def make_varlen_key(
     return make_flex_key(
         AttnMask.varlen(cu_seqlens, causal=causal, window=window), mesh, cp_axis, **options
     )
+
+
+# ---- batched keys: one plan per batch row, rows sharded over the batch axes ---------------
+
+
+def batch_rows(mesh: Mesh, batch_axes: str | Sequence[str], batch: int) -> np.ndarray:
+    """int ``[n]``: the global batch rows (of ``batch``) that this process's devices hold
+    when the batch axis is sharded over ``batch_axes``, ascending — the rows a process
+    plans for :func:`make_batch_key`, and the order of its rows in
+    ``jax.make_array_from_process_local_data``."""
+    axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    shards = int(np.prod([mesh.shape[a] for a in axes]))
+    if batch < 1 or batch % shards:
+        raise ValueError(
+            f"batch={batch} rows cannot be split evenly over batch_axes={axes!r} "
+            f"({shards} shards): use a multiple of {shards}"
+        )
+    held = NamedSharding(mesh, P(axes_entry(axes))).addressable_devices_indices_map((batch,))
+    rows = set()
+    for (index,) in held.values():
+        rows.update(range(*index.indices(batch)))
+    return np.array(sorted(rows), np.int64)
+
+
+def make_batch_key(
+    masks: Sequence[AttnMask | None] | Callable[[int], AttnMask],
+    mesh: Mesh,
+    cp_axis: str = "cp",
+    *,
+    batch_axes: str | Sequence[str],
+    capacity: PlanCapacity,
+    batch: int | None = None,
+    **options,
+) -> MagiKey:
+    """One plan per batch row, at one capacity: a key for ``[B, T, H, D]`` inputs whose rows
+    each have their own packing (every data-parallel replica, and every row of it, its own
+    documents), with the rows sharded over ``batch_axes``.
+
+    Args:
+      masks: the rows' masks: a sequence of ``B`` masks (entries of rows this process does
+        not hold are never read and may be ``None``), or a function ``row -> AttnMask``
+        called for this process's rows only (:func:`batch_rows`).
+      mesh, cp_axis: as for :func:`make_flex_key`.
+      batch_axes: the mesh axes the batch is sharded over (e.g. ``("dp",)`` or ``("dp",
+        "fsdp")``); ``B`` must divide by their size.
+      capacity: a :class:`~magi_jax.planning.capacity.PlanCapacity` every row's mask fits
+        (it fixes the shapes, so the rows stack; a row that needs more raises
+        :class:`~magi_jax.planning.capacity.CapacityError`).
+      batch: ``B`` (default ``len(masks)``; needed when ``masks`` is a function).
+      options: the other options of :func:`make_flex_key` (``head_axes``, ``comm_backend``,
+        ``ffa_backend``, ...); ``dispatch_from`` and ``check_dispatch`` are for keys of one
+        mask.
+
+    Each process plans only the rows its devices hold (host time grows with its local rows,
+    not with ``B``), and fills only its own shards (``jax.make_array_from_callback``). The
+    key's leaves have a leading ``[B]`` axis sharded over ``batch_axes``; its static part
+    depends on (mesh, axes, capacity, options, ``B``) only, so a jitted step taking the key
+    as an argument compiles once for every batch of packings. Lay arrays out with
+    ``dispatch(x, key, seq_axis=1)`` (``x`` ``[B, total, ...]``), attend with
+    :func:`~magi_jax.magi_attention`, and ``position_ids(key)`` is ``[B, padded_total]``.
+    """
+    if capacity is None or not isinstance(capacity, PlanCapacity):
+        raise ValueError(
+            f"make_batch_key: capacity={capacity!r}; a batched key needs a PlanCapacity "
+            "(its rows' plans stack into arrays of the capacity's shapes): e.g. "
+            "capacity=mj.PlanCapacity.from_masks(sample, mesh_size=cp)"
+        )
+    for name in ("dispatch_from", "check_dispatch"):
+        if options.get(name) is not None:
+            raise ValueError(
+                f"make_batch_key: {name}= is for keys of one mask (make_flex_key); "
+                "leave it unset here"
+            )
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"make_batch_key: unknown options {unknown}; see make_flex_key")
+    if callable(masks):
+        if batch is None:
+            raise ValueError(
+                "make_batch_key: masks is a function, so pass batch= (the global batch size)"
+            )
+        mask_of = masks
+    else:
+        masks = list(masks)
+        if batch is not None and batch != len(masks):
+            raise ValueError(f"make_batch_key: batch={batch} but {len(masks)} masks were given")
+        batch = len(masks)
+        mask_of = masks.__getitem__
+    cp_axis = normal_cp_axis(cp_axis)
+    check_mesh(mesh, cp_axis)
+    axes, _ = check_pod_axes(mesh, cp_axis, batch_axes, options.get("head_axes", ()))
+    if not axes:
+        raise ValueError(
+            "make_batch_key: batch_axes=() names no mesh axis; name the data-parallel "
+            "axes the batch is sharded over, e.g. batch_axes=('dp',) (a mesh with no such "
+            "axis: batch_axes of a size-1 axis, or make_flex_key for one mask)"
+        )
+    opts = dict.fromkeys(_OPTIONS)
+    opts.update(
+        comm_backend="auto",
+        dispatch_algorithm="magi",
+        ffa_backend="auto",
+        backward_refetch=True,
+        kv_layout="auto",
+        hierarchical="auto",
+        head_axes=(),
+    )
+    opts.update(options, capacity=capacity, batch_axes=axes)
+    hosts = {}
+    for row in batch_rows(mesh, axes, batch):
+        mask = mask_of(int(row))
+        if mask is None:
+            raise ValueError(
+                f"make_batch_key: row {row} is held by this process but its mask is None"
+            )
+        args, _ = _key_args(mask, mesh, cp_axis, **opts)
+        hosts[int(row)] = _host_key(*args)
+    first = next(iter(hosts.values()))
+    for row, hk in hosts.items():
+        if hk.static != first.static:
+            raise ValueError(
+                f"make_batch_key: row {row}'s plan has another static part than row "
+                f"{next(iter(hosts))}'s at this capacity ({_static_diff(first.static, hk.static)}"
+                "); build the capacity with the fields fixed (chunk_size, overlap_degree)"
+            )
+    static = dataclasses.replace(first.static, rows=batch)
+    entry = axes_entry(axes)
+    by_row = NamedSharding(mesh, P(entry))
+    by_row_rank = NamedSharding(mesh, P(entry, cp_axis))
+
+    def stacked(get, sharding):
+        """The global ``[B, ...]`` array of a leaf; each process fills its own rows."""
+        shape = (batch,) + get(first).shape
+
+        def fill(index):
+            rows = range(*index[0].indices(batch))
+            block = np.stack([np.asarray(get(hosts[r]), np.int32) for r in rows])
+            return block[(slice(None),) + tuple(index[1:])]
+
+        return jax.make_array_from_callback(shape, sharding, fill)
+
+    flat = {row: jax.tree.leaves(hk.stage_arrays) for row, hk in hosts.items()}
+    index = {id(hk): row for row, hk in hosts.items()}
+    leaves = [
+        stacked(lambda hk, i=i: flat[index[id(hk)]][i], by_row_rank)
+        for i in range(len(flat[next(iter(hosts))]))
+    ]
+    stage_arrays = jax.tree.unflatten(jax.tree.structure(first.stage_arrays), leaves)
+    kv = tuple(
+        stacked(lambda hk, i=i: hk.kv_chunks[i], by_row) for i in range(len(first.kv_chunks))
+    )
+    return MagiKey(
+        static,
+        stacked(lambda hk: hk.chunk_order, by_row),
+        stacked(lambda hk: hk.chunk_inverse, by_row),
+        stage_arrays,
+        *kv,
+        plan_id=stacked(lambda hk: hk.plan_id, by_row_rank),
+    )
+
+
+def _static_diff(a: KeyStatic, b: KeyStatic) -> str:
+    diff = [
+        f"{f.name}: {getattr(a, f.name)!r} vs {getattr(b, f.name)!r}"
+        for f in dataclasses.fields(a)
+        if getattr(a, f.name) != getattr(b, f.name)
+    ]
+    return "; ".join(diff)[:400]
