@@ -166,15 +166,19 @@ def attend(
     else:
         key = mask_or_key
         _check_mesh(key, q, k, v)
-        # The batch is folded into the heads (query head b·Hq + h), so the sinks repeat.
-        folded_sink = None if sink is None else jnp.tile(sink, (1, _fold(q).shape[1] // hq))
         if local:
+            # The batch is folded into the heads (query head b·Hq + h), so the sinks repeat.
+            folded_sink = None if sink is None else jnp.tile(sink, (1, _fold(q).shape[1] // hq))
             res = magi_attention_local(_fold(q), _fold(k), _fold(v), key, **opts)
             if folded_sink is not None:
                 res = apply_sink(*res[:2], folded_sink) + tuple(res[2:])
+            out = _unfold(res[0], q.shape)
         else:
-            res = magi_attention(_fold(q), _fold(k), _fold(v), key, sink=folded_sink, **opts)
-        out = _unfold(res[0], q.shape)
+            # One batch axis, kept: magi_attention shards it over the key's batch axes (and
+            # a batched key gives each row its own plan).
+            flat = lambda x: x.reshape((-1,) + x.shape[-3:]) if len(batch) > 1 else x
+            res = magi_attention(flat(q), flat(k), flat(v), key, sink=sink, **opts)
+            out = res[0].reshape(q.shape)
     if not return_max_logits:
         return out
     return out, res[2].reshape(batch + (hq,))

@@ -273,7 +273,7 @@ def _local(
 
 
 def _check_inputs(q, k, v, key):
-    check_key(key)
+    check_key(key, "magi_attention", q, k, v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not (hasattr(x, "ndim") and hasattr(x, "shape") and hasattr(x, "dtype")):
             raise TypeError(
@@ -604,9 +604,7 @@ def _plan_guard(res, plan_id, key: MagiKey):
     agree = jax.lax.pmin(ident, key.cp_axis) == jax.lax.pmax(ident, key.cp_axis)
     if not key.batched:
         return tuple(jnp.where(agree, x, jnp.nan) for x in res)
-    return tuple(
-        jnp.where(agree.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.nan) for x in res
-    )
+    return tuple(jnp.where(agree.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.nan) for x in res)
 
 
 def magi_attention(

@@ -279,11 +279,27 @@ def token_index(chunks, chunk_size: int):
     return rows.reshape(chunks.shape[:-1] + (-1,))
 
 
-def check_key(key):
+def check_key(key, fn: str = "", *xs):
+    """``key`` is a :class:`MagiKey`, and not one closed over by a traced function while its
+    arrays span devices of other processes (``xs``: the call's array inputs; a tracer among
+    them means a trace)."""
     if not isinstance(key, MagiKey):
         raise TypeError(
             f"key must be a MagiKey from make_flex_key/make_varlen_key; got {type(key).__name__}"
         )
+    if not any(isinstance(x, jax.core.Tracer) for x in xs):
+        return
+    for leaf in jax.tree.leaves(key):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            if not leaf.is_fully_addressable:
+                raise ValueError(
+                    f"{fn or 'magi-jax'}: the key is closed over by a traced function, but "
+                    "its arrays span devices of other processes, which JAX cannot embed "
+                    "as constants: pass the key as an argument of the jitted function, "
+                    "e.g. jax.jit(step)(params, batch, key) (one compilation serves every "
+                    "key of one capacity)"
+                )
+            return
 
 
 @jax.tree_util.register_pytree_node_class

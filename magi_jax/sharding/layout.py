@@ -26,6 +26,7 @@ __all__ = [
     "merge_axes",
     "check_seq_axis",
     "shard_rows",
+    "plans_agree",
 ]
 
 
@@ -188,7 +189,7 @@ def dispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
     ``"replicated"`` returns ``x`` replicated on every rank (``total_k`` rows, no padding),
     ``"dispatched"`` permutes it to ``key.kv_padded_total`` rows, rank ``r`` holding rows
     ``[r·kv_local_len, (r+1)·kv_local_len)``. Call it for k and v whatever the layout."""
-    check_key(key)
+    check_key(key, "dispatch", x)
     _check_role(role, "dispatch")
     x = _as_array(x, "dispatch")
     axis = check_seq_axis(x, seq_axis, "dispatch")
@@ -228,7 +229,7 @@ def undispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
     padding dropped). Differentiable (padding rows get zero cotangent). ``role="kv"``: the
     inverse of ``dispatch(..., role="kv")`` (``key.kv_padded_total`` -> ``total_k`` rows; a
     replicated layout comes back as it is)."""
-    check_key(key)
+    check_key(key, "undispatch", x)
     _check_role(role, "undispatch")
     x = _as_array(x, "undispatch")
     axis = check_seq_axis(x, seq_axis, "undispatch")
@@ -269,7 +270,35 @@ def undispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
         x = _drop_hidden_rows(x, key, axis)
     st = key.static
     y = _gather_chunks(x, key, key.chunk_inverse, st.chunk_size, axis)
-    return jax.lax.slice_in_dim(y, 0, st.total, axis=axis)
+    return _guard(jax.lax.slice_in_dim(y, 0, st.total, axis=axis), key, axis)
+
+
+def plans_agree(key: MagiKey):
+    """bool ``[]`` (``[B]`` batched): whether every rank of the CP group (of each row) holds
+    the same plan, from the ``plan_id`` each device's process wrote (two scalar collectives
+    over the cp axis). The processes of a CP group plan by themselves; a loader bug or
+    another seed on one of them would otherwise go unseen."""
+    batch = axes_entry(key.batch_axes) if key.batched else None
+    spec = P(batch, key.cp_axis) if key.batched else P(key.cp_axis)
+
+    def body(ids):
+        return (jax.lax.pmin(ids, key.cp_axis) == jax.lax.pmax(ids, key.cp_axis)).astype(ids.dtype)
+
+    agree = jax.shard_map(body, mesh=key.mesh, in_specs=spec, out_specs=spec, check_vma=False)(
+        key.plan_id
+    )
+    return agree.min(axis=-1) > 0
+
+
+def _guard(y, key: MagiKey, axis: int):
+    """NaN where the CP group's plans disagree: a dispatch permutation that differs between
+    processes would gather zeros into some rows, which must not pass for an answer."""
+    if key.plan_id is None or not jnp.issubdtype(y.dtype, jnp.inexact):
+        return y
+    agree = plans_agree(key)
+    if key.batched:
+        agree = agree.reshape((-1,) + (1,) * (y.ndim - 1))
+    return jnp.where(agree, y, jnp.nan)
 
 
 def check_seq_axis(x, seq_axis, fn):
