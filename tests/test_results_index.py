@@ -1,7 +1,10 @@
-"""The benchmark and results indexes stay complete: every script in ``benchmarks/`` is named
-in ``benchmarks/README.md``, every file under ``benchmarks/results/<area>/`` is named in that
-area's ``LATEST.md``, and what ``LATEST.md`` names either exists or is retired with the
-commit that holds it."""
+"""The benchmark and results indexes stay complete and the README's figures stay in one place.
+
+Every script in ``benchmarks/`` is named in ``benchmarks/README.md``; every file under
+``benchmarks/results/<area>/`` is named in that area's ``LATEST.md``, and what ``LATEST.md``
+names either exists or is retired with the commit that holds it; the README's "Current
+numbers" quote lines of the areas' ``LATEST.md`` verbatim, and no other README line quotes a
+measured figure."""
 
 import pathlib
 import re
@@ -88,3 +91,41 @@ def test_links_inside_results_resolve():
         for target in _LINK.findall(md.read_text()):
             if not target.startswith("http"):
                 assert (md.parent / target).exists(), f"{md.relative_to(ROOT)} links {target}"
+
+
+# A measured figure as the README would quote one: a rate, a ratio to cuDNN, or a dated run.
+_FIGURE = re.compile(r"TFLOP/s|GB/s|tokens/s|× cuDNN|\b20\d\d-\d\d-\d\d\b")
+
+
+def _readme_sections() -> tuple[list[str], list[str]]:
+    """The README's "Current numbers" section, and every other line outside code blocks."""
+    numbers, rest, section, fenced = [], [], None, False
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if line.startswith("## "):
+            section = line[3:].strip()
+        if not fenced:
+            (numbers if section == "Current numbers" else rest).append(line)
+    return numbers, rest
+
+
+def test_readme_figures_are_quoted_verbatim_from_latest():
+    numbers, _ = _readme_sections()
+    rows = [ln for ln in numbers if ln.startswith("| ") and "LATEST.md" in ln]
+    assert len(rows) >= 7
+    for row in rows:
+        name, figures, link = (cell.strip() for cell in row.strip().strip("|").split(" | "))
+        (area,) = re.findall(r"\(benchmarks/results/(\w+)/LATEST\.md\)", link)
+        lines = (RESULTS / area / "LATEST.md").read_text().splitlines()
+        assert figures in lines, (
+            f"the README's figures for {name!r} are not a line of {area}/LATEST.md: quote "
+            "its 'In the README' line, or change that line first"
+        )
+
+
+def test_readme_quotes_figures_only_under_current_numbers():
+    _, rest = _readme_sections()
+    stray = [ln for ln in rest if _FIGURE.search(ln)]
+    assert not stray, f"measured figures outside the README's 'Current numbers': {stray}"
