@@ -66,6 +66,7 @@ class RankModel:
 
 
 def rank_models(mask, meta, k):
+    """The :class:`RankModel` of every rank of ``meta``."""
     dense = dense_padded(mask, meta.padded_total)
     return [RankModel(dense, meta, r, k) for r in range(meta.cp)]
 
@@ -188,14 +189,16 @@ def item_counts(shapes, tq, tk, blocks):
 
 
 def check_views(mask, cp, algorithm="magi", chunk_size=None):
+    """Every rank's view (needed intervals, remote pieces, stage lengths) at 0-3 stages and
+    the split areas are the dense model's."""
     meta = S.solve_dispatch(mask, cp, chunk_size, algorithm)
     for k in (0, 1, 2, 3):
         models = rank_models(mask, meta, k)
         for m, v in zip(models, D.rank_views(mask, meta, k)):
             np.testing.assert_array_equal(v.needed, runs_of(m.needed))
-            want = np.stack([m.keys, m.owner, m.stage, m.offset], axis=1) if k else None
             if k:
-                np.testing.assert_array_equal(pieces_as_tokens(v.remote), want.reshape(-1, 4))
+                want = np.stack([m.keys, m.owner, m.stage, m.offset], axis=1)
+                np.testing.assert_array_equal(pieces_as_tokens(v.remote), want)
                 np.testing.assert_array_equal(v.stage_len, np.diff(m.stage_bounds))
             else:
                 assert len(v.remote) == 0 and len(v.stage_len) == 0
