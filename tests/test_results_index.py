@@ -129,3 +129,15 @@ def test_readme_quotes_figures_only_under_current_numbers():
     _, rest = _readme_sections()
     stray = [ln for ln in rest if _FIGURE.search(ln)]
     assert not stray, f"measured figures outside the README's 'Current numbers': {stray}"
+
+
+def _lines(paths) -> int:
+    return sum(p.read_bytes().count(b"\n") for p in paths if p.is_file())
+
+
+def test_results_are_smaller_than_the_library():
+    """Results are evidence, not a diary: fewer lines than the library they measure (the
+    runs nobody cites leave the tree; git keeps them)."""
+    results = _lines(RESULTS.rglob("*"))
+    library = _lines((ROOT / "magi_jax").rglob("*.py"))
+    assert 0 < results < library, f"benchmarks/results/ {results} lines, magi_jax/ {library}"
