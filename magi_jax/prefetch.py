@@ -28,7 +28,8 @@ def prefetch_keys(
 
     ``make_key`` is called once per batch, in order, on the worker thread (it must not
     depend on the consumer's state); an exception it raises comes out of the iteration at
-    that batch. Closing the iterator early (``break``) stops the worker after the keys in
+    that batch. An exception of the loader (``batches``) comes out after every batch it
+    delivered before it, so nothing loaded and planned is lost. Closing the iterator early (``break``) stops the worker after the keys in
     flight."""
     if not isinstance(depth, int) or depth < 1:
         raise ValueError(f"depth={depth!r} must be a positive number of batches")
@@ -37,21 +38,38 @@ def prefetch_keys(
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="magi-plan") as pool:
 
         def submit():
+            """Queues the next batch; a loader error is queued in its place, so it comes
+            out after the batches loaded before it (never ahead of them)."""
             try:
                 batch = next(it)
             except StopIteration:
                 return False
+            except Exception as e:  # noqa: BLE001 - re-raised in order below
+                pending.append((_LoaderError(e), None))
+                return False
             pending.append((batch, pool.submit(make_key, batch)))
             return True
 
+        more = True
         for _ in range(depth):
-            if not submit():
+            if not (more := submit()):
                 break
         try:
             while pending:
                 batch, future = pending.popleft()
-                submit()
+                if isinstance(batch, _LoaderError):
+                    raise batch.error
+                if more:
+                    more = submit()
                 yield batch, future.result()
         finally:
             for _, future in pending:
-                future.cancel()
+                if future is not None:
+                    future.cancel()
+
+
+class _LoaderError:
+    """A loader exception queued behind the batches that came before it."""
+
+    def __init__(self, error: BaseException):
+        self.error = error

@@ -55,3 +55,17 @@ def test_clear_caches_empties_plan_caches():
     assert plan_for_mask.cache_info().currsize >= 1
     mj.clear_caches()
     assert plan_for_mask.cache_info().currsize == 0
+
+
+def test_loader_error_after_the_batches_it_delivered():
+    """A loader that raises after 3 good batches: all 3 come out (planned), then its error."""
+
+    def loader():
+        yield from range(3)
+        raise OSError("shard 4 is unreadable")
+
+    seen = []
+    with pytest.raises(OSError, match="shard 4"):
+        for batch, key in mj.prefetch_keys(loader(), lambda b: b * 10, depth=2):
+            seen.append((batch, key))
+    assert seen == [(0, 0), (1, 10), (2, 20)]
