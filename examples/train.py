@@ -21,17 +21,25 @@ are checked against the same model on one device (``flex_flash_attention`` over
 natural-order tokens, same attention dtype and FFA backend) with a tolerance that fits the
 dtype.
 
+Pods: ``--dp N`` gives the mesh a data-parallel axis of N replicas, each training on its own
+packed sequence with its own layout every step (a batch of N rows, one plan per row: a
+batched key), and ``--tp M`` a tensor-parallel axis over the heads (the q/k/v projections
+column-sharded, the output projection row-sharded); context parallelism takes the rest of
+the devices (``devices = dp · cp · tp``). Attention runs on each device for its own rows and
+heads only.
+
 Multi-process (one process per GPU, or per host): pass ``--distributed`` to call
 ``jax.distributed.initialize()`` first (it finds the cluster by itself under SLURM, Open MPI
 or Kubernetes; elsewhere give ``--coordinator host:port --num-processes N --process-id i``);
-every process runs this same script, draws the same layouts, plans the same keys and feeds
-the same batches.
+every process runs this same script and draws the same layouts, and plans the keys of the
+rows its own devices hold.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -65,8 +73,20 @@ def parse_args(argv=None):
         "--devices",
         type=int,
         default=None,
-        help="context-parallel ranks (default: every device; on a CPU-only "
+        help="devices to use, dp x cp x tp of them (default: every device; on a CPU-only "
         "machine, one host device per core, 2 to 8)",
+    )
+    ap.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="data-parallel replicas (a batch row each, each its own packing every step)",
+    )
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel shards of the heads (--heads and --kv-heads must divide by it)",
     )
     ap.add_argument(
         "--overlap-degree",
@@ -199,12 +219,17 @@ class Transformer(nnx.Module):
         return self.head(self.norm(x))
 
 
-def loss_fn(params, graphdef, tokens, labels, weights, mask_or_key):
+def loss_fn(params, graphdef, tokens, labels, weights, mask_or_key, rows=None):
     """Mean next-token cross-entropy over the tokens that have a successor in their document
-    (``weights``; padding and last tokens weigh 0)."""
+    (``weights``; padding and last tokens weigh 0), and each row's own mean (``[rows]``; a
+    sequence of ``rows`` packed rows is cut back into them)."""
     logits = nnx.merge(graphdef, params)(tokens, mask_or_key)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
-    return (ce * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+    loss = (ce * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+    if rows is not None:
+        ce, weights = ce.reshape(rows, -1), weights.reshape(rows, -1)
+    per_row = (ce * weights).sum(-1) / jnp.maximum(weights.sum(-1), 1.0)
+    return loss, per_row
 
 
 def attention_setup(requested, head_dim, heads, kv_heads, local_len):
@@ -255,11 +280,13 @@ def make_batch(cu, vocab, max_period, rng):
 
 
 def batches(args, rng):
-    """A new packing every step: ``(cu_seqlens, (tokens, labels, weights))``, drawn in order
-    from ``rng`` on the caller's thread (deterministic)."""
+    """A new packing every step for every replica: ``(cu_seqlens per row, (tokens, labels,
+    weights) [dp, seqlen])``, drawn in order from ``rng`` on the caller's thread
+    (deterministic: every process draws the same)."""
     for _ in range(args.steps):
-        cu = document_layout(args.seqlen, args.docs, rng)
-        yield cu, make_batch(cu, args.vocab, args.max_period, rng)
+        cus = [document_layout(args.seqlen, args.docs, rng) for _ in range(args.dp)]
+        rows = [make_batch(cu, args.vocab, args.max_period, rng) for cu in cus]
+        yield cus, tuple(np.stack(parts) for parts in zip(*rows))
 
 
 def run_capacity(args, n):
@@ -300,38 +327,59 @@ def main(args):
         raise SystemExit(f"--devices {n} but only {len(devices)} devices are visible")
     if args.steps < 1 or args.capacity_sample < 1:
         raise SystemExit("--steps and --capacity-sample must be at least 1")
+    if args.dp < 1 or args.tp < 1 or n % (args.dp * args.tp):
+        raise SystemExit(f"--devices {n} is not a multiple of --dp {args.dp} x --tp {args.tp}")
+    if args.heads % args.tp or args.kv_heads % args.tp:
+        raise SystemExit(f"--heads and --kv-heads must divide by --tp {args.tp}")
+    cp = n // (args.dp * args.tp)
     mesh = jax.make_mesh(
-        (n,), ("cp",), devices=devices[:n], axis_types=(jax.sharding.AxisType.Auto,)
+        (args.dp, cp, args.tp),
+        ("dp", "cp", "tp"),
+        devices=devices[:n],
+        axis_types=(jax.sharding.AxisType.Auto,) * 3,
     )
     replicated = NamedSharding(mesh, P())
+    by_row = NamedSharding(mesh, P("dp"))
 
     def global_array(x):
-        """The same host value on every process -> one array replicated over the mesh."""
+        """The same host batch ``[dp, ...]`` on every process -> one array with its rows
+        over the data-parallel axis (each process fills the rows of its own devices)."""
         x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, replicated, lambda idx: x[idx])
+        return jax.make_array_from_callback(x.shape, by_row, lambda idx: x[idx])
 
     say(
         f"devices: {n} x {devices[0].device_kind} ({jax.default_backend()}), "
-        f"{jax.process_count()} process(es), jax {jax.__version__}"
+        f"{jax.process_count()} process(es), jax {jax.__version__}; mesh dp {args.dp} x "
+        f"cp {cp} x tp {args.tp}"
     )
     t0 = time.perf_counter()
-    cap = run_capacity(args, n)
+    cap = run_capacity(args, cp)
     say(
         f"capacity: {cap} [{args.capacity_sample} layouts, x{args.capacity_headroom:g}, "
         f"{time.perf_counter() - t0:.2f} s]"
     )
 
     head_dim = args.dim // args.heads
-    local_len = -(-args.seqlen // n)
+    local_len = -(-args.seqlen // cp)
     attn_dtype, ffa, why = attention_setup(
-        args.dtype, head_dim, args.heads, args.kv_heads, local_len
+        args.dtype, head_dim, args.heads // args.tp, args.kv_heads // args.tp, local_len
     )
 
     def plan(item):
-        """The key of one step's layout (runs on the prefetch thread)."""
-        cu, _ = item
+        """The key of one step's layouts, one plan per replica, each process planning the
+        rows its devices hold (runs on the prefetch thread)."""
+        cus, _ = item
         try:
-            return mj.make_varlen_key(cu, mesh, "cp", causal=True, capacity=cap, ffa_backend=ffa)
+            return mj.make_batch_key(
+                lambda row: mj.AttnMask.varlen(cus[row], causal=True),
+                mesh,
+                "cp",
+                batch_axes="dp",
+                head_axes="tp",
+                batch=args.dp,
+                capacity=cap,
+                ffa_backend=ffa,
+            )
         except mj.CapacityError as e:
             raise SystemExit(
                 f"a step's layout does not fit the run's capacity ({e}); raise "
@@ -341,10 +389,11 @@ def main(args):
     rng = np.random.default_rng(args.seed)
     stream = mj.prefetch_keys(batches(args, rng), plan, depth=1)
     t0 = time.perf_counter()
-    (cu, batch), key = next(stream)
+    (cus, batch), key = next(stream)
     say(
-        f"data:    {args.seqlen:,} tokens per step in {args.docs} documents, a new layout "
-        f"every step; step 0: {np.diff(cu).tolist()}"
+        f"data:    {args.dp} x {args.seqlen:,} tokens per step, {args.docs} documents per "
+        f"replica, a new layout every step for every replica; step 0, replica 0: "
+        f"{np.diff(cus[0]).tolist()}"
     )
     say(f"plan:    {key} [{time.perf_counter() - t0:.2f} s]")
     say(
@@ -368,21 +417,28 @@ def main(args):
         f"model:   {args.layers} layers, dim {args.dim}, {args.heads} query / {args.kv_heads} "
         f"key-value heads, vocab {args.vocab}: {n_params:,} parameters (float32)"
     )
-    params = jax.device_put(params, replicated)
+    params = jax.device_put(params, param_shardings(params, mesh))
     tx = optax.adamw(
         optax.warmup_cosine_decay_schedule(0.0, args.lr, 5, max(args.steps, 6)), weight_decay=0.01
     )
-    opt_state = jax.device_put(tx.init(params), replicated)
+    opt_state = jax.jit(tx.init)(params)
 
     def cp_loss(params, tokens, labels, weights, key):
-        d = lambda x: mj.dispatch(x, key)  # natural order -> dispatched, sharded
+        d = lambda x: mj.dispatch(x, key, seq_axis=1)  # natural order -> dispatched, sharded
         return loss_fn(params, graphdef, d(tokens), d(labels), d(weights), key)
 
     # The key is an argument, not a constant: its arrays are the step's layout, its static
     # part depends on (mesh, capacity, options) only, so one compilation serves every step.
-    @jax.jit
+    # Outputs keep the inputs' shardings, so step 1 sees the arguments step 0 compiled for.
+    on_mesh = lambda a: a.sharding if isinstance(a.sharding, NamedSharding) else replicated
+    state_shardings = jax.tree.map(on_mesh, (params, opt_state))
+    opt_state = jax.jit(tx.init, out_shardings=state_shardings[1])(params)
+
+    @functools.partial(jax.jit, out_shardings=(*state_shardings, replicated))
     def train_step(params, opt_state, tokens, labels, weights, key):
-        loss, grads = jax.value_and_grad(cp_loss)(params, tokens, labels, weights, key)
+        (loss, _), grads = jax.value_and_grad(cp_loss, has_aux=True)(
+            params, tokens, labels, weights, key
+        )
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -392,10 +448,11 @@ def main(args):
             graphdef,
             batch,
             key,
-            mj.AttnMask.varlen(cu, causal=True),
+            packed_mask(cus, args.seqlen),
             cp_loss,
             attn_dtype,
             say,
+            global_array,
         )
 
     history, tps, layouts = [], [], []
@@ -403,14 +460,14 @@ def main(args):
     for step in range(args.steps):
         start = time.perf_counter()
         if step:  # planned on the background thread meanwhile
-            (cu, batch), key = next(stream)
+            (cus, batch), key = next(stream)
         params, opt_state, loss = train_step(params, opt_state, *map(global_array, batch), key)
         loss = float(loss)  # waits for the step
         sec = time.perf_counter() - start
         history.append(loss)
-        layouts.append(np.diff(cu).tolist())
+        layouts.extend(np.diff(cu).tolist() for cu in cus)
         if step:  # step 0 includes compilation
-            tps.append(args.seqlen / sec)
+            tps.append(args.dp * args.seqlen / sec)
         bar.update(loss, tps[-1] if tps else None)
     stream.close()
     bar.close()
@@ -431,7 +488,7 @@ def main(args):
     distinct = len({tuple(x) for x in layouts})
     say(
         f"compile: train step compiled {compiles} time{'s' if compiles != 1 else ''} for "
-        f"{args.steps} steps with {distinct} different layouts"
+        f"{args.steps} steps with {distinct} different layouts ({args.dp} per step)"
     )
     if args.json and lead:
         import json
@@ -442,6 +499,7 @@ def main(args):
                     loss=history,
                     tokens_per_second=rate,
                     devices=n,
+                    mesh=dict(dp=args.dp, cp=cp, tp=args.tp),
                     backend=jax.default_backend(),
                     ffa_backend=key.ffa_backend,
                     attn_dtype=jnp.dtype(attn_dtype).name,
@@ -478,43 +536,73 @@ def check_tolerance(attn_dtype) -> float:
     return 2e-4 if jax.default_backend() == "cpu" else 2e-3
 
 
-def check_step0(params, graphdef, batch, key, mask, cp_loss, attn_dtype, say):
+def packed_mask(cus, seqlen):
+    """The rows' documents packed into one sequence (row ``b`` at ``[b·seqlen, (b+1)·seqlen)``):
+    the one-device model over it computes every row's attention, and RoPE, which sees only
+    position differences inside a document, gives each row its own rotations."""
+    starts = [np.asarray(cu[:-1]) + b * seqlen for b, cu in enumerate(cus)]
+    return mj.AttnMask.varlen(np.concatenate(starts + [[len(cus) * seqlen]]), causal=True)
+
+
+def param_shardings(params, mesh):
+    """Tensor parallelism over ``tp``: the q/k/v projections column-sharded (their output
+    features are heads), the output projection row-sharded; everything else replicated."""
+
+    def rule(path, leaf):
+        names = [getattr(p, "key", getattr(p, "name", None)) for p in path]
+        if leaf.ndim == 2 and any(n in ("q_proj", "k_proj", "v_proj") for n in names):
+            return NamedSharding(mesh, P(None, "tp"))
+        if leaf.ndim == 2 and "o_proj" in names:
+            return NamedSharding(mesh, P("tp", None))
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map_with_path(rule, params)
+
+
+def check_step0(params, graphdef, batch, key, mask, cp_loss, attn_dtype, say, global_array):
     """Loss and gradients of the context-parallel model equal the single-device model's (the
-    same attention dtype; the model's one-device attention uses the key's FFA backend)."""
+    same attention dtype; the model's one-device attention uses the key's FFA backend): the
+    loss of every row (replica) and the gradients of their mean, against the one-device
+    model over the rows packed into one sequence."""
     rtol = check_tolerance(attn_dtype)
     dev0 = jax.local_devices()[0]
-    tokens, labels, weights = (jax.device_put(x, dev0) for x in batch)
-    # This process's copy of the (replicated) parameters, on one of its own devices.
-    params_1 = jax.tree.map(lambda a: jax.device_put(a.addressable_data(0), dev0), params)
+    rows = batch[0].shape[0]
+    tokens, labels, weights = (jax.device_put(np.asarray(x).reshape(-1), dev0) for x in batch)
+    # This process's copy of the parameters, whole, on one of its own devices.
+    params_1 = jax.jit(lambda p: p, out_shardings=NamedSharding(key.mesh, P()))(params)
+    params_1 = jax.tree.map(lambda a: jax.device_put(a.addressable_data(0), dev0), params_1)
 
     @jax.jit
     def single(params, tokens, labels, weights):
-        return jax.value_and_grad(loss_fn)(params, graphdef, tokens, labels, weights, mask)
-
-    global_batch = [
-        jax.make_array_from_callback(
-            np.shape(x), NamedSharding(key.mesh, P()), lambda idx, x=x: np.asarray(x)[idx]
+        return jax.value_and_grad(loss_fn, has_aux=True)(
+            params, graphdef, tokens, labels, weights, mask, rows
         )
-        for x in batch
-    ]
-    loss_cp, g_cp = jax.jit(jax.value_and_grad(cp_loss))(params, *global_batch, key)
-    loss_1, g_1 = single(params_1, tokens, labels, weights)
+
+    (loss_cp, rows_cp), g_cp = jax.jit(jax.value_and_grad(cp_loss, has_aux=True))(
+        params, *map(global_array, batch), key
+    )
+    (loss_1, rows_1), g_1 = single(params_1, tokens, labels, weights)
+    replicate = jax.jit(lambda t: t, out_shardings=NamedSharding(key.mesh, P()))
+    rows_cp = np.asarray(replicate(rows_cp).addressable_data(0), np.float64)
+    g_cp = replicate(g_cp)
     loss_cp, loss_1 = float(loss_cp), float(loss_1)
     worst, worst_name = 0.0, ""
     flat_cp = jax.tree_util.tree_flatten_with_path(g_cp)[0]
     flat_1 = jax.tree.leaves(g_1)
     for (path, a), b in zip(flat_cp, flat_1):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        a = np.asarray(a.addressable_data(0), np.float64)
+        b = np.asarray(b, np.float64)
         err = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
         if err > worst:
             worst, worst_name = err, jax.tree_util.keystr(path)
-    loss_err = abs(loss_cp - loss_1) / max(abs(loss_1), 1e-12)
+    rows_1 = np.asarray(rows_1, np.float64)
+    loss_err = float(np.max(np.abs(rows_cp - rows_1) / np.maximum(np.abs(rows_1), 1e-12)))
     ok = loss_err <= rtol and worst <= rtol
     say(
         f"check:   step-0 CP vs one device ({jnp.dtype(attn_dtype).name}, {key.ffa_backend}): "
-        f"loss {loss_cp:.6f} vs {loss_1:.6f} (|Δ|/|loss| {loss_err:.1e}); gradients: "
-        f"max over leaves of max|Δg|/max|g| {worst:.1e} ({worst_name}); bound {rtol:g} "
-        f"-> {'OK' if ok else 'MISMATCH'}"
+        f"loss {loss_cp:.6f} vs {loss_1:.6f} (per row, max |Δ|/|loss| {loss_err:.1e} over "
+        f"{rows} row{'s' if rows > 1 else ''}); gradients: max over leaves of max|Δg|/max|g| "
+        f"{worst:.1e} ({worst_name}); bound {rtol:g} -> {'OK' if ok else 'MISMATCH'}"
     )
     if not ok:
         raise SystemExit(

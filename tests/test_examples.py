@@ -177,3 +177,65 @@ def test_planner_cli_plans_the_users_mask(tmp_path, capsys):
             main(argv + ["--out", ""])
         assert e.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def _train_argv(out, *extra):
+    return [
+        sys.executable,
+        str(ROOT / "examples" / "train.py"),
+        "--steps",
+        "10",
+        "--seqlen",
+        "512",
+        "--docs",
+        "4",
+        "--layers",
+        "1",
+        "--dim",
+        "64",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "2",
+        "--json",
+        str(out),
+        *extra,
+    ]
+
+
+def _check_pod_run(log, dp, steps=10):
+    assert np.isfinite(log["loss"]).all() and log["compilations"] == 1
+    # a new packing for every replica of every step
+    assert len(log["layouts"]) == dp * steps
+    assert len({tuple(x) for x in log["layouts"]}) == dp * steps
+
+
+def test_train_example_on_a_pod_mesh(tmp_path):
+    """dp 2 x cp 2 x tp 2 on 8 host devices: every replica its own packing every step, one
+    compilation, the step-0 check per row against the one-device model."""
+    out = tmp_path / "train.json"
+    cmd = _train_argv(out, "--devices", "8", "--dp", "2", "--tp", "2")
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "over 2 rows" in res.stdout and "-> OK" in res.stdout, res.stdout
+    log = json.loads(out.read_text())
+    assert log["mesh"] == dict(dp=2, cp=2, tp=2)
+    _check_pod_run(log, 2)
+
+
+def test_train_example_two_processes(tmp_path):
+    """``--distributed`` with 2 processes x 4 CPU devices: dp 2 spans the processes (each
+    plans its own replica's rows), cp 4 inside each."""
+    from tests.sharding.test_multiprocess import free_port, run_processes
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    outs = run_processes(
+        lambda i: (
+            _train_argv(tmp_path / f"train{i}.json", "--devices", "8", "--dp", "2")
+            + ["--distributed", "--coordinator", coordinator, "--num-processes", "2"]
+            + ["--process-id", str(i)]
+        ),
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    )
+    assert "-> OK" in outs[0] and "2 process(es)" in outs[0], outs[0][-3000:]
+    _check_pod_run(json.loads((tmp_path / "train0.json").read_text()), 2)

@@ -24,11 +24,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_processes(argv_of, n=2, timeout=TIMEOUT) -> list[str]:
+def run_processes(argv_of, n=2, timeout=TIMEOUT, env=None) -> list[str]:
     """Starts ``n`` processes (``argv_of(i)``), waits for all (bounded), returns their
-    outputs; fails with every process's output if one fails or times out."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)  # each process sets its own device count
+    outputs; fails with every process's output if one fails or times out. ``env``: more
+    environment variables (by default each process sets its own device count)."""
+    base = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    base.pop("XLA_FLAGS", None)
+    env = {**base, **(env or {})}
     procs = [
         subprocess.Popen(
             argv_of(i),
