@@ -29,8 +29,8 @@ def prefetch_keys(
     ``make_key`` is called once per batch, in order, on the worker thread (it must not
     depend on the consumer's state); an exception it raises comes out of the iteration at
     that batch. An exception of the loader (``batches``) comes out after every batch it
-    delivered before it, so nothing loaded and planned is lost. Closing the iterator early (``break``) stops the worker after the keys in
-    flight."""
+    delivered before it, so nothing loaded and planned is lost. Closing the iterator early
+    (``break``) stops the worker after the keys in flight."""
     if not isinstance(depth, int) or depth < 1:
         raise ValueError(f"depth={depth!r} must be a positive number of batches")
     it = iter(batches)

@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from magi_jax.sharding.key import MagiKey, check_key, rows_desc
+from magi_jax.sharding.key import MagiKey, axes_entry, check_key, rows_desc
 from magi_jax.sharding.layout import check_seq_axis, merge_axes, split_axis
 from magi_jax.sharding.make_key import put_global
 
@@ -363,19 +363,39 @@ class _EdgeRoute:
     num_chunks: int
     fwd: int
     bwd: int
+    # A batched key: x is [B, ...] with the rows over these axes, each its own dispatch.
+    batch_axes: tuple[str, ...] | None = None
 
     @property
     def per_rank(self) -> int:
         return self.num_chunks // self.cp
 
     def move(self, x, t, chunk_order, chunk_inverse):
-        spec = P(*([None] * self.axis), self.cp_axis)
+        if self.batch_axes is None:
+            spec, order_spec = P(*([None] * self.axis), self.cp_axis), P()
 
-        def body(x, chunk_order, chunk_inverse):
-            return _move_edges(x, chunk_order, chunk_inverse, t, self)
+            def body(x, chunk_order, chunk_inverse):
+                return _move_edges(x, chunk_order, chunk_inverse, t, self)
+
+        else:
+            batch = axes_entry(self.batch_axes)
+            spec = P(batch, *([None] * (self.axis - 1)), self.cp_axis)
+            order_spec = P(batch)
+            row = dataclasses.replace(self, axis=self.axis - 1, batch_axes=None)
+
+            def body(x, chunk_order, chunk_inverse):
+                parts = [
+                    _move_edges(x[i], chunk_order[i], chunk_inverse[i], t, row)
+                    for i in range(x.shape[0])
+                ]
+                return jnp.stack(parts)
 
         fn = jax.shard_map(
-            body, mesh=self.mesh, in_specs=(spec, P(), P()), out_specs=spec, check_vma=False
+            body,
+            mesh=self.mesh,
+            in_specs=(spec, order_spec, order_spec),
+            out_specs=spec,
+            check_vma=False,
         )
         return fn(x, chunk_order, chunk_inverse)
 
@@ -383,6 +403,14 @@ class _EdgeRoute:
 def _edge_route(key: MagiKey, shift: int, axis: int) -> _EdgeRoute:
     st = key.static
     t = _signed_shift(shift, st.total)
+    if abs(t) >= st.chunk_size and key.batched:
+        raise ValueError(
+            f"roll: shift={shift} (as a signed shift modulo total={st.total}: {t}) is not "
+            f"smaller than the chunk size {st.chunk_size} of a batched key: each row's "
+            "dispatch is its own, so roll moves only the |shift| edge rows of every chunk "
+            f"and takes |shift| < {st.chunk_size}; for larger shifts roll the rows in "
+            "natural order before mj.dispatch"
+        )
     if abs(t) >= st.chunk_size:
         raise ValueError(
             f"roll: shift={shift} (as a signed shift modulo total={st.total}: {t}) is not "
@@ -403,6 +431,7 @@ def _edge_route(key: MagiKey, shift: int, axis: int) -> _EdgeRoute:
         st.padded_total // st.chunk_size,
         t,
         -t,
+        st.batch_axes if key.batched else None,
     )
 
 
@@ -472,7 +501,7 @@ def roll(x, shift: int, key: MagiKey, *, seq_axis: int = 0):
     The hidden states of the main model can be shifted the same way
     (``mj.roll(h, -1, key)``), and gradients flow back through the roll.
     """
-    check_key(key)
+    check_key(key, "roll", x)
     shift = _check_shift(shift)
     if not (hasattr(x, "ndim") and hasattr(x, "shape")):
         try:
@@ -498,7 +527,12 @@ def roll(x, shift: int, key: MagiKey, *, seq_axis: int = 0):
                 else "; pass an array dispatched with this key"
             )
         raise ValueError(msg)
-    if _traced_dispatch(key):
+    if key.batched and axis == 0:
+        raise ValueError(
+            f"roll: x has shape {tuple(x.shape)} with the sequence on axis 0, but the key is "
+            f"batched ({key.rows} rows): pass [{key.rows}, padded_total, ...] with seq_axis=1"
+        )
+    if key.batched or _traced_dispatch(key):
         dispatch = (key.chunk_order, key.chunk_inverse)
         return _roll_linear(_edge_route(key, shift, axis), x, dispatch, dispatch)
     s = shift % key.total

@@ -240,3 +240,28 @@ def test_batch_rows_and_errors():
     with pytest.raises(ValueError, match=r"seq_axis=1"):
         mj.dispatch(jnp.zeros((T, 3)), key)
     assert mj.position_ids(key).shape == (2, key.padded_total)
+
+
+def test_roll_and_positions_of_a_batched_key():
+    """roll of dispatched rows equals jnp.roll in natural order, row by row (label shifts),
+    under jit with the key as an argument; positions are each row's own."""
+    mesh, batch_axes, _ = make_mesh("dp2_cp4")
+    rng = np.random.default_rng(5)
+    masks = packings(rng, 2)
+    cap = mj.PlanCapacity.from_masks(masks + packings(rng, 8), mesh_size=4)
+    key = mj.make_batch_key(masks, mesh, "cp", batch_axes=batch_axes, capacity=cap)
+    x = jnp.asarray(rng.standard_normal((2, T, 3)), jnp.float32)
+
+    @jax.jit
+    def rolled(x, key):
+        d = mj.roll(mj.dispatch(x, key, seq_axis=1), -1, key, seq_axis=1)
+        return mj.undispatch(d, key, seq_axis=1), mj.position_ids(key)
+
+    y, pos = rolled(x, key)
+    np.testing.assert_array_equal(np.asarray(y), np.roll(np.asarray(x), -1, axis=1))
+    for b in range(2):
+        order = np.asarray(key.order)[b]
+        np.testing.assert_array_equal(np.asarray(pos)[b], order)
+        assert sorted(order[order < T].tolist()) == list(range(T))
+    with pytest.raises(ValueError, match="batched key"):
+        mj.roll(mj.dispatch(x, key, seq_axis=1), key.chunk_size, key, seq_axis=1)
