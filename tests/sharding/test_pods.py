@@ -265,3 +265,75 @@ def test_roll_and_positions_of_a_batched_key():
         assert sorted(order[order < T].tolist()) == list(range(T))
     with pytest.raises(ValueError, match="batched key"):
         mj.roll(mj.dispatch(x, key, seq_axis=1), key.chunk_size, key, seq_axis=1)
+
+
+def test_flax_layers_on_fsdp_cp_tp_mesh():
+    """magi_jax.nn.SelfAttention and make_attention_fn (flax.nnx.MultiHeadAttention) under a
+    (fsdp 2, cp 2, tp 2) mesh with parameters sharded over fsdp and tp, a batched key: every
+    row equals the same layer on one device over that row's mask, outputs and gradients."""
+    from flax import nnx
+
+    from magi_jax.nn import SelfAttention, make_attention_fn
+
+    mesh = jax.make_mesh((2, 2, 2), ("fsdp", "cp", "tp"), axis_types=(AxisType.Auto,) * 3)
+    rng = np.random.default_rng(9)
+    masks = packings(rng, 2)
+    cap = mj.PlanCapacity.from_masks(masks + packings(rng, 8), mesh_size=2)
+    key = mj.make_batch_key(
+        masks, mesh, "cp", batch_axes="fsdp", head_axes="tp", capacity=cap, ffa_backend="xla"
+    )
+    x = jnp.asarray(rng.standard_normal((2, T, 32)), jnp.float32)
+    layers = dict(
+        self_attention=SelfAttention(32, num_heads=4, num_kv_heads=2, rngs=nnx.Rngs(0)),
+        nnx_mha=nnx.MultiHeadAttention(
+            num_heads=4,
+            in_features=32,
+            decode=False,
+            attention_fn=make_attention_fn(key),
+            rngs=nnx.Rngs(1),
+        ),
+    )
+
+    def fsdp_tp(path, leaf):
+        """Kernels [in, out]: rows over fsdp; heads (the features of q/k/v, the input of
+        the output projection) over tp."""
+        names = {str(getattr(p, "key", "")) for p in path}
+        if leaf.ndim < 2:
+            return NamedSharding(mesh, P())
+        if names & {"o_proj", "out"}:
+            return NamedSharding(mesh, P(*(("tp",) + (None,) * (leaf.ndim - 2) + ("fsdp",))))
+        return NamedSharding(mesh, P(*(("fsdp",) + (None,) * (leaf.ndim - 2) + ("tp",))))
+
+    for name, layer in layers.items():
+        graphdef, params = nnx.split(layer, nnx.Param)
+        sharded = jax.device_put(params, jax.tree_util.tree_map_with_path(fsdp_tp, params))
+
+        def cp_loss(p, x, key):
+            model = nnx.merge(graphdef, p)
+            xd = mj.dispatch(x, key, seq_axis=1)
+            y = model(xd, key) if name == "self_attention" else model(xd)
+            y = mj.undispatch(y, key, seq_axis=1)
+            return (y**2).sum(), y
+
+        (_, y), g = jax.jit(jax.value_and_grad(cp_loss, has_aux=True))(sharded, x, key)
+        g_ref = None
+        for b in range(2):
+            if name == "self_attention":
+                run = lambda p, xb, b=b: nnx.merge(graphdef, p)(xb, masks[b])
+            else:
+                model = nnx.MultiHeadAttention(
+                    num_heads=4,
+                    in_features=32,
+                    decode=False,
+                    attention_fn=make_attention_fn(masks[b], backend="xla"),
+                    rngs=nnx.Rngs(1),
+                )
+                gd = nnx.split(model, nnx.Param)[0]
+                run = lambda p, xb, gd=gd: nnx.merge(gd, p)(xb)
+            yb = run(params, x[b])
+            np.testing.assert_allclose(np.asarray(y[b]), np.asarray(yb), rtol=2e-5, atol=2e-5)
+            gb = jax.grad(lambda p: (run(p, x[b]) ** 2).sum())(params)
+            g_ref = gb if g_ref is None else jax.tree.map(jnp.add, g_ref, gb)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+            scale = float(jnp.abs(b).max())
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * max(scale, 1))
