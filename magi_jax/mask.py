@@ -400,18 +400,27 @@ class AttnMask:
         total_k: int,
         *,
         block: int | tuple[int, int] | None = None,
+        blocks=None,
+        check_blocks: bool = False,
     ) -> "AttnMask":
         """The mask whose cell ``(q, k)`` is ``fn(q_idx, k_idx)``, a vectorised NumPy
         predicate (int64 ``q_idx [bq, 1]``, ``k_idx [1, bk]`` → bool ``[bq, bk]``), evaluated
-        block by block and compressed into slices; see
-        :func:`magi_jax.mask_runs.mask_from_fn` (``block``: its ``(bq, bk)``).
+        block by block and compressed into slices; ``blocks(qb, kb)`` optionally codes the
+        blocks (0 empty, 1 full, 2 evaluate). See :func:`magi_jax.mask_runs.mask_from_fn`.
 
         >>> AttnMask.from_fn(lambda q, k: (k <= q) & (q - k < 2), 4, 4).area
         7
         """
         from magi_jax.mask_runs import DEFAULT_BLOCK, mask_from_fn
 
-        return mask_from_fn(fn, total_q, total_k, block=DEFAULT_BLOCK if block is None else block)
+        return mask_from_fn(
+            fn,
+            total_q,
+            total_k,
+            block=DEFAULT_BLOCK if block is None else block,
+            blocks=blocks,
+            check_blocks=check_blocks,
+        )
 
     @classmethod
     def from_dense(cls, dense) -> "AttnMask":

@@ -30,6 +30,7 @@ __all__ = [
     "mask_from_dense",
     "mask_from_block_mask",
     "combine",
+    "canonical",
     "DEFAULT_BLOCK",
 ]
 
@@ -175,43 +176,122 @@ def mask_from_fn(
     total_k: int,
     *,
     block: int | tuple[int, int] = DEFAULT_BLOCK,
+    blocks: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+    check_blocks: bool = False,
 ) -> AttnMask:
     """The mask whose cell ``(q, k)`` is ``fn(q, k)``, for a vectorised NumPy predicate.
 
-    ``fn`` receives int64 ``q_idx [bq, 1]`` and ``k_idx [1, bk]`` (absolute token positions
-    of one block) and returns a bool array broadcastable to ``[bq, bk]`` (FlexAttention's
-    ``mask_mod``, in NumPy). It is evaluated on blocks of ``block = (bq, bk)`` cells, so
-    memory is bounded by the block and by the row runs, never by ``total_q · total_k``;
-    time is ``total_q · total_k`` predicate cells (for large block-sparse masks,
-    :func:`mask_from_block_mask` avoids evaluating cells)."""
+    ``fn`` receives int64 ``q_idx [bq, 1]`` and ``k_idx [1, bk]`` (absolute token
+    positions of one block; the last blocks clipped to the totals) and returns a bool
+    array broadcastable to ``[bq, bk]`` (FlexAttention's ``mask_mod``, in NumPy). It is
+    evaluated block by block, so memory is bounded by the block and by the row runs, never
+    by ``total_q · total_k``. Time is one predicate cell per mask cell (tens of millions
+    of cells a second on one CPU core), unless ``blocks`` says where the cells are:
+
+    ``blocks(qb [nq, 1], kb [1, nk])`` (block indices, int64) returns int codes
+    broadcastable to ``[nq, nk]``, one per block of ``block``: 0 the block holds no cell,
+    1 every cell, 2 evaluate ``fn`` (FlexAttention's full / partial blocks). Only blocks
+    coded 2 are evaluated. The codes are trusted; ``check_blocks=True`` evaluates ``fn`` on
+    every block as well and raises ``ValueError`` at the first block whose code is wrong
+    (for tests)."""
     tq, tk = _check_total("total_q", total_q), _check_total("total_k", total_k)
     bq, bk = _block_shape(block)
     if not callable(fn):
         raise TypeError(f"fn={fn!r} must be a callable fn(q_idx, k_idx) -> bool array")
+    nq, nk = -(-tq // bq), -(-tk // bk)
+    codes = None if blocks is None else _block_codes(blocks, nq, nk)
     parts = []
-    for r0 in range(0, tq, bq):
-        r1 = min(r0 + bq, tq)
+    for r in range(nq):
+        r0, r1 = r * bq, min((r + 1) * bq, tq)
         q_idx = np.arange(r0, r1, dtype=np.int64)[:, None]
-        for c0 in range(0, tk, bk):
-            c1 = min(c0 + bk, tk)
-            k_idx = np.arange(c0, c1, dtype=np.int64)[None, :]
-            cells = np.asarray(fn(q_idx, k_idx))
-            if cells.dtype != np.bool_:
-                raise TypeError(
-                    f"fn(q_idx, k_idx) returned dtype {cells.dtype}; the predicate must "
-                    "return a bool array (compare, or cast with .astype(bool))"
+        if codes is None:
+            spans = [(0, nk)]
+        else:
+            row_codes = codes[r]
+            if check_blocks:
+                _check_codes(fn, q_idx, row_codes, bk, tk, r)
+            full = _spans(row_codes == 1)
+            spans = _spans(row_codes == 2)
+            if len(full):  # full blocks: one run per row and span, no cell evaluated
+                rows = np.repeat(np.arange(r0, r1), len(full))
+                parts.append(
+                    (
+                        rows,
+                        np.tile(full[:, 0] * bk, r1 - r0),
+                        np.tile(np.minimum(full[:, 1] * bk, tk), r1 - r0),
+                    )
                 )
-            try:
-                cells = np.broadcast_to(cells, (r1 - r0, c1 - c0))
-            except ValueError:
-                raise ValueError(
-                    f"fn(q_idx [{r1 - r0}, 1], k_idx [1, {c1 - c0}]) returned shape "
-                    f"{cells.shape}, not broadcastable to [{r1 - r0}, {c1 - c0}]; use "
-                    "elementwise NumPy operations on q_idx and k_idx"
-                ) from None
-            if cells.any():
-                parts.append(_dense_runs(cells, r0, c0))
+        for b0, b1 in spans:
+            for b in range(int(b0), int(b1)):  # one block at a time: memory bounded
+                c0, c1 = b * bk, min((b + 1) * bk, tk)
+                cells = _evaluate(fn, q_idx, c0, c1)
+                if cells.any():
+                    parts.append(_dense_runs(cells, r0, c0))
     return runs_to_mask(_concat(parts, tq, tk))
+
+
+def _evaluate(fn, q_idx: np.ndarray, c0: int, c1: int) -> np.ndarray:
+    k_idx = np.arange(c0, c1, dtype=np.int64)[None, :]
+    shape = (len(q_idx), c1 - c0)
+    cells = np.asarray(fn(q_idx, k_idx))
+    if cells.dtype != np.bool_:
+        raise TypeError(
+            f"fn(q_idx, k_idx) returned dtype {cells.dtype}; the predicate must "
+            "return a bool array (compare, or cast with .astype(bool))"
+        )
+    try:
+        return np.broadcast_to(cells, shape)
+    except ValueError:
+        raise ValueError(
+            f"fn(q_idx [{shape[0]}, 1], k_idx [1, {shape[1]}]) returned shape {cells.shape}, "
+            f"not broadcastable to [{shape[0]}, {shape[1]}]; use elementwise NumPy "
+            "operations on q_idx and k_idx"
+        ) from None
+
+
+def _block_codes(blocks, nq: int, nk: int) -> np.ndarray:
+    if not callable(blocks):
+        raise TypeError(f"blocks={blocks!r} must be a callable blocks(qb, kb) -> int codes")
+    qb = np.arange(nq, dtype=np.int64)[:, None]
+    kb = np.arange(nk, dtype=np.int64)[None, :]
+    codes = np.asarray(blocks(qb, kb))
+    if not (np.issubdtype(codes.dtype, np.integer) or codes.dtype == np.bool_):
+        raise TypeError(f"blocks(qb, kb) returned dtype {codes.dtype}; give int codes 0, 1, 2")
+    try:
+        codes = np.broadcast_to(codes, (nq, nk))
+    except ValueError:
+        raise ValueError(
+            f"blocks(qb [{nq}, 1], kb [1, {nk}]) returned shape {codes.shape}, not "
+            f"broadcastable to [{nq}, {nk}]"
+        ) from None
+    bad = (codes < 0) | (codes > 2)
+    if bad.any():
+        i, j = np.argwhere(bad)[0]
+        raise ValueError(
+            f"blocks(qb, kb) gave code {int(codes[i, j])} for block ({i}, {j}); codes are "
+            "0 (no cell), 1 (every cell) or 2 (evaluate fn)"
+        )
+    return codes
+
+
+def _check_codes(fn, q_idx, row_codes, bk: int, tk: int, r: int) -> None:
+    cells = _evaluate(fn, q_idx, 0, tk)
+    for j, code in enumerate(row_codes.tolist()):
+        if code == 2:
+            continue
+        blk = cells[:, j * bk : min((j + 1) * bk, tk)]
+        if (code == 1 and not blk.all()) or (code == 0 and blk.any()):
+            raise ValueError(
+                f"blocks(qb, kb) coded block ({r}, {j}) as {code} "
+                f"({'every cell' if code else 'no cell'}) but fn holds "
+                f"{int(blk.sum())} of its {blk.size} cells; code it 2 (evaluate fn)"
+            )
+
+
+def _spans(flags: np.ndarray) -> np.ndarray:
+    """``[n, 2]`` half-open spans of consecutive True in a 1-D bool array."""
+    edges = np.flatnonzero(np.diff(np.r_[False, flags, False].astype(np.int8)))
+    return edges.reshape(-1, 2)
 
 
 def _concat(parts, tq, tk) -> RowRuns:
@@ -326,3 +406,10 @@ def combine(a: AttnMask, b: AttnMask, op: str) -> AttnMask:
             tk,
         )
     )
+
+
+def canonical(mask: AttnMask) -> AttnMask:
+    """The slices of ``mask``'s cells as :func:`runs_to_mask` writes them: the mask that
+    :func:`mask_from_fn` returns for a predicate with the same cells (two masks hold the
+    same cells exactly when their canonical forms are equal)."""
+    return runs_to_mask(row_runs(mask))
