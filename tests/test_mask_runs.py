@@ -27,8 +27,8 @@ def _dense_of(tq, tk, draw_bits, band):
 
 
 @st.composite
-def dense_masks(draw, max_len=24):
-    tq, tk = draw(st.integers(0, max_len)), draw(st.integers(0, max_len))
+def dense_masks(draw, min_len=0, max_len=24):
+    tq, tk = draw(st.integers(min_len, max_len)), draw(st.integers(min_len, max_len))
     bits = draw(hnp.arrays(bool, (tq, tk)))
     band = draw(st.one_of(st.none(), st.tuples(st.integers(-8, 0), st.integers(0, 8))))
     return _dense_of(tq, tk, bits, band)
