@@ -12,7 +12,8 @@ slice count, then cold planning (every cache cleared):
 Families: random block-sparse (a ``1024 x 1024`` grid of blocks of ``total / 1024``
 tokens; 1 % and 10 % of the blocks), documents + causal sliding window + global tokens,
 and HSTU (context, causal history, targets), over the zoo's documents
-(:func:`magi_jax.mask_zoo.scaled_doc_lengths`). Up to ``--from-fn-max`` tokens the mask
+(:func:`magi_jax.mask_zoo.scaled_doc_lengths`); and causal documents of 10 tokens on
+average (``total / 10`` slices: 10^5 at 1M). Up to ``--from-fn-max`` tokens the mask
 is built by ``from_fn`` from its predicate (with block codes, so that only mixed blocks
 are evaluated) and checked to equal the constructor's canonical mask; above it the
 constructor's canonical mask is used (the same ``AttnMask``: from_fn's result depends only
@@ -51,7 +52,7 @@ from magi_jax.mask import AttnMask  # noqa: E402
 from magi_jax.mask_runs import canonical  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "planning")
-FAMILIES = ("block-sparse-1%", "block-sparse-10%", "doc-window-global", "hstu")
+FAMILIES = ("block-sparse-1%", "block-sparse-10%", "doc-window-global", "hstu", "docs-of-10")
 _GRID = 1024  # block-sparse: blocks per axis
 _FN_BLOCK = 256  # from_fn's evaluation block (and block codes) for the document families
 
@@ -159,7 +160,26 @@ def hstu(total: int, num_context: int):
     return fn, codes, _FN_BLOCK, lambda: mz.hstu(lens, targets, context)
 
 
+def docs_of_10(total: int, seed: int):
+    """Causal documents of 10 tokens on average (random lengths): ``total / 10`` slices,
+    10^5 at 1M tokens."""
+    lens = np.asarray(mz.random_doc_lengths(total, total // 10, seed), np.int64)
+    doc = np.repeat(np.arange(len(lens)), lens)
+    fn = lambda q, k: (doc[q] == doc[k]) & (k <= q)  # noqa: E731
+
+    def codes(qb, kb):
+        q0, q1 = _block_bounds(total, _FN_BLOCK, qb)
+        k0, k1 = _block_bounds(total, _FN_BLOCK, kb)
+        empty = (k0 > q1) | (doc[k1] < doc[q0]) | (doc[k0] > doc[q1])
+        full = (doc[q0] == doc[q1]) & (doc[k0] == doc[q0]) & (doc[k1] == doc[q0]) & (k1 <= q0)
+        return np.where(empty, 0, np.where(full, 1, 2))
+
+    return fn, codes, _FN_BLOCK, lambda: AttnMask.varlen(np.r_[0, np.cumsum(lens)])
+
+
 def family(name: str, total: int, args):
+    if name == "docs-of-10":
+        return docs_of_10(total, args.seed)
     if name.startswith("block-sparse"):
         return block_sparse(total, float(name.split("-")[-1].rstrip("%")) / 100, args.seed)
     if name == "doc-window-global":

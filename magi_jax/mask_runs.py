@@ -75,8 +75,10 @@ def _normalised(row, start, end, total_q, total_k) -> RowRuns:
     row, start, end = row[keep], start[keep], end[keep]
     if not len(row):
         return _empty_runs(total_q, total_k)
-    order = np.lexsort((start, row))
-    row, start, end = row[order], start[order], end[order]
+    key = row * (total_k + 1) + start  # (row, start) in one int64: one sort, or none
+    if len(key) > 1 and np.any(key[1:] < key[:-1]):
+        order = np.argsort(key, kind="stable")
+        row, start, end = row[order], start[order], end[order]
     head = np.ones(len(row), bool)
     head[1:] = (row[1:] != row[:-1]) | (start[1:] != end[:-1])
     first = np.flatnonzero(head)
