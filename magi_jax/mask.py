@@ -442,10 +442,12 @@ class AttnMask:
         block_k: int,
         total_q: int | None = None,
         total_k: int | None = None,
+        fn=None,
     ) -> "AttnMask":
         """The mask of a block-sparse bool ``block_mask [ceil(total_q / block_q),
-        ceil(total_k / block_k)]`` (FlexAttention's ``BlockMask`` / splash form, full blocks
-        only): True blocks are FULL rectangles, merged where they line up; see
+        ceil(total_k / block_k)]`` (FlexAttention's ``BlockMask`` / splash form): True
+        blocks are FULL rectangles, merged where they line up. With a predicate ``fn``,
+        ``block_mask`` holds codes 0 (empty), 1 (full), 2 (partial: ``fn``'s cells); see
         :func:`magi_jax.mask_runs.mask_from_block_mask`.
 
         >>> AttnMask.from_block_mask(np.array([[1, 0], [1, 1]], bool), 2, 2).slices()
@@ -453,7 +455,7 @@ class AttnMask:
         """
         from magi_jax.mask_runs import mask_from_block_mask
 
-        return mask_from_block_mask(block_mask, block_q, block_k, total_q, total_k)
+        return mask_from_block_mask(block_mask, block_q, block_k, total_q, total_k, fn)
 
     @classmethod
     def full(cls, total_q: int, total_k: int | None = None) -> "AttnMask":

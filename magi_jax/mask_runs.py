@@ -326,6 +326,7 @@ def mask_from_block_mask(
     block_k: int,
     total_q: int | None = None,
     total_k: int | None = None,
+    fn: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
 ) -> AttnMask:
     """The mask of a block-sparse bool ``block_mask [ceil(total_q / block_q),
     ceil(total_k / block_k)]``: block ``(i, j)`` True means every query of
@@ -334,14 +335,26 @@ def mask_from_block_mask(
     blocks' full extent). This is the form of FlexAttention's ``BlockMask`` and of splash
     attention's block masks with only full blocks. Blocks are FULL rectangles, merged
     along keys and then along queries where the runs of consecutive block rows agree;
-    no cell is evaluated (time ``O(blocks)``)."""
+    no cell is evaluated (time ``O(blocks)``).
+
+    With a predicate ``fn`` (as :func:`mask_from_fn` takes it), ``block_mask`` holds int
+    codes instead: 0 no cell, 1 every cell, 2 a partial block whose cells are ``fn``'s
+    (FlexAttention's full and partial blocks); only partial blocks are evaluated."""
     arr = np.asarray(block_mask)
     if arr.ndim != 2:
         raise ValueError(
-            f"block_mask must be a 2-D bool array [query blocks, key blocks]; got shape {arr.shape}"
+            f"block_mask must be a 2-D array [query blocks, key blocks]; got shape {arr.shape}"
         )
-    if arr.dtype != np.bool_:
-        raise TypeError(f"block_mask must be a bool array; got dtype {arr.dtype}")
+    if fn is not None:
+        if not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
+            raise TypeError(
+                f"block_mask with fn must hold int codes 0, 1, 2; got dtype {arr.dtype}"
+            )
+    elif arr.dtype != np.bool_:
+        raise TypeError(
+            f"block_mask must be a bool array; got dtype {arr.dtype} (int codes 0, 1, 2 "
+            "need the partial blocks' predicate fn)"
+        )
     bq, bk = _check_total("block_q", block_q), _check_total("block_k", block_k)
     if bq < 1 or bk < 1:
         raise ValueError(f"block_q={bq}, block_k={bk} must be positive")
@@ -355,6 +368,8 @@ def mask_from_block_mask(
                 f"that axis; give a block_mask of shape [ceil(total_q / block_q), "
                 f"ceil(total_k / block_k)]"
             )
+    if fn is not None:
+        return mask_from_fn(fn, tq, tk, block=(bq, bk), blocks=lambda qb, kb: arr[qb, kb])
     blocks = runs_to_mask(_concat([_dense_runs(arr, 0, 0)], nq, nk), diagonals=False)
     q = np.minimum(blocks.q_ranges.astype(np.int64) * bq, tq)
     k = np.minimum(blocks.k_ranges.astype(np.int64) * bk, tk)

@@ -125,13 +125,35 @@ def test_from_block_mask_is_exact(blocks, bq, bk, cut_q, cut_k):
     assert all(t == T.FULL for t in m.types.tolist())
 
 
+@given(dense_masks(min_len=1), st.integers(1, 5), st.integers(1, 5))
+def test_from_block_mask_with_partial_blocks(dense, bq, bk):
+    """Codes 0 / 1 / 2 from the cells (Flex's full and partial blocks) and the predicate of
+    the partial ones: the dense mask exactly, partial blocks alone evaluated."""
+    tq, tk = dense.shape
+    nq, nk = -(-tq // bq), -(-tk // bk)
+    codes = np.zeros((nq, nk), np.int8)
+    for i in range(nq):
+        for j in range(nk):
+            blk = dense[i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
+            codes[i, j] = 1 if blk.all() else 2 if blk.any() else 0
+    evaluated = []
+
+    def fn(q, k):
+        evaluated.append(codes[q[0, 0] // bq, k[0, 0] // bk])
+        return dense[q, k]
+
+    m = AttnMask.from_block_mask(codes, bq, bk, tq, tk, fn=fn)
+    _disjoint_exact(m, dense)
+    assert all(c == 2 for c in evaluated)
+
+
 def test_from_block_mask_merges_rectangles_and_checks_shapes():
     blocks = np.array([[1, 1, 0], [1, 1, 0], [0, 0, 1]], bool)
     m = AttnMask.from_block_mask(blocks, 4, 2)
     assert m.slices() == [((0, 8), (0, 4), T.FULL), ((8, 12), (4, 6), T.FULL)]
     with pytest.raises(ValueError, match="total_q=20 needs 5 blocks of 4"):
         AttnMask.from_block_mask(blocks, 4, 2, total_q=20)
-    with pytest.raises(TypeError, match="bool"):
+    with pytest.raises(TypeError, match="need the partial blocks' predicate fn"):
         AttnMask.from_block_mask(blocks.astype(int), 4, 2)
 
 
