@@ -44,12 +44,16 @@ _OPS = {
 
 
 class RowRuns(NamedTuple):
-    """A mask as runs of visible keys, int64 arrays of one length ``R``: run ``i`` is the
-    keys ``[start[i], end[i])`` of query row ``row[i]``. Sorted by ``(row, start)``; in one
-    row the runs are disjoint and never touch (``end < next start``), so the form is unique
-    for a set of cells."""
+    """A mask as runs of visible keys over bands of identical rows, int64 arrays of one
+    length ``R``: run ``i`` is the keys ``[start[i], end[i])`` of every query row of
+    ``[row[i], row[i] + height[i])``. The runs of one band share ``row`` and ``height``;
+    bands hold disjoint rows. Canonical form (what every function here returns): sorted by
+    ``(row, start)``; in one band runs are disjoint and never touch (``end < next start``);
+    two bands on consecutive rows never hold the same runs (bands are maximal). It is unique
+    for a set of cells, and a FULL rectangle costs one run whatever its height."""
 
     row: np.ndarray
+    height: np.ndarray
     start: np.ndarray
     end: np.ndarray
     total_q: int
@@ -60,86 +64,172 @@ class RowRuns(NamedTuple):
 
     @property
     def area(self) -> int:
-        return int((self.end - self.start).sum())
+        return int(((self.end - self.start) * self.height).sum())
 
 
 def _empty_runs(total_q: int, total_k: int) -> RowRuns:
     z = np.zeros((0,), np.int64)
-    return RowRuns(z, z, z, total_q, total_k)
+    return RowRuns(z, z, z, z, total_q, total_k)
 
 
-def _normalised(row, start, end, total_q, total_k) -> RowRuns:
-    """Row runs from disjoint runs in any order: sorted, touching runs merged."""
-    row, start, end = (np.asarray(a, np.int64) for a in (row, start, end))
-    keep = end > start
-    row, start, end = row[keep], start[keep], end[keep]
+def _ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(which, value)``: every integer of every ``[lo[i], hi[i])``, with its ``i``."""
+    n = np.maximum(hi - lo, 0)
+    which = np.repeat(np.arange(len(lo)), n)
+    value = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n) + lo[which]
+    return which, value
+
+
+def _sorted_unique(x: np.ndarray) -> np.ndarray:
+    # np.unique hashes int arrays in NumPy 2.5: ten times slower than a sort here.
+    x = np.sort(x)
+    return x[np.r_[True, x[1:] != x[:-1]]]
+
+
+def _split(row, height, start, end, cuts: np.ndarray):
+    """The runs cut at the rows ``cuts`` (sorted): every piece lies between two cuts."""
+    first = np.searchsorted(cuts, row, side="right")
+    last = np.searchsorted(cuts, row + height, side="left")  # cuts strictly inside
+    pieces = np.maximum(last - first, 0) + 1
+    if np.all(pieces == 1):
+        return row, height, start, end
+    i = np.repeat(np.arange(len(row)), pieces)
+    k = np.arange(len(i)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    lo = np.where(k == 0, row[i], cuts[np.minimum(first[i] + k - 1, len(cuts) - 1)])
+    hi = np.where(
+        k == pieces[i] - 1, row[i] + height[i], cuts[np.minimum(first[i] + k, len(cuts) - 1)]
+    )
+    return lo, hi - lo, start[i], end[i]
+
+
+def _normalised(row, height, start, end, total_q, total_k) -> RowRuns:
+    """The canonical :class:`RowRuns` of disjoint runs given in any order over bands of any
+    rows (bands of different runs may overlap in rows; cells never)."""
+    row, height, start, end = (np.asarray(a, np.int64) for a in (row, height, start, end))
+    keep = (end > start) & (height > 0)
+    row, height, start, end = row[keep], height[keep], start[keep], end[keep]
     if not len(row):
         return _empty_runs(total_q, total_k)
-    key = row * (total_k + 1) + start  # (row, start) in one int64: one sort, or none
+    # 1. Cut every band at every band's first and last row: runs on the same rows then
+    # share one band.
+    if np.any(height > 1):
+        cuts = _sorted_unique(np.concatenate([row, row + height]))
+        row, height, start, end = _split(row, height, start, end, cuts)
+    # 2. Sort by (row, start) (one int64 key; no sort when already in order) and merge
+    # runs of one row that touch.
+    key = row * (total_k + 1) + start
     if len(key) > 1 and np.any(key[1:] < key[:-1]):
         order = np.argsort(key, kind="stable")
-        row, start, end = row[order], start[order], end[order]
+        row, height, start, end = row[order], height[order], start[order], end[order]
     head = np.ones(len(row), bool)
     head[1:] = (row[1:] != row[:-1]) | (start[1:] != end[:-1])
     first = np.flatnonzero(head)
     last = np.r_[first[1:], len(row)] - 1
-    return RowRuns(row[first], start[first], end[last], total_q, total_k)
+    row, height, start, end = row[first], height[first], start[first], end[last]
+    # 3. Merge consecutive bands that hold the same runs.
+    g0 = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])  # first run of each band
+    count = np.diff(np.r_[g0, len(row)])
+    g_row, g_h = row[g0], height[g0]
+    adjacent = np.zeros(len(g0), bool)
+    adjacent[1:] = (g_row[:-1] + g_h[:-1] == g_row[1:]) & (count[:-1] == count[1:])
+    band = np.repeat(np.arange(len(g0)), count)
+    shift = np.where(adjacent[band], count[band], 0)
+    j = np.arange(len(row)) - shift
+    same_run = adjacent[band] & (start[j] == start) & (end[j] == end)
+    same = np.logical_and.reduceat(same_run, g0)
+    if not same.any():
+        return RowRuns(row, height, start, end, total_q, total_k)
+    block = np.cumsum(~same) - 1  # merged band of each band
+    block_h = np.add.reduceat(g_h, np.flatnonzero(~same))
+    keep = ~same[band]
+    height = block_h[block[band]]
+    return RowRuns(row[keep], height[keep], start[keep], end[keep], total_q, total_k)
 
 
 def row_runs(mask: AttnMask) -> RowRuns:
-    """The :class:`RowRuns` of ``mask``: one run per (slice, row it holds), merged where runs
-    of one row touch. Memory and time ``O(sum over slices of their rows)``."""
+    """The canonical :class:`RowRuns` of ``mask``. Rows where a slice's edges are both
+    clamped (all of a FULL slice, the bottom of a CAUSAL one) give one band per slice;
+    the rows where an edge moves give a run each. Memory and time ``O(slices + rows where
+    some edge moves)`` (times the slices on those rows)."""
     sh = mask.shapes
     idx = np.flatnonzero(sh.nonempty)
-    rows_per = (sh.q1 - sh.q0)[idx]
-    s = np.repeat(idx, rows_per)
-    offsets = np.arange(int(rows_per.sum())) - np.repeat(np.cumsum(rows_per) - rows_per, rows_per)
-    q = sh.q0[s] + offsets
-    return _normalised(q, sh.lo(q, s), sh.hi(q, s) + 1, mask.total_q, mask.total_k)
+    q0, q1, k0, k1 = sh.q0[idx], sh.q1[idx], sh.k0[idx], sh.k1[idx]
+    # Rows where lo = k0 (q + dlo <= k0) and hi = k1 - 1 (q + dhi >= k1 - 1).
+    a = np.clip(k1 - 1 - sh.dhi[idx], q0, q1)
+    b = np.clip(k0 - sh.dlo[idx] + 1, q0, q1)
+    band = b > a
+    top_end = np.where(band, a, q1)
+    bottom_start = np.where(band, b, q1)
+    w1, r1 = _ranges(q0, top_end)
+    w2, r2 = _ranges(bottom_start, q1)
+    s = idx[np.concatenate([w1, w2])]
+    q = np.concatenate([r1, r2])
+    bi = idx[band]
+    return _normalised(
+        np.concatenate([q, a[band]]),
+        np.concatenate([np.ones(len(q), np.int64), (b - a)[band]]),
+        np.concatenate([sh.lo(q, s), sh.k0[bi]]),
+        np.concatenate([sh.hi(q, s) + 1, sh.k1[bi]]),
+        mask.total_q,
+        mask.total_k,
+    )
 
 
 def _dense_runs(block: np.ndarray, row0: int, col0: int):
-    """Runs ``(row, start, end)`` of a bool block ``[r, c]`` placed at ``(row0, col0)``."""
+    """Runs ``(row, height, start, end)`` of a bool block ``[r, c]`` placed at
+    ``(row0, col0)``, one per row and run (height 1)."""
     r = block.shape[0]
     pad = np.zeros((r, 1), bool)
     edges = np.concatenate([pad, block, pad], axis=1)
     rows, cols = np.nonzero(edges[:, 1:] != edges[:, :-1])
     # Per row the edges alternate start, end (the padding closes every run).
-    return rows[0::2] + row0, cols[0::2] + col0, cols[1::2] + col0
+    return (
+        rows[0::2] + row0,
+        np.ones(len(rows) // 2, np.int64),
+        cols[0::2] + col0,
+        cols[1::2] + col0,
+    )
 
 
 def runs_to_mask(runs: RowRuns, diagonals: bool = True) -> AttnMask:
-    """The slices of ``runs``: exactly its cells, disjoint.
+    """The slices of canonical ``runs``: exactly its cells, disjoint.
 
-    A run continues the run of the row above when its start moves by ``ds`` and its end by
-    ``de`` keys, ``ds, de`` in ``{0, 1}`` (in one row runs never touch, so a run continues at
-    most one run and is continued by at most one). A chain of runs with one ``(ds, de)`` is
-    one slice: ``(0, 0)`` FULL, ``(0, 1)`` CAUSAL, ``(1, 0)`` INV_CAUSAL, ``(1, 1)``
-    BI_CAUSAL (the type's value is ``2·ds + de``). Where a chain changes step, the run at
-    the turn ends the earlier slice. ``diagonals=False`` chains only ``(0, 0)`` steps (FULL
-    rectangles). Time ``O(R log R)`` for ``R`` runs."""
+    A run continues the run of the band just above (ending on the row before) when its
+    start moves by ``ds`` and its end by ``de`` keys, ``ds, de`` in ``{0, 1}`` (in one row
+    runs never touch, so a run continues at most one run and is continued by at most one).
+    A chain of runs with one ``(ds, de)`` is one slice: ``(0, 0)`` FULL, ``(0, 1)``
+    CAUSAL, ``(1, 0)`` INV_CAUSAL, ``(1, 1)`` BI_CAUSAL (the type's value is
+    ``2·ds + de``); a band of several rows steps ``(0, 0)`` inside, so it joins FULL chains
+    only. Where a chain changes step, the run at the turn ends the earlier slice.
+    ``diagonals=False`` chains only ``(0, 0)`` steps (FULL rectangles). Time
+    ``O(R log R)`` for ``R`` runs."""
     tq, tk = runs.total_q, runs.total_k
     n = len(runs)
     if n == 0:
         return AttnMask._from_list([], tq, tk)
-    row, start, end = runs.row, runs.start, runs.end
+    row, height, start, end = runs.row, runs.height, runs.start, runs.end
+    band = np.cumsum(np.r_[True, row[1:] != row[:-1]]) - 1
     stride = tk + 2
-    key = row * stride + start
-    # The run of the row above that this run continues: it starts at start or start - 1.
+    key = band * stride + start
+    # The run of the band above that this run continues: it starts at start or start - 1.
     pred = np.full(n, -1, np.int64)
     step = np.full(n, -1, np.int64)
     for ds in (0, 1) if diagonals else (0,):
-        want = (row - 1) * stride + start - ds
+        want = (band - 1) * stride + start - ds
         j = np.minimum(np.searchsorted(key, want), n - 1)
         de = end - end[j]
-        ok = (key[j] == want) & (row > 0) & (de >= 0) & (de <= (1 if diagonals else 0))
+        ok = (key[j] == want) & (band > 0) & (row[j] + height[j] == row)
+        ok &= (de >= 0) & (de <= (1 if diagonals else 0))
         pred = np.where(ok, j, pred)
         step = np.where(ok, 2 * ds + de, step)
-    # A run opens a slice when it continues nothing, or when the run it continues was
-    # itself reached by another step (that run ends the earlier slice).
+    # The step a run's chain already has: 0 inside a band of several rows, else the step
+    # into it (-1: a one-row run that continues nothing, any step may follow).
     has_pred = pred >= 0
+    own = np.where(height > 1, 0, step)
     p = np.where(has_pred, pred, 0)
-    opens = ~has_pred | ((pred[p] >= 0) & (step[p] != step) & has_pred)
+    # A run opens a slice when it continues nothing, when it is a band entered by a
+    # diagonal step, or when the step into it differs from the step its predecessor has.
+    opens = ~has_pred | ((height > 1) & (step != 0)) | ((own[p] >= 0) & (own[p] != step))
     head = np.where(opens, np.arange(n), pred)
     while True:  # pointer jumping: every run to its slice's first run
         nxt = head[head]
@@ -153,7 +243,7 @@ def runs_to_mask(runs: RowRuns, diagonals: bool = True) -> AttnMask:
     first = np.flatnonzero(opens)
     tail = last[first]
     types = np.where(tail > first, step[tail], int(AttnMaskType.FULL))
-    q = np.stack([row[first], row[tail] + 1], 1)
+    q = np.stack([row[first], row[tail] + height[tail]], 1)
     k = np.stack([start[first], end[tail]], 1)
     return AttnMask(q, k, types, tq, tk)
 
@@ -214,13 +304,13 @@ def mask_from_fn(
                 _check_codes(fn, q_idx, row_codes, bk, tk, r)
             full = _spans(row_codes == 1)
             spans = _spans(row_codes == 2)
-            if len(full):  # full blocks: one run per row and span, no cell evaluated
-                rows = np.repeat(np.arange(r0, r1), len(full))
+            if len(full):  # full blocks: one band per span, no cell evaluated
                 parts.append(
                     (
-                        rows,
-                        np.tile(full[:, 0] * bk, r1 - r0),
-                        np.tile(np.minimum(full[:, 1] * bk, tk), r1 - r0),
+                        np.full(len(full), r0),
+                        np.full(len(full), r1 - r0),
+                        full[:, 0] * bk,
+                        np.minimum(full[:, 1] * bk, tk),
                     )
                 )
         for b0, b1 in spans:
@@ -299,8 +389,7 @@ def _spans(flags: np.ndarray) -> np.ndarray:
 def _concat(parts, tq, tk) -> RowRuns:
     if not parts:
         return _empty_runs(tq, tk)
-    row, start, end = (np.concatenate([p[i] for p in parts]) for i in range(3))
-    return _normalised(row, start, end, tq, tk)
+    return _normalised(*(np.concatenate([p[i] for p in parts]) for i in range(4)), tq, tk)
 
 
 def mask_from_dense(dense) -> AttnMask:
@@ -394,33 +483,35 @@ def combine(a: AttnMask, b: AttnMask, op: str) -> AttnMask:
         )
     ra, rb = row_runs(a), row_runs(b)
     tq, tk = a.total_q, a.total_k
+    if not len(ra) and not len(rb):
+        return AttnMask._from_list([], tq, tk)
+    # Bands of both cut at every band's first and last row: band e of the common cut is
+    # the rows [cuts[e], cuts[e + 1]), and the sweep runs over (band, key) pairs.
+    cuts = _sorted_unique(np.concatenate([ra.row, ra.row + ra.height, rb.row, rb.row + rb.height]))
+    ra_row, _, ra_start, ra_end = _split(ra.row, ra.height, ra.start, ra.end, cuts)
+    rb_row, _, rb_start, rb_end = _split(rb.row, rb.height, rb.start, rb.end, cuts)
+    ea, eb = np.searchsorted(cuts, ra_row), np.searchsorted(cuts, rb_row)
     stride = tk + 1
     keys = np.concatenate(
-        [ra.row * stride + ra.start, ra.row * stride + ra.end]
-        + [rb.row * stride + rb.start, rb.row * stride + rb.end]
+        [ea * stride + ra_start, ea * stride + ra_end, eb * stride + rb_start, eb * stride + rb_end]
     )
-    if not len(keys):
-        return AttnMask._from_list([], tq, tk)
-    na, nb = len(ra), len(rb)
+    na, nb = len(ea), len(eb)
     da = np.concatenate([np.ones(na), -np.ones(na), np.zeros(2 * nb)]).astype(np.int8)
     db = np.concatenate([np.zeros(2 * na), np.ones(nb), -np.ones(nb)]).astype(np.int8)
     order = np.argsort(keys, kind="stable")
     keys = keys[order]
     # Coverage after every event of one key; between consecutive keys it is constant, and
-    # at a row's last key both coverages are back to 0 (a segment never spans rows).
+    # at a band's last key both coverages are back to 0 (a segment never spans bands).
     last = np.r_[keys[1:] != keys[:-1], True]
     in_a = np.cumsum(da[order], dtype=np.int64)[last] > 0
     in_b = np.cumsum(db[order], dtype=np.int64)[last] > 0
     at = keys[last]
     keep = _OPS[op](in_a[:-1], in_b[:-1])
     seg_start, seg_end = at[:-1][keep], at[1:][keep]
+    e = seg_start // stride
     return runs_to_mask(
         _normalised(
-            seg_start // stride,
-            seg_start % stride,
-            seg_end - (seg_start // stride) * stride,
-            tq,
-            tk,
+            cuts[e], cuts[e + 1] - cuts[e], seg_start - e * stride, seg_end - e * stride, tq, tk
         )
     )
 
