@@ -2,11 +2,12 @@
 exact set algebra (docs/masks.md §7).
 
 Everything here goes through one canonical form, :class:`RowRuns`: per query row, the
-maximal runs of consecutive visible keys. A mask of slices becomes row runs in
-``O(rows · slices per row)``; a predicate or a dense mask becomes row runs block by block;
-two masks combine run by run; and row runs become slices again by :func:`runs_to_mask`,
-which chains the runs of consecutive rows whose edges stay put or move by one key per row
-into FULL, CAUSAL, INV_CAUSAL and BI_CAUSAL slices. No step builds a ``total_q × total_k``
+maximal runs of consecutive visible keys, stored once for a band of identical rows. A mask
+of slices becomes row runs with one run per FULL rectangle and one per row where a
+diagonal edge moves; a predicate or a dense mask becomes row runs block by block; two
+masks combine run by run; and row runs become slices again by :func:`runs_to_mask`, which
+chains the runs of consecutive rows whose edges stay put or move by one key per row into
+FULL, CAUSAL, INV_CAUSAL and BI_CAUSAL slices. No step builds a ``total_q × total_k``
 array. Host-only NumPy; imports only :mod:`magi_jax.mask`.
 
 >>> m = mask_from_fn(lambda q, k: k <= q, 6, 6)   # a causal predicate: one CAUSAL slice
@@ -20,7 +21,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from magi_jax.mask import AttnMask, AttnMaskType, _check_total
+from magi_jax.mask import AttnMask, AttnMaskType
 
 __all__ = [
     "RowRuns",
@@ -65,6 +66,19 @@ class RowRuns(NamedTuple):
     @property
     def area(self) -> int:
         return int(((self.end - self.start) * self.height).sum())
+
+
+def _check_total(name: str, value) -> int:
+    """A token count: an int >= 0."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name}={value!r} must be an integer number of tokens")
+    if value < 0:
+        raise ValueError(f"{name}={int(value)} must be >= 0 (a number of tokens)")
+    return int(value)
+
+
+def _no_cell(total_q: int, total_k: int) -> AttnMask:
+    return AttnMask.from_ranges(np.zeros((0, 2)), np.zeros((0, 2)), [], total_q, total_k)
 
 
 def _empty_runs(total_q: int, total_k: int) -> RowRuns:
@@ -206,7 +220,7 @@ def runs_to_mask(runs: RowRuns, diagonals: bool = True) -> AttnMask:
     tq, tk = runs.total_q, runs.total_k
     n = len(runs)
     if n == 0:
-        return AttnMask._from_list([], tq, tk)
+        return _no_cell(tq, tk)
     row, height, start, end = runs.row, runs.height, runs.start, runs.end
     band = np.cumsum(np.r_[True, row[1:] != row[:-1]]) - 1
     stride = tk + 2
@@ -280,8 +294,9 @@ def mask_from_fn(
     by ``total_q · total_k``. Time is one predicate cell per mask cell (tens of millions
     of cells a second on one CPU core), unless ``blocks`` says where the cells are:
 
-    ``blocks(qb [nq, 1], kb [1, nk])`` (block indices, int64) returns int codes
-    broadcastable to ``[nq, nk]``, one per block of ``block``: 0 the block holds no cell,
+    ``blocks(qb, kb)`` (int64 block indices, called once per row of blocks: ``qb [1, 1]``,
+    ``kb [1, nk]``) returns int codes broadcastable to ``[1, nk]``, one per block of
+    ``block``: 0 the block holds no cell,
     1 every cell, 2 evaluate ``fn`` (FlexAttention's full / partial blocks). Only blocks
     coded 2 are evaluated. The codes are trusted; ``check_blocks=True`` evaluates ``fn`` on
     every block as well and raises ``ValueError`` at the first block whose code is wrong
@@ -291,15 +306,16 @@ def mask_from_fn(
     if not callable(fn):
         raise TypeError(f"fn={fn!r} must be a callable fn(q_idx, k_idx) -> bool array")
     nq, nk = -(-tq // bq), -(-tk // bk)
-    codes = None if blocks is None else _block_codes(blocks, nq, nk)
+    if blocks is not None and not callable(blocks):
+        raise TypeError(f"blocks={blocks!r} must be a callable blocks(qb, kb) -> int codes")
     parts = []
     for r in range(nq):
         r0, r1 = r * bq, min((r + 1) * bq, tq)
         q_idx = np.arange(r0, r1, dtype=np.int64)[:, None]
-        if codes is None:
+        if blocks is None:
             spans = [(0, nk)]
         else:
-            row_codes = codes[r]
+            row_codes = _block_codes(blocks, r, nk)
             if check_blocks:
                 _check_codes(fn, q_idx, row_codes, bk, tk, r)
             full = _spans(row_codes == 1)
@@ -341,26 +357,25 @@ def _evaluate(fn, q_idx: np.ndarray, c0: int, c1: int) -> np.ndarray:
         ) from None
 
 
-def _block_codes(blocks, nq: int, nk: int) -> np.ndarray:
-    if not callable(blocks):
-        raise TypeError(f"blocks={blocks!r} must be a callable blocks(qb, kb) -> int codes")
-    qb = np.arange(nq, dtype=np.int64)[:, None]
+def _block_codes(blocks, r: int, nk: int) -> np.ndarray:
+    """The codes of row ``r`` of blocks, int ``[nk]``, checked."""
+    qb = np.full((1, 1), r, dtype=np.int64)
     kb = np.arange(nk, dtype=np.int64)[None, :]
     codes = np.asarray(blocks(qb, kb))
     if not (np.issubdtype(codes.dtype, np.integer) or codes.dtype == np.bool_):
         raise TypeError(f"blocks(qb, kb) returned dtype {codes.dtype}; give int codes 0, 1, 2")
     try:
-        codes = np.broadcast_to(codes, (nq, nk))
+        codes = np.broadcast_to(codes, (1, nk))[0]
     except ValueError:
         raise ValueError(
-            f"blocks(qb [{nq}, 1], kb [1, {nk}]) returned shape {codes.shape}, not "
-            f"broadcastable to [{nq}, {nk}]"
+            f"blocks(qb [1, 1], kb [1, {nk}]) returned shape {codes.shape}, not "
+            f"broadcastable to [1, {nk}]"
         ) from None
     bad = (codes < 0) | (codes > 2)
     if bad.any():
-        i, j = np.argwhere(bad)[0]
+        j = int(np.argmax(bad))
         raise ValueError(
-            f"blocks(qb, kb) gave code {int(codes[i, j])} for block ({i}, {j}); codes are "
+            f"blocks(qb, kb) gave code {int(codes[j])} for block ({r}, {j}); codes are "
             "0 (no cell), 1 (every cell) or 2 (evaluate fn)"
         )
     return codes
@@ -484,7 +499,7 @@ def combine(a: AttnMask, b: AttnMask, op: str) -> AttnMask:
     ra, rb = row_runs(a), row_runs(b)
     tq, tk = a.total_q, a.total_k
     if not len(ra) and not len(rb):
-        return AttnMask._from_list([], tq, tk)
+        return _no_cell(tq, tk)
     # Bands of both cut at every band's first and last row: band e of the common cut is
     # the rows [cuts[e], cuts[e + 1]), and the sweep runs over (band, key) pairs.
     cuts = _sorted_unique(np.concatenate([ra.row, ra.row + ra.height, rb.row, rb.row + rb.height]))
