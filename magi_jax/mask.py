@@ -16,6 +16,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -395,12 +396,12 @@ class AttnMask:
     @classmethod
     def from_fn(
         cls,
-        fn,
+        fn: Callable[[np.ndarray, np.ndarray], np.ndarray],
         total_q: int,
         total_k: int,
         *,
         block: int | tuple[int, int] | None = None,
-        blocks=None,
+        blocks: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
         check_blocks: bool = False,
     ) -> "AttnMask":
         """The mask whose cell ``(q, k)`` is ``fn(q_idx, k_idx)``, a vectorised NumPy
@@ -423,7 +424,7 @@ class AttnMask:
         )
 
     @classmethod
-    def from_dense(cls, dense) -> "AttnMask":
+    def from_dense(cls, dense: np.ndarray) -> "AttnMask":
         """The mask of a bool array ``[total_q, total_k]`` (True = attend), as slices (small
         masks; :meth:`from_fn` for large ones).
 
@@ -437,12 +438,12 @@ class AttnMask:
     @classmethod
     def from_block_mask(
         cls,
-        block_mask,
+        block_mask: np.ndarray,
         block_q: int,
         block_k: int,
         total_q: int | None = None,
         total_k: int | None = None,
-        fn=None,
+        fn: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
     ) -> "AttnMask":
         """The mask of a block-sparse bool ``block_mask [ceil(total_q / block_q),
         ceil(total_k / block_k)]`` (FlexAttention's ``BlockMask`` / splash form): True

@@ -407,7 +407,7 @@ def _concat(parts, tq, tk) -> RowRuns:
     return _normalised(*(np.concatenate([p[i] for p in parts]) for i in range(4)), tq, tk)
 
 
-def mask_from_dense(dense) -> AttnMask:
+def mask_from_dense(dense: np.ndarray) -> AttnMask:
     """The mask of a bool array ``[total_q, total_k]`` (True = attend), as slices. For
     masks that fit in memory; :func:`mask_from_fn` builds larger ones block by block."""
     arr = np.asarray(dense)
@@ -425,7 +425,7 @@ def mask_from_dense(dense) -> AttnMask:
 
 
 def mask_from_block_mask(
-    block_mask,
+    block_mask: np.ndarray,
     block_q: int,
     block_k: int,
     total_q: int | None = None,

@@ -13,6 +13,8 @@ sliding window and global tokens). Host-only NumPy; imports only :mod:`magi_jax.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from magi_jax.mask import AttnMask, AttnMaskType, shape_to_slices
@@ -85,7 +87,12 @@ def _nonneg(name: str, value) -> int:
     return int(value)
 
 
-def hstu(seq_lens, num_targets=0, num_context=0, window: int | None = None) -> AttnMask:
+def hstu(
+    seq_lens: Sequence[int],
+    num_targets: int | Sequence[int] = 0,
+    num_context: int | Sequence[int] = 0,
+    window: int | None = None,
+) -> AttnMask:
     """The HSTU mask of generative recommenders over packed user sequences.
 
     Each sequence of ``seq_lens[i]`` tokens is ``num_context`` context tokens, then the
@@ -133,7 +140,7 @@ def hstu(seq_lens, num_targets=0, num_context=0, window: int | None = None) -> A
     return _mask(slices, s)
 
 
-def doc_window_global(doc_lens, window: int, num_global: int) -> AttnMask:
+def doc_window_global(doc_lens: Sequence[int], window: int, num_global: int) -> AttnMask:
     """Packed causal documents with a sliding window and global tokens: query ``q`` of a
     document sees the keys ``k <= q`` of its own document with ``q - k <= window``, and
     the document's first ``num_global`` tokens (StreamingLLM's sinks, per document).
