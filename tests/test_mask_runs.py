@@ -344,3 +344,37 @@ def test_docstring_examples():
     for mod in (magi_jax.mask_runs, magi_jax.mask_zoo):
         res = doctest.testmod(mod)
         assert res.attempted >= 1 and res.failed == 0, mod.__name__
+
+
+def test_the_examples_of_docs_masks_section_7():
+    """The matrices and slices docs/masks.md §7 prints, as the library gives them."""
+    band = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]], bool)
+    assert AttnMask.from_dense(band).slices() == [
+        ((0, 2), (0, 2), T.CAUSAL),
+        ((2, 4), (1, 4), T.BI_CAUSAL),
+    ]
+    blocks = np.array([[1, 0, 1], [1, 1, 0]], bool)
+    assert AttnMask.from_block_mask(blocks, 2, 2).slices() == [
+        ((0, 2), (0, 2), T.FULL),
+        ((0, 2), (4, 6), T.FULL),
+        ((2, 4), (0, 4), T.FULL),
+    ]
+    np.testing.assert_array_equal(
+        mz.hstu([8], num_targets=2, num_context=2).to_dense().astype(int),
+        [
+            [1, 1, 1, 1, 1, 1, 0, 0],
+            [1, 1, 1, 1, 1, 1, 0, 0],
+            [1, 1, 1, 0, 0, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0, 0, 0],
+            [1, 1, 1, 1, 1, 0, 0, 0],
+            [1, 1, 1, 1, 1, 1, 0, 0],
+            [1, 1, 1, 1, 1, 1, 1, 0],
+            [1, 1, 1, 1, 1, 1, 0, 1],
+        ],
+    )
+    doc = np.repeat([0, 1, 2], [24, 20, 20])
+    start = np.repeat([0, 24, 44], [24, 20, 20])
+    fn = lambda q, k: (doc[q] == doc[k]) & (k <= q) & ((q - k <= 6) | (k - start[k] < 2))  # noqa: E731
+    assert AttnMask.from_fn(fn, 64, 64).num_slices == 9
+    grid = np.random.default_rng(3).random((8, 8)) < 0.3
+    assert AttnMask.from_block_mask(grid, 8, 8).num_slices == 13
