@@ -16,6 +16,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -229,12 +230,11 @@ class AttnMask:
                 "one k_range per q_range"
             )
         types = _as_types(types, len(qr))
-        total_q = (
-            int(qr[:, 1].max(initial=0)) if total_q is None else _check_total("total_q", total_q)
-        )
-        total_k = (
-            int(kr[:, 1].max(initial=0)) if total_k is None else _check_total("total_k", total_k)
-        )
+        total_q = None if total_q is None else _check_total("total_q", total_q)
+        total_k = None if total_k is None else _check_total("total_k", total_k)
+        qr, kr, types = _drop_empty_past_end(qr, kr, types, total_q, total_k)
+        total_q = int(qr[:, 1].max(initial=0)) if total_q is None else total_q
+        total_k = int(kr[:, 1].max(initial=0)) if total_k is None else total_k
         _check_bounds("q_ranges", qr, total_q, "total_q", kr, types)
         _check_bounds("k_ranges", kr, total_k, "total_k", qr, types)
         self._q_ranges = _frozen(qr.astype(np.int32))
@@ -276,6 +276,25 @@ class AttnMask:
 
     def __eq__(self, other) -> bool:
         return isinstance(other, AttnMask) and self._fingerprint == other._fingerprint
+
+    def __or__(self, other: "AttnMask") -> "AttnMask":
+        """Union: the cells of either mask, as disjoint slices (same totals required)."""
+        return self._combine(other, "|")
+
+    def __and__(self, other: "AttnMask") -> "AttnMask":
+        """Intersection: the cells of both masks (same totals required)."""
+        return self._combine(other, "&")
+
+    def __sub__(self, other: "AttnMask") -> "AttnMask":
+        """Difference: the cells of this mask that ``other`` does not hold."""
+        return self._combine(other, "-")
+
+    def _combine(self, other, op: str):
+        if not isinstance(other, AttnMask):
+            return NotImplemented
+        from magi_jax.mask_runs import combine
+
+        return combine(self, other, op)
 
     def __setattr__(self, name, value):
         if name.startswith("_") and not hasattr(self, name):
@@ -373,6 +392,71 @@ class AttnMask:
             return cls(np.zeros((0, 2)), np.zeros((0, 2)), np.zeros((0,)), total_q, total_k)
         arr = np.array([[a, b, c, d, int(t)] for a, b, c, d, t in slices], np.int64)
         return cls(arr[:, 0:2], arr[:, 2:4], arr[:, 4], total_q, total_k)
+
+    @classmethod
+    def from_fn(
+        cls,
+        fn: Callable[[np.ndarray, np.ndarray], np.ndarray],
+        total_q: int,
+        total_k: int,
+        *,
+        block: int | tuple[int, int] | None = None,
+        blocks: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+        check_blocks: bool = False,
+    ) -> "AttnMask":
+        """The mask whose cell ``(q, k)`` is ``fn(q_idx, k_idx)``, a vectorised NumPy
+        predicate (int64 ``q_idx [bq, 1]``, ``k_idx [1, bk]`` → bool ``[bq, bk]``), evaluated
+        block by block and compressed into slices; ``blocks(qb, kb)`` optionally codes the
+        blocks (0 empty, 1 full, 2 evaluate). See :func:`magi_jax.mask_runs.mask_from_fn`.
+
+        >>> AttnMask.from_fn(lambda q, k: (k <= q) & (q - k < 2), 4, 4).area
+        7
+        """
+        from magi_jax.mask_runs import DEFAULT_BLOCK, mask_from_fn
+
+        return mask_from_fn(
+            fn,
+            total_q,
+            total_k,
+            block=DEFAULT_BLOCK if block is None else block,
+            blocks=blocks,
+            check_blocks=check_blocks,
+        )
+
+    @classmethod
+    def from_dense(cls, dense: np.ndarray) -> "AttnMask":
+        """The mask of a bool array ``[total_q, total_k]`` (True = attend), as slices (small
+        masks; :meth:`from_fn` for large ones).
+
+        >>> AttnMask.from_dense(np.tril(np.ones((4, 4), bool))).slices()
+        [((0, 4), (0, 4), <AttnMaskType.CAUSAL: 1>)]
+        """
+        from magi_jax.mask_runs import mask_from_dense
+
+        return mask_from_dense(dense)
+
+    @classmethod
+    def from_block_mask(
+        cls,
+        block_mask: np.ndarray,
+        block_q: int,
+        block_k: int,
+        total_q: int | None = None,
+        total_k: int | None = None,
+        fn: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+    ) -> "AttnMask":
+        """The mask of a block-sparse bool ``block_mask [ceil(total_q / block_q),
+        ceil(total_k / block_k)]`` (FlexAttention's ``BlockMask`` / splash form): True
+        blocks are FULL rectangles, merged where they line up. With a predicate ``fn``,
+        ``block_mask`` holds codes 0 (empty), 1 (full), 2 (partial: ``fn``'s cells); see
+        :func:`magi_jax.mask_runs.mask_from_block_mask`.
+
+        >>> AttnMask.from_block_mask(np.array([[1, 0], [1, 1]], bool), 2, 2).slices()
+        [((0, 2), (0, 2), <AttnMaskType.FULL: 0>), ((2, 4), (0, 4), <AttnMaskType.FULL: 0>)]
+        """
+        from magi_jax.mask_runs import mask_from_block_mask
+
+        return mask_from_block_mask(block_mask, block_q, block_k, total_q, total_k, fn)
 
     @classmethod
     def full(cls, total_q: int, total_k: int | None = None) -> "AttnMask":
@@ -632,6 +716,23 @@ def _as_types(types, n: int) -> np.ndarray:
         except ValueError as e:
             raise ValueError(f"types[{i}]: {e}") from None
     return out
+
+
+def _drop_empty_past_end(qr, kr, types, total_q, total_k):
+    """The slices without those that have an empty range (``start == end``) ending past its
+    total: they hold no cell, and sub-mask code produces them (``[9, 9)`` with
+    ``total_k = 7``). Empty ranges inside ``[0, total]`` stay, as every empty range does
+    when the totals are not given."""
+    # A reversed range is an error whatever the other range holds (_check_bounds says so).
+    drop = np.zeros(len(qr), bool)
+    ordered = (qr[:, 0] <= qr[:, 1]) & (kr[:, 0] <= kr[:, 1])
+    for ranges, total in ((qr, total_q), (kr, total_k)):
+        if total is not None:
+            drop |= ordered & (ranges[:, 0] == ranges[:, 1]) & (ranges[:, 1] > total)
+    if not drop.any():
+        return qr, kr, types
+    keep = ~drop
+    return qr[keep], kr[keep], types[keep]
 
 
 def _check_bounds(name, ranges, total, total_name, other, types):

@@ -1,7 +1,9 @@
 """The benchmark mask zoo: the reference document lengths and the masks built from them.
 
 One definition for the planner CLI, the benchmarks (``benchmarks/*_bench.py``) and the tests.
-Host-only NumPy; imports only :mod:`magi_jax.mask`.
+Besides the constructors of :class:`~magi_jax.mask.AttnMask`, two families live here:
+:func:`hstu` (generative recommenders) and :func:`doc_window_global` (documents with a
+sliding window and global tokens). Host-only NumPy; imports only :mod:`magi_jax.mask`.
 
 >>> sum(DOC_LENGTHS), scaled_doc_lengths(65536)[:3]
 (32768, [14080, 10752, 8704])
@@ -11,9 +13,11 @@ Host-only NumPy; imports only :mod:`magi_jax.mask`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from magi_jax.mask import AttnMask
+from magi_jax.mask import AttnMask, AttnMaskType, shape_to_slices
 
 __all__ = [
     "DOC_LENGTHS",
@@ -23,6 +27,8 @@ __all__ = [
     "random_doc_lengths",
     "make_mask",
     "zoo",
+    "hstu",
+    "doc_window_global",
 ]
 
 # The ten documents of the benchmarks' document-causal mask: 32768 tokens in all.
@@ -42,7 +48,115 @@ MASKS = (
     "causal-blockwise",
     "global-sliding-window",
     "many-docs",
+    "hstu",
+    "doc-window-global",
 )
+
+
+def _lengths(name: str, value) -> list[int]:
+    arr = np.asarray(value)
+    if arr.ndim > 1 or not np.issubdtype(arr.dtype, np.integer) or np.any(arr < 0):
+        raise ValueError(f"{name} must be lengths, ints >= 0; got {value!r}")
+    return arr.astype(np.int64).reshape(-1).tolist()
+
+
+def _per_doc(name: str, value, lens: list[int]) -> list[int]:
+    arr = np.asarray(value)
+    if (
+        arr.ndim > 1
+        or arr.size not in (1, len(lens))
+        or not np.issubdtype(arr.dtype, np.integer)
+        or np.any(arr < 0)
+    ):
+        raise ValueError(
+            f"{name} must be one int >= 0 or {len(lens)} of them (one per sequence); got {value!r}"
+        )
+    return np.broadcast_to(arr.astype(np.int64).reshape(-1), (len(lens),)).tolist()
+
+
+def _mask(slices, total: int) -> AttnMask:
+    if not slices:
+        return AttnMask.from_ranges([], [], [], total_q=total, total_k=total)
+    arr = np.array([[a, b, c, d, int(t)] for a, b, c, d, t in slices], np.int64)
+    return AttnMask.from_ranges(arr[:, 0:2], arr[:, 2:4], arr[:, 4], total, total)
+
+
+def _nonneg(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name}={value!r} must be an int >= 0")
+    return int(value)
+
+
+def hstu(
+    seq_lens: Sequence[int],
+    num_targets: int | Sequence[int] = 0,
+    num_context: int | Sequence[int] = 0,
+    window: int | None = None,
+) -> AttnMask:
+    """The HSTU mask of generative recommenders over packed user sequences.
+
+    Each sequence of ``seq_lens[i]`` tokens is ``num_context`` context tokens, then the
+    history, then ``num_targets`` target (candidate) tokens (ints for all sequences or one
+    per sequence). Within a sequence:
+
+    - context tokens see the context and the whole history (not the targets);
+    - history token ``q`` sees the context and the history up to itself — with ``window``,
+      only history keys ``k >= q - window`` (the context stays visible: global tokens);
+    - target tokens see the context, the history (with ``window``: its last ``window``
+      tokens) and themselves, never another target.
+
+    Sequences do not see each other.
+
+    >>> hstu([6], num_targets=2, num_context=1).area   # 1*4 + (2+3+4) + 2*(4+1)
+    23
+    """
+    lens = _lengths("seq_lens", seq_lens)
+    targets = _per_doc("num_targets", num_targets, lens)
+    context = _per_doc("num_context", num_context, lens)
+    w = None if window is None else _nonneg("window", window)
+    slices, s = [], 0
+    full = AttnMaskType.FULL
+    for i, (n, t, c) in enumerate(zip(lens, targets, context)):
+        if c + t > n:
+            raise ValueError(
+                f"sequence {i} has {n} tokens but num_context={c} + num_targets={t}; "
+                "each sequence must hold its context and targets"
+            )
+        hs, ts, e = s + c, s + n - t, s + n  # history [hs, ts), targets [ts, e)
+        if c and ts > s:
+            slices.append((s, hs, s, ts, full))  # context rows: context + history
+        if ts > hs:
+            if c:
+                slices.append((hs, ts, s, hs, full))
+            slices += shape_to_slices(hs, ts, hs, ts, None if w is None else -w, 0)
+        if t:
+            k0 = hs if w is None else max(hs, ts - w)
+            if c:
+                slices.append((ts, e, s, hs, full))
+            if ts > k0:
+                slices.append((ts, e, k0, ts, full))
+            slices.append((ts, e, ts, e, AttnMaskType.BI_CAUSAL))  # the diagonal
+        s = e
+    return _mask(slices, s)
+
+
+def doc_window_global(doc_lens: Sequence[int], window: int, num_global: int) -> AttnMask:
+    """Packed causal documents with a sliding window and global tokens: query ``q`` of a
+    document sees the keys ``k <= q`` of its own document with ``q - k <= window``, and
+    the document's first ``num_global`` tokens (StreamingLLM's sinks, per document).
+
+    >>> doc_window_global([4, 3], window=1, num_global=1).area   # (1+2+3+3) + (1+2+3)
+    15
+    """
+    lens = _lengths("doc_lens", doc_lens)
+    w, g = _nonneg("window", window), _nonneg("num_global", num_global)
+    slices, s = [], 0
+    for n in lens:
+        e = s + n
+        slices += shape_to_slices(s, e, s, e, -w, 0)
+        slices += shape_to_slices(s, e, s, min(s + g, e), None, -w - 1)
+        s = e
+    return _mask(slices, s)
 
 
 def scaled_doc_lengths(total: int, multiple: int = 1) -> list[int]:
@@ -85,7 +199,9 @@ def make_mask(
     (``many-docs``: 64 unless given). ``window``: the window of ``sliding-window``,
     ``doc-window`` and ``global-sliding-window`` (capped at ``total``); ``block``: the block
     of ``block-causal`` (default ``min(window, total // 16)``); ``num_global``: the sink
-    tokens of ``global-sliding-window`` (default ``min(64, total // 64)``)."""
+    tokens of ``global-sliding-window`` and ``doc-window-global`` (default
+    ``min(64, total // 64)``), capped at a quarter of each sequence for the context of
+    ``hstu`` (whose targets are an eighth of each sequence)."""
     if name not in MASKS:
         raise ValueError(f"--mask {name!r} is not one of {MASKS}")
     w = min(window, total)
@@ -118,6 +234,12 @@ def make_mask(
         return AttnMask.prefix_lm(docs, [d // 4 for d in docs])
     if name == "shared-question":
         return AttnMask.shared_question(docs)
+    if name == "hstu":
+        g = max(1, min(64, total // 64)) if num_global is None else num_global
+        return hstu(docs, [d // 8 for d in docs], [min(g, d // 4) for d in docs])
+    if name == "doc-window-global":
+        g = max(1, min(64, total // 64)) if num_global is None else num_global
+        return doc_window_global(docs, w, g)
     return AttnMask.causal_blockwise(docs)  # causal-blockwise
 
 
