@@ -510,8 +510,13 @@ class AttnMask:
 
     @classmethod
     def from_segment_ids(
-        cls, segment_ids, causal: bool = True, window: int | tuple[int, int] | None = None
-    ) -> "AttnMask":
+        cls,
+        segment_ids,
+        causal: bool = True,
+        window: int | tuple[int, int] | None = None,
+        *,
+        per_row: bool = False,
+    ) -> "AttnMask | list[AttnMask]":
         """Packed documents given by per-token segment ids (``jax.nn``'s / Flax's
         ``segment_ids``).
 
@@ -525,7 +530,9 @@ class AttnMask:
         :meth:`varlen` — ``(left, right)``, query ``q`` sees keys ``[q - left, q + right]``
         of its document, or an int ``w`` meaning ``(w, 0)`` when causal, ``(w, w)``
         otherwise. Raises ``ValueError`` when one nonzero id appears in two separate runs of
-        a row (segment ids must be contiguous runs).
+        a row (segment ids must be contiguous runs). ``per_row=True`` with ``[B, T]`` ids:
+        a list of ``B`` masks of ``T`` tokens, one per row (each row its own packing, the
+        masks of :func:`magi_jax.make_batch_key`).
 
         >>> AttnMask.from_segment_ids([1, 1, 1, 2, 2, 0]).area
         9
@@ -533,6 +540,13 @@ class AttnMask:
         ids = np.asarray(segment_ids)
         if ids.ndim not in (1, 2):
             raise ValueError(f"segment_ids must be [T] or [B, T]; got shape {ids.shape}")
+        if per_row:
+            if ids.ndim != 2:
+                raise ValueError(
+                    f"per_row=True takes [B, T] segment ids (one mask per row); got shape "
+                    f"{ids.shape}: drop per_row for a single [T] row"
+                )
+            return [cls.from_segment_ids(row, causal, window) for row in ids]
         if not (np.issubdtype(ids.dtype, np.integer) or np.issubdtype(ids.dtype, np.bool_)):
             raise ValueError(f"segment_ids must be integers; got dtype {ids.dtype}")
         rows = ids.reshape(1, -1) if ids.ndim == 1 else ids

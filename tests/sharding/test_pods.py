@@ -337,3 +337,13 @@ def test_flax_layers_on_fsdp_cp_tp_mesh():
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
             scale = float(jnp.abs(b).max())
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * max(scale, 1))
+
+
+def test_segment_ids_per_row_give_one_mask_per_row():
+    ids = np.array([[1, 1, 2, 2, 2, 0], [3, 3, 3, 3, 4, 4]])
+    rows = mj.AttnMask.from_segment_ids(ids, per_row=True)
+    assert [m.total_q for m in rows] == [6, 6]
+    for b in range(2):
+        assert rows[b].fingerprint == mj.AttnMask.from_segment_ids(ids[b]).fingerprint
+    with pytest.raises(ValueError, match="per_row=True takes"):
+        mj.AttnMask.from_segment_ids(ids[0], per_row=True)
