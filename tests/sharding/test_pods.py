@@ -347,3 +347,54 @@ def test_segment_ids_per_row_give_one_mask_per_row():
         assert rows[b].fingerprint == mj.AttnMask.from_segment_ids(ids[b]).fingerprint
     with pytest.raises(ValueError, match="per_row=True takes"):
         mj.AttnMask.from_segment_ids(ids[0], per_row=True)
+
+
+@pytest.mark.parametrize("kv_layout, tk", [("replicated", 48), ("dispatched", 96)])
+def test_batched_cross_attention_with_sinks_and_max_logits(kv_layout, tk):
+    """Cross-attention rows (video queries over text keys, each row its own text lengths)
+    on (dp 2, cp 2, tp 2): sinks and max logits follow (max over cp only, per row and
+    head); every row against the float64 reference."""
+    mesh, batch_axes, head_axes = make_mesh("dp2_cp2_tp2")
+    rng = np.random.default_rng(4)
+
+    def cross(n):
+        out = []
+        for _ in range(n):
+            cut = int(rng.integers(8, tk - 8))
+            q_cut = int(rng.integers(16, T - 16))
+            out.append(
+                mj.AttnMask.from_ranges(
+                    [[0, q_cut], [q_cut, T]], [[0, cut], [cut, tk]], ["full"] * 2, T, tk
+                )
+            )
+        return out
+
+    masks = cross(2)
+    cap = mj.PlanCapacity.from_masks(masks + cross(8), mesh_size=2)
+    key = mj.make_batch_key(
+        masks,
+        mesh,
+        "cp",
+        batch_axes=batch_axes,
+        head_axes=head_axes,
+        capacity=cap,
+        ffa_backend="xla",
+    )
+    assert key.kv_layout == kv_layout  # by the size rule
+    q, k, v, dout, dlse = random_inputs(jax.random.key(3), masks[0], HQ, HKV, D, "float32", 2)
+    sink = jnp.asarray(rng.standard_normal((2, HQ)), jnp.float32)
+
+    @jax.jit
+    def run(q, k, v, key):
+        dq = mj.dispatch(q, key, seq_axis=1)
+        dk, dv = (mj.dispatch(x, key, seq_axis=1, role="kv") for x in (k, v))
+        out, lse, ml = mj.magi_attention(dq, dk, dv, key, sink=sink, return_max_logits=True)
+        return mj.undispatch(out, key, seq_axis=1), mj.undispatch(lse, key, seq_axis=1), ml
+
+    out, lse, ml = run(q, k, v, key)
+    assert ml.shape == (2, HQ)
+    for b in range(2):
+        ref = mj.reference_attention(q[b], k[b], v[b], masks[b], sink=sink, return_max_logits=True)
+        np.testing.assert_allclose(np.asarray(out[b]), np.asarray(ref[0]), atol=2e-5)
+        np.testing.assert_allclose(np.asarray(lse[b]), np.asarray(ref[1]), atol=2e-5)
+        np.testing.assert_allclose(np.asarray(ml[b]), np.asarray(ref[2]), atol=2e-5)
