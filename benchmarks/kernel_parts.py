@@ -15,7 +15,6 @@ TFLOP/s. Writes ``kernel_parts_<stamp>_<device>.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -28,11 +27,17 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from kernel_bench import bench, make_mask, versions  # noqa: E402
 
-from magi_jax.pallas import api as pallas_api  # noqa: E402
 from magi_jax.pallas import plan_for_mask  # noqa: E402
 from magi_jax.pallas.common import LOG2E  # noqa: E402
-from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq  # noqa: E402
-from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward  # noqa: E402
+from magi_jax.pallas.ffa_bwd import ffa_dkv, ffa_dq  # noqa: E402
+from magi_jax.pallas.ffa_fwd import ffa_forward  # noqa: E402
+from magi_jax.pallas.tuning import (  # noqa: E402
+    DkvConfig,
+    DqConfig,
+    FwdConfig,
+    default_num_stages,
+    default_steps_per_wait,
+)
 from magi_jax.planning.work_list import (
     BAND,
     GENERAL,
@@ -51,7 +56,7 @@ def general_kinds(work):
 
 def parts(name, total, heads, d, programs, bands=True, stages=None, registers=(232, 40)):
     """Rows of (part, programs, ms, TFLOP/s) for one mask; ``bands=False``: band items
-    treated as general; ``stages``, ``registers``: of the backward kernels (BwdConfig;
+    treated as general; ``stages``, ``registers``: of the backward kernels (DqConfig, DkvConfig;
     ``stages=None``: every kernel's ring and dK/dV's query blocks per wait as
     :func:`magi_jax.pallas.ffa_pallas` picks them by default); ``programs=0``: no
     persistent rows."""
@@ -75,11 +80,12 @@ def parts(name, total, heads, d, programs, bands=True, stages=None, registers=(2
                 return ()
             return tuple(jnp.asarray(a) for a in persistent_schedule(work, batch * heads, progs))
 
-        default = pallas_api._default_tuning(d, bool(progs), bool(progs))
+        default = default_num_stages(d, bool(progs), bool(progs))
         fcfg = FwdConfig(
             scale=scale,
             persistent=progs,
-            num_stages=default[0] if stages is None else FwdConfig.num_stages,
+            # --stages sets the backward's rings; the forward then keeps the configs' default.
+            **({"num_stages": default[0]} if stages is None else {}),
         )
         fwd = jax.jit(lambda q, k, v: ffa_forward(q, k, v, *fwd_lists, fcfg, sched(plan.fwd)))
         out, lse = fwd(q, k, v)
@@ -94,7 +100,7 @@ def parts(name, total, heads, d, programs, bands=True, stages=None, registers=(2
         )
         delta = prep(out, do)
         args = (q, k, v, do, lse2, delta)
-        bcfg = BwdConfig(
+        bcfg = DqConfig(
             scale=scale, num_stages=default[1] if stages is None else stages, registers=registers
         )
         if not progs:
@@ -102,11 +108,12 @@ def parts(name, total, heads, d, programs, bands=True, stages=None, registers=(2
             dq = jax.jit(lambda *a: ffa_dq(*a, *fwd_lists, bcfg))
             rows.append(dict(part="dq", programs=0, ms=bench(dq, args) * 1e3, flops=1.5 * flops))
         dkv_stages = default[2] if stages is None else stages
-        bcfg = dataclasses.replace(
-            bcfg,
+        bcfg = DkvConfig(
+            scale=scale,
+            registers=registers,
             persistent=progs,
             num_stages=dkv_stages,
-            steps_per_wait=pallas_api._steps_per_wait(d, dkv_stages, bool(progs))
+            steps_per_wait=default_steps_per_wait(d, dkv_stages, bool(progs))
             if stages is None
             else 1,
         )

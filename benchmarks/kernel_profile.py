@@ -169,11 +169,11 @@ def run_kernels(parts, mask_name, length, heads, head_dim, interpret=False):
     import jax.numpy as jnp
     from kernel_bench import case_inputs, make_mask
 
-    from magi_jax.pallas import api as pallas_api
     from magi_jax.pallas import plan_for_mask
     from magi_jax.pallas.common import LOG2E
     from magi_jax.pallas.ffa_bwd import ffa_dkv, ffa_dq
     from magi_jax.pallas.ffa_fwd import ffa_forward
+    from magi_jax.pallas.tuning import kernel_configs
 
     if head_dim > 128:
         raise ValueError(
@@ -186,7 +186,7 @@ def run_kernels(parts, mask_name, length, heads, head_dim, interpret=False):
     fwd_lists = tuple(jnp.asarray(a) for a in plan.fwd)
     dkv_lists = tuple(jnp.asarray(a) for a in plan.bwd)
     scale = head_dim**-0.5
-    cfg = pallas_api._default_config(head_dim, scale, 0.0, interpret)
+    cfg = kernel_configs(head_dim, scale, 0.0, interpret)
     out, lse = jax.jit(lambda *a: ffa_forward(*a, *fwd_lists, cfg.fwd))(q, k, v)
     lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)
     delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))

@@ -27,7 +27,7 @@ def select_backend(
     """The backend ``flex_flash_attention`` would use and why: ``(name, reason)``.
 
     ``auto`` picks ``pallas`` (Mosaic GPU kernels) on an sm90 GPU when the inputs, if given,
-    are supported (bf16/fp16, D 64 or 128), else ``xla``, with the reason. An explicit
+    are supported (bf16/fp16, D 64, 128 or 256), else ``xla``, with the reason. An explicit
     ``pallas`` that cannot run raises ``NotImplementedError`` saying why."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -36,7 +36,7 @@ def select_backend(
     from magi_jax import pallas
 
     if q is not None:
-        ok, why = pallas.supported(q, k, v, mask)
+        ok, why = pallas.supported(q, k, v)
     else:
         ok, why = pallas.device_supported()
     if backend == "pallas":

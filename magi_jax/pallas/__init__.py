@@ -7,12 +7,12 @@ Entry points (:mod:`magi_jax.pallas.api`):
   * :func:`ffa_pallas` — from plan arrays of static shape (no mask object), the form context
     parallelism calls per rank under ``shard_map``;
   * :func:`supported` — whether the kernels take these inputs here, and why not.
+
+Each kernel's config, its defaults and the rules that pick them: :mod:`magi_jax.pallas.tuning`.
 """
 
 from magi_jax.pallas.api import (
-    DKV_PERSISTENT_MAX_MEAN_ITEMS,
     DKV_SPLIT_ALIGN,
-    PERSISTENT_MAX_MEAN_ITEMS,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     FFAPlanArrays,
@@ -23,6 +23,7 @@ from magi_jax.pallas.api import (
     plan_for_mask,
     supported,
 )
+from magi_jax.pallas.tuning import DKV_PERSISTENT_MAX_MEAN_ITEMS, PERSISTENT_MAX_MEAN_ITEMS
 
 __all__ = [
     "flex_flash_attention_pallas",

@@ -4,19 +4,26 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from magi_jax.pallas.common import LOG2E
-from magi_jax.pallas.ffa_bwd import DKV_SPLIT_ALIGN, BwdConfig, ffa_dkv, ffa_dq
+from magi_jax.mask import AttnMask
+from magi_jax.pallas.bwd_common import DKV_SPLIT_ALIGN
+from magi_jax.pallas.common import LOG2E, MAX_NARROW_D
+from magi_jax.pallas.ffa_bwd import ffa_dkv, ffa_dq
 from magi_jax.pallas.ffa_dkv_wide import ffa_dkv_wide
 from magi_jax.pallas.ffa_dq_wide import ffa_dq_wide
-from magi_jax.pallas.ffa_fwd import FwdConfig, ffa_forward
+from magi_jax.pallas.ffa_fwd import ffa_forward
+from magi_jax.pallas.tuning import (
+    KernelConfigs,
+    default_persistence,
+    kernel_configs,
+    on_host,
+)
 from magi_jax.planning.work_list import (
     DKV_BLOCK_K,
     FWD_BLOCK_K,
@@ -42,10 +49,6 @@ __all__ = [
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
-# Head dims above this take the wide backward kernels (the two consumer warpgroups split the
-# head dim of the gradients), and no kernel is persistent: at D = 256 the output buffers of
-# the persistent modes do not fit beside their pipelines.
-_WIDE_HEAD_DIM = 128
 _MAX_GRID_TILES = 65535  # tiles sit on a grid dimension limited to 2**16 - 1 blocks
 
 
@@ -66,7 +69,9 @@ def device_supported() -> tuple[bool, str]:
     return True, ""
 
 
-def supported(q, k, v, mask=None, *, check_device: bool = True) -> tuple[bool, str]:
+def supported(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, check_device: bool = True
+) -> tuple[bool, str]:
     """Whether the pallas kernels take these inputs: ``(ok, reason)`` (reason empty when ok).
 
     q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]``; bf16 or fp16, ``D`` in
@@ -97,28 +102,6 @@ def supported(q, k, v, mask=None, *, check_device: bool = True) -> tuple[bool, s
     return True, ""
 
 
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    """The static configuration of one call: its three kernels' configs."""
-
-    fwd: FwdConfig
-    dq: BwdConfig
-    dkv: BwdConfig
-
-    @classmethod
-    def build(
-        cls, scale: float, softcap: float, interpret: bool, *, fwd=None, dq=None, dkv=None
-    ) -> _Config:
-        """Configs sharing ``scale``, ``softcap``, ``interpret``; ``fwd``/``dq``/``dkv``:
-        each kernel's other fields (dicts; the configs' defaults where absent)."""
-        shared = dict(scale=float(scale), softcap=float(softcap), interpret=bool(interpret))
-        return cls(
-            FwdConfig(**shared, **(fwd or {})),
-            BwdConfig(**shared, **(dq or {})),
-            BwdConfig(**shared, **(dkv or {})),
-        )
-
-
 def _pad_rows(x, multiple):
     t = x.shape[1]
     pad = -t % multiple
@@ -139,16 +122,13 @@ class _Schedules(NamedTuple):
 _NO_SCHEDULES = _Schedules((), ())
 
 
-def _on_host(plan: FFAPlanArrays) -> bool:
-    """Whether the plan is NumPy arrays (persistent schedules are built from it there)."""
-    return all(isinstance(a, np.ndarray) for a in plan)
-
-
-def _schedules(plan: FFAPlanArrays, cfg: _Config, batch: int, hq: int, hkv: int) -> _Schedules:
-    fwd, dkv = cfg.fwd.persistent, cfg.dkv.persistent
+def _schedules(
+    plan: FFAPlanArrays, cfg: KernelConfigs, batch: int, hq: int, hkv: int
+) -> _Schedules:
+    fwd, dkv = cfg.fwd_programs, cfg.dkv_programs
     if not (fwd or dkv):
         return _NO_SCHEDULES
-    if not _on_host(plan):
+    if not on_host(plan):
         raise ValueError(
             f"persistent={fwd}, dkv_persistent={dkv}: the persistent kernels "
             "schedule their units on the host, so the plan must be NumPy arrays "
@@ -160,7 +140,7 @@ def _schedules(plan: FFAPlanArrays, cfg: _Config, batch: int, hq: int, hkv: int)
     return _Schedules(sched(fwd_list, batch * hq, fwd), sched(dkv_list, batch * hkv, dkv))
 
 
-def _forward(q, k, v, plan: FFAPlanArrays, sched: _Schedules, cfg: _Config):
+def _forward(q, k, v, plan: FFAPlanArrays, sched: _Schedules, cfg: KernelConfigs):
     tq = q.shape[1]
     qp = _pad_rows(q, FWD_BLOCK_Q)
     kp, vp = _pad_rows(k, FWD_BLOCK_K), _pad_rows(v, FWD_BLOCK_K)
@@ -205,7 +185,7 @@ def _ffa_bwd(cfg, res, cts, between_dkv_dq=None, split_kv_at=0):
         pad_stat(lse2),
         pad_stat(delta),
     )
-    wide = q.shape[-1] > _WIDE_HEAD_DIM
+    wide = q.shape[-1] > MAX_NARROW_D
     dq_fn, dkv_fn = (ffa_dq_wide, ffa_dkv_wide) if wide else (ffa_dq, ffa_dkv)
     dq_kernel = lambda args: dq_fn(*args, plan.q_order, plan.q_offsets, plan.q_items, cfg.dq)
     if between_dkv_dq is None:
@@ -242,114 +222,10 @@ def _ffa_bwd(cfg, res, cts, between_dkv_dq=None, split_kv_at=0):
 _ffa.defvjp(_ffa_fwd, _ffa_bwd)
 
 
-# Persistent programs hide each unit's prologue and epilogue under its neighbours' work,
-# which pays on short rows; on long ones one program per unit was faster. H200, 2026-11-30,
-# same-run A/Bs: forward (kernel_fwd_overlap_*) persistent +11 % on SWA 1024 16k (~9 items
-# per q-tile), +0.5-3 % on doc-causal 32k (~19); one program per unit +1.5-2 % on causal
-# (~65) and full (128) 16k. dK/dV (kernel_parts_*_1356, _1624; items of half the size):
-# persistent 3-5 % faster on SWA 1024, doc-causal and prefix-LM 16k, 3 % slower on causal.
-# The persistent dQ was slower on every mask and was removed.
-PERSISTENT_MAX_MEAN_ITEMS = 32
-DKV_PERSISTENT_MAX_MEAN_ITEMS = 64
-
-
-# The D <= 64 defaults, from same-run A/Bs on an H200 (2026-12-03, H 32, 16k, fwd+bwd,
-# medians of 15 rounds; benchmarks/results/kernel/kernel_notes.md): a slot holds half the
-# bytes of D = 128's, so the rings run deeper — 4 forward slots, 3 dQ slots (+1.3-2.5 %
-# against 2 / 2 / 2 over two orders) — and each dK/dV consumer of one program per unit
-# takes two query blocks between waits over a ring of 4 (a further +2.0-2.9 % on full and
-# causal; 4 slots with one block per wait were slower than 3). The persistent kernels of
-# short rows keep what measured best there: the forward 2 slots, dK/dV 3 slots and one
-# block per wait (two were 0.3-1.4 % slower on SWA 1024 and doc-causal), as every kernel
-# does at larger head dims.
-def _default_tuning(
-    head_dim: int, fwd_persistent: bool, dkv_persistent: bool
-) -> tuple[int, int, int]:
-    """Default ``(num_stages, dq_num_stages, dkv_num_stages)`` for ``head_dim``."""
-    if head_dim <= 64:
-        return (2 if fwd_persistent else 4), 3, (3 if dkv_persistent else 4)
-    return FwdConfig.num_stages, BwdConfig.num_stages, BwdConfig.num_stages
-
-
-def _fma_exp_cols(head_dim: int) -> int:
-    """Default forward score columns exponentiated on the FMA pipes (``FwdConfig``): 16 of
-    128 at D <= 64, where the exponentials bound the forward (H200, 2026-12-03: +2-8 % in
-    three runs; 24 or more, or any at D = 128, measured slower or even). The backward
-    kernels' matmuls outweigh their exponentials; splitting there measured no faster."""
-    return 16 if head_dim <= 64 else 0
-
-
-def _steps_per_wait(head_dim: int, dkv_num_stages: int, dkv_persistent: bool) -> int:
-    """Default dK/dV query blocks per wait: 2 where they fit (D <= 64, 4 ring slots) and
-    paid (one program per unit)."""
-    return 2 if head_dim <= 64 and dkv_num_stages >= 4 and not dkv_persistent else 1
-
-
-def _dkv_turns(head_dim: int, dkv_persistent: bool) -> bool:
-    """Whether the dK/dV consumers issue their wgmmas in turns (``BwdConfig.turns``): at
-    D = 128 with one program per unit (H200, 2026-12-03: backward alone +1.6-4.6 % on full
-    and causal 16k / 32k, +0.5 % with GQA 64:8). On the persistent kernel's short rows turns
-    measured 6-7 % slower, at D = 64 2-5 % slower; D = 256 has kernels of its own."""
-    return 64 < head_dim <= _WIDE_HEAD_DIM and not dkv_persistent
-
-
-def _default_config(
-    head_dim: int,
-    scale: float,
-    softcap: float,
-    interpret: bool,
-    *,
-    fwd_programs: int = 0,
-    dkv_programs: int = 0,
-    row_max: bool = False,
-) -> _Config:
-    """Every kernel's default tuning at ``head_dim``, the forward and dK/dV kernels persistent
-    over ``fwd_programs`` / ``dkv_programs`` programs (0: one program per unit)."""
-    stages = _default_tuning(head_dim, fwd_programs > 0, dkv_programs > 0)
-    return _Config.build(
-        scale,
-        softcap,
-        interpret,
-        fwd=dict(
-            num_stages=stages[0],
-            persistent=fwd_programs,
-            row_max=row_max,
-            fma_exp_cols=_fma_exp_cols(head_dim),
-        ),
-        dq=dict(num_stages=stages[1]),
-        dkv=dict(
-            num_stages=stages[2],
-            persistent=dkv_programs,
-            steps_per_wait=_steps_per_wait(head_dim, stages[2], dkv_programs > 0),
-            turns=_dkv_turns(head_dim, dkv_programs > 0),
-        ),
-    )
-
-
-def _default_programs(plan: FFAPlanArrays, interpret: bool, kernel: str = "fwd") -> int:
-    """Programs of the persistent forward (``kernel="fwd"``) or dK/dV kernel (``"dkv"``) by
-    default: one per SM of the default GPU when the plan is on the host (the schedule is
-    built there) and its tiles that own any item walk fewer than
-    :data:`PERSISTENT_MAX_MEAN_ITEMS` (dK/dV: :data:`DKV_PERSISTENT_MAX_MEAN_ITEMS`) items on
-    average; 0 otherwise."""
-    if interpret or not _on_host(plan):
-        return 0
-    offsets, limit = (
-        (plan.q_offsets, PERSISTENT_MAX_MEAN_ITEMS)
-        if kernel == "fwd"
-        else (plan.k_offsets, DKV_PERSISTENT_MAX_MEAN_ITEMS)
-    )
-    counts = np.diff(offsets)
-    counts = counts[counts > 0]
-    if counts.size and counts.mean() >= limit:
-        return 0
-    return int(getattr(jax.devices()[0], "core_count", 0) or 0)
-
-
 def ffa_pallas(
-    q,
-    k,
-    v,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     plan: FFAPlanArrays,
     *,
     softmax_scale: float,
@@ -364,7 +240,7 @@ def ffa_pallas(
     fma_exp_cols: int | None = None,
     schedules: tuple | None = None,
     return_max_logits: bool = False,
-):
+) -> tuple[jax.Array, ...]:
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
     q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64, 128 or 256); ``plan``:
@@ -373,43 +249,35 @@ def ffa_pallas(
     Returns ``out`` (q's shape and dtype) and ``lse [(B,) Tq, Hq]`` float32 (natural log,
     ``-inf`` for rows that see no key). Differentiable in q, k, v, also through lse.
     ``interpret=True`` runs the kernels in Mosaic GPU interpret mode (CPU, tests only).
-    Tuning (results do not depend on it beyond rounding): ``num_stages`` (forward),
-    ``dq_num_stages``, ``dkv_num_stages``: shared-memory slots of the producer rings (with
-    D = 128 the forward fits 3 only with one program per unit, dQ 2, dK/dV 3; at D = 256 each
-    takes 2, and no kernel is persistent); ``None`` (default): 2 each, and at D = 64 4
-    forward slots (2 in the persistent forward), 3 dQ and 4 dK/dV slots (3 in the persistent
-    dK/dV), what measured fastest on an H200;
-    ``persistent``: 0 (one program per q-tile and head) or the number of programs (the
-    SM count) that walk the (q-tile, batch, head) units of a host schedule
-    (:func:`~magi_jax.planning.work_list.persistent_schedule`), the K/V pipeline running on
-    across units and each unit's Q loaded under the previous unit's last matmuls, so the plan
-    must be NumPy arrays here; ``None`` (default): the SM count of the default GPU when the
-    plan is NumPy arrays, its q-tiles are short (:data:`PERSISTENT_MAX_MEAN_ITEMS`), the
-    kernels run on a GPU and ``num_stages`` is ``None`` or <= 2 (its output buffer takes the
-    shared memory of a third slot), else 0 (measured on an H200, 2026-11-30: +11 % on SWA
-    1024, 1.5-2 % slower on full and causal 16k); ``dkv_persistent``: the same for the dK/dV kernel
-    (units: k-tile, batch, key head), storing through output buffers of its own (with
-    D = 128 that leaves room for ``dkv_num_stages`` <= 3); ``None`` (default): persistent on
-    short k-tiles (:data:`DKV_PERSISTENT_MAX_MEAN_ITEMS`, 3-5 % faster there) when
-    ``dkv_num_stages`` <= 3 (at D = 64 with any), like the forward's default. The dQ kernel
-    runs one program per unit (a persistent dQ measured slower on every mask).
-    ``dkv_steps_per_wait``: query blocks each dK/dV consumer takes between two waits, 1 or 2
-    (D = 64 and ``dkv_num_stages`` >= 4 only); ``None`` (default): 2 where that holds and
-    the dK/dV kernel runs one program per unit. ``fma_exp_cols``: of each forward score
-    block's 128 keys (64 at D = 256), how many are exponentiated by a cubic on the FMA pipes
-    instead of the ``ex2`` unit (a multiple of 8; relative error 7.5e-5, under half an fp16
-    ulp); ``None`` (default): 16 at D = 64, where the exponentials bound the forward, else 0.
+
+    Tuning (results do not depend on it beyond rounding; each knob ``None`` takes the
+    default of :mod:`magi_jax.pallas.tuning`, whose measurements are in
+    benchmarks/results/kernel/LATEST.md):
+
+    * ``num_stages`` (forward), ``dq_num_stages``, ``dkv_num_stages``: shared-memory slots of
+      the producer rings (:func:`~magi_jax.pallas.tuning.default_num_stages`). At D = 128 the
+      forward fits 3 only with one program per unit, dQ 2, dK/dV 3; at D = 256 each takes 2.
+    * ``persistent``: 0 (one program per q-tile and head) or the number of programs (the SM
+      count) that walk the (q-tile, batch, head) units of a host schedule
+      (:func:`~magi_jax.planning.work_list.persistent_schedule`), so the plan must be NumPy
+      arrays; ``dkv_persistent``: the same for the dK/dV kernel (units: k-tile, batch, key
+      head). By default each is persistent on short rows where its output buffers fit
+      (:func:`~magi_jax.pallas.tuning.default_persistence`); never at D = 256, and the dQ
+      kernel always runs one program per unit.
+    * ``dkv_steps_per_wait``: query blocks each dK/dV consumer takes between two waits, 1 or
+      2 (D = 64 and ``dkv_num_stages`` >= 4 only).
+    * ``fma_exp_cols``: of each forward score block's 128 keys (64 at D = 256), how many are
+      exponentiated by a cubic on the FMA pipes instead of the ``ex2`` unit (a multiple of 8;
+      relative error 7.5e-5, under half an fp16 ulp).
 
     ``schedules``: schedules built beforehand (a plan as data, whose arrays may be traced:
     :func:`magi_jax.ffa.plan.plan_attention`): ``()`` runs one program per unit, ``(fwd
     offsets, fwd units, dK/dV offsets, dK/dV units)`` the persistent forward and dK/dV
-    kernels over them; ``persistent``/``dkv_persistent`` are then not used.
+    kernels over them; the tuning knobs then take their defaults.
 
     ``return_max_logits=True`` adds a third output, ``max_logits [(B,) Hq]`` float32: each
     head's largest ``softmax_scale·q·k`` (before the softcap) over the allowed cells,
-    ``-inf`` where a head sees none. The forward kernel writes every row's maximum beside
-    its lse (with a softcap it then keeps the raw running max, whose tanh is the softmax's);
-    one reduction over the rows gives the heads'. No gradient."""
+    ``-inf`` where a head sees none. No gradient."""
     if schedules is not None:
         if len(schedules) not in (0, 4):
             raise ValueError(
@@ -428,44 +296,22 @@ def ffa_pallas(
             bool(return_max_logits),
         )
     d = q.shape[-1]
-    wide = d > _WIDE_HEAD_DIM
-    if persistent is None:
-        persistent = (
-            _default_programs(plan, interpret)
-            if (num_stages is None or num_stages <= 2) and not wide
-            else 0
-        )
-    if dkv_persistent is None:  # its output buffers fit beside 3 slots at D = 128, any at 64
-        dkv_persistent = (
-            _default_programs(plan, interpret, "dkv")
-            if (dkv_num_stages is None or dkv_num_stages <= 3 or d <= 64) and not wide
-            else 0
-        )
-    stages = _default_tuning(d, bool(persistent), bool(dkv_persistent))
-    num_stages = stages[0] if num_stages is None else num_stages
-    dq_num_stages = stages[1] if dq_num_stages is None else dq_num_stages
-    dkv_num_stages = stages[2] if dkv_num_stages is None else dkv_num_stages
-    if dkv_steps_per_wait is None:
-        dkv_steps_per_wait = _steps_per_wait(d, dkv_num_stages, bool(dkv_persistent))
-    if fma_exp_cols is None:
-        fma_exp_cols = _fma_exp_cols(d)
-    cfg = _Config.build(
+    default_fwd, default_dkv = default_persistence(
+        plan, d, interpret, num_stages=num_stages, dkv_num_stages=dkv_num_stages
+    )
+    cfg = kernel_configs(
+        d,
         softmax_scale,
         softcap,
         interpret,
-        fwd=dict(
-            num_stages=int(num_stages),
-            persistent=int(persistent),
-            row_max=bool(return_max_logits),
-            fma_exp_cols=int(fma_exp_cols),
-        ),
-        dq=dict(num_stages=int(dq_num_stages)),
-        dkv=dict(
-            num_stages=int(dkv_num_stages),
-            persistent=int(dkv_persistent),
-            steps_per_wait=int(dkv_steps_per_wait),
-            turns=_dkv_turns(d, bool(dkv_persistent)),
-        ),
+        persistent=default_fwd if persistent is None else persistent,
+        dkv_persistent=default_dkv if dkv_persistent is None else dkv_persistent,
+        num_stages=num_stages,
+        dq_num_stages=dq_num_stages,
+        dkv_num_stages=dkv_num_stages,
+        dkv_steps_per_wait=dkv_steps_per_wait,
+        fma_exp_cols=fma_exp_cols,
+        row_max=return_max_logits,
     )
     batched = q.ndim == 4
     sched = _schedules(plan, cfg, q.shape[0] if batched else 1, q.shape[-2], k.shape[-2])
@@ -480,18 +326,18 @@ def _ffa_scheduled(q, k, v, plan, schedules, scale, softcap, interpret, max_logi
     """:func:`ffa_pallas` over schedules that travel with the plan (the default kernels'
     tuning; dQ one program per unit). At D = 256 the schedules are not used: every kernel
     runs one program per unit there."""
-    if q.shape[-1] > _WIDE_HEAD_DIM:
+    if q.shape[-1] > MAX_NARROW_D:
         schedules = ()  # no persistent kernel at D = 256 (their output buffers do not fit)
     programs = (
         (int(schedules[0].shape[0]) - 1, int(schedules[2].shape[0]) - 1) if schedules else (0, 0)
     )
-    cfg = _default_config(
+    cfg = kernel_configs(
         q.shape[-1],
         scale,
         softcap,
         interpret,
-        fwd_programs=programs[0],
-        dkv_programs=programs[1],
+        persistent=programs[0],
+        dkv_persistent=programs[1],
         row_max=max_logits,
     )
     as_i32 = lambda a: jnp.asarray(a, jnp.int32)
@@ -510,21 +356,21 @@ def _ffa_scheduled(q, k, v, plan, schedules, scale, softcap, interpret, max_logi
 
 
 def ffa_pallas_backward(
-    q,
-    k,
-    v,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     plan: FFAPlanArrays,
-    out,
-    lse,
-    dout,
-    dlse,
+    out: jax.Array,
+    lse: jax.Array,
+    dout: jax.Array,
+    dlse: jax.Array,
     *,
     softmax_scale: float,
     softcap: float = 0.0,
     interpret: bool = False,
-    between_dkv_dq=None,
+    between_dkv_dq: Callable | None = None,
     split_kv_at: int = 0,
-):
+) -> tuple:
     """The backward of :func:`ffa_pallas` from a forward's ``(out, lse)``, which may be the
     merged result of several calls (context parallelism runs each stage's backward against
     the merged output). Shapes as :func:`ffa_pallas`: q/out/dout ``[(B,) Tq, Hq, D]``, k/v
@@ -537,7 +383,7 @@ def ffa_pallas_backward(
     kernel, and ends it with the token. ``split_kv_at=n`` (with the hook): the hook gets,
     and the call returns, dK and dV each as two arrays, rows ``[:n]`` and ``[n:]``; where
     ``n`` is a multiple of ``DKV_SPLIT_ALIGN`` the kernel stores them apart (no copy)."""
-    cfg = _default_config(q.shape[-1], softmax_scale, softcap, interpret)
+    cfg = kernel_configs(q.shape[-1], softmax_scale, softcap, interpret)
     plan = FFAPlanArrays(*(jnp.asarray(a, jnp.int32) for a in plan))
     lift = (lambda x: x) if q.ndim == 4 else (lambda x: x[None])
     unlift = (lambda x: x) if q.ndim == 4 else (lambda x: x[0])
@@ -560,19 +406,19 @@ def ffa_pallas_backward(
 
 
 def flex_flash_attention_pallas(
-    q,
-    k,
-    v,
-    mask,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: AttnMask,
     *,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
     interpret: bool = False,
     **tuning,
-):
+) -> tuple[jax.Array, ...]:
     """:func:`magi_jax.flex_flash_attention` on the Mosaic GPU kernels. Same contract;
     raises ``ValueError`` naming the reason when the inputs are not supported."""
-    ok, why = supported(q, k, v, mask, check_device=not interpret)
+    ok, why = supported(q, k, v, check_device=not interpret)
     if not ok:
         raise ValueError(f"backend='pallas' cannot run these inputs: {why}; use backend='xla'")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)

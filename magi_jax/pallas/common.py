@@ -14,7 +14,9 @@ from magi_jax.planning.work_list import BAND, FULL, GENERAL, ITEM_FIELDS
 __all__ = [
     "LOG2E",
     "LN2",
-    "WIDE_D",
+    "COMPUTE_WGS",
+    "MAX_NARROW_D",
+    "WIDE_BWD_D",
     "WIDE_HALF_D",
     "SMEM_BYTES",
     "ItemField",
@@ -37,10 +39,15 @@ __all__ = [
     "check_fma_cols",
 ]
 
-# The head dim of the wide backward kernels (ffa_dq_wide, ffa_dkv_wide): each of their two
-# consumer warpgroups accumulates one half of it.
+# Consumer warpgroups of every kernel (a producer warpgroup beside them streams the inputs).
+COMPUTE_WGS = 2
+# The largest head dim of the narrow kernels. Above it a forward ring slot holds half a key
+# tile, and the backward runs the wide kernels (ffa_dq_wide, ffa_dkv_wide), none persistent.
+MAX_NARROW_D = 128
+# The head dim of the wide backward kernels: each of their two consumer warpgroups
+# accumulates one half of it.
 WIDE_HALF_D = 128
-WIDE_D = 2 * WIDE_HALF_D
+WIDE_BWD_D = 2 * WIDE_HALF_D
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)

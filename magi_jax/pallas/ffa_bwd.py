@@ -13,7 +13,7 @@
   default with one program per unit) the two consumers issue their products in turns, one
   warpgroup's matmuls running under the other's softmax.
 
-The dK/dV kernel's persistent mode (``BwdConfig.persistent = N``): N programs walk its units
+The dK/dV kernel's persistent mode (``DkvConfig.persistent = N``): N programs walk its units
 in a static schedule instead (the host's
 :func:`~magi_jax.planning.work_list.persistent_schedule`), so one unit's prologue (its own K,
 V) and epilogue (the output store) hide under its neighbours' work. dQ has no persistent
@@ -26,7 +26,6 @@ their grid head-major (:func:`~magi_jax.pallas.common.launch_grid`).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -35,10 +34,21 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from magi_jax.pallas.bwd_common import (
+    COL,
+    DKV_SPLIT_ALIGN,
+    LAYOUT,
+    ROW,
+    drain,
+    exp2_minus,
+    kernel_params,
+    log2_scores,
+    store_outputs,
+    stream,
+)
 from magi_jax.pallas.common import (
-    LOG2E,
+    COMPUTE_WGS,
     ItemField,
-    check_pipeline,
     check_smem,
     item_fields,
     kernel_grid,
@@ -48,119 +58,10 @@ from magi_jax.pallas.common import (
     scheduled_units,
     smem,
 )
+from magi_jax.pallas.tuning import DkvConfig, DqConfig
 from magi_jax.planning.work_list import DKV_BLOCK_K, DKV_BLOCK_Q, FWD_BLOCK_K, FWD_BLOCK_Q
 
-__all__ = ["BwdConfig", "ffa_dq", "ffa_dkv"]
-
-_COMPUTE_WGS = 2
-# ffa_dkv's split: a multiple of the rows one warpgroup stores.
-DKV_SPLIT_ALIGN = DKV_BLOCK_K // _COMPUTE_WGS
-_LAYOUT = plgpu.Layout.WGMMA
-_ROW = plgpu.Layout.WGMMA.reduce(1)
-_COL = plgpu.Layout.WGMMA.reduce(0)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BwdConfig:
-    """Static configuration of a backward kernel (:func:`ffa_dq`, :func:`ffa_dkv`)."""
-
-    scale: float
-    softcap: float = 0.0
-    # Shared-memory slots of the producer's ring.
-    num_stages: int = 2
-    # dK/dV only. 0: one program per (k-tile, batch, key head) unit, in the order of
-    # launch_grid. N > 0: min(N, units) programs (the SM count, 132 on an H200) walk the
-    # units of the host schedule ffa_dkv takes as its ``schedule`` argument. Across units
-    # the producer's ring runs on (one drain at the end), each consumer loads its next
-    # unit's K, V as soon as the last wgmma pair that reads them is done, and outputs leave
-    # through buffers of their own, so the store of one unit overlaps the next.
-    persistent: int = 0
-    # dK/dV only: ring steps (query blocks of 64 rows) one consumer takes between two waits:
-    # 1, or 2 (both steps' Sᵀ and dPᵀ issued together, then their four dV/dK products; with
-    # D <= 64 only, where the four score blocks fit beside the accumulators, and at least 4
-    # ring slots so the next pair loads under this one).
-    steps_per_wait: int = 1
-    # dK/dV only: the two consumers issue their wgmmas in turns (a token handed between them
-    # through a barrier pair), so one's matmuls run under the other's softmax.
-    turns: bool = False
-    # Registers per thread of a consumer and of the producer warpgroup after the split
-    # (setmaxnreg; multiples of 8, 2·consumer + producer <= 504 for 3 warpgroups).
-    registers: tuple[int, int] = (232, 40)
-    interpret: bool = False
-
-    def __post_init__(self):
-        check_pipeline(self.num_stages, self.persistent)
-        if self.steps_per_wait not in (1, 2):
-            raise ValueError(f"steps_per_wait={self.steps_per_wait}: use 1 or 2")
-        consumer, producer = self.registers
-        if (
-            consumer % 8
-            or producer % 8
-            or not 24 <= producer <= consumer <= 256
-            or 2 * consumer + producer > 504
-        ):
-            raise ValueError(
-                f"registers={self.registers}: need multiples of 8 with "
-                "24 <= producer <= consumer <= 256 and 2·consumer + producer "
-                "<= 504"
-            )
-
-
-def _log2_scores(s, cfg: BwdConfig):
-    """Raw ``q·k`` -> (scores, scale still to apply in the exponent or None, ``1 − tanh²``
-    for the softcap chain or None); scores in the log2 domain once scaled."""
-    if cfg.softcap:
-        t = jnp.tanh(s * (cfg.scale / cfg.softcap))
-        return t * (cfg.softcap * LOG2E), None, 1.0 - t * t
-    return s, cfg.scale * LOG2E, None
-
-
-def _exp2_minus(s, c, stat, dim):
-    """``exp2(s·c − stat)`` with the row/column statistic broadcast along ``dim``."""
-    b = lax.broadcast_in_dim(stat, s.shape, [dim])
-    return jnp.exp2(s - b if c is None else s * c - b)
-
-
-def _params(cfg):
-    return dict(
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
-    )
-
-
-def _stream(num_steps, stages, start_of, streams, view, base=None):
-    """Producer loop: step ``i`` copies, for every ``(gmem, smem, ready, free)`` stream, the
-    block starting at ``start_of(i)`` into slot ``g % stages`` (``g = base + i``, the ring's
-    running step count; ``base=None``: the ring's only walk, ``g = i``) once the consumers
-    freed it. With ``base=None`` it then drains the ring (:func:`_drain`); otherwise the
-    caller drains once after its last walk."""
-
-    @pl.loop(0, num_steps)
-    def _(i):
-        g = i if base is None else base + i
-        slot = lax.rem(g, jnp.int32(stages))
-        start = start_of(i)
-        for gmem, buf, ready, free in streams:
-
-            @pl.when(g >= stages)
-            def _():
-                plgpu.barrier_wait(free.at[slot])
-
-            plgpu.copy_gmem_to_smem(view(gmem, start), buf.at[slot], ready.at[slot])
-
-    if base is None:
-        _drain(num_steps, stages, streams)
-
-
-def _drain(total, stages, streams):
-    """Waits for the last slots of a ring of ``total`` steps to be freed, so every barrier
-    phase is observed before the shared memory is given back."""
-
-    @pl.loop(lax.max(total - stages, jnp.int32(0)), total)
-    def _(i):
-        slot = lax.rem(i, jnp.int32(stages))
-        for _, _, _, free in streams:
-            plgpu.barrier_wait(free.at[slot])
+__all__ = ["ffa_dq", "ffa_dkv"]
 
 
 class _DkvUnit(NamedTuple):
@@ -240,49 +141,29 @@ def _consume_units(num_mine, load_unit, work_of, unit):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _store_outputs(outs, persistent):
-    """Writes a unit's ``(smem buffer, value, gmem destination)`` outputs through shared
-    memory; a destination may be a function storing the buffer. Persistent: the buffers are
-    the kernel's own, so only the previous unit's stores must have read them and this unit's
-    stores run on under the next unit; otherwise the buffers are the unit's inputs and the
-    stores complete here."""
-    if persistent:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    for buf, value, _ in outs:
-        buf[...] = value
-    plgpu.commit_smem()
-    for buf, _, dst in outs:
-        if callable(dst):
-            dst(buf)
-        else:
-            plgpu.copy_smem_to_gmem(buf, dst)
-    if not persistent:
-        plgpu.wait_smem_to_gmem(0)
-
-
-def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
+def ffa_dq(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    dout: jax.Array,
+    lse2: jax.Array,
+    delta: jax.Array,
+    order: jax.Array,
+    offsets: jax.Array,
+    items: jax.Array,
+    cfg: DqConfig,
+) -> jax.Array:
     """dQ. q/dout ``[B, Tq, Hq, D]``, k/v ``[B, Tk, Hkv, D]``; ``lse2 [B, Hq, Tq]`` float32
     is the lse times log2(e) with ``+inf`` on rows that see no key (so P = 0 there);
     ``delta [B, Hq, Tq]`` float32; the forward work list. One program per (q-tile, batch,
     query head). Returns dq like q."""
-    if cfg.persistent:
-        raise ValueError(
-            f"persistent={cfg.persistent}: the dQ kernel runs one program per "
-            "unit (a persistent dQ measured slower on every mask); pass a "
-            "BwdConfig with persistent=0"
-        )
-    if cfg.turns:
-        raise ValueError(
-            "turns=True: the dQ kernel's consumers issue as they go (in turns "
-            "it measured 2 % slower); pass a BwdConfig with turns=False"
-        )
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
     num_tiles = tq // FWD_BLOCK_Q
     assert order.shape == (num_tiles,)
     dtype = q.dtype
-    bq, bk, stages = FWD_BLOCK_Q // _COMPUTE_WGS, FWD_BLOCK_K, cfg.num_stages
+    bq, bk, stages = FWD_BLOCK_Q // COMPUTE_WGS, FWD_BLOCK_K, cfg.num_stages
     grid, grid_names = launch_grid(num_tiles, b, hq)
 
     def kernel(
@@ -315,7 +196,7 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
         first = off_ref[tile]
         num_items = off_ref[tile + 1] - first
 
-        @pl.when(wg < _COMPUTE_WGS)
+        @pl.when(wg < COMPUTE_WGS)
         def consumer():
             plgpu.set_max_registers(cfg.registers[0], action="increase")
             my_q, my_do = q_smem.at[wg], do_smem.at[wg]
@@ -328,8 +209,8 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
             plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], stat_smem.at[wg, 0], ready)
             plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], stat_smem.at[wg, 1], ready)
             plgpu.barrier_wait(ready)
-            lse2 = plgpu.load(stat_smem.at[wg, 0], layout=_ROW)
-            delta = plgpu.load(stat_smem.at[wg, 1], layout=_ROW)
+            lse2 = plgpu.load(stat_smem.at[wg, 0], layout=ROW)
+            delta = plgpu.load(stat_smem.at[wg, 1], layout=ROW)
 
             def run(dq_acc):
                 def step(i, carry):
@@ -341,10 +222,10 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
                         [(my_q, k_smem.at[slot].T), (my_do, v_smem.at[slot].T)], (bq, bk)
                     )
                     plgpu.barrier_arrive(v_free.at[slot])
-                    s, c, dcap = _log2_scores(s, cfg)
+                    s, c, dcap = log2_scores(s, cfg.scale, cfg.softcap)
 
-                    s = mask_scores(s, geom, kind, row0, ktile * bk, _LAYOUT)
-                    p = _exp2_minus(s, c, lse2, 0)
+                    s = mask_scores(s, geom, kind, row0, ktile * bk, LAYOUT)
+                    p = exp2_minus(s, c, lse2, 0)
                     ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
                     if dcap is not None:
                         ds = ds * dcap
@@ -358,17 +239,17 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
 
             dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
             # dQ leaves through the Q buffer, which no wgmma reads any more.
-            _store_outputs(
+            store_outputs(
                 [(my_q, (dq * cfg.scale).astype(dtype), dq_ref.at[batch, rows, head])],
                 persistent=False,
             )
 
-        @pl.when(wg == _COMPUTE_WGS)
+        @pl.when(wg == COMPUTE_WGS)
         def producer():
             plgpu.set_max_registers(cfg.registers[1], action="decrease")
             streams = [(k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)]
             kv_head = lax.div(head, jnp.int32(group))
-            _stream(
+            stream(
                 num_items,
                 stages,
                 lambda i: items_ref[first + i, ItemField.OTHER_TILE] * bk,
@@ -380,37 +261,48 @@ def ffa_dq(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
     # 2 x 16 KiB each, lse/delta 1 KiB, the K/V ring 2 x 32 KiB per stage: 193 KiB (3
     # stages: 257 KiB, too much).
     scratch = dict(
-        q=smem((_COMPUTE_WGS, bq, d), dtype),
-        do=smem((_COMPUTE_WGS, bq, d), dtype),
-        stats=plgpu.SMEM((_COMPUTE_WGS, 2, bq), jnp.float32),  # each consumer's lse, delta
+        q=smem((COMPUTE_WGS, bq, d), dtype),
+        do=smem((COMPUTE_WGS, bq, d), dtype),
+        stats=plgpu.SMEM((COMPUTE_WGS, 2, bq), jnp.float32),  # each consumer's lse, delta
         k=smem((stages, bk, d), dtype),
         v=smem((stages, bk, d), dtype),
-        in_ready=plgpu.Barrier(num_arrivals=4, num_barriers=_COMPUTE_WGS),  # Q, dO, lse, delta
+        in_ready=plgpu.Barrier(num_arrivals=4, num_barriers=COMPUTE_WGS),  # Q, dO, lse, delta
         k_ready=plgpu.Barrier(num_barriers=stages),
         v_ready=plgpu.Barrier(num_barriers=stages),
-        k_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
-        v_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
+        k_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+        v_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
     )
     check_smem(
         "dQ", list(scratch.values()), stages_knob="dq_num_stages", stages=stages, d=d, dtype=dtype
     )
     if cfg.interpret:  # dS through shared memory (mma_lhs)
-        scratch["p_stage"] = smem((_COMPUTE_WGS, bq, bk), dtype)
+        scratch["p_stage"] = smem((COMPUTE_WGS, bq, bk), dtype)
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         scratch_types=list(scratch.values()),
         grid=grid,
         grid_names=grid_names,
-        num_threads=_COMPUTE_WGS + 1,
+        num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
-        **_params(cfg),
+        **kernel_params(cfg.interpret),
     )(q, k, v, dout, lse2, delta, order, offsets, items)
 
 
 def ffa_dkv(
-    q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, schedule=(), split: int = 0
-):
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    dout: jax.Array,
+    lse2: jax.Array,
+    delta: jax.Array,
+    order: jax.Array,
+    offsets: jax.Array,
+    items: jax.Array,
+    cfg: DkvConfig,
+    schedule: tuple = (),
+    split: int = 0,
+) -> tuple[jax.Array, ...]:
     """dK, dV. Same inputs as :func:`ffa_dq` but the dK/dV work list (k-tiles of 128 keys,
     q-steps of 64 rows) and a ``schedule`` for ``B·Hkv`` groups. Returns ``(dk, dv)`` like
     k; with ``split`` (a multiple of :data:`DKV_SPLIT_ALIGN` inside k's rows),
@@ -423,7 +315,7 @@ def ffa_dkv(
     assert order.shape == (num_tiles,)
     assert split % DKV_SPLIT_ALIGN == 0 and 0 <= split < tk, (split, tk)
     dtype = q.dtype
-    bq, bk, stages = DKV_BLOCK_Q, DKV_BLOCK_K // _COMPUTE_WGS, cfg.num_stages
+    bq, bk, stages = DKV_BLOCK_Q, DKV_BLOCK_K // COMPUTE_WGS, cfg.num_stages
     if cfg.steps_per_wait > 1 and (d > 64 or stages < 2 * cfg.steps_per_wait):
         raise ValueError(
             f"dkv_steps_per_wait={cfg.steps_per_wait} needs D <= 64 and "
@@ -479,7 +371,7 @@ def ffa_dkv(
                 work.kv_head * group + lax.div(i, work.num_items),
             )
 
-        @pl.when(wg < _COMPUTE_WGS)
+        @pl.when(wg < COMPUTE_WGS)
         def consumer():
             plgpu.set_max_registers(cfg.registers[0], action="increase")
             pl.when(wg == 1)(turns.give)  # the first turn is warpgroup 0's
@@ -543,18 +435,18 @@ def ffa_dkv(
                             prefetch(j, i0 + n == num_steps)
                         grads = []
                         for t, (slot, qtile, geom, kind) in enumerate(at):
-                            st, c, dcap = _log2_scores(prods[2 * t], cfg)
+                            st, c, dcap = log2_scores(prods[2 * t], cfg.scale, cfg.softcap)
                             dpt = prods[2 * t + 1]
                             st = mask_scores(
-                                st, geom, kind, qtile * bq, col0, _LAYOUT, transposed=True
+                                st, geom, kind, qtile * bq, col0, LAYOUT, transposed=True
                             )
                             plgpu.barrier_wait(lse_ready.at[slot])
-                            lse2 = plgpu.load(lse_smem.at[slot], layout=_COL)
+                            lse2 = plgpu.load(lse_smem.at[slot], layout=COL)
                             plgpu.barrier_arrive(lse_free.at[slot])
                             plgpu.barrier_wait(delta_ready.at[slot])
-                            delta = plgpu.load(delta_smem.at[slot], layout=_COL)
+                            delta = plgpu.load(delta_smem.at[slot], layout=COL)
                             plgpu.barrier_arrive(delta_free.at[slot])
-                            pt = _exp2_minus(st, c, lse2, 1)
+                            pt = exp2_minus(st, c, lse2, 1)
                             dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
                             if dcap is not None:
                                 dst = dst * dcap
@@ -605,7 +497,7 @@ def ffa_dkv(
 
                     return store
 
-                _store_outputs(
+                store_outputs(
                     [
                         (out_k, (dk * cfg.scale).astype(dtype), dst(0)),
                         (out_v, dv.astype(dtype), dst(1)),
@@ -620,7 +512,7 @@ def ffa_dkv(
                 unit(0, only_unit, None)
             pl.when(wg == 0)(turns.take)  # observe the last turn handed back
 
-        @pl.when(wg == _COMPUTE_WGS)
+        @pl.when(wg == COMPUTE_WGS)
         def producer():
             plgpu.set_max_registers(cfg.registers[1], action="decrease")
             streams = [
@@ -644,11 +536,11 @@ def ffa_dkv(
                         return ref.at[batch, pl.ds(row, bq), head]
                     return ref.at[batch, head, pl.ds(row, bq)]
 
-                _stream(num_steps, stages, start_of, streams, view, base)
+                stream(num_steps, stages, start_of, streams, view, base)
                 return None if base is None else base + num_steps
 
             if persistent:
-                _drain(_walk_units(num_mine, work_of, unit), stages, streams)
+                drain(_walk_units(num_mine, work_of, unit), stages, streams)
             else:
                 unit(0, only_unit, None)
 
@@ -658,26 +550,26 @@ def ffa_dkv(
     # and 226 KiB (of 227) with 3 stages.
     per_stage = lambda n=1: plgpu.Barrier(num_arrivals=n, num_barriers=stages)
     scratch = dict(
-        k=smem((_COMPUTE_WGS, bk, d), dtype),  # each consumer's K and V
-        v=smem((_COMPUTE_WGS, bk, d), dtype),
+        k=smem((COMPUTE_WGS, bk, d), dtype),  # each consumer's K and V
+        v=smem((COMPUTE_WGS, bk, d), dtype),
         q=smem((stages, bq, d), dtype),  # the Q/dO/lse/delta ring
         do=smem((stages, bq, d), dtype),
         lse=plgpu.SMEM((stages, bq), jnp.float32),
         delta=plgpu.SMEM((stages, bq), jnp.float32),
-        kv_ready=plgpu.Barrier(num_arrivals=2, num_barriers=_COMPUTE_WGS),
+        kv_ready=plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS),
         q_ready=per_stage(),
         do_ready=per_stage(),
         lse_ready=per_stage(),
         delta_ready=per_stage(),
-        q_free=per_stage(_COMPUTE_WGS),
-        do_free=per_stage(_COMPUTE_WGS),
-        lse_free=per_stage(_COMPUTE_WGS),
-        delta_free=per_stage(_COMPUTE_WGS),
+        q_free=per_stage(COMPUTE_WGS),
+        do_free=per_stage(COMPUTE_WGS),
+        lse_free=per_stage(COMPUTE_WGS),
+        delta_free=per_stage(COMPUTE_WGS),
     )
     if cfg.turns:
-        scratch["turn"] = plgpu.Barrier(num_barriers=_COMPUTE_WGS)
+        scratch["turn"] = plgpu.Barrier(num_barriers=COMPUTE_WGS)
     out_scratch = (
-        dict(dk=smem((_COMPUTE_WGS, bk, d), dtype), dv=smem((_COMPUTE_WGS, bk, d), dtype))
+        dict(dk=smem((COMPUTE_WGS, bk, d), dtype), dv=smem((COMPUTE_WGS, bk, d), dtype))
         if persistent
         else {}
     )
@@ -694,7 +586,7 @@ def ffa_dkv(
     )
     scratch |= out_scratch
     if cfg.interpret:  # Pᵀ and dSᵀ through shared memory (mma_lhs)
-        scratch["p_stage"] = smem((_COMPUTE_WGS, 2, bk, bq), dtype)
+        scratch["p_stage"] = smem((COMPUTE_WGS, 2, bk, bq), dtype)
     kv = lambda rows: jax.ShapeDtypeStruct((b, rows, hkv, d), dtype)
     out_type = (kv(split), kv(split), kv(tk - split), kv(tk - split)) if split else (kv(tk), kv(tk))
     return plgpu.kernel(
@@ -703,7 +595,7 @@ def ffa_dkv(
         scratch_types=list(scratch.values()),
         grid=grid,
         grid_names=grid_names,
-        num_threads=_COMPUTE_WGS + 1,
+        num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
-        **_params(cfg),
+        **kernel_params(cfg.interpret),
     )(q, k, v, dout, lse2, delta, order, offsets, items, *schedule)

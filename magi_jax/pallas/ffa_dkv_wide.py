@@ -39,8 +39,17 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from magi_jax.pallas.bwd_common import (
+    COL,
+    DKV_SPLIT_ALIGN,
+    LAYOUT,
+    exp2_minus,
+    log2_scores,
+    store_outputs,
+)
 from magi_jax.pallas.common import (
-    WIDE_D,
+    COMPUTE_WGS,
+    WIDE_BWD_D,
     WIDE_HALF_D,
     ItemField,
     check_smem,
@@ -49,26 +58,17 @@ from magi_jax.pallas.common import (
     mask_scores,
     smem64,
 )
-from magi_jax.pallas.ffa_bwd import (
-    _COL,
-    _LAYOUT,
-    DKV_SPLIT_ALIGN,
-    BwdConfig,
-    _exp2_minus,
-    _log2_scores,
-    _store_outputs,
-)
+from magi_jax.pallas.tuning import WideDkvConfig
 from magi_jax.planning.work_list import DKV_BLOCK_K, DKV_BLOCK_Q
 
-__all__ = ["ffa_dkv_wide", "WIDE_D"]
+__all__ = ["ffa_dkv_wide"]
 
-_COMPUTE_WGS = 2
 _HALF_D = WIDE_HALF_D  # the head-dim half each consumer warpgroup accumulates
 # Keys a program owns: half a k-tile of the work list.
 _KEYS = DKV_BLOCK_K // 2
 _HALVES = DKV_BLOCK_K // _KEYS
 # Query rows of a step whose scores one consumer computes.
-_ROWS = DKV_BLOCK_Q // _COMPUTE_WGS
+_ROWS = DKV_BLOCK_Q // COMPUTE_WGS
 # A program's 64 keys go to one part of a split output.
 assert DKV_SPLIT_ALIGN % _KEYS == 0, (DKV_SPLIT_ALIGN, _KEYS)
 
@@ -80,10 +80,10 @@ def _transposed_scores(k_halves, v_halves, q_halves, do_halves, q_ready, do_read
 
     def body(st_ref, dpt_ref):
         plgpu.barrier_wait(q_ready)
-        for h in range(_COMPUTE_WGS):
+        for h in range(COMPUTE_WGS):
             plgpu.wgmma(st_ref, k_halves.at[h], q_halves.at[h].T)
         plgpu.barrier_wait(do_ready)
-        for h in range(_COMPUTE_WGS):
+        for h in range(COMPUTE_WGS):
             plgpu.wgmma(dpt_ref, v_halves.at[h], do_halves.at[h].T)
         return st_ref[...], dpt_ref[...]
 
@@ -92,33 +92,33 @@ def _transposed_scores(k_halves, v_halves, q_halves, do_halves, q_ready, do_read
 
 
 def ffa_dkv_wide(
-    q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig, schedule=(), split: int = 0
-):
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    dout: jax.Array,
+    lse2: jax.Array,
+    delta: jax.Array,
+    order: jax.Array,
+    offsets: jax.Array,
+    items: jax.Array,
+    cfg: WideDkvConfig,
+    schedule: tuple = (),
+    split: int = 0,
+) -> tuple[jax.Array, ...]:
     """dK, dV at D = 256: the inputs and outputs of :func:`~magi_jax.pallas.ffa_bwd.ffa_dkv`
     (the dK/dV work list; ``split`` a multiple of :data:`DKV_SPLIT_ALIGN` gives four outputs,
     each 64-key piece stored straight into its part). One program per (64-key half of a
-    k-tile, batch, key head); ``cfg.persistent`` must be 0 and ``schedule`` empty."""
-    if cfg.persistent or len(schedule):
+    k-tile, batch, key head); ``schedule`` must be empty (no persistent mode)."""
+    if len(schedule):
         raise ValueError(
-            f"dkv_persistent={cfg.persistent}: at D = {WIDE_D} the dK/dV kernel "
+            f"a schedule of {len(schedule)} arrays: at D = {WIDE_BWD_D} the dK/dV kernel "
             "runs one program per unit (its shared memory leaves no room for "
             "the persistent mode's output buffers); pass dkv_persistent=0"
         )
-    if cfg.steps_per_wait != 1:
-        raise ValueError(
-            f"dkv_steps_per_wait={cfg.steps_per_wait}: at D = {WIDE_D} the dK/dV "
-            "kernel takes one query block per wait (its warpgroups meet every "
-            "step); pass dkv_steps_per_wait=1"
-        )
-    if cfg.turns:
-        raise ValueError(
-            f"turns=True: at D = {WIDE_D} the dK/dV kernel's warpgroups meet "
-            "every step already; pass a BwdConfig with turns=False"
-        )
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1:3]
-    if d != WIDE_D:
-        raise ValueError(f"ffa_dkv_wide takes D = {WIDE_D}; got {d} (use ffa_dkv)")
+    if d != WIDE_BWD_D:
+        raise ValueError(f"ffa_dkv_wide takes D = {WIDE_BWD_D}; got {d} (use ffa_dkv)")
     group = hq // hkv
     num_tiles = tk // DKV_BLOCK_K
     assert order.shape == (num_tiles,)
@@ -160,7 +160,7 @@ def ffa_dkv_wide(
             plgpu.barrier_arrive(exchanged)
             plgpu.barrier_wait(exchanged)
 
-        @pl.when(wg < _COMPUTE_WGS)
+        @pl.when(wg < COMPUTE_WGS)
         def consumer():
             plgpu.set_max_registers(cfg.registers[0], action="increase")
             my_d = pl.ds(wg * _HALF_D, _HALF_D)
@@ -185,20 +185,20 @@ def ffa_dkv_wide(
                         q_ready.at[slot],
                         do_ready.at[slot],
                     )
-                    st, c, dcap = _log2_scores(st, cfg)
+                    st, c, dcap = log2_scores(st, cfg.scale, cfg.softcap)
                     st = mask_scores(
                         st,
                         geom,
                         kind,
                         qstep * DKV_BLOCK_Q + wg * _ROWS,
                         col0,
-                        _LAYOUT,
+                        LAYOUT,
                         transposed=True,
                     )
                     plgpu.barrier_wait(stats_ready.at[slot])
-                    lse2 = plgpu.load(stats.at[slot, 0, my_rows], layout=_COL)
-                    dlt = plgpu.load(stats.at[slot, 1, my_rows], layout=_COL)
-                    pt = _exp2_minus(st, c, lse2, 1)
+                    lse2 = plgpu.load(stats.at[slot, 0, my_rows], layout=COL)
+                    dlt = plgpu.load(stats.at[slot, 1, my_rows], layout=COL)
+                    pt = exp2_minus(st, c, lse2, 1)
                     dst = pt * (dpt - lax.broadcast_in_dim(dlt, dpt.shape, [1]))
                     if dcap is not None:
                         dst = dst * dcap
@@ -215,7 +215,7 @@ def ffa_dkv_wide(
                     # dV[:, half wg] += Pᵀ·dO[:, half wg] and dK[:, half wg] += dSᵀ·Q[:,
                     # half wg], contracted over the step's 64 query rows as the two
                     # consumers' 32-row parts.
-                    for u in range(_COMPUTE_WGS):
+                    for u in range(COMPUTE_WGS):
                         part = pl.ds(u * _ROWS, _ROWS)
                         plgpu.wgmma(dv_acc, mine.at[0, u], do_slot.at[wg, part])
                         plgpu.wgmma(dk_acc, mine.at[1, u], q_slot.at[wg, part])
@@ -257,7 +257,7 @@ def ffa_dkv_wide(
 
                 return store
 
-            _store_outputs(
+            store_outputs(
                 [
                     (k_smem.at[wg], (dk * cfg.scale).astype(dtype), dst(0)),
                     (v_smem.at[wg], dv.astype(dtype), dst(1)),
@@ -265,7 +265,7 @@ def ffa_dkv_wide(
                 persistent=False,
             )
 
-        @pl.when(wg == _COMPUTE_WGS)
+        @pl.when(wg == COMPUTE_WGS)
         def producer():
             plgpu.set_max_registers(cfg.registers[1], action="decrease")
 
@@ -282,7 +282,7 @@ def ffa_dkv_wide(
                     plgpu.barrier_wait(free.at[slot])
 
                 for src, dst_, ready in ((q_ref, q_smem, q_ready), (do_ref, do_smem, do_ready)):
-                    for h in range(_COMPUTE_WGS):
+                    for h in range(COMPUTE_WGS):
                         plgpu.copy_gmem_to_smem(
                             src.at[batch, rows, head, pl.ds(h * _HALF_D, _HALF_D)],
                             dst_.at[slot, h],
@@ -305,18 +305,18 @@ def ffa_dkv_wide(
     # exchange (209 KiB) would need a second barrier a step, for the other consumer's reads.
     per_stage = lambda n: plgpu.Barrier(num_arrivals=n, num_barriers=stages)
     scratch = dict(
-        k=smem64((_COMPUTE_WGS, _KEYS, _HALF_D), dtype),  # by head-dim half
-        v=smem64((_COMPUTE_WGS, _KEYS, _HALF_D), dtype),
-        q=smem64((stages, _COMPUTE_WGS, DKV_BLOCK_Q, _HALF_D), dtype),  # the ring
-        do=smem64((stages, _COMPUTE_WGS, DKV_BLOCK_Q, _HALF_D), dtype),
+        k=smem64((COMPUTE_WGS, _KEYS, _HALF_D), dtype),  # by head-dim half
+        v=smem64((COMPUTE_WGS, _KEYS, _HALF_D), dtype),
+        q=smem64((stages, COMPUTE_WGS, DKV_BLOCK_Q, _HALF_D), dtype),  # the ring
+        do=smem64((stages, COMPUTE_WGS, DKV_BLOCK_Q, _HALF_D), dtype),
         stats=plgpu.SMEM((stages, 2, DKV_BLOCK_Q), jnp.float32),  # lse2, delta
-        exchange=smem64((2, 2, _COMPUTE_WGS, _KEYS, _ROWS), dtype),
-        kv_ready=plgpu.Barrier(num_arrivals=2 * _COMPUTE_WGS),  # K, V halves
-        q_ready=per_stage(_COMPUTE_WGS),
-        do_ready=per_stage(_COMPUTE_WGS),  # halves
+        exchange=smem64((2, 2, COMPUTE_WGS, _KEYS, _ROWS), dtype),
+        kv_ready=plgpu.Barrier(num_arrivals=2 * COMPUTE_WGS),  # K, V halves
+        q_ready=per_stage(COMPUTE_WGS),
+        do_ready=per_stage(COMPUTE_WGS),  # halves
         stats_ready=per_stage(2),  # lse2, delta
-        free=per_stage(_COMPUTE_WGS),  # the slot, by both
-        exchanged=plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+        free=per_stage(COMPUTE_WGS),  # the slot, by both
+        exchanged=plgpu.Barrier(num_arrivals=COMPUTE_WGS),
     )
     check_smem(
         f"dK/dV (D = {d})",
@@ -334,7 +334,7 @@ def ffa_dkv_wide(
         scratch_types=list(scratch.values()),
         grid=grid,
         grid_names=grid_names,
-        num_threads=_COMPUTE_WGS + 1,
+        num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         # No cross-warp reductions here, so none of the scratch Mosaic GPU reserves for
         # them: the buffers above are all the shared memory (check_smem's count).

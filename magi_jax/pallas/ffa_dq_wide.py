@@ -38,8 +38,17 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from magi_jax.pallas.bwd_common import (
+    LAYOUT,
+    ROW,
+    drain,
+    exp2_minus,
+    kernel_params,
+    log2_scores,
+)
 from magi_jax.pallas.common import (
-    WIDE_D,
+    COMPUTE_WGS,
+    WIDE_BWD_D,
     WIDE_HALF_D,
     ItemField,
     check_smem,
@@ -49,26 +58,17 @@ from magi_jax.pallas.common import (
     smem,
     smem64,
 )
-from magi_jax.pallas.ffa_bwd import (
-    _LAYOUT,
-    _ROW,
-    BwdConfig,
-    _drain,
-    _exp2_minus,
-    _log2_scores,
-    _params,
-)
+from magi_jax.pallas.tuning import WideDqConfig
 from magi_jax.planning.work_list import FWD_BLOCK_K, FWD_BLOCK_Q
 
-__all__ = ["ffa_dq_wide", "WIDE_D"]
+__all__ = ["ffa_dq_wide"]
 
-_COMPUTE_WGS = 2
 _HALF = WIDE_HALF_D  # the head-dim half each consumer warpgroup accumulates
 # Query rows of a program (half a q-tile), keys of a step (half a key tile), and the keys of
 # a step whose scores one warpgroup computes.
 _ROWS = FWD_BLOCK_Q // 2
 _STEP_KEYS = FWD_BLOCK_K // 2
-_COLS = _STEP_KEYS // _COMPUTE_WGS
+_COLS = _STEP_KEYS // COMPUTE_WGS
 
 
 def _two_sums(shape, pairs_a, pairs_b):
@@ -84,32 +84,32 @@ def _two_sums(shape, pairs_a, pairs_b):
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
 
-def ffa_dq_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfig):
+def ffa_dq_wide(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    dout: jax.Array,
+    lse2: jax.Array,
+    delta: jax.Array,
+    order: jax.Array,
+    offsets: jax.Array,
+    items: jax.Array,
+    cfg: WideDqConfig,
+) -> jax.Array:
     """dQ at D = 256: the inputs and output of :func:`~magi_jax.pallas.ffa_bwd.ffa_dq`.
     q/dout ``[B, Tq, Hq, 256]``, k/v ``[B, Tk, Hkv, 256]``, ``lse2``/``delta [B, Hq, Tq]``
     float32, the forward work list. One program per (64-row half of a q-tile, batch, query
     head). Returns dq like q."""
-    if cfg.persistent:
-        raise ValueError(
-            f"persistent={cfg.persistent}: the dQ kernel runs one program per "
-            "unit (a persistent dQ measured slower on every mask); pass a "
-            "BwdConfig with persistent=0"
-        )
-    if cfg.turns:
-        raise ValueError(
-            "turns=True: the dQ kernels' consumers issue as they go; pass a "
-            "BwdConfig with turns=False"
-        )
     b, tq, hq, d = q.shape
-    if d != WIDE_D or k.shape[-1] != d or v.shape[-1] != d:
+    if d != WIDE_BWD_D or k.shape[-1] != d or v.shape[-1] != d:
         raise ValueError(
-            f"the wide dQ kernel takes D = {WIDE_D}; got q {q.shape}, k {k.shape}, v {v.shape}"
+            f"the wide dQ kernel takes D = {WIDE_BWD_D}; got q {q.shape}, k {k.shape}, v {v.shape}"
         )
     hkv = k.shape[2]
     group = hq // hkv
     num_tiles = tq // FWD_BLOCK_Q
     assert order.shape == (num_tiles,)
-    dtype, stages, halves = q.dtype, cfg.num_stages, _COMPUTE_WGS
+    dtype, stages, halves = q.dtype, cfg.num_stages, COMPUTE_WGS
     per_tile = FWD_BLOCK_Q // _ROWS  # programs of a q-tile
     sub = FWD_BLOCK_K // _STEP_KEYS  # steps of an item
     # Program t of the tile axis is half t % 2 of q-tile order[t // 2]: the two halves of a
@@ -160,7 +160,7 @@ def ffa_dq_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfi
         def half(ref, idx, h):  # head-dim half h of ref[idx] (a [B, T, H, D] array)
             return ref.at[(*idx, pl.ds(h * _HALF, _HALF))]
 
-        @pl.when(wg < _COMPUTE_WGS)
+        @pl.when(wg < COMPUTE_WGS)
         def consumer():
             plgpu.set_max_registers(cfg.registers[0], action="increase")
             # Both warpgroups multiply both halves of Q and dO: each loads its own half of
@@ -170,8 +170,8 @@ def ffa_dq_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfi
             plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], stat_smem.at[wg, 0], in_ready)
             plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], stat_smem.at[wg, 1], in_ready)
             plgpu.barrier_wait(in_ready)
-            lse2 = plgpu.load(stat_smem.at[wg, 0], layout=_ROW)
-            delta = plgpu.load(stat_smem.at[wg, 1], layout=_ROW)
+            lse2 = plgpu.load(stat_smem.at[wg, 0], layout=ROW)
+            delta = plgpu.load(stat_smem.at[wg, 1], layout=ROW)
             other = 1 - wg
             my_keys, other_keys = pl.ds(wg * _COLS, _COLS), pl.ds(other * _COLS, _COLS)
 
@@ -190,10 +190,10 @@ def ffa_dq_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfi
                         [(do_smem.at[h], v_smem.at[slot, h, my_keys].T) for h in range(halves)],
                     )
                     plgpu.barrier_arrive(v_free.at[slot])
-                    s, c, dcap = _log2_scores(s, cfg)
+                    s, c, dcap = log2_scores(s, cfg.scale, cfg.softcap)
 
-                    s = mask_scores(s, geom, kind, row0, key0 + wg * _COLS, _LAYOUT)
-                    p = _exp2_minus(s, c, lse2, 0)
+                    s = mask_scores(s, geom, kind, row0, key0 + wg * _COLS, LAYOUT)
+                    p = exp2_minus(s, c, lse2, 0)
                     ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
                     if dcap is not None:
                         ds = ds * dcap
@@ -228,14 +228,14 @@ def ffa_dq_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfi
             plgpu.copy_smem_to_gmem(out, half(dq_ref, (batch, rows, head), wg))
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == _COMPUTE_WGS)
+        @pl.when(wg == COMPUTE_WGS)
         def producer():
             plgpu.set_max_registers(cfg.registers[1], action="decrease")
             # V first: its slot is freed a whole dQ product before K's.
             streams = [(v_ref, v_smem, v_ready, v_free), (k_ref, k_smem, k_ready, k_free)]
             kv_head = lax.div(head, jnp.int32(group))
 
-            # As ffa_bwd._stream, but a slot takes two copies (its head-dim halves) on one
+            # As bwd_common.stream, but a slot takes two copies (its head-dim halves) on one
             # ready barrier, after one wait for the slot to be freed.
             @pl.loop(0, num_steps)
             def _(i):
@@ -252,7 +252,7 @@ def ffa_dq_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfi
                             half(gmem, (batch, keys, kv_head), h), ring.at[slot, h], ready.at[slot]
                         )
 
-            _drain(num_steps, stages, streams)
+            drain(num_steps, stages, streams)
 
     # Shared memory by name, allocated in this order. bf16, 2 stages: Q, dO 32 KiB each,
     # lse/delta 1 KiB, the K/V ring 2 x 32 KiB per stage, the dS exchange 2 x 8 KiB:
@@ -260,17 +260,17 @@ def ffa_dq_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfi
     scratch = dict(
         q=smem64((halves, _ROWS, _HALF), dtype),  # by head-dim half
         do=smem((halves, _ROWS, _HALF), dtype),
-        stats=plgpu.SMEM((_COMPUTE_WGS, 2, _ROWS), jnp.float32),  # each consumer's lse, delta
+        stats=plgpu.SMEM((COMPUTE_WGS, 2, _ROWS), jnp.float32),  # each consumer's lse, delta
         k=smem64((stages, halves, _STEP_KEYS, _HALF), dtype),
         v=smem((stages, halves, _STEP_KEYS, _HALF), dtype),
-        ex=smem64((2, _COMPUTE_WGS, _ROWS, _COLS), dtype),  # dS by step parity, writer
+        ex=smem64((2, COMPUTE_WGS, _ROWS, _COLS), dtype),  # dS by step parity, writer
         # Q, dO halves and lse, delta of each consumer.
-        in_ready=plgpu.Barrier(num_arrivals=4 * _COMPUTE_WGS),
+        in_ready=plgpu.Barrier(num_arrivals=4 * COMPUTE_WGS),
         k_ready=plgpu.Barrier(num_arrivals=halves, num_barriers=stages),
         v_ready=plgpu.Barrier(num_arrivals=halves, num_barriers=stages),
-        k_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
-        v_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
-        ex_ready=plgpu.Barrier(num_arrivals=_COMPUTE_WGS),  # both dS blocks written
+        k_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+        v_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+        ex_ready=plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # both dS blocks written
     )
     check_smem(
         "wide dQ",
@@ -286,7 +286,7 @@ def ffa_dq_wide(q, k, v, dout, lse2, delta, order, offsets, items, cfg: BwdConfi
         scratch_types=list(scratch.values()),
         grid=grid,
         grid_names=grid_names,
-        num_threads=_COMPUTE_WGS + 1,
+        num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
-        **_params(cfg),
+        **kernel_params(cfg.interpret),
     )(q, k, v, dout, lse2, delta, order, offsets, items)

@@ -21,8 +21,6 @@ beside Q), and each work item is walked as two steps; everything else is the sam
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -30,11 +28,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from magi_jax.pallas.common import (
+    COMPUTE_WGS,
     LN2,
     LOG2E,
+    MAX_NARROW_D,
     ItemField,
     check_fma_cols,
-    check_pipeline,
     check_smem,
     exp2_cols,
     item_geometry,
@@ -44,57 +43,24 @@ from magi_jax.pallas.common import (
     scheduled_units,
     smem,
 )
+from magi_jax.pallas.tuning import FwdConfig
 from magi_jax.planning.work_list import FULL, FWD_BLOCK_K, FWD_BLOCK_Q
 
-__all__ = ["FwdConfig", "ffa_forward"]
+__all__ = ["ffa_forward"]
 
-_COMPUTE_WGS = 2
-_WG_ROWS = FWD_BLOCK_Q // _COMPUTE_WGS
-# Head dims above this walk each key tile in two halves.
-_WIDE_D = 128
+_WG_ROWS = FWD_BLOCK_Q // COMPUTE_WGS
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FwdConfig:
-    """Static configuration of the forward kernel.
-
-    The kernel has one loop (measured on the H200, 2026-11-30, against the variants it
-    replaced: benchmarks/results/kernel/kernel_notes.md): FlashAttention-3's intra-warpgroup
-    overlap (+3-7 % over each warpgroup waiting for its softmax between Q·Kᵀ and P·V), the
-    softmax scale applied inside ``exp2`` (one FMA per score), wgmma accumulating P·V into
-    the rescaled output registers, and the head-major launch order of
-    :func:`~magi_jax.pallas.common.launch_grid`."""
-
-    scale: float
-    softcap: float = 0.0
-    # Shared-memory slots of the K/V ring.
-    num_stages: int = 2
-    # 0: one program per (q-tile, batch, head), in the order of :func:`launch_grid`. N > 0:
-    # N programs (the SM count, 132 on an H200) walk the (q-tile, batch, head) units of a
-    # host schedule (:func:`magi_jax.planning.work_list.persistent_schedule`). Across units the
-    # K/V ring runs on, each consumer loads its next Q as soon as the last Q·Kᵀ of the
-    # current unit is done, and outputs leave through their own buffer, so a unit's
-    # prologue and epilogue hide under its neighbours' work (what short rows need).
-    persistent: int = 0
-    # Also write every row's largest scaled logit (before the softcap, allowed cells only),
-    # the per-head max logits of QK-clip once reduced over the rows. Without a softcap it is
-    # the running row max the softmax keeps anyway; with one the running max is kept of the
-    # raw scores instead (the softmax's is its tanh, a monotone map, so this is exact).
-    row_max: bool = False
-    # The last ``fma_exp_cols`` keys of each score block are exponentiated on the FMA pipes
-    # (:func:`~magi_jax.pallas.common.exp2_cols`); a multiple of 8 below the block's 128
-    # keys (64 at D > 128).
-    fma_exp_cols: int = 0
-    interpret: bool = False
-
-    def __post_init__(self):
-        check_pipeline(self.num_stages, self.persistent)
-        if self.softcap < 0:
-            raise ValueError(f"softcap={self.softcap} must be >= 0")
-        check_fma_cols(self.fma_exp_cols)
-
-
-def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
+def ffa_forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    order: jax.Array,
+    offsets: jax.Array,
+    items: jax.Array,
+    cfg: FwdConfig,
+    schedule: tuple = (),
+) -> tuple[jax.Array, ...]:
     """q ``[B, Tq, Hq, D]``, k/v ``[B, Tk, Hkv, D]`` (Tq, Tk multiples of 128; bf16/fp16),
     plan arrays of the forward work list; with ``cfg.persistent``, ``schedule`` is the
     ``(offsets, units)`` pair of :func:`magi_jax.planning.work_list.persistent_schedule` for
@@ -109,10 +75,10 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
     assert order.shape == (num_tiles,), (order.shape, num_tiles)
     dtype = q.dtype
     bq, stages = _WG_ROWS, cfg.num_stages
-    # Key rows per ring slot: a whole key tile of the work list, or at D > 128 half of one
+    # Key rows per ring slot: a whole key tile of the work list, or at D > MAX_NARROW_D half of one
     # (K/V slots of 128 x 256 would leave no room for two of them beside Q), each item then
     # walked as two steps.
-    bk = FWD_BLOCK_K if d <= _WIDE_D else FWD_BLOCK_K // 2
+    bk = FWD_BLOCK_K if d <= MAX_NARROW_D else FWD_BLOCK_K // 2
     sub = FWD_BLOCK_K // bk
     check_fma_cols(cfg.fma_exp_cols, bk, f"the forward's score blocks at D={d}")
     softcap = cfg.softcap
@@ -185,7 +151,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
                 0, num_mine, lambda j, base: body(j, *coords(j), base), jnp.int32(0)
             )
 
-        @pl.when(wg < _COMPUTE_WGS)
+        @pl.when(wg < COMPUTE_WGS)
         def consumer():
             plgpu.set_max_registers(232, action="increase")
             my_q = q_smem.at[wg]
@@ -418,7 +384,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
             pl.when(wg == 0)(take_turn)  # observe the last turn passed back
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == _COMPUTE_WGS)
+        @pl.when(wg == COMPUTE_WGS)
         def producer():
             plgpu.set_max_registers(40, action="decrease")
 
@@ -466,22 +432,22 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
         out_shape += (jax.ShapeDtypeStruct((b, hq, tq), jnp.float32),)
     # Shared memory by name, allocated in this order.
     scratch = dict(
-        q=smem((_COMPUTE_WGS, bq, d), dtype),  # each consumer's Q
+        q=smem((COMPUTE_WGS, bq, d), dtype),  # each consumer's Q
         k=smem((stages, bk, d), dtype),  # the K/V ring
         v=smem((stages, bk, d), dtype),
-        lse=plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),  # the lse on its way out
-        q_ready=plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+        lse=plgpu.SMEM((COMPUTE_WGS, bq), jnp.float32),  # the lse on its way out
+        q_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
         k_ready=plgpu.Barrier(num_barriers=stages),
         v_ready=plgpu.Barrier(num_barriers=stages),
-        k_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
-        v_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
-        turn=plgpu.Barrier(num_barriers=_COMPUTE_WGS),  # whose turn to issue wgmmas
+        k_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+        v_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+        turn=plgpu.Barrier(num_barriers=COMPUTE_WGS),  # whose turn to issue wgmmas
     )
     # Persistent: each consumer's output leaves through a buffer of its own (else through
     # its Q buffer).
-    out_scratch = dict(o=smem((_COMPUTE_WGS, bq, d), dtype)) if persistent else {}
+    out_scratch = dict(o=smem((COMPUTE_WGS, bq, d), dtype)) if persistent else {}
     row_max_scratch = (
-        dict(row_max=plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32)) if cfg.row_max else {}
+        dict(row_max=plgpu.SMEM((COMPUTE_WGS, bq), jnp.float32)) if cfg.row_max else {}
     )
     check_smem(
         "forward",
@@ -496,7 +462,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
     )
     scratch |= out_scratch
     if cfg.interpret:  # P through shared memory (mma_lhs)
-        scratch["p_stage"] = smem((_COMPUTE_WGS, bq, bk), dtype)
+        scratch["p_stage"] = smem((COMPUTE_WGS, bq, bk), dtype)
     scratch |= row_max_scratch
     return plgpu.kernel(
         kernel,
@@ -504,7 +470,7 @@ def ffa_forward(q, k, v, order, offsets, items, cfg: FwdConfig, schedule=()):
         scratch_types=list(scratch.values()),
         grid=grid,
         grid_names=grid_names,
-        num_threads=_COMPUTE_WGS + 1,
+        num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         # The row reductions of the WGMMA layout stay inside a warp, so they need none of the
         # cross-warp reduction scratch Mosaic GPU reserves by default (2 KiB); without it

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from magi_jax.mask import AttnMask
+from magi_jax.planning.persistence import persistent_pays
 
 __all__ = ["PlanCapacity", "CapacityError", "CAPACITY_TILE", "tile_count", "default_items"]
 
@@ -181,10 +182,9 @@ class PlanCapacity:
             fields["items"] = grow(max(count_items(m.shapes, total_q, total_k) for m in masks))
             runs = np.max([count_runs(m.shapes, total_q, total_k) for m in masks], axis=0)
             fields.update(q_runs=grow(runs[0]), k_runs=grow(runs[1]))
-            # Persistent programs pay on short rows (the kernels' rule: fewer than 32 items
-            # per q-tile on average).
+            # Persistent programs pay on short rows (the forward kernel's rule).
             mean = np.mean([count_items(m.shapes, total_q, total_k) for m in masks])
-            fields["persistent"] = bool(mean < 32 * tile_count(total_q))
+            fields["persistent"] = persistent_pays(mean, tile_count(total_q))
         else:
             from magi_jax.planning.defaults import capacity_needs
 

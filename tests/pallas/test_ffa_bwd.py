@@ -16,7 +16,8 @@ from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 from magi_jax.mask import AttnMask
 from magi_jax.pallas import ffa_pallas, flex_flash_attention_pallas, plan_for_mask
 from magi_jax.pallas.common import smem
-from magi_jax.pallas.ffa_bwd import BwdConfig, ffa_dkv, ffa_dq
+from magi_jax.pallas.ffa_bwd import ffa_dkv, ffa_dq
+from magi_jax.pallas.tuning import DkvConfig, DqConfig, default_dkv_turns
 from magi_jax.planning.work_list import WorkList, persistent_schedule
 
 # Units without work in both kernels: q-tile [128, 256) sees no key (dQ) and k-tile
@@ -118,7 +119,7 @@ def test_persistent_kernels_race_free_and_equal_to_plain(capfd):
     delta = jax.random.normal(ks[1], (b, hq, t), jnp.float32)
 
     def run(persistent, races):
-        cfg = BwdConfig(scale=0.125, persistent=persistent, interpret=True)
+        cfg = DkvConfig(scale=0.125, persistent=persistent, interpret=True)
         sched = (
             persistent_schedule(WorkList(*plan[3:]), b * k.shape[2], persistent)
             if persistent
@@ -131,7 +132,7 @@ def test_persistent_kernels_race_free_and_equal_to_plain(capfd):
         )
         with ctx:
             dq = ffa_dq(
-                q, k, v, dout, lse2, delta, *plan[:3], BwdConfig(scale=0.125, interpret=True)
+                q, k, v, dout, lse2, delta, *plan[:3], DqConfig(scale=0.125, interpret=True)
             )
             dk, dv = ffa_dkv(q, k, v, dout, lse2, delta, *plan[3:], cfg, sched)
             out = [np.asarray(x, np.float32) for x in (dq, dk, dv)]
@@ -168,14 +169,14 @@ def test_shared_memory_budget_and_config_errors():
     with pytest.raises(ValueError, match="dkv_num_stages=4, persistent=4.*turn dkv_persistent off"):
         trace_grad(dkv_persistent=4, dkv_num_stages=4)
     with pytest.raises(ValueError, match="persistent=-1"):
-        BwdConfig(scale=0.1, persistent=-1)
-    args = (q,) * 6 + tuple(plan[:3])
-    with pytest.raises(ValueError, match="persistent=4: the dQ kernel runs one program per"):
-        ffa_dq(*args, BwdConfig(scale=0.1, persistent=4))
+        DkvConfig(scale=0.1, persistent=-1)
+    # The dQ kernel runs one program per unit: its config has no persistent mode.
+    with pytest.raises(TypeError, match="unexpected keyword argument 'persistent'"):
+        DqConfig(scale=0.1, persistent=4)
 
 
 # The turn-taking dK/dV kernel: its default (D = 128, one program per unit, one block per
-# wait) and the paths only a BwdConfig reaches (persistent across units, two blocks a wait).
+# wait) and the paths only a DkvConfig reaches (persistent across units, two blocks a wait).
 _TURNS = [dict(), dict(persistent=2, num_stages=3), dict(num_stages=4, steps_per_wait=2)]
 
 
@@ -183,16 +184,14 @@ _TURNS = [dict(), dict(persistent=2, num_stages=3), dict(num_stages=4, steps_per
     "tuning", _TURNS, ids=lambda t: "-".join(f"{k}={v}" for k, v in t.items()) or "plain"
 )
 def test_dkv_turns_equal_to_free_issue(tuning):
-    """``BwdConfig.turns``: the dK/dV consumers hand an issue token back and forth; the
+    """``DkvConfig.turns``: the dK/dV consumers hand an issue token back and forth; the
     products and their order are those of free issue, so dK, dV are bit for bit the same (on
     HOLES: units without steps, GQA, two units a program; also stored in two parts), and the
     kernel lowers for sm90.
     The default takes turns exactly at D = 128 with one program per unit; dQ and the
     D = 256 kernels refuse it."""
-    from magi_jax.pallas import api as P
-
     assert [
-        P._dkv_turns(d, persistent)
+        default_dkv_turns(d, persistent)
         for d, persistent in [(64, False), (128, False), (128, True), (256, False)]
     ] == [False, True, False, False]
     plan = plan_for_mask(HOLES, "pallas")
@@ -207,7 +206,7 @@ def test_dkv_turns_equal_to_free_issue(tuning):
     )
 
     def run(turns, split=0):
-        cfg = BwdConfig(scale=0.125, turns=turns, interpret=True, **tuning)
+        cfg = DkvConfig(scale=0.125, turns=turns, interpret=True, **tuning)
         return ffa_dkv(q, k, v, dout, lse2, delta, *plan[3:], cfg, sched, split=split)
 
     free = run(False)
@@ -224,13 +223,14 @@ def test_dkv_turns_equal_to_free_issue(tuning):
                 err_msg=name,
             )
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v, dout, lse2, delta)]
-    cfg = BwdConfig(scale=0.125, turns=True, **tuning)
+    cfg = DkvConfig(scale=0.125, turns=True, **tuning)
     jax.jit(lambda *a: ffa_dkv(*a, *plan[3:], cfg, sched)).trace(*shapes).lower(
         lowering_platforms=("cuda",)
     )
     if not tuning:
-        with pytest.raises(ValueError, match="turns=True: the dQ kernel"):
-            ffa_dq(q, k, v, dout, lse2, delta, *plan[:3], BwdConfig(scale=0.1, turns=True))
+        # The dQ kernel's consumers issue as they go: its config has no turns.
+        with pytest.raises(TypeError, match="unexpected keyword argument 'turns'"):
+            DqConfig(scale=0.1, turns=True)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -329,4 +329,4 @@ def test_two_steps_per_wait_limits():
     with pytest.raises(ValueError, match="dkv_num_stages >= 4; got D=64, dkv_num_stages=3"):
         trace_grad(64, dkv_num_stages=3)
     with pytest.raises(ValueError, match="steps_per_wait=3: use 1 or 2"):
-        BwdConfig(scale=0.1, steps_per_wait=3)
+        DkvConfig(scale=0.1, steps_per_wait=3)

@@ -14,9 +14,9 @@ import pytest
 import magi_jax as mj
 from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 from magi_jax.mask import AttnMask
-from magi_jax.pallas.common import LOG2E
-from magi_jax.pallas.ffa_bwd import BwdConfig
-from magi_jax.pallas.ffa_dkv_wide import WIDE_D, ffa_dkv_wide
+from magi_jax.pallas.common import LOG2E, WIDE_BWD_D
+from magi_jax.pallas.ffa_dkv_wide import ffa_dkv_wide
+from magi_jax.pallas.tuning import WideDkvConfig, kernel_configs
 from magi_jax.planning.work_list import FWD_BLOCK_Q, plan_for_mask
 
 # As in test_ffa_bwd.py: rows [100, 128) and [330, 384) see nothing, k-tile [128, 256) is seen
@@ -53,11 +53,11 @@ def _kernel_inputs(q, k, v, dout, dlse, mask, scale, softcap):
 
 def _grads(mask, dtype, *, softcap=0.0, split=0, seed=0, hq=4, hkv=2, batch=2, **cfg):
     """``(inputs, dk, dv)`` of the kernel in interpret mode (split parts joined again)."""
-    inputs = random_inputs(jax.random.key(seed), mask, hq, hkv, WIDE_D, dtype, batch)
-    scale = WIDE_D**-0.5
+    inputs = random_inputs(jax.random.key(seed), mask, hq, hkv, WIDE_BWD_D, dtype, batch)
+    scale = WIDE_BWD_D**-0.5
     args = _kernel_inputs(*inputs, mask, scale, softcap)
     plan = plan_for_mask(mask, "pallas")
-    config = BwdConfig(scale=scale, softcap=softcap, interpret=True, **cfg)
+    config = WideDkvConfig(scale=scale, softcap=softcap, interpret=True, **cfg)
     parts = ffa_dkv_wide(*args, plan.k_order, plan.k_offsets, plan.k_items, config, split=split)
     if split:
         assert [p.shape[1] for p in parts] == [split] * 2 + [mask.total_k - split] * 2
@@ -107,17 +107,22 @@ def test_race_free(capfd):
 def test_config_errors():
     """No persistent mode nor turns, D = 256 only, and 3 ring slots do not fit (291 KiB)."""
     plan = plan_for_mask(CAUSAL, "pallas")
-    q = jax.ShapeDtypeStruct((1, 256, 2, WIDE_D), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((1, 256, 2, WIDE_BWD_D), jnp.bfloat16)
     stat = jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)
 
     def trace(q_, **cfg):
-        f = lambda *a: ffa_dkv_wide(*a, *plan[3:6], BwdConfig(scale=0.1, **cfg))
+        f = lambda *a: ffa_dkv_wide(*a, *plan[3:6], WideDkvConfig(scale=0.1, **cfg))
         jax.jit(f).trace(q_, q_, q_, q_, stat, stat)
 
     with pytest.raises(ValueError, match="dkv_persistent=4: at D = 256"):
-        trace(q, persistent=4)
-    with pytest.raises(ValueError, match="turns=True: at D = 256"):
-        trace(q, turns=True)
+        kernel_configs(WIDE_BWD_D, 0.1, 0.0, False, dkv_persistent=4)
+    with pytest.raises(ValueError, match="a schedule of 2 arrays: at D = 256"):
+        jax.jit(
+            lambda *a: ffa_dkv_wide(*a, *plan[3:6], WideDkvConfig(scale=0.1), (plan[4], plan[4]))
+        ).trace(q, q, q, q, stat, stat)
+    # Its warpgroups meet every step already: no turns to take.
+    with pytest.raises(TypeError, match="unexpected keyword argument 'turns'"):
+        WideDkvConfig(scale=0.1, turns=True)
     with pytest.raises(ValueError, match="takes D = 256; got 128"):
         trace(jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16))
     with pytest.raises(ValueError, match=r"dkv_num_stages=3, D=256 .* lower dkv_num_stages"):
@@ -129,9 +134,9 @@ def test_lowers_for_sm90(softcap, split, stages):
     """Layout inference and Mosaic GPU's shared-memory check (225 KiB with 2 slots), for
     CUDA, on this host."""
     plan = plan_for_mask(HOLES, "pallas")
-    q = jax.ShapeDtypeStruct((2, HOLES.total_q, 4, WIDE_D), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, HOLES.total_k, 2, WIDE_D), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((2, HOLES.total_q, 4, WIDE_BWD_D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, HOLES.total_k, 2, WIDE_BWD_D), jnp.bfloat16)
     stat = jax.ShapeDtypeStruct((2, 4, HOLES.total_q), jnp.float32)
-    cfg = BwdConfig(scale=0.1, softcap=softcap, num_stages=stages)
+    cfg = WideDkvConfig(scale=0.1, softcap=softcap, num_stages=stages)
     f = lambda *a: ffa_dkv_wide(*a, *plan[3:6], cfg, split=split)
     jax.jit(f).trace(q, kv, kv, q, stat, stat).lower(lowering_platforms=("cuda",))

@@ -15,9 +15,9 @@ import magi_jax as mj
 from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 from magi_jax.mask import AttnMask
 from magi_jax.pallas import plan_for_mask
-from magi_jax.pallas.common import LOG2E
-from magi_jax.pallas.ffa_bwd import BwdConfig
-from magi_jax.pallas.ffa_dq_wide import WIDE_D, ffa_dq_wide
+from magi_jax.pallas.common import LOG2E, WIDE_BWD_D
+from magi_jax.pallas.ffa_dq_wide import ffa_dq_wide
+from magi_jax.pallas.tuning import WideDqConfig
 from magi_jax.planning.work_list import FWD_BLOCK_Q
 
 # q-tile [128, 256) sees no key; rows [100, 128) and [330, 384) see nothing; the slices cut
@@ -64,11 +64,13 @@ def _kernel_inputs(q, k, v, dout, dlse, mask, scale, softcap):
 
 def _dq(mask, dtype, hq, hkv, batch, softcap=0.0, seed=0, **tuning):
     """The kernel's dq (unpadded, float32) and its inputs."""
-    q, k, v, dout, dlse = random_inputs(jax.random.key(seed), mask, hq, hkv, WIDE_D, dtype, batch)
-    scale = WIDE_D**-0.5
+    q, k, v, dout, dlse = random_inputs(
+        jax.random.key(seed), mask, hq, hkv, WIDE_BWD_D, dtype, batch
+    )
+    scale = WIDE_BWD_D**-0.5
     args = _kernel_inputs(q, k, v, dout, dlse, mask, scale, softcap)
     plan = plan_for_mask(mask, "pallas")
-    cfg = BwdConfig(scale=scale, softcap=softcap, interpret=True, **tuning)
+    cfg = WideDqConfig(scale=scale, softcap=softcap, interpret=True, **tuning)
     dq = ffa_dq_wide(*args, plan.q_order, plan.q_offsets, plan.q_items, cfg)
     return np.asarray(dq[:, : mask.total_q], np.float32), (q, k, v, dout, dlse)
 
@@ -111,23 +113,24 @@ def test_race_free(capfd):
 
 def test_config_errors():
     plan = plan_for_mask(AttnMask.causal(256), "pallas")
-    x = jax.ShapeDtypeStruct((1, 256, 2, WIDE_D), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((1, 256, 2, WIDE_BWD_D), jnp.bfloat16)
     args = (x,) * 6 + tuple(plan[:3])
-    with pytest.raises(ValueError, match="persistent=4: the dQ kernel runs one program"):
-        ffa_dq_wide(*args, BwdConfig(scale=0.1, persistent=4))
-    with pytest.raises(ValueError, match="turns=True: the dQ kernels"):
-        ffa_dq_wide(*args, BwdConfig(scale=0.1, turns=True))
+    # One program per unit, consumers that issue as they go: no such fields.
+    with pytest.raises(TypeError, match="unexpected keyword argument 'persistent'"):
+        WideDqConfig(scale=0.1, persistent=4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'turns'"):
+        WideDqConfig(scale=0.1, turns=True)
     with pytest.raises(
         ValueError,
         match=r"wide dQ kernel with dq_num_stages=3, D=256 .* "
         "lower dq_num_stages",
     ):
         jax.eval_shape(
-            lambda *a: ffa_dq_wide(*a, *plan[:3], BwdConfig(scale=0.1, num_stages=3)), *args[:6]
+            lambda *a: ffa_dq_wide(*a, *plan[:3], WideDqConfig(scale=0.1, num_stages=3)), *args[:6]
         )
     small = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="takes D = 256"):
-        ffa_dq_wide(*(small,) * 6, *plan[:3], BwdConfig(scale=0.1))
+        ffa_dq_wide(*(small,) * 6, *plan[:3], WideDqConfig(scale=0.1))
 
 
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
@@ -135,9 +138,9 @@ def test_lowers_for_sm90(softcap):
     """Layout inference and Mosaic GPU's own shared-memory check (2 stages: 209 KiB of
     buffers), for CUDA on this host (no GPU needed)."""
     plan = plan_for_mask(HOLES, "pallas")
-    q = jax.ShapeDtypeStruct((2, HOLES.total_q, 4, WIDE_D), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, HOLES.total_k, 2, WIDE_D), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((2, HOLES.total_q, 4, WIDE_BWD_D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, HOLES.total_k, 2, WIDE_BWD_D), jnp.bfloat16)
     stat = jax.ShapeDtypeStruct((2, 4, HOLES.total_q), jnp.float32)
-    cfg = BwdConfig(scale=0.1, softcap=softcap)
+    cfg = WideDqConfig(scale=0.1, softcap=softcap)
     f = lambda q_, k_, v_, do, lse2, delta: ffa_dq_wide(q_, k_, v_, do, lse2, delta, *plan[:3], cfg)
     jax.jit(f).trace(q, kv, kv, q, stat, stat).lower(lowering_platforms=("cuda",))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import magi_jax.pallas.api as P
+import magi_jax.pallas.tuning as T
 from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 from magi_jax.mask import AttnMask
 from magi_jax.pallas import ffa_pallas, flex_flash_attention_pallas, plan_for_mask, supported
@@ -100,19 +100,18 @@ def test_plan_arrays_entry_point_with_padded_items():
 def test_supported_reasons():
     mask = AttnMask.causal(16)
     x = lambda dt, d=64, h=2: jnp.zeros((16, h, d), dt)
-    ok, why = supported(x(jnp.float32), x(jnp.float32), x(jnp.float32), mask, check_device=False)
+    ok, why = supported(x(jnp.float32), x(jnp.float32), x(jnp.float32), check_device=False)
     assert not ok and "bfloat16 or float16" in why
     ok, why = supported(
-        x(jnp.bfloat16, 96), x(jnp.bfloat16, 96), x(jnp.bfloat16, 96), mask, check_device=False
+        x(jnp.bfloat16, 96), x(jnp.bfloat16, 96), x(jnp.bfloat16, 96), check_device=False
     )
     assert not ok and "head dim 96" in why
-    ok, why = supported(
-        x(jnp.bfloat16, h=3), x(jnp.bfloat16), x(jnp.bfloat16), mask, check_device=False
-    )
+    ok, why = supported(x(jnp.bfloat16, h=3), x(jnp.bfloat16), x(jnp.bfloat16), check_device=False)
     assert not ok and "multiple" in why
-    assert supported(
-        x(jnp.bfloat16), x(jnp.bfloat16), x(jnp.bfloat16), mask, check_device=False
-    ) == (True, "")
+    assert supported(x(jnp.bfloat16), x(jnp.bfloat16), x(jnp.bfloat16), check_device=False) == (
+        True,
+        "",
+    )
     e = jnp.zeros((0, 2, 64), jnp.bfloat16)
     assert supported(e, x(jnp.bfloat16), x(jnp.bfloat16), check_device=False)[1].startswith(
         "empty sequence"
@@ -120,7 +119,7 @@ def test_supported_reasons():
     big = jax.ShapeDtypeStruct((128 * 65536, 2, 64), jnp.bfloat16)
     assert "tiles" in supported(big, big, big, check_device=False)[1]
     if jax.devices()[0].platform == "cpu":
-        ok, why = supported(x(jnp.bfloat16), x(jnp.bfloat16), x(jnp.bfloat16), mask)
+        ok, why = supported(x(jnp.bfloat16), x(jnp.bfloat16), x(jnp.bfloat16))
         assert not ok and "cpu" in why
         with pytest.raises(ValueError, match="backend='pallas' cannot run"):
             flex_flash_attention_pallas(x(jnp.bfloat16), x(jnp.bfloat16), x(jnp.bfloat16), mask)
@@ -263,26 +262,26 @@ def test_default_persistent_programs(monkeypatch):
 
     plan = plan_for_mask(WIDE, "pallas")
     monkeypatch.setattr(jax, "devices", lambda *a: [_Gpu()])
-    assert P._default_programs(plan, interpret=False) == 132
-    assert P._default_programs(plan, interpret=True) == 0
+    assert T.default_programs(plan, interpret=False) == 132
+    assert T.default_programs(plan, interpret=True) == 0
     traced = []
-    jax.jit(lambda o: traced.append(P._default_programs(plan._replace(q_order=o), False)))(
+    jax.jit(lambda o: traced.append(T.default_programs(plan._replace(q_order=o), False)))(
         plan.q_order
     )
     assert traced == [0]
     monkeypatch.setattr(jax, "devices", lambda *a: [object()])  # no core count: off
-    assert P._default_programs(plan, interpret=False) == 0
+    assert T.default_programs(plan, interpret=False) == 0
     # Long rows (full 8k: 64 items per q-tile) run one program per unit; a window of 1024
     # (at most 9 items per q-tile) runs persistent.
     monkeypatch.setattr(jax, "devices", lambda *a: [_Gpu()])
     full = plan_for_mask(AttnMask.full(8192), "pallas")
-    assert P._default_programs(full, interpret=False) == 0
+    assert T.default_programs(full, interpret=False) == 0
     swa = plan_for_mask(AttnMask.varlen([0, 8192], causal=True, window=1024), "pallas")
-    assert np.diff(swa.q_offsets).max() < P.PERSISTENT_MAX_MEAN_ITEMS
-    assert P._default_programs(swa, interpret=False) == 132
+    assert np.diff(swa.q_offsets).max() < T.PERSISTENT_MAX_MEAN_ITEMS
+    assert T.default_programs(swa, interpret=False) == 132
     # dK/dV: a k-tile of SWA 1024 meets at most 18 q-steps of 64 rows, one of full 8k 128.
-    assert P._default_programs(swa, interpret=False, kernel="dkv") == 132
-    assert P._default_programs(full, interpret=False, kernel="dkv") == 0
+    assert T.default_programs(swa, interpret=False, kernel="dkv") == 132
+    assert T.default_programs(full, interpret=False, kernel="dkv") == 0
 
 
 def test_head_dim_64_default_rings():
@@ -293,12 +292,12 @@ def test_head_dim_64_default_rings():
     defaults against the reference, on q-tiles that walk more items than the rings have
     slots (WIDE), and the whole step lowers for sm90 with them, one program per unit and
     persistent (layout inference, shared memory)."""
-    assert P._default_tuning(64, fwd_persistent=False, dkv_persistent=False) == (4, 3, 4)
-    assert P._default_tuning(64, fwd_persistent=True, dkv_persistent=True) == (2, 3, 3)
-    assert P._default_tuning(128, fwd_persistent=False, dkv_persistent=False) == (2, 2, 2)
-    assert [P._fma_exp_cols(d) for d in (64, 128, 256)] == [16, 0, 0]
+    assert T.default_num_stages(64, fwd_persistent=False, dkv_persistent=False) == (4, 3, 4)
+    assert T.default_num_stages(64, fwd_persistent=True, dkv_persistent=True) == (2, 3, 3)
+    assert T.default_num_stages(128, fwd_persistent=False, dkv_persistent=False) == (2, 2, 2)
+    assert [T.default_fma_exp_cols(d) for d in (64, 128, 256)] == [16, 0, 0]
     assert [
-        P._steps_per_wait(d, n, persistent)
+        T.default_steps_per_wait(d, n, persistent)
         for d, n, persistent in [(64, 4, False), (64, 4, True), (64, 3, False), (128, 4, False)]
     ] == [2, 1, 1, 1]
     _run(WIDE, jnp.bfloat16, hq=2, hkv=1, d=64, seed=9)
