@@ -20,15 +20,12 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from magi_jax.ffa.ragged import expand_item_runs
 from magi_jax.mask import AttnMask
 from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.work_list import (
-    EMPTY_ITEM,
-    NUM_FIELDS,
-    RUN_FIELDS,
     FFAPlanArrays,
     FFAPlanRuns,
     backend_blocks,
@@ -186,10 +183,6 @@ def plan_attention(
     return AttnPlan(lists, schedules, static)
 
 
-_LENGTH = RUN_FIELDS.index("length")
-_OTHER = RUN_FIELDS.index("other_tile")
-
-
 def expand_lists(lists, items: tuple[int, int] | None):
     """The :class:`~magi_jax.planning.work_list.FFAPlanArrays` that ``lists`` stand for, on
     the device: runs (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) expanded to item
@@ -208,33 +201,11 @@ def expand_lists(lists, items: tuple[int, int] | None):
     return FFAPlanArrays(
         lists.q_order,
         lists.q_offsets,
-        _expand(lists.q_runs, int(items[0])),
+        expand_item_runs(lists.q_runs, int(items[0])),
         lists.k_order,
         lists.k_offsets,
-        _expand(lists.k_runs, int(items[1])),
+        expand_item_runs(lists.k_runs, int(items[1])),
     )
-
-
-def _expand(runs, num_items: int):
-    """Items ``[..., num_items, 8]`` int32 of runs ``[..., R, 9]``; slots past the real items
-    are the empty item."""
-    runs = jnp.asarray(runs, jnp.int32)
-    if runs.ndim > 2:
-        return jax.vmap(lambda r: _expand(r, num_items))(runs)
-    empty = jnp.asarray(EMPTY_ITEM)
-    if runs.shape[0] == 0 or num_items == 0:
-        return jnp.broadcast_to(empty, (num_items, NUM_FIELDS))
-    length = runs[:, _LENGTH]
-    ends = jnp.cumsum(length)
-    slot = jnp.arange(num_items, dtype=jnp.int32)
-    # Unrolled binary search: no device loop (on GPUs a while loop syncs with the host).
-    run = jnp.minimum(
-        jnp.searchsorted(ends, slot, side="right", method="scan_unrolled"), runs.shape[0] - 1
-    ).astype(jnp.int32)
-    first = jnp.take(runs, run, axis=0, mode="clip")
-    step = slot - jnp.take(ends - length, run, mode="clip")
-    item = first[:, :NUM_FIELDS].at[:, _OTHER].add(step)
-    return jnp.where((slot < ends[-1])[:, None], item, empty)
 
 
 def _sm_count() -> int:

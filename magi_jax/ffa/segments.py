@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from magi_jax.ffa.ragged import ragged_enumerate as _ragged
+from magi_jax.ffa.ragged import take_in_bounds as _take
 from magi_jax.mask import _window
 from magi_jax.planning.tiling import EMPTY_ITEM
 from magi_jax.planning.work_list import BAND, FULL, GENERAL
@@ -64,25 +66,6 @@ def unpack_rows(x, batch: int):
     if x.shape[0] % batch:
         raise ValueError(f"unpack_rows: {x.shape[0]} tokens do not split into {batch} rows")
     return x.reshape((batch, x.shape[0] // batch) + tuple(x.shape[1:]))
-
-
-def _take(table, idx):
-    """Rows ``table[idx]`` of an int32 table (indices known to be in bounds)."""
-    return table.at[idx].get(mode="promise_in_bounds")
-
-
-def _ragged(counts, size):
-    """A ragged enumeration of ``counts`` (int32 ``[n]``, >= 0) into ``size`` slots: the
-    owner of each slot, the slot's position inside its owner and the total. Slots past the
-    total get an in-bounds owner and are to be masked by the caller."""
-    ends = jnp.cumsum(counts)
-    slot = jnp.arange(size, dtype=jnp.int32)
-    # Unrolled binary search: no device loop (on GPUs a while loop syncs with the host).
-    owner = jnp.minimum(
-        jnp.searchsorted(ends, slot, side="right", method="scan_unrolled").astype(jnp.int32),
-        counts.shape[0] - 1,
-    )
-    return owner, slot - _take(ends - counts, owner), ends[-1]
 
 
 def _slices(ids, left, right, row_len):

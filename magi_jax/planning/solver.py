@@ -43,6 +43,7 @@ import heapq
 import numpy as np
 
 from magi_jax.mask import AttnMask, SliceShapes
+from magi_jax.planning.intervals import ranges_repeat
 
 __all__ = [
     "ALGORITHMS",
@@ -145,14 +146,6 @@ class DispatchMeta:
 
     def fingerprint(self) -> tuple:
         return (self.total, self.cp, self.chunk_size, self.rank_chunks.tobytes())
-
-
-def ranges_repeat(start: np.ndarray, stop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each i, the integers ``[start[i], stop[i])``: returns (owner index, value)."""
-    n = np.maximum(np.asarray(stop) - np.asarray(start), 0)
-    owner = np.repeat(np.arange(len(n)), n)
-    value = np.repeat(start, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
-    return owner, value
 
 
 def _shape_rows_area(sh: SliceShapes, s: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:

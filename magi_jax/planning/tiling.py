@@ -17,6 +17,7 @@ import dataclasses
 import numpy as np
 
 from magi_jax.mask import SliceShapes
+from magi_jax.planning.intervals import ranges_incl
 
 __all__ = ["TileItems", "tile_items", "count_items", "ITEM_FIELDS", "EMPTY_ITEM"]
 
@@ -46,14 +47,6 @@ class TileItems:
         return len(self.q_tile)
 
 
-def _ranges_repeat(start: np.ndarray, stop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each i, the integers [start[i], stop[i]]: returns (owner index, value)."""
-    n = np.maximum(stop - start + 1, 0)
-    owner = np.repeat(np.arange(len(start)), n)
-    value = np.repeat(start, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
-    return owner, value
-
-
 def tile_items(
     shapes: SliceShapes, total_q: int, total_k: int, block_q: int, block_k: int
 ) -> TileItems:
@@ -63,7 +56,7 @@ def tile_items(
     live = np.nonzero(shapes.nonempty)[0]
     q0, q1 = shapes.q0[live], shapes.q1[live]
     # (slice, q-tile) pairs.
-    owner, qt = _ranges_repeat(q0 // block_q, (q1 - 1) // block_q)
+    owner, qt = ranges_incl(q0 // block_q, (q1 - 1) // block_q)
     s = live[owner]
     r_first = np.maximum(shapes.q0[s], qt * block_q)
     r_last = np.minimum(shapes.q1[s], (qt + 1) * block_q) - 1
@@ -71,7 +64,7 @@ def tile_items(
     # and is contiguous (consecutive rows' intervals touch): every k-tile in it has a cell.
     k_first = shapes.lo(r_first, s)
     k_last = shapes.hi(r_last, s)
-    owner2, kt = _ranges_repeat(k_first // block_k, k_last // block_k)
+    owner2, kt = ranges_incl(k_first // block_k, k_last // block_k)
     s, qt = s[owner2], qt[owner2]
     tile_r0, tile_r1 = qt * block_q, (qt + 1) * block_q - 1
     tile_c0, tile_c1 = kt * block_k, (kt + 1) * block_k - 1

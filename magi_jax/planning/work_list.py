@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from magi_jax.mask import AttnMask, SliceShapes
+from magi_jax.planning.intervals import ranges_incl
 from magi_jax.planning.tiling import EMPTY_ITEM, ITEM_FIELDS, tile_items
 
 __all__ = [
@@ -477,7 +478,7 @@ def _item_runs(sh, live, slice_rank, total_q, total_k, bq, bk, by):
     lies inside the slice's row and key ranges (:func:`build_work_list`). Along the other
     tile each of these holds on one interval, so a pair has at most five runs."""
     if by == "q":
-        owner, own = _ranges_incl(sh.q0[live] // bq, (sh.q1[live] - 1) // bq)
+        owner, own = ranges_incl(sh.q0[live] // bq, (sh.q1[live] - 1) // bq)
         s = live[owner]
         q0, q1, k0, k1, dlo, dhi = (f[s] for f in (sh.q0, sh.q1, sh.k0, sh.k1, sh.dlo, sh.dhi))
         lo = lambda r: np.maximum(k0, r + dlo)
@@ -492,7 +493,7 @@ def _item_runs(sh, live, slice_rank, total_q, total_k, bq, bk, by):
         ia, ib = _ceil_div(k0, bk), k1 // bk
     else:
         q0, q1 = sh.q0[live], sh.q1[live]
-        owner, own = _ranges_incl(sh.lo(q0, live) // bk, sh.hi(q1 - 1, live) // bk)
+        owner, own = ranges_incl(sh.lo(q0, live) // bk, sh.hi(q1 - 1, live) // bk)
         s = live[owner]
         q0, q1, k0, k1, dlo, dhi = (f[s] for f in (sh.q0, sh.q1, sh.k0, sh.k1, sh.dlo, sh.dhi))
         c0 = own * bk
@@ -522,14 +523,6 @@ def _item_runs(sh, live, slice_rank, total_q, total_k, bq, bk, by):
     return slice_rank[s], own[pair], start, length, kind, s
 
 
-def _ranges_incl(start, stop):
-    """For each i, the integers ``[start[i], stop[i]]``: (owner index, value)."""
-    n = np.maximum(stop - start + 1, 0)
-    owner = np.repeat(np.arange(len(start)), n)
-    value = np.repeat(start, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
-    return owner, value
-
-
 def _order_runs(rank, own, start, length, kind, s, cp, num, n_other, n_slices):
     """Runs sorted by (call, owned tile, FULL first, other tile, slice); runs that share an
     other tile with an earlier run of their (call, tile, FULL or not) group are first cut
@@ -557,7 +550,7 @@ def _order_runs(rank, own, start, length, kind, s, cp, num, n_other, n_slices):
             cluster = np.cumsum(~shared)
             cut = np.bincount(cluster)[cluster] > 1
             keep = ~cut
-            i, step = _ranges_incl(np.zeros(int(cut.sum()), np.int64), length[cut] - 1)
+            i, step = ranges_incl(np.zeros(int(cut.sum()), np.int64), length[cut] - 1)
             idx = np.nonzero(cut)[0][i]
             rank, own, kind, s, masked = (
                 np.concatenate([x[keep], x[idx]]) for x in (rank, own, kind, s, masked)

@@ -53,8 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magi_jax.ffa.segments import _ragged
-from magi_jax.ffa.segments import _take as _take_in_bounds
+from magi_jax.ffa.ragged import expand_index_runs as expand_runs
 from magi_jax.sharding import native
 
 __all__ = [
@@ -180,19 +179,6 @@ class RelaySpec:
 
 
 # ---- device code (inside shard_map over spec.axis_name) -------------------------------------
-
-
-def expand_runs(runs, size: int):
-    """The index table of ``runs`` (int32 ``[R, 2]`` rows ``(first value, length)``, in
-    order): int32 ``[size]``, run ``i`` filling its ``length`` entries with ``value,
-    value + 1, ...`` (``-1`` for ``value < 0``: padding) and ``-1`` past the last run. A
-    ragged enumeration (one cumulative sum and an unrolled binary search per entry), the
-    device side of :func:`magi_jax.planning.cast_table.expand_runs`."""
-    runs = jnp.asarray(runs, jnp.int32)
-    owner, pos, total = _ragged(runs[:, 1], size)
-    value = _take_in_bounds(runs[:, 0], owner)
-    real = (jnp.arange(size, dtype=jnp.int32) < total) & (value >= 0)
-    return jnp.where(real, value + pos, -1).astype(jnp.int32)
 
 
 def expand_tables(tables, spec):
