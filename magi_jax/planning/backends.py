@@ -1,43 +1,54 @@
-"""The host half of the per-rank FFA backends (pure NumPy, no JAX): for each backend name,
-how to plan one rank's stage and how to stack the plans of all ranks.
+"""The FFA backends by name: the one list every entry point checks (host; no JAX).
 
-``build(shapes, total_q, total_k, block_q, block_k) -> plan arrays`` (a NamedTuple of NumPy
-int32 arrays) and ``stack([plan arrays per rank]) -> stacked plan arrays`` (a leading ``cp``
-axis). The device half (how to run a plan) is :mod:`magi_jax.sharding.ffa_backends`.
+``xla`` is the portable blockwise implementation, ``pallas`` the Mosaic GPU kernels (Hopper);
+``"auto"`` picks between them where a call runs (the device decides, so the pick lives on the
+device side: :func:`magi_jax.ffa.api.select_backend`). Both read one plan format, the work
+lists of :mod:`magi_jax.planning.work_list`, on each backend's own tiles
+(:func:`~magi_jax.planning.work_list.backend_blocks`); the device halves are
+:mod:`magi_jax.sharding.ffa_backends`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import dataclasses
 
-from magi_jax.planning.work_list import backend_blocks, build_plan_arrays, stack_plans
+__all__ = [
+    "AUTO",
+    "FFA_BACKENDS",
+    "BACKEND_CHOICES",
+    "check_backend",
+    "HostPlanner",
+    "HOST_PLANNERS",
+    "host_planner",
+]
 
-__all__ = ["HostPlanner", "HOST_PLANNERS", "FFA_BACKENDS", "host_planner"]
+FFA_BACKENDS = ("xla", "pallas")
+AUTO = "auto"
+# What an entry point's ``backend`` argument takes.
+BACKEND_CHOICES = (AUTO, *FFA_BACKENDS)
 
 
-class HostPlanner(NamedTuple):
+def check_backend(backend: str, arg: str = "backend", *, auto: bool = True) -> str:
+    """``backend`` if it names a backend (or ``"auto"`` where ``auto``), else a
+    ``ValueError`` naming the argument ``arg``, the value and the choices."""
+    choices = BACKEND_CHOICES if auto else FFA_BACKENDS
+    if backend not in choices:
+        raise ValueError(f"{arg}={backend!r} is not one of {choices}")
+    return backend
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPlanner:
+    """The host half of a backend as the distributed planner carries it: its name (its tiles
+    are :func:`~magi_jax.planning.work_list.backend_blocks` of the name)."""
+
     name: str
-    build: Callable  # (shapes, total_q, total_k, block_q, block_k) -> plan arrays
-    stack: Callable  # [plan arrays per rank] -> stacked plan arrays
 
 
-def _build(backend):
-    def build(shapes, total_q, total_k, block_q, block_k):
-        blocks = backend_blocks(backend, total_q, total_k, block_q, block_k)
-        return build_plan_arrays(shapes, total_q, total_k, *blocks)
-
-    return build
-
-
-# One plan format for both: the work lists, on each backend's own tiles (the Mosaic GPU
-# kernels tile with fixed block sizes, so block_q/block_k only reach the xla backend).
-HOST_PLANNERS = {
-    name: HostPlanner(name, build=_build(name), stack=stack_plans) for name in ("xla", "pallas")
-}
-FFA_BACKENDS = tuple(HOST_PLANNERS)
+# One object per backend (the distributed planner compares them by identity).
+HOST_PLANNERS = {name: HostPlanner(name) for name in FFA_BACKENDS}
 
 
 def host_planner(name: str) -> HostPlanner:
-    if name not in HOST_PLANNERS:
-        raise ValueError(f"ffa_backend={name!r} is not one of {FFA_BACKENDS}")
-    return HOST_PLANNERS[name]
+    """The host half of backend ``name`` (``ValueError`` naming ``ffa_backend`` otherwise)."""
+    return HOST_PLANNERS[check_backend(name, "ffa_backend", auto=False)]

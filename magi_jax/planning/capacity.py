@@ -47,10 +47,6 @@ def default_items(total_q: int, total_k: int) -> int:
     return nq * nk + _BOUNDARY_ITEMS_PER_TILE_ROW * (nq + nk)
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return -(-int(x) // multiple) * multiple
-
-
 @dataclasses.dataclass(frozen=True)
 class PlanCapacity:
     """Bounds of a plan. All counts are per call of the attention kernels (for context

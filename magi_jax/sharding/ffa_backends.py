@@ -1,13 +1,11 @@
 """Per-rank FFA implementations behind one descriptor, so context parallelism can swap them.
 
-Each backend says how to plan (host: canonical shapes of one rank's stage -> int32 plan
-arrays), how to stack the plans of all ranks along a leading ``cp`` axis, and how to run
-(device: ``call(q, k, v, plan, softmax_scale=, softcap=, block_q=, block_k=) -> (out, lse)``,
-differentiable, ``lse`` float32). ``xla`` is the portable blockwise implementation
-(:mod:`magi_jax.ffa.xla`); ``pallas`` the Mosaic GPU kernels (:mod:`magi_jax.pallas`, Hopper,
-bf16/fp16, D 64/128), imported only when asked for. The host half (build, stack) is that of
-:mod:`magi_jax.planning.backends`. (The kernels' Mosaic GPU interpret mode
-does not run under a multi-device ``shard_map`` on CPU — its barrier bookkeeping is per
+Each backend runs one rank's stage on the device as a split VJP (:class:`FFABackend`):
+``xla`` the portable blockwise implementation (:mod:`magi_jax.ffa.xla`), ``pallas`` the
+Mosaic GPU kernels (:mod:`magi_jax.pallas`: Hopper, bf16/fp16, D 64, 128 or 256), imported
+only when asked for. Plans are built on the host by the planner
+(:mod:`magi_jax.planning.stages`), one format for both. (The kernels' Mosaic GPU interpret
+mode does not run under a multi-device ``shard_map`` on CPU — its barrier bookkeeping is per
 device — so the pallas path is planned and checked on CPU but run only on GPUs.)
 """
 
@@ -17,16 +15,16 @@ import dataclasses
 import functools
 from typing import Callable
 
-from magi_jax.ffa.xla import xla_ffa
-from magi_jax.planning.backends import HOST_PLANNERS
+from magi_jax.planning.backends import FFA_BACKENDS, check_backend
 
 __all__ = ["FFABackend", "FFA_BACKENDS", "get_backend"]
 
 
 @dataclasses.dataclass(frozen=True)
 class FFABackend:
-    """``split_fwd``/``split_bwd`` (optional) split the FFA VJP so that K and V need not be
-    kept between forward and backward (context parallelism re-fetches remote KV instead):
+    """One backend's device half. ``split_fwd``/``split_bwd`` split the FFA VJP so that K and
+    V need not be kept between forward and backward (context parallelism re-fetches remote KV
+    instead):
     ``split_fwd(q, k, v, plan, **cfg) -> ((out, lse), saved)`` (``((out, lse, max_logits
     [Hq]), saved)`` with ``return_max_logits=True``) and
     ``split_bwd(saved, q, k, v, plan, (dout, dlse), **cfg) -> (dq, dk, dv)``, for
@@ -40,11 +38,8 @@ class FFABackend:
     arrays, rows ``[:n]`` and ``[n:]`` (the pallas kernel stores them apart)."""
 
     name: str
-    build: Callable  # (shapes, total_q, total_k, block_q, block_k) -> plan arrays
-    stack: Callable  # [plan arrays per rank] -> stacked plan arrays
-    call: Callable  # (q, k, v, plan, *, softmax_scale, softcap, block_q, block_k)
-    split_fwd: Callable | None = None
-    split_bwd: Callable | None = None
+    split_fwd: Callable
+    split_bwd: Callable
 
 
 def _xla() -> FFABackend:
@@ -65,15 +60,7 @@ def _xla() -> FFABackend:
             dk, dv = (dk[:split_kv_at], dk[split_kv_at:]), (dv[:split_kv_at], dv[split_kv_at:])
         return dq, dk, dv, between_dkv_dq(dk, dv)
 
-    host = HOST_PLANNERS["xla"]
-    return FFABackend(
-        "xla",
-        build=host.build,
-        stack=host.stack,
-        call=xla_ffa,
-        split_fwd=split_fwd,
-        split_bwd=split_bwd,
-    )
+    return FFABackend("xla", split_fwd=split_fwd, split_bwd=split_bwd)
 
 
 def _pallas(interpret: bool = False) -> FFABackend:
@@ -128,29 +115,15 @@ def _pallas(interpret: bool = False) -> FFABackend:
             split_kv_at=split_kv_at,
         )
 
-    def call(q, k, v, plan, *, softmax_scale, softcap, block_q, block_k):
-        del block_q, block_k  # the kernels tile with their own block sizes
-        return ffa_pallas(
-            q, k, v, plan, softmax_scale=softmax_scale, softcap=softcap, interpret=interpret
-        )
-
-    host = HOST_PLANNERS["pallas"]
-    return FFABackend(
-        "pallas_interpret" if interpret else "pallas",
-        build=host.build,
-        stack=host.stack,
-        call=call,
-        split_fwd=split_fwd,
-        split_bwd=split_bwd,
-    )
+    name = "pallas_interpret" if interpret else "pallas"
+    return FFABackend(name, split_fwd=split_fwd, split_bwd=split_bwd)
 
 
 _FACTORIES = {"xla": _xla, "pallas": _pallas}
-FFA_BACKENDS = tuple(_FACTORIES)
+assert tuple(_FACTORIES) == FFA_BACKENDS, FFA_BACKENDS
 
 
 @functools.cache
 def get_backend(name: str) -> FFABackend:
-    if name not in _FACTORIES:
-        raise ValueError(f"ffa_backend={name!r} is not one of {FFA_BACKENDS}")
-    return _FACTORIES[name]()
+    """The device half of backend ``name`` (one of :data:`FFA_BACKENDS`)."""
+    return _FACTORIES[check_backend(name, "ffa_backend", auto=False)]()

@@ -40,12 +40,12 @@ def test_pallas_plans_build_on_the_host():
 def test_pallas_split_vjp_matches_ffa_pallas_in_interpret_mode():
     """The pallas split VJP (backward re-fetch without re-running the forward) is bit-exact
     with ffa_pallas's own VJP (single device, Mosaic GPU interpret mode; ~15 s on CPU)."""
-    from magi_jax.pallas import ffa_pallas
+    from magi_jax.pallas import ffa_pallas, plan_for_mask
     from magi_jax.sharding.ffa_backends import _pallas
 
     mask = AttnMask.varlen([0, 50, 128], causal=True)
     be = _pallas(interpret=True)
-    plan = be.build(mask.shapes, 128, 128, 0, 0)
+    plan = plan_for_mask(mask, "pallas")
     q, k, v, dout, dlse = random_inputs(jax.random.key(0), mask, 1, 1, 64, jnp.bfloat16)
     kw = dict(softmax_scale=0.125, softcap=0.0, block_q=0, block_k=0)
     (out, lse), saved = be.split_fwd(q, k, v, plan, **kw)
@@ -63,7 +63,7 @@ def test_pallas_stage_backwards_from_the_merged_result_in_interpret_mode():
     (``split_bwd`` over :func:`~magi_jax.pallas.ffa_pallas_backward`): the two stages'
     gradients must sum to the VJP of one pallas call over all keys (Mosaic GPU interpret
     mode, single device)."""
-    from magi_jax.pallas import ffa_pallas
+    from magi_jax.pallas import ffa_pallas, plan_for_mask
     from magi_jax.sharding.attention import merge_partials
     from magi_jax.sharding.ffa_backends import _pallas
 
@@ -78,7 +78,7 @@ def test_pallas_stage_backwards_from_the_merged_result_in_interpret_mode():
         AttnMask.from_ranges([[0, 128]], [[0, 128]], ["causal"], 128, 128),
     ]
     halves = [(k[:128], v[:128]), (k[128:], v[128:])]
-    plans = [be.build(m.shapes, 128, 128, 0, 0) for m in parts]
+    plans = [plan_for_mask(m, "pallas") for m in parts]
     outs = [be.split_fwd(q, kk, vv, p, **kw)[0] for (kk, vv), p in zip(halves, plans)]
     out, lse = merge_partials([o for o, _ in outs], [l for _, l in outs], q.dtype)
     grads = [
@@ -88,7 +88,7 @@ def test_pallas_stage_backwards_from_the_merged_result_in_interpret_mode():
     dq = grads[0][0].astype(jnp.float32) + grads[1][0].astype(jnp.float32)
     dk = jnp.concatenate([grads[0][1], grads[1][1]])
     dv = jnp.concatenate([grads[0][2], grads[1][2]])
-    plan = be.build(mask.shapes, 128, 256, 0, 0)
+    plan = plan_for_mask(mask, "pallas")
     (out1, lse1), vjp = jax.vjp(
         lambda a, b, c: ffa_pallas(a, b, c, plan, softmax_scale=0.125, interpret=True), q, k, v
     )
