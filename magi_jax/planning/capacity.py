@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from magi_jax.mask import AttnMask
+from magi_jax.planning.errors import CapacityError, capacity_error
 from magi_jax.planning.persistence import persistent_pays
 
 __all__ = ["PlanCapacity", "CapacityError", "CAPACITY_TILE", "tile_count", "default_items"]
@@ -30,10 +31,6 @@ _HEADROOM = 1.25
 # Per row of tiles, boundary items the default item count allows beyond the dense tile count
 # (tiles cut by several slices give one item per slice).
 _BOUNDARY_ITEMS_PER_TILE_ROW = 32
-
-
-class CapacityError(ValueError):
-    """A mask needs more than its plan capacity holds."""
 
 
 def tile_count(tokens: int, block: int = CAPACITY_TILE) -> int:
@@ -171,33 +168,24 @@ class PlanCapacity:
         total_q, total_k = tq.pop(), tk.pop()
         grow = lambda x: max(1, int(np.ceil(x * headroom)))
         fields = dict(total_q=total_q, total_k=total_k)
+        # The measuring half lives beside capacity_needs (it plans the masks).
+        from magi_jax.planning.defaults import sample_needs
+
+        need = sample_needs(
+            masks,
+            None if mesh_size is None else int(mesh_size),
+            fixed.get("chunk_size"),
+            fixed.get("overlap_degree"),
+        )
+        grown = ("items", "q_runs", "k_runs")
+        if mesh_size is not None:
+            grown += ("remote_kv", "cast_width", "send_runs", "recv_runs")
+        fields.update({f: grow(need[f]) for f in grown})
         if mesh_size is None:
-            from magi_jax.planning.tiling import count_items
-            from magi_jax.planning.work_list import count_runs
-
-            fields["items"] = grow(max(count_items(m.shapes, total_q, total_k) for m in masks))
-            runs = np.max([count_runs(m.shapes, total_q, total_k) for m in masks], axis=0)
-            fields.update(q_runs=grow(runs[0]), k_runs=grow(runs[1]))
             # Persistent programs pay on short rows (the forward kernel's rule).
-            mean = np.mean([count_items(m.shapes, total_q, total_k) for m in masks])
-            fields["persistent"] = persistent_pays(mean, tile_count(total_q))
+            fields["persistent"] = persistent_pays(need["mean_items"], tile_count(total_q))
         else:
-            from magi_jax.planning.defaults import capacity_needs
-
-            need = capacity_needs(
-                masks, int(mesh_size), fixed.get("chunk_size"), fixed.get("overlap_degree")
-            )
-            fields.update(
-                items=grow(need["items"]),
-                q_runs=grow(need["q_runs"]),
-                k_runs=grow(need["k_runs"]),
-                remote_kv=grow(need["remote_kv"]),
-                cast_width=grow(need["cast_width"]),
-                send_runs=grow(need["send_runs"]),
-                recv_runs=grow(need["recv_runs"]),
-                overlap_degree=need["overlap_degree"],
-                chunk_size=need["chunk_size"],
-            )
+            fields.update(overlap_degree=need["overlap_degree"], chunk_size=need["chunk_size"])
         fields.update(fixed)
         return cls(**fields)
 
@@ -205,8 +193,4 @@ class PlanCapacity:
         """Raises :class:`CapacityError` when ``needed`` exceeds the capacity's ``field``."""
         have = getattr(self, field)
         if have is not None and needed > have:
-            raise CapacityError(
-                f"{what} needs PlanCapacity.{field}={needed}, but the capacity holds {have}; "
-                f"build the capacity with {field}>={needed} (or PlanCapacity.from_masks over "
-                "a sample of your masks)"
-            )
+            raise capacity_error(field, needed, have, what=what)

@@ -12,6 +12,7 @@ import functools
 
 import numpy as np
 
+from magi_jax.planning.errors import capacity_error
 from magi_jax.planning.solver import DispatchMeta, ranges_repeat
 
 __all__ = [
@@ -206,14 +207,8 @@ def _pack_runs(
     need = int((real if split else count).max(initial=0))
     limit = size if limit is None else int(limit)
     if num_runs is not None and (need > limit or count.max(initial=0) > size):
-        from magi_jax.planning.capacity import CapacityError
-
-        raise CapacityError(
-            f"this mask needs PlanCapacity.{field}>={need} (runs of consecutive rows in one "
-            f"rank's cast table of one stage), but the capacity holds {limit}; build "
-            f"the capacity with {field}>={need} (or PlanCapacity.from_masks over a sample of "
-            "your masks)"
-        )
+        detail = " (runs of consecutive rows in one rank's cast table of one stage)"
+        raise capacity_error(field, need, limit, detail=detail)
     out = np.zeros((cp, size, 2), np.int32)
     out[:, :, 0] = -1
     # Each real run takes its place after its rank's earlier runs and padding runs.
@@ -350,14 +345,8 @@ def cast_table_from_pieces(
 
 
 def _width_error(need: int, width: int):
-    from magi_jax.planning.capacity import CapacityError
-
-    raise CapacityError(
-        f"this mask needs PlanCapacity.cast_width>={need} (KV tokens one "
-        f"rank sends another in one stage), but the capacity holds "
-        f"{width}; build the capacity with cast_width>={need} (or "
-        "PlanCapacity.from_masks over a sample of your masks)"
-    )
+    detail = " (KV tokens one rank sends another in one stage)"
+    raise capacity_error("cast_width", need, width, detail=detail)
 
 
 def cast_moves(table: CastTable):

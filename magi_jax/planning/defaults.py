@@ -4,15 +4,20 @@ key of one mask and a key at a capacity choose by the same rules."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
+from magi_jax.caches import cached
 from magi_jax.mask import AttnMask, SliceShapes
 from magi_jax.planning.solver import DispatchMeta, auto_chunk_size, solve_dispatch
 from magi_jax.planning.stages import split_areas
 
-__all__ = ["default_overlap_degree", "capacity_chunk_size", "capacity_overlap_degree"]
+__all__ = [
+    "default_overlap_degree",
+    "capacity_chunk_size",
+    "capacity_overlap_degree",
+    "capacity_needs",
+    "sample_needs",
+]
 
 # Cost model of the default overlap degree (H200 figures, bf16, Hq = Hkv = 16,
 # D = 128): seconds per attended cell, per fetched KV token, per stage (fixed, and per local
@@ -56,7 +61,7 @@ def capacity_chunk_size(total: int, cp: int) -> int:
     return auto_chunk_size(total, cp, 16)
 
 
-@functools.lru_cache(maxsize=64)
+@cached(64)
 def capacity_overlap_degree(total: int, cp: int, chunk_size: int) -> int:
     """The overlap degree of keys at a capacity: the cost model's choice for a causal mask
     of the packed length (a mask-independent stand-in for document-causal training data)."""
@@ -131,3 +136,26 @@ def capacity_needs(
                 need["send_runs"] = max(need["send_runs"], send_runs)
                 need["recv_runs"] = max(need["recv_runs"], recv_runs)
     return need
+
+
+def sample_needs(
+    masks: list[AttnMask],
+    mesh_size: int | None = None,
+    chunk_size: int | None = None,
+    overlap_degree: int | None = None,
+) -> dict:
+    """What a sample of masks (one length) needs, the measuring half of
+    :meth:`~magi_jax.planning.capacity.PlanCapacity.from_masks`. Without ``mesh_size``
+    (single-device plans): the most ``items`` (on tiles of
+    :data:`~magi_jax.planning.capacity.CAPACITY_TILE`), ``q_runs`` and ``k_runs`` of one
+    mask, and ``mean_items``, the sample's mean item count; with ``mesh_size=cp``:
+    :func:`capacity_needs` over ``cp`` ranks."""
+    if mesh_size is not None:
+        return capacity_needs(masks, int(mesh_size), chunk_size, overlap_degree)
+    from magi_jax.planning.tiling import count_items
+    from magi_jax.planning.work_list import count_runs
+
+    total_q, total_k = masks[0].total_q, masks[0].total_k
+    items = [count_items(m.shapes, total_q, total_k) for m in masks]
+    runs = np.max([count_runs(m.shapes, total_q, total_k) for m in masks], axis=0)
+    return dict(items=max(items), q_runs=runs[0], k_runs=runs[1], mean_items=np.mean(items))

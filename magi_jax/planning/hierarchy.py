@@ -332,7 +332,7 @@ def _decode(code, layout, all_slots):
 
 
 def _width_error(need: int, width: int, all_slots):
-    from magi_jax.planning.capacity import CapacityError
+    from magi_jax.planning.errors import CapacityError
 
     hop = "inter-node" if all_slots and isinstance(all_slots[0], tuple) else "intra-node"
     raise CapacityError(

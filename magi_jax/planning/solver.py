@@ -42,6 +42,7 @@ import heapq
 
 import numpy as np
 
+from magi_jax.caches import cached
 from magi_jax.mask import AttnMask, SliceShapes
 from magi_jax.planning.intervals import ranges_repeat
 
@@ -418,7 +419,7 @@ def _local_enough(kc: np.ndarray, n: int) -> bool:
     return len(kc) <= min(n * n // 4, 128 * n)
 
 
-@functools.lru_cache(maxsize=16)
+@cached(16)
 def _chunk_kv_extents(mask: AttnMask, chunk_size: int, n: int):
     """Per chunk, the key chunks its rows see, as a CSR (indptr, key-chunk ids); cached (the
     communication-aware passes of one solve share it)."""
@@ -554,7 +555,7 @@ def _validate(mask, cp, chunk_size, algorithm):
         raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
 
 
-@functools.lru_cache(maxsize=128)
+@cached(128)
 def solve_dispatch(
     mask: AttnMask, cp: int, chunk_size: int | None = None, algorithm: str = "magi"
 ) -> DispatchMeta:
@@ -614,7 +615,7 @@ def _balanced(n: int, cp: int, area: np.ndarray) -> np.ndarray:
     return _balanced_cached(n, cp, np.ascontiguousarray(area, np.int64).tobytes())
 
 
-@functools.lru_cache(maxsize=32)
+@cached(32)
 def _balanced_cached(n: int, cp: int, area_bytes: bytes) -> np.ndarray:
     area = np.frombuffer(area_bytes, np.int64)
     assign = _refine_swaps(_greedy(n, cp, area), area)
@@ -697,7 +698,7 @@ def solve_kv_dispatch(
     )
 
 
-@functools.lru_cache(maxsize=64)
+@cached(64)
 def _solve_kv(mask, total_q, cp, q_chunk, rank_chunks_bytes, shape, chunk) -> DispatchMeta:
     rank_chunks = np.frombuffer(rank_chunks_bytes, np.int64).reshape(shape)
     q_meta = DispatchMeta(

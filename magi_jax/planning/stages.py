@@ -35,12 +35,13 @@ import contextlib
 import dataclasses
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from magi_jax.caches import register
 from magi_jax.mask import AttnMask, SliceShapes
 from magi_jax.planning.backends import HOST_PLANNERS, host_planner
-from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.cast_table import CastTable, cast_table_from_pieces
 from magi_jax.planning.solver import (
     KV_LAYOUTS,
@@ -57,6 +58,9 @@ from magi_jax.planning.work_list import (
     plan_runs,
     work_list_runs,
 )
+
+if TYPE_CHECKING:  # annotations only: capacity.py reaches this module when it measures
+    from magi_jax.planning.capacity import PlanCapacity
 
 __all__ = [
     "DistPlan",
@@ -550,6 +554,9 @@ def clear_cache():
     with _CACHE_LOCK:
         _CACHE.clear()
         _GEOMETRY.clear()
+
+
+register(clear_cache)
 
 
 def _plan_bytes(plan: "DistPlan") -> int:

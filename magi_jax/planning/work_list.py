@@ -17,13 +17,14 @@ visited.
 
 from __future__ import annotations
 
-import functools
 import heapq
 from typing import NamedTuple
 
 import numpy as np
 
+from magi_jax.caches import cached
 from magi_jax.mask import AttnMask, SliceShapes
+from magi_jax.planning.errors import capacity_error
 from magi_jax.planning.intervals import ranges_incl
 from magi_jax.planning.tiling import EMPTY_ITEM, ITEM_FIELDS, tile_items
 
@@ -195,20 +196,13 @@ def emit_run_lists(runs: ListRuns, num_runs: int | None = None):
 
 
 def check_runs(runs: ListRuns, num_runs: int, field: str = "q_runs"):
-    """Raises :class:`~magi_jax.planning.capacity.CapacityError` naming ``field`` for the
+    """Raises :class:`~magi_jax.planning.errors.CapacityError` naming ``field`` for the
     first call of ``runs`` with more than ``num_runs`` runs."""
     per_call = np.diff(runs.run_bounds)
     over = np.nonzero(per_call > int(num_runs))[0]
     if len(over):
-        from magi_jax.planning.capacity import CapacityError
-
         have = int(per_call[over[0]])
-        raise CapacityError(
-            f"this mask needs PlanCapacity.{field}>={have} runs of work items "
-            f"on one list, but the capacity holds {num_runs}; build the "
-            f"capacity with {field}>={have} (or PlanCapacity.from_masks over "
-            "a sample of your masks)"
-        )
+        raise capacity_error(field, have, num_runs, detail=" runs of work items on one list")
 
 
 def plan_runs(
@@ -251,16 +245,11 @@ def expand_runs(plan: FFAPlanRuns, num_q_items: int, num_k_items: int) -> FFAPla
 
 def pad_work_list(work: WorkList, num_items: int, field: str = "items") -> WorkList:
     """``work`` with its items padded to ``num_items`` by the empty item; raises
-    :class:`~magi_jax.planning.capacity.CapacityError` naming ``field`` when it holds more."""
+    :class:`~magi_jax.planning.errors.CapacityError` naming ``field`` when it holds more."""
     have = len(work.items)
     if have > num_items:
-        from magi_jax.planning.capacity import CapacityError
-
-        raise CapacityError(
-            f"this mask needs PlanCapacity.{field}>={have} work items on one "
-            f"list, but the capacity holds {num_items}; build the capacity "
-            "with more items (or PlanCapacity.from_masks over a sample of your "
-            "masks)"
+        raise capacity_error(
+            field, have, num_items, detail=" work items on one list", fix="more items"
         )
     extra = np.broadcast_to(EMPTY_ITEM, (num_items - have, NUM_FIELDS))
     items = np.concatenate([work.items, extra]).astype(np.int32)
@@ -301,7 +290,7 @@ def build_work_lists(
     """The work lists of ``cp`` calls at once, stacked: ``order [cp, N]``, ``offsets
     [cp, N + 1]``, ``items [cp, W, 8]`` int32 — exactly ``stack_plans`` of
     :func:`build_work_list` of each call's slices, each list padded to ``W = num_items``
-    (:func:`pad_work_list`, raising its :class:`~magi_jax.planning.capacity.CapacityError`
+    (:func:`pad_work_list`, raising its :class:`~magi_jax.planning.errors.CapacityError`
     naming ``field`` for the first call that holds more) or, without ``num_items``, to the
     longest.
 
@@ -333,7 +322,7 @@ class ListRuns(NamedTuple):
 
 
 def check_items(per_rank: np.ndarray, num_items: int, field: str = "items"):
-    """:func:`pad_work_list`'s :class:`~magi_jax.planning.capacity.CapacityError` for the
+    """:func:`pad_work_list`'s :class:`~magi_jax.planning.errors.CapacityError` for the
     first call whose list holds more than ``num_items`` items."""
     over = np.nonzero(np.asarray(per_rank) > int(num_items))[0]
     if len(over):
@@ -696,7 +685,7 @@ def build_plan_arrays(
     return FFAPlanArrays(*fwd, *bwd)
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def plan_for_mask(
     mask: AttnMask, backend: str, block_q: int | None = None, block_k: int | None = None
 ) -> FFAPlanArrays:
@@ -755,7 +744,7 @@ def persistent_schedule(
     )
 
 
-@functools.lru_cache(maxsize=64)
+@cached(64)
 def _schedule(costs_bytes: bytes, groups: int, num_progs: int, overhead: float):
     costs = np.frombuffer(costs_bytes, np.float64) + overhead
     n = len(costs)

@@ -13,10 +13,8 @@ by a permutation of their own (``"dispatched"``).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
-import threading
 import zlib
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -26,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from magi_jax.caches import Cache
 from magi_jax.mask import AttnMask
 from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.cast_table import choose_transport
@@ -500,45 +499,10 @@ def _capacity_options(capacity, mask, cp, chunk_size, overlap_degree):
     return chunk, int(overlap_degree)
 
 
-class _KeyCache:
-    """Keys by their arguments, least recently used first out, bounded by the bytes of the
-    keys' device arrays (each key holds ``[cp, ...]`` plan arrays on every device)."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = int(max_bytes)
-        self._keys: collections.OrderedDict = collections.OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def get(self, args, build):
-        with self._lock:
-            key = self._keys.get(args)
-            if key is not None:
-                self._keys.move_to_end(args)
-                return key
-        key = build()
-        size = key.nbytes()
-        with self._lock:
-            if args not in self._keys:
-                self._keys[args] = key
-                self._bytes += size
-            while self._bytes > self.max_bytes and len(self._keys) > 1:
-                _, old = self._keys.popitem(last=False)
-                self._bytes -= old.nbytes()
-        return key
-
-    def clear(self):
-        with self._lock:
-            self._keys.clear()
-            self._bytes = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
-
-# 1 GiB of key arrays: a few hundred keys of 32k tokens, a handful at 1M.
-_KEYS = _KeyCache(1 << 30)
+# Keys by their arguments, bounded by the bytes of the keys' device arrays (each key holds
+# [cp, ...] plan arrays on every device): 1 GiB, a few hundred keys of 32k tokens, a handful
+# at 1M.
+_KEYS = Cache("keys", max_bytes=1 << 30, size_of=lambda key: key.nbytes())
 
 
 def clear_key_cache(max_bytes: int | None = None):

@@ -26,10 +26,8 @@ whatever they held, and nothing is read from them.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from magi_jax.caches import Cache
 from magi_jax.sharding.key import MagiKey, axes_entry, check_key, rows_desc
 from magi_jax.sharding.layout import check_seq_axis, merge_axes, split_axis
 from magi_jax.sharding.make_key import put_global
@@ -160,32 +159,7 @@ def _dispatch_of(key: MagiKey):
     return rank_chunks, (st.total, st.cp, st.chunk_size, rank_chunks.tobytes())
 
 
-class _TableCache:
-    """Device tables by (dispatch, shift, mesh, axis, rows), least recently used out."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self._items: collections.OrderedDict = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, args, build):
-        with self._lock:
-            if args in self._items:
-                self._items.move_to_end(args)
-                return self._items[args]
-        value = build()
-        with self._lock:
-            self._items[args] = value
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
-        return value
-
-    def clear(self):
-        with self._lock:
-            self._items.clear()
-
-
-_TABLES = _TableCache(64)
+_TABLES = Cache("roll tables", 64)  # by (dispatch, shift, mesh, axis, rows)
 
 
 def clear_roll_cache():

@@ -599,7 +599,7 @@ def test_chain_of_mixed_tuning_matches_model():
 def test_auto_falls_back_when_nvshmem_fails_to_initialize(monkeypatch):
     # comm_backend="auto" joins NVSHMEM at key time over several GPUs; a failure there makes
     # it pick xla, with the reason in a warning and in auto_reason, and is not retried.
-    from magi_jax.sharding.native import library, transport
+    from magi_jax.sharding.native import transport
 
     calls = []
 
@@ -608,13 +608,13 @@ def test_auto_falls_back_when_nvshmem_fails_to_initialize(monkeypatch):
         raise RuntimeError("NVSHMEM initialization failed (7): out of symmetric memory")
 
     monkeypatch.setattr(transport, "initialize", failing_init)
-    monkeypatch.setattr(library, "_INIT_FAILURE", None)
+    monkeypatch.setattr(transport, "_INIT_FAILURE", None)
     with pytest.warns(RuntimeWarning, match="comm_backend='auto' uses 'xla'.*out of symmetric"):
-        reason = library.init_problem()
+        reason = transport.init_problem()
     assert "NVSHMEM failed to initialize" in reason and "out of symmetric memory" in reason
-    assert library.init_problem() == reason and len(calls) == 1
+    assert transport.init_problem() == reason and len(calls) == 1
 
     monkeypatch.setattr(transport, "initialize", lambda *a, **k: calls.append(a))
-    monkeypatch.setattr(library, "_INIT_FAILURE", None)
-    assert library.init_problem() is None and library.init_problem() is None
+    monkeypatch.setattr(transport, "_INIT_FAILURE", None)
+    assert transport.init_problem() is None and transport.init_problem() is None
     assert len(calls) == 2

@@ -58,8 +58,8 @@ from magi_jax.sharding.native.library import (
     DONE_TARGET,
     REDUCE_TARGET,
     START_TARGET,
-    auto_reason,
     available,
+    gpu_mesh_problem,
     load_library,
     platform_key,
     unavailable_reason,
@@ -291,6 +291,44 @@ def finalize() -> None:
     if _nv["initialized"]:
         _nv["initialized"] = False
         load_library("cuda").magi_nv_finalize()
+
+
+def auto_reason(mesh, cp_axis: str) -> str | None:
+    """``None`` if ``comm_backend="auto"`` should pick ``native`` for ``mesh``: GPUs, one per
+    process, the cp axis spanning every process in process order, the CUDA library built and,
+    over more than one rank, NVSHMEM initialised (:func:`init_problem`: every process makes
+    the same keys, so all join it together). Otherwise the reason it picks ``xla``."""
+    devices = list(np.asarray(mesh.devices).reshape(-1))
+    if devices[0].platform != "gpu":
+        return f"the mesh is on {devices[0].platform}, the native fast path needs GPUs"
+    problem = gpu_mesh_problem(mesh, cp_axis) or unavailable_reason("cuda")
+    if problem is None and int(mesh.shape[cp_axis]) > 1:
+        problem = init_problem()
+    return problem
+
+
+def init_problem() -> str | None:
+    """Joins NVSHMEM now, with the default staging (unless
+    :func:`magi_jax.sharding.native.initialize` ran already), so that ``comm_backend="auto"``
+    learns at key time, not inside a traced step, whether the native transport can run here:
+    ``None`` when it can, else why not (and a warning that says ``auto`` uses ``xla``). A
+    failed initialisation is not retried in this process."""
+    global _INIT_FAILURE
+    if _INIT_FAILURE is None:
+        try:
+            initialize()
+            _INIT_FAILURE = ""
+        except (RuntimeError, OSError, ValueError) as e:
+            _INIT_FAILURE = f"NVSHMEM failed to initialize ({type(e).__name__}: {e})"
+            import warnings
+
+            warnings.warn(
+                f"comm_backend='auto' uses 'xla': {_INIT_FAILURE}", RuntimeWarning, stacklevel=3
+            )
+    return _INIT_FAILURE or None
+
+
+_INIT_FAILURE: str | None = None  # None: not tried; "": initialized; else the failure
 
 
 def staging_bytes(n_slots: int, slot_len: int, row_shape, dtype) -> int:

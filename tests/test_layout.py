@@ -1,0 +1,192 @@
+"""The library's layout, read from its source with ``ast`` (nothing is imported): no import
+circle among magi_jax modules, lazy (function-level) imports included, and no private name
+(``_x``) of one module used by another."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections.abc import Iterator
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = "magi_jax"
+
+
+def module_files(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
+    """Every module of the package by dotted name (a package by its ``__init__.py``)."""
+    files = {}
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        files[".".join(parts)] = path
+    return files
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements that run (at load time or in a function), not those under
+    ``if TYPE_CHECKING:``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                stack.extend(child.orelse)
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child
+            stack.append(child)
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module an ``ImportFrom`` names (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def import_edges(files: dict[str, pathlib.Path] | None = None) -> dict[str, set[str]]:
+    """``{module: modules of the package it imports}``; ``from pkg import mod`` counts as an
+    import of ``pkg.mod`` when that is a module, else of ``pkg``."""
+    files = module_files() if files is None else files
+    edges: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        is_package = path.name == "__init__.py"
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = _resolve(name, is_package, node)
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base
+                    for alias in node.names
+                ]
+            edges[name].update(t for t in targets if t in files and t != name)
+    return edges
+
+
+def import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_uses(files: dict[str, pathlib.Path] | None = None) -> list[str]:
+    """``"module:line name from other"`` for every private name one module of the package
+    takes from another: imported by name (``from m import _x``) or read as an attribute of
+    an imported module (``m._x``)."""
+    files = module_files() if files is None else files
+    found = []
+    for name, path in files.items():
+        is_package = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), str(path))
+        aliases: dict[str, str] = {}  # local name -> module of the package
+        for node in _imports(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in files and alias.asname:
+                        aliases[alias.asname] = alias.name
+                continue
+            base = _resolve(name, is_package, node)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                if full in files:
+                    aliases[alias.asname or alias.name] = full
+                elif base in files and base != name and _private(alias.name):
+                    found.append(f"{name}:{node.lineno} {alias.name} from {base}")
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and _private(node.attr)
+                and isinstance(node.value, ast.Name)
+                and aliases.get(node.value.id, name) != name
+            ):
+                found.append(f"{name}:{node.lineno} {node.attr} from {aliases[node.value.id]}")
+    return sorted(found)
+
+
+# Left for their owners, who are changing these files: ``AttnMask.plot`` (mask.py) imports
+# plot.py, which draws masks; segments.py takes mask._window and ffa.api._finite,
+# sharding/attention.py takes collectives' _cast, _reduce, _start_reduce and ffa.api's
+# _MAX_HEAD_DIM. Nothing else may join them.
+KNOWN_CIRCLES = [["magi_jax.mask", "magi_jax.plot"]]
+KNOWN_PRIVATE_USERS = {"magi_jax.ffa.segments", "magi_jax.sharding.attention"}
+
+
+def test_no_import_circle():
+    """No two modules of the package import each other, directly or through others, at load
+    time or lazily inside a function (but the known circle above)."""
+    assert [c for c in import_cycles(import_edges()) if c not in KNOWN_CIRCLES] == []
+
+
+def test_no_private_name_crosses_a_module():
+    """No module takes a private name (``_x``) of another, by import or as an attribute of
+    an imported module (but the known users above)."""
+    found = private_uses()
+    assert [f for f in found if f.split(":")[0] not in KNOWN_PRIVATE_USERS] == []
+
+
+def test_the_checks_see_what_they_look_for(tmp_path):
+    """The helpers on a small package of their own: a lazy circle, a relative import, a
+    private name by import and by attribute."""
+    pkg = tmp_path / PACKAGE
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from .a import f\n")
+    (pkg / "sub" / "a.py").write_text("def f():\n    from magi_jax.b import _g\n    return _g\n")
+    (pkg / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import magi_jax.c\n"
+        "def _g():\n    import magi_jax.sub.a as A\n    return A._h\n"
+    )
+    (pkg / "c.py").write_text("import magi_jax.b\n")
+    files = module_files(tmp_path)
+    edges = import_edges(files)
+    assert edges["magi_jax.sub"] == {"magi_jax.sub.a"}
+    assert edges["magi_jax.b"] == {"magi_jax.sub.a"}  # not c: under TYPE_CHECKING
+    assert import_cycles(edges) == [["magi_jax.b", "magi_jax.sub.a"]]
+    assert private_uses(files) == [
+        "magi_jax.b:6 _h from magi_jax.sub.a",
+        "magi_jax.sub.a:2 _g from magi_jax.b",
+    ]
