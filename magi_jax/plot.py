@@ -12,9 +12,20 @@ a laptop). Needs the ``plot`` extra (``pip install magi-jax[plot]``).
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
 from magi_jax.mask import AttnMask, AttnMaskType
+
+if TYPE_CHECKING:  # annotations only (matplotlib is an extra; the planner and keys sit above)
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from magi_jax.planning.cast_table import CastTable
+    from magi_jax.planning.stages import DistPlan
+    from magi_jax.sharding.key import MagiKey
 
 __all__ = ["plot_mask", "plot_plan", "plot_key", "remote_kv_matrix"]
 
@@ -57,14 +68,14 @@ def _fmt_count(x: float) -> str:
 
 def plot_mask(
     mask: AttnMask,
-    path=None,
+    path: str | os.PathLike | None = None,
     *,
     title: str | None = None,
-    ax=None,
-    figsize=(7, 7),
+    ax: Axes | None = None,
+    figsize: tuple[float, float] = (7, 7),
     dpi: int = 100,
     label_slices: bool | None = None,
-):
+) -> Figure:
     """Draws ``mask`` (queries down, keys across, like the dense matrix) and writes a PNG to
     ``path`` (when given). Each slice is filled in its type's colour and outlined with its
     rectangle; slices are numbered when there are few. Returns the matplotlib figure."""
@@ -165,7 +176,7 @@ def _rgba(colour):
     return to_rgba(colour)
 
 
-def remote_kv_matrix(cast) -> np.ndarray:
+def remote_kv_matrix(cast: CastTable) -> np.ndarray:
     """int64 ``[cp, cp]``: ``m[dst, src]`` = KV tokens rank ``src`` sends to rank ``dst`` in
     one stage's group-cast table (:class:`~magi_jax.sharding.collectives.CastTable`)."""
     cp = cast.cp
@@ -178,14 +189,14 @@ def remote_kv_matrix(cast) -> np.ndarray:
 
 
 def plot_plan(
-    plan,
-    path=None,
+    plan: DistPlan,
+    path: str | os.PathLike | None = None,
     *,
     mask: AttnMask | None = None,
     title: str | None = None,
-    figsize=(12, 10),
+    figsize: tuple[float, float] = (12, 10),
     dpi: int = 100,
-):
+) -> Figure:
     """Draws a distributed plan (:class:`~magi_jax.planning.stages.DistPlan`): (1) which
     rank owns each chunk, (2) attention work per rank split into the host stage (local KV)
     and the remote stages, against the mean, (3) per remote stage, KV tokens moved from every
@@ -381,6 +392,6 @@ def plot_plan(
     return fig
 
 
-def plot_key(key, path=None, **kwargs):
+def plot_key(key: MagiKey, path: str | os.PathLike | None = None, **kwargs: Any) -> Figure:
     """:func:`plot_plan` of a :class:`~magi_jax.sharding.MagiKey`'s plan and mask."""
     return plot_plan(key.plan, path, mask=key.mask, **kwargs)

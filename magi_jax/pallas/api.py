@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -414,7 +414,7 @@ def flex_flash_attention_pallas(
     softmax_scale: float | None = None,
     softcap: float = 0.0,
     interpret: bool = False,
-    **tuning,
+    **tuning: Any,
 ) -> tuple[jax.Array, ...]:
     """:func:`magi_jax.flex_flash_attention` on the Mosaic GPU kernels. Same contract;
     raises ``ValueError`` naming the reason when the inputs are not supported."""

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
@@ -82,13 +85,13 @@ assert tuple(f.name.lower() for f in ItemField) == ITEM_FIELDS, ITEM_FIELDS
 _GEOMETRY = tuple(ItemField)[ItemField.Q0 : ItemField.DHI + 1]  # (q0, q1, k0, k1, dlo, dhi)
 
 
-def item_geometry(items_ref, it):
+def item_geometry(items_ref: Any, it: Any) -> tuple:
     """The slice geometry ``(q0, q1, k0, k1, dlo, dhi)`` of item ``it`` of a work list, as
     :func:`mask_scores` takes it."""
     return tuple(items_ref[it, f] for f in _GEOMETRY)
 
 
-def item_fields(items_ref, it):
+def item_fields(items_ref: Any, it: Any) -> tuple:
     """Item ``it`` of a work list as ``(other tile, slice geometry, mask kind)``."""
     return (
         items_ref[it, ItemField.OTHER_TILE],
@@ -97,13 +100,15 @@ def item_fields(items_ref, it):
     )
 
 
-def smem(shape, dtype):
+def smem(shape: tuple[int, ...], dtype: Any) -> Any:
+    """Shared memory in tiles of 8 x 64 with the 128-byte swizzle (16-bit dtypes): the
+    layout of the kernels' Q, K, V, dO buffers and of what a wgmma reads with them."""
     return plgpu.SMEM(
         shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     )
 
 
-def smem64(shape, dtype):
+def smem64(shape: tuple[int, ...], dtype: Any) -> Any:
     """Shared memory in tiles of 8 x 32 with the 64-byte swizzle (16-bit dtypes): for buffers
     with rows of 32 elements and the buffers a wgmma pairs with them (a wgmma takes one
     swizzle for both operands), as the D = 256 backward kernels exchange them."""
@@ -112,7 +117,7 @@ def smem64(shape, dtype):
     )
 
 
-def smem_bytes(scratch) -> int:
+def smem_bytes(scratch: Sequence[Any]) -> int:
     """Shared memory of the scratch buffers and barriers ``scratch`` as Mosaic GPU allocates
     it."""
     total = 0
@@ -127,16 +132,16 @@ def smem_bytes(scratch) -> int:
 
 def check_smem(
     kernel: str,
-    scratch,
-    out_scratch=(),
+    scratch: Sequence[Any],
+    out_scratch: Sequence[Any] = (),
     *,
     stages_knob: str,
     stages: int,
     persistent_knob: str | None = None,
     persistent: int = 0,
     d: int,
-    dtype,
-):
+    dtype: Any,
+) -> None:
     """Raises ``ValueError`` naming the knobs to turn when the buffers ``scratch`` and the
     persistent mode's output buffers ``out_scratch`` do not fit one sm90 block
     (``persistent_knob=None``: a kernel without a persistent mode)."""
@@ -157,7 +162,7 @@ def check_smem(
     )
 
 
-def mma_lhs(acc_ref, x, b_ref, stage):
+def mma_lhs(acc_ref: Any, x: jax.Array, b_ref: Any, stage: Any) -> None:
     """``acc_ref += x @ b_ref`` with ``x`` in registers. GPU interpret mode only multiplies
     shared-memory operands, so there (``stage`` given) ``x`` goes through shared memory."""
     if stage is None:
@@ -186,7 +191,14 @@ def _local_diagonals(geom, row0, col0):
     return lo - off, lax.max(hi - lo + 1, jnp.int32(0))
 
 
-def tile_predicate(geom, row0, col0, shape, layout, transposed=False):
+def tile_predicate(
+    geom: tuple,
+    row0: Any,
+    col0: Any,
+    shape: tuple[int, int],
+    layout: Any,
+    transposed: bool = False,
+) -> jax.Array:
     """Cells of a tile that belong to the slice of geometry ``geom`` (``(q0, q1, k0, k1,
     dlo, dhi)``, :func:`item_fields`). The tile's first query row is ``row0`` and first key
     ``col0``; queries run along axis 0 (axis 1 if ``transposed``)."""
@@ -201,7 +213,15 @@ def tile_predicate(geom, row0, col0, shape, layout, transposed=False):
     )
 
 
-def mask_scores(s, geom, kind, row0, col0, layout, transposed=False):
+def mask_scores(
+    s: jax.Array,
+    geom: tuple,
+    kind: Any,
+    row0: Any,
+    col0: Any,
+    layout: Any,
+    transposed: bool = False,
+) -> jax.Array:
     """``s`` with the cells outside the item's slice set to ``-inf``, by the item's ``kind``
     (:data:`~magi_jax.planning.work_list.GENERAL`, ``FULL``, ``BAND``); arguments as
     :func:`tile_predicate`."""
@@ -220,7 +240,7 @@ def mask_scores(s, geom, kind, row0, col0, layout, transposed=False):
     return lax.switch(kind, [branches[i] for i in range(len(branches))])
 
 
-def launch_grid(num_tiles: int, batch: int, heads: int):
+def launch_grid(num_tiles: int, batch: int, heads: int) -> tuple[tuple, tuple]:
     """``(grid, grid_names)`` of a kernel over (tile, batch, head). The last grid axis varies
     fastest at launch: tiles (heaviest first within each head), so programs running together
     share one head's K/V (or Q/dO) through L2, as cuDNN/tokamax order their grids. (Heads
@@ -228,7 +248,9 @@ def launch_grid(num_tiles: int, batch: int, heads: int):
     return (heads, batch, num_tiles), ("head", "batch", "tile")
 
 
-def kernel_grid(persistent: int, num_tiles: int, batch: int, heads: int, schedule):
+def kernel_grid(
+    persistent: int, num_tiles: int, batch: int, heads: int, schedule: Sequence[Any]
+) -> tuple[tuple, tuple, tuple]:
     """``(grid, grid_names, schedule)`` of a kernel over ``num_tiles · batch · heads`` units:
     one program per unit in the order of :func:`launch_grid`, or ``persistent`` programs
     walking the host ``schedule`` (checked against the grid by :func:`check_schedule`;
@@ -242,7 +264,9 @@ def kernel_grid(persistent: int, num_tiles: int, batch: int, heads: int, schedul
     return (*launch_grid(num_tiles, batch, heads), ())
 
 
-def scheduled_units(schedule_refs, num_tiles: int, batch: int, order_ref):
+def scheduled_units(
+    schedule_refs: Sequence[Any], num_tiles: int, batch: int, order_ref: Any
+) -> tuple[Any, Callable]:
     """``(num_mine, coords)`` of a persistent program: how many units it walks, and
     ``coords(j)``, the (tile, batch, head) of its ``j``-th, from the ``(offsets, units)`` of
     :func:`magi_jax.planning.work_list.persistent_schedule` (units numbered in the head-major launch
@@ -259,7 +283,7 @@ def scheduled_units(schedule_refs, num_tiles: int, batch: int, order_ref):
     return off_ref[prog + 1] - first_unit, coords
 
 
-def check_pipeline(num_stages: int, persistent: int):
+def check_pipeline(num_stages: int, persistent: int) -> None:
     """The knobs every kernel config shares: ring slots and persistent programs."""
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages} must be >= 1")
@@ -270,7 +294,7 @@ def check_pipeline(num_stages: int, persistent: int):
         )
 
 
-def check_schedule(schedule, num_progs: int, num_units: int):
+def check_schedule(schedule: Sequence[Any], num_progs: int, num_units: int) -> None:
     """The ``(offsets, units)`` of a persistent kernel's host schedule fit its grid."""
     if (
         len(schedule) != 2
@@ -290,7 +314,7 @@ _EXP2_POLY = (0.99992811, 0.69326099, 0.24261054, 0.05517132)
 _ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: x + this rounds x to an integer in the low bits
 
 
-def exp2_fma(x):
+def exp2_fma(x: jax.Array) -> jax.Array:
     """``2**x`` in float32 for ``x <= 0`` (``-inf`` included) without the ``ex2`` unit:
     ``x`` is split as ``j + f`` with ``j`` the nearest integer and ``|f| <= 1/2``; ``2**f``
     is a cubic, and ``j`` is added to its exponent bits; below -126 the result is 0 (``ex2``
@@ -308,7 +332,7 @@ def exp2_fma(x):
     return jnp.where(x >= -126.0, lax.bitcast_convert_type(bits, jnp.float32), 0.0)
 
 
-def exp2_cols(x, fma_cols: int = 0):
+def exp2_cols(x: jax.Array, fma_cols: int = 0) -> jax.Array:
     """``exp2`` of a ``(rows, cols)`` float32 array in the WGMMA layout, its last
     ``fma_cols`` columns by :func:`exp2_fma` on the FMA pipes and the rest on the ``ex2``
     unit (16 results per clock per SM on sm90, the limit of a softmax beside short
@@ -319,7 +343,7 @@ def exp2_cols(x, fma_cols: int = 0):
     return jnp.concatenate([jnp.exp2(x[:, :n]), exp2_fma(x[:, n:])], axis=1)
 
 
-def check_fma_cols(fma_cols: int, cols: int | None = None, where: str = ""):
+def check_fma_cols(fma_cols: int, cols: int | None = None, where: str = "") -> None:
     """``fma_exp_cols`` of a kernel config: a multiple of 8 (the layout's column tile),
     below the ``cols`` of the score blocks ``where`` when given."""
     if fma_cols < 0 or fma_cols % 8:

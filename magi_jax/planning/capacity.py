@@ -145,8 +145,8 @@ class PlanCapacity:
         *,
         headroom: float = _HEADROOM,
         mesh_size: int | None = None,
-        **fixed,
-    ) -> "PlanCapacity":
+        **fixed: int | bool | None,
+    ) -> PlanCapacity:
         """The tightest capacity that holds every mask of a sample, times ``headroom``.
 
         ``masks``: a sample of the masks a loader produces (same lengths). Without
@@ -189,7 +189,7 @@ class PlanCapacity:
         fields.update(fixed)
         return cls(**fields)
 
-    def check(self, field: str, needed: int, what: str = "this mask"):
+    def check(self, field: str, needed: int, what: str = "this mask") -> None:
         """Raises :class:`CapacityError` when ``needed`` exceeds the capacity's ``field``."""
         have = getattr(self, field)
         if have is not None and needed > have:

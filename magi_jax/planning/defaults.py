@@ -4,6 +4,8 @@ key of one mask and a key at a capacity choose by the same rules."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from magi_jax.caches import cached
@@ -33,7 +35,9 @@ _OVERLAP_EFFICIENCY = 0.5
 _MAX_DEGREE = 4
 
 
-def default_overlap_degree(mask: AttnMask, meta: DispatchMeta, kv=None) -> int:
+def default_overlap_degree(
+    mask: AttnMask, meta: DispatchMeta, kv: DispatchMeta | str | None = None
+) -> int:
     """Overlap degree minimising a simple per-rank pipeline model: stage 0 computes the host
     area while remote stage 0 arrives; each later stage computes its share while the next
     arrives — of which ideal overlap only a measured share is realised; every stage costs a
@@ -70,7 +74,10 @@ def capacity_overlap_degree(total: int, cp: int, chunk_size: int) -> int:
 
 
 def capacity_needs(
-    masks, cp: int, chunk_size: int | None = None, overlap_degree: int | None = None
+    masks: Iterable[AttnMask],
+    cp: int,
+    chunk_size: int | None = None,
+    overlap_degree: int | None = None,
 ) -> dict:
     """What keys of ``masks`` (one packed length) over ``cp`` ranks need, per rank and
     stage: ``items`` (the longest q-tile list, on the ``xla`` backend's tiles, which are

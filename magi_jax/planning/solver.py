@@ -157,7 +157,7 @@ def _shape_rows_area(sh: SliceShapes, s: np.ndarray, a: np.ndarray, b: np.ndarra
     return np.where(rows > 0, rows * (first + last) // 2, 0)
 
 
-def slice_chunk_pairs(sh: SliceShapes, chunk_size: int):
+def slice_chunk_pairs(sh: SliceShapes, chunk_size: int) -> tuple[np.ndarray, ...]:
     """Every (slice, query chunk) pair with cells: ``(slice, chunk, row_a, row_b, k_first,
     k_end)`` — the slice's rows inside the chunk and the (contiguous) key extent they see."""
     live = np.nonzero(sh.nonempty)[0]

@@ -179,7 +179,9 @@ class FFAPlanRuns(NamedTuple):
         return WorkList(*self[3:])
 
 
-def emit_run_lists(runs: ListRuns, num_runs: int | None = None):
+def emit_run_lists(
+    runs: ListRuns, num_runs: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(order, offsets, runs [cp, R, 9])`` of the stacked lists of ``runs``
     (:class:`FFAPlanRuns`' columns), runs padded to ``R = num_runs`` (default: the most of
     any call; :func:`check_runs` first when it may hold fewer)."""
@@ -195,7 +197,7 @@ def emit_run_lists(runs: ListRuns, num_runs: int | None = None):
     return runs.order, runs.offsets, out
 
 
-def check_runs(runs: ListRuns, num_runs: int, field: str = "q_runs"):
+def check_runs(runs: ListRuns, num_runs: int, field: str = "q_runs") -> None:
     """Raises :class:`~magi_jax.planning.errors.CapacityError` naming ``field`` for the
     first call of ``runs`` with more than ``num_runs`` runs."""
     per_call = np.diff(runs.run_bounds)
@@ -321,7 +323,7 @@ class ListRuns(NamedTuple):
     offsets: np.ndarray
 
 
-def check_items(per_rank: np.ndarray, num_items: int, field: str = "items"):
+def check_items(per_rank: np.ndarray, num_items: int, field: str = "items") -> None:
     """:func:`pad_work_list`'s :class:`~magi_jax.planning.errors.CapacityError` for the
     first call whose list holds more than ``num_items`` items."""
     over = np.nonzero(np.asarray(per_rank) > int(num_items))[0]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 _LIBS = {"cpu": "_magi_native_cpu.so", "cuda": "_magi_native_cuda.so"}
 CAST_TARGET, REDUCE_TARGET = "magi_group_cast", "magi_group_reduce"
@@ -56,7 +57,7 @@ def _capsule(ptr: int):
 
 
 @functools.cache
-def load_library(platform: str):
+def load_library(platform: str) -> ctypes.CDLL:
     """Loads and registers the library of ``platform`` ('cpu' or 'cuda'); raises
     :class:`NativeUnavailable` with the reason."""
     name = _LIBS.get(platform)
@@ -164,7 +165,7 @@ def available(platform: str | None = None) -> bool:
     return unavailable_reason(platform) is None
 
 
-def gpu_mesh_problem(mesh, cp_axis: str) -> str | None:
+def gpu_mesh_problem(mesh: Mesh, cp_axis: str) -> str | None:
     """Why ``mesh`` of GPUs cannot run the CUDA native transport on ``cp_axis`` (``None`` when
     it can): one GPU per process, the cp axis spanning every process in process order."""
     if jax.local_device_count() != 1:
@@ -187,7 +188,7 @@ def gpu_mesh_problem(mesh, cp_axis: str) -> str | None:
     return None
 
 
-def check_mesh(mesh, cp_axis: str) -> None:
+def check_mesh(mesh: Mesh, cp_axis: str) -> None:
     """Raises ``ValueError`` if ``comm_backend="native"`` cannot run on ``mesh``."""
     devices = list(np.asarray(mesh.devices).reshape(-1))
     plat = devices[0].platform

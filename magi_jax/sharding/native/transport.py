@@ -46,6 +46,8 @@ import dataclasses
 import itertools
 import math
 import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +66,15 @@ from magi_jax.sharding.native.library import (
     platform_key,
     unavailable_reason,
 )
+
+if TYPE_CHECKING:  # annotations only: the collectives import this module
+    from jax.sharding import Mesh
+
+    from magi_jax.planning.cast_table import CastTable
+    from magi_jax.sharding.collectives import CastSpec
+
+# One array or a list of arrays of the same rows (moved side by side by one collective).
+Arrays = jax.Array | list[jax.Array]
 
 __all__ = [
     "available",
@@ -178,7 +189,7 @@ def cuda_tuning() -> CudaTuning:
 
 
 @contextlib.contextmanager
-def tuning(**changes):
+def tuning(**changes: Any) -> Iterator[CudaTuning]:
     """Collectives traced inside ``with native.tuning(mode="pull", chunk_kib=128): ...`` use
     those settings (for benchmarks; a jitted function keeps what it was traced with)."""
     _tuning.append(dataclasses.replace(_tuning[-1], **changes))
@@ -188,7 +199,7 @@ def tuning(**changes):
         _tuning.pop()
 
 
-def check_table(table) -> None:
+def check_table(table: CastTable) -> None:
     """Raises ``ValueError`` unless ``table`` (a stacked :class:`CastTable`) is one the native
     transport moves exactly: for every rank ``d`` and slot ``j``, the entries ``j·S + p`` of
     ``recv_index[d]`` are exactly the real entries ``p`` of ``send_index[(d - shift_j) % cp, j]``,
@@ -293,7 +304,7 @@ def finalize() -> None:
         load_library("cuda").magi_nv_finalize()
 
 
-def auto_reason(mesh, cp_axis: str) -> str | None:
+def auto_reason(mesh: Mesh, cp_axis: str) -> str | None:
     """``None`` if ``comm_backend="auto"`` should pick ``native`` for ``mesh``: GPUs, one per
     process, the cp axis spanning every process in process order, the CUDA library built and,
     over more than one rank, NVSHMEM initialised (:func:`init_problem`: every process makes
@@ -331,7 +342,7 @@ def init_problem() -> str | None:
 _INIT_FAILURE: str | None = None  # None: not tried; "": initialized; else the failure
 
 
-def staging_bytes(n_slots: int, slot_len: int, row_shape, dtype) -> int:
+def staging_bytes(n_slots: int, slot_len: int, row_shape: tuple[int, ...], dtype: Any) -> int:
     """Symmetric staging bytes one collective needs: every position of the received blocks
     (``n_slots · S`` rows of ``row_shape`` and ``dtype``)."""
     return n_slots * slot_len * math.prod(row_shape) * np.dtype(dtype).itemsize
@@ -447,7 +458,14 @@ def _row_bytes(xs) -> int:
     return sum(math.prod(a.shape[1:]) * np.dtype(a.dtype).itemsize for a in xs)
 
 
-def group_cast(x, tables, spec, *, prefix: bool = False, timeout_s: float | None = None):
+def group_cast(
+    x: Arrays,
+    tables: tuple[jax.Array, jax.Array],
+    spec: CastSpec,
+    *,
+    prefix: bool = False,
+    timeout_s: float | None = None,
+) -> Arrays:
     """Native :func:`~magi_jax.sharding.collectives.group_cast` (no VJP of its own: the
     transport-generic ``group_cast`` wraps it). ``x [T, ...]`` -> ``[B, ...]``; ``x`` may be
     a list of up to :data:`MAX_ARRAYS` arrays with the same rows (e.g. ``[k, v]``): one
@@ -581,17 +599,17 @@ def _unflat(got, ys, num_rows, single):
 
 
 def group_reduce(
-    y,
-    tables,
-    spec,
+    y: Arrays,
+    tables: tuple[jax.Array, jax.Array],
+    spec: CastSpec,
     num_rows: int,
     *,
-    acc=None,
+    acc: Arrays | None = None,
     prefix: bool = False,
-    own=None,
-    out_dtype=None,
+    own: Arrays | None = None,
+    out_dtype: Any = None,
     timeout_s: float | None = None,
-):
+) -> Arrays:
     """Native :func:`~magi_jax.sharding.collectives.group_reduce`: ``y [B, ...]`` summed in
     float32 (float64 for float64 ``y``; CPU only) into the owners' rows ->
     ``[num_rows, ...]``, added to ``acc`` (same shape, float32) when given. ``y`` (and
@@ -613,7 +631,7 @@ def group_reduce(
     return _unflat(got, ys, num_rows, single)
 
 
-def reduce_runs(table) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def reduce_runs(table: CastTable) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """What a started reduce copies, from a stacked ``CastTable``: per rank, the maximal runs
     ``(b0, e0, length)`` of its receive table (``recv_index[b0 + i] = e0 + i`` within one
     slot), flattened, and the offsets of each rank's runs in them (``cp + 1``). Buffer rows
@@ -636,7 +654,7 @@ def reduce_runs(table) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     return tuple(flat), tuple(offsets)
 
 
-def can_start_reduce(spec) -> bool:
+def can_start_reduce(spec: CastSpec) -> bool:
     """Whether :func:`group_reduce_start` can run for ``spec`` here: its runs are known
     (:func:`reduce_runs`), :attr:`CudaTuning.started_reduce` is on and, on GPU, NVSHMEM is
     initialized (a forward's cast does it) with staging for started reduces and every PE
@@ -649,16 +667,16 @@ def can_start_reduce(spec) -> bool:
 
 
 def group_reduce_start(
-    y,
-    tables,
-    spec,
+    y: Arrays,
+    tables: tuple[jax.Array, jax.Array],
+    spec: CastSpec,
     num_rows: int,
     *,
     prefix: bool = False,
-    own=None,
-    out_dtype=None,
+    own: Arrays | None = None,
+    out_dtype: Any = None,
     timeout_s: float | None = None,
-):
+) -> tuple[jax.Array, Callable[[jax.Array], Arrays]]:
     """:func:`group_reduce` in two calls, so that other kernels run while its rows move:
     returns ``(token, done)``; ``done(token)`` returns what ``group_reduce`` would. On GPU the
     start queues, on a high-priority side stream, a copy kernel of 16 blocks that writes the
