@@ -160,9 +160,9 @@ from benchmarks.baselines.ring import make_ring_plan, ring_attention  # noqa: E4
 from benchmarks.baselines.ulysses import make_ulysses_plan, ulysses_attention  # noqa: E402
 from benchmarks.kernel_bench import make_mask  # noqa: E402
 from benchmarks.probe import nocomm_attention  # noqa: E402
+from magi_jax.planning.backends import FFA_BACKENDS  # noqa: E402
 from magi_jax.planning.stages import build_dist_plan  # noqa: E402
 from magi_jax.sharding import magi_attention, make_flex_key  # noqa: E402
-from magi_jax.sharding import make_key as key_mod  # noqa: E402
 
 IMPLS = ("single", "magi", "ring", "allgather", "ulysses", "magi_nocomm")
 FWD_BWD = 3.5  # fwd+bwd FLOPs = 3.5 x forward (every benchmark here)
@@ -338,7 +338,7 @@ def run(a):
     dtype = jnp.dtype(a.dtype)
     backend, why = pick_backend(a.backend, dtype, a.head_dim)
     ffa = LocalFFA(backend)
-    magi_ffa = backend if backend in key_mod.FFA_BACKENDS else "xla"
+    magi_ffa = backend if backend in FFA_BACKENDS else "xla"
     dev = devices[0]
     stamp = datetime.datetime.now(datetime.timezone.utc)
     meta = dict(
@@ -360,7 +360,7 @@ def run(a):
     if magi_ffa != backend:
         meta["note"] = (
             f"magi_attention has no {backend!r} per-rank FFA yet "
-            f"(ffa_backends {key_mod.FFA_BACKENDS}); it runs on {magi_ffa!r} "
+            f"(ffa_backends {FFA_BACKENDS}); it runs on {magi_ffa!r} "
             f"while the baselines run on {backend!r}: not a like-for-like row"
         )
     os.makedirs(a.out, exist_ok=True)

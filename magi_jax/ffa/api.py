@@ -7,6 +7,7 @@ import math
 
 import jax.numpy as jnp
 
+from magi_jax.ffa.backends import BACKENDS, select_backend
 from magi_jax.ffa.plan import AttnPlan
 from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.ffa.xla import xla_ffa
@@ -15,40 +16,9 @@ from magi_jax.planning.work_list import backend_blocks, plan_for_mask
 
 __all__ = ["flex_flash_attention", "BACKENDS", "select_backend", "check_options"]
 
-BACKENDS = ("auto", "xla", "pallas")
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 _MAX_HEAD_DIM = 256
 _log = logging.getLogger(__name__)
-
-
-def select_backend(
-    backend: str = "auto", q=None, k=None, v=None, mask: AttnMask | None = None
-) -> tuple[str, str]:
-    """The backend ``flex_flash_attention`` would use and why: ``(name, reason)``.
-
-    ``auto`` picks ``pallas`` (Mosaic GPU kernels) on an sm90 GPU when the inputs, if given,
-    are supported (bf16/fp16, D 64, 128 or 256), else ``xla``, with the reason. An explicit
-    ``pallas`` that cannot run raises ``NotImplementedError`` saying why."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    if backend == "xla":
-        return "xla", "requested explicitly"
-    from magi_jax import pallas
-
-    if q is not None:
-        ok, why = pallas.supported(q, k, v)
-    else:
-        ok, why = pallas.device_supported()
-    if backend == "pallas":
-        if not ok:
-            raise NotImplementedError(
-                f"backend='pallas': the Mosaic GPU FFA kernels are not available for this "
-                f"call: {why}; use backend='xla' (or 'auto', which falls back to it)"
-            )
-        return "pallas", "requested explicitly"
-    if ok:
-        return "pallas", "sm90 GPU" + (" and supported inputs" if q is not None else "")
-    return "xla", f"pallas (Mosaic GPU) not used: {why}"
 
 
 def _check_inputs(q, k, v, mask: AttnMask):

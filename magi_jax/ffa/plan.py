@@ -22,8 +22,10 @@ import functools
 import jax
 import numpy as np
 
+from magi_jax.ffa.backends import auto_backend
 from magi_jax.ffa.ragged import expand_item_runs
 from magi_jax.mask import AttnMask
+from magi_jax.planning.backends import AUTO, BACKEND_CHOICES, check_backend
 from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.work_list import (
     FFAPlanArrays,
@@ -38,7 +40,7 @@ from magi_jax.planning.work_list import (
 
 __all__ = ["AttnPlan", "PlanStatic", "plan_attention", "PLAN_BACKENDS", "expand_lists"]
 
-PLAN_BACKENDS = ("auto", "xla", "pallas")
+PLAN_BACKENDS = BACKEND_CHOICES
 # Items per lane of the xla backend (its device-side cut of each tile's run).
 _XLA_LANE_LEN = 16
 
@@ -100,14 +102,9 @@ class AttnPlan:
 
 
 def _resolve_backend(backend: str) -> tuple[str, str]:
-    if backend not in PLAN_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {PLAN_BACKENDS}")
-    if backend != "auto":
-        return backend, "requested explicitly"
-    from magi_jax.pallas.api import device_supported
-
-    ok, why = device_supported()
-    return ("pallas", "sm90 GPU") if ok else ("xla", why)
+    if check_backend(backend) == AUTO:
+        return auto_backend()
+    return backend, "requested explicitly"
 
 
 def plan_attention(

@@ -2,7 +2,7 @@
 
 ``xla`` is the portable blockwise implementation, ``pallas`` the Mosaic GPU kernels (Hopper);
 ``"auto"`` picks between them where a call runs (the device decides, so the pick lives on the
-device side: :func:`magi_jax.ffa.api.select_backend`). Both read one plan format, the work
+device side: :func:`magi_jax.ffa.backends.auto_backend`). Both read one plan format, the work
 lists of :mod:`magi_jax.planning.work_list`, on each backend's own tiles
 (:func:`~magi_jax.planning.work_list.backend_blocks`); the device halves are
 :mod:`magi_jax.sharding.ffa_backends`.

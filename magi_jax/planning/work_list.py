@@ -24,6 +24,7 @@ import numpy as np
 
 from magi_jax.caches import cached
 from magi_jax.mask import AttnMask, SliceShapes
+from magi_jax.planning.backends import FFA_BACKENDS
 from magi_jax.planning.errors import capacity_error
 from magi_jax.planning.intervals import ranges_incl
 from magi_jax.planning.tiling import EMPTY_ITEM, ITEM_FIELDS, tile_items
@@ -639,7 +640,7 @@ def count_runs(
     one call)."""
     rank = np.zeros(len(shapes.q0), np.int64) if slice_rank is None else slice_rank
     most = {"q": 0, "k": 0}
-    for backend in ("xla", "pallas"):
+    for backend in FFA_BACKENDS:
         blocks = xla_blocks if backend == "xla" and xla_blocks is not None else (None, None)
         fwd, bwd = backend_blocks(backend, total_q, total_k, *blocks)
         for block, by in ((fwd, "q"), (bwd, "k")):

@@ -25,7 +25,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from magi_jax.caches import Cache
+from magi_jax.ffa.backends import auto_backend
 from magi_jax.mask import AttnMask
+from magi_jax.planning.backends import AUTO, check_backend
 from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.cast_table import choose_transport
 from magi_jax.planning.defaults import (
@@ -38,7 +40,6 @@ from magi_jax.planning.stages import DistPlan, build_dist_plan, resolve_kv
 from magi_jax.planning.work_list import default_block_sizes
 from magi_jax.sharding import native
 from magi_jax.sharding.collectives import TRANSPORTS, CastRuns, CastSpec
-from magi_jax.sharding.ffa_backends import FFA_BACKENDS
 from magi_jax.sharding.key import (
     CheckedKey,
     KeyStatic,
@@ -200,8 +201,9 @@ def make_flex_key(
       block_q, block_k: FFA tile sizes (default 128, smaller for short local lengths).
       ffa_backend: per-rank FFA implementation: ``"auto"`` (default: ``"pallas"`` when the
         default device is an sm90 GPU, else ``"xla"``; :func:`ffa_backend_reason` says why),
-        ``"xla"`` (portable) or ``"pallas"`` (Mosaic GPU kernels: Hopper, bf16/fp16, D 64/128;
-        :func:`~magi_jax.sharding.magi_attention` rejects other inputs, naming the fix).
+        ``"xla"`` (portable) or ``"pallas"`` (Mosaic GPU kernels: Hopper, bf16/fp16, D 64,
+        128 or 256; :func:`~magi_jax.sharding.magi_attention` rejects other inputs, naming the
+        fix).
       backward_refetch: the backward re-fetches each remote stage's KV (one more group-cast
         per stage) instead of keeping every stage's buffer from the forward (memory: local
         KV plus the stage in flight; docs/design.md §3.2). ``False`` keeps the buffers (less
@@ -375,10 +377,8 @@ def _key_args(
     ):
         comm_backend = "native"
     relay = _relay_layout(mesh, cp_axis, hierarchical, comm_backend, capacity)
-    if ffa_backend not in ("auto",) + FFA_BACKENDS:
-        raise ValueError(f"ffa_backend={ffa_backend!r} is not one of {('auto',) + FFA_BACKENDS}")
-    if ffa_backend == "auto":
-        ffa_backend = "xla" if ffa_backend_reason() else "pallas"
+    if check_backend(ffa_backend, "ffa_backend") == AUTO:
+        ffa_backend = auto_backend()[0]
     if capacity is not None:
         chunk_size, overlap_degree = _capacity_options(
             capacity, mask, cp, chunk_size, overlap_degree
@@ -464,10 +464,8 @@ def _check_dispatch_flag(value) -> bool:
 def ffa_backend_reason() -> str | None:
     """``None`` when ``ffa_backend="auto"`` picks ``"pallas"`` (the default device is an sm90
     GPU), else why it picks ``"xla"``."""
-    from magi_jax.pallas.api import device_supported
-
-    ok, why = device_supported()
-    return None if ok else f"pallas (Mosaic GPU) not used: {why}"
+    name, why = auto_backend()
+    return None if name == "pallas" else why
 
 
 def _capacity_options(capacity, mask, cp, chunk_size, overlap_degree):
