@@ -15,11 +15,11 @@ step takes the key as an argument and compiles once (the run fails if it compile
 next step's key is planned on a background thread (``mj.prefetch_keys``) while a step runs.
 
 Precision: parameters are float32; attention inputs (q, k, v) are bfloat16 on GPUs (the
-Mosaic GPU kernels, ``pallas``, need bf16/fp16 and head dim 64 or 128) and float32 elsewhere
-(``--dtype``). Before training, the step-0 loss and gradients of the context-parallel model
-are checked against the same model on one device (``flex_flash_attention`` over
-natural-order tokens, same attention dtype and FFA backend) with a tolerance that fits the
-dtype.
+Mosaic GPU kernels, ``pallas``, need bf16/fp16 and head dim 64, 128 or 256) and float32
+elsewhere (``--dtype``). Before training, the step-0 loss and gradients of the
+context-parallel model are checked against the same model on one device
+(``flex_flash_attention`` over natural-order tokens, same attention dtype and FFA backend)
+with a tolerance that fits the dtype.
 
 Pods: ``--dp N`` gives the mesh a data-parallel axis of N replicas, each training on its own
 packed sequence with its own layout every step (a batch of N rows, one plan per row: a
