@@ -124,12 +124,15 @@ def attention_rows(args):
     rng = np.random.default_rng(1)
     meshes = [tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",")]
     out = []
-    alone = {}
+    alone, caps = {}, {}
+    # One sample of packings and one capacity per cp: every mesh of one cp compiles the same
+    # shapes, so FLOPs per device compare the rows' work, not their capacities.
+    sample = packings(rng, 16, args.tokens, args.docs)
     for dp, cp in meshes:
-        masks = packings(rng, max(dp, 1), args.tokens, args.docs)
-        cap = mj.PlanCapacity.from_masks(
-            masks + packings(rng, 8, args.tokens, args.docs), mesh_size=cp
-        )
+        masks = sample[:dp]
+        if cp not in caps:
+            caps[cp] = mj.PlanCapacity.from_masks(sample, mesh_size=cp)
+        cap = caps[cp]
         if cp not in alone:  # one replica: its row on cp devices
             one = mj.make_flex_key(masks[0], mesh_of(1, cp), "cp", capacity=cap, ffa_backend="xla")
             compiled, arrays = step_fn(one, args, 0)
