@@ -44,6 +44,11 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--plan-tokens", type=int, default=131072, help="tokens per row (planning)")
     ap.add_argument("--plan-meshes", default="1x8,2x4,4x2,8x1", help="dp x cp for planning")
+    ap.add_argument(
+        "--attention-from",
+        default="",
+        help="take the attention rows from this earlier run's json (plan only)",
+    )
     ap.add_argument("--out", default=str(_ROOT / "benchmarks" / "results" / "pods"))
     return ap.parse_args(argv)
 
@@ -211,7 +216,11 @@ def main(args):
         load=os.getloadavg()[0],
         argv=sys.argv[1:],
     )
-    attn = attention_rows(args)
+    if args.attention_from:
+        attn = json.loads(Path(args.attention_from).read_text())["attention"]
+        env["attention_from"] = args.attention_from
+    else:
+        attn = attention_rows(args)
     plan = planning_rows(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
