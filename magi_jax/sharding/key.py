@@ -234,7 +234,7 @@ class MagiKey:
         """Bytes of the key's device arrays (all ranks together)."""
         return int(sum(a.nbytes for a in jax.tree.leaves(self)))
 
-    def plot(self, path=None, **kwargs):
+    def plot(self, path: str | None = None, **kwargs):
         """Picture of the plan (PNG at ``path``); see :func:`magi_jax.plot.plot_plan`."""
         if self.plan is None:
             raise ValueError(
@@ -271,7 +271,7 @@ class MagiKey:
         )
 
 
-def token_index(chunks, chunk_size: int):
+def token_index(chunks: jax.Array, chunk_size: int) -> jax.Array:
     """int32 ``[(B,) len(chunks)·chunk_size]``: the token-level view of a chunk permutation
     (row ``i`` -> ``chunks[i // chunk_size]·chunk_size + i % chunk_size``), on the device;
     ``chunks`` ``[(B,) num_chunks]``."""
@@ -279,7 +279,7 @@ def token_index(chunks, chunk_size: int):
     return rows.reshape(chunks.shape[:-1] + (-1,))
 
 
-def check_key(key, fn: str = "", *xs):
+def check_key(key: object, fn: str = "", *xs: object) -> None:
     """``key`` is a :class:`MagiKey`, and not one closed over by a traced function while its
     arrays span devices of other processes (``xs``: the call's array inputs; a tracer among
     them means a trace)."""
@@ -353,11 +353,11 @@ class CheckedKey(MagiKey):
         return super().__repr__()[:-1] + ", check_dispatch=True)"
 
 
-def is_checked(key) -> bool:
+def is_checked(key: MagiKey) -> bool:
     return isinstance(key, CheckedKey)
 
 
-def rows_desc(key) -> str:
+def rows_desc(key: MagiKey) -> str:
     """How the key's dispatched rows add up, for messages."""
     st = key.static
     extra = f" + {st.cp} hidden check rows (check_dispatch=True)" if is_checked(key) else ""
@@ -366,7 +366,7 @@ def rows_desc(key) -> str:
     )
 
 
-def check_mesh(mesh, cp_axis):
+def check_mesh(mesh: Mesh, cp_axis: str | tuple[str, ...]) -> int:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
     try:
@@ -390,12 +390,12 @@ def check_mesh(mesh, cp_axis):
 # ---- cp over several mesh axes (a tuple cp_axis: the flattened axes, the first major) -------
 
 
-def cp_names(cp_axis) -> tuple:
+def cp_names(cp_axis: str | tuple[str, ...]) -> tuple[str, ...]:
     """The mesh axes a cp axis spans: ``("cp",)`` for ``"cp"``, the tuple itself else."""
     return (cp_axis,) if isinstance(cp_axis, str) else tuple(cp_axis)
 
 
-def cp_ranks(mesh: Mesh, cp_axis) -> dict:
+def cp_ranks(mesh: Mesh, cp_axis: str | tuple[str, ...]) -> dict:
     """Each device's cp rank: its index along the flattened cp axes (the first major)."""
     idx = [mesh.axis_names.index(a) for a in cp_names(cp_axis)]
     sizes = [int(mesh.shape[a]) for a in cp_names(cp_axis)]
@@ -405,7 +405,7 @@ def cp_ranks(mesh: Mesh, cp_axis) -> dict:
     }
 
 
-def normal_cp_axis(cp_axis):
+def normal_cp_axis(cp_axis: str | tuple[str, ...] | list[str]) -> str | tuple[str, ...]:
     """A hashable cp axis: a name, or a tuple of two names or more (a 1-tuple is its name)."""
     if isinstance(cp_axis, (tuple, list)):
         cp_axis = tuple(cp_axis)
@@ -413,14 +413,19 @@ def normal_cp_axis(cp_axis):
     return cp_axis
 
 
-def axes_entry(axes: tuple[str, ...]):
+def axes_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
     """A ``PartitionSpec`` entry for mesh axes: ``None`` (none), the name (one), the tuple."""
     if not axes:
         return None
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def check_pod_axes(mesh: Mesh, cp_axis, batch_axes, head_axes) -> tuple[tuple, tuple]:
+def check_pod_axes(
+    mesh: Mesh,
+    cp_axis: str | tuple[str, ...],
+    batch_axes: str | tuple[str, ...] | list[str] | None,
+    head_axes: str | tuple[str, ...] | list[str] | None,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(batch_axes, head_axes)`` as tuples of distinct mesh axes, none of them a cp axis."""
     out = []
     for name, axes in (("batch_axes", batch_axes), ("head_axes", head_axes)):

@@ -35,12 +35,12 @@ __all__ = [
 # key's [num_chunks] leaves: no token-level index exists, on the host or on the device.
 
 
-def split_axis(x, axis: int, *sizes):
+def split_axis(x: jax.Array, axis: int, *sizes: int) -> jax.Array:
     """``x`` with axis ``axis`` split into ``sizes`` (their product is its length)."""
     return x.reshape(x.shape[:axis] + sizes + x.shape[axis + 1 :])
 
 
-def merge_axes(x, axis: int, count: int):
+def merge_axes(x: jax.Array, axis: int, count: int) -> jax.Array:
     """``x`` with axes ``axis .. axis + count - 1`` merged into one."""
     n = int(np.prod(x.shape[axis : axis + count]))
     return x.reshape(x.shape[:axis] + (n,) + x.shape[axis + count :])
@@ -179,7 +179,9 @@ def _dispatch_kv(x, key, axis, seq_axis):
     )
 
 
-def dispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
+def dispatch(
+    x: jax.typing.ArrayLike, key: MagiKey, seq_axis: int = 0, *, role: str = "q"
+) -> jax.Array:
     """Natural order -> dispatched order along ``seq_axis`` (``total`` -> ``padded_total``
     rows), sharded over the cp axis: rank ``r`` holds rows ``[r·local_len, (r+1)·local_len)``;
     padding rows are zero. Differentiable (the VJP gathers the cotangent back).
@@ -224,7 +226,9 @@ def dispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
     return shard_rows(y, key, axis)
 
 
-def undispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
+def undispatch(
+    x: jax.typing.ArrayLike, key: MagiKey, seq_axis: int = 0, *, role: str = "q"
+) -> jax.Array:
     """Dispatched -> natural order along ``seq_axis`` (``padded_total`` -> ``total`` rows,
     padding dropped). Differentiable (padding rows get zero cotangent). ``role="kv"``: the
     inverse of ``dispatch(..., role="kv")`` (``key.kv_padded_total`` -> ``total_k`` rows; a
@@ -273,7 +277,7 @@ def undispatch(x, key: MagiKey, seq_axis: int = 0, *, role: str = "q"):
     return _guard(jax.lax.slice_in_dim(y, 0, st.total, axis=axis), key, axis)
 
 
-def plans_agree(key: MagiKey):
+def plans_agree(key: MagiKey) -> jax.Array:
     """bool ``[]`` (``[B]`` batched): whether every rank of the CP group (of each row) holds
     the same plan, from the ``plan_id`` each device's process wrote (two scalar collectives
     over the cp axis). The processes of a CP group plan by themselves; a loader bug or
@@ -301,7 +305,7 @@ def _guard(y, key: MagiKey, axis: int):
     return jnp.where(agree, y, jnp.nan)
 
 
-def check_seq_axis(x, seq_axis, fn):
+def check_seq_axis(x: jax.Array, seq_axis: int, fn: str) -> int:
     if isinstance(seq_axis, (bool, np.bool_)) or not isinstance(seq_axis, (int, np.integer)):
         raise TypeError(
             f"{fn}: seq_axis={seq_axis!r} must be an int (the axis of the packed sequence)"
@@ -313,7 +317,7 @@ def check_seq_axis(x, seq_axis, fn):
     return seq_axis % x.ndim
 
 
-def position_ids(key: MagiKey, *, role: str = "q"):
+def position_ids(key: MagiKey, *, role: str = "q") -> jax.Array:
     """int32 ``[padded_total]`` (``[B, padded_total]`` for a batched key: each row's own): the
     global position of every dispatched token (for RoPE);
     padding tokens get positions ``>= total``. Sharded like dispatched arrays: on a mesh
@@ -340,7 +344,7 @@ def position_ids(key: MagiKey, *, role: str = "q"):
     return shard_rows(order, key, order.ndim - 1)
 
 
-def shard_rows(x, key: MagiKey, axis: int = 0, replicated: bool = False):
+def shard_rows(x: jax.Array, key: MagiKey, axis: int = 0, replicated: bool = False) -> jax.Array:
     """Constrains ``x`` to be sharded along ``axis`` over the cp axis (Auto or Explicit), or
     to be replicated along it; an axis 0 before the sequence is the batch, sharded over the
     key's batch axes."""

@@ -503,7 +503,7 @@ def _capacity_options(capacity, mask, cp, chunk_size, overlap_degree):
 _KEYS = Cache("keys", max_bytes=1 << 30, size_of=lambda key: key.nbytes())
 
 
-def clear_key_cache(max_bytes: int | None = None):
+def clear_key_cache(max_bytes: int | None = None) -> None:
     """Drops every cached key (and with ``max_bytes``, sets the cache's bound in bytes of
     device arrays; default 1 GiB). Cached host plans are cleared by
     :func:`magi_jax.clear_caches`."""
@@ -701,7 +701,13 @@ def put_global(a: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 def make_varlen_key(
-    cu_seqlens, mesh: Mesh, cp_axis: str = "cp", *, causal: bool = True, window=None, **options
+    cu_seqlens: Sequence[int] | np.ndarray,
+    mesh: Mesh,
+    cp_axis: str = "cp",
+    *,
+    causal: bool = True,
+    window: int | tuple[int, int] | None = None,
+    **options,
 ) -> MagiKey:
     """:func:`make_flex_key` for packed documents (``AttnMask.varlen(cu_seqlens, causal,
     window)``; causal by default, like ``AttnMask.varlen``); ``options`` as for
