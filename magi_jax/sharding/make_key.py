@@ -845,35 +845,31 @@ def make_batch_key(
     by_row = NamedSharding(mesh, P(entry))
     by_row_rank = NamedSharding(mesh, P(entry, cp_axis))
 
-    def stacked(get, sharding):
-        """The global ``[B, ...]`` array of a leaf; each process fills its own rows."""
-        shape = (batch,) + get(first).shape
+    def parts(hk: HostKey) -> tuple:
+        return (hk.chunk_order, hk.chunk_inverse, hk.stage_arrays, hk.kv_chunks, hk.plan_id)
 
+    # Leaf i of the key is the rows' leaves i stacked, [B, ...]: each process fills only
+    # the rows its devices hold (the other rows are never planned here).
+    leaves = {row: jax.tree.leaves(parts(hk)) for row, hk in hosts.items()}
+    mine = leaves[next(iter(hosts))]
+    shardings = jax.tree.leaves(
+        (by_row, by_row, jax.tree.map(lambda _: by_row_rank, first.stage_arrays))
+        + (tuple(by_row for _ in first.kv_chunks), by_row_rank)
+    )
+
+    def stacked(i: int, sharding: NamedSharding) -> jax.Array:
         def fill(index):
             rows = range(*index[0].indices(batch))
-            block = np.stack([np.asarray(get(hosts[r]), np.int32) for r in rows])
+            block = np.stack([np.asarray(leaves[r][i], np.int32) for r in rows])
             return block[(slice(None),) + tuple(index[1:])]
 
-        return jax.make_array_from_callback(shape, sharding, fill)
+        return jax.make_array_from_callback((batch,) + mine[i].shape, sharding, fill)
 
-    flat = {row: jax.tree.leaves(hk.stage_arrays) for row, hk in hosts.items()}
-    index = {id(hk): row for row, hk in hosts.items()}
-    leaves = [
-        stacked(lambda hk, i=i: flat[index[id(hk)]][i], by_row_rank)
-        for i in range(len(flat[next(iter(hosts))]))
-    ]
-    stage_arrays = jax.tree.unflatten(jax.tree.structure(first.stage_arrays), leaves)
-    kv = tuple(
-        stacked(lambda hk, i=i: hk.kv_chunks[i], by_row) for i in range(len(first.kv_chunks))
+    tree = jax.tree.structure(parts(first))
+    order, inverse, stage_arrays, kv, plan_id = jax.tree.unflatten(
+        tree, [stacked(i, sh) for i, sh in enumerate(shardings)]
     )
-    return MagiKey(
-        static,
-        stacked(lambda hk: hk.chunk_order, by_row),
-        stacked(lambda hk: hk.chunk_inverse, by_row),
-        stage_arrays,
-        *kv,
-        plan_id=stacked(lambda hk: hk.plan_id, by_row_rank),
-    )
+    return MagiKey(static, order, inverse, stage_arrays, *kv, plan_id=plan_id)
 
 
 def _static_diff(a: KeyStatic, b: KeyStatic) -> str:
