@@ -6,9 +6,10 @@
 
 Prints the dispatch (chunks per rank), the balance of attention work (max/mean mask cells per
 rank, next to the contiguous / zigzag / striped baselines), the remote-KV volume (next to what
-ring attention moves), the overlap stages and the planning time; writes the picture of
-:func:`magi_jax.plot.plot_plan` (and, with ``--mask-out``, of the mask). The plan is the one
-:func:`magi_jax.make_flex_key` builds on a real mesh with the same options.
+ring attention moves), the rows each transport puts on the wire, padding included (per rank
+and in total, inside and between nodes), the overlap stages and the planning time; writes
+the picture of :func:`magi_jax.plot.plot_plan` (and, with ``--mask-out``, of the mask). The
+plan is the one :func:`magi_jax.make_flex_key` builds on a real mesh with the same options.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from magi_jax.mask_zoo import MASKS, make_mask  # the zoo of --mask (re-exported
 from magi_jax.planning.defaults import default_overlap_degree
 from magi_jax.planning.solver import ALGORITHMS, remote_kv_tokens, solve_dispatch
 from magi_jax.planning.stages import build_dist_plan
+from magi_jax.planning.wire import plan_wire, ring_rows
 from magi_jax.planning.work_list import default_block_sizes
 
 __all__ = ["MASKS", "make_mask", "parse_tokens", "parse_cu_seqlens", "main"]
@@ -116,6 +118,13 @@ def main(argv=None) -> int:
         default=None,
         help="remote stages (default: the cost model's choice, as in make_flex_key)",
     )
+    ap.add_argument(
+        "--local",
+        type=int,
+        default=None,
+        help="ranks per node (default: all --cp ranks on one node); the wire is then "
+        "split into rows inside nodes and between nodes, and the two-hop cast is counted",
+    )
     ap.add_argument("--algorithm", default="magi", choices=ALGORITHMS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="plan.png", help="picture of the plan (PNG); '' for none")
@@ -123,6 +132,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cp < 1:
         ap.error(f"--cp {args.cp} must be >= 1")
+    if args.local is not None and (args.local < 1 or args.cp % args.local):
+        ap.error(f"--local {args.local} must divide --cp {args.cp} (ranks per node)")
 
     if args.bidirectional and args.cu_seqlens is None:
         ap.error("--bidirectional applies to --cu-seqlens only")
@@ -195,6 +206,7 @@ def main(argv=None) -> int:
         f"remote KV per rank: max {_fmt(int(rem.max()))}, mean {_fmt(float(rem.mean()))}; "
         f"total {_fmt(int(rem.sum()))} tokens over the network"
     )
+    _print_wire(plan, args.local, ring_rows(args.cp, meta.local_len))
     print(
         f"stages    overlap degree {plan.overlap_degree}: {len(plan.stages)} FFA call(s) per "
         f"rank (tiles {bq}x{bk})"
@@ -232,6 +244,41 @@ def main(argv=None) -> int:
             plot_mask(mask, args.mask_out)
             print(f"wrote     {args.mask_out}")
     return 0
+
+
+def _print_wire(plan, local, ring: int):
+    """The wire counts of ``plan``'s casts (:mod:`magi_jax.planning.wire`), per transport."""
+    counts = [(name, plan_wire(plan, name, local)) for name in ("ppermute", "all_to_all", "native")]
+    if local is not None and local < plan.cp and plan.cp // local > 1:
+        from magi_jax.planning.hierarchy import NodeLayout, build_relay_table
+
+        layout = NodeLayout(plan.cp // local, local)
+        relays = [build_relay_table(st.cast, layout) for st in plan.stages if st.cast is not None]
+        counts.append(("two-hop", plan_wire(plan, "ppermute", local, relays=relays)))
+    real = counts[0][1]
+    print(
+        "wire      rows each rank sends per cast, busiest rank (and all ranks), padding "
+        f"included; ring attention sends {_fmt(ring)} per rank"
+    )
+    split = local is not None and local < plan.cp
+    print(
+        f"          {'real (the plan)':<16} {_fmt(int(real.real.max(initial=0))):>7} "
+        f"({_fmt(int(real.real.sum()))})"
+        + (f"   between nodes {_fmt(int(real.real_inter.sum()))}" if split else "")
+    )
+    for name, w in counts:
+        print(
+            f"          {name:<16} {_fmt(int(w.wire.max(initial=0))):>7} "
+            f"({_fmt(int(w.wire.sum()))})   {w.per_rank_ratio():5.2f}x per rank, "
+            f"{w.total_ratio():5.2f}x in total, {100 * w.wire.max(initial=0) / max(ring, 1):5.1f}% "
+            "of ring"
+            + (
+                f"   between nodes {_fmt(int(w.wire_inter.sum()))} "
+                f"(real {_fmt(int(w.real_inter.sum()))})"
+                if split
+                else ""
+            )
+        )
 
 
 if __name__ == "__main__":
