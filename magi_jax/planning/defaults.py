@@ -12,7 +12,13 @@ from magi_jax.mask import AttnMask, SliceShapes
 from magi_jax.planning.solver import DispatchMeta, auto_chunk_size, solve_dispatch
 from magi_jax.planning.stages import split_areas
 
-__all__ = ["default_overlap_degree", "capacity_chunk_size", "capacity_overlap_degree"]
+__all__ = [
+    "default_overlap_degree",
+    "capacity_chunk_size",
+    "capacity_overlap_degree",
+    "cast_pieces",
+    "CAPACITY_CAST_PIECES",
+]
 
 # Cost model of the default overlap degree (H200 figures, bf16, Hq = Hkv = 16,
 # D = 128): seconds per attended cell, per fetched KV token, per stage (fixed, and per local
@@ -26,6 +32,11 @@ _SEC_PER_STAGE = 30e-6
 _SEC_PER_STAGE_TOKEN = 5e-9
 _OVERLAP_EFFICIENCY = 0.5
 _MAX_DEGREE = 4
+# Gated pieces of a ppermute slot at a capacity (collectives._gated_ppermute): counted by
+# benchmarks/wire_bench.py at 128k x cp 8, 8 pieces bring the busiest rank's wire from
+# 1.25-6.6x its real rows to 1.1-2.7x (4 pieces: 1.25-3.3x); each piece is one more
+# conditional collective per slot.
+CAPACITY_CAST_PIECES = 8
 
 
 def default_overlap_degree(mask: AttnMask, meta: DispatchMeta, kv=None) -> int:
@@ -49,6 +60,13 @@ def default_overlap_degree(mask: AttnMask, meta: DispatchMeta, kv=None) -> int:
         if float(t.max()) < best_t * 0.98:
             best, best_t = k, float(t.max())
     return best
+
+
+def cast_pieces(capacity) -> int:
+    """Gated pieces per ``ppermute`` slot of a key's casts: :data:`CAPACITY_CAST_PIECES` at a
+    capacity (slots as wide as the capacity, most of it padding for most masks), 1 for a
+    key of one mask (its slots are as wide as their widest real block already)."""
+    return 1 if capacity is None else CAPACITY_CAST_PIECES
 
 
 def capacity_chunk_size(total: int, cp: int) -> int:

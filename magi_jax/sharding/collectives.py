@@ -55,6 +55,7 @@ import numpy as np
 
 from magi_jax.ffa.segments import _ragged
 from magi_jax.ffa.segments import _take as _take_in_bounds
+from magi_jax.planning.wire import piece_len
 from magi_jax.sharding import native
 
 __all__ = [
@@ -100,7 +101,10 @@ class CastSpec:
     (:func:`magi_jax.sharding.native.reduce_runs`), with which its reduce can be started
     (:func:`magi_jax.sharding.native.group_reduce_start`); ``None`` if unknown or too many.
     ``slot_len``, ``buffer_len``: ``S`` and ``B`` of the tables, to expand :class:`CastRuns`
-    (0: the tables come as :class:`CastArrays`)."""
+    (0: the tables come as :class:`CastArrays`). ``pieces``: the ``ppermute`` transport cuts
+    each slot into that many gated pieces and moves only those some rank fills
+    (:func:`_gated_ppermute`; keys at a capacity, whose slots are as wide as the capacity
+    allows); 1: every slot moves whole."""
 
     axis_name: str
     cp: int
@@ -110,10 +114,13 @@ class CastSpec:
     runs: tuple | None = None
     slot_len: int = 0
     buffer_len: int = 0
+    pieces: int = 1
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not one of {TRANSPORTS}")
+        if not isinstance(self.pieces, int) or self.pieces < 1:
+            raise ValueError(f"pieces={self.pieces!r} must be a positive integer")
         if len(self.shifts) != len(self.widths):
             raise ValueError("shifts and widths must have one entry per slot")
 
@@ -221,6 +228,32 @@ def _perm(spec: CastSpec, shift: int, reverse: bool):
     return [(r, (r + sign * shift) % spec.cp) for r in range(spec.cp)]
 
 
+def _slot_live(send, axis_name):
+    """int32 ``[n_slots]``: the most real entries any rank has in each slot of its send
+    table ``send [n_slots, S]`` (left-packed: entries at or past it are padding on every
+    rank), the same on every rank (a ``pmax`` over the axis)."""
+    return jax.lax.pmax(jnp.sum(send >= 0, axis=1, dtype=jnp.int32), axis_name)
+
+
+def _gated_ppermute(rows: tuple, axis_name, perm, live, pieces: int) -> tuple:
+    """``lax.ppermute(rows, axis_name, perm)`` of equally long ``rows [w, ...]`` cut into
+    ``pieces`` pieces of :func:`~magi_jax.planning.wire.piece_len` rows, piece ``k`` moved
+    only where ``live`` (a scalar equal on every rank) reaches into it, zeros otherwise:
+    exact when rows at or past ``live`` are zero on every rank, and the wire follows
+    ``live`` rather than ``w`` (counted by :func:`magi_jax.planning.wire.gated_widths`)."""
+    w = rows[0].shape[0]
+    if pieces <= 1 or w == 0:
+        return jax.lax.ppermute(rows, axis_name, perm)
+    size = piece_len(w, pieces)
+    send = lambda part: jax.lax.ppermute(part, axis_name, perm)
+    skip = lambda part: jax.tree.map(jnp.zeros_like, part)
+    parts = [
+        jax.lax.cond(live > lo, send, skip, tuple(r[lo : lo + size] for r in rows))
+        for lo in range(0, w, size)
+    ]
+    return tuple(jnp.concatenate([p[i] for p in parts]) for i in range(len(rows)))
+
+
 def _exchange(blocks, spec: CastSpec, reverse: bool):
     """``blocks [n_slots, S, ...]``: block ``j`` goes to ``r + shifts[j]`` (``r - shifts[j]``
     when ``reverse``) in one padded ``all_to_all``; returns the received blocks in the same
@@ -299,12 +332,16 @@ def _cast(x, tables: CastArrays, spec: CastSpec, prefix: bool = False):
     n, s = send.shape
     idx = jnp.where(send < 0, leaves[0].shape[0], send)
     if spec.transport == "ppermute":
-        # One ppermute per slot carrying only its real width; received blocks stay packed.
+        # One ppermute per slot carrying only its real width (gated pieces of it at a
+        # capacity); received blocks stay packed.
+        live = _slot_live(send, spec.axis_name) if spec.pieces > 1 else [None] * n
         blocks = [
-            jax.lax.ppermute(
+            _gated_ppermute(
                 tuple(_take(a, idx[j, :w]) for a in leaves),
                 spec.axis_name,
                 _perm(spec, shift, False),
+                live[j],
+                spec.pieces,
             )
             for j, (shift, w) in enumerate(zip(spec.shifts, spec.widths))
         ]
@@ -374,14 +411,19 @@ def _reduce(
     # Buffer rows back into their slot entries: recv is injective, so a gather by its inverse.
     inv_recv = _inverse(recv, n * s, b)
     if spec.transport == "ppermute":
+        # The cast's slots backwards, gated alike (its entries past the cast's live rows
+        # are read by no buffer row: zeros).
+        live = _slot_live(send, spec.axis_name) if spec.pieces > 1 else [None] * n
         back = [
-            jax.lax.ppermute(
+            _gated_ppermute(
                 tuple(
                     _take(a, inv_recv[j * s : j * s + w]).astype(_acc_dtype(a.dtype))
                     for a in leaves
                 ),
                 spec.axis_name,
                 _perm(spec, shift, True),
+                live[j],
+                spec.pieces,
             )
             for j, (shift, w) in enumerate(zip(spec.shifts, spec.widths))
         ]

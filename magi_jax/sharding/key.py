@@ -34,6 +34,7 @@ from magi_jax.planning.cast_table import choose_transport
 from magi_jax.planning.defaults import (
     capacity_chunk_size,
     capacity_overlap_degree,
+    cast_pieces,
     default_overlap_degree,
 )
 from magi_jax.planning.solver import ALGORITHMS, KV_LAYOUTS, solve_dispatch
@@ -801,6 +802,7 @@ def _make_key(
             runs,
             st.cast.slot_len,
             st.cast.buffer_len,
+            cast_pieces(capacity) if transport == "ppermute" else 1,
         )
         combined = st.kv_len != st.cast.buffer_len
         statics.append(StageStatic(st.kv_len, combined, spec, st.items))
