@@ -165,6 +165,25 @@ def test_gated_slots_skip_empty_slots():
         CastSpec("cp", 4, (1,), (4,), pieces=0)
 
 
+def test_gated_slot_moves_its_live_pieces_only():
+    """Hand-checked: 4 ranks x 4 rows (chunks of 2), slots 4 wide in 2 pieces of 2; rank 2
+    needs global 2 (rank 0's row 2) and global 7 (rank 1's row 3): shift 2 carries 1 row,
+    shift 1 one row, shift 3 none. Each moves one piece of 2 rows, or nothing."""
+    from magi_jax.planning.wire import cast_wire
+
+    meta = _meta(4, 2, 2)
+    empty = np.zeros((0, 5), np.int64)
+    remote = [empty, empty, np.array([[2, 3, 0, 0, 0], [7, 8, 1, 0, 1]]), empty]
+    table = build_cast_table(meta, remote, 2, width=4)
+    assert table.widths == (4, 4, 4)
+    np.testing.assert_array_equal(cast_wire(table, "ppermute", pieces=2).wire, [4] * 4)
+    np.testing.assert_array_equal(cast_wire(table, "ppermute").wire, [12] * 4)
+    x = np.arange(4 * 4 * 2, dtype=np.float32).reshape(4, 4, 2)
+    out = _run("cast", x, table, 4, "ppermute", True, 2)
+    np.testing.assert_array_equal(out, cast_model(x, table))
+    np.testing.assert_array_equal(out[2], np.stack([x[0, 2], x[1, 3]]))
+
+
 @settings(max_examples=6)
 @given(
     st.integers(0, 10_000), st.sampled_from([2, 4, 8]), st.sampled_from(["ppermute", "all_to_all"])

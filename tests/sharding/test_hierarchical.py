@@ -185,9 +185,21 @@ def _runner(spec, flat_spec, num_rows):
     )
 
 
-def _device_check(flat, t_loc, rng, dtype=np.float32):
-    rt = build_relay_table(flat, LAYOUT)
-    spec = RelaySpec(AXES, 2, 4, rt.inter_shifts, rt.inter_widths, rt.intra_shifts, rt.intra_widths)
+def _device_check(flat, t_loc, rng, dtype=np.float32, pieces=1):
+    """``pieces > 1``: the two hops' tables at a capacity's widths (most of each slot
+    padding), their slots cut into gated pieces."""
+    widths = {} if pieces == 1 else dict(inter_width=flat.slot_len, intra_width=flat.buffer_len)
+    rt = build_relay_table(flat, LAYOUT, **widths)
+    spec = RelaySpec(
+        AXES,
+        2,
+        4,
+        rt.inter_shifts,
+        rt.inter_widths,
+        rt.intra_shifts,
+        rt.intra_widths,
+        pieces=pieces,
+    )
     flat_spec = CastSpec(AXES, 8, flat.shifts, flat.widths, "ppermute")
     x = rng.standard_normal((8, t_loc, 2, 3)).astype(dtype)
     # Small integers: every sum is exact, whatever the order, so reduces compare bit for bit.
@@ -216,6 +228,18 @@ def test_device_relay_matches_flat():
         (stage,) = [s for s in key.plan.stages if s.cast is not None]
         rt = _device_check(stage.cast, key.local_len, rng)
         assert rt.inter_node_rows() < inter_node_rows(stage.cast, LAYOUT)
+
+
+def test_device_relay_gated_pieces_match_flat():
+    """Two-hop tables at a capacity's widths with gated pieces: the same rows as the flat
+    cast, and the pieces that move follow the rows, not the widths."""
+    from magi_jax.planning.wire import gated_widths
+
+    rng = np.random.default_rng(11)
+    flat, t_loc = _random_table(rng, density=0.2)
+    rt = _device_check(flat, t_loc, rng, pieces=3)
+    live = (rt.inter_send >= 0).sum(axis=2).max(axis=0)
+    assert gated_widths(rt.inter_widths, live, 3).sum() < sum(rt.inter_widths)
 
 
 # ---- magi_attention over ("node", "local") ------------------------------------------------
