@@ -125,6 +125,15 @@ def main(argv=None) -> int:
         help="ranks per node (default: all --cp ranks on one node); the wire is then "
         "split into rows inside nodes and between nodes, and the two-hop cast is counted",
     )
+    ap.add_argument(
+        "--capacity-packings",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also count the wire of a key at PlanCapacity.from_masks over N packings of "
+        "--mask (seeds --seed, --seed + 1, ...; the mask itself for --cu-seqlens/--slices), "
+        "its slots in gated pieces as make_flex_key makes them",
+    )
     ap.add_argument("--algorithm", default="magi", choices=ALGORITHMS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="plan.png", help="picture of the plan (PNG); '' for none")
@@ -207,6 +216,8 @@ def main(argv=None) -> int:
         f"total {_fmt(int(rem.sum()))} tokens over the network"
     )
     _print_wire(plan, args.local, ring_rows(args.cp, meta.local_len))
+    if args.capacity_packings > 0:
+        _print_capacity_wire(mask, args, name)
     print(
         f"stages    overlap degree {plan.overlap_degree}: {len(plan.stages)} FFA call(s) per "
         f"rank (tiles {bq}x{bk})"
@@ -246,15 +257,56 @@ def main(argv=None) -> int:
     return 0
 
 
-def _print_wire(plan, local, ring: int):
-    """The wire counts of ``plan``'s casts (:mod:`magi_jax.planning.wire`), per transport."""
-    counts = [(name, plan_wire(plan, name, local)) for name in ("ppermute", "all_to_all", "native")]
+def _print_capacity_wire(mask, args, name):
+    """The wire of ``mask`` planned at a capacity from ``--capacity-packings`` packings."""
+    from magi_jax.planning.capacity import PlanCapacity
+    from magi_jax.planning.defaults import cast_pieces
+
+    if args.cu_seqlens is None and args.slices is None:
+        masks = [
+            make_mask(
+                args.mask, args.seqlen, window=args.window, num_docs=args.docs, seed=args.seed + i
+            )
+            for i in range(args.capacity_packings)
+        ]
+    else:
+        masks = [mask]
+    t0 = time.perf_counter()
+    cap = PlanCapacity.from_masks(masks, mesh_size=args.cp)
+    meta = solve_dispatch(mask, args.cp, cap.chunk_size, args.algorithm)
+    bq, bk = default_block_sizes(meta.local_len, meta.local_len)
+    plan = build_dist_plan(mask, meta, cap.overlap_degree, bq, bk, "xla", cap)
+    print(
+        f"capacity  from_masks over {len(masks)} packing(s) of {name}: cast_width "
+        f"{_fmt(cap.cast_width)}, overlap degree {cap.overlap_degree}, slots in "
+        f"{cast_pieces(cap)} gated pieces  [{time.perf_counter() - t0:.2f} s]"
+    )
+    _print_wire(plan, args.local, ring_rows(args.cp, meta.local_len), cast_pieces(cap))
+
+
+def _print_wire(plan, local, ring: int, pieces: int = 1):
+    """The wire counts of ``plan``'s casts (:mod:`magi_jax.planning.wire`), per transport;
+    ``pieces``: gated ``ppermute`` slots (a key at a capacity)."""
+    counts = [
+        (name, plan_wire(plan, name, local, pieces=pieces))
+        for name in ("ppermute", "all_to_all", "native")
+    ]
     if local is not None and local < plan.cp and plan.cp // local > 1:
-        from magi_jax.planning.hierarchy import NodeLayout, build_relay_table
+        from magi_jax.planning.hierarchy import NodeLayout
+        from magi_jax.planning.relay_runs import build_relay_runs
 
         layout = NodeLayout(plan.cp // local, local)
-        relays = [build_relay_table(st.cast, layout) for st in plan.stages if st.cast is not None]
-        counts.append(("two-hop", plan_wire(plan, "ppermute", local, relays=relays)))
+        widths = (
+            (lambda c: {})
+            if pieces == 1
+            else (lambda c: dict(inter_width=c.slot_len, intra_width=c.buffer_len))
+        )
+        relays = [
+            build_relay_runs(st.cast, layout, **widths(st.cast))
+            for st in plan.stages
+            if st.cast is not None
+        ]
+        counts.append(("two-hop", plan_wire(plan, "ppermute", local, relays, pieces)))
     real = counts[0][1]
     print(
         "wire      rows each rank sends per cast, busiest rank (and all ranks), padding "

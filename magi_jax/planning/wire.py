@@ -193,19 +193,26 @@ def gated_widths(widths, live, pieces: int = 1) -> np.ndarray:
     return np.minimum(widths, -(-np.asarray(live, np.int64) // size) * size)
 
 
-def relay_wire(rt) -> WireCount:
-    """Real and wire rows of the two-hop tables ``rt``
-    (:class:`~magi_jax.planning.hierarchy.RelayTable`): the inter-node hop's rows count
+def relay_wire(rt, pieces: int = 1) -> WireCount:
+    """Real and wire rows of two-hop tables ``rt``
+    (:class:`~magi_jax.planning.hierarchy.RelayTable`, or
+    :class:`~magi_jax.planning.relay_runs.RelayRunsTable`): the inter-node hop's rows count
     between nodes, the intra-node hop's inside them; each hop's ``ppermute`` per slot sends
-    the slot's width from every rank."""
+    the slot's width from every rank (``pieces``: its gated pieces, :func:`gated_widths`)."""
     cp = rt.cp
-    inter_real = (rt.inter_send >= 0).sum(axis=(1, 2)).astype(np.int64)
-    intra_real = (rt.intra_send >= 0).sum(axis=(1, 2)).astype(np.int64)
+    if hasattr(rt, "inter_runs"):
+        inter_real, intra_real = rt.inter_rows(), rt.intra_rows()
+        live1, live2 = rt.slot_live()
+    else:
+        inter_real = (rt.inter_send >= 0).sum(axis=(1, 2)).astype(np.int64)
+        intra_real = (rt.intra_send >= 0).sum(axis=(1, 2)).astype(np.int64)
+        live1 = (rt.inter_send >= 0).sum(axis=2).max(axis=0, initial=0)
+        live2 = (rt.intra_send >= 0).sum(axis=2).max(axis=0, initial=0)
     return WireCount(
         intra_real,
         inter_real,
-        np.full(cp, sum(rt.intra_widths), np.int64),
-        np.full(cp, sum(rt.inter_widths), np.int64),
+        np.full(cp, gated_widths(rt.intra_widths, live2, pieces).sum(), np.int64),
+        np.full(cp, gated_widths(rt.inter_widths, live1, pieces).sum(), np.int64),
         ("relay",),
     )
 
@@ -230,7 +237,9 @@ def plan_wire(
         )
     total = _zero(plan.cp)
     for table, name, rt in zip(casts, names, relays):
-        total = total + (cast_wire(table, name, local, pieces) if rt is None else relay_wire(rt))
+        total = total + (
+            cast_wire(table, name, local, pieces) if rt is None else relay_wire(rt, pieces)
+        )
     return total
 
 

@@ -12,6 +12,7 @@ from magi_jax.planning import stages as D
 from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.cast_table import cast_moves
 from magi_jax.planning.hierarchy import NodeLayout, build_relay_table
+from magi_jax.planning.relay_runs import build_relay_runs
 from magi_jax.planning.wire import cast_wire, gated_widths, plan_wire, relay_wire, ring_rows
 from magi_jax.planning.work_list import default_block_sizes
 from tests.sharding.masks import self_attention_masks
@@ -114,6 +115,14 @@ def test_relay_counts(fixed):
     assert int(w.real_inter.sum()) == rt.inter_node_rows()
     assert int(w.real_intra.sum()) == rt.intra_node_rows()
     assert int(w.wire_inter.sum()) == rt.inter_node_wire_rows()
+    # The same counts from the tables planned by runs, whole slots and gated pieces.
+    runs = build_relay_runs(table, NodeLayout(2, 4), **widths)
+    for pieces in (1, 3):
+        a, b = relay_wire(rt, pieces), relay_wire(runs, pieces)
+        for f in ("real_intra", "real_inter", "wire_intra", "wire_inter"):
+            np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
+    live = (rt.inter_send >= 0).sum(axis=2).max(axis=0)
+    assert relay_wire(rt, 3).wire_inter[0] == gated_widths(rt.inter_widths, live, 3).sum()
     # The relay moves each (row, node) pair across once: never more than the flat cast.
     assert w.real_inter.sum() <= cast_wire(table, "native", local=4).real_inter.sum()
 

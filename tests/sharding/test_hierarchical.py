@@ -35,7 +35,9 @@ from magi_jax.sharding.collectives import (
     group_cast,
     group_reduce,
 )
+from tests.dynamic_masks import varlen_packings
 from tests.sharding.masks import ZOO
+from tests.xla_options import OPTIMIZED
 
 AXES = ("node", "local")
 LAYOUT = NodeLayout(2, 4)
@@ -298,14 +300,20 @@ def test_auto_and_options():
     rt = build_relay_table(narrow, LAYOUT)
     assert rt.inter_node_rows() == inter_node_rows(narrow, LAYOUT) == 1
     assert rt.inter_node_wire_rows() == 8 > inter_node_wire_rows(narrow, LAYOUT) == 2
-    # At a capacity "auto" stays flat (padded slots); True takes it.
+    # At a capacity "auto" takes the gated two-hop casts whatever the mask (the static part
+    # cannot follow it), as True does; False stays flat.
     cap = PlanCapacity(mask.total_q)
+    for h in ("auto", True):
+        casts = [
+            s.cast
+            for s in make_flex_key(mask, _mesh(), AXES, capacity=cap, hierarchical=h).stages
+            if s.cast is not None
+        ]
+        assert casts and all(isinstance(c, RelaySpec) and c.pieces > 1 for c in casts)
     assert not any(
         isinstance(s.cast, RelaySpec)
-        for s in make_flex_key(mask, _mesh(), AXES, capacity=cap).stages
+        for s in make_flex_key(mask, _mesh(), AXES, capacity=cap, hierarchical=False).stages
     )
-    capped = make_flex_key(mask, _mesh(), AXES, capacity=cap, hierarchical=True)
-    assert any(isinstance(s.cast, RelaySpec) for s in capped.stages)
     with pytest.raises(ValueError, match="hierarchical=True needs cp_axis"):
         make_flex_key(mask, _mesh(), "local", hierarchical=True)
     with pytest.raises(ValueError, match="hierarchical='yes'"):
@@ -314,3 +322,32 @@ def test_auto_and_options():
         make_flex_key(mask, _mesh(), AXES, hierarchical=True, comm_backend="all_to_all")
     with pytest.raises(ValueError, match="cp_axis=\\('node', 'gpu'\\)"):
         make_flex_key(mask, _mesh(), ("node", "gpu"))
+
+
+@functools.partial(jax.jit, compiler_options=OPTIMIZED)  # runs 10 times: worth optimising
+def _capacity_step(q, k, v, dout, dlse, key):
+    def loss(q, k, v):
+        o, lse = magi_attention(*(dispatch(x, key) for x in (q, k, v)), key)
+        out, lse = undispatch(o, key), undispatch(lse, key)
+        total = (out * dout).sum() + (jnp.where(jnp.isfinite(lse), lse, 0) * dlse).sum()
+        return total, (out, lse)
+
+    (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, lse, grads
+
+
+def test_two_hop_at_a_capacity_compiles_once_over_ten_packings():
+    """Keys at a capacity on the 2 x 4 mesh take gated two-hop casts ("auto"): one
+    compilation over 10 packings, forward and gradients against the float64 reference."""
+    masks = list(varlen_packings(256, 10, seed=3))
+    capacity = PlanCapacity.from_masks(masks, mesh_size=8)
+    size = _capacity_step._cache_size()
+    for i, mask in enumerate(masks):
+        key = make_flex_key(mask, _mesh(), AXES, capacity=capacity, ffa_backend="xla")
+        assert all(isinstance(s.cast, RelaySpec) for s in key.stages if s.cast is not None)
+        q, k, v, dout, dlse = random_inputs(jax.random.key(i), mask, 4, 2, 16, jnp.float32)
+        out, lse, (dq, dk, dv) = _capacity_step(q, k, v, dout, dlse, key)
+        assert_matches_reference(
+            dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, mask, dout, dlse
+        )
+    assert _capacity_step._cache_size() == size + 1

@@ -1,0 +1,49 @@
+"""The two-hop cast of one stage of a key on a mesh of nodes: its static part
+(:class:`~magi_jax.sharding.collectives.RelaySpec`) and its tables as runs
+(:class:`~magi_jax.sharding.collectives.RelayRuns`), planned by runs
+(:func:`~magi_jax.planning.relay_runs.build_relay_runs`)."""
+
+from __future__ import annotations
+
+from magi_jax.planning.cast_table import CastTable
+from magi_jax.planning.defaults import cast_pieces
+from magi_jax.planning.hierarchy import NodeLayout, inter_node_wire_rows
+from magi_jax.planning.relay_runs import build_relay_runs
+from magi_jax.sharding.collectives import RelayRuns, RelaySpec
+
+__all__ = ["relay_stage"]
+
+
+def relay_stage(cast: CastTable, layout: NodeLayout, forced: bool, capacity, cp_axis):
+    """``(RelaySpec, RelayRuns of host tables)`` of a stage's flat ``cast``, or ``None`` where
+    the flat cast stays: not ``forced`` and the two hops send no fewer rows between nodes,
+    padding included (a key of one mask: each slot as wide as its widest block). At a
+    ``capacity`` the slots are as wide as the capacity allows and move in gated pieces
+    (:func:`~magi_jax.planning.defaults.cast_pieces`), and the tables have room for a run
+    per entry, so the shapes depend on the capacity alone."""
+    widths = (
+        {} if capacity is None else dict(inter_width=cast.slot_len, intra_width=cast.buffer_len)
+    )
+    n1, n2 = (layout.nodes - 1) * layout.local, layout.local - 1
+    fit = (
+        None
+        if capacity is None
+        else (max(n1 * cast.slot_len, 1), max(n2 * cast.buffer_len, 1), max(cast.buffer_len, 1))
+    )
+    rt = build_relay_runs(cast, layout, num_runs=fit, **widths)
+    if not forced and rt.inter_node_wire_rows() >= inter_node_wire_rows(cast, layout):
+        return None
+    spec = RelaySpec(
+        tuple(cp_axis),
+        layout.nodes,
+        layout.local,
+        rt.inter_shifts,
+        rt.inter_widths,
+        rt.intra_shifts,
+        rt.intra_widths,
+        inter_slot_len=rt.inter_slot_len,
+        intra_slot_len=rt.intra_slot_len,
+        buffer_len=rt.buffer_len,
+        pieces=cast_pieces(capacity),
+    )
+    return spec, RelayRuns(rt.inter_runs, rt.intra_runs, rt.recv_runs)
