@@ -57,6 +57,12 @@ class WireCount:
     wire_inter: np.ndarray
     transports: tuple[str, ...] = ()
 
+    @classmethod
+    def zeros(cls, cp: int) -> "WireCount":
+        """Nothing to move and nothing moved, on ``cp`` ranks."""
+        z = np.zeros(int(cp), np.int64)
+        return cls(z, z.copy(), z.copy(), z.copy())
+
     @property
     def cp(self) -> int:
         return len(self.real_intra)
@@ -112,11 +118,6 @@ def _ratio(wire: int, real: int) -> float:
     return wire / real
 
 
-def _zero(cp: int) -> WireCount:
-    z = np.zeros(cp, np.int64)
-    return WireCount(z, z.copy(), z.copy(), z.copy())
-
-
 def _nodes(cp: int, local: int | None) -> np.ndarray:
     """int64 ``[cp]``: the node of each rank (``local`` ranks per node, node-major)."""
     local = cp if local is None else int(local)
@@ -143,7 +144,7 @@ def cast_wire(
     cp = table.cp
     node = _nodes(cp, local)
     if table.n_slots == 0:
-        return dataclasses.replace(_zero(cp), transports=(transport,))
+        return dataclasses.replace(WireCount.zeros(cp), transports=(transport,))
     # Real rows per (rank, slot), from the runs: slot j holds entries [j·S, (j + 1)·S).
     runs = table.send_runs.astype(np.int64)
     length = runs[..., 1]
@@ -235,7 +236,7 @@ def plan_wire(
             f"the plan has {len(casts)} casts; transport and relays need one entry each "
             f"(got {len(names)} and {len(relays)})"
         )
-    total = _zero(plan.cp)
+    total = WireCount.zeros(plan.cp)
     for table, name, rt in zip(casts, names, relays):
         total = total + (
             cast_wire(table, name, local, pieces) if rt is None else relay_wire(rt, pieces)

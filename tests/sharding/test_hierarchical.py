@@ -351,3 +351,32 @@ def test_two_hop_at_a_capacity_compiles_once_over_ten_packings():
             dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, mask, dout, dlse
         )
     assert _capacity_step._cache_size() == size + 1
+
+
+def test_key_wire_counts_the_transports_the_key_runs():
+    from magi_jax.planning.relay_runs import build_relay_runs
+    from magi_jax.planning.wire import plan_wire
+    from magi_jax.sharding.key_wire import key_wire
+
+    mask = ZOO["doc_causal"]
+    flat = make_flex_key(mask, _mesh(), AXES, overlap_degree=1, hierarchical=False)
+    got, want = key_wire(flat), plan_wire(flat.plan, "auto", local=4)
+    np.testing.assert_array_equal(got.wire, want.wire)
+    np.testing.assert_array_equal(got.real_inter, want.real_inter)
+    cap = PlanCapacity.from_masks([mask], mesh_size=8)
+    capped = make_flex_key(mask, _mesh(), AXES, capacity=cap)
+    specs = [s.cast for s in capped.stages if s.cast is not None]
+    relays = [
+        build_relay_runs(
+            st.cast, LAYOUT, inter_width=st.cast.slot_len, intra_width=st.cast.buffer_len
+        )
+        for st in capped.plan.stages
+        if st.cast is not None
+    ]
+    want = plan_wire(capped.plan, "ppermute", 4, relays, specs[0].pieces)
+    got = key_wire(capped)
+    np.testing.assert_array_equal(got.wire_inter, want.wire_inter)
+    np.testing.assert_array_equal(got.wire_intra, want.wire_intra)
+    # Gated pieces: far less than the capacity's whole slots between nodes.
+    whole = 8 * sum(sum(s.inter_widths) for s in specs)
+    assert got.wire_inter.sum() < whole
