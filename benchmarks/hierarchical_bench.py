@@ -25,7 +25,8 @@ runs (:func:`magi_jax.planning.relay_runs.build_relay_runs`). Counted: inter-nod
 the flat cast as it was (whole slots), gated, and of the gated two-hop cast; and the host
 time of the whole key (dispatch, plan, two-hop tables).
 
-Writes ``benchmarks/results/collectives/hierarchical_<date>.{json,md}``.
+Writes ``benchmarks/results/wire/hierarchical_<date>.{json,md}`` (earlier runs, before
+gated slots and tables by runs: ``benchmarks/results/collectives/``).
 
     PYTHONPATH=. python benchmarks/hierarchical_bench.py                 # 1M, 8 x 8
     PYTHONPATH=. python benchmarks/hierarchical_bench.py --total 131072 --nodes 2 --local 4
@@ -87,11 +88,13 @@ def run_case(name: str, total: int, layout: NodeLayout, degree, row_bytes: int) 
     flat = hier = flat_wire = hier_wire = intra = moved = 0
     ingress = np.zeros(layout.cp, np.int64)
     flat_ingress = np.zeros(layout.cp, np.int64)
-    t0 = time.perf_counter()
+    t_relay = 0.0
     for st in plan.stages:
         if st.cast is None:
             continue
+        t0 = time.perf_counter()
         rt = build_relay_runs(st.cast, layout)
+        t_relay += time.perf_counter() - t0
         moved += st.cast.tokens_moved()
         flat += inter_node_rows(st.cast, layout)
         hier += rt.inter_node_rows()
@@ -102,7 +105,6 @@ def run_case(name: str, total: int, layout: NodeLayout, degree, row_bytes: int) 
         dst, _, src, _ = cast_moves(st.cast)
         cross = dst // layout.local != src // layout.local
         flat_ingress += np.bincount(dst[cross], minlength=layout.cp)
-    t_relay = time.perf_counter() - t0
     gib = lambda rows: rows * row_bytes / 2**30
     return dict(
         mask=name,
@@ -265,7 +267,7 @@ def main(argv=None):
     p.add_argument("--hkv", type=int, default=8)
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_ITEMSIZE))
-    p.add_argument("--out", default="benchmarks/results/collectives")
+    p.add_argument("--out", default="benchmarks/results/wire")
     args = p.parse_args(argv)
     layout = NodeLayout(args.nodes, args.local)
     row_bytes = 2 * args.hkv * args.d * _ITEMSIZE[args.dtype]
