@@ -24,6 +24,7 @@ __all__ = [
     "reduce_model",
     "index_runs",
     "expand_runs",
+    "pack_runs",
 ]
 
 
@@ -144,7 +145,7 @@ def index_runs(
     length = np.diff(np.append(first, cp * n))  # a rank's first entry starts a run
     keep = real.reshape(-1)[first]
     first, length = first[keep], length[keep]
-    return _pack_runs(
+    return pack_runs(
         cp,
         first // n,
         first % n,
@@ -157,7 +158,7 @@ def index_runs(
     )
 
 
-def _pack_runs(
+def pack_runs(
     cp,
     rank,
     start,
@@ -313,7 +314,7 @@ def cast_table_from_pieces(
     # consecutive buffer rows.
     first_row = meta.chunk_slot[g0 // c] * c + g0 % c
     first_entry = out_slot * s_len + off_block
-    send = _pack_runs(
+    send = pack_runs(
         cp,
         src,
         first_entry,
@@ -335,7 +336,7 @@ def cast_table_from_pieces(
             )
         recv = index_runs(dense, value_split=s_len, num_runs=recv_size, field="recv_runs")
     else:
-        recv = _pack_runs(
+        recv = pack_runs(
             cp,
             dst,
             off_b,

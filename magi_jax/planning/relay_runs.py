@@ -18,14 +18,14 @@ import functools
 
 import numpy as np
 
-from magi_jax.planning.cast_table import CastTable, _pack_runs, expand_runs
+from magi_jax.planning.cast_table import CastTable, expand_runs, pack_runs
 from magi_jax.planning.hierarchy import (
     NodeLayout,
     RelayTable,
-    _check_layout,
-    _decode,
-    _encode,
-    _width_error,
+    check_layout,
+    relay_width_error,
+    slot_code,
+    slot_key,
 )
 from magi_jax.planning.solver import ranges_repeat
 
@@ -236,14 +236,14 @@ class _RunBlocks:
             widths = np.zeros(len(codes), np.int64)
             np.maximum.at(widths, slot, pos + length)
             s_len = max(int(widths.max(initial=0)), 1)
-            keys = [_decode(int(c), layout, all_slots) for c in codes]
+            keys = [slot_key(int(c), layout, all_slots) for c in codes]
         else:
             keys = all_slots
-            codes = np.array([_encode(k, layout) for k in keys], np.int64)
+            codes = np.array([slot_code(k, layout) for k in keys], np.int64)
             slot = np.searchsorted(codes, code)
             need = int(block.max(initial=0))
             if need > width:
-                _width_error(need, width, all_slots)
+                relay_width_error(need, width, all_slots)
             s_len = max(int(width), 1)
             widths = np.full(len(keys), int(width), np.int64)
         self.src, self.start, self.row, self.length = src, slot * s_len + pos, row, length
@@ -256,7 +256,7 @@ class _RunBlocks:
         self.widths = tuple(int(w) for w in widths)
 
     def runs(self, cp: int, num_runs: int | None) -> np.ndarray:
-        return _pack_runs(
+        return pack_runs(
             cp, self.src, self.start, self.row, self.length, num_runs, split=self.s_len
         )
 
@@ -297,7 +297,7 @@ def build_relay_runs(
     of the ``(inter, intra, recv)`` tables (keys at a capacity: shapes fixed by it; a rank
     that needs more raises :class:`~magi_jax.planning.capacity.CapacityError`); default the
     most any rank needs."""
-    _check_layout(table, layout)
+    check_layout(table, layout)
     nodes, local, cp = layout.nodes, layout.local, layout.cp
     if (inter_width is None) != (intra_width is None):
         raise ValueError(
@@ -368,7 +368,7 @@ def build_relay_runs(
     r_b = np.concatenate([m_b[direct], i_b])
     r_val = np.concatenate([m_entry[direct], relay_total + blocks2.entry])
     r_len = np.concatenate([m_len[direct], i_len])
-    recv_runs = _pack_runs(cp, r_dst, r_b, r_val, r_len, nr)
+    recv_runs = pack_runs(cp, r_dst, r_b, r_val, r_len, nr)
     return RelayRunsTable(
         layout=layout,
         inter_runs=inter_runs,
