@@ -228,9 +228,13 @@ def pack_runs(
     return out
 
 
-def choose_transport(table: CastTable) -> str:
+def choose_transport(table: CastTable, gated: bool = False) -> str:
     """``ppermute`` unless nearly every pair of ranks talks with even block sizes, where one
-    padded ``all_to_all`` moves little extra and launches once."""
+    padded ``all_to_all`` moves little extra and launches once. ``gated``: the ``ppermute``
+    slots move in gated pieces (keys at a capacity), never more than the ``all_to_all``
+    would, and far less where the mask needs less than the capacity: ``ppermute``."""
+    if gated:
+        return "ppermute"
     n = len(table.shifts)
     if n >= 8 and table.cp * table.slot_len <= 1.5 * sum(table.widths):
         return "all_to_all"

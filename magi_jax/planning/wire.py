@@ -133,9 +133,10 @@ def cast_wire(
     ``"all_to_all"``, ``"native"``, or ``"auto"``: :func:`choose_transport`'s pick, as a key
     on the ``xla`` backend makes it). ``local``: ranks per node (node-major ranks; default
     all on one node). ``pieces``: a ``ppermute`` slot cut into that many gated pieces
-    (:func:`gated_widths`): only the pieces some rank fills move."""
+    (:func:`gated_widths`): only the pieces some rank fills move (``"auto"`` then picks
+    ``ppermute``, as a key at a capacity does)."""
     if transport == "auto":
-        transport = choose_transport(table)
+        transport = choose_transport(table, gated=pieces > 1)
     if transport not in ("ppermute", "all_to_all", "native"):
         raise ValueError(
             f"transport={transport!r} is not a flat cast's: one of 'ppermute', "

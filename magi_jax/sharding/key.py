@@ -750,7 +750,11 @@ def _make_key(
             )
             arrays.append((ffa, type(two_hop[1])(*(put(a) for a in two_hop[1]))))
             continue
-        transport = choose_transport(st.cast) if comm_backend in ("auto", "xla") else comm_backend
+        transport = (
+            choose_transport(st.cast, gated=cast_pieces(capacity) > 1)
+            if comm_backend in ("auto", "xla")
+            else comm_backend
+        )
         runs = None
         if transport == "native":
             native.check_table(st.cast)

@@ -157,3 +157,27 @@ def test_cli_prints_the_counts(capsys):
     assert "two-hop" in out and f"ring attention sends {_fmt(3 * meta.local_len)}" in out, out
     with pytest.raises(SystemExit):
         main(["--cp", "4", "--local", "3", "--out", ""])
+
+
+def test_gated_casts_choose_ppermute():
+    """A capacity's table on 10 ranks (9 slots, all as wide as the capacity): whole slots go
+    through one padded all_to_all, gated ones through ppermute, which never moves more."""
+    from magi_jax.planning.cast_table import build_cast_table, choose_transport
+
+    meta = S.DispatchMeta(
+        total=40,
+        cp=10,
+        chunk_size=2,
+        rank_chunks=np.arange(20).reshape(10, 2),
+        algorithm="contiguous",
+        chunk_area=np.zeros(20, np.int64),
+    )
+    remote = [np.zeros((0, 5), np.int64)] * 10
+    remote[3] = np.array([[0, 2, 0, 0, 0]])  # rank 3 needs rank 0's rows 0-1
+    table = build_cast_table(meta, remote, 4, width=4)
+    assert choose_transport(table) == "all_to_all"
+    assert choose_transport(table, gated=True) == "ppermute"
+    whole, gated = cast_wire(table, "auto"), cast_wire(table, "auto", pieces=2)
+    assert gated.transports == ("ppermute",) and whole.transports == ("all_to_all",)
+    np.testing.assert_array_equal(gated.wire, [2] * 10)  # one piece of the shift-3 slot
+    np.testing.assert_array_equal(whole.wire, [36] * 10)
