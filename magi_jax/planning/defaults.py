@@ -33,9 +33,9 @@ _SEC_PER_STAGE_TOKEN = 5e-9
 _OVERLAP_EFFICIENCY = 0.5
 _MAX_DEGREE = 4
 # Gated pieces of a ppermute slot at a capacity (collectives._gated_ppermute): counted by
-# benchmarks/wire_bench.py at 128k x cp 8, 8 pieces bring the busiest rank's wire from
-# 1.25-6.6x its real rows to 1.1-2.7x (4 pieces: 1.25-3.3x); each piece is one more
-# conditional collective per slot.
+# benchmarks/wire_bench.py at 128k x cp 8 (benchmarks/results/wire/LATEST.md), 8 pieces
+# bring the busiest rank's wire from 1.25-9.7x its real rows (whole slots) to 1.09-3.2x;
+# 16 would gain 4-10 % more at twice the branches of the slot's one conditional.
 CAPACITY_CAST_PIECES = 8
 
 
