@@ -56,7 +56,7 @@ from magi_jax.planning.hierarchy import (
     inter_node_rows,
     inter_node_wire_rows,
 )
-from magi_jax.planning.relay_runs import build_relay_runs
+from magi_jax.planning.relay_runs import build_relay_runs, pad_runs, relay_run_bounds
 from magi_jax.planning.wire import plan_wire
 from magi_jax.planning.work_list import default_block_sizes
 
@@ -147,13 +147,17 @@ def run_capacity_case(name: str, total: int, layout: NodeLayout, packings: int) 
     t1 = time.perf_counter()
     plan = D.build_dist_plan(mask, meta, cap.overlap_degree, bq, bk, "xla", cap)
     t2 = time.perf_counter()
-    relays = [
-        build_relay_runs(
-            st.cast, layout, inter_width=st.cast.slot_len, intra_width=st.cast.buffer_len
-        )
-        for st in plan.stages
-        if st.cast is not None
-    ]
+    relays = []
+    for st in plan.stages:
+        if st.cast is None:
+            continue
+        c = st.cast
+        rt = build_relay_runs(c, layout, inter_width=c.slot_len, intra_width=c.buffer_len)
+        # As the key holds them (sharding/two_hop.relay_stage): padded to the capacity's runs.
+        bounds = relay_run_bounds(layout, c.slot_len, c.buffer_len, cap.send_runs, cap.recv_runs)
+        for runs, size in zip((rt.inter_runs, rt.intra_runs, rt.recv_runs), bounds):
+            pad_runs(runs, size, "two-hop")
+        relays.append(rt)
     t3 = time.perf_counter()
     whole = plan_wire(plan, "ppermute", layout.local)
     gated = plan_wire(plan, "ppermute", layout.local, pieces=pieces)

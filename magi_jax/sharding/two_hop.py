@@ -8,7 +8,7 @@ from __future__ import annotations
 from magi_jax.planning.cast_table import CastTable
 from magi_jax.planning.defaults import cast_pieces
 from magi_jax.planning.hierarchy import NodeLayout, inter_node_wire_rows
-from magi_jax.planning.relay_runs import build_relay_runs
+from magi_jax.planning.relay_runs import build_relay_runs, pad_runs, relay_run_bounds
 from magi_jax.sharding.collectives import RelayRuns, RelaySpec
 
 __all__ = ["relay_stage"]
@@ -19,18 +19,13 @@ def relay_stage(cast: CastTable, layout: NodeLayout, forced: bool, capacity, cp_
     the flat cast stays: not ``forced`` and the two hops send no fewer rows between nodes,
     padding included (a key of one mask: each slot as wide as its widest block). At a
     ``capacity`` the slots are as wide as the capacity allows and move in gated pieces
-    (:func:`~magi_jax.planning.defaults.cast_pieces`), and the tables have room for a run
-    per entry, so the shapes depend on the capacity alone."""
+    (:func:`~magi_jax.planning.defaults.cast_pieces`), and the tables hold the runs
+    :func:`~magi_jax.planning.relay_runs.relay_run_bounds` allows, so the shapes depend on
+    the capacity alone."""
     widths = (
         {} if capacity is None else dict(inter_width=cast.slot_len, intra_width=cast.buffer_len)
     )
-    n1, n2 = (layout.nodes - 1) * layout.local, layout.local - 1
-    fit = (
-        None
-        if capacity is None
-        else (max(n1 * cast.slot_len, 1), max(n2 * cast.buffer_len, 1), max(cast.buffer_len, 1))
-    )
-    rt = build_relay_runs(cast, layout, num_runs=fit, **widths)
+    rt = build_relay_runs(cast, layout, **widths)
     if not forced and rt.inter_node_wire_rows() >= inter_node_wire_rows(cast, layout):
         return None
     spec = RelaySpec(
@@ -46,4 +41,14 @@ def relay_stage(cast: CastTable, layout: NodeLayout, forced: bool, capacity, cp_
         buffer_len=rt.buffer_len,
         pieces=cast_pieces(capacity),
     )
-    return spec, RelayRuns(rt.inter_runs, rt.intra_runs, rt.recv_runs)
+    runs = (rt.inter_runs, rt.intra_runs, rt.recv_runs)
+    if capacity is not None:
+        # Shapes from the capacity alone (relay_run_bounds), whatever this mask needs.
+        bounds = relay_run_bounds(
+            layout, cast.slot_len, cast.buffer_len, capacity.send_runs, capacity.recv_runs
+        )
+        runs = tuple(
+            pad_runs(a, b, what)
+            for a, b, what in zip(runs, bounds, ("inter-node", "intra-node", "receive"))
+        )
+    return spec, RelayRuns(*runs)

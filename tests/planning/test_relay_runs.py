@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from magi_jax.planning import solver as S
 from magi_jax.planning import stages as D
 from magi_jax.planning.capacity import CapacityError
-from magi_jax.planning.cast_table import build_cast_table, cast_moves
+from magi_jax.planning.cast_table import build_cast_table, cast_moves, expand_runs
 from magi_jax.planning.hierarchy import NodeLayout, build_relay_table
 from magi_jax.planning.relay_runs import build_relay_runs, move_runs
 from tests.sharding.masks import ZOO
@@ -113,3 +113,35 @@ def test_errors():
         build_relay_runs(flat, NodeLayout(2, 4), inter_width=4)
     with pytest.raises(ValueError, match="layout 2 x 2 = 4 ranks"):
         build_relay_runs(flat, NodeLayout(2, 2))
+
+
+def test_runs_padded_to_the_capacity_bounds():
+    from magi_jax.planning.capacity import PlanCapacity
+    from magi_jax.planning.relay_runs import pad_runs, relay_run_bounds
+    from magi_jax.planning.work_list import default_block_sizes
+    from tests.dynamic_masks import varlen_packings
+
+    layout = NodeLayout(2, 4)
+    masks = list(varlen_packings(256, 6, seed=2))
+    cap = PlanCapacity.from_masks(masks, mesh_size=8)
+    for mask in masks:
+        meta = S.solve_dispatch(mask, 8, cap.chunk_size, "magi")
+        bq, bk = default_block_sizes(meta.local_len, meta.local_len)
+        plan = D.build_dist_plan(mask, meta, cap.overlap_degree, bq, bk, capacity=cap)
+        for st_ in plan.stages:
+            if st_.cast is None:
+                continue
+            c = st_.cast
+            rt = build_relay_runs(c, layout, inter_width=c.slot_len, intra_width=c.buffer_len)
+            bounds = relay_run_bounds(
+                layout, c.slot_len, c.buffer_len, cap.send_runs, cap.recv_runs
+            )
+            for runs, size in zip((rt.inter_runs, rt.intra_runs, rt.recv_runs), bounds):
+                padded = pad_runs(runs, size, "test")
+                assert padded.shape == (8, size, 2)
+                n = max(runs.shape[1], 1)
+                np.testing.assert_array_equal(
+                    expand_runs(padded, 64 * n), expand_runs(runs, 64 * n)
+                )
+    with pytest.raises(CapacityError, match="two-hop receive table needs"):
+        pad_runs(rt.recv_runs, 0, "receive")
