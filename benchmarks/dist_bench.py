@@ -33,7 +33,9 @@ What is measured, per (mask, length, heads, mode):
   * the breakdown that says why a strategy falls short: ``imbalance`` (max/mean rank area),
     ``compute_ms`` (its heaviest rank's area at the single-GPU rate), ``exposed_ms`` (the
     rest: communication not hidden, merges, imbalance of per-rank overheads), and
-    ``kv_recv`` (KV tokens each rank receives in the forward);
+    ``kv_recv`` (KV tokens each rank receives in the forward); ``wire_rows`` / ``real_rows``
+    (magi: rows the busiest rank's casts send per forward, padding included / real,
+    :func:`magi_jax.sharding.key_wire.key_wire`);
   * ``magi_nocomm`` (``benchmarks.probe.nocomm_attention``): magi's stages, merge
     and backward with the remote KV buffers filled locally (a timing probe, its numbers are
     not attention): magi − magi_nocomm is magi's exposed communication, magi_nocomm − single
@@ -163,6 +165,7 @@ from benchmarks.probe import nocomm_attention  # noqa: E402
 from magi_jax.planning.backends import FFA_BACKENDS  # noqa: E402
 from magi_jax.planning.stages import build_dist_plan  # noqa: E402
 from magi_jax.sharding import magi_attention, make_flex_key  # noqa: E402
+from magi_jax.sharding.key_wire import key_wire  # noqa: E402
 
 IMPLS = ("single", "magi", "ring", "allgather", "ulysses", "magi_nocomm")
 FWD_BWD = 3.5  # fwd+bwd FLOPs = 3.5 x forward (every benchmark here)
@@ -283,6 +286,12 @@ class Setup:
                     ffa=magi_ffa,
                     kv_recv=int(key.plan.remote_tokens.max()),
                     chunk_size=meta.chunk_size,
+                )
+                # Rows the key's casts move per rank (padding included) and real ones.
+                wire = key_wire(key)
+                self.info.update(
+                    wire_rows=int(wire.wire.max(initial=0)),
+                    real_rows=int(wire.real.max(initial=0)),
                 )
                 return
             # The heaviest magi rank's own work on one GPU: its queries against its local KV

@@ -17,7 +17,16 @@ row) per forward cast; a training step with ``backward_refetch`` casts twice and
 once in float32 (the same rows each time), so its inter-node bytes are 4× those of one
 forward cast in bf16 terms, and the reduction factor is the same.
 
-Writes ``benchmarks/results/collectives/hierarchical_<date>.{json,md}``.
+With ``--capacity-packings N`` (default 4) each mask is also planned as a key at
+``PlanCapacity.from_masks`` over ``N`` packings of its generator (``wire_bench.generate``),
+as ``make_flex_key(..., capacity=...)`` plans it: every slot as wide as the capacity, moved
+in gated pieces (:func:`magi_jax.planning.defaults.cast_pieces`), two-hop tables planned by
+runs (:func:`magi_jax.planning.relay_runs.build_relay_runs`). Counted: inter-node wire of
+the flat cast as it was (whole slots), gated, and of the gated two-hop cast; and the host
+time of the whole key (dispatch, plan, two-hop tables).
+
+Writes ``benchmarks/results/wire/hierarchical_<date>.{json,md}`` (earlier runs, before
+gated slots and tables by runs: ``benchmarks/results/collectives/``).
 
     PYTHONPATH=. python benchmarks/hierarchical_bench.py                 # 1M, 8 x 8
     PYTHONPATH=. python benchmarks/hierarchical_bench.py --total 131072 --nodes 2 --local 4
@@ -39,14 +48,16 @@ import numpy as np
 from magi_jax.mask_zoo import MASKS, make_mask
 from magi_jax.planning import solver as S
 from magi_jax.planning import stages as D
+from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.cast_table import cast_moves
-from magi_jax.planning.defaults import default_overlap_degree
+from magi_jax.planning.defaults import cast_pieces, default_overlap_degree
 from magi_jax.planning.hierarchy import (
     NodeLayout,
-    build_relay_table,
     inter_node_rows,
     inter_node_wire_rows,
 )
+from magi_jax.planning.relay_runs import build_relay_runs, pad_runs, relay_run_bounds
+from magi_jax.planning.wire import plan_wire
 from magi_jax.planning.work_list import default_block_sizes
 
 _DEFAULT_MASKS = ("doc-causal", "causal", "sliding-window", "shared-question")
@@ -55,6 +66,7 @@ _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 def _relay_ingress(rt) -> np.ndarray:
     """Real rows each rank receives across the node boundary (as a relay)."""
+    rt = rt.dense()
     lay, got = rt.layout, np.zeros(rt.cp, np.int64)
     for j, (dn, dl) in enumerate(rt.inter_shifts):
         real = (rt.inter_send[:, j] >= 0).sum(axis=1)
@@ -76,22 +88,23 @@ def run_case(name: str, total: int, layout: NodeLayout, degree, row_bytes: int) 
     flat = hier = flat_wire = hier_wire = intra = moved = 0
     ingress = np.zeros(layout.cp, np.int64)
     flat_ingress = np.zeros(layout.cp, np.int64)
-    t0 = time.perf_counter()
+    t_relay = 0.0
     for st in plan.stages:
         if st.cast is None:
             continue
-        rt = build_relay_table(st.cast, layout)
+        t0 = time.perf_counter()
+        rt = build_relay_runs(st.cast, layout)
+        t_relay += time.perf_counter() - t0
         moved += st.cast.tokens_moved()
         flat += inter_node_rows(st.cast, layout)
         hier += rt.inter_node_rows()
-        intra += rt.intra_node_rows()
+        intra += int(rt.intra_rows().sum())
         flat_wire += inter_node_wire_rows(st.cast, layout)
         hier_wire += rt.inter_node_wire_rows()
         ingress += _relay_ingress(rt)
         dst, _, src, _ = cast_moves(st.cast)
         cross = dst // layout.local != src // layout.local
         flat_ingress += np.bincount(dst[cross], minlength=layout.cp)
-    t_relay = time.perf_counter() - t0
     gib = lambda rows: rows * row_bytes / 2**30
     return dict(
         mask=name,
@@ -116,6 +129,86 @@ def run_case(name: str, total: int, layout: NodeLayout, degree, row_bytes: int) 
         plan_s=t_plan,
         relay_s=t_relay,
     )
+
+
+def run_capacity_case(name: str, total: int, layout: NodeLayout, packings: int) -> dict:
+    """A key at a capacity (from ``packings`` packings of the generator), packing 0 planned
+    at it as make_flex_key plans it; inter-node wire of the flat and the two-hop cast."""
+    from wire_bench import generate
+
+    masks = [generate(name, total, s) for s in range(packings)]
+    t0 = time.perf_counter()
+    cap = PlanCapacity.from_masks(masks, mesh_size=layout.cp)
+    t_cap = time.perf_counter() - t0
+    mask, pieces = masks[0], cast_pieces(cap)
+    t0 = time.perf_counter()
+    meta = S.solve_dispatch(mask, layout.cp, cap.chunk_size, "magi")
+    bq, bk = default_block_sizes(meta.local_len, meta.local_len)
+    t1 = time.perf_counter()
+    plan = D.build_dist_plan(mask, meta, cap.overlap_degree, bq, bk, "xla", cap)
+    t2 = time.perf_counter()
+    relays = []
+    for st in plan.stages:
+        if st.cast is None:
+            continue
+        c = st.cast
+        rt = build_relay_runs(c, layout, inter_width=c.slot_len, intra_width=c.buffer_len)
+        # As the key holds them (sharding/two_hop.relay_stage): padded to the capacity's runs.
+        bounds = relay_run_bounds(layout, c.slot_len, c.buffer_len, cap.send_runs, cap.recv_runs)
+        for runs, size in zip((rt.inter_runs, rt.intra_runs, rt.recv_runs), bounds):
+            pad_runs(runs, size, "two-hop")
+        relays.append(rt)
+    t3 = time.perf_counter()
+    whole = plan_wire(plan, "ppermute", layout.local)
+    gated = plan_wire(plan, "ppermute", layout.local, pieces=pieces)
+    two_hop = plan_wire(plan, "ppermute", layout.local, relays, pieces)
+    return dict(
+        mask=name,
+        packings=packings,
+        cast_width=cap.cast_width,
+        overlap_degree=cap.overlap_degree,
+        pieces=pieces,
+        flat_real_inter=int(whole.real_inter.sum()),
+        two_hop_real_inter=int(two_hop.real_inter.sum()),
+        flat_wire_inter=int(whole.wire_inter.sum()),
+        flat_gated_wire_inter=int(gated.wire_inter.sum()),
+        two_hop_gated_wire_inter=int(two_hop.wire_inter.sum()),
+        two_hop_gated_wire_intra=int(two_hop.wire_intra.sum()),
+        reduction=whole.wire_inter.sum() / max(int(two_hop.wire_inter.sum()), 1),
+        capacity_s=t_cap,
+        solve_s=t1 - t0,
+        plan_s=t2 - t1,
+        relay_s=t3 - t2,
+        key_s=t3 - t0,
+    )
+
+
+def capacity_markdown(rows: list[dict], meta: dict) -> str:
+    rb = meta["row_bytes"] / 2**30
+    out = [
+        "",
+        f"## Keys at a capacity ({meta['total']:,} tokens, {meta['nodes']} × {meta['local']})",
+        "",
+        "`PlanCapacity.from_masks` over the generator's packings (default headroom), "
+        "packing 0 planned at it. Inter-node GiB per forward cast: the flat cast with "
+        "whole slots (before gated pieces), gated, and the gated two-hop cast (tables "
+        "planned by runs). *Key s*: dispatch + distributed plan + two-hop tables, host.",
+        "",
+        "| mask | packings | real flat / two-hop GiB | flat wire (whole) | flat wire (gated) "
+        "| two-hop wire (gated) | reduction vs whole flat | two-hop intra GiB | solve / plan "
+        "/ two-hop s | key s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['mask']} | {r['packings']} | {r['flat_real_inter'] * rb:.2f} / "
+            f"{r['two_hop_real_inter'] * rb:.2f} | {r['flat_wire_inter'] * rb:.2f} | "
+            f"{r['flat_gated_wire_inter'] * rb:.2f} | {r['two_hop_gated_wire_inter'] * rb:.2f} "
+            f"| **{r['reduction']:.2f}×** | {r['two_hop_gated_wire_intra'] * rb:.2f} | "
+            f"{r['solve_s']:.2f} / {r['plan_s']:.2f} / {r['relay_s']:.2f} | "
+            f"**{r['key_s']:.2f}** |"
+        )
+    return "\n".join(out) + "\n"
 
 
 def to_markdown(rows: list[dict], meta: dict) -> str:
@@ -169,10 +262,16 @@ def main(argv=None):
         default=["default", "1"],
         help="overlap degrees: 'default' (the cost model's) and/or integers",
     )
+    p.add_argument(
+        "--capacity-packings",
+        type=int,
+        default=4,
+        help="packings of each mask's generator for its key at a capacity (0: none)",
+    )
     p.add_argument("--hkv", type=int, default=8)
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_ITEMSIZE))
-    p.add_argument("--out", default="benchmarks/results/collectives")
+    p.add_argument("--out", default="benchmarks/results/wire")
     args = p.parse_args(argv)
     layout = NodeLayout(args.nodes, args.local)
     row_bytes = 2 * args.hkv * args.d * _ITEMSIZE[args.dtype]
@@ -188,6 +287,11 @@ def main(argv=None):
         rows.append(run_case(name, args.total, layout, degree, row_bytes))
         if hasattr(work, "set_postfix_str"):
             work.set_postfix_str(f"{name} {rows[-1]['factor']:.2f}x")
+    cap_rows = []
+    if args.capacity_packings > 0:
+        for name in args.masks:
+            cap_rows.append(run_capacity_case(name, args.total, layout, args.capacity_packings))
+            print(f"capacity {name}: {cap_rows[-1]['key_s']:.2f} s", file=sys.stderr)
     now = datetime.datetime.now(datetime.timezone.utc)
     try:
         commit = (
@@ -218,8 +322,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"hierarchical_{now.strftime('%Y%m%d_%H%M')}")
     with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    md = to_markdown(rows, meta)
+        json.dump(dict(meta=meta, rows=rows, capacity_rows=cap_rows), f, indent=1)
+    md = to_markdown(rows, meta) + (capacity_markdown(cap_rows, meta) if cap_rows else "")
     with open(stem + ".md", "w") as f:
         f.write(md)
     print(md)

@@ -6,9 +6,10 @@
 
 Prints the dispatch (chunks per rank), the balance of attention work (max/mean mask cells per
 rank, next to the contiguous / zigzag / striped baselines), the remote-KV volume (next to what
-ring attention moves), the overlap stages and the planning time; writes the picture of
-:func:`magi_jax.plot.plot_plan` (and, with ``--mask-out``, of the mask). The plan is the one
-:func:`magi_jax.make_flex_key` builds on a real mesh with the same options.
+ring attention moves), the rows each transport puts on the wire, padding included (per rank
+and in total, inside and between nodes), the overlap stages and the planning time; writes
+the picture of :func:`magi_jax.plot.plot_plan` (and, with ``--mask-out``, of the mask). The
+plan is the one :func:`magi_jax.make_flex_key` builds on a real mesh with the same options.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from magi_jax.mask_zoo import MASKS, make_mask  # the zoo of --mask (re-exported
 from magi_jax.planning.defaults import default_overlap_degree
 from magi_jax.planning.solver import ALGORITHMS, remote_kv_tokens, solve_dispatch
 from magi_jax.planning.stages import build_dist_plan
+from magi_jax.planning.wire import plan_wire, ring_rows
 from magi_jax.planning.work_list import default_block_sizes
 
 __all__ = ["MASKS", "make_mask", "parse_tokens", "parse_cu_seqlens", "main"]
@@ -116,6 +118,22 @@ def main(argv=None) -> int:
         default=None,
         help="remote stages (default: the cost model's choice, as in make_flex_key)",
     )
+    ap.add_argument(
+        "--local",
+        type=int,
+        default=None,
+        help="ranks per node (default: all --cp ranks on one node); the wire is then "
+        "split into rows inside nodes and between nodes, and the two-hop cast is counted",
+    )
+    ap.add_argument(
+        "--capacity-packings",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also count the wire of a key at PlanCapacity.from_masks over N packings of "
+        "--mask (seeds --seed, --seed + 1, ...; the mask itself for --cu-seqlens/--slices), "
+        "its slots in gated pieces as make_flex_key makes them",
+    )
     ap.add_argument("--algorithm", default="magi", choices=ALGORITHMS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="plan.png", help="picture of the plan (PNG); '' for none")
@@ -123,6 +141,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cp < 1:
         ap.error(f"--cp {args.cp} must be >= 1")
+    if args.local is not None and (args.local < 1 or args.cp % args.local):
+        ap.error(f"--local {args.local} must divide --cp {args.cp} (ranks per node)")
 
     if args.bidirectional and args.cu_seqlens is None:
         ap.error("--bidirectional applies to --cu-seqlens only")
@@ -195,6 +215,9 @@ def main(argv=None) -> int:
         f"remote KV per rank: max {_fmt(int(rem.max()))}, mean {_fmt(float(rem.mean()))}; "
         f"total {_fmt(int(rem.sum()))} tokens over the network"
     )
+    _print_wire(plan, args.local, ring_rows(args.cp, meta.local_len))
+    if args.capacity_packings > 0:
+        _print_capacity_wire(mask, args, name)
     print(
         f"stages    overlap degree {plan.overlap_degree}: {len(plan.stages)} FFA call(s) per "
         f"rank (tiles {bq}x{bk})"
@@ -232,6 +255,82 @@ def main(argv=None) -> int:
             plot_mask(mask, args.mask_out)
             print(f"wrote     {args.mask_out}")
     return 0
+
+
+def _print_capacity_wire(mask, args, name):
+    """The wire of ``mask`` planned at a capacity from ``--capacity-packings`` packings."""
+    from magi_jax.planning.capacity import PlanCapacity
+    from magi_jax.planning.defaults import cast_pieces
+
+    if args.cu_seqlens is None and args.slices is None:
+        masks = [
+            make_mask(
+                args.mask, args.seqlen, window=args.window, num_docs=args.docs, seed=args.seed + i
+            )
+            for i in range(args.capacity_packings)
+        ]
+    else:
+        masks = [mask]
+    t0 = time.perf_counter()
+    cap = PlanCapacity.from_masks(masks, mesh_size=args.cp)
+    meta = solve_dispatch(mask, args.cp, cap.chunk_size, args.algorithm)
+    bq, bk = default_block_sizes(meta.local_len, meta.local_len)
+    plan = build_dist_plan(mask, meta, cap.overlap_degree, bq, bk, "xla", cap)
+    print(
+        f"capacity  from_masks over {len(masks)} packing(s) of {name}: cast_width "
+        f"{_fmt(cap.cast_width)}, overlap degree {cap.overlap_degree}, slots in "
+        f"{cast_pieces(cap)} gated pieces  [{time.perf_counter() - t0:.2f} s]"
+    )
+    _print_wire(plan, args.local, ring_rows(args.cp, meta.local_len), cast_pieces(cap))
+
+
+def _print_wire(plan, local, ring: int, pieces: int = 1):
+    """The wire counts of ``plan``'s casts (:mod:`magi_jax.planning.wire`), per transport;
+    ``pieces``: gated ``ppermute`` slots (a key at a capacity)."""
+    counts = [
+        (name, plan_wire(plan, name, local, pieces=pieces))
+        for name in ("ppermute", "all_to_all", "native")
+    ]
+    if local is not None and local < plan.cp and plan.cp // local > 1:
+        from magi_jax.planning.hierarchy import NodeLayout
+        from magi_jax.planning.relay_runs import build_relay_runs
+
+        layout = NodeLayout(plan.cp // local, local)
+        widths = (
+            (lambda c: {})
+            if pieces == 1
+            else (lambda c: dict(inter_width=c.slot_len, intra_width=c.buffer_len))
+        )
+        relays = [
+            build_relay_runs(st.cast, layout, **widths(st.cast))
+            for st in plan.stages
+            if st.cast is not None
+        ]
+        counts.append(("two-hop", plan_wire(plan, "ppermute", local, relays, pieces)))
+    real = counts[0][1]
+    print(
+        "wire      rows each rank sends per cast, busiest rank (and all ranks), padding "
+        f"included; ring attention sends {_fmt(ring)} per rank"
+    )
+    split = local is not None and local < plan.cp
+    print(
+        f"          {'real (the plan)':<16} {_fmt(int(real.real.max(initial=0))):>7} "
+        f"({_fmt(int(real.real.sum()))})"
+        + (f"   between nodes {_fmt(int(real.real_inter.sum()))}" if split else "")
+    )
+    for name, w in counts:
+        print(
+            f"          {name:<16} {_fmt(int(w.wire.max(initial=0))):>7} "
+            f"({_fmt(int(w.wire.sum()))})   {w.per_rank_ratio():5.2f}x per rank, "
+            f"{w.total_ratio():5.2f}x in total, {100 * w.wire.max(initial=0) / max(ring, 1):5.1f}% "
+            "of ring"
+            + (
+                f"   between nodes {_fmt(int(w.wire_inter.sum()))} "
+                f"(real {_fmt(int(w.real_inter.sum()))})"
+                if split
+                else ""
+            )
+        )
 
 
 if __name__ == "__main__":

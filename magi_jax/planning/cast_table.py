@@ -25,6 +25,7 @@ __all__ = [
     "reduce_model",
     "index_runs",
     "expand_runs",
+    "pack_runs",
 ]
 
 
@@ -145,7 +146,7 @@ def index_runs(
     length = np.diff(np.append(first, cp * n))  # a rank's first entry starts a run
     keep = real.reshape(-1)[first]
     first, length = first[keep], length[keep]
-    return _pack_runs(
+    return pack_runs(
         cp,
         first // n,
         first % n,
@@ -158,7 +159,7 @@ def index_runs(
     )
 
 
-def _pack_runs(
+def pack_runs(
     cp,
     rank,
     start,
@@ -222,9 +223,13 @@ def _pack_runs(
     return out
 
 
-def choose_transport(table: CastTable) -> str:
+def choose_transport(table: CastTable, gated: bool = False) -> str:
     """``ppermute`` unless nearly every pair of ranks talks with even block sizes, where one
-    padded ``all_to_all`` moves little extra and launches once."""
+    padded ``all_to_all`` moves little extra and launches once. ``gated``: the ``ppermute``
+    slots move in gated pieces (keys at a capacity), never more than the ``all_to_all``
+    would, and far less where the mask needs less than the capacity: ``ppermute``."""
+    if gated:
+        return "ppermute"
     n = len(table.shifts)
     if n >= 8 and table.cp * table.slot_len <= 1.5 * sum(table.widths):
         return "all_to_all"
@@ -308,7 +313,7 @@ def cast_table_from_pieces(
     # consecutive buffer rows.
     first_row = meta.chunk_slot[g0 // c] * c + g0 % c
     first_entry = out_slot * s_len + off_block
-    send = _pack_runs(
+    send = pack_runs(
         cp,
         src,
         first_entry,
@@ -330,7 +335,7 @@ def cast_table_from_pieces(
             )
         recv = index_runs(dense, value_split=s_len, num_runs=recv_size, field="recv_runs")
     else:
-        recv = _pack_runs(
+        recv = pack_runs(
             cp,
             dst,
             off_b,

@@ -19,6 +19,8 @@ __all__ = [
     "capacity_overlap_degree",
     "capacity_needs",
     "sample_needs",
+    "cast_pieces",
+    "CAPACITY_CAST_PIECES",
 ]
 
 # Cost model of the default overlap degree (H200 figures, bf16, Hq = Hkv = 16,
@@ -33,6 +35,11 @@ _SEC_PER_STAGE = 30e-6
 _SEC_PER_STAGE_TOKEN = 5e-9
 _OVERLAP_EFFICIENCY = 0.5
 _MAX_DEGREE = 4
+# Gated pieces of a ppermute slot at a capacity (collectives._gated_ppermute): counted by
+# benchmarks/wire_bench.py at 128k x cp 8 (benchmarks/results/wire/LATEST.md), 8 pieces
+# bring the busiest rank's wire from 1.25-9.7x its real rows (whole slots) to 1.09-3.2x;
+# 16 would gain 4-10 % more at twice the branches of the slot's one conditional.
+CAPACITY_CAST_PIECES = 8
 
 
 def default_overlap_degree(
@@ -58,6 +65,13 @@ def default_overlap_degree(
         if float(t.max()) < best_t * 0.98:
             best, best_t = k, float(t.max())
     return best
+
+
+def cast_pieces(capacity) -> int:
+    """Gated pieces per ``ppermute`` slot of a key's casts: :data:`CAPACITY_CAST_PIECES` at a
+    capacity (slots as wide as the capacity, most of it padding for most masks), 1 for a
+    key of one mask (its slots are as wide as their widest real block already)."""
+    return 1 if capacity is None else CAPACITY_CAST_PIECES
 
 
 def capacity_chunk_size(total: int, cp: int) -> int:

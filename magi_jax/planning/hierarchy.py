@@ -54,6 +54,10 @@ __all__ = [
     "inter_node_wire_rows",
     "relay_cast_model",
     "relay_reduce_model",
+    "check_layout",
+    "slot_code",
+    "slot_key",
+    "relay_width_error",
 ]
 
 # The relay choice keeps the set of ranks that need a row as a bitmask.
@@ -129,7 +133,7 @@ class RelayTable:
 def inter_node_rows(table: CastTable, layout: NodeLayout) -> int:
     """Real rows of the flat cast ``table`` whose owner and receiver sit in different nodes
     (each crossing counted: a row two ranks of one node need counts twice)."""
-    _check_layout(table, layout)
+    check_layout(table, layout)
     dst, _, src, _ = cast_moves(table)
     return int((dst // layout.local != src // layout.local).sum())
 
@@ -137,7 +141,7 @@ def inter_node_rows(table: CastTable, layout: NodeLayout) -> int:
 def inter_node_wire_rows(table: CastTable, layout: NodeLayout) -> int:
     """Rows the flat cast's ``ppermute`` per slot sends across node boundaries, padding
     included: slot ``j``'s width from every rank whose receiver sits in another node."""
-    _check_layout(table, layout)
+    check_layout(table, layout)
     r = np.arange(table.cp)
     return int(
         sum(
@@ -147,7 +151,8 @@ def inter_node_wire_rows(table: CastTable, layout: NodeLayout) -> int:
     )
 
 
-def _check_layout(table: CastTable, layout: NodeLayout):
+def check_layout(table: CastTable, layout: NodeLayout):
+    """Raises unless ``layout`` is a :class:`NodeLayout` covering the cast's ranks."""
     if not isinstance(layout, NodeLayout):
         raise TypeError(f"layout must be a NodeLayout; got {type(layout).__name__}")
     if layout.cp != table.cp:
@@ -172,8 +177,12 @@ def build_relay_table(
     ``1..local-1``, of those widths, so the shapes depend on ``(layout, widths,
     buffer_len)`` alone; a block wider than its width raises
     :class:`~magi_jax.planning.capacity.CapacityError`. A relay receives only rows it needs
-    itself, so the inter-node blocks are never wider than the flat cast's."""
-    _check_layout(table, layout)
+    itself, so the inter-node blocks are never wider than the flat cast's.
+
+    This planner works row by row, the literal statement of the tables; keys plan them by
+    runs (:func:`~magi_jax.planning.relay_runs.build_relay_runs`, the same tables, entry
+    for entry, in a small fraction of the time), which the tests check against this one."""
+    check_layout(table, layout)
     nodes, local = layout.nodes, layout.local
     fixed = inter_width is not None or intra_width is not None
     if fixed and (inter_width is None or intra_width is None):
@@ -298,14 +307,14 @@ class _Blocks:
             widths = np.zeros(len(codes), np.int64)
             np.maximum.at(widths, slot, pos + 1)
             s_len = max(int(widths.max(initial=0)), 1)
-            keys = [_decode(int(c), layout, all_slots) for c in codes]
+            keys = [slot_key(int(c), layout, all_slots) for c in codes]
         else:
             keys = all_slots
-            codes = np.array([_encode(k, layout) for k in keys], np.int64)
+            codes = np.array([slot_code(k, layout) for k in keys], np.int64)
             slot = np.searchsorted(codes, code)
             need = int(pos.max(initial=-1)) + 1
             if need > width:
-                _width_error(need, width, all_slots)
+                relay_width_error(need, width, all_slots)
             s_len = max(int(width), 1)
             widths = np.full(len(keys), int(width), np.int64)
         self.send = np.full((cp, len(keys), s_len), -1, np.int32)
@@ -319,19 +328,24 @@ class _Blocks:
         self.widths = tuple(int(w) for w in widths)
 
 
-def _encode(key, layout):
+def slot_code(key, layout):
+    """The integer code of a slot's shift: ``dn · local + dl`` for an inter-node slot
+    ``(dn, dl)``, the shift itself for an intra-node slot."""
     if isinstance(key, tuple):
         return key[0] * layout.local + key[1]
     return key
 
 
-def _decode(code, layout, all_slots):
+def slot_key(code, layout, all_slots):
+    """The shift of a slot from its :func:`slot_code` (``all_slots`` tells the hop)."""
     if all_slots and isinstance(all_slots[0], tuple):
         return divmod(code, layout.local)
     return code
 
 
-def _width_error(need: int, width: int, all_slots):
+def relay_width_error(need: int, width: int, all_slots):
+    """Raises the :class:`~magi_jax.planning.capacity.CapacityError` of a block of ``need``
+    rows in a hop whose slots hold ``width``."""
     from magi_jax.planning.errors import CapacityError
 
     hop = "inter-node" if all_slots and isinstance(all_slots[0], tuple) else "intra-node"

@@ -41,7 +41,7 @@ import numpy as np
 
 from magi_jax.caches import register
 from magi_jax.mask import AttnMask, SliceShapes
-from magi_jax.planning.backends import HOST_PLANNERS, host_planner
+from magi_jax.planning.backends import host_planner
 from magi_jax.planning.cast_table import CastTable, cast_table_from_pieces
 from magi_jax.planning.solver import (
     KV_LAYOUTS,
@@ -136,8 +136,7 @@ class StagePlan:
     ``ffa`` holds the work lists as runs
     (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) and ``items`` the widths ``(q, k)``
     of the item arrays they stand for (expanded on the device right before the FFA call;
-    :func:`~magi_jax.planning.work_list.expand_runs` on the host). A planner other than the
-    built-in ones gives its own plan arrays, used as they are (``items`` is then ``None``)."""
+    :func:`~magi_jax.planning.work_list.expand_runs` on the host)."""
 
     ffa: tuple  # the backend's plan arrays (NamedTuple), stacked
     kv_len: int
@@ -626,69 +625,6 @@ def build_dist_plan(
     return plan
 
 
-def _stage_shapes(mask, meta, views, r, which):
-    """Rank ``r``'s local-coordinate shapes for ``which`` = ``"host"`` (local KV),
-    ``"combined"`` (local KV then the whole remote buffer) or a remote stage index."""
-    c, t_loc = meta.chunk_size, meta.local_len
-    q_shift = meta.chunk_slot * c - np.arange(meta.num_chunks) * c  # per chunk
-    local_g0 = meta.rank_chunks[r] * c
-    local_shift = np.arange(meta.chunks_per_rank) * c - local_g0
-    if which == "host":
-        g0, g1, sk = local_g0, local_g0 + c, local_shift
-    else:
-        rem = views[r].remote
-        if which != "combined":
-            rem = rem[rem[:, 3] == which]
-        g0, g1, sk = rem[:, 0], rem[:, 1], rem[:, 4] - rem[:, 0]
-        if which == "combined":
-            g0 = np.concatenate([g0, local_g0])
-            g1 = np.concatenate([g1, local_g0 + c])
-            sk = np.concatenate([sk + t_loc, local_shift])
-        order = np.argsort(g0, kind="stable")
-        g0, g1, sk = g0[order], g1[order], sk[order]
-    g0, g1, sk = _merge_runs(g0, g1, sk)
-    return _clip_to_segments(
-        mask.shapes, _merge_pairs(views[r].pairs, q_shift), g0, g1, sk, q_shift
-    )
-
-
-def _merge_runs(g0, g1, shift):
-    """Merges consecutive segments that abut both globally and locally (same shift), e.g.
-    neighbouring chunks a rank owns side by side, so slices are not cut where no cut is
-    needed."""
-    if len(g0) < 2:
-        return g0, g1, shift
-    new = np.ones(len(g0), bool)
-    new[1:] = (g0[1:] != g1[:-1]) | (shift[1:] != shift[:-1])
-    first = np.nonzero(new)[0]
-    last = np.append(first[1:], len(g0)) - 1
-    return g0[first], g1[last], shift[first]
-
-
-def _merge_pairs(pairs, q_shift):
-    """Merges (slice, query chunk) pairs of one slice whose rows abut globally and locally
-    (neighbouring chunks held side by side): one pair, rows ``[a, b)`` and key extent the
-    union (still contiguous: rows are consecutive)."""
-    s, chunk, a, b, e0, e1 = pairs
-    if len(s) < 2:
-        return pairs
-    order = np.lexsort((a, s))
-    s, chunk, a, b, e0, e1 = (x[order] for x in (s, chunk, a, b, e0, e1))
-    sh = q_shift[chunk]
-    new = np.ones(len(s), bool)
-    new[1:] = (s[1:] != s[:-1]) | (a[1:] != b[:-1]) | (sh[1:] != sh[:-1])
-    first = np.nonzero(new)[0]
-    last = np.append(first[1:], len(s)) - 1
-    return (
-        s[first],
-        chunk[first],
-        a[first],
-        b[last],
-        np.minimum.reduceat(e0, first),
-        np.maximum.reduceat(e1, first),
-    )
-
-
 def split_areas(mask: AttnMask, meta: DispatchMeta, kv=None):
     """Per rank: area on local KV, area on remote KV and remote KV tokens (int64 ``[cp]``
     each) — the inputs of the overlap cost model, without building any kernel plan; ``kv``
@@ -775,7 +711,7 @@ def _build(mask, meta, degree, bq, bk, backend, capacity=None, kv=None) -> DistP
             )
             num_slices = np.diff(rank.bounds).astype(np.int64)
             area = _rank_sums(flat.areas(), rank)
-        ffa, items = _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, shapes)
+        ffa, items = _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity)
         return StagePlan(
             ffa=ffa,
             kv_len=kv_len,
@@ -812,18 +748,11 @@ def _build(mask, meta, degree, bq, bk, backend, capacity=None, kv=None) -> DistP
 _SHAPE_FIELDS = ("q0", "q1", "k0", "k1", "dlo", "dhi")
 
 
-def _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, shapes):
+def _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity):
     """One stage's FFA plan of every rank, stacked ``[cp, ...]``, and the widths of its item
     arrays: runs (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) standing for lists of
     the capacity's items (at ``capacity``; runs padded to :func:`_capacity_runs`) or of the
     longest rank's."""
-    if HOST_PLANNERS.get(backend.name) is not backend:  # another planner: rank by rank
-        with _phase("work_lists"):
-            plans = [backend.build(x, t_loc, kv_len, bq, bk) for x in shapes]
-        with _phase("stack_pad"):
-            if capacity is not None:
-                plans = [_at_capacity(p, capacity, backend.name, t_loc, kv_len) for p in plans]
-            return backend.stack(plans), None
     fwd_block, bwd_block = backend_blocks(backend.name, t_loc, kv_len, bq, bk)
     with _phase("work_lists"):
         runs_q = work_list_runs(flat, rank.rank, cp, t_loc, kv_len, *fwd_block, "q")
@@ -860,9 +789,3 @@ def _capacity_items(capacity: PlanCapacity, backend: str, t_loc: int, kv_len: in
     fwd_block, bwd_block = backend_blocks(backend, t_loc, kv_len)
     ratio = max(1, fwd_block[0] // bwd_block[0])
     return capacity.items, capacity.items * ratio
-
-
-def _at_capacity(plan, capacity: PlanCapacity, backend: str, t_loc: int, kv_len: int):
-    """One rank's stage plan with its item lists padded to the capacity
-    (:func:`_capacity_items`)."""
-    return plan.pad_to(*_capacity_items(capacity, backend, t_loc, kv_len))

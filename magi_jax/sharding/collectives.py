@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from magi_jax.ffa.ragged import expand_index_runs as expand_runs
+from magi_jax.planning.wire import piece_len
 from magi_jax.sharding import native
 
 __all__ = [
@@ -99,7 +100,10 @@ class CastSpec:
     (:func:`magi_jax.sharding.native.reduce_runs`), with which its reduce can be started
     (:func:`magi_jax.sharding.native.group_reduce_start`); ``None`` if unknown or too many.
     ``slot_len``, ``buffer_len``: ``S`` and ``B`` of the tables, to expand :class:`CastRuns`
-    (0: the tables come as :class:`CastArrays`)."""
+    (0: the tables come as :class:`CastArrays`). ``pieces``: the ``ppermute`` transport cuts
+    each slot into that many gated pieces and moves only those some rank fills
+    (:func:`_gated_ppermute`; keys at a capacity, whose slots are as wide as the capacity
+    allows); 1: every slot moves whole."""
 
     axis_name: str
     cp: int
@@ -109,10 +113,13 @@ class CastSpec:
     runs: tuple | None = None
     slot_len: int = 0
     buffer_len: int = 0
+    pieces: int = 1
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not one of {TRANSPORTS}")
+        if not isinstance(self.pieces, int) or self.pieces < 1:
+            raise ValueError(f"pieces={self.pieces!r} must be a positive integer")
         if len(self.shifts) != len(self.widths):
             raise ValueError("shifts and widths must have one entry per slot")
 
@@ -145,7 +152,8 @@ class RelaySpec:
     ``lax.ppermute``, one per slot: the inter-node hop over both axes, the intra-node hop
     over ``local`` alone. ``group_cast`` / ``group_reduce`` take it in place of a
     :class:`CastSpec`. ``inter_slot_len``, ``intra_slot_len``, ``buffer_len``: ``S1``,
-    ``S2`` and ``B`` of the tables, to expand :class:`RelayRuns`."""
+    ``S2`` and ``B`` of the tables, to expand :class:`RelayRuns`. ``pieces``: both hops'
+    slots cut into gated pieces, as :class:`CastSpec`'s."""
 
     axes: tuple[str, str]
     nodes: int
@@ -158,6 +166,7 @@ class RelaySpec:
     inter_slot_len: int = 0
     intra_slot_len: int = 0
     buffer_len: int = 0
+    pieces: int = 1
     runs = None
 
     def __post_init__(self):
@@ -205,6 +214,40 @@ def expand_tables(tables, spec):
 def _perm(spec: CastSpec, shift: int, reverse: bool):
     sign = -1 if reverse else 1
     return [(r, (r + sign * shift) % spec.cp) for r in range(spec.cp)]
+
+
+def _slot_live(send, axis_name):
+    """int32 ``[n_slots]``: the most real entries any rank has in each slot of its send
+    table ``send [n_slots, S]`` (left-packed: entries at or past it are padding on every
+    rank), the same on every rank (a ``pmax`` over the axis)."""
+    return jax.lax.pmax(jnp.sum(send >= 0, axis=1, dtype=jnp.int32), axis_name)
+
+
+def _gated_ppermute(rows: tuple, axis_name, perm, live, pieces: int) -> tuple:
+    """``lax.ppermute(rows, axis_name, perm)`` of equally long ``rows [w, ...]`` that moves
+    only the first ``live`` rows (a scalar equal on every rank) rounded up to whole pieces
+    of :func:`~magi_jax.planning.wire.piece_len` rows, zeros past them: one conditional
+    whose branch ``k`` is a ``ppermute`` of ``k`` pieces. Exact when rows at or past
+    ``live`` are zero on every rank; the wire follows ``live`` rather than ``w`` (counted
+    by :func:`magi_jax.planning.wire.gated_widths`)."""
+    w = rows[0].shape[0]
+    if pieces <= 1 or w == 0:
+        return jax.lax.ppermute(rows, axis_name, perm)
+    size = piece_len(w, pieces)
+    count = -(-w // size)
+
+    def branch(k):
+        def moved(part):
+            head = jax.lax.ppermute(tuple(r[: min(w, k * size)] for r in part), axis_name, perm)
+            return tuple(
+                jnp.concatenate([h, jnp.zeros((w - h.shape[0],) + h.shape[1:], h.dtype)])
+                for h in head
+            )
+
+        return moved if k else (lambda part: jax.tree.map(jnp.zeros_like, part))
+
+    index = jnp.clip((live + size - 1) // size, 0, count)
+    return jax.lax.switch(index, [branch(k) for k in range(count + 1)], tuple(rows))
 
 
 def _exchange(blocks, spec: CastSpec, reverse: bool):
@@ -285,12 +328,16 @@ def _cast(x, tables: CastArrays, spec: CastSpec, prefix: bool = False):
     n, s = send.shape
     idx = jnp.where(send < 0, leaves[0].shape[0], send)
     if spec.transport == "ppermute":
-        # One ppermute per slot carrying only its real width; received blocks stay packed.
+        # One ppermute per slot carrying only its real width (gated pieces of it at a
+        # capacity); received blocks stay packed.
+        live = _slot_live(send, spec.axis_name) if spec.pieces > 1 else [None] * n
         blocks = [
-            jax.lax.ppermute(
+            _gated_ppermute(
                 tuple(_take(a, idx[j, :w]) for a in leaves),
                 spec.axis_name,
                 _perm(spec, shift, False),
+                live[j],
+                spec.pieces,
             )
             for j, (shift, w) in enumerate(zip(spec.shifts, spec.widths))
         ]
@@ -360,14 +407,19 @@ def _reduce(
     # Buffer rows back into their slot entries: recv is injective, so a gather by its inverse.
     inv_recv = _inverse(recv, n * s, b)
     if spec.transport == "ppermute":
+        # The cast's slots backwards, gated alike (its entries past the cast's live rows
+        # are read by no buffer row: zeros).
+        live = _slot_live(send, spec.axis_name) if spec.pieces > 1 else [None] * n
         back = [
-            jax.lax.ppermute(
+            _gated_ppermute(
                 tuple(
                     _take(a, inv_recv[j * s : j * s + w]).astype(_acc_dtype(a.dtype))
                     for a in leaves
                 ),
                 spec.axis_name,
                 _perm(spec, shift, True),
+                live[j],
+                spec.pieces,
             )
             for j, (shift, w) in enumerate(zip(spec.shifts, spec.widths))
         ]
@@ -416,12 +468,19 @@ def _relay_perms(spec: RelaySpec, reverse: bool):
     return inter, intra
 
 
-def _hop(rows, send, widths, axis, perms):
+def _hop(rows, send, widths, axis, perms, live=None, pieces=1):
     """One hop of every leaf: slot ``j`` sends ``rows[send[j, :w_j]]`` (zeros for padding);
-    returns the received blocks packed back to back at their widths."""
+    returns the received blocks packed back to back at their widths. ``live``: the slots'
+    :func:`_slot_live`, for ``pieces > 1`` (:func:`_gated_ppermute`)."""
     idx = jnp.where(send < 0, rows[0].shape[0], send)
     got = [
-        jax.lax.ppermute(tuple(_take(a, idx[j, :w]) for a in rows), axis, perm)
+        _gated_ppermute(
+            tuple(_take(a, idx[j, :w]) for a in rows),
+            axis,
+            perm,
+            None if live is None else live[j],
+            pieces,
+        )
         for j, (w, perm) in enumerate(zip(widths, perms))
     ]
     return [
@@ -433,20 +492,38 @@ def _hop(rows, send, widths, axis, perms):
 def _relay_cast(leaves, tables: RelayArrays, spec: RelaySpec):
     inter_send, intra_send, recv = tables
     inter, intra = _relay_perms(spec, reverse=False)
-    relay = _hop(leaves, inter_send, spec.inter_widths, spec.axes, inter)
+    live1, live2 = _relay_live(tables, spec)
+    relay = _hop(leaves, inter_send, spec.inter_widths, spec.axes, inter, live1, spec.pieces)
     x2 = [jnp.concatenate([r, a]) for r, a in zip(relay, leaves)]
-    fwd = _hop(x2, intra_send, spec.intra_widths, spec.axes[1], intra)
+    fwd = _hop(x2, intra_send, spec.intra_widths, spec.axes[1], intra, live2, spec.pieces)
     got = [jnp.concatenate([r, f]) for r, f in zip(relay, fwd)]
     size = sum(spec.inter_widths) + sum(spec.intra_widths)
     return [_take(g, jnp.where(recv < 0, size, recv)) for g in got]
 
 
-def _hop_back(ct, send, widths, axis, perms, num_rows):
+def _relay_live(tables: RelayArrays, spec: RelaySpec):
+    """``(inter, intra)``: each hop's :func:`_slot_live` over every rank of both axes (one
+    value everywhere), or ``(None, None)`` without gated pieces."""
+    if spec.pieces <= 1:
+        return None, None
+    return tuple(
+        _slot_live(send, spec.axes) if send.shape[0] else None
+        for send in (tables.inter_send, tables.intra_send)
+    )
+
+
+def _hop_back(ct, send, widths, axis, perms, num_rows, live=None, pieces=1):
     """Transpose of :func:`_hop`: received blocks ``ct`` (packed) go back to their senders
-    and are summed into ``num_rows`` rows there."""
+    and are summed into ``num_rows`` rows there (gated alike)."""
     offsets = np.concatenate([[0], np.cumsum(widths)]).astype(int)
     back = [
-        jax.lax.ppermute(tuple(c[offsets[j] : offsets[j + 1]] for c in ct), axis, perm)
+        _gated_ppermute(
+            tuple(c[offsets[j] : offsets[j + 1]] for c in ct),
+            axis,
+            perm,
+            None if live is None else live[j],
+            pieces,
+        )
         for j, perm in enumerate(perms)
     ]
     idx = (
@@ -470,6 +547,7 @@ def _relay_reduce(leaves, tables: RelayArrays, spec: RelaySpec, num_rows: int):
     reversed, at the relays), then one inter-node send back per relayed row."""
     inter_send, intra_send, recv = tables
     inter, intra = _relay_perms(spec, reverse=True)
+    live1, live2 = _relay_live(tables, spec)
     r_len = int(sum(spec.inter_widths))
     size = r_len + int(sum(spec.intra_widths))
     inv = _inverse(recv, size, leaves[0].shape[0])  # recv is injective: a gather
@@ -481,9 +559,13 @@ def _relay_reduce(leaves, tables: RelayArrays, spec: RelaySpec, num_rows: int):
         spec.axes[1],
         intra,
         r_len + num_rows,
+        live2,
+        spec.pieces,
     )
     relay = [x[:r_len] + g[:r_len] for x, g in zip(x2, got)]
-    back = _hop_back(relay, inter_send, spec.inter_widths, spec.axes, inter, num_rows)
+    back = _hop_back(
+        relay, inter_send, spec.inter_widths, spec.axes, inter, num_rows, live1, spec.pieces
+    )
     return [x[r_len:] + b for x, b in zip(x2, back)]
 
 

@@ -33,6 +33,7 @@ from magi_jax.planning.cast_table import choose_transport
 from magi_jax.planning.defaults import (
     capacity_chunk_size,
     capacity_overlap_degree,
+    cast_pieces,
     default_overlap_degree,
 )
 from magi_jax.planning.solver import ALGORITHMS, KV_LAYOUTS, solve_dispatch
@@ -51,6 +52,7 @@ from magi_jax.sharding.key import (
     cp_names,
     normal_cp_axis,
 )
+from magi_jax.sharding.two_hop import relay_stage
 
 __all__ = [
     "make_flex_key",
@@ -110,48 +112,11 @@ def _relay_layout(mesh, cp_axis, hierarchical, comm_backend, capacity):
     from magi_jax.planning.hierarchy import NodeLayout
 
     layout = NodeLayout(int(mesh.shape[names[0]]), int(mesh.shape[names[1]]))
-    if hierarchical == "auto" and (layout.nodes == 1 or layout.local == 1 or capacity is not None):
-        # At a capacity every slot is padded to its width, so the two-hop cast moves as
-        # many rows between nodes as the flat one: only an explicit True turns it on.
+    if hierarchical == "auto" and (layout.nodes == 1 or layout.local == 1):
         return None
-    return layout, hierarchical is True
-
-
-def _relay_stage(cast, layout, forced, capacity, cp_axis):
-    """``(RelaySpec, RelayRuns of host tables)`` of a stage's cast, or ``None`` where the
-    flat cast stays (``"auto"`` and no fewer rows sent between nodes, padding included: the
-    ``ppermute`` of a slot sends its whole width)."""
-    from magi_jax.planning.cast_table import index_runs
-    from magi_jax.planning.hierarchy import build_relay_table, inter_node_wire_rows
-    from magi_jax.sharding.collectives import RelayRuns, RelaySpec
-
-    widths = (
-        {} if capacity is None else dict(inter_width=cast.slot_len, intra_width=cast.buffer_len)
-    )
-    rt = build_relay_table(cast, layout, **widths)
-    if not forced and rt.inter_node_wire_rows() >= inter_node_wire_rows(cast, layout):
-        return None
-    spec = RelaySpec(
-        tuple(cp_axis),
-        layout.nodes,
-        layout.local,
-        rt.inter_shifts,
-        rt.inter_widths,
-        rt.intra_shifts,
-        rt.intra_widths,
-    )
-    cp = rt.cp
-    s1, s2 = rt.inter_send.shape[2], rt.intra_send.shape[2]
-    # At a capacity, room for a run per entry (always fits; the shapes follow the capacity).
-    fit = (lambda a: None) if capacity is None else (lambda a: max(a[0].size, 1))
-    runs = RelayRuns(
-        index_runs(rt.inter_send.reshape(cp, -1), split=s1, num_runs=fit(rt.inter_send)),
-        index_runs(rt.intra_send.reshape(cp, -1), split=s2, num_runs=fit(rt.intra_send)),
-        index_runs(rt.recv_index, num_runs=fit(rt.recv_index)),
-    )
-    return dataclasses.replace(
-        spec, inter_slot_len=s1, intra_slot_len=s2, buffer_len=rt.buffer_len
-    ), runs
+    # At a capacity the choice cannot follow the mask (the static part would): its gated
+    # two-hop casts are taken (benchmarks/results/wire/LATEST.md counts them).
+    return layout, hierarchical is True or capacity is not None
 
 
 def make_flex_key(
@@ -586,15 +551,19 @@ def _host_key(
             statics.append(StageStatic(st.kv_len, False, None, st.items))
             arrays.append((ffa, None))
             continue
-        # Two-hop casts on a mesh of nodes (hierarchical=...; see _relay_stage).
-        two_hop = None if relay is None else _relay_stage(st.cast, *relay, capacity, cp_axis)
+        # Two-hop casts on a mesh of nodes (hierarchical=...; see two_hop.relay_stage).
+        two_hop = None if relay is None else relay_stage(st.cast, *relay, capacity, cp_axis)
         if two_hop is not None:
             statics.append(
                 StageStatic(st.kv_len, st.kv_len != st.cast.buffer_len, two_hop[0], st.items)
             )
             arrays.append((ffa, two_hop[1]))
             continue
-        transport = choose_transport(st.cast) if comm_backend in ("auto", "xla") else comm_backend
+        transport = (
+            choose_transport(st.cast, gated=cast_pieces(capacity) > 1)
+            if comm_backend in ("auto", "xla")
+            else comm_backend
+        )
         runs = None
         if transport == "native":
             native.check_table(st.cast)
@@ -610,6 +579,7 @@ def _host_key(
             runs,
             st.cast.slot_len,
             st.cast.buffer_len,
+            cast_pieces(capacity) if transport == "ppermute" else 1,
         )
         combined = st.kv_len != st.cast.buffer_len
         statics.append(StageStatic(st.kv_len, combined, spec, st.items))

@@ -59,8 +59,9 @@ def _runner(cp, spec, num_rows, op):
     )
 
 
-def _run(op, x, table, num_rows, transport, runs=False):
-    """``runs``: pass the tables as the key does (CastRuns, expanded on the device)."""
+def _run(op, x, table, num_rows, transport, runs=False, pieces=1):
+    """``runs``: pass the tables as the key does (CastRuns, expanded on the device);
+    ``pieces``: gated ppermute slots (keys at a capacity)."""
     spec = CastSpec(
         "cp",
         table.cp,
@@ -69,6 +70,7 @@ def _run(op, x, table, num_rows, transport, runs=False):
         transport,
         slot_len=table.slot_len if runs else 0,
         buffer_len=table.buffer_len if runs else 0,
+        pieces=pieces,
     )
     tables = (table.send_runs, table.recv_runs) if runs else (table.send_index, table.recv_index)
     return np.asarray(
@@ -107,13 +109,13 @@ def test_hand_checked_table():
     np.testing.assert_array_equal(back[..., 0], [[1, 0, 0, 0], [0, 1, 1, 0]])
 
 
-def _random_table(rng, cp, chunk, per_rank, buffer_extra):
+def _random_table(rng, cp, chunk, per_rank, buffer_extra, width=None, density=0.6):
     meta = _meta(cp, chunk, per_rank)
     t_loc = chunk * per_rank
     remote = []
     for r in range(cp):
         # Random disjoint global intervals owned by other ranks, cut at chunk boundaries.
-        wanted = rng.random(meta.padded_total) < rng.uniform(0, 0.6)
+        wanted = rng.random(meta.padded_total) < rng.uniform(0, density)
         wanted[r * t_loc : (r + 1) * t_loc] = False
         g = np.nonzero(wanted)[0]
         pieces, off = [], 0
@@ -122,7 +124,64 @@ def _random_table(rng, cp, chunk, per_rank, buffer_extra):
             off += 1
         remote.append(np.array(pieces, np.int64).reshape(-1, 5))
     blen = max(1, max(len(p) for p in remote) + buffer_extra)
-    return build_cast_table(meta, remote, blen), t_loc
+    return build_cast_table(meta, remote, blen, width), t_loc
+
+
+@settings(max_examples=5, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from([4, 8]), st.sampled_from([2, 3, 5]))
+def test_gated_slots_match_numpy_model(seed, cp, pieces):
+    """Slots of a capacity's width (most of it padding) cut into gated pieces: the pieces no
+    rank fills stay home, and every rank still receives (and sends back) exactly the rows of
+    the model; the wire counted for them follows the fill, not the width."""
+    from magi_jax.planning.wire import cast_wire
+
+    rng = np.random.default_rng(seed)
+    table, t_loc = _random_table(rng, cp, 3, 2, 1, width=6, density=0.3)
+    assert set(table.widths) == {6} and len(table.shifts) == cp - 1
+    x = rng.standard_normal((cp, t_loc, 2, 4)).astype(np.float32)
+    y = rng.standard_normal((cp, table.buffer_len, 2, 4)).astype(np.float32)
+    want = reduce_model(y, table, t_loc)
+    np.testing.assert_array_equal(
+        _run("cast", x, table, t_loc, "ppermute", True, pieces), cast_model(x, table)
+    )
+    np.testing.assert_allclose(
+        _run("reduce", y, table, t_loc, "ppermute", True, pieces), want, rtol=1e-6, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        _run("cast_vjp", y, table, t_loc, "ppermute", True, pieces), want, rtol=1e-6, atol=1e-6
+    )
+    gated = cast_wire(table, "ppermute", pieces=pieces)
+    whole = cast_wire(table, "ppermute")
+    assert (gated.real <= gated.wire).all() and (gated.wire <= whole.wire).all()
+
+
+def test_gated_slots_skip_empty_slots():
+    """A capacity table whose slots are all empty: nothing moves, the buffer is zeros."""
+    meta = _meta(4, 2, 2)
+    table = build_cast_table(meta, [np.zeros((0, 5), np.int64)] * 4, 3, width=4)
+    x = np.ones((4, 4, 2), np.float32)
+    np.testing.assert_array_equal(_run("cast", x, table, 4, "ppermute", True, 2), 0)
+    with pytest.raises(ValueError, match="pieces"):
+        CastSpec("cp", 4, (1,), (4,), pieces=0)
+
+
+def test_gated_slot_moves_its_live_pieces_only():
+    """Hand-checked: 4 ranks x 4 rows (chunks of 2), slots 4 wide in 2 pieces of 2; rank 2
+    needs global 2 (rank 0's row 2) and global 7 (rank 1's row 3): shift 2 carries 1 row,
+    shift 1 one row, shift 3 none. Each moves one piece of 2 rows, or nothing."""
+    from magi_jax.planning.wire import cast_wire
+
+    meta = _meta(4, 2, 2)
+    empty = np.zeros((0, 5), np.int64)
+    remote = [empty, empty, np.array([[2, 3, 0, 0, 0], [7, 8, 1, 0, 1]]), empty]
+    table = build_cast_table(meta, remote, 2, width=4)
+    assert table.widths == (4, 4, 4)
+    np.testing.assert_array_equal(cast_wire(table, "ppermute", pieces=2).wire, [4] * 4)
+    np.testing.assert_array_equal(cast_wire(table, "ppermute").wire, [12] * 4)
+    x = np.arange(4 * 4 * 2, dtype=np.float32).reshape(4, 4, 2)
+    out = _run("cast", x, table, 4, "ppermute", True, 2)
+    np.testing.assert_array_equal(out, cast_model(x, table))
+    np.testing.assert_array_equal(out[2], np.stack([x[0, 2], x[1, 3]]))
 
 
 @settings(max_examples=6)

@@ -35,7 +35,9 @@ from magi_jax.sharding.collectives import (
     group_cast,
     group_reduce,
 )
+from tests.dynamic_masks import varlen_packings
 from tests.sharding.masks import ZOO
+from tests.xla_options import OPTIMIZED
 
 AXES = ("node", "local")
 LAYOUT = NodeLayout(2, 4)
@@ -185,9 +187,21 @@ def _runner(spec, flat_spec, num_rows):
     )
 
 
-def _device_check(flat, t_loc, rng, dtype=np.float32):
-    rt = build_relay_table(flat, LAYOUT)
-    spec = RelaySpec(AXES, 2, 4, rt.inter_shifts, rt.inter_widths, rt.intra_shifts, rt.intra_widths)
+def _device_check(flat, t_loc, rng, dtype=np.float32, pieces=1):
+    """``pieces > 1``: the two hops' tables at a capacity's widths (most of each slot
+    padding), their slots cut into gated pieces."""
+    widths = {} if pieces == 1 else dict(inter_width=flat.slot_len, intra_width=flat.buffer_len)
+    rt = build_relay_table(flat, LAYOUT, **widths)
+    spec = RelaySpec(
+        AXES,
+        2,
+        4,
+        rt.inter_shifts,
+        rt.inter_widths,
+        rt.intra_shifts,
+        rt.intra_widths,
+        pieces=pieces,
+    )
     flat_spec = CastSpec(AXES, 8, flat.shifts, flat.widths, "ppermute")
     x = rng.standard_normal((8, t_loc, 2, 3)).astype(dtype)
     # Small integers: every sum is exact, whatever the order, so reduces compare bit for bit.
@@ -216,6 +230,18 @@ def test_device_relay_matches_flat():
         (stage,) = [s for s in key.plan.stages if s.cast is not None]
         rt = _device_check(stage.cast, key.local_len, rng)
         assert rt.inter_node_rows() < inter_node_rows(stage.cast, LAYOUT)
+
+
+def test_device_relay_gated_pieces_match_flat():
+    """Two-hop tables at a capacity's widths with gated pieces: the same rows as the flat
+    cast, and the pieces that move follow the rows, not the widths."""
+    from magi_jax.planning.wire import gated_widths
+
+    rng = np.random.default_rng(11)
+    flat, t_loc = _random_table(rng, density=0.2)
+    rt = _device_check(flat, t_loc, rng, pieces=3)
+    live = (rt.inter_send >= 0).sum(axis=2).max(axis=0)
+    assert gated_widths(rt.inter_widths, live, 3).sum() < sum(rt.inter_widths)
 
 
 # ---- magi_attention over ("node", "local") ------------------------------------------------
@@ -274,14 +300,20 @@ def test_auto_and_options():
     rt = build_relay_table(narrow, LAYOUT)
     assert rt.inter_node_rows() == inter_node_rows(narrow, LAYOUT) == 1
     assert rt.inter_node_wire_rows() == 8 > inter_node_wire_rows(narrow, LAYOUT) == 2
-    # At a capacity "auto" stays flat (padded slots); True takes it.
+    # At a capacity "auto" takes the gated two-hop casts whatever the mask (the static part
+    # cannot follow it), as True does; False stays flat.
     cap = PlanCapacity(mask.total_q)
+    for h in ("auto", True):
+        casts = [
+            s.cast
+            for s in make_flex_key(mask, _mesh(), AXES, capacity=cap, hierarchical=h).stages
+            if s.cast is not None
+        ]
+        assert casts and all(isinstance(c, RelaySpec) and c.pieces > 1 for c in casts)
     assert not any(
         isinstance(s.cast, RelaySpec)
-        for s in make_flex_key(mask, _mesh(), AXES, capacity=cap).stages
+        for s in make_flex_key(mask, _mesh(), AXES, capacity=cap, hierarchical=False).stages
     )
-    capped = make_flex_key(mask, _mesh(), AXES, capacity=cap, hierarchical=True)
-    assert any(isinstance(s.cast, RelaySpec) for s in capped.stages)
     with pytest.raises(ValueError, match="hierarchical=True needs cp_axis"):
         make_flex_key(mask, _mesh(), "local", hierarchical=True)
     with pytest.raises(ValueError, match="hierarchical='yes'"):
@@ -290,3 +322,61 @@ def test_auto_and_options():
         make_flex_key(mask, _mesh(), AXES, hierarchical=True, comm_backend="all_to_all")
     with pytest.raises(ValueError, match="cp_axis=\\('node', 'gpu'\\)"):
         make_flex_key(mask, _mesh(), ("node", "gpu"))
+
+
+@functools.partial(jax.jit, compiler_options=OPTIMIZED)  # runs 10 times: worth optimising
+def _capacity_step(q, k, v, dout, dlse, key):
+    def loss(q, k, v):
+        o, lse = magi_attention(*(dispatch(x, key) for x in (q, k, v)), key)
+        out, lse = undispatch(o, key), undispatch(lse, key)
+        total = (out * dout).sum() + (jnp.where(jnp.isfinite(lse), lse, 0) * dlse).sum()
+        return total, (out, lse)
+
+    (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, lse, grads
+
+
+def test_two_hop_at_a_capacity_compiles_once_over_ten_packings():
+    """Keys at a capacity on the 2 x 4 mesh take gated two-hop casts ("auto"): one
+    compilation over 10 packings, forward and gradients against the float64 reference."""
+    masks = list(varlen_packings(256, 10, seed=3))
+    capacity = PlanCapacity.from_masks(masks, mesh_size=8)
+    size = _capacity_step._cache_size()
+    for i, mask in enumerate(masks):
+        key = make_flex_key(mask, _mesh(), AXES, capacity=capacity, ffa_backend="xla")
+        assert all(isinstance(s.cast, RelaySpec) for s in key.stages if s.cast is not None)
+        q, k, v, dout, dlse = random_inputs(jax.random.key(i), mask, 4, 2, 16, jnp.float32)
+        out, lse, (dq, dk, dv) = _capacity_step(q, k, v, dout, dlse, key)
+        assert_matches_reference(
+            dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, mask, dout, dlse
+        )
+    assert _capacity_step._cache_size() == size + 1
+
+
+def test_key_wire_counts_the_transports_the_key_runs():
+    from magi_jax.planning.relay_runs import build_relay_runs
+    from magi_jax.planning.wire import plan_wire
+    from magi_jax.sharding.key_wire import key_wire
+
+    mask = ZOO["doc_causal"]
+    flat = make_flex_key(mask, _mesh(), AXES, overlap_degree=1, hierarchical=False)
+    got, want = key_wire(flat), plan_wire(flat.plan, "auto", local=4)
+    np.testing.assert_array_equal(got.wire, want.wire)
+    np.testing.assert_array_equal(got.real_inter, want.real_inter)
+    cap = PlanCapacity.from_masks([mask], mesh_size=8)
+    capped = make_flex_key(mask, _mesh(), AXES, capacity=cap)
+    specs = [s.cast for s in capped.stages if s.cast is not None]
+    relays = [
+        build_relay_runs(
+            st.cast, LAYOUT, inter_width=st.cast.slot_len, intra_width=st.cast.buffer_len
+        )
+        for st in capped.plan.stages
+        if st.cast is not None
+    ]
+    want = plan_wire(capped.plan, "ppermute", 4, relays, specs[0].pieces)
+    got = key_wire(capped)
+    np.testing.assert_array_equal(got.wire_inter, want.wire_inter)
+    np.testing.assert_array_equal(got.wire_intra, want.wire_intra)
+    # Gated pieces: far less than the capacity's whole slots between nodes.
+    whole = 8 * sum(sum(s.inter_widths) for s in specs)
+    assert got.wire_inter.sum() < whole
