@@ -42,7 +42,6 @@ __all__ = [
     "segment_work_lists",
     "segment_items_bound",
     "noncontiguous_ids",
-    "check_capacity",
     "unplannable",
     "pack_rows",
     "unpack_rows",
@@ -174,7 +173,7 @@ def segment_work_lists(
     :func:`magi_jax.planning.work_list.build_work_list` on that mask, the items padded with
     :data:`~magi_jax.planning.tiling.EMPTY_ITEM` up to ``capacity_items``; ``needed`` (a
     scalar) is the true item count. When ``needed > capacity_items`` the list is truncated,
-    hence wrong: check it (:func:`check_capacity`). Output shapes depend on ``T``, the blocks
+    hence wrong: check it (:func:`unplannable`). Output shapes depend on ``T``, the blocks
     and ``capacity_items`` alone; memory ``O(T + capacity_items)``, nothing ``T x T``.
 
     Unlike the host, the device does not check that an id's tokens form one run: every
@@ -353,23 +352,62 @@ def segment_items_bound(
 def _raise_if_bad(
     fwd_needed, bwd_needed, bad, bad_id, first, second, *, fwd_cap, bwd_cap, total, row_len
 ):
+    """The host check of concrete ids: raises what :func:`_check_traced` reports."""
     from magi_jax.planning.capacity import CapacityError
 
     if bool(bad):
         row = int(first) // row_len
         raise ValueError(
-            f"segment id {int(bad_id)} appears in two separate runs of row {row} (positions "
-            f"{int(first) - row * row_len} and {int(second) - row * row_len}); segment ids "
-            "must be contiguous runs (packed documents): give every document its own id"
+            _SPLIT_MESSAGE.format(
+                id=int(bad_id),
+                row=row,
+                first=int(first) - row * row_len,
+                second=int(second) - row * row_len,
+            )
         )
     per_item = bwd_cap // fwd_cap
     need = max(int(fwd_needed), -(-int(bwd_needed) // per_item))
     if need > fwd_cap:
-        raise CapacityError(
-            f"these segment ids need PlanCapacity.items={need}, but the capacity holds "
-            f"{fwd_cap}; pass capacity=PlanCapacity(total_q={total}, items={need}) or more "
-            "(capacity=None: a bound that always fits)"
-        )
+        raise CapacityError(_CAPACITY_MESSAGE.format(need=need, cap=fwd_cap, total=total))
+
+
+_SPLIT_MESSAGE = (
+    "segment id {id} appears in two separate runs of row {row} (positions {first} and "
+    "{second}); segment ids must be contiguous runs (packed documents): give every "
+    "document its own id"
+)
+_CAPACITY_MESSAGE = (
+    "these segment ids need PlanCapacity.items={need}, but the capacity holds {cap}; pass "
+    "capacity=PlanCapacity(total_q={total}, items={need}) or more (capacity=None: a bound "
+    "that always fits)"
+)
+
+
+def _check_traced(
+    fwd_needed, bwd_needed, bad, bad_id, first, second, *, fwd_cap, bwd_cap, total, row_len
+):
+    """The check of traced ids: two ``jax.experimental.checkify`` checks with the messages of
+    :func:`_raise_if_bad`. Functionalised by ``checkify.checkify``, ``err.throw()`` raises
+    them as a ``ValueError`` (``checkify.JaxRuntimeError``); staged without it, JAX refuses
+    at trace time and says to use ``checkify``."""
+    from jax.experimental import checkify
+
+    row = first // row_len
+    checkify.check(
+        ~bad,
+        _SPLIT_MESSAGE,
+        id=bad_id,
+        row=row,
+        first=first - row * row_len,
+        second=second - row * row_len,
+    )
+    per_item = bwd_cap // fwd_cap
+    need = jnp.maximum(fwd_needed, (bwd_needed + per_item - 1) // per_item)
+    checkify.check(
+        need <= fwd_cap,
+        _CAPACITY_MESSAGE.replace("{cap}", str(fwd_cap)).replace("{total}", str(total)),
+        need=need,
+    )
 
 
 def unplannable(fwd_needed, bwd_needed, *, fwd_cap: int, bwd_cap: int, contiguity=None):
@@ -379,30 +417,6 @@ def unplannable(fwd_needed, bwd_needed, *, fwd_cap: int, bwd_cap: int, contiguit
     into NaN with it."""
     bad = (fwd_needed > fwd_cap) | (bwd_needed > bwd_cap)
     return bad if contiguity is None else bad | contiguity[0]
-
-
-def check_capacity(
-    fwd_needed, bwd_needed, *, fwd_cap: int, bwd_cap: int, total: int, row_len: int, contiguity=None
-):
-    """Raises at run time (a ``jax.debug.callback``, so also under ``jit``) when the device
-    lists overflow their capacity — a :class:`~magi_jax.planning.capacity.CapacityError`
-    naming ``PlanCapacity.items`` and the value needed — or when ``contiguity``
-    (:func:`noncontiguous_ids`' result) flags an id in two runs. Under ``jit`` the error
-    reaches the caller as a ``JaxRuntimeError`` carrying that message."""
-    z = jnp.zeros((), jnp.int32)
-    bad = contiguity if contiguity is not None else (jnp.zeros((), bool), z, z, z)
-    jax.debug.callback(
-        functools.partial(
-            _raise_if_bad,
-            fwd_cap=int(fwd_cap),
-            bwd_cap=int(bwd_cap),
-            total=int(total),
-            row_len=int(row_len),
-        ),
-        fwd_needed,
-        bwd_needed,
-        *bad,
-    )
 
 
 def _window_of(is_causal: bool, local_window_size):
@@ -429,8 +443,10 @@ def _segment_plan(
 ):
     """The :class:`~magi_jax.ffa.plan.AttnPlan` of ``segment_ids [B, T]`` (packed), built on
     the device, and a traced bool that says the plan cannot represent the ids
-    (:func:`unplannable`); with ``raise_now`` also the run-time check that raises
-    (:func:`check_capacity`)."""
+    (:func:`unplannable`). ``raise_now``: ids the plan cannot represent raise — concrete ids
+    on the host, here (a ``ValueError``, or a
+    :class:`~magi_jax.planning.capacity.CapacityError`), traced ids through
+    ``jax.experimental.checkify`` (:func:`_check_traced`)."""
     from magi_jax.ffa.plan import AttnPlan, PlanStatic
     from magi_jax.planning.capacity import PlanCapacity
     from magi_jax.planning.work_list import backend_blocks
@@ -459,7 +475,8 @@ def _segment_plan(
             f"{capacity.total_k}, but the packed rows hold B·T = {total} "
             "tokens; build it with PlanCapacity(total_q=B*T)"
         )
-    lists, bad = _checked_lists(
+    build = functools.partial(
+        _checked_lists,
         segment_ids,
         min(window[0], total),
         min(window[1], total),
@@ -467,9 +484,21 @@ def _segment_plan(
         bwd_block=tuple(bwd_block),
         fwd_cap=capacity.items,
         bwd_cap=per_item * capacity.items,
-        check_ids=check_ids,
-        raise_now=raise_now,
+        check_ids=check_ids or raise_now,
     )
+    checks = dict(
+        fwd_cap=capacity.items, bwd_cap=per_item * capacity.items, total=total, row_len=max(t, 1)
+    )
+    if raise_now and not isinstance(segment_ids, jax.core.Tracer):
+        # Concrete ids: the lists are built now (constants of an enclosing trace) and the
+        # check is a plain host check, at the call.
+        with jax.ensure_compile_time_eval():
+            lists, bad, diag = build()
+        _raise_if_bad(*(np.asarray(x) for x in diag), **checks)
+    else:
+        lists, bad, diag = build()
+        if raise_now:
+            _check_traced(*diag, **checks)
     plan = AttnPlan(lists, (), PlanStatic(capacity, name, tuple(fwd_block), tuple(bwd_block)))
     return plan, bad
 
@@ -477,14 +506,15 @@ def _segment_plan(
 @functools.partial(
     jax.jit,
     static_argnums=(1, 2),
-    static_argnames=("fwd_block", "bwd_block", "fwd_cap", "bwd_cap", "check_ids", "raise_now"),
+    static_argnames=("fwd_block", "bwd_block", "fwd_cap", "bwd_cap", "check_ids"),
 )
-def _checked_lists(
-    segment_ids, left, right, *, fwd_block, bwd_block, fwd_cap, bwd_cap, check_ids, raise_now=False
-):
-    """Both lists of ``segment_ids [B, T]`` and whether they fail to represent the ids,
-    compiled once (eager callers do not run the builder op by op; under an outer ``jit`` it
-    is inlined); ``raise_now`` adds the raising host check."""
+def _checked_lists(segment_ids, left, right, *, fwd_block, bwd_block, fwd_cap, bwd_cap, check_ids):
+    """Both lists of ``segment_ids [B, T]``, whether they fail to represent the ids, and what
+    the checks report: ``(fwd_needed, bwd_needed, *noncontiguous_ids(...))``; compiled once
+    (eager callers do not run the builder op by op; under an outer ``jit`` it is
+    inlined)."""
+    from magi_jax.planning.work_list import FFAPlanArrays
+
     t = segment_ids.shape[1]
     build = functools.partial(
         _work_lists, segment_ids.reshape(-1), jnp.int32(left), jnp.int32(right), row_len=max(t, 1)
@@ -495,22 +525,12 @@ def _checked_lists(
     *bwd, bwd_needed = build(
         block_q=bwd_block[0], block_k=bwd_block[1], by="k", capacity_items=bwd_cap
     )
-    contiguity = noncontiguous_ids(segment_ids) if check_ids else None
-    if raise_now:
-        check_capacity(
-            fwd_needed,
-            bwd_needed,
-            fwd_cap=fwd_cap,
-            bwd_cap=bwd_cap,
-            total=segment_ids.size,
-            row_len=max(t, 1),
-            contiguity=contiguity,
-        )
-    from magi_jax.planning.work_list import FFAPlanArrays
-
-    return FFAPlanArrays(*fwd, *bwd), unplannable(
+    z = jnp.zeros((), jnp.int32)
+    contiguity = noncontiguous_ids(segment_ids) if check_ids else (jnp.zeros((), bool), z, z, z)
+    bad = unplannable(
         fwd_needed, bwd_needed, fwd_cap=fwd_cap, bwd_cap=bwd_cap, contiguity=contiguity
     )
+    return FFAPlanArrays(*fwd, *bwd), bad, (fwd_needed, bwd_needed, *contiguity)
 
 
 def dot_product_attention(
@@ -553,10 +573,15 @@ def dot_product_attention(
         :func:`magi_jax.flex_flash_attention`.
       check_segment_ids: ids the device plan cannot represent — an id in two separate runs
         of a row, or more work items than ``capacity`` holds — make the whole output NaN
-        (never a wrong finite answer). With ``True`` they raise instead, an error naming the
-        id and positions or ``PlanCapacity.items`` and the value needed (under ``jit`` a
-        ``JaxRuntimeError`` carrying it). The raising check is a host round trip inside the
-        step (2.3 ms at 32k on an H200, 40 % of a fwd+bwd): turn it on to debug a loader.
+        (never a wrong finite answer). With ``True`` they raise instead, naming the id and
+        positions or ``PlanCapacity.items`` and the value needed: concrete ids (NumPy or
+        committed arrays, also inside a ``jit`` that closes over them) are checked on the
+        host at the call, a ``ValueError`` (``CapacityError`` for the capacity); traced ids
+        through ``jax.experimental.checkify``, JAX's way of raising from compiled code:
+        ``err, out = checkify.checkify(step)(...)`` then ``err.throw()`` raises a
+        ``ValueError`` (``checkify.JaxRuntimeError``) with the message (staged by ``jit``
+        without ``checkify``, JAX refuses at trace time and says so). The traced check costs
+        a few reductions and a flag the caller reads.
 
     Returns the output ``[B, T, N, H]`` in ``query``'s dtype. Rows that see no key (padding
     tokens, id 0) give 0 — ``jax.nn`` may return something else for fully masked rows.
@@ -602,7 +627,11 @@ def dot_product_attention(
             f"T={tq}, S={tk}: for other masks build an AttnMask and call "
             "magi_jax.flex_flash_attention"
         )
-    segment_ids = jnp.asarray(segment_ids)
+    # Concrete ids stay NumPy, so that they can be checked on the host (inside a trace
+    # jnp.asarray would stage them).
+    segment_ids = (
+        segment_ids if isinstance(segment_ids, jax.core.Tracer) else np.asarray(segment_ids)
+    )
     if segment_ids.shape != (batch, tq):
         raise ValueError(
             f"segment_ids must be [B, T] = {(batch, tq)}; got shape {segment_ids.shape}"

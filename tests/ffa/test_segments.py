@@ -338,22 +338,42 @@ def test_without_segment_ids_and_cross_lengths():
 
 
 def test_over_capacity_and_split_ids_raise_or_give_nan():
+    from jax.experimental import checkify
+
+    from magi_jax.planning.capacity import CapacityError
+
     b, t = 1, 64
     q, k, v = _inputs(jax.random.key(6), b, t, 1, 1, 8)
     ids = np.arange(1, t + 1, dtype=np.int32)[None]  # 64 one-token documents: 64 items
     split = np.ones((1, t), np.int32)
     split[0, 10:20] = 2
     good = np.repeat(np.array([[1, 2]], np.int32), t // 2, axis=1)
-    step = jax.jit(
-        lambda q, k, v, ids: seg.dot_product_attention(
-            q, k, v, segment_ids=ids, capacity=8, backend="xla", check_segment_ids=True
-        )
+    checked = lambda q, k, v, ids: seg.dot_product_attention(
+        q, k, v, segment_ids=ids, capacity=8, backend="xla", check_segment_ids=True
     )
-    with pytest.raises(Exception, match=r"PlanCapacity.items=64"):
-        jax.block_until_ready(step(q, k, v, ids))
-    with pytest.raises(Exception, match="segment id 1 appears in two separate runs"):
-        jax.block_until_ready(step(q, k, v, split))
-    # Without the (host round trip) check: never a wrong finite answer, all NaN instead.
+    # Concrete ids: a plain ValueError at the call, eagerly and under a jit closing over them.
+    with pytest.raises(CapacityError, match=r"PlanCapacity.items=64"):
+        checked(q, k, v, ids)
+    with pytest.raises(
+        ValueError,
+        match="segment id 1 appears in two separate runs of row 0 "
+        r"\(positions 0 and 20\)",
+    ):
+        jax.jit(lambda q, k, v: checked(q, k, v, split))(q, k, v)
+    # Traced ids: checkify's error, a ValueError carrying the message.
+    step = jax.jit(checkify.checkify(checked))
+    err, _ = step(q, k, v, ids)
+    with pytest.raises(ValueError, match=r"need PlanCapacity.items=64, but the capacity holds 8"):
+        err.throw()
+    err, _ = step(q, k, v, split)
+    with pytest.raises(ValueError, match=r"segment id 1 appears .* \(positions 0 and 20\)"):
+        err.throw()
+    err, out_checked = step(q, k, v, good)
+    err.throw()
+    # Staged without checkify, JAX says to use it.
+    with pytest.raises(ValueError, match="checkify"):
+        jax.jit(checked)(q, k, v, good)
+    # Without the check: never a wrong finite answer, all NaN instead.
     fast = jax.jit(
         lambda q, k, v, ids: seg.dot_product_attention(
             q, k, v, segment_ids=ids, capacity=8, backend="xla"
@@ -363,9 +383,9 @@ def test_over_capacity_and_split_ids_raise_or_give_nan():
     assert np.isnan(np.asarray(fast(q, k, v, split))).all()
     out = np.asarray(fast(q, k, v, good))
     assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, np.asarray(step(q, k, v, good)), rtol=0, atol=0)
+    np.testing.assert_allclose(out, np.asarray(out_checked), rtol=0, atol=0)
+    np.testing.assert_allclose(out, np.asarray(checked(q, k, v, good)), rtol=0, atol=0)
     assert "callback" not in jax.jit(fast).lower(q, k, v, good).as_text()
-    assert "callback" in jax.jit(step).lower(q, k, v, good).as_text()
 
 
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs an sm90 GPU")
