@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from magi_jax.ffa import dpa
 from magi_jax.ffa import segments as seg
 from magi_jax.mask import AttnMask, AttnMaskType
 from magi_jax.planning.tiling import EMPTY_ITEM
@@ -255,7 +256,7 @@ def _exact_float32_matmuls():
 
 def _nn_mask(ids, is_causal, window):
     """jax.nn's boolean mask [B, 1, T, T] for packed rows of distinct-run ids."""
-    left, right = seg._window_of(is_causal, window)
+    left, right = dpa._window_of(is_causal, window)
     return np.stack([_dense_from_ids(r, is_causal, left, right) for r in ids])[:, None]
 
 
@@ -291,7 +292,7 @@ def test_matches_jax_nn_forward_and_grads(is_causal, window):
     ids = _random_packing(rng, b, t)
     mask = _nn_mask(ids, is_causal, window)
     ours = lambda q, k, v: (
-        seg.dot_product_attention(
+        dpa.dot_product_attention(
             q, k, v, segment_ids=ids, is_causal=is_causal, local_window_size=window, backend="xla"
         )
         ** 2
@@ -307,7 +308,7 @@ def test_compiles_once_over_packings_and_padding_is_zero():
     rng = np.random.default_rng(3)
     b, t, n, kv, h = 2, 32, 2, 1, 8
     step = jax.jit(
-        lambda q, k, v, ids: seg.dot_product_attention(
+        lambda q, k, v, ids: dpa.dot_product_attention(
             q, k, v, segment_ids=ids, is_causal=True, scale=0.3, backend="xla"
         )
     )
@@ -326,7 +327,7 @@ def test_without_segment_ids_and_cross_lengths():
     q, _, _ = _inputs(jax.random.key(4), 2, 12, 2, 2, 8)
     _, k, v = _inputs(jax.random.key(5), 2, 20, 2, 2, 8)
     for is_causal, window in [(True, None), (False, None), (False, (2, 3))]:
-        out = seg.dot_product_attention(
+        out = dpa.dot_product_attention(
             q, k, v, is_causal=is_causal, local_window_size=window, backend="xla"
         )
         ref = jax.nn.dot_product_attention(
@@ -334,7 +335,7 @@ def test_without_segment_ids_and_cross_lengths():
         )
         np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="T == S"):
-        seg.dot_product_attention(q, k, v, segment_ids=np.ones((2, 12), np.int32))
+        dpa.dot_product_attention(q, k, v, segment_ids=np.ones((2, 12), np.int32))
 
 
 def test_over_capacity_and_split_ids_raise_or_give_nan():
@@ -348,7 +349,7 @@ def test_over_capacity_and_split_ids_raise_or_give_nan():
     split = np.ones((1, t), np.int32)
     split[0, 10:20] = 2
     good = np.repeat(np.array([[1, 2]], np.int32), t // 2, axis=1)
-    checked = lambda q, k, v, ids: seg.dot_product_attention(
+    checked = lambda q, k, v, ids: dpa.dot_product_attention(
         q, k, v, segment_ids=ids, capacity=8, backend="xla", check_segment_ids=True
     )
     # Concrete ids: a plain ValueError at the call, eagerly and under a jit closing over them.
@@ -375,7 +376,7 @@ def test_over_capacity_and_split_ids_raise_or_give_nan():
         jax.jit(checked)(q, k, v, good)
     # Without the check: never a wrong finite answer, all NaN instead.
     fast = jax.jit(
-        lambda q, k, v, ids: seg.dot_product_attention(
+        lambda q, k, v, ids: dpa.dot_product_attention(
             q, k, v, segment_ids=ids, capacity=8, backend="xla"
         )
     )
@@ -402,7 +403,7 @@ def test_gpu_backends_against_reference(backend):
     b, t, n, kv, h = 2, 640, 4, 2, 64
     step = jax.jit(
         lambda q, k, v, ids, do: jax.vjp(
-            lambda q, k, v: seg.dot_product_attention(
+            lambda q, k, v: dpa.dot_product_attention(
                 q, k, v, segment_ids=ids, is_causal=True, backend=backend
             ),
             q,
@@ -411,7 +412,7 @@ def test_gpu_backends_against_reference(backend):
         )[1](do)
     )
     fwd = jax.jit(
-        lambda q, k, v, ids: seg.dot_product_attention(
+        lambda q, k, v, ids: dpa.dot_product_attention(
             q, k, v, segment_ids=ids, is_causal=True, backend=backend
         )
     )
