@@ -27,15 +27,18 @@ def select_backend(
     """The backend ``flex_flash_attention`` would use and why: ``(name, reason)``.
 
     ``auto`` picks ``pallas`` (Mosaic GPU kernels) on an sm90 GPU when the inputs, if given,
-    are supported (bf16/fp16, D 64 or 128), else ``xla``, with the reason. An explicit
-    ``pallas`` that cannot run raises ``NotImplementedError`` saying why."""
+    are supported (bf16/fp16, D 64, 128 or 256, ``v`` of q's head dim), else ``xla``, with
+    the reason (a value head dim of its own, multi-head latent attention, runs on ``xla``).
+    An explicit ``pallas`` that cannot run raises ``NotImplementedError`` saying why."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "xla":
         return "xla", "requested explicitly"
     from magi_jax import pallas
 
-    if q is not None:
+    if q is not None and v is not None and v.shape[-1] != q.shape[-1]:
+        ok, why = False, _mla_reason(q, v)
+    elif q is not None:
         ok, why = pallas.supported(q, k, v, mask)
     else:
         ok, why = pallas.device_supported()
@@ -49,6 +52,14 @@ def select_backend(
     if ok:
         return "pallas", "sm90 GPU" + (" and supported inputs" if q is not None else "")
     return "xla", f"pallas (Mosaic GPU) not used: {why}"
+
+
+def _mla_reason(q, v) -> str:
+    return (
+        f"v's head dim Dv={v.shape[-1]} differs from the query/key head dim D={q.shape[-1]} "
+        "(multi-head latent attention), which the Mosaic GPU kernels do not take; the xla "
+        "backend does"
+    )
 
 
 def _check_inputs(q, k, v, mask: AttnMask):
@@ -115,10 +126,14 @@ def _check_shapes(q, k, v, total_q: int, total_k: int, what: str):
             )
     if q.ndim == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape != v.shape:
-        raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(
+            f"k {k.shape} and v {v.shape} must have the same shape up to the head dim "
+            "(v may have its own head dim Dv)"
+        )
     tq, hq, d = q.shape[-3:]
     tk, hkv, dk = k.shape[-3:]
+    dv = v.shape[-1]
     for name, x in (("q", q), ("k", k)):
         if 0 in x.shape:
             axes = ["B", "T", "H", "D"][4 - x.ndim :]
@@ -134,11 +149,12 @@ def _check_shapes(q, k, v, total_q: int, total_k: int, what: str):
             f"total_q={total_q}, total_k={total_k}; build it for these lengths"
         )
     if dk != d:
-        raise ValueError(f"head dims differ: q has D={d}, k/v have D={dk}")
-    if d % 8 or not 8 <= d <= _MAX_HEAD_DIM:
-        raise ValueError(
-            f"head dim D={d} is not supported: use a multiple of 8 in [8, {_MAX_HEAD_DIM}]"
-        )
+        raise ValueError(f"head dims differ: q has D={d}, k has D={dk}; they must be equal")
+    for name, x in (("D", d), ("Dv (v's head dim)", dv)):
+        if x % 8 or not 8 <= x <= _MAX_HEAD_DIM:
+            raise ValueError(
+                f"head dim {name}={x} is not supported: use a multiple of 8 in [8, {_MAX_HEAD_DIM}]"
+            )
     if hq % hkv:
         raise ValueError(
             f"q has {hq} heads and k/v have {hkv}: the number of query heads "
@@ -172,9 +188,12 @@ def flex_flash_attention(
     """Exact attention of ``q`` over ``k``/``v`` restricted to ``mask``.
 
     Args:
-      q: ``[Tq, Hq, D]`` or ``[B, Tq, Hq, D]``, bfloat16/float16/float32.
-      k, v: ``[Tk, Hkv, D]`` (or ``[B, Tk, Hkv, D]``), ``Hq % Hkv == 0`` (GQA: query head
+      q: ``[Tq, Hq, D]`` or ``[B, Tq, Hq, D]``, bfloat16/float16/float32, or float64 (with
+        ``jax_enable_x64``; computed in float64 on the ``xla`` backend).
+      k: ``[Tk, Hkv, D]`` (or ``[B, Tk, Hkv, D]``), ``Hq % Hkv == 0`` (GQA: query head
         ``h`` uses key head ``h // (Hq / Hkv)``); D a multiple of 8 up to 256.
+      v: ``[Tk, Hkv, Dv]`` (or batched): ``Dv`` is ``D`` or, for multi-head latent
+        attention (e.g. D 192, Dv 128), its own multiple of 8 up to 256 (``xla`` backend).
       mask: an :class:`AttnMask` over ``total_q = Tq``, ``total_k = Tk`` (one mask for the
         whole batch; a compile-time constant: a new mask under ``jit`` compiles anew), or an
         :class:`~magi_jax.ffa.plan.AttnPlan` from :func:`~magi_jax.ffa.plan.plan_attention`
@@ -192,7 +211,8 @@ def flex_flash_attention(
       return_max_logits: also return each head's largest logit (for QK-clip).
 
     Returns:
-      ``(out, lse)``: ``out`` like ``q``; ``lse`` ``[(B,) Tq, Hq]`` float32, natural log.
+      ``(out, lse)``: ``out`` ``[(B,) Tq, Hq, Dv]`` in q's dtype; ``lse`` ``[(B,) Tq, Hq]``
+      float32 (float64 for float64 inputs, computed in float64), natural log.
       Rows that see no key get ``out = 0``, ``lse = -inf`` and zero gradients.
       Differentiable in q, k, v; works under ``jit``, ``grad`` and ``vmap``.
       With ``return_max_logits=True``, ``(out, lse, max_logits)``: ``max_logits``
@@ -276,7 +296,9 @@ def _attend_plan(
     if st.backend == "pallas":
         from magi_jax import pallas
 
-        ok, why = pallas.supported(q, k, v)
+        ok, why = (False, _mla_reason(q, v)) if v.shape[-1] != q.shape[-1] else (True, "")
+        if ok:
+            ok, why = pallas.supported(q, k, v)
         if not ok:
             raise ValueError(
                 f"the plan was built for backend 'pallas', which cannot run these "
