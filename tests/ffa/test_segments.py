@@ -168,6 +168,91 @@ def test_device_lists_equal_host(t, bq, bk, by):
         assert len(host.items) <= seg.segment_items_bound(t, bq, bk, causal, window)
 
 
+@pytest.mark.parametrize(
+    "b,t,s,bq,bk,by",
+    [
+        (3, 40, 64, 16, 16, "q"),
+        (3, 40, 64, 16, 32, "k"),
+        (2, 70, 30, 32, 16, "q"),
+        (4, 33, 33, 16, 16, "k"),
+    ],
+)
+def test_length_lists_equal_host(b, t, s, bq, bk, by):
+    """Packed rows cut by per-row lengths (jax.nn's query/key_value_seq_lengths), T != S,
+    under windows: the device list equals the host's for the same mask, and the default
+    capacity bounds it."""
+    from magi_jax.ffa.dpa import _host_mask
+
+    rng = np.random.default_rng(b * t + s + bq + (by == "k"))
+    cap = 3 * b * (-(-t // bq) + 1) * (-(-b * s // bk) + 1)
+    build = jax.jit(
+        lambda ql, kl, l, r: seg._table_work_lists(
+            seg._length_slices(ql, kl, t, s, l, r),
+            b * t,
+            b * s,
+            block_q=bq,
+            block_k=bk,
+            by=by,
+            capacity_items=cap,
+        )
+    )
+    for _ in range(12):
+        ql = rng.integers(-2, t + 3, size=b).astype(np.int32)
+        kl = rng.integers(0, s + 3, size=b).astype(np.int32)
+        left = None if rng.random() < 0.4 else int(rng.integers(0, 20))
+        right = [None, 0, int(rng.integers(0, 9))][int(rng.integers(3))]
+        big = b * (t + s)
+        lr = [big if w is None else w for w in (left, right)]
+        mask = _host_mask(None, ql, kl, b, t, s, left, right)
+        host = build_work_list(mask.shapes, b * t, b * s, bq, bk, by)
+        _assert_equal_lists(build(ql, kl, *lr), host, cap)
+        if by == "q":
+            assert len(host.items) <= seg.length_items_bound(b, t, s, bq, bk, (left, right))
+
+
+def test_segment_ids_cut_by_lengths_equal_host():
+    """Documents of segment ids cut at each row's query and key lengths."""
+    from magi_jax.mask import shape_to_slices
+
+    rng = np.random.default_rng(11)
+    b, t, bq, bk = 3, 50, 16, 16
+    cap = 3 * (-(-b * t // bq)) * (-(-b * t // bk) + 1)
+    build = jax.jit(
+        lambda ids, ql, kl, l, r: seg._work_lists(
+            ids,
+            l,
+            r,
+            row_len=t,
+            block_q=bq,
+            block_k=bk,
+            by="q",
+            capacity_items=cap,
+            q_lengths=ql,
+            kv_lengths=kl,
+        )
+    )
+    for _ in range(8):
+        ids = np.stack([_random_ids(rng, t) for _ in range(b)])
+        ql = rng.integers(0, t + 1, size=b).astype(np.int32)
+        kl = rng.integers(0, t + 1, size=b).astype(np.int32)
+        causal, window = _random_window(rng, t)
+        left, right = seg._resolve_window(window, causal, b * t)
+        slices = []
+        for r in range(b):
+            row = ids[r]
+            starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
+            for s0, e0 in zip(starts, np.r_[starts[1:], t]):
+                if row[s0] == 0:
+                    continue
+                q0, k0 = r * t + s0, r * t + s0
+                slices += shape_to_slices(
+                    q0, r * t + min(e0, ql[r]), k0, r * t + min(e0, kl[r]), -left, right
+                )
+        mask = AttnMask._from_list(slices, b * t, b * t)
+        host = build_work_list(mask.shapes, b * t, b * t, bq, bk, "q")
+        _assert_equal_lists(build(ids.reshape(-1), ql, kl, left, right), host, cap)
+
+
 def test_public_builder_batch_rows_and_static_windows():
     """segment_work_lists itself (the window static), on [B, T] rows whose ids run on across
     a row boundary (they must not merge), under jit."""
