@@ -192,7 +192,8 @@ def dot_product_attention(
       return_residual: also return the log-sum-exp ``[B, T, N]`` (``[T, N]`` for 3-D
         inputs), as ``jax.nn`` defines it: ``log Σ_j exp(scale·q·k_j)`` over the cells that
         take part, natural log, in ``key``'s dtype, without gradient.
-      segment_ids: int ``[B, T]`` (``T == S``; may be traced): each maximal run of one
+      segment_ids: int ``[B, T]`` (``[T]`` for 3-D inputs; ``T == S``; may be traced,
+        also under ``vmap``): each maximal run of one
         nonzero id in a row is a document that attends only to itself; id 0 is padding. One
         id must not appear in two separate runs of a row (see ``check_segment_ids``).
       softcap: tanh soft-capping of the scores (0: off).
@@ -291,6 +292,8 @@ def dot_product_attention(
                 # Concrete ids stay NumPy, so that they can be checked on the host (inside
                 # a trace jnp.asarray would stage them).
                 segment_ids = np.asarray(segment_ids)
+            if unbatched and segment_ids.ndim == 1:  # [T] beside [T, N, H] inputs
+                segment_ids = segment_ids[None]
             if segment_ids.shape != (b, t):
                 raise ValueError(
                     f"segment_ids must be [B, T] = {(b, t)}; got shape {segment_ids.shape}"

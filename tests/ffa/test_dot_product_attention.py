@@ -370,3 +370,14 @@ def test_dense_rectangles_cover_the_mask_exactly():
     block = np.zeros((64, 64), bool)
     block[8:40, 16:48] = True
     assert dense_rectangles(block).tolist() == [[8, 40, 16, 48]]
+
+
+def test_vmap_over_rows_with_segment_ids():
+    """jax's vmap pattern with our segment ids: [T, N, H] and [T] ids per call, mapped over
+    the batch, equal to the batched call."""
+    b, t = 2, 24
+    q, k, v, _ = _inputs(11, b, t, t, 2, 2, 16, jnp.float32)
+    ids = np.repeat(np.array([[1, 2, 3, 0], [4, 4, 5, 6]], np.int32), 6, axis=1)
+    call = lambda q, k, v, i: mj.dot_product_attention(q, k, v, segment_ids=i, is_causal=True)
+    mapped = jax.jit(jax.vmap(call))(q, k, v, jnp.asarray(ids))
+    np.testing.assert_allclose(mapped, call(q, k, v, ids), atol=1e-6)
