@@ -190,10 +190,12 @@ def main(argv=None):
 
 def _breakdown(masks, ids, cap, inputs3, inputs4, heads):
     """Rows that split the segment-id path's extra time: its device builder alone (both
-    lists and the contiguity flag), the path with the raising check (a host callback), the
+    lists and the contiguity flag), the path with the raising check (checkify), the
     path without any check, and host plans at the same capacity without persistent
     schedules."""
     import dataclasses
+
+    from jax.experimental import checkify
 
     from magi_jax.ffa.plan import AttnPlan, PlanStatic
     from magi_jax.ffa.segments import _checked_lists, _work_lists
@@ -205,10 +207,13 @@ def _breakdown(masks, ids, cap, inputs3, inputs4, heads):
     per = max(1, fb[0] // bb[0])
     kw = dict(fwd_block=tuple(fb), bwd_block=tuple(bb), fwd_cap=cap.items, bwd_cap=per * cap.items)
     builder = jax.jit(lambda s: _checked_lists(s, t, 0, check_ids=True, **kw))
+    # Traced ids are checked through checkify (the step returns the error beside the grads).
     raising = jax.jit(
-        _fwd_bwd(
-            lambda q_, k_, v_, s: mj.dot_product_attention(
-                q_, k_, v_, segment_ids=s, is_causal=True, capacity=cap, check_segment_ids=True
+        checkify.checkify(
+            _fwd_bwd(
+                lambda q_, k_, v_, s: mj.dot_product_attention(
+                    q_, k_, v_, segment_ids=s, is_causal=True, capacity=cap, check_segment_ids=True
+                )
             )
         )
     )

@@ -19,7 +19,7 @@ _LAZY = {
     "flex_flash_attention": "magi_jax.ffa",
     "select_backend": "magi_jax.ffa",
     "reference_attention": "magi_jax.ffa",
-    "dot_product_attention": "magi_jax.ffa.segments",
+    "dot_product_attention": "magi_jax.ffa.dpa",
     "plan_attention": "magi_jax.ffa.plan",
     "AttnPlan": "magi_jax.ffa.plan",
     "PlanCapacity": "magi_jax.planning.capacity",

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["AttnMaskType", "AttnMask", "SliceShapes", "shape_to_slices"]
+__all__ = ["AttnMaskType", "AttnMask", "SliceShapes", "shape_to_slices", "window_bounds"]
 
 # Sentinels for unbounded diagonal constraints; far outside any int32 token coordinate
 # difference, so arithmetic on them in int64 never overflows and never clips a real cell.
@@ -501,7 +501,7 @@ class AttnMask:
         """
         cu = _cu_seqlens(cu_seqlens)
         total = int(cu[-1])
-        left, right = _window(window, causal)
+        left, right = window_bounds(window, causal)
         slices = []
         for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
             if e > s:
@@ -551,7 +551,7 @@ class AttnMask:
             raise ValueError(f"segment_ids must be integers; got dtype {ids.dtype}")
         rows = ids.reshape(1, -1) if ids.ndim == 1 else ids
         batch, t = rows.shape
-        left, right = _window(window, causal)
+        left, right = window_bounds(window, causal)
         dlo = None if left is None else -left
         slices = []
         for b in range(batch):
@@ -886,8 +886,11 @@ def _doc_lens(doc_lens) -> list[int]:
     return lens.tolist()
 
 
-def _window(window, causal: bool) -> tuple[int | None, int | None]:
-    """(left, right) extents; None = unbounded."""
+def window_bounds(
+    window: int | tuple[int, int] | None, causal: bool
+) -> tuple[int | None, int | None]:
+    """The one parser of a ``window=`` argument: ``(left, right)`` extents (``None``:
+    unbounded); an int ``w`` is ``(w, 0)`` when causal, ``(w, w)`` otherwise."""
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal={causal!r} must be True or False")
     if window is None:

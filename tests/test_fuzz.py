@@ -403,8 +403,8 @@ def _fuzz_ffa(mask, fault, data):
         other = draw(st.sampled_from([t for t in _FLOATS + [np.float64] if t != dtype]), "other")
         which = draw(st.sampled_from(["q", "k", "v"]), "which")
         q, k, v = (x.astype(other) if n == which else x for n, x in zip("qkv", (q, k, v)))
-    elif fault == "kv_shape":
-        v = v[..., : d // 2]
+    elif fault == "kv_shape":  # v's head dim may differ (MLA), its tokens may not
+        v = v[..., :-1, :, :]
     elif fault == "not_array":
         q = q.tolist()
     elif fault == "empty":  # no tokens: a mask over total_q = 0
@@ -517,8 +517,8 @@ def _fuzz_dpa(fault, data):
         is_causal=is_causal, local_window_size=window, scale=None, softcap=0.0, backend="xla"
     )
     q, k, v = np_inputs(draw(st.integers(0, 9), "seed"), t, t, n, k_heads, 8, dtype, b)
-    if fault == "rank":
-        q, k, v = q[0], k[0], v[0]
+    if fault == "rank":  # [T, N, H] is jax.nn's unbatched form; five axes are nothing
+        q, k, v = q[None], k[None], v[None]
     elif fault == "heads":
         q = np.ones((b, t, 3, 8), dtype)
         k = v = np.ones((b, t, 2, 8), dtype)

@@ -7,17 +7,24 @@ import math
 
 import jax.numpy as jnp
 
-from magi_jax.ffa.backends import BACKENDS, select_backend
+from magi_jax.ffa.backends import BACKENDS, mla_reason, select_backend
 from magi_jax.ffa.plan import AttnPlan
 from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.ffa.xla import xla_ffa
 from magi_jax.mask import AttnMask
 from magi_jax.planning.work_list import backend_blocks, plan_for_mask
 
-__all__ = ["flex_flash_attention", "BACKENDS", "select_backend", "check_options"]
+__all__ = [
+    "flex_flash_attention",
+    "BACKENDS",
+    "select_backend",
+    "check_options",
+    "finite_float",
+    "MAX_HEAD_DIM",
+]
 
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
-_MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 256
 _log = logging.getLogger(__name__)
 
 
@@ -30,7 +37,7 @@ def _check_inputs(q, k, v, mask: AttnMask):
     _check_shapes(q, k, v, mask.total_q, mask.total_k, "the mask")
 
 
-def _finite(value) -> float | None:
+def finite_float(value) -> float | None:
     """``value`` as a finite float; ``None`` for anything else (strings, NaN, inf, arrays of
     several elements, traced values)."""
     if isinstance(value, (str, bytes)):
@@ -46,19 +53,19 @@ def check_options(softmax_scale=None, softcap=0.0, block_q=None, block_k=None) -
     """The scalar options of the attention entry points: ``softcap`` a finite number >= 0,
     ``softmax_scale`` ``None`` or a finite number, ``block_q``/``block_k`` ``None`` or
     positive integers. Raises ``ValueError`` naming the option, its value and the fix."""
-    cap = _finite(softcap)
+    cap = finite_float(softcap)
     if cap is None or cap < 0:
         raise ValueError(
             f"softcap={softcap!r} must be a number >= 0 and finite (0 disables soft-capping)"
         )
-    if softmax_scale is not None and _finite(softmax_scale) is None:
+    if softmax_scale is not None and finite_float(softmax_scale) is None:
         raise ValueError(
             f"softmax_scale={softmax_scale!r} must be a finite number (or None for D ** -0.5)"
         )
     for name, value in (("block_q", block_q), ("block_k", block_k)):
         if value is None:
             continue
-        tile = _finite(value)
+        tile = finite_float(value)
         if isinstance(value, bool) or tile is None or tile != int(tile) or tile < 1:
             raise ValueError(
                 f"{name}={value!r} must be a positive tile size (or None for the default)"
@@ -85,10 +92,14 @@ def _check_shapes(q, k, v, total_q: int, total_k: int, what: str):
             )
     if q.ndim == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape != v.shape:
-        raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(
+            f"k {k.shape} and v {v.shape} must have the same shape up to the head dim "
+            "(v may have its own head dim Dv)"
+        )
     tq, hq, d = q.shape[-3:]
     tk, hkv, dk = k.shape[-3:]
+    dv = v.shape[-1]
     for name, x in (("q", q), ("k", k)):
         if 0 in x.shape:
             axes = ["B", "T", "H", "D"][4 - x.ndim :]
@@ -104,11 +115,12 @@ def _check_shapes(q, k, v, total_q: int, total_k: int, what: str):
             f"total_q={total_q}, total_k={total_k}; build it for these lengths"
         )
     if dk != d:
-        raise ValueError(f"head dims differ: q has D={d}, k/v have D={dk}")
-    if d % 8 or not 8 <= d <= _MAX_HEAD_DIM:
-        raise ValueError(
-            f"head dim D={d} is not supported: use a multiple of 8 in [8, {_MAX_HEAD_DIM}]"
-        )
+        raise ValueError(f"head dims differ: q has D={d}, k has D={dk}; they must be equal")
+    for name, x in (("D", d), ("Dv (v's head dim)", dv)):
+        if x % 8 or not 8 <= x <= MAX_HEAD_DIM:
+            raise ValueError(
+                f"head dim {name}={x} is not supported: use a multiple of 8 in [8, {MAX_HEAD_DIM}]"
+            )
     if hq % hkv:
         raise ValueError(
             f"q has {hq} heads and k/v have {hkv}: the number of query heads "
@@ -142,9 +154,12 @@ def flex_flash_attention(
     """Exact attention of ``q`` over ``k``/``v`` restricted to ``mask``.
 
     Args:
-      q: ``[Tq, Hq, D]`` or ``[B, Tq, Hq, D]``, bfloat16/float16/float32.
-      k, v: ``[Tk, Hkv, D]`` (or ``[B, Tk, Hkv, D]``), ``Hq % Hkv == 0`` (GQA: query head
+      q: ``[Tq, Hq, D]`` or ``[B, Tq, Hq, D]``, bfloat16/float16/float32, or float64 (with
+        ``jax_enable_x64``; computed in float64 on the ``xla`` backend).
+      k: ``[Tk, Hkv, D]`` (or ``[B, Tk, Hkv, D]``), ``Hq % Hkv == 0`` (GQA: query head
         ``h`` uses key head ``h // (Hq / Hkv)``); D a multiple of 8 up to 256.
+      v: ``[Tk, Hkv, Dv]`` (or batched): ``Dv`` is ``D`` or, for multi-head latent
+        attention (e.g. D 192, Dv 128), its own multiple of 8 up to 256 (``xla`` backend).
       mask: an :class:`AttnMask` over ``total_q = Tq``, ``total_k = Tk`` (one mask for the
         whole batch; a compile-time constant: a new mask under ``jit`` compiles anew), or an
         :class:`~magi_jax.ffa.plan.AttnPlan` from :func:`~magi_jax.ffa.plan.plan_attention`
@@ -162,7 +177,8 @@ def flex_flash_attention(
       return_max_logits: also return each head's largest logit (for QK-clip).
 
     Returns:
-      ``(out, lse)``: ``out`` like ``q``; ``lse`` ``[(B,) Tq, Hq]`` float32, natural log.
+      ``(out, lse)``: ``out`` ``[(B,) Tq, Hq, Dv]`` in q's dtype; ``lse`` ``[(B,) Tq, Hq]``
+      float32 (float64 for float64 inputs, computed in float64), natural log.
       Rows that see no key get ``out = 0``, ``lse = -inf`` and zero gradients.
       Differentiable in q, k, v; works under ``jit``, ``grad`` and ``vmap``.
       With ``return_max_logits=True``, ``(out, lse, max_logits)``: ``max_logits``
@@ -246,7 +262,10 @@ def _attend_plan(
     if st.backend == "pallas":
         from magi_jax import pallas
 
-        ok, why = pallas.supported(q, k, v)
+        why = mla_reason(q, v)
+        ok = not why
+        if ok:
+            ok, why = pallas.supported(q, k, v)
         if not ok:
             raise ValueError(
                 f"the plan was built for backend 'pallas', which cannot run these "

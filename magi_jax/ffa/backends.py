@@ -14,10 +14,21 @@ import jax
 from magi_jax.mask import AttnMask
 from magi_jax.planning.backends import AUTO, BACKEND_CHOICES, check_backend
 
-__all__ = ["BACKENDS", "auto_backend", "select_backend"]
+__all__ = ["BACKENDS", "auto_backend", "select_backend", "mla_reason"]
 
 # What ``backend=`` takes at the front door.
 BACKENDS = BACKEND_CHOICES
+
+
+def mla_reason(q: jax.Array, v: jax.Array) -> str:
+    """Why the pallas kernels do not take ``v`` of its own head dim (empty when they could)."""
+    if v.shape[-1] == q.shape[-1]:
+        return ""
+    return (
+        f"v's head dim Dv={v.shape[-1]} differs from the query/key head dim D={q.shape[-1]} "
+        "(multi-head latent attention), which the Mosaic GPU kernels do not take; the xla "
+        "backend does"
+    )
 
 
 def _pallas_problem(q: jax.Array | None, k: jax.Array | None, v: jax.Array | None) -> str:
@@ -25,6 +36,8 @@ def _pallas_problem(q: jax.Array | None, k: jax.Array | None, v: jax.Array | Non
     can."""
     from magi_jax import pallas
 
+    if q is not None and v is not None and (why := mla_reason(q, v)):
+        return why
     ok, why = pallas.device_supported() if q is None else pallas.supported(q, k, v)
     return "" if ok else why
 
@@ -51,7 +64,8 @@ def select_backend(
     """The backend ``flex_flash_attention`` would use and why: ``(name, reason)``.
 
     ``auto`` picks ``pallas`` (Mosaic GPU kernels) on an sm90 GPU when the inputs, if given,
-    are supported (bf16/fp16, D 64, 128 or 256), else ``xla``, with the reason
+    are supported (bf16/fp16, D 64, 128 or 256, ``v`` of q's head dim: a value head dim of
+    its own, multi-head latent attention, runs on ``xla``), else ``xla``, with the reason
     (:func:`auto_backend`). An explicit ``pallas`` that cannot run raises
     ``NotImplementedError`` saying why. ``mask`` is not needed to choose."""
     del mask

@@ -1,12 +1,13 @@
-"""Masks from segment ids, with the plan built on the device.
+"""Masks from segment ids and sequence lengths, with the plan built on the device.
 
 :func:`segment_work_lists` builds, in ``jax.numpy`` under ``jit`` from *traced* segment ids,
 exactly the work list that the host builds for
 ``AttnMask.from_segment_ids(ids, causal, window)``
 (:func:`magi_jax.planning.work_list.build_work_list`), padded to a fixed capacity: one
-compilation serves every packing of a length. :func:`dot_product_attention` is
-``jax.nn.dot_product_attention``'s interface (``[B, T, N, H]``, ``segment_ids``,
-``is_causal``, ``local_window_size``) on top of it.
+compilation serves every packing of a length. :func:`device_plan` builds the plan of packed
+rows from segment ids and/or per-row query and key lengths (``jax.nn``'s
+``query_seq_lengths`` / ``key_value_seq_lengths``) the same way; it serves
+:func:`magi_jax.ffa.dpa.dot_product_attention`.
 
 How the list is built (memory ``O(T + W_cap)``, nothing of size ``T x T``):
 
@@ -33,18 +34,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magi_jax.ffa.ragged import ragged_enumerate as _ragged
-from magi_jax.ffa.ragged import take_in_bounds as _take
-from magi_jax.mask import _window
+from magi_jax.ffa.ragged import ragged_enumerate, take_in_bounds
+from magi_jax.mask import window_bounds
 from magi_jax.planning.tiling import EMPTY_ITEM
 from magi_jax.planning.work_list import BAND, FULL, GENERAL
 
 __all__ = [
-    "dot_product_attention",
+    "device_plan",
+    "length_items_bound",
     "segment_work_lists",
     "segment_items_bound",
     "noncontiguous_ids",
-    "check_capacity",
     "unplannable",
     "pack_rows",
     "unpack_rows",
@@ -68,41 +68,41 @@ def unpack_rows(x, batch: int):
     return x.reshape((batch, x.shape[0] // batch) + tuple(x.shape[1:]))
 
 
-def _slices(ids, left, right, row_len):
-    """The canonical slices of the documents of ``ids`` (int32 ``[T]``), three pieces per
-    run in the order of :func:`magi_jax.mask.shape_to_slices` (CAUSAL top, BI_CAUSAL or FULL
-    middle, INV_CAUSAL bottom), in the form of :class:`magi_jax.mask.SliceShapes`: int32
-    ``[3T, 8]`` rows ``(q0, q1, k0, k1, dlo, dhi, dlo_field, dhi_field)`` (``q0 == q1 == 0``
-    for an empty piece). ``dlo``/``dhi`` are the diagonal bounds with a missing one replaced
-    by ``-/+2T`` (so ``lo``/``hi`` need no special case and nothing overflows);
-    ``*_field`` are the item fields (a missing bound is ``-/+(2**31 - 1)``, like the host's
-    clipped sentinels). ``left``/``right`` (int32 scalars, may be traced) are finite here
-    (an unbounded side is ``T``, which no document exceeds, so the pieces come out as the
-    host's). Runs also break every ``row_len`` tokens (packed rows)."""
-    t = ids.shape[0]
-    pos = jnp.arange(t, dtype=jnp.int32)
-    change = (pos % row_len == 0) | (ids != jnp.roll(ids, 1))
-    s = jnp.nonzero(change, size=t, fill_value=t)[0].astype(jnp.int32)
-    e = jnp.concatenate([s[1:], jnp.full((1,), t, jnp.int32)])
-    live = (s < t) & (_take(ids, jnp.minimum(s, t - 1)) != 0)
-    # shape_to_slices(s, e, s, e, -left, right): rows >= tt have a diagonal lower edge, rows
-    # >= u a clamped upper one.
-    tt = jnp.minimum(s + left, e)
-    u = jnp.maximum(e - right, s)
-    band = tt <= u
-    a, b = jnp.where(band, tt, u), jnp.where(band, u, tt)  # the middle piece's rows
-    # Pieces (qs, qe, ks, ke, type): top / middle / bottom.
-    top = (s, a, s, a + right, jnp.full_like(s, _T_CAUSAL))
+def _pieces(q0, q1, k0, k1, dlo, dhi, live):
+    """The typed pieces of shapes ``{q in [q0, q1), k in [k0, k1), dlo <= k - q <= dhi}``
+    (int32 ``[n]`` each; a bound too wide to cut stands for a missing one), exactly
+    :func:`magi_jax.mask.shape_to_slices` on each: three pieces per shape, CAUSAL top,
+    BI_CAUSAL or FULL middle, INV_CAUSAL bottom, as ``(qs, qe, ks, ke, type, live)``
+    ``[3n]`` (``live`` false for an empty piece)."""
+    # Only rows with at least one cell.
+    q0 = jnp.maximum(q0, k0 - dhi)
+    q1 = jnp.minimum(q1, k1 - dlo)
+    live = live & (q1 > q0) & (k1 > k0) & (dhi >= dlo)
+    # Rows >= t have a diagonal lower edge, rows >= u a clamped upper one.
+    t = jnp.minimum(jnp.maximum(k0 - dlo, q0), q1)
+    u = jnp.minimum(jnp.maximum(k1 - dhi, q0), q1)
+    band = t <= u
+    a, b = jnp.where(band, t, u), jnp.where(band, u, t)  # the middle piece's rows
+    top = (q0, a, k0, a + dhi, jnp.full_like(q0, _T_CAUSAL))
     mid = (
         a,
         b,
-        jnp.where(band, tt - left, s),
-        jnp.where(band, u + right, e),
+        jnp.where(band, a + dlo, k0),
+        jnp.where(band, b + dhi, k1),
         jnp.where(band, _T_BI, _T_FULL),
     )
-    bot = (b, e, b - left, e, jnp.full_like(s, _T_INV))
+    bot = (b, q1, b + dlo, k1, jnp.full_like(q0, _T_INV))
     qs, qe, ks, ke, ty = (jnp.stack(p, axis=1).reshape(-1) for p in zip(top, mid, bot))
-    live = jnp.repeat(live, 3) & (qe > qs)
+    return qs, qe, ks, ke, ty, jnp.repeat(live, 3) & (qe > qs)
+
+
+def _canonical(qs, qe, ks, ke, ty, live, big: int):
+    """Pieces in the form of :class:`magi_jax.mask.SliceShapes`: int32 ``[n, 8]`` rows
+    ``(q0, q1, k0, k1, dlo, dhi, dlo_field, dhi_field)`` (``q0 == q1 == 0`` for an empty
+    piece). ``dlo``/``dhi`` are the diagonal bounds with a missing one replaced by
+    ``-/+big`` (so ``lo``/``hi`` need no special case and nothing overflows); ``*_field``
+    are the item fields (a missing bound is ``-/+(2**31 - 1)``, like the host's clipped
+    sentinels)."""
     # SliceShapes.from_slices: the diagonal bounds of the type, rows clipped to those that
     # see a key.
     has_lo = (ty == _T_INV) | (ty == _T_BI)
@@ -117,8 +117,8 @@ def _slices(ids, left, right, row_len):
             jnp.where(live, q1, 0),
             ks,
             ke,
-            jnp.where(has_lo, dlo, -2 * t),
-            jnp.where(has_hi, dhi, 2 * t),
+            jnp.where(has_lo, dlo, -big),
+            jnp.where(has_hi, dhi, big),
             jnp.where(has_lo, dlo, -_I32_MAX),
             jnp.where(has_hi, dhi, _I32_MAX),
         ],
@@ -126,10 +126,50 @@ def _slices(ids, left, right, row_len):
     )
 
 
+def _slices(ids, left, right, row_len, q_lengths=None, kv_lengths=None):
+    """The canonical slices (:func:`_canonical`, ``[3T, 8]``) of the documents of ``ids``
+    (int32 ``[T]``): every run of one nonzero id is a document ``[s, e)`` seeing itself
+    through the window ``(left, right)`` (int32 scalars, may be traced, finite: an unbounded
+    side is ``T``, which no document exceeds, so the pieces come out as the host's). Runs
+    also break every ``row_len`` tokens (packed rows). ``q_lengths``/``kv_lengths`` (int32
+    ``[B]``, optional): row ``b``'s queries past its first ``q_lengths[b]`` see nothing,
+    its keys past ``kv_lengths[b]`` are seen by nothing."""
+    t = ids.shape[0]
+    pos = jnp.arange(t, dtype=jnp.int32)
+    change = (pos % row_len == 0) | (ids != jnp.roll(ids, 1))
+    s = jnp.nonzero(change, size=t, fill_value=t)[0].astype(jnp.int32)
+    e = jnp.concatenate([s[1:], jnp.full((1,), t, jnp.int32)])
+    live = (s < t) & (take_in_bounds(ids, jnp.minimum(s, t - 1)) != 0)
+    qe = ke = e
+    row = jnp.minimum(s, t - 1) // row_len
+    if q_lengths is not None:
+        qe = jnp.minimum(e, row * row_len + take_in_bounds(q_lengths, row))
+    if kv_lengths is not None:
+        ke = jnp.minimum(e, row * row_len + take_in_bounds(kv_lengths, row))
+    return _canonical(*_pieces(s, qe, s, ke, -left, right, live), big=2 * t)
+
+
+def _length_slices(q_lengths, kv_lengths, tq: int, tk: int, left, right):
+    """The canonical slices (``[3B, 8]``) of ``B`` packed rows of ``tq`` queries and ``tk``
+    keys, row ``b`` at queries ``[b·tq, b·tq + q_lengths[b])`` and keys ``[b·tk, b·tk +
+    kv_lengths[b])`` (lengths clipped to ``[0, tq]`` / ``[0, tk]``), query ``i`` of a row
+    seeing its keys ``j`` with ``-left <= j - i <= right`` (``jax.nn``'s top-left
+    alignment; ``left``/``right`` int32 scalars, ``tq + tk`` or more for no bound)."""
+    rows = q_lengths.shape[0]
+    b = jnp.arange(rows, dtype=jnp.int32)
+    q0, k0 = b * tq, b * tk
+    q1 = q0 + jnp.clip(q_lengths.astype(jnp.int32), 0, tq)
+    k1 = k0 + jnp.clip(kv_lengths.astype(jnp.int32), 0, tk)
+    off = k0 - q0  # row b's diagonal k - q in packed positions is j - i + off
+    live = jnp.ones((rows,), bool)
+    big = 2 * rows * (tq + tk)
+    return _canonical(*_pieces(q0, q1, k0, k1, off - left, off + right, live), big=big)
+
+
 def _resolve_window(window, causal: bool, total: int) -> tuple[int, int]:
     """``(left, right)`` of :meth:`AttnMask.varlen`'s ``window``/``causal`` with an
     unbounded side as ``total`` (no document is longer)."""
-    left, right = _window(window, causal)
+    left, right = window_bounds(window, causal)
     return (
         total if left is None else min(int(left), total),
         total if right is None else min(int(right), total),
@@ -157,7 +197,7 @@ def segment_work_lists(
     :func:`magi_jax.planning.work_list.build_work_list` on that mask, the items padded with
     :data:`~magi_jax.planning.tiling.EMPTY_ITEM` up to ``capacity_items``; ``needed`` (a
     scalar) is the true item count. When ``needed > capacity_items`` the list is truncated,
-    hence wrong: check it (:func:`check_capacity`). Output shapes depend on ``T``, the blocks
+    hence wrong: check it (:func:`unplannable`). Output shapes depend on ``T``, the blocks
     and ``capacity_items`` alone; memory ``O(T + capacity_items)``, nothing ``T x T``.
 
     Unlike the host, the device does not check that an id's tokens form one run: every
@@ -184,31 +224,55 @@ def segment_work_lists(
 
 
 def _work_lists(
-    ids, left, right, *, row_len: int, block_q: int, block_k: int, by: str, capacity_items: int
+    ids,
+    left,
+    right,
+    *,
+    row_len: int,
+    block_q: int,
+    block_k: int,
+    by: str,
+    capacity_items: int,
+    q_lengths=None,
+    kv_lengths=None,
 ):
     """:func:`segment_work_lists` on packed ids ``[T]`` with the window ``(left, right)`` as
-    int32 scalars in ``[0, T]`` (``T`` = unbounded; they may be traced)."""
+    int32 scalars in ``[0, T]`` (``T`` = unbounded; they may be traced); ``q_lengths`` /
+    ``kv_lengths``: optional per-row lengths (:func:`_slices`)."""
+    t = ids.shape[0]
+    tab = _slices(ids, left, right, row_len, q_lengths, kv_lengths) if t else None
+    return _table_work_lists(
+        tab, t, t, block_q=block_q, block_k=block_k, by=by, capacity_items=capacity_items
+    )
+
+
+def _table_work_lists(
+    tab, tq: int, tk: int, *, block_q: int, block_k: int, by: str, capacity_items: int
+):
+    """The work list of the canonical slices ``tab`` (:func:`_canonical`; slices hold
+    disjoint rows) over ``tq`` queries and ``tk`` keys: ``(order, offsets, items, needed)``
+    as :func:`segment_work_lists` returns them."""
     if by not in ("q", "k"):
         raise ValueError(f"by={by!r}: use 'q' or 'k'")
     if block_q <= 0 or block_k <= 0:
         raise ValueError(f"block_q={block_q} and block_k={block_k} must be positive")
-    t = ids.shape[0]
-    if t >= 1 << 29:
-        raise ValueError(f"T={t} tokens: the device builder computes in int32 and takes T < 2**29")
+    if max(tq, tk) >= 1 << 29:
+        raise ValueError(
+            f"Tq={tq}, Tk={tk} tokens: the device builder computes in int32 and takes T < 2**29"
+        )
     cap = int(capacity_items)
     if cap < 0:
         raise ValueError(f"capacity_items={cap} must be >= 0")
-    nq, nk = -(-t // block_q), -(-t // block_k)
+    nq, nk = -(-tq // block_q), -(-tk // block_k)
     num_tiles = nq if by == "q" else nk
     empty = jnp.asarray(EMPTY_ITEM, jnp.int32)
-    if t == 0:
+    if tq == 0 or tk == 0:
         return (
-            jnp.zeros((0,), jnp.int32),
-            jnp.zeros((1,), jnp.int32),
+            jnp.arange(num_tiles, dtype=jnp.int32),
+            jnp.zeros((num_tiles + 1,), jnp.int32),
             jnp.broadcast_to(empty, (cap, 8)),
             jnp.zeros((), jnp.int32),
         )
-    tab = _slices(ids, left, right, row_len)  # [3T, 8]
     q0, q1 = tab[:, 0], tab[:, 1]
 
     def geometry(rows):
@@ -218,27 +282,27 @@ def _work_lists(
         hi = lambda r: jnp.minimum(gk1 - 1, r + gdhi)  # last key of row r
         return g0, g1, gk0, gk1, lo, hi
 
-    # (slice, q-tile) pairs; slices hold disjoint rows, so at most T + NQ of them.
+    # (slice, q-tile) pairs; slices hold disjoint rows, so at most Tq + NQ of them.
     qt_first = q0 // block_q
     n_pairs = jnp.where(q1 > q0, (q1 - 1) // block_q - qt_first + 1, 0)
-    sl, pos, total_pairs = _ragged(n_pairs, t + nq)
-    p0, p1, _, _, lo, hi = geometry(_take(tab, sl))
-    qt = _take(qt_first, sl) + pos
+    sl, pos, total_pairs = ragged_enumerate(n_pairs, tq + nq)
+    p0, p1, _, _, lo, hi = geometry(take_in_bounds(tab, sl))
+    qt = take_in_bounds(qt_first, sl) + pos
     kt_first = lo(jnp.maximum(p0, qt * block_q)) // block_k
     kt_last = hi(jnp.minimum(p1, (qt + 1) * block_q) - 1) // block_k
-    pair_ok = jnp.arange(t + nq) < total_pairs
+    pair_ok = jnp.arange(tq + nq) < total_pairs
     n_items = jnp.where(pair_ok, kt_last - kt_first + 1, 0)
 
     # Items (pair, k-tile), enumerated slice by slice, q-tile by q-tile, k-tile by k-tile.
-    pair, pos, needed = _ragged(n_items, cap)
+    pair, pos, needed = ragged_enumerate(n_items, cap)
     ok = jnp.arange(cap) < needed
-    per_pair = _take(jnp.stack([sl, qt, kt_first], axis=1), pair)
+    per_pair = take_in_bounds(jnp.stack([sl, qt, kt_first], axis=1), pair)
     s, it_q, it_k = per_pair[:, 0], per_pair[:, 1], per_pair[:, 2] + pos
-    g0, g1, gk0, gk1, lo, hi = geometry(_take(tab, s))
+    g0, g1, gk0, gk1, lo, hi = geometry(take_in_bounds(tab, s))
     r0, r1 = it_q * block_q, (it_q + 1) * block_q - 1
     c0, c1 = it_k * block_k, (it_k + 1) * block_k - 1
     rows_inside = (r0 >= g0) & (r1 < g1)
-    full = rows_inside & (lo(r1) <= c0) & (hi(r0) >= c1) & (c1 < t)
+    full = rows_inside & (lo(r1) <= c0) & (hi(r0) >= c1) & (c1 < tk)
     inside = rows_inside & (gk0 <= c0) & (c1 < gk1)
     kind = jnp.where(full, FULL, jnp.where(inside, BAND, GENERAL)).astype(jnp.int32)
     own, other = (it_q, it_k) if by == "q" else (it_k, it_q)
@@ -255,13 +319,13 @@ def _work_lists(
         packed, perm = jax.lax.sort(
             (packed, jnp.arange(cap, dtype=jnp.int32)), num_keys=1, is_stable=True
         )
-        kind, s = _take(kind, perm), _take(s, perm)
+        kind, s = take_in_bounds(kind, perm), take_in_bounds(s, perm)
         own, other = packed // (2 * num_other), packed % num_other
     else:
         own, _, other, kind, s = jax.lax.sort(
             (own, notfull, other, kind, s), num_keys=3, is_stable=True
         )
-    geo = _take(tab, s)
+    geo = take_in_bounds(tab, s)
     fields = jnp.concatenate([other[:, None], geo[:, 0:4], geo[:, 6:8], kind[:, None]], axis=1)
     items = jnp.where((own < num_tiles)[:, None], fields, empty)
     counts = jnp.zeros((num_tiles + 1,), jnp.int32).at[own].add(1)[:num_tiles]
@@ -304,7 +368,7 @@ def noncontiguous_ids(segment_ids):
     val, start = jax.lax.sort(
         (key.reshape(rows, row_len), pos.reshape(rows, row_len)), num_keys=1, is_stable=True
     )
-    ok = _take(live, start)
+    ok = take_in_bounds(live, start)
     dup = (ok[:, 1:] & ok[:, :-1] & (val[:, 1:] == val[:, :-1])).reshape(-1)
     val, start = val.reshape(-1), start.reshape(-1)
     # Indices into the flat arrays: pair j of row r is (r * row_len + j, ... + 1).
@@ -336,23 +400,62 @@ def segment_items_bound(
 def _raise_if_bad(
     fwd_needed, bwd_needed, bad, bad_id, first, second, *, fwd_cap, bwd_cap, total, row_len
 ):
+    """The host check of concrete ids: raises what :func:`_check_traced` reports."""
     from magi_jax.planning.capacity import CapacityError
 
     if bool(bad):
         row = int(first) // row_len
         raise ValueError(
-            f"segment id {int(bad_id)} appears in two separate runs of row {row} (positions "
-            f"{int(first) - row * row_len} and {int(second) - row * row_len}); segment ids "
-            "must be contiguous runs (packed documents): give every document its own id"
+            _SPLIT_MESSAGE.format(
+                id=int(bad_id),
+                row=row,
+                first=int(first) - row * row_len,
+                second=int(second) - row * row_len,
+            )
         )
     per_item = bwd_cap // fwd_cap
     need = max(int(fwd_needed), -(-int(bwd_needed) // per_item))
     if need > fwd_cap:
-        raise CapacityError(
-            f"these segment ids need PlanCapacity.items={need}, but the capacity holds "
-            f"{fwd_cap}; pass capacity=PlanCapacity(total_q={total}, items={need}) or more "
-            "(capacity=None: a bound that always fits)"
-        )
+        raise CapacityError(_CAPACITY_MESSAGE.format(need=need, cap=fwd_cap, total=total))
+
+
+_SPLIT_MESSAGE = (
+    "segment id {id} appears in two separate runs of row {row} (positions {first} and "
+    "{second}); segment ids must be contiguous runs (packed documents): give every "
+    "document its own id"
+)
+_CAPACITY_MESSAGE = (
+    "these inputs need PlanCapacity.items={need}, but the capacity holds {cap}; pass "
+    "capacity=PlanCapacity({total}, items={need}) or more (capacity=None: a bound that "
+    "always fits)"
+)
+
+
+def _check_traced(
+    fwd_needed, bwd_needed, bad, bad_id, first, second, *, fwd_cap, bwd_cap, total, row_len
+):
+    """The check of traced ids: two ``jax.experimental.checkify`` checks with the messages of
+    :func:`_raise_if_bad`. Functionalised by ``checkify.checkify``, ``err.throw()`` raises
+    them as a ``ValueError`` (``checkify.JaxRuntimeError``); staged without it, JAX refuses
+    at trace time and says to use ``checkify``."""
+    from jax.experimental import checkify
+
+    row = first // row_len
+    checkify.check(
+        ~bad,
+        _SPLIT_MESSAGE,
+        id=bad_id,
+        row=row,
+        first=first - row * row_len,
+        second=second - row * row_len,
+    )
+    per_item = bwd_cap // fwd_cap
+    need = jnp.maximum(fwd_needed, (bwd_needed + per_item - 1) // per_item)
+    checkify.check(
+        need <= fwd_cap,
+        _CAPACITY_MESSAGE.replace("{cap}", str(fwd_cap)).replace("{total}", str(total)),
+        need=need,
+    )
 
 
 def unplannable(fwd_needed, bwd_needed, *, fwd_cap: int, bwd_cap: int, contiguity=None):
@@ -364,239 +467,177 @@ def unplannable(fwd_needed, bwd_needed, *, fwd_cap: int, bwd_cap: int, contiguit
     return bad if contiguity is None else bad | contiguity[0]
 
 
-def check_capacity(
-    fwd_needed, bwd_needed, *, fwd_cap: int, bwd_cap: int, total: int, row_len: int, contiguity=None
+def length_items_bound(
+    batch: int, tq: int, tk: int, block_q: int, block_k: int, window=(None, None)
+) -> int:
+    """An upper bound of the work items of ``batch`` packed rows of ``tq`` queries and ``tk``
+    keys under any per-row lengths (:func:`_length_slices`) with ``window = (left, right)``
+    (``None``: unbounded), on tiles ``block_q x block_k``. Each row gives at most three
+    pieces, disjoint in rows, so at most ``NQ + 3·batch`` (piece, q-tile) pairs; each pair
+    reaches at most ``min(NK, ceil(tk / block_k) + 1, (block_q + left + right - 1) //
+    block_k + 2)`` k-tiles."""
+    nq, nk = -(-batch * tq // block_q), -(-batch * tk // block_k)
+    left, right = (tq + tk if w is None else min(int(w), tq + tk) for w in window)
+    reach = min(nk, -(-tk // block_k) + 1, (block_q + left + right - 1) // block_k + 2)
+    return max(1, (nq + 3 * batch) * reach)
+
+
+def device_plan(
+    segment_ids=None,
+    q_lengths=None,
+    kv_lengths=None,
+    *,
+    shape: tuple[int, int, int],
+    window=(None, None),
+    backend: str,
+    capacity=None,
+    check_ids: bool = True,
+    raise_now: bool = False,
 ):
-    """Raises at run time (a ``jax.debug.callback``, so also under ``jit``) when the device
-    lists overflow their capacity — a :class:`~magi_jax.planning.capacity.CapacityError`
-    naming ``PlanCapacity.items`` and the value needed — or when ``contiguity``
-    (:func:`noncontiguous_ids`' result) flags an id in two runs. Under ``jit`` the error
-    reaches the caller as a ``JaxRuntimeError`` carrying that message."""
-    z = jnp.zeros((), jnp.int32)
-    bad = contiguity if contiguity is not None else (jnp.zeros((), bool), z, z, z)
-    jax.debug.callback(
-        functools.partial(
-            _raise_if_bad,
-            fwd_cap=int(fwd_cap),
-            bwd_cap=int(bwd_cap),
-            total=int(total),
-            row_len=int(row_len),
-        ),
-        fwd_needed,
-        bwd_needed,
-        *bad,
-    )
+    """The :class:`~magi_jax.ffa.plan.AttnPlan` of ``B`` packed rows, built on the device, and
+    a traced bool that says the plan cannot represent the inputs (:func:`unplannable`).
 
-
-def _window_of(is_causal: bool, local_window_size):
-    """jax.nn's ``local_window_size`` as ``(left, right)`` (``None`` = unbounded)."""
-    if local_window_size is None:
-        return None, (0 if is_causal else None)
-    if isinstance(local_window_size, (int, np.integer)):
-        left = right = int(local_window_size)
-    else:
-        try:
-            left, right = (int(w) for w in local_window_size)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"local_window_size must be an int or a (left, right) pair; got "
-                f"{local_window_size!r}"
-            ) from None
-    if left < 0 or right < 0:
-        raise ValueError(f"local_window_size=({left}, {right}) must be >= 0")
-    return left, (0 if is_causal else right)
-
-
-def _segment_plan(
-    segment_ids, left, right, name: str, capacity, check_ids: bool = True, raise_now: bool = False
-):
-    """The :class:`~magi_jax.ffa.plan.AttnPlan` of ``segment_ids [B, T]`` (packed), built on
-    the device, and a traced bool that says the plan cannot represent the ids
-    (:func:`unplannable`); with ``raise_now`` also the run-time check that raises
-    (:func:`check_capacity`)."""
+    ``shape = (B, T, S)``: row ``b`` holds queries ``[b·T, (b+1)·T)`` and keys ``[b·S,
+    (b+1)·S)`` of the packed sequences. ``segment_ids`` (int ``[B, T]``, needs ``T == S``):
+    documents as in :func:`segment_work_lists`; ``q_lengths`` / ``kv_lengths`` (int ``[B]``):
+    only a row's first ``q_lengths[b]`` queries and ``kv_lengths[b]`` keys take part (with
+    ``segment_ids`` too: documents cut there). ``window = (left, right)``: query ``i`` of a
+    row sees keys ``j`` with ``-left <= j - i <= right`` (``None``: unbounded). All may be
+    traced; the plan's shapes depend on ``shape``, the window, ``backend`` and
+    ``capacity`` alone. ``capacity``: work items (an int or a
+    :class:`~magi_jax.planning.capacity.PlanCapacity` over ``B·T x B·S``), default a bound
+    every input fits (:func:`segment_items_bound`, :func:`length_items_bound`).
+    ``raise_now``: inputs the plan cannot represent raise — concrete ones on the host, here
+    (a ``ValueError``, or a :class:`~magi_jax.planning.capacity.CapacityError`), traced ones
+    through ``jax.experimental.checkify`` (:func:`_check_traced`)."""
     from magi_jax.ffa.plan import AttnPlan, PlanStatic
     from magi_jax.planning.capacity import PlanCapacity
     from magi_jax.planning.work_list import backend_blocks
 
-    batch, t = segment_ids.shape
-    total = batch * t
-    fwd_block, bwd_block = backend_blocks(name, total, total)
+    batch, t, s = shape
+    total_q, total_k = batch * t, batch * s
+    fwd_block, bwd_block = backend_blocks(backend, total_q, total_k)
     # As plan_attention: every item on fwd_block tiles holds at most fwd_block[0] /
     # bwd_block[0] items of the k-tile list.
     per_item = max(1, fwd_block[0] // bwd_block[0])
-    window = (total if left is None else left, total if right is None else right)
+    if segment_ids is not None:
+        if t != s:
+            raise ValueError(f"segment ids need T == S; got T={t}, S={s}")
+        unbounded = total_q
+    else:
+        unbounded = total_q + total_k
+    left, right = (unbounded if w is None else min(int(w), unbounded) for w in window)
     if capacity is None:
-        capacity = PlanCapacity(
-            total, total, items=segment_items_bound(total, *fwd_block, causal=False, window=window)
-        )
+        if segment_ids is not None:
+            items = segment_items_bound(total_q, *fwd_block, causal=False, window=(left, right))
+        else:
+            items = length_items_bound(batch, t, s, *fwd_block, window=window)
+        capacity = PlanCapacity(total_q, total_k, items=items)
     elif isinstance(capacity, (int, np.integer)):
-        capacity = PlanCapacity(total, total, items=int(capacity))
+        capacity = PlanCapacity(total_q, total_k, items=int(capacity))
     elif not isinstance(capacity, PlanCapacity):
         raise TypeError(
             f"capacity must be None, an int (work items) or a PlanCapacity; got "
             f"{type(capacity).__name__}"
         )
-    if (capacity.total_q, capacity.total_k) != (total, total):
+    if (capacity.total_q, capacity.total_k) != (total_q, total_k):
         raise ValueError(
-            f"capacity is for total_q={capacity.total_q}, total_k="
-            f"{capacity.total_k}, but the packed rows hold B·T = {total} "
-            "tokens; build it with PlanCapacity(total_q=B*T)"
+            f"capacity is for total_q={capacity.total_q}, total_k={capacity.total_k}, but the "
+            f"packed rows hold B·T = {total_q} queries and B·S = {total_k} keys; build it "
+            f"with PlanCapacity(total_q={total_q}, total_k={total_k}, items=...)"
         )
-    lists, bad = _checked_lists(
+    lengths = None
+    if q_lengths is not None or kv_lengths is not None:
+        full = lambda n: np.full((batch,), n, np.int32)
+        lengths = (
+            full(t) if q_lengths is None else q_lengths,
+            full(s) if kv_lengths is None else kv_lengths,
+        )
+    build = functools.partial(
+        _checked_lists,
         segment_ids,
-        min(window[0], total),
-        min(window[1], total),
+        left,
+        right,
         fwd_block=tuple(fwd_block),
         bwd_block=tuple(bwd_block),
         fwd_cap=capacity.items,
         bwd_cap=per_item * capacity.items,
-        check_ids=check_ids,
-        raise_now=raise_now,
+        check_ids=check_ids or raise_now,
+        lengths=lengths,
+        dims=(batch, t, s),
     )
-    plan = AttnPlan(lists, (), PlanStatic(capacity, name, tuple(fwd_block), tuple(bwd_block)))
+    checks = dict(
+        fwd_cap=capacity.items,
+        bwd_cap=per_item * capacity.items,
+        total=f"total_q={total_q}" + ("" if total_k == total_q else f", total_k={total_k}"),
+        row_len=max(t, 1),
+    )
+    concrete = not any(isinstance(x, jax.core.Tracer) for x in (segment_ids, q_lengths, kv_lengths))
+    if raise_now and concrete:
+        # Concrete inputs: the lists are built now (constants of an enclosing trace) and the
+        # check is a plain host check, at the call.
+        with jax.ensure_compile_time_eval():
+            lists, bad, diag = build()
+        _raise_if_bad(*(np.asarray(x) for x in diag), **checks)
+    else:
+        lists, bad, diag = build()
+        if raise_now:
+            _check_traced(*diag, **checks)
+    plan = AttnPlan(lists, (), PlanStatic(capacity, backend, tuple(fwd_block), tuple(bwd_block)))
     return plan, bad
 
 
 @functools.partial(
     jax.jit,
     static_argnums=(1, 2),
-    static_argnames=("fwd_block", "bwd_block", "fwd_cap", "bwd_cap", "check_ids", "raise_now"),
+    static_argnames=("fwd_block", "bwd_block", "fwd_cap", "bwd_cap", "check_ids", "dims"),
 )
 def _checked_lists(
-    segment_ids, left, right, *, fwd_block, bwd_block, fwd_cap, bwd_cap, check_ids, raise_now=False
+    segment_ids,
+    left,
+    right,
+    *,
+    fwd_block,
+    bwd_block,
+    fwd_cap,
+    bwd_cap,
+    check_ids,
+    lengths=None,
+    dims=None,
 ):
-    """Both lists of ``segment_ids [B, T]`` and whether they fail to represent the ids,
+    """Both lists of ``segment_ids [B, T]`` (or, without ids, of the rows ``dims = (B, T,
+    S)``) cut by ``lengths = (q_lengths, kv_lengths)``, whether they fail to represent the
+    inputs, and what the checks report: ``(fwd_needed, bwd_needed, *noncontiguous_ids(...))``;
     compiled once (eager callers do not run the builder op by op; under an outer ``jit`` it
-    is inlined); ``raise_now`` adds the raising host check."""
-    t = segment_ids.shape[1]
-    build = functools.partial(
-        _work_lists, segment_ids.reshape(-1), jnp.int32(left), jnp.int32(right), row_len=max(t, 1)
-    )
+    is inlined)."""
+    from magi_jax.planning.work_list import FFAPlanArrays
+
+    ql, kl = (None, None) if lengths is None else lengths
+    if segment_ids is not None:
+        t = segment_ids.shape[1]
+        build = functools.partial(
+            _work_lists,
+            segment_ids.reshape(-1),
+            jnp.int32(left),
+            jnp.int32(right),
+            row_len=max(t, 1),
+            q_lengths=ql,
+            kv_lengths=kl,
+        )
+    else:
+        b, t, s = dims
+        tab = _length_slices(ql, kl, t, s, jnp.int32(left), jnp.int32(right))
+        build = functools.partial(_table_work_lists, tab, b * t, b * s)
     *fwd, fwd_needed = build(
         block_q=fwd_block[0], block_k=fwd_block[1], by="q", capacity_items=fwd_cap
     )
     *bwd, bwd_needed = build(
         block_q=bwd_block[0], block_k=bwd_block[1], by="k", capacity_items=bwd_cap
     )
-    contiguity = noncontiguous_ids(segment_ids) if check_ids else None
-    if raise_now:
-        check_capacity(
-            fwd_needed,
-            bwd_needed,
-            fwd_cap=fwd_cap,
-            bwd_cap=bwd_cap,
-            total=segment_ids.size,
-            row_len=max(t, 1),
-            contiguity=contiguity,
-        )
-    from magi_jax.planning.work_list import FFAPlanArrays
-
-    return FFAPlanArrays(*fwd, *bwd), unplannable(
+    z = jnp.zeros((), jnp.int32)
+    check = check_ids and segment_ids is not None
+    contiguity = noncontiguous_ids(segment_ids) if check else (jnp.zeros((), bool), z, z, z)
+    bad = unplannable(
         fwd_needed, bwd_needed, fwd_cap=fwd_cap, bwd_cap=bwd_cap, contiguity=contiguity
     )
-
-
-def dot_product_attention(
-    query,
-    key,
-    value,
-    *,
-    segment_ids=None,
-    is_causal: bool = False,
-    local_window_size=None,
-    scale: float | None = None,
-    softcap: float = 0.0,
-    capacity=None,
-    backend: str = "auto",
-    check_segment_ids: bool = False,
-):
-    """``jax.nn.dot_product_attention``'s interface on the exact flexible-mask kernels.
-
-    Args:
-      query: ``[B, T, N, H]``; key, value: ``[B, S, K, H]`` with ``N % K == 0`` (GQA).
-      segment_ids: optional int ``[B, T]`` (may be traced: one compilation serves every
-        packing). Each maximal run of one nonzero id in a row is a document that attends
-        only to itself; id 0 is padding (attends nothing, attended by nothing). One id must
-        not appear in two separate runs of a row (see ``check_segment_ids``). Needs
-        ``T == S``.
-        The rows are packed into one ``B·T`` sequence and the plan is built on the device
-        (:func:`segment_work_lists`). Without ``segment_ids`` every row is one document and
-        the plan is built once on the host.
-      is_causal: causal as in ``jax.nn``: top-left aligned (query ``i`` sees keys
-        ``j <= i``), so with ``T == S`` rows and columns align.
-      local_window_size: an int ``w`` or ``(left, right)`` as in ``jax.nn``: query ``i``
-        sees keys ``i - left <= j <= i + right`` (and ``j <= i`` if causal); ``w`` means
-        ``(w, w)``.
-      scale: defaults to ``H ** -0.5``. softcap: tanh soft-capping (0: off).
-      capacity: work items the device-built lists hold (an int or a
-        :class:`~magi_jax.planning.capacity.PlanCapacity` over ``B·T`` tokens); default
-        :func:`segment_items_bound`, which every packing fits. Unused without
-        ``segment_ids``.
-      backend: ``"auto"``, ``"xla"`` or ``"pallas"``, as
-        :func:`magi_jax.flex_flash_attention`.
-      check_segment_ids: ids the device plan cannot represent — an id in two separate runs
-        of a row, or more work items than ``capacity`` holds — make the whole output NaN
-        (never a wrong finite answer). With ``True`` they raise instead, an error naming the
-        id and positions or ``PlanCapacity.items`` and the value needed (under ``jit`` a
-        ``JaxRuntimeError`` carrying it). The raising check is a host round trip inside the
-        step (2.3 ms at 32k on an H200, 40 % of a fwd+bwd): turn it on to debug a loader.
-
-    Returns the output ``[B, T, N, H]`` in ``query``'s dtype. Rows that see no key (padding
-    tokens, id 0) give 0 — ``jax.nn`` may return something else for fully masked rows.
-    """
-    from magi_jax.ffa.api import flex_flash_attention, select_backend
-
-    q, k, v = query, key, value
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(
-            f"query, key and value must be [B, T, N, H] / [B, S, K, H]; got "
-            f"{q.shape}, {k.shape}, {v.shape}"
-        )
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"shapes do not match: query {q.shape}, key {k.shape}, value "
-            f"{v.shape} (want [B, T, N, H], [B, S, K, H], [B, S, K, H])"
-        )
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(
-            f"N={q.shape[2]} query heads are not a multiple of K={k.shape[2]} key/value heads"
-        )
-    batch, tq, _, h = q.shape
-    tk = k.shape[1]
-    from magi_jax.ffa.api import _finite
-
-    if scale is not None and _finite(scale) is None:
-        raise ValueError(f"scale={scale!r} must be a finite number (or None for H ** -0.5)")
-    scale = h**-0.5 if scale is None else float(scale)
-    left, right = _window_of(is_causal, local_window_size)
-    name, _ = select_backend(backend, q, k, v)
-    if segment_ids is None:
-        from magi_jax.mask import AttnMask, shape_to_slices
-
-        mask = AttnMask._from_list(
-            shape_to_slices(0, tq, 0, tk, None if left is None else -left, right), tq, tk
-        )
-        return flex_flash_attention(
-            q, k, v, mask, softmax_scale=scale, softcap=softcap, backend=name
-        )[0]
-    if tq != tk:
-        raise ValueError(
-            f"segment_ids need self-attention over packed rows (T == S); got "
-            f"T={tq}, S={tk}: for other masks build an AttnMask and call "
-            "magi_jax.flex_flash_attention"
-        )
-    segment_ids = jnp.asarray(segment_ids)
-    if segment_ids.shape != (batch, tq):
-        raise ValueError(
-            f"segment_ids must be [B, T] = {(batch, tq)}; got shape {segment_ids.shape}"
-        )
-    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-        raise ValueError(f"segment_ids must be integers; got dtype {segment_ids.dtype}")
-    plan, bad = _segment_plan(
-        segment_ids, left, right, name, capacity, raise_now=bool(check_segment_ids)
-    )
-    out = flex_flash_attention(
-        pack_rows(q), pack_rows(k), pack_rows(v), plan, softmax_scale=scale, softcap=softcap
-    )[0]
-    out = jnp.where(jax.lax.stop_gradient(bad), jnp.asarray(jnp.nan, out.dtype), out)
-    return unpack_rows(out, batch)
+    return FFAPlanArrays(*fwd, *bwd), bad, (fwd_needed, bwd_needed, *contiguity)

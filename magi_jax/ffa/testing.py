@@ -26,10 +26,20 @@ FLOORS = {"float64": 1e-9, "float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 _NAMES = ("out", "lse", "dq", "dk", "dv", "max_logits")
 
 
-def random_inputs(key, mask: AttnMask, hq: int, hkv: int, d: int, dtype, batch: int | None = None):
+def random_inputs(
+    key,
+    mask: AttnMask,
+    hq: int,
+    hkv: int,
+    d: int,
+    dtype,
+    batch: int | None = None,
+    dv: int | None = None,
+):
     """Random ``q, k, v, dout, dlse`` for ``mask`` (normal, unit scale), as one jitted program
     per shape (eagerly each random and cast op would compile on its own, which on CPU costs
-    more than the attention under test)."""
+    more than the attention under test). ``dv``: v's head dim (default ``d``; multi-head
+    latent attention gives it its own)."""
     return _random_inputs(
         key,
         int(mask.total_q),
@@ -39,17 +49,18 @@ def random_inputs(key, mask: AttnMask, hq: int, hkv: int, d: int, dtype, batch: 
         int(d),
         jnp.dtype(dtype),
         batch,
+        int(d if dv is None else dv),
     )
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7))
-def _random_inputs(key, total_q, total_k, hq, hkv, d, dtype, batch):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8))
+def _random_inputs(key, total_q, total_k, hq, hkv, d, dtype, batch, dv):
     lead = () if batch is None else (batch,)
     ks = jax.random.split(key, 5)
     q = jax.random.normal(ks[0], lead + (total_q, hq, d), jnp.float32).astype(dtype)
     k = jax.random.normal(ks[1], lead + (total_k, hkv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], lead + (total_k, hkv, d), jnp.float32).astype(dtype)
-    dout = jax.random.normal(ks[3], lead + (total_q, hq, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], lead + (total_k, hkv, dv), jnp.float32).astype(dtype)
+    dout = jax.random.normal(ks[3], lead + (total_q, hq, dv), jnp.float32).astype(dtype)
     dlse = jax.random.normal(ks[4], lead + (total_q, hq), jnp.float32)
     return q, k, v, dout, dlse
 
@@ -156,7 +167,7 @@ def assert_matches_reference(
     quantity that fails. Pass ``ref64``/``ref_lp`` to reuse references across calls.
     """
     if dout is None:
-        dout = jnp.zeros(q.shape, q.dtype)
+        dout = jnp.zeros(q.shape[:-1] + v.shape[-1:], q.dtype)
     kw = dict(softmax_scale=softmax_scale, softcap=softcap, sink=sink)
     ref64 = ref64 or reference_results(q, k, v, mask, dout, dlse, float64=True, **kw)
     ref_lp = ref_lp or reference_results(q, k, v, mask, dout, dlse, float64=False, **kw)

@@ -167,7 +167,7 @@ def _scores(qb, kb, item, rows, cols, cfg):
 
 def _forward(q, k, v, plan: FFAPlanArrays, cfg: XlaConfig):
     tq, hq, d = q.shape
-    hkv = k.shape[1]
+    hkv, dv = k.shape[1], v.shape[-1]
     g = hq // hkv
     bq, bk = cfg.fwd_block
     acc = _acc_dtype(q.dtype)
@@ -209,7 +209,7 @@ def _forward(q, k, v, plan: FFAPlanArrays, cfg: XlaConfig):
         init = (
             jnp.full((w, hkv, g, bq), -jnp.inf, acc),
             jnp.zeros((w, hkv, g, bq), acc),
-            jnp.zeros((w, bq, hkv, g, d), acc),
+            jnp.zeros((w, bq, hkv, g, dv), acc),
             peak_acc,
         )
         (m, l, o, peak), _ = jax.lax.scan(visit, init, jnp.arange(cfg.lane_len, dtype=jnp.int32))
@@ -229,14 +229,14 @@ def _forward(q, k, v, plan: FFAPlanArrays, cfg: XlaConfig):
     init = (
         jnp.full((nq, hkv, g, bq), -jnp.inf, acc),
         jnp.zeros((nq, hkv, g, bq), acc),
-        jnp.zeros((nq, bq, hkv, g, d), acc),
+        jnp.zeros((nq, bq, hkv, g, dv), acc),
         no_peak,
     )
     m, l, o, peak = _blocks(lanes, width, block, init)
     has = l > 0
     lse = jnp.where(has, m + jnp.log(jnp.where(has, l, 1)), -jnp.inf)
     out = o / jnp.moveaxis(jnp.where(has, l, 1), -1, 1)[..., None]
-    out = out.reshape(-1, hq, d)[:tq].astype(q.dtype)
+    out = out.reshape(-1, hq, dv)[:tq].astype(q.dtype)
     lse = jnp.moveaxis(lse, -1, 1).reshape(-1, hq)[:tq]
     if not cfg.max_logits:
         return out, lse
@@ -263,6 +263,7 @@ def _tile_grads(qb, kb, vb, dob, lse_b, delta_b, item, rows, cols, cfg):
 def _backward(q, k, v, out, lse, dout, dlse, plan: FFAPlanArrays, cfg: XlaConfig):
     tq, hq, d = q.shape
     tk, hkv = k.shape[:2]
+    dv_dim = v.shape[-1]
     g = hq // hkv
     acc = _acc_dtype(q.dtype)
     # delta = rowsum(out * dout); the lse cotangent enters as -dlse (d lse / d s = p).
@@ -343,7 +344,7 @@ def _backward(q, k, v, out, lse, dout, dlse, plan: FFAPlanArrays, cfg: XlaConfig
     init = (jnp.zeros(kt.shape, acc), jnp.zeros(vt.shape, acc))
     dk, dv = _blocks(lanes, width, dkv_block, init)
     dk = dk.reshape(-1, hkv, d)[:tk] * cfg.scale
-    dv = dv.reshape(-1, hkv, d)[:tk]
+    dv = dv.reshape(-1, hkv, dv_dim)[:tk]
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -400,10 +401,11 @@ def xla_ffa(
     """Flexible-mask attention from plan arrays (no mask object): the entry point of the
     front door and of every context-parallel rank.
 
-    q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` (or with a leading batch axis that shares the
-    plan); ``plan``: both work lists built on ``block_q x block_k`` tiles over these
-    ``Tq``/``Tk`` (:func:`magi_jax.planning.work_list.build_plan_arrays`), int32 NumPy, device
-    or traced arrays. Returns ``out`` (q's shape and dtype) and ``lse`` ``[(B,) Tq, Hq]``
+    q ``[Tq, Hq, D]``, k ``[Tk, Hkv, D]``, v ``[Tk, Hkv, Dv]`` (``Dv`` may differ from ``D``:
+    multi-head latent attention), or with a leading batch axis that shares the plan;
+    ``plan``: both work lists built on ``block_q x block_k`` tiles over these ``Tq``/``Tk``
+    (:func:`magi_jax.planning.work_list.build_plan_arrays`), int32 NumPy, device or traced
+    arrays. Returns ``out`` ``[(B,) Tq, Hq, Dv]`` in q's dtype and ``lse`` ``[(B,) Tq, Hq]``
     float32. Differentiable in q, k, v (and through lse).
 
     ``return_max_logits=True`` adds a third output, each query head's largest scaled logit
@@ -480,12 +482,12 @@ def _device(plan):
 
 
 def _batched(q, k, v, plan, cfg):
-    """[B, T, H, D]: fold the batch into heads (query head b*Hq + h keeps key head
-    b*Hkv + h // G), so one plan serves the whole batch."""
-    b, tq, hq, d = q.shape
+    """[B, T, H, D] (v [B, T, Hkv, Dv]): fold the batch into heads (query head b*Hq + h keeps
+    key head b*Hkv + h // G), so one plan serves the whole batch."""
+    b, tq, hq, _ = q.shape
     tk, hkv = k.shape[1:3]
-    fold = lambda x, t, h: jnp.moveaxis(x, 0, 1).reshape(t, b * h, d)
+    fold = lambda x, t, h: jnp.moveaxis(x, 0, 1).reshape(t, b * h, x.shape[-1])
     res = _ffa_jit(fold(q, tq, hq), fold(k, tk, hkv), fold(v, tk, hkv), _device(plan), cfg)
-    out = jnp.moveaxis(res[0].reshape(tq, b, hq, d), 1, 0)
+    out = jnp.moveaxis(res[0].reshape(tq, b, hq, v.shape[-1]), 1, 0)
     lse = jnp.moveaxis(res[1].reshape(tq, b, hq), 1, 0)
     return (out, lse) + tuple(x.reshape(b, hq) for x in res[2:])

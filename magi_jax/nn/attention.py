@@ -57,7 +57,8 @@ def make_attention_fn(
         cp axis and sees one rank's ``[..., local_len, H, D]`` tokens.
 
     Returns ``fn(query, key, value, bias=None, mask=None, ...)`` with query
-    ``[..., T, Hq, D]`` and key/value ``[..., T, Hkv, D]`` returning ``[..., T, Hq, D]``.
+    ``[..., T, Hq, D]``, key ``[..., T, Hkv, D]`` and value ``[..., T, Hkv, Dv]`` returning
+    ``[..., T, Hq, Dv]`` (``Dv`` is ``D`` in Flax's layers).
     The mask comes from ``mask_or_key``: passing ``mask=``/``bias=`` to the layer, attention
     dropout, or ``is_causal=True`` is rejected (dropout on the layer's output works as usual).
     """
@@ -140,9 +141,10 @@ def attend(
     sink=None,
     return_max_logits=False,
 ):
-    """Attention of ``q [..., T, Hq, D]``, ``k, v [..., T, Hkv, D]`` under a mask (natural
-    order, one device) or a key (dispatched tokens, context parallel); returns ``out`` like
-    ``q``. This is what the adapters and :class:`SelfAttention` call.
+    """Attention of ``q [..., T, Hq, D]``, ``k [..., T, Hkv, D]``, ``v [..., T, Hkv, Dv]``
+    (``Dv`` may differ from ``D``: multi-head latent attention) under a mask (natural order,
+    one device) or a key (dispatched tokens, context parallel); returns ``out [..., T, Hq,
+    Dv]``. This is what the adapters and :class:`SelfAttention` call.
 
     ``sink``: attention-sink logits ``[S, Hq]`` (:mod:`magi_jax.ffa.sinks`), shared by every
     batch row. ``return_max_logits=True`` returns ``(out, max_logits)``, the per-head max
@@ -162,7 +164,7 @@ def attend(
         res = flex_flash_attention(
             flat(q), flat(k), flat(v), mask_or_key, backend=backend, sink=sink, **opts
         )
-        out = res[0].reshape(q.shape)
+        out = res[0].reshape(q.shape[:-1] + v.shape[-1:])
     else:
         key = mask_or_key
         _check_mesh(key, q, k, v)
@@ -172,13 +174,13 @@ def attend(
             res = magi_attention_local(_fold(q), _fold(k), _fold(v), key, **opts)
             if folded_sink is not None:
                 res = apply_sink(*res[:2], folded_sink) + tuple(res[2:])
-            out = _unfold(res[0], q.shape)
+            out = _unfold(res[0], q.shape[:-1] + v.shape[-1:])
         else:
             # One batch axis, kept: magi_attention shards it over the key's batch axes (and
             # a batched key gives each row its own plan).
             flat = lambda x: x.reshape((-1,) + x.shape[-3:]) if len(batch) > 1 else x
             res = magi_attention(flat(q), flat(k), flat(v), key, sink=sink, **opts)
-            out = res[0].reshape(q.shape)
+            out = res[0].reshape(q.shape[:-1] + v.shape[-1:])
     if not return_max_logits:
         return out
     return out, res[2].reshape(batch + (hq,))
@@ -207,11 +209,11 @@ def _check_layout(q, k, v, mask_or_key, local):
                 f"magi-jax attention: {name} must be [..., T, heads, head_dim]; "
                 f"got shape {tuple(x.shape)}"
             )
-    if k.shape != v.shape or q.shape[:-2] != k.shape[:-2]:
+    if k.shape[:-1] != v.shape[:-1] or q.shape[:-2] != k.shape[:-2]:
         raise ValueError(
             f"magi-jax attention: query {tuple(q.shape)}, key {tuple(k.shape)} "
-            f"and value {tuple(v.shape)} must share batch and token axes "
-            "(self-attention over one packed sequence)"
+            f"and value {tuple(v.shape)} must share batch and token axes, and key and value "
+            "their heads (self-attention over one packed sequence)"
         )
     if isinstance(mask_or_key, AttnMask):
         want, what = mask_or_key.total_q, f"the mask has total_q={mask_or_key.total_q} tokens"
@@ -319,6 +321,9 @@ class SelfAttention(nnx.Module):
       num_heads: query heads ``Hq``; num_kv_heads: key/value heads ``Hkv`` (default ``Hq``;
         ``Hq % Hkv == 0``).
       head_dim: default ``F // Hq``.
+      v_head_dim: the value head dim (default ``head_dim``); another value gives multi-head
+        latent attention's shapes (e.g. ``head_dim=192, v_head_dim=128``): queries and keys
+        of ``head_dim``, values and the attention output of ``v_head_dim``.
       rope_theta: RoPE base; ``None`` disables RoPE.
       softmax_scale, softcap: as for :func:`~magi_jax.flex_flash_attention`.
       use_bias, dtype, param_dtype, kernel_init: as for :class:`flax.nnx.Linear`.
@@ -344,6 +349,7 @@ class SelfAttention(nnx.Module):
         *,
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
+        v_head_dim: int | None = None,
         rope_theta: float | None = 10000.0,
         softmax_scale: float | None = None,
         softcap: float = 0.0,
@@ -379,6 +385,7 @@ class SelfAttention(nnx.Module):
                 )
             head_dim = in_features // num_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
         self.rope_theta, self.softmax_scale, self.softcap = rope_theta, softmax_scale, softcap
         self.backend = backend
         # Sink logits stay float32 whatever param_dtype is (they enter the fp32 softmax).
@@ -402,8 +409,8 @@ class SelfAttention(nnx.Module):
         )
         self.q_proj = lin(in_features, num_heads * head_dim)
         self.k_proj = lin(in_features, num_kv_heads * head_dim)
-        self.v_proj = lin(in_features, num_kv_heads * head_dim)
-        self.o_proj = lin(num_heads * head_dim, in_features)
+        self.v_proj = lin(in_features, num_kv_heads * self.v_head_dim)
+        self.o_proj = lin(num_heads * self.v_head_dim, in_features)
 
     def __call__(
         self, x, mask_or_key: AttnMask | MagiKey, positions=None, *, return_max_logits: bool = False
@@ -416,10 +423,10 @@ class SelfAttention(nnx.Module):
             raise ValueError(
                 f"SelfAttention: x must be [..., T, features]; got shape {tuple(x.shape)}"
             )
-        split = lambda y, h: y.reshape(y.shape[:-1] + (h, self.head_dim))
-        q = split(self.q_proj(x), self.num_heads)
-        k = split(self.k_proj(x), self.num_kv_heads)
-        v = split(self.v_proj(x), self.num_kv_heads)
+        split = lambda y, h, d: y.reshape(y.shape[:-1] + (h, d))
+        q = split(self.q_proj(x), self.num_heads, self.head_dim)
+        k = split(self.k_proj(x), self.num_kv_heads, self.head_dim)
+        v = split(self.v_proj(x), self.num_kv_heads, self.v_head_dim)
         if self.rope_theta is not None:
             _check_layout(q, k, v, mask_or_key, False)
             if positions is None:

@@ -261,11 +261,11 @@ def _local(
     if q.ndim == 3:
         res = rank_stages(q, (k, v), tuple(stage_arrays), cfg)
     else:
-        b, t, hq, d = q.shape
-        fold = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], b * x.shape[2], d)
+        b, t, hq, _ = q.shape
+        fold = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], b * x.shape[2], x.shape[3])
         res = rank_stages(fold(q), (fold(k), fold(v)), tuple(stage_arrays), cfg)
         res = (
-            jnp.moveaxis(res[0].reshape(t, b, hq, d), 1, 0),
+            jnp.moveaxis(res[0].reshape(t, b, hq, v.shape[-1]), 1, 0),
             jnp.moveaxis(res[1].reshape(t, b, hq), 1, 0),
         ) + tuple(x.reshape(b, hq) for x in res[2:])
     # stop_gradient: a custom VJP's outputs all carry tangents, and pmax has no JVP.
@@ -294,18 +294,21 @@ def _check_inputs(q, k, v, key):
     if q.ndim == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     _check_pod_shapes(q, k, key)
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"head dims differ: q has D={q.shape[-1]}, k/v have D={k.shape[-1]}")
-    from magi_jax.ffa.api import _MAX_HEAD_DIM
-
-    d = q.shape[-1]
-    if d % 8 or not 8 <= d <= _MAX_HEAD_DIM:
+    if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(
-            f"magi_attention: head dim D={d} is not supported: use a multiple "
-            f"of 8 in [8, {_MAX_HEAD_DIM}] (as flex_flash_attention)"
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape up to the "
+            "head dim (v may have its own, Dv: multi-head latent attention)"
         )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"head dims differ: q has D={q.shape[-1]}, k has D={k.shape[-1]}")
+    from magi_jax.ffa.api import MAX_HEAD_DIM
+
+    for name, d in (("D", q.shape[-1]), ("Dv (v's head dim)", v.shape[-1])):
+        if d % 8 or not 8 <= d <= MAX_HEAD_DIM:
+            raise ValueError(
+                f"magi_attention: head dim {name}={d} is not supported: use a multiple "
+                f"of 8 in [8, {MAX_HEAD_DIM}] (as flex_flash_attention)"
+            )
     if q.shape[-2] % k.shape[-2]:
         raise ValueError(
             f"q has {q.shape[-2]} heads and k/v have {k.shape[-2]}: the number "
@@ -323,7 +326,10 @@ def _check_inputs(q, k, v, key):
     if key.ffa_backend == "pallas":
         from magi_jax.pallas.api import supported
 
-        ok, why = supported(q, k, v, check_device=False)
+        if v.shape[-1] != q.shape[-1]:
+            ok, why = False, f"v's head dim Dv={v.shape[-1]} differs from D={q.shape[-1]}"
+        else:
+            ok, why = supported(q, k, v, check_device=False)
         if not ok:
             raise ValueError(
                 f"magi_attention: the key runs the Mosaic GPU kernels "
@@ -621,7 +627,8 @@ def magi_attention(
     """Context-parallel attention of dispatched tokens.
 
     Args:
-      q: ``[padded_total, Hq, D]``, k/v: ``[padded_total, Hkv, D]`` — outputs of
+      q: ``[padded_total, Hq, D]``, k/v: ``[padded_total, Hkv, D]`` (v may have its own
+        head dim ``Dv``, multi-head latent attention: ``out`` then has it) — outputs of
         :func:`~magi_jax.sharding.layout.dispatch` (or computed from dispatched activations),
         sharded over ``key.cp_axis``; or ``[B, padded_total, H, D]`` (one mask for the
         batch; dispatch with ``seq_axis=1``). Cross-attention keys (``key.kv_layout``

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from magi_jax.ffa import dpa
 from magi_jax.ffa import segments as seg
 from magi_jax.mask import AttnMask, AttnMaskType
 from magi_jax.planning.tiling import EMPTY_ITEM
@@ -167,6 +168,91 @@ def test_device_lists_equal_host(t, bq, bk, by):
         assert len(host.items) <= seg.segment_items_bound(t, bq, bk, causal, window)
 
 
+@pytest.mark.parametrize(
+    "b,t,s,bq,bk,by",
+    [
+        (3, 40, 64, 16, 16, "q"),
+        (3, 40, 64, 16, 32, "k"),
+        (2, 70, 30, 32, 16, "q"),
+        (4, 33, 33, 16, 16, "k"),
+    ],
+)
+def test_length_lists_equal_host(b, t, s, bq, bk, by):
+    """Packed rows cut by per-row lengths (jax.nn's query/key_value_seq_lengths), T != S,
+    under windows: the device list equals the host's for the same mask, and the default
+    capacity bounds it."""
+    from magi_jax.ffa.dpa import _host_mask
+
+    rng = np.random.default_rng(b * t + s + bq + (by == "k"))
+    cap = 3 * b * (-(-t // bq) + 1) * (-(-b * s // bk) + 1)
+    build = jax.jit(
+        lambda ql, kl, l, r: seg._table_work_lists(
+            seg._length_slices(ql, kl, t, s, l, r),
+            b * t,
+            b * s,
+            block_q=bq,
+            block_k=bk,
+            by=by,
+            capacity_items=cap,
+        )
+    )
+    for _ in range(12):
+        ql = rng.integers(-2, t + 3, size=b).astype(np.int32)
+        kl = rng.integers(0, s + 3, size=b).astype(np.int32)
+        left = None if rng.random() < 0.4 else int(rng.integers(0, 20))
+        right = [None, 0, int(rng.integers(0, 9))][int(rng.integers(3))]
+        big = b * (t + s)
+        lr = [big if w is None else w for w in (left, right)]
+        mask = _host_mask(None, ql, kl, b, t, s, left, right)
+        host = build_work_list(mask.shapes, b * t, b * s, bq, bk, by)
+        _assert_equal_lists(build(ql, kl, *lr), host, cap)
+        if by == "q":
+            assert len(host.items) <= seg.length_items_bound(b, t, s, bq, bk, (left, right))
+
+
+def test_segment_ids_cut_by_lengths_equal_host():
+    """Documents of segment ids cut at each row's query and key lengths."""
+    from magi_jax.mask import shape_to_slices
+
+    rng = np.random.default_rng(11)
+    b, t, bq, bk = 3, 50, 16, 16
+    cap = 3 * (-(-b * t // bq)) * (-(-b * t // bk) + 1)
+    build = jax.jit(
+        lambda ids, ql, kl, l, r: seg._work_lists(
+            ids,
+            l,
+            r,
+            row_len=t,
+            block_q=bq,
+            block_k=bk,
+            by="q",
+            capacity_items=cap,
+            q_lengths=ql,
+            kv_lengths=kl,
+        )
+    )
+    for _ in range(8):
+        ids = np.stack([_random_ids(rng, t) for _ in range(b)])
+        ql = rng.integers(0, t + 1, size=b).astype(np.int32)
+        kl = rng.integers(0, t + 1, size=b).astype(np.int32)
+        causal, window = _random_window(rng, t)
+        left, right = seg._resolve_window(window, causal, b * t)
+        slices = []
+        for r in range(b):
+            row = ids[r]
+            starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
+            for s0, e0 in zip(starts, np.r_[starts[1:], t]):
+                if row[s0] == 0:
+                    continue
+                q0, k0 = r * t + s0, r * t + s0
+                slices += shape_to_slices(
+                    q0, r * t + min(e0, ql[r]), k0, r * t + min(e0, kl[r]), -left, right
+                )
+        mask = AttnMask._from_list(slices, b * t, b * t)
+        host = build_work_list(mask.shapes, b * t, b * t, bq, bk, "q")
+        _assert_equal_lists(build(ids.reshape(-1), ql, kl, left, right), host, cap)
+
+
 def test_public_builder_batch_rows_and_static_windows():
     """segment_work_lists itself (the window static), on [B, T] rows whose ids run on across
     a row boundary (they must not merge), under jit."""
@@ -255,7 +341,7 @@ def _exact_float32_matmuls():
 
 def _nn_mask(ids, is_causal, window):
     """jax.nn's boolean mask [B, 1, T, T] for packed rows of distinct-run ids."""
-    left, right = seg._window_of(is_causal, window)
+    left, right = dpa._window_of(is_causal, window)
     return np.stack([_dense_from_ids(r, is_causal, left, right) for r in ids])[:, None]
 
 
@@ -291,7 +377,7 @@ def test_matches_jax_nn_forward_and_grads(is_causal, window):
     ids = _random_packing(rng, b, t)
     mask = _nn_mask(ids, is_causal, window)
     ours = lambda q, k, v: (
-        seg.dot_product_attention(
+        dpa.dot_product_attention(
             q, k, v, segment_ids=ids, is_causal=is_causal, local_window_size=window, backend="xla"
         )
         ** 2
@@ -307,7 +393,7 @@ def test_compiles_once_over_packings_and_padding_is_zero():
     rng = np.random.default_rng(3)
     b, t, n, kv, h = 2, 32, 2, 1, 8
     step = jax.jit(
-        lambda q, k, v, ids: seg.dot_product_attention(
+        lambda q, k, v, ids: dpa.dot_product_attention(
             q, k, v, segment_ids=ids, is_causal=True, scale=0.3, backend="xla"
         )
     )
@@ -326,7 +412,7 @@ def test_without_segment_ids_and_cross_lengths():
     q, _, _ = _inputs(jax.random.key(4), 2, 12, 2, 2, 8)
     _, k, v = _inputs(jax.random.key(5), 2, 20, 2, 2, 8)
     for is_causal, window in [(True, None), (False, None), (False, (2, 3))]:
-        out = seg.dot_product_attention(
+        out = dpa.dot_product_attention(
             q, k, v, is_causal=is_causal, local_window_size=window, backend="xla"
         )
         ref = jax.nn.dot_product_attention(
@@ -334,28 +420,48 @@ def test_without_segment_ids_and_cross_lengths():
         )
         np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="T == S"):
-        seg.dot_product_attention(q, k, v, segment_ids=np.ones((2, 12), np.int32))
+        dpa.dot_product_attention(q, k, v, segment_ids=np.ones((2, 12), np.int32))
 
 
 def test_over_capacity_and_split_ids_raise_or_give_nan():
+    from jax.experimental import checkify
+
+    from magi_jax.planning.capacity import CapacityError
+
     b, t = 1, 64
     q, k, v = _inputs(jax.random.key(6), b, t, 1, 1, 8)
     ids = np.arange(1, t + 1, dtype=np.int32)[None]  # 64 one-token documents: 64 items
     split = np.ones((1, t), np.int32)
     split[0, 10:20] = 2
     good = np.repeat(np.array([[1, 2]], np.int32), t // 2, axis=1)
-    step = jax.jit(
-        lambda q, k, v, ids: seg.dot_product_attention(
-            q, k, v, segment_ids=ids, capacity=8, backend="xla", check_segment_ids=True
-        )
+    checked = lambda q, k, v, ids: dpa.dot_product_attention(
+        q, k, v, segment_ids=ids, capacity=8, backend="xla", check_segment_ids=True
     )
-    with pytest.raises(Exception, match=r"PlanCapacity.items=64"):
-        jax.block_until_ready(step(q, k, v, ids))
-    with pytest.raises(Exception, match="segment id 1 appears in two separate runs"):
-        jax.block_until_ready(step(q, k, v, split))
-    # Without the (host round trip) check: never a wrong finite answer, all NaN instead.
+    # Concrete ids: a plain ValueError at the call, eagerly and under a jit closing over them.
+    with pytest.raises(CapacityError, match=r"PlanCapacity.items=64"):
+        checked(q, k, v, ids)
+    with pytest.raises(
+        ValueError,
+        match="segment id 1 appears in two separate runs of row 0 "
+        r"\(positions 0 and 20\)",
+    ):
+        jax.jit(lambda q, k, v: checked(q, k, v, split))(q, k, v)
+    # Traced ids: checkify's error, a ValueError carrying the message.
+    step = jax.jit(checkify.checkify(checked))
+    err, _ = step(q, k, v, ids)
+    with pytest.raises(ValueError, match=r"need PlanCapacity.items=64, but the capacity holds 8"):
+        err.throw()
+    err, _ = step(q, k, v, split)
+    with pytest.raises(ValueError, match=r"segment id 1 appears .* \(positions 0 and 20\)"):
+        err.throw()
+    err, out_checked = step(q, k, v, good)
+    err.throw()
+    # Staged without checkify, JAX says to use it.
+    with pytest.raises(ValueError, match="checkify"):
+        jax.jit(checked)(q, k, v, good)
+    # Without the check: never a wrong finite answer, all NaN instead.
     fast = jax.jit(
-        lambda q, k, v, ids: seg.dot_product_attention(
+        lambda q, k, v, ids: dpa.dot_product_attention(
             q, k, v, segment_ids=ids, capacity=8, backend="xla"
         )
     )
@@ -363,9 +469,9 @@ def test_over_capacity_and_split_ids_raise_or_give_nan():
     assert np.isnan(np.asarray(fast(q, k, v, split))).all()
     out = np.asarray(fast(q, k, v, good))
     assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, np.asarray(step(q, k, v, good)), rtol=0, atol=0)
+    np.testing.assert_allclose(out, np.asarray(out_checked), rtol=0, atol=0)
+    np.testing.assert_allclose(out, np.asarray(checked(q, k, v, good)), rtol=0, atol=0)
     assert "callback" not in jax.jit(fast).lower(q, k, v, good).as_text()
-    assert "callback" in jax.jit(step).lower(q, k, v, good).as_text()
 
 
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs an sm90 GPU")
@@ -382,7 +488,7 @@ def test_gpu_backends_against_reference(backend):
     b, t, n, kv, h = 2, 640, 4, 2, 64
     step = jax.jit(
         lambda q, k, v, ids, do: jax.vjp(
-            lambda q, k, v: seg.dot_product_attention(
+            lambda q, k, v: dpa.dot_product_attention(
                 q, k, v, segment_ids=ids, is_causal=True, backend=backend
             ),
             q,
@@ -391,7 +497,7 @@ def test_gpu_backends_against_reference(backend):
         )[1](do)
     )
     fwd = jax.jit(
-        lambda q, k, v, ids: seg.dot_product_attention(
+        lambda q, k, v, ids: dpa.dot_product_attention(
             q, k, v, segment_ids=ids, is_causal=True, backend=backend
         )
     )

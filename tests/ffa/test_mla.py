@@ -1,0 +1,111 @@
+"""Multi-head latent attention on one device: a value head dim ``Dv`` of its own (q, k
+``[T, H, Dqk]``, v ``[T, Hkv, Dv]``, out ``[T, Hq, Dv]``) at 192/128 and 128/64, through
+``flex_flash_attention`` (masks and plans), ``dot_product_attention``, sinks and max logits,
+forward and gradients against the float64 reference (docs/design.md §5); the backend choice
+falls back to ``xla`` with the reason."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import magi_jax as mj
+from magi_jax.ffa import dense_attention
+from magi_jax.ffa.testing import assert_matches_reference, fwd_bwd, random_inputs
+
+DIMS = [(192, 128), (128, 64)]
+MASK = mj.AttnMask.varlen([0, 37, 90, 130], causal=True, window=(40, 0))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dqk,dv", DIMS)
+def test_front_door_forward_and_gradients(dqk, dv, dtype):
+    q, k, v, dout, dlse = random_inputs(jax.random.key(0), MASK, 4, 2, dqk, dtype, dv=dv)
+    assert v.shape == (130, 2, dv)
+    run = fwd_bwd(lambda q, k, v: mj.flex_flash_attention(q, k, v, MASK))
+    res = run(q, k, v, dout, dlse)
+    assert res["out"].shape == (130, 4, dv) and res["dv"].shape == v.shape
+    assert res["dq"].shape == q.shape and res["dk"].shape == k.shape
+    assert_matches_reference(res, q, k, v, MASK, dout, dlse)
+
+
+@pytest.mark.parametrize("dqk,dv", DIMS)
+def test_batched_plans_sinks_and_max_logits(dqk, dv):
+    mask = mj.AttnMask.causal(64)
+    q, k, v, dout, dlse = random_inputs(
+        jax.random.key(1), mask, 2, 1, dqk, jnp.float32, batch=2, dv=dv
+    )
+    # A plan (the mask as data) and a batch.
+    plan = mj.plan_attention(mask, mj.PlanCapacity(64), backend="xla")
+    step = jax.jit(lambda q, k, v, p: mj.flex_flash_attention(q, k, v, p, return_max_logits=True))
+    out, lse, peak = step(q, k, v, plan)
+    assert out.shape == (2, 64, 2, dv)
+    for b in range(2):
+        res = dict(out=out[b], lse=lse[b], max_logits=peak[b])
+        assert_matches_reference(res, q[b], k[b], v[b], mask)
+    # Sinks, differentiated.
+    sink = jax.random.normal(jax.random.key(2), (2, 2), jnp.float32)
+    run = jax.jit(
+        lambda q, k, v, s: jax.vjp(
+            lambda q, k, v, s: mj.flex_flash_attention(q, k, v, mask, sink=s), q, k, v, s
+        )[1]((dout[0], dlse[0]))
+    )
+    dq, dk, dv_, dsink = run(q[0], k[0], v[0], sink)
+    out, lse = mj.flex_flash_attention(q[0], k[0], v[0], mask, sink=sink)
+    res = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv_, dsink=dsink)
+    assert_matches_reference(res, q[0], k[0], v[0], mask, dout[0], dlse[0], sink=sink)
+
+
+@pytest.mark.parametrize("dqk,dv", DIMS)
+def test_dot_product_attention(dqk, dv):
+    """jax.nn's interface (which itself takes no Dv of its own) with segment ids, lengths and
+    a concrete mask, against the dense float64 reference of the same cells."""
+    b, t, n, kh = 2, 40, 4, 2
+    ks = jax.random.split(jax.random.key(3), 4)
+    q = jax.random.normal(ks[0], (b, t, n, dqk), jnp.float32)
+    k = jax.random.normal(ks[1], (b, t, kh, dqk), jnp.float32)
+    v = jax.random.normal(ks[2], (b, t, kh, dv), jnp.float32)
+    ids = np.ones((b, t), np.int32)
+    ids[:, 17:] = 2
+    ids[1, 30:] = 0
+    lengths = np.array([33, 21], np.int32)
+    mask = np.random.default_rng(4).random((t, t)) < 0.7
+    causal = np.tril(np.ones((t, t), bool))
+    cases = [
+        (
+            dict(segment_ids=ids),
+            causal & (ids[:, :, None] == ids[:, None, :]) & (ids != 0)[:, None],
+        ),
+        (dict(query_seq_lengths=lengths), causal & (np.arange(t) < lengths[:, None])[:, :, None]),
+        (dict(mask=mask), causal & mask),
+    ]
+    for kw, cells in cases:
+        cells = np.broadcast_to(cells, (b, t, t))
+        out = mj.dot_product_attention(q, k, v, is_causal=True, **kw)
+        assert out.shape == (b, t, n, dv)
+        with jax.enable_x64(True):
+            for r in range(b):
+                x64 = [jnp.asarray(np.asarray(x[r], np.float64)) for x in (q, k, v)]
+                want = dense_attention(*x64, cells[r])[0]
+                np.testing.assert_allclose(np.asarray(out[r]), np.asarray(want), atol=3e-5)
+
+
+def test_backend_choice_falls_back_with_the_reason():
+    q, k, v, *_ = random_inputs(jax.random.key(5), MASK, 2, 2, 192, jnp.bfloat16, dv=128)
+    name, why = mj.select_backend("auto", q, k, v, MASK)
+    assert name == "xla" and "Dv=128" in why and "D=192" in why
+    with pytest.raises(NotImplementedError, match="Dv=128 differs"):
+        mj.flex_flash_attention(q, k, v, MASK, backend="pallas")
+    plan = mj.plan_attention(MASK, backend="pallas")
+    with pytest.raises(ValueError, match="Dv=128 differs"):
+        mj.flex_flash_attention(q, k, v, plan)
+
+
+def test_value_shapes_are_checked():
+    q, k, v, *_ = random_inputs(jax.random.key(6), MASK, 2, 2, 64, jnp.float32, dv=32)
+    with pytest.raises(ValueError, match="Dv \\(v's head dim\\)=12 is not supported"):
+        mj.flex_flash_attention(q, k, v[..., :12], MASK)
+    with pytest.raises(ValueError, match="same shape up to the head dim"):
+        mj.flex_flash_attention(q, k, v[:, :1], MASK)
+    with pytest.raises(ValueError, match="q has D=64, k has D=32"):
+        mj.flex_flash_attention(q, k[..., :32], v, MASK)
