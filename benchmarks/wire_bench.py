@@ -105,7 +105,7 @@ def run_generator(name: str, total: int, cp: int, packings: int) -> dict:
             whole=_ratios(worst(whole)),
             gated=_ratios(worst(gated)),
             gated_worst_total=round(max(w.total_ratio() for w in gated), 3),
-            # Packing 0: what `python -m magi_jax.plan --mask NAME --capacity-packings N`
+            # Packing 0: what `python -m magi_jax.cli --mask NAME --capacity-packings N`
             # prints (with --docs as generate() sets them).
             gated_packing0=_ratios(gated[0]),
         ),

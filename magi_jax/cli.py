@@ -1,8 +1,8 @@
 """Command-line planner: how a mask would be spread over ``cp`` ranks, without any devices.
 
-    python -m magi_jax.plan --mask doc-causal --seqlen 1M --cp 64 --out plan.png
-    python -m magi_jax.plan --cu-seqlens 0,3000,8192 --cp 4     # your own packed documents
-    python -m magi_jax.plan --slices mask.npz --cp 8            # any mask (AttnMask.save)
+    python -m magi_jax.cli --mask doc-causal --seqlen 1M --cp 64 --out plan.png
+    python -m magi_jax.cli --cu-seqlens 0,3000,8192 --cp 4     # your own packed documents
+    python -m magi_jax.cli --slices mask.npz --cp 8            # any mask (AttnMask.save)
 
 Prints the dispatch (chunks per rank), the balance of attention work (max/mean mask cells per
 rank, next to the contiguous / zigzag / striped baselines), the remote-KV volume (next to what
@@ -59,7 +59,7 @@ def _fmt(x: float) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m magi_jax.plan", description=__doc__.split("\n\n")[0]
+        prog="python -m magi_jax.cli", description=__doc__.split("\n\n")[0]
     )
     which = ap.add_mutually_exclusive_group()
     which.add_argument(

@@ -344,7 +344,7 @@ class AttnMask:
 
     def save(self, path) -> None:
         """Writes the mask to ``path`` as a ``.npz`` (``q_ranges``, ``k_ranges``, ``types``,
-        ``total_q``, ``total_k``); :meth:`load` reads it back, and ``python -m magi_jax.plan
+        ``total_q``, ``total_k``); :meth:`load` reads it back, and ``python -m magi_jax.cli
         --slices path`` plans it."""
         np.savez(
             path,

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from magi_jax.ffa.plan import expand_lists
 from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.sharding import native
-from magi_jax.sharding.collectives import _cast, _reduce, _start_reduce
+from magi_jax.sharding.collectives import cast_rows, reduce_rows, start_reduce_rows
 from magi_jax.sharding.ffa_backends import get_backend
 from magi_jax.sharding.key import (
     MagiKey,
@@ -64,7 +64,7 @@ def merge_partials(outs, lses, dtype):
 def _fetch(kv, cast_arrays, stage):
     """A stage's K and V: the cast buffers (after the local ``kv = (k, v)`` for a combined
     stage)."""
-    return _cast(kv, cast_arrays, stage.cast, prefix=stage.combined)
+    return cast_rows(kv, cast_arrays, stage.cast, prefix=stage.combined)
 
 
 def _add(a, b):
@@ -187,14 +187,14 @@ class group_send_back:
 
     def __call__(self, i, rows, final):
         args, kw = self._args(i, final)
-        return _reduce(rows, *args, **kw)
+        return reduce_rows(rows, *args, **kw)
 
     def start(self, i, final):
         spec = self.cfg.stages[i].cast
         if spec.transport != "native" or not native.can_start_reduce(spec):
             return None
         args, _ = self._args(i, final)
-        return lambda rows, own: _start_reduce(rows, *args, own=own, round_to_input=final)
+        return lambda rows, own: start_reduce_rows(rows, *args, own=own, round_to_input=final)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

@@ -69,6 +69,9 @@ __all__ = [
     "expand_tables",
     "group_cast",
     "group_reduce",
+    "cast_rows",
+    "reduce_rows",
+    "start_reduce_rows",
 ]
 
 TRANSPORTS = ("ppermute", "all_to_all", "native")
@@ -306,7 +309,7 @@ def _native(fn, leaves, *args):
     return got
 
 
-def _cast(x, tables: CastArrays, spec: CastSpec, prefix: bool = False):
+def cast_rows(x, tables: CastArrays, spec: CastSpec, prefix: bool = False):
     """``x``: an array ``[T, ...]`` or a pytree of them (e.g. ``(k, v)``: one collective
     carries all, with no concatenated copy). ``prefix``: ``[x; cast(x)]`` per array (the
     native transport writes it in one pass, the others concatenate)."""
@@ -317,7 +320,7 @@ def _cast(x, tables: CastArrays, spec: CastSpec, prefix: bool = False):
             _native(functools.partial(native.group_cast, prefix=prefix), leaves, tables, spec)
         )
     if prefix:
-        got = jax.tree.leaves(_cast(x, tables, spec))
+        got = jax.tree.leaves(cast_rows(x, tables, spec))
         return tree.unflatten([jnp.concatenate([a, g]) for a, g in zip(leaves, got)])
     if isinstance(spec, RelaySpec):
         return tree.unflatten(_relay_cast(leaves, tables, spec))
@@ -365,7 +368,7 @@ def _acc_dtype(dtype):
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
-def _reduce(
+def reduce_rows(
     y,
     tables: CastArrays,
     spec: CastSpec,
@@ -376,7 +379,7 @@ def _reduce(
     """``y``: an array ``[B, ...]`` or a pytree of them; sums in float32 (float64 for
     float64) -> the same structure of ``[num_rows, ...]``. ``prefix``: each array is
     ``[num_rows + B, ...]``, the owner's own rows first, added to the sums (the adjoint of
-    ``_cast(prefix=True)``). ``round_to_input``: the sums rounded once to y's dtype (else
+    ``cast_rows(prefix=True)``). ``round_to_input``: the sums rounded once to y's dtype (else
     float32 / float64)."""
     leaves, tree = jax.tree.flatten(y)
     tables = expand_tables(tables, spec)
@@ -389,7 +392,7 @@ def _reduce(
         return tree.unflatten(_native(fn, leaves, tables, spec, num_rows))
     if prefix or round_to_input:
         bufs = [a[num_rows:] for a in leaves] if prefix else leaves
-        got = jax.tree.leaves(_reduce(tree.unflatten(bufs), tables, spec, num_rows))
+        got = jax.tree.leaves(reduce_rows(tree.unflatten(bufs), tables, spec, num_rows))
         if prefix:
             got = [g + a[:num_rows].astype(g.dtype) for g, a in zip(got, leaves)]
         return tree.unflatten(
@@ -569,13 +572,14 @@ def _relay_reduce(leaves, tables: RelayArrays, spec: RelaySpec, num_rows: int):
     return [x[r_len:] + b for x, b in zip(x2, back)]
 
 
-def _start_reduce(
+def start_reduce_rows(
     y, tables: CastArrays, spec: CastSpec, num_rows: int, own=None, round_to_input: bool = False
 ):
-    """:func:`_reduce` started (:func:`magi_jax.sharding.native.group_reduce_start`; call it where
-    ``spec``'s transport is native and :func:`magi_jax.sharding.native.can_start_reduce`):
-    ``(token, done)`` with ``done(token)`` giving ``_reduce``'s result. ``own``: the owner's
-    own rows, y's structure of ``[num_rows, ...]`` arrays, added to the sums (``_reduce``'s
+    """:func:`reduce_rows` started (:func:`magi_jax.sharding.native.group_reduce_start`;
+    call it where ``spec``'s transport is native and
+    :func:`magi_jax.sharding.native.can_start_reduce`): ``(token, done)`` with
+    ``done(token)`` giving ``reduce_rows``'s result. ``own``: the owner's
+    own rows, y's structure of ``[num_rows, ...]`` arrays, added to the sums (``reduce_rows``'s
     prefix, apart: with ``round_to_input`` the sums are written into them in place)."""
     leaves, tree = jax.tree.flatten(y)
     token, done = native.group_reduce_start(
@@ -601,11 +605,11 @@ def group_cast(x, tables: CastArrays, spec: CastSpec, prefix: bool = False):
     (``[T + B, ...]``: a stage's local KV followed by its fetched KV). Call inside
     ``shard_map`` over ``spec.axis_name``. Its VJP is :func:`group_reduce` (float32 sums,
     rounded once to x's dtype)."""
-    return _cast(x, tables, spec, prefix)
+    return cast_rows(x, tables, spec, prefix)
 
 
 def _cast_fwd(x, tables, spec, prefix):
-    return _cast(x, tables, spec, prefix), (tables, _carrier(x))
+    return cast_rows(x, tables, spec, prefix), (tables, _carrier(x))
 
 
 def _cast_bwd(spec, prefix, res, ct):
@@ -613,7 +617,7 @@ def _cast_bwd(spec, prefix, res, ct):
     rows = jax.tree.leaves(carrier)[0].shape[0]
     dx = jax.tree.map(
         lambda d, c: d.astype(c.dtype),
-        _reduce(ct, tables, spec, rows, prefix, round_to_input=True),
+        reduce_rows(ct, tables, spec, rows, prefix, round_to_input=True),
         carrier,
     )
     return dx, jax.tree.map(lambda _: None, tables)
@@ -627,16 +631,16 @@ def group_reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int):
     """Adjoint of :func:`group_cast`: buffer rows ``y [B, ...]`` (or a pytree of such
     arrays) summed (float32; float64 for float64 input) into their owners' rows ->
     ``[num_rows, ...]``. Its VJP is :func:`group_cast`."""
-    return _reduce(y, tables, spec, num_rows)
+    return reduce_rows(y, tables, spec, num_rows)
 
 
 def _reduce_fwd(y, tables, spec, num_rows):
-    return _reduce(y, tables, spec, num_rows), (tables, _carrier(y))
+    return reduce_rows(y, tables, spec, num_rows), (tables, _carrier(y))
 
 
 def _reduce_bwd(spec, num_rows, res, ct):
     tables, carrier = res
-    back = _cast(ct, tables, spec)
+    back = cast_rows(ct, tables, spec)
     return (
         jax.tree.map(lambda d, c: d.astype(c.dtype), back, carrier),
         jax.tree.map(lambda _: None, tables),
