@@ -14,10 +14,10 @@ at 1M tokens over 8 × 8 ranks), and the result comes as runs, the form the key 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 
+from magi_jax.caches import cached
 from magi_jax.planning.cast_table import CastTable, expand_runs, pack_runs
 from magi_jax.planning.hierarchy import (
     NodeLayout,
@@ -280,8 +280,8 @@ def _cut(runs_a, runs_b):
     return idx, left - ka[idx] * span, right - ka[idx] * span
 
 
-@functools.lru_cache(maxsize=None)
-def _all_inter(layout: NodeLayout):
+@cached(64)
+def _all_inter(layout: NodeLayout) -> list[tuple[int, int]]:
     return [(dn, dl) for dn in range(1, layout.nodes) for dl in range(layout.local)]
 
 

@@ -102,10 +102,12 @@ def test_leaves_are_per_chunk():
         else:
             assert key.kv_chunk_order is key.kv_order is None
         assert all(a.dtype == jnp.int32 and a.sharding.is_fully_replicated for a in leaves)
-        # The key's leaves are the stage arrays and these, nothing of token length.
+        # The key's leaves are the stage arrays, these and the plan id of each rank
+        # (int32 [cp]), nothing of token length.
+        assert key.plan_id.shape == (st.cp,) and key.plan_id.dtype == jnp.int32
         stage_bytes = sum(a.nbytes for a in jax.tree.leaves(key.stage_arrays))
         assert (
-            key.nbytes() - stage_bytes
+            key.nbytes() - stage_bytes - key.plan_id.nbytes
             == sum(a.nbytes for a in leaves)
             == 4 * sum(a.size for a in leaves)
         ), name
