@@ -148,7 +148,7 @@ def _flops(compiled) -> float:
     return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
 
 
-@pytest.mark.parametrize("mesh_name", ["dp2_cp4", "dp2_cp2_tp2"])
+@pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_no_collective_over_batch_or_heads_and_flops_of_own_rows(mesh_name):
     """The compiled fwd+bwd moves data over the cp axis only, and each device's FLOPs are
     those of one replica's rows: within 5 % of the same work on a mesh of one replica."""
