@@ -147,9 +147,7 @@ def private_uses(files: dict[str, pathlib.Path] | None = None) -> list[str]:
     return sorted(found)
 
 
-# The one circle left: mask.py imports mask_runs.py (masks built from row runs) and plot.py
-# (``AttnMask.plot``) lazily, and both import mask.py. Nothing else may join it.
-KNOWN_CIRCLE_MODULES = {"magi_jax.mask", "magi_jax.mask_runs", "magi_jax.plot"}
+KNOWN_CIRCLE_MODULES: set[str] = set()
 KNOWN_PRIVATE_USERS: set[str] = set()
 
 
