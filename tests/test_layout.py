@@ -187,3 +187,32 @@ def test_the_checks_see_what_they_look_for(tmp_path):
         "magi_jax.b:6 _h from magi_jax.sub.a",
         "magi_jax.sub.a:2 _g from magi_jax.b",
     ]
+
+
+def _layout_rows(doc: str) -> list[tuple[str, str]]:
+    """``(path cell, row)`` of every row of docs/design.md's layout table (§1); a row with an
+    empty path cell continues the layer above."""
+    table = doc[doc.index("| layer | path") : doc.index("\n\n", doc.index("| layer | path"))]
+    rows = []
+    for line in table.splitlines()[2:]:
+        cells = line.split("|")
+        rows.append((cells[2].strip(), line))
+    return rows
+
+
+def test_design_layout_table_names_every_module():
+    """docs/design.md's layout table matches the tree: every module of the package is named,
+    by its path or by its file name in the row of its top folder."""
+    rows = _layout_rows((ROOT / "docs" / "design.md").read_text())
+    missing = []
+    for path in module_files().values():
+        rel = path.relative_to(ROOT).as_posix()
+        parts = rel.split("/")
+        folder = "/".join(parts[:2]) + "/" if len(parts) > 2 else None
+        named = any(f"`{rel}`" in row for _, row in rows) or any(
+            folder is not None and f"`{folder}`" in cell and f"`{path.name}`" in row
+            for cell, row in rows
+        )
+        if not named:
+            missing.append(rel)
+    assert missing == []
