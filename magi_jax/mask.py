@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from magi_jax.mask_checks import (
     as_ranges,
@@ -44,6 +47,9 @@ from magi_jax.mask_rows import (
     slices_from_fn,
 )
 from magi_jax.mask_slices import AttnMaskType, SliceShapes, shape_to_slices
+
+if TYPE_CHECKING:  # annotations only (matplotlib is the plot extra)
+    from matplotlib.figure import Figure
 
 __all__ = ["AttnMaskType", "AttnMask", "SliceShapes", "shape_to_slices", "window_bounds"]
 
@@ -74,8 +80,13 @@ class AttnMask:
     )
 
     def __init__(
-        self, q_ranges, k_ranges, types, total_q: int | None = None, total_k: int | None = None
-    ):
+        self,
+        q_ranges: ArrayLike,
+        k_ranges: ArrayLike,
+        types: str | AttnMaskType | ArrayLike,
+        total_q: int | None = None,
+        total_k: int | None = None,
+    ) -> None:
         qr = as_ranges("q_ranges", q_ranges)
         kr = as_ranges("k_ranges", k_ranges)
         if len(qr) != len(kr):
@@ -162,7 +173,7 @@ class AttnMask:
             f"fingerprint={self.fingerprint[:12]})"
         )
 
-    def plot(self, path=None, **kwargs):
+    def plot(self, path: str | os.PathLike | None = None, **kwargs: Any) -> Figure:
         """Picture of the mask (PNG at ``path``); see :func:`magi_jax.plot.plot_mask`."""
         from magi_jax.plot import plot_mask
 
@@ -195,7 +206,7 @@ class AttnMask:
             dense[sh.q0[s] : sh.q1[s]] |= (cols[None, :] >= lo) & (cols[None, :] <= hi)
         return dense
 
-    def save(self, path) -> None:
+    def save(self, path: str | os.PathLike) -> None:
         """Writes the mask to ``path`` as a ``.npz`` (``q_ranges``, ``k_ranges``, ``types``,
         ``total_q``, ``total_k``); :meth:`load` reads it back, and ``python -m magi_jax.cli
         --slices path`` plans it."""
@@ -209,7 +220,7 @@ class AttnMask:
         )
 
     @classmethod
-    def load(cls, path) -> "AttnMask":
+    def load(cls, path: str | os.PathLike) -> "AttnMask":
         """The mask of a ``.npz`` with arrays ``q_ranges`` ``[N, 2]``, ``k_ranges`` ``[N, 2]``
         and ``types`` ``[N]`` (names or :class:`AttnMaskType` values), and optionally
         ``total_q`` / ``total_k`` (default: the largest range end), as :meth:`save` writes."""
@@ -230,7 +241,12 @@ class AttnMask:
     # ---- constructors -----------------------------------------------------------------------
     @classmethod
     def from_ranges(
-        cls, q_ranges, k_ranges, types, total_q: int | None = None, total_k: int | None = None
+        cls,
+        q_ranges: ArrayLike,
+        k_ranges: ArrayLike,
+        types: str | AttnMaskType | ArrayLike,
+        total_q: int | None = None,
+        total_k: int | None = None,
     ) -> "AttnMask":
         """A mask from explicit slices; ``types`` is one type for all or one per slice.
 
@@ -332,7 +348,10 @@ class AttnMask:
 
     @classmethod
     def varlen(
-        cls, cu_seqlens, causal: bool = True, window: int | tuple[int, int] | None = None
+        cls,
+        cu_seqlens: ArrayLike,
+        causal: bool = True,
+        window: int | tuple[int, int] | None = None,
     ) -> "AttnMask":
         """Packed documents, each attending only to itself (FlashAttention's varlen).
 
@@ -360,7 +379,7 @@ class AttnMask:
     @classmethod
     def from_segment_ids(
         cls,
-        segment_ids,
+        segment_ids: ArrayLike,
         causal: bool = True,
         window: int | tuple[int, int] | None = None,
         *,
@@ -439,7 +458,7 @@ class AttnMask:
         return cls.varlen([0, total], causal=False, window=(left, right))
 
     @classmethod
-    def block_causal(cls, doc_lens, block_size: int) -> "AttnMask":
+    def block_causal(cls, doc_lens: int | ArrayLike, block_size: int) -> "AttnMask":
         """Inside each document, the queries of a block see their own block and every
         earlier block of the document fully (video-chunk style); documents do not see
         each other.
@@ -459,7 +478,7 @@ class AttnMask:
         return cls._from_list(slices, start, start)
 
     @classmethod
-    def prefix_lm(cls, doc_lens, prefix_lens) -> "AttnMask":
+    def prefix_lm(cls, doc_lens: int | ArrayLike, prefix_lens: int | ArrayLike) -> "AttnMask":
         """Prefix-LM: in each document the first ``prefix_len`` tokens see the whole prefix
         bidirectionally, later tokens are causal. ``doc_lens`` is an int (one document) or a
         list; ``prefix_lens`` an int for all documents or one per document.
@@ -491,7 +510,7 @@ class AttnMask:
         return cls._from_list(slices, start, start)
 
     @classmethod
-    def shared_question(cls, doc_lens) -> "AttnMask":
+    def shared_question(cls, doc_lens: int | ArrayLike) -> "AttnMask":
         """Shared question: documents 0 and 1 form one causal block (question + first
         answer); every later document (another answer) is causal within itself and also sees
         document 0 (the question) fully.
@@ -515,7 +534,7 @@ class AttnMask:
         return cls._from_list(slices, start, start)
 
     @classmethod
-    def causal_blockwise(cls, doc_lens) -> "AttnMask":
+    def causal_blockwise(cls, doc_lens: int | ArrayLike) -> "AttnMask":
         """Varlen causal, except that the last document attends causally over the whole
         packed prefix (all earlier documents and itself).
 

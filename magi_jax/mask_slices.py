@@ -34,7 +34,7 @@ class AttnMaskType(enum.IntEnum):
     BI_CAUSAL = 3
 
     @classmethod
-    def coerce(cls, value) -> "AttnMaskType":
+    def coerce(cls, value: object) -> "AttnMaskType":
         """Accepts an ``AttnMaskType``, its int value or its name (any case, e.g. ``"causal"``)."""
         if isinstance(value, AttnMaskType):
             return value
@@ -77,18 +77,23 @@ class SliceShapes:
 
     @property
     def nonempty(self) -> np.ndarray:
+        """bool ``[N]``: the slices that hold a cell."""
         return self.q1 > self.q0
 
-    def lo(self, q: np.ndarray, idx=slice(None)) -> np.ndarray:
-        """First visible key of row ``q`` (rows inside the slice)."""
+    def lo(self, q: np.ndarray, idx: slice | np.ndarray | int = slice(None)) -> np.ndarray:
+        """First visible key of rows ``q`` (rows inside the slices ``idx``; int64 arrays that
+        broadcast)."""
         return np.maximum(self.k0[idx], q + self.dlo[idx])
 
-    def hi(self, q: np.ndarray, idx=slice(None)) -> np.ndarray:
-        """Last visible key (inclusive) of row ``q`` (rows inside the slice)."""
+    def hi(self, q: np.ndarray, idx: slice | np.ndarray | int = slice(None)) -> np.ndarray:
+        """Last visible key (inclusive) of rows ``q`` (rows inside the slices ``idx``; int64
+        arrays that broadcast)."""
         return np.minimum(self.k1[idx] - 1, q + self.dhi[idx])
 
     @staticmethod
     def from_slices(q_ranges: np.ndarray, k_ranges: np.ndarray, types: np.ndarray) -> "SliceShapes":
+        """The canonical form of slices ``q_ranges``, ``k_ranges`` int ``[N, 2]`` and ``types``
+        int ``[N]``."""
         qs, qe = q_ranges[:, 0].astype(np.int64), q_ranges[:, 1].astype(np.int64)
         ks, ke = k_ranges[:, 0].astype(np.int64), k_ranges[:, 1].astype(np.int64)
         types = np.asarray(types)

@@ -128,7 +128,9 @@ def _runs_of(runs: np.ndarray):
     return rank, start[rank, i], runs[rank, i, 0].astype(np.int64), length[rank, i]
 
 
-def move_runs(table: CastTable):
+def move_runs(
+    table: CastTable,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every real move of a flat cast as runs, int64 arrays ``(dst, dst_row, src, src_row,
     length)``: rank ``dst``'s buffer rows ``[dst_row, dst_row + length)`` are rank ``src``'s
     local rows ``[src_row, src_row + length)``; :func:`~magi_jax.planning.cast_table.

@@ -16,6 +16,7 @@ flight; ``backward_refetch=False`` keeps the buffers instead. Batched inputs
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -30,13 +31,20 @@ from magi_jax.sharding.ffa_backends import get_backend
 from magi_jax.sharding.key import MagiKey, is_checked
 from magi_jax.sharding.layout import PodSpecs, pod_specs
 
+# One rank's keys and values, [T, Hkv, D] and [T, Hkv, Dv] (or their gradients).
+KV = tuple[jax.Array, jax.Array]
+
 __all__ = ["magi_attention", "magi_attention_local", "merge_partials", "PodSpecs", "pod_specs"]
 
 
-def merge_partials(outs, lses, dtype):
+def merge_partials(
+    outs: Sequence[jax.Array], lses: Sequence[jax.Array], dtype: jnp.dtype
+) -> tuple[jax.Array, jax.Array]:
     """Exact merge of partial attention over disjoint key sets, in float32:
     ``lse = log Σ exp(lse_i)``, ``out = Σ out_i · exp(lse_i − lse)``. Rows with no key in any
-    part give ``out = 0``, ``lse = -inf`` (and finite, zero gradients)."""
+    part give ``out = 0``, ``lse = -inf`` (and finite, zero gradients). ``outs[i]``
+    ``[T, H, Dv]``, ``lses[i]`` ``[T, H]``; returns ``out [T, H, Dv]`` in ``dtype`` and ``lse
+    [T, H]`` float32 (float64 for float64)."""
     if len(outs) == 1:
         return outs[0].astype(dtype), lses[0]
     acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
@@ -76,7 +84,9 @@ class _StagesCfg(NamedTuple):
     max_logits: bool = False
 
 
-def stages_forward(q, kv, stage_arrays, cfg: _StagesCfg, fetch):
+def stages_forward(
+    q: jax.Array, kv: KV, stage_arrays: tuple, cfg: _StagesCfg, fetch: Callable[[int], KV]
+) -> tuple[tuple[jax.Array, ...], list[KV | None]]:
     """Every stage's FFA on the local ``kv = (k, v)`` or on ``fetch(i)`` (remote stage
     ``i``'s K, V) and the float32 merge -> ``(out, lse)`` (``(out, lse, max_logits [Hq])``
     with ``cfg.max_logits``: the stages' key sets are disjoint, so the rank's max is the
@@ -98,7 +108,17 @@ def stages_forward(q, kv, stage_arrays, cfg: _StagesCfg, fetch):
     return (out, lse), used
 
 
-def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, send_back):
+def stages_backward(
+    q: jax.Array,
+    kv: KV,
+    stage_arrays: tuple,
+    cfg: _StagesCfg,
+    out: jax.Array,
+    lse: jax.Array,
+    cts: tuple[jax.Array, jax.Array],
+    fetch: Callable[[int], KV],
+    send_back: Callable[[int, KV, bool], KV],
+) -> tuple[jax.Array, KV]:
     """The backward of :func:`stages_forward` without differentiating the merge: each stage's
     FFA backward runs against the *merged* ``(out, lse)`` — its probabilities are then the
     final softmax's, restricted to the stage's keys, so the stages' dQ and dK/dV partials sum
@@ -112,7 +132,9 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
     ``done(token)`` comes after the host stage's backward. A combined stage's dK/dV come
     from the kernel in two parts, the local rows (``own``, which the done call sums into in
     place) and the fetched ones (``rows``). Returns ``dq`` (float32) and the local
-    ``(dk, dv)`` (float32, or kv's dtype when one stage made them)."""
+    ``(dk, dv)`` (float32, or kv's dtype when one stage made them). Shapes as in
+    :func:`stages_forward`: ``q``, ``out`` ``[T, Hq, D]`` / ``[T, Hq, Dv]``, ``lse`` ``[T, Hq]``,
+    ``kv`` ``([Tk, Hkv, D], [Tk, Hkv, Dv])``; ``cts = (dout, dlse)`` like ``(out, lse)``."""
     be, kw = get_backend(cfg.backend), dict(cfg.kw)
     acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     up = lambda tree: jax.tree.map(lambda a: a.astype(acc), tree)
@@ -156,8 +178,9 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
     return dq, dkv
 
 
-def group_fetch(kv, stage_arrays, cfg):
-    """``fetch(i)`` of :func:`rank_stages`: remote stage ``i``'s KV by group-cast."""
+def group_fetch(kv: KV, stage_arrays: tuple, cfg: _StagesCfg) -> Callable[[int], KV]:
+    """``fetch(i)`` of :func:`rank_stages`: remote stage ``i``'s KV by group-cast, ``(k, v)``
+    ``[buffer_len, Hkv, D]`` / ``[buffer_len, Hkv, Dv]`` from the local ``kv``."""
     return lambda i: _fetch(kv, stage_arrays[i][1], cfg.stages[i])
 
 
@@ -167,7 +190,7 @@ class group_send_back:
     (:func:`magi_jax.sharding.native.can_start_reduce`), ``(rows, own) -> (token, done)`` (``own``:
     a combined stage's local rows, apart from its fetched ``rows``); else ``None``."""
 
-    def __init__(self, kv, stage_arrays, cfg):
+    def __init__(self, kv: KV, stage_arrays: tuple, cfg: _StagesCfg) -> None:
         self.rows, self.stage_arrays, self.cfg = kv[0].shape[0], stage_arrays, cfg
 
     def _args(self, i, final):
@@ -176,11 +199,11 @@ class group_send_back:
             prefix=stage.combined, round_to_input=final
         )
 
-    def __call__(self, i, rows, final):
+    def __call__(self, i: int, rows: KV, final: bool) -> KV:
         args, kw = self._args(i, final)
         return reduce_rows(rows, *args, **kw)
 
-    def start(self, i, final):
+    def start(self, i: int, final: bool) -> Callable[[KV, KV | None], tuple] | None:
         spec = self.cfg.stages[i].cast
         if spec.transport != "native" or not native.can_start_reduce(spec):
             return None
@@ -189,14 +212,24 @@ class group_send_back:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def rank_stages(q, kv, stage_arrays, cfg: _StagesCfg, fetcher=group_fetch, sender=group_send_back):
+def rank_stages(
+    q: jax.Array,
+    kv: KV,
+    stage_arrays: tuple,
+    cfg: _StagesCfg,
+    fetcher: Callable[..., Callable[[int], KV]] = group_fetch,
+    sender: Callable[..., Callable[[int, KV, bool], KV]] = group_send_back,
+) -> tuple[jax.Array, ...]:
     """One rank's stages and merge -> ``(out, lse)`` (and the rank's max logits, with
     ``cfg.max_logits``; they get no gradient). Backward (docs/design.md §3.2): re-fetch
     each remote stage's KV (``cfg.refetch``; else keep the forward's buffers), FFA backward
     per stage from the merged ``(out, lse)``, partial dK/dV sent back to the owners.
     ``fetcher`` / ``sender`` (static) make the ``fetch`` / ``send_back`` of
     :func:`stages_forward` / :func:`stages_backward` from ``(kv, stage_arrays, cfg)``: the
-    group collectives here; the timing probe swaps in local stand-ins."""
+    group collectives here; the timing probe swaps in local stand-ins. ``q`` ``[T, Hq, D]``
+    and ``kv = (k, v)`` ``[T, Hkv, D]`` / ``[T, Hkv, Dv]`` are the rank's local tokens
+    (``T = local_len``, a batch folded into the heads); ``out [T, Hq, Dv]``, ``lse [T, Hq]``
+    float32, max logits ``[Hq]``."""
     return stages_forward(q, kv, stage_arrays, cfg, fetcher(kv, stage_arrays, cfg))[0]
 
 
@@ -294,16 +327,16 @@ def _plan_guard(res, plan_id, key: MagiKey):
 
 
 def magi_attention(
-    q,
-    k,
-    v,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     key: MagiKey,
     *,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
-    sink=None,
+    sink: jax.Array | None = None,
     return_max_logits: bool = False,
-):
+) -> tuple[jax.Array, ...]:
     """Context-parallel attention of dispatched tokens.
 
     Args:
@@ -391,15 +424,15 @@ def magi_attention(
 
 
 def magi_attention_local(
-    q,
-    k,
-    v,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     key: MagiKey,
     *,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
     return_max_logits: bool = False,
-):
+) -> tuple[jax.Array, ...]:
     """The per-rank body, for callers already inside ``shard_map`` over ``key.cp_axis``:
     q/k/v are this rank's ``[local_len, H, D]`` tokens; the rank's plan rows are picked with
     ``lax.axis_index`` from the (replicated) stacked plan. Returns ``(out, lse)`` local

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -58,7 +59,7 @@ def make_batch_key(
     batch_axes: str | Sequence[str],
     capacity: PlanCapacity,
     batch: int | None = None,
-    **options,
+    **options: Any,
 ) -> MagiKey:
     """One plan per batch row, at one capacity: a key for ``[B, T, H, D]`` inputs whose rows
     each have their own packing (every data-parallel replica, and every row of it, its own

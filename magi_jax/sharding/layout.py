@@ -310,6 +310,8 @@ def _guard(y, key: MagiKey, axis: int):
 
 
 def check_seq_axis(x: jax.Array, seq_axis: int, fn: str) -> int:
+    """``seq_axis`` of ``x`` (any rank) as a non-negative axis; ``TypeError`` / ``ValueError``
+    naming ``fn`` when it is not an int or out of range."""
     if isinstance(seq_axis, (bool, np.bool_)) or not isinstance(seq_axis, (int, np.integer)):
         raise TypeError(
             f"{fn}: seq_axis={seq_axis!r} must be an int (the axis of the packed sequence)"

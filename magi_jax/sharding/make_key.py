@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -61,6 +61,9 @@ from magi_jax.sharding.key_options import (
     KeyOptions,
 )
 from magi_jax.sharding.two_hop import relay_stage
+
+if TYPE_CHECKING:  # annotations only (imported lazily where two-hop casts are planned)
+    from magi_jax.planning.hierarchy import NodeLayout
 
 __all__ = [
     "make_flex_key",
@@ -423,24 +426,24 @@ class HostKey(NamedTuple):
 
 
 def host_key(
-    mask,
-    mesh,
-    cp_axis,
-    chunk_size,
-    overlap_degree,
-    comm_backend,
-    algorithm,
-    meta_ref,
-    block_q,
-    block_k,
-    ffa_backend,
-    cp,
-    backward_refetch,
-    capacity,
-    kv_layout="auto",
-    relay=None,
-    batch_axes=(),
-    head_axes=(),
+    mask: AttnMask,
+    mesh: Mesh,
+    cp_axis: str | tuple[str, ...],
+    chunk_size: int | None,
+    overlap_degree: int | None,
+    comm_backend: str,
+    algorithm: str,
+    meta_ref: _MetaRef | None,
+    block_q: int | None,
+    block_k: int | None,
+    ffa_backend: str,
+    cp: int,
+    backward_refetch: bool,
+    capacity: PlanCapacity | None,
+    kv_layout: str = "auto",
+    relay: tuple[NodeLayout, bool] | None = None,
+    batch_axes: tuple[str, ...] = (),
+    head_axes: tuple[str, ...] = (),
 ) -> HostKey:
     """The host half of a key: :func:`key_args`' arguments planned (the dispatch, the
     stages, their casts and FFA work lists) into a :class:`HostKey`."""
@@ -593,7 +596,7 @@ def make_varlen_key(
     *,
     causal: bool = True,
     window: int | tuple[int, int] | None = None,
-    **options,
+    **options: Any,
 ) -> MagiKey:
     """:func:`make_flex_key` for packed documents (``AttnMask.varlen(cu_seqlens, causal,
     window)``; causal by default, like ``AttnMask.varlen``); ``options`` as for
