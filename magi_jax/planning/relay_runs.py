@@ -14,7 +14,6 @@ at 1M tokens over 8 × 8 ranks), and the result comes as runs, the form the key 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 
@@ -282,8 +281,8 @@ def _cut(runs_a, runs_b):
     return idx, left - ka[idx] * span, right - ka[idx] * span
 
 
-@functools.lru_cache(maxsize=None)
-def _all_inter(layout: NodeLayout):
+def _all_inter(layout: NodeLayout) -> list[tuple[int, int]]:
+    """The inter-node slots ``(dn, dl)`` of ``layout`` (built per call: a few dozen)."""
     return [(dn, dl) for dn in range(1, layout.nodes) for dl in range(layout.local)]
 
 
