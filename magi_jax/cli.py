@@ -57,7 +57,7 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m magi_jax.cli", description=__doc__.split("\n\n")[0]
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 
+import jax
 import jax.numpy as jnp
 
 from magi_jax.ffa.backends import BACKENDS, mla_reason, select_backend
@@ -37,7 +38,7 @@ def _check_inputs(q, k, v, mask: AttnMask):
     _check_shapes(q, k, v, mask.total_q, mask.total_k, "the mask")
 
 
-def finite_float(value) -> float | None:
+def finite_float(value: object) -> float | None:
     """``value`` as a finite float; ``None`` for anything else (strings, NaN, inf, arrays of
     several elements, traced values)."""
     if isinstance(value, (str, bytes)):
@@ -49,7 +50,12 @@ def finite_float(value) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def check_options(softmax_scale=None, softcap=0.0, block_q=None, block_k=None) -> None:
+def check_options(
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> None:
     """The scalar options of the attention entry points: ``softcap`` a finite number >= 0,
     ``softmax_scale`` ``None`` or a finite number, ``block_q``/``block_k`` ``None`` or
     positive integers. Raises ``ValueError`` naming the option, its value and the fix."""
@@ -138,9 +144,9 @@ def _check_shapes(q, k, v, total_q: int, total_k: int, what: str):
 
 
 def flex_flash_attention(
-    q,
-    k,
-    v,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     mask: AttnMask | AttnPlan,
     *,
     softmax_scale: float | None = None,
@@ -148,9 +154,9 @@ def flex_flash_attention(
     backend: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
-    sink=None,
+    sink: jax.Array | None = None,
     return_max_logits: bool = False,
-):
+) -> tuple[jax.Array, ...]:
     """Exact attention of ``q`` over ``k``/``v`` restricted to ``mask``.
 
     Args:

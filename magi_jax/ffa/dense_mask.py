@@ -11,11 +11,12 @@ the ``[T, S]`` scores itself), not for long sequences — build those as an
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 __all__ = ["dense_rectangles"]
 
 
-def dense_rectangles(dense) -> np.ndarray:
+def dense_rectangles(dense: ArrayLike) -> np.ndarray:
     """The ``True`` cells of ``dense`` (bool ``[Tq, Tk]``) as disjoint rectangles: int64
     ``[R, 4]`` rows ``(q0, q1, k0, k1)``, sorted by ``q0`` then ``k0``; their union is exactly
     the ``True`` cells."""

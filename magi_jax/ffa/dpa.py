@@ -18,6 +18,8 @@ How each input becomes a mask:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +28,9 @@ from magi_jax.ffa.api import finite_float, flex_flash_attention, select_backend
 from magi_jax.ffa.dense_mask import dense_rectangles
 from magi_jax.ffa.segments import device_plan, pack_rows, unpack_rows
 from magi_jax.mask import AttnMask, shape_to_slices
+
+if TYPE_CHECKING:  # annotations only
+    from magi_jax.planning.capacity import PlanCapacity
 
 __all__ = ["dot_product_attention", "IMPLEMENTATIONS"]
 
@@ -139,25 +144,25 @@ def _host_mask(dense, q_len, kv_len, b: int, t: int, s: int, left, right) -> Att
 
 
 def dot_product_attention(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
-    query_seq_lengths=None,
-    key_value_seq_lengths=None,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     implementation: str | None = None,
     return_residual: bool = False,
-    segment_ids=None,
+    segment_ids: jax.Array | None = None,
     softcap: float = 0.0,
-    capacity=None,
+    capacity: int | PlanCapacity | None = None,
     backend: str = "auto",
     check_segment_ids: bool = False,
-):
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``jax.nn.dot_product_attention`` on the exact flexible-mask kernels: code written
     against ``jax.nn`` runs unchanged wherever the arguments are supported.
 

@@ -180,7 +180,9 @@ def plan_attention(
     return AttnPlan(lists, schedules, static)
 
 
-def expand_lists(lists, items: tuple[int, int] | None):
+def expand_lists(
+    lists: FFAPlanArrays | FFAPlanRuns, items: tuple[int, int] | None
+) -> FFAPlanArrays:
     """The :class:`~magi_jax.planning.work_list.FFAPlanArrays` that ``lists`` stand for, on
     the device: runs (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) expanded to item
     arrays ``items = (q, k)`` wide, exactly those of

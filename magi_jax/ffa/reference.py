@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from magi_jax.mask import AttnMask
 
@@ -48,16 +49,16 @@ def _attend(q, k, v, dense, scale, softcap, sink=None):
 
 
 def reference_attention(
-    q,
-    k,
-    v,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     mask: AttnMask,
     *,
-    softmax_scale=None,
+    softmax_scale: float | None = None,
     softcap: float = 0.0,
-    sink=None,
+    sink: jax.Array | None = None,
     return_max_logits: bool = False,
-):
+) -> tuple[jax.Array, ...]:
     """Dense attention ``(out, lse)`` over ``mask``, computed in ``q``'s dtype.
 
     q: ``[Tq, Hq, D]`` or ``[B, Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]`` (same leading batch).
@@ -85,16 +86,16 @@ def reference_attention(
 
 
 def dense_attention(
-    q,
-    k,
-    v,
-    dense,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    dense: ArrayLike,
     *,
-    softmax_scale=None,
+    softmax_scale: float | None = None,
     softcap: float = 0.0,
-    sink=None,
+    sink: jax.Array | None = None,
     return_max_logits: bool = False,
-):
+) -> tuple[jax.Array, ...]:
     """:func:`reference_attention` with the mask given as a bool ``[Tq, Tk]`` array (may be
     traced, so one compilation serves every mask of a size)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
@@ -106,10 +107,20 @@ def dense_attention(
 
 
 def reference_attention_vjp(
-    q, k, v, mask: AttnMask, dout, dlse=None, *, softmax_scale=None, softcap: float = 0.0
-):
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: AttnMask,
+    dout: jax.Array,
+    dlse: jax.Array | None = None,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
     """``(out, lse, (dq, dk, dv))`` of the reference, with cotangents ``dout`` (and ``dlse``,
-    zero when omitted), all computed in ``q``'s dtype."""
+    zero when omitted), all computed in ``q``'s dtype. Shapes as for
+    :func:`reference_attention`: ``dout`` like ``out``, ``dlse`` like ``lse``; ``dq``, ``dk``,
+    ``dv`` like ``q``, ``k``, ``v``."""
     fn = lambda q_, k_, v_: reference_attention(
         q_, k_, v_, mask, softmax_scale=softmax_scale, softcap=softcap
     )

@@ -29,6 +29,7 @@ How the list is built (memory ``O(T + W_cap)``, nothing of size ``T x T``):
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,13 @@ from magi_jax.ffa.ragged import ragged_enumerate, take_in_bounds
 from magi_jax.mask import window_bounds
 from magi_jax.planning.tiling import EMPTY_ITEM
 from magi_jax.planning.work_list import BAND, FULL, GENERAL
+
+if TYPE_CHECKING:  # annotations only (device_plan imports them when called)
+    from magi_jax.ffa.plan import AttnPlan
+    from magi_jax.planning.capacity import PlanCapacity
+
+# A NumPy or a JAX array (pack_rows / unpack_rows give back what they take).
+ArrayT = TypeVar("ArrayT", np.ndarray, jax.Array)
 
 __all__ = [
     "device_plan",
@@ -55,13 +63,13 @@ _I32_MAX = int(np.iinfo(np.int32).max)
 _T_FULL, _T_CAUSAL, _T_INV, _T_BI = 0, 1, 2, 3
 
 
-def pack_rows(x):
+def pack_rows(x: ArrayT) -> ArrayT:
     """``[B, T, ...] -> [B·T, ...]``: the rows of a batch packed into one sequence, row ``b``
     at ``[b·T, (b+1)·T)`` (a plain reshape; NumPy or JAX arrays)."""
     return x.reshape((x.shape[0] * x.shape[1],) + tuple(x.shape[2:]))
 
 
-def unpack_rows(x, batch: int):
+def unpack_rows(x: ArrayT, batch: int) -> ArrayT:
     """The inverse of :func:`pack_rows`: ``[B·T, ...] -> [B, T, ...]`` with ``B = batch``."""
     if x.shape[0] % batch:
         raise ValueError(f"unpack_rows: {x.shape[0]} tokens do not split into {batch} rows")
@@ -177,15 +185,15 @@ def _resolve_window(window, causal: bool, total: int) -> tuple[int, int]:
 
 
 def segment_work_lists(
-    segment_ids,
+    segment_ids: jax.Array,
     *,
     causal: bool = True,
-    window=None,
+    window: int | tuple[int, int] | None = None,
     block_q: int,
     block_k: int,
     by: str,
     capacity_items: int,
-):
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The work list of ``AttnMask.from_segment_ids(segment_ids, causal, window)`` for tiles
     ``block_q x block_k`` owned by q-tiles (``by="q"``) or k-tiles (``by="k"``), built with
     ``jax.numpy``: traceable under ``jit`` with ``segment_ids`` a traced int ``[T]`` (or
@@ -343,7 +351,9 @@ def _table_work_lists(
     return order, offsets, items, needed.astype(jnp.int32)
 
 
-def noncontiguous_ids(segment_ids):
+def noncontiguous_ids(
+    segment_ids: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Whether some nonzero id of ``segment_ids`` (int ``[T]`` or ``[B, T]``, may be traced)
     appears in two separate runs of one row, which :meth:`AttnMask.from_segment_ids`
     rejects: ``(bad, id, first, second)`` int32 scalars (``bad`` bool), ``first``/``second``
@@ -378,7 +388,11 @@ def noncontiguous_ids(segment_ids):
 
 
 def segment_items_bound(
-    total: int, block_q: int, block_k: int, causal: bool = True, window=None
+    total: int,
+    block_q: int,
+    block_k: int,
+    causal: bool = True,
+    window: int | tuple[int, int] | None = None,
 ) -> int:
     """An upper bound of the work items of any ``AttnMask.from_segment_ids`` mask of
     ``total`` tokens (with these ``causal``/``window``) on tiles ``block_q x block_k``:
@@ -458,17 +472,30 @@ def _check_traced(
     )
 
 
-def unplannable(fwd_needed, bwd_needed, *, fwd_cap: int, bwd_cap: int, contiguity=None):
+def unplannable(
+    fwd_needed: jax.Array,
+    bwd_needed: jax.Array,
+    *,
+    fwd_cap: int,
+    bwd_cap: int,
+    contiguity: tuple[jax.Array, ...] | None = None,
+) -> jax.Array:
     """A traced bool: the device lists cannot represent these segment ids — they overflow
     their capacity, or (with ``contiguity``, :func:`noncontiguous_ids`' result) an id sits
     in two runs of a row. No host round trip: :func:`dot_product_attention` turns its output
-    into NaN with it."""
+    into NaN with it. ``fwd_needed``, ``bwd_needed``: int32 scalars (the lists' true item
+    counts); returns a bool scalar."""
     bad = (fwd_needed > fwd_cap) | (bwd_needed > bwd_cap)
     return bad if contiguity is None else bad | contiguity[0]
 
 
 def length_items_bound(
-    batch: int, tq: int, tk: int, block_q: int, block_k: int, window=(None, None)
+    batch: int,
+    tq: int,
+    tk: int,
+    block_q: int,
+    block_k: int,
+    window: tuple[int | None, int | None] = (None, None),
 ) -> int:
     """An upper bound of the work items of ``batch`` packed rows of ``tq`` queries and ``tk``
     keys under any per-row lengths (:func:`_length_slices`) with ``window = (left, right)``
@@ -483,17 +510,17 @@ def length_items_bound(
 
 
 def device_plan(
-    segment_ids=None,
-    q_lengths=None,
-    kv_lengths=None,
+    segment_ids: jax.Array | None = None,
+    q_lengths: jax.Array | None = None,
+    kv_lengths: jax.Array | None = None,
     *,
     shape: tuple[int, int, int],
-    window=(None, None),
+    window: tuple[int | None, int | None] = (None, None),
     backend: str,
-    capacity=None,
+    capacity: int | PlanCapacity | None = None,
     check_ids: bool = True,
     raise_now: bool = False,
-):
+) -> tuple[AttnPlan, jax.Array]:
     """The :class:`~magi_jax.ffa.plan.AttnPlan` of ``B`` packed rows, built on the device, and
     a traced bool that says the plan cannot represent the inputs (:func:`unplannable`).
 

@@ -14,6 +14,7 @@ gradient is summed over every token of every rank. Rows that see no key get ``ou
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.scipy.special import logsumexp
 
@@ -22,7 +23,7 @@ __all__ = ["apply_sink", "check_sink"]
 MAX_SINKS = 8
 
 
-def check_sink(sink, num_heads: int):
+def check_sink(sink: jax.Array, num_heads: int) -> None:
     """Raises ``ValueError`` unless ``sink`` is a float ``[S, Hq]`` array, 1 <= S <= 8."""
     shape = getattr(sink, "shape", None)
     if shape is None or len(shape) != 2 or not 1 <= shape[0] <= MAX_SINKS or shape[1] != num_heads:
@@ -34,7 +35,7 @@ def check_sink(sink, num_heads: int):
         raise TypeError(f"sink has dtype {sink.dtype}; pass float32 sink logits")
 
 
-def apply_sink(out, lse, sink):
+def apply_sink(out: jax.Array, lse: jax.Array, sink: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(out', lse')`` with the sinks in the denominator. ``out [..., T, Hq, D]``, ``lse
     [..., T, Hq]`` (float32), ``sink [S, Hq]``; differentiable in all three."""
     acc = jnp.float64 if lse.dtype == jnp.float64 else jnp.float32

@@ -10,6 +10,7 @@ inputs' precision. Also: no NaN, rows that see no key give exactly ``out = 0`` a
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,19 +28,21 @@ _NAMES = ("out", "lse", "dq", "dk", "dv", "max_logits")
 
 
 def random_inputs(
-    key,
+    key: jax.Array,
     mask: AttnMask,
     hq: int,
     hkv: int,
     d: int,
-    dtype,
+    dtype: jnp.dtype | type,
     batch: int | None = None,
     dv: int | None = None,
-):
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Random ``q, k, v, dout, dlse`` for ``mask`` (normal, unit scale), as one jitted program
     per shape (eagerly each random and cast op would compile on its own, which on CPU costs
     more than the attention under test). ``dv``: v's head dim (default ``d``; multi-head
-    latent attention gives it its own)."""
+    latent attention gives it its own). Shapes ``[(batch,) total_q, hq, d]`` (q),
+    ``[(batch,) total_k, hkv, d]`` / ``[..., dv]`` (k / v), ``[(batch,) total_q, hq, dv]``
+    (dout) in ``dtype``, and ``[(batch,) total_q, hq]`` float32 (dlse)."""
     return _random_inputs(
         key,
         int(mask.total_q),
@@ -65,7 +68,9 @@ def _random_inputs(key, total_q, total_k, hq, hkv, d, dtype, batch, dv):
     return q, k, v, dout, dlse
 
 
-def fwd_bwd(fwd):
+def fwd_bwd(
+    fwd: Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]],
+) -> Callable[..., dict[str, jax.Array]]:
     """``fwd(q, k, v) -> (out, lse)`` as one jitted step ``run(q, k, v, dout, dlse)`` that
     returns ``dict(out, lse, dq, dk, dv)`` — the results :func:`assert_matches_reference`
     takes."""
@@ -80,16 +85,16 @@ def fwd_bwd(fwd):
 
 
 def reference_results(
-    q,
-    k,
-    v,
-    mask,
-    dout,
-    dlse=None,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: AttnMask,
+    dout: jax.Array,
+    dlse: jax.Array | None = None,
     *,
-    softmax_scale=None,
-    softcap=0.0,
-    sink=None,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    sink: jax.Array | None = None,
     float64: bool = True,
 ) -> dict[str, np.ndarray]:
     """The reference's out, lse, dq, dk, dv and max_logits as NumPy arrays, in float64
@@ -146,16 +151,16 @@ def _max_err(x, ref):
 
 def assert_matches_reference(
     results: dict,
-    q,
-    k,
-    v,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     mask: AttnMask,
-    dout=None,
-    dlse=None,
+    dout: jax.Array | None = None,
+    dlse: jax.Array | None = None,
     *,
-    softmax_scale=None,
-    softcap=0.0,
-    sink=None,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    sink: jax.Array | None = None,
     floor: float | None = None,
     ref64: dict | None = None,
     ref_lp: dict | None = None,

@@ -386,9 +386,9 @@ def _config(
 
 
 def xla_ffa(
-    q,
-    k,
-    v,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     plan: FFAPlanArrays,
     *,
     softmax_scale: float,
@@ -397,7 +397,7 @@ def xla_ffa(
     block_k: int,
     lane_len: int = _LANE_LEN,
     return_max_logits: bool = False,
-):
+) -> tuple[jax.Array, ...]:
     """Flexible-mask attention from plan arrays (no mask object): the entry point of the
     front door and of every context-parallel rank.
 
@@ -419,9 +419,9 @@ def xla_ffa(
 
 
 def xla_ffa_forward(
-    q,
-    k,
-    v,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     plan: FFAPlanArrays,
     *,
     softmax_scale: float,
@@ -429,7 +429,7 @@ def xla_ffa_forward(
     block_q: int,
     block_k: int,
     return_max_logits: bool = False,
-):
+) -> tuple[jax.Array, ...]:
     """The forward of :func:`xla_ffa` alone (3-D inputs, not differentiable): ``(out, lse)``
     (and the max logits ``[Hq]`` with ``return_max_logits``). With :func:`xla_ffa_backward`,
     for callers that keep only ``(out, lse)`` between the two passes (context-parallel
@@ -444,23 +444,25 @@ def xla_ffa_forward(
 
 
 def xla_ffa_backward(
-    q,
-    k,
-    v,
-    out,
-    lse,
-    dout,
-    dlse,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    dout: jax.Array,
+    dlse: jax.Array,
     plan: FFAPlanArrays,
     *,
     softmax_scale: float,
     softcap: float,
     block_q: int,
     block_k: int,
-):
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` of :func:`xla_ffa` from the forward's ``(out, lse)`` and the
     cotangents ``(dout, dlse)`` (3-D inputs); the tiles are recomputed, nothing else is
-    needed from the forward."""
+    needed from the forward. ``q [Tq, Hq, D]``, ``k [Tk, Hkv, D]``, ``v [Tk, Hkv, Dv]``,
+    ``out``/``dout`` ``[Tq, Hq, Dv]``, ``lse``/``dlse`` ``[Tq, Hq]`` float32; ``dq``, ``dk``,
+    ``dv`` shaped like ``q``, ``k``, ``v``."""
     return _backward(
         q,
         k,

@@ -22,6 +22,8 @@ axis (query head ``b·Hq + h`` keeps using key head ``b·Hkv + h // (Hq/Hkv)``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -43,7 +45,7 @@ def make_attention_fn(
     softcap: float = 0.0,
     backend: str = "auto",
     local: bool = False,
-):
+) -> Callable[..., jax.Array]:
     """An ``attention_fn`` for Flax's multi-head attention layers.
 
     Args:
@@ -129,18 +131,18 @@ def make_attention_fn(
 
 
 def attend(
-    q,
-    k,
-    v,
-    mask_or_key,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask_or_key: AttnMask | MagiKey,
     *,
-    softmax_scale=None,
-    softcap=0.0,
-    backend="auto",
-    local=False,
-    sink=None,
-    return_max_logits=False,
-):
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    backend: str = "auto",
+    local: bool = False,
+    sink: jax.Array | None = None,
+    return_max_logits: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of ``q [..., T, Hq, D]``, ``k [..., T, Hkv, D]``, ``v [..., T, Hkv, Dv]``
     (``Dv`` may differ from ``D``: multi-head latent attention) under a mask (natural order,
     one device) or a key (dispatched tokens, context parallel); returns ``out [..., T, Hq,
@@ -286,7 +288,7 @@ def _check_mesh(key: MagiKey, *xs):
 # ---- rotary position embeddings -------------------------------------------------------------
 
 
-def rope_positions(mask_or_key, num_tokens: int):
+def rope_positions(mask_or_key: AttnMask | MagiKey, num_tokens: int) -> jax.Array:
     """Positions for RoPE: ``arange(T)`` for a mask (natural order), the global position of
     every dispatched token for a key (:func:`~magi_jax.position_ids`)."""
     if isinstance(mask_or_key, MagiKey):
@@ -294,7 +296,7 @@ def rope_positions(mask_or_key, num_tokens: int):
     return jnp.arange(num_tokens, dtype=jnp.int32)
 
 
-def apply_rope(x, positions, theta: float = 10000.0):
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:
     """Rotary embedding (rotate-half form) of ``x [..., T, H, D]`` at integer ``positions
     [T]`` (or ``[..., T]``); computed in float32, returned in ``x``'s dtype. RoPE only sees
     position differences, so global positions over a packed sequence give each document the
@@ -354,14 +356,14 @@ class SelfAttention(nnx.Module):
         softmax_scale: float | None = None,
         softcap: float = 0.0,
         use_bias: bool = False,
-        dtype=None,
-        param_dtype=jnp.float32,
-        kernel_init=nnx.initializers.lecun_normal(),
+        dtype: jnp.dtype | None = None,
+        param_dtype: jnp.dtype = jnp.float32,
+        kernel_init: Callable[..., jax.Array] = nnx.initializers.lecun_normal(),
         backend: str = "auto",
         num_sinks: int = 0,
-        sink_init=nnx.initializers.zeros_init(),
+        sink_init: Callable[..., jax.Array] = nnx.initializers.zeros_init(),
         rngs: nnx.Rngs,
-    ):
+    ) -> None:
         if (
             isinstance(num_sinks, bool)
             or not isinstance(num_sinks, int)
@@ -413,8 +415,15 @@ class SelfAttention(nnx.Module):
         self.o_proj = lin(num_heads * self.v_head_dim, in_features)
 
     def __call__(
-        self, x, mask_or_key: AttnMask | MagiKey, positions=None, *, return_max_logits: bool = False
-    ):
+        self,
+        x: jax.Array,
+        mask_or_key: AttnMask | MagiKey,
+        positions: jax.Array | None = None,
+        *,
+        return_max_logits: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """``x [..., T, F]`` -> ``[..., T, F]`` in ``x``'s order (with ``return_max_logits``,
+        also the max logits ``[..., num_heads]`` float32); see the class."""
         if not isinstance(mask_or_key, (AttnMask, MagiKey)):
             raise TypeError(
                 f"SelfAttention needs an AttnMask or a MagiKey; got {type(mask_or_key).__name__}"

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from magi_jax.planning.errors import capacity_error
 from magi_jax.planning.solver import DispatchMeta, ranges_repeat
@@ -47,7 +48,9 @@ class CastTable:
     buffer_len: int
 
     @classmethod
-    def from_index(cls, send_index, recv_index, shifts, widths) -> "CastTable":
+    def from_index(
+        cls, send_index: ArrayLike, recv_index: ArrayLike, shifts: ArrayLike, widths: ArrayLike
+    ) -> "CastTable":
         """The table of dense ``send_index [cp, n_slots, S]`` and ``recv_index [cp, B]``."""
         send, recv = np.asarray(send_index), np.asarray(recv_index)
         cp, _, s = send.shape
@@ -160,17 +163,17 @@ def index_runs(
 
 
 def pack_runs(
-    cp,
-    rank,
-    start,
-    value,
-    length,
-    num_runs=None,
-    field=None,
-    split=None,
-    value_split=None,
-    limit=None,
-):
+    cp: int,
+    rank: ArrayLike,
+    start: ArrayLike,
+    value: ArrayLike,
+    length: ArrayLike,
+    num_runs: int | None = None,
+    field: str | None = None,
+    split: int | None = None,
+    value_split: int | None = None,
+    limit: int | None = None,
+) -> np.ndarray:
     """Real runs ``(rank, start entry, first value, length)`` (non-overlapping within a
     rank) -> the packed runs ``[cp, R, 2]``: each rank's runs in entry order, with a padding
     run before each run that does not start where the previous one ended, and adjoining
@@ -258,11 +261,11 @@ def build_cast_table(
 
 def cast_table_from_pieces(
     meta: DispatchMeta,
-    g0,
-    g1,
-    src,
-    dst,
-    offset,
+    g0: np.ndarray,
+    g1: np.ndarray,
+    src: np.ndarray,
+    dst: np.ndarray,
+    offset: np.ndarray,
     buffer_len: int,
     width: int | None = None,
     send_runs: int | None = None,
@@ -354,10 +357,10 @@ def _width_error(need: int, width: int):
     raise capacity_error("cast_width", need, width, detail=detail)
 
 
-def cast_moves(table: CastTable):
+def cast_moves(table: CastTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every real move of a cast at once, as int64 arrays ``(dst, dst_row, src, src_row)``:
     rank ``dst``'s buffer row ``dst_row`` is rank ``src``'s local row ``src_row``; ordered
-    by ``(dst, dst_row)``. The input of the two-hop planner
+    by ``(dst, dst_row)``, each ``[M]`` for ``M`` moves. The input of the two-hop planner
     (:mod:`magi_jax.planning.hierarchy`)."""
     cp, _, s = table.send_index.shape
     dst, row = np.nonzero(table.recv_index >= 0)

@@ -5,6 +5,7 @@ key of one mask and a key at a capacity choose by the same rules."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -12,6 +13,9 @@ from magi_jax.caches import cached
 from magi_jax.mask import AttnMask, SliceShapes
 from magi_jax.planning.solver import DispatchMeta, auto_chunk_size, solve_dispatch
 from magi_jax.planning.stages import split_areas
+
+if TYPE_CHECKING:  # annotations only: capacity.py imports this module
+    from magi_jax.planning.capacity import PlanCapacity
 
 __all__ = [
     "default_overlap_degree",
@@ -67,7 +71,7 @@ def default_overlap_degree(
     return best
 
 
-def cast_pieces(capacity) -> int:
+def cast_pieces(capacity: PlanCapacity | None) -> int:
     """Gated pieces per ``ppermute`` slot of a key's casts: :data:`CAPACITY_CAST_PIECES` at a
     capacity (slots as wide as the capacity, most of it padding for most masks), 1 for a
     key of one mask (its slots are as wide as their widest real block already)."""

@@ -41,6 +41,8 @@ The result of the two hops equals the flat cast the tables were built from, row 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import NoReturn
 
 import numpy as np
 
@@ -151,7 +153,7 @@ def inter_node_wire_rows(table: CastTable, layout: NodeLayout) -> int:
     )
 
 
-def check_layout(table: CastTable, layout: NodeLayout):
+def check_layout(table: CastTable, layout: NodeLayout) -> None:
     """Raises unless ``layout`` is a :class:`NodeLayout` covering the cast's ranks."""
     if not isinstance(layout, NodeLayout):
         raise TypeError(f"layout must be a NodeLayout; got {type(layout).__name__}")
@@ -328,7 +330,7 @@ class _Blocks:
         self.widths = tuple(int(w) for w in widths)
 
 
-def slot_code(key, layout):
+def slot_code(key: int | tuple[int, int], layout: NodeLayout) -> int:
     """The integer code of a slot's shift: ``dn · local + dl`` for an inter-node slot
     ``(dn, dl)``, the shift itself for an intra-node slot."""
     if isinstance(key, tuple):
@@ -336,14 +338,18 @@ def slot_code(key, layout):
     return key
 
 
-def slot_key(code, layout, all_slots):
+def slot_key(
+    code: int, layout: NodeLayout, all_slots: Sequence[int | tuple[int, int]]
+) -> int | tuple[int, int]:
     """The shift of a slot from its :func:`slot_code` (``all_slots`` tells the hop)."""
     if all_slots and isinstance(all_slots[0], tuple):
         return divmod(code, layout.local)
     return code
 
 
-def relay_width_error(need: int, width: int, all_slots):
+def relay_width_error(
+    need: int, width: int, all_slots: Sequence[int | tuple[int, int]]
+) -> NoReturn:
     """Raises the :class:`~magi_jax.planning.capacity.CapacityError` of a block of ``need``
     rows in a hop whose slots hold ``width``."""
     from magi_jax.planning.errors import CapacityError

@@ -17,7 +17,6 @@ import dataclasses
 
 import numpy as np
 
-from magi_jax.caches import cached
 from magi_jax.planning.cast_table import CastTable, expand_runs, pack_runs
 from magi_jax.planning.hierarchy import (
     NodeLayout,
@@ -128,7 +127,9 @@ def _runs_of(runs: np.ndarray):
     return rank, start[rank, i], runs[rank, i, 0].astype(np.int64), length[rank, i]
 
 
-def move_runs(table: CastTable):
+def move_runs(
+    table: CastTable,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every real move of a flat cast as runs, int64 arrays ``(dst, dst_row, src, src_row,
     length)``: rank ``dst``'s buffer rows ``[dst_row, dst_row + length)`` are rank ``src``'s
     local rows ``[src_row, src_row + length)``; :func:`~magi_jax.planning.cast_table.
@@ -280,8 +281,8 @@ def _cut(runs_a, runs_b):
     return idx, left - ka[idx] * span, right - ka[idx] * span
 
 
-@cached(64)
 def _all_inter(layout: NodeLayout) -> list[tuple[int, int]]:
+    """The inter-node slots ``(dn, dl)`` of ``layout`` (built per call: a few dozen)."""
     return [(dn, dl) for dn in range(1, layout.nodes) for dl in range(layout.local)]
 
 

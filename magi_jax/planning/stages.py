@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -96,7 +97,7 @@ _TIMES = threading.local()
 
 
 @contextlib.contextmanager
-def phase_times():
+def phase_times() -> Iterator[dict[str, float]]:
     """Seconds spent in each of :data:`PHASES` by the :func:`build_dist_plan` calls of this
     thread inside the block (for benchmarks; cached plans cost nothing)::
 
@@ -323,7 +324,7 @@ _GEOMETRY_MAX = 4
 
 def resolve_kv(
     mask: AttnMask, meta: DispatchMeta, kv_layout: str = "auto", kv_chunk_size: int | None = None
-):
+) -> DispatchMeta | str | None:
     """The ``kv`` of :func:`build_dist_plan` for a key layout of
     :data:`~magi_jax.planning.solver.KV_LAYOUTS`: ``"auto"`` gives ``None`` (self-attention)
     for a mask with ``total_q == total_k`` and
@@ -380,7 +381,7 @@ def _geometry(mask: AttnMask, meta: DispatchMeta, kv=None) -> _Geometry:
 
 
 def rank_views(
-    mask: AttnMask, meta: DispatchMeta, num_remote_stages: int, kv=None
+    mask: AttnMask, meta: DispatchMeta, num_remote_stages: int, kv: DispatchMeta | str | None = None
 ) -> list[RankView]:
     """Every rank's :class:`RankView`; remote keys cut into ``num_remote_stages`` stages of
     nearly equal token counts (by buffer position); ``kv`` as for :func:`build_dist_plan`."""
@@ -548,7 +549,7 @@ def _rank_sums(x: np.ndarray, flat: _Flat) -> np.ndarray:
     return cum[flat.bounds[1:]] - cum[flat.bounds[:-1]]
 
 
-def clear_cache():
+def clear_cache() -> None:
     """Drops the cached distributed plans (and the geometry they were derived from)."""
     with _CACHE_LOCK:
         _CACHE.clear()
@@ -576,7 +577,7 @@ def build_dist_plan(
     block_k: int,
     ffa_backend: str = "xla",
     capacity: PlanCapacity | None = None,
-    kv=None,
+    kv: DispatchMeta | str | None = None,
 ) -> DistPlan:
     """The distributed plan of ``mask`` over the dispatch ``meta``; cached by (mask
     fingerprint, dispatch, overlap_degree, block sizes, FFA backend, capacity, kv).
@@ -625,7 +626,9 @@ def build_dist_plan(
     return plan
 
 
-def split_areas(mask: AttnMask, meta: DispatchMeta, kv=None):
+def split_areas(
+    mask: AttnMask, meta: DispatchMeta, kv: DispatchMeta | str | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per rank: area on local KV, area on remote KV and remote KV tokens (int64 ``[cp]``
     each) — the inputs of the overlap cost model, without building any kernel plan; ``kv``
     as for :func:`build_dist_plan`."""

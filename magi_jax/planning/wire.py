@@ -24,10 +24,18 @@ with, sends ``(cp - 1) · local_len`` rows per rank: every rank's whole KV to ev
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from magi_jax.planning.cast_table import CastTable, choose_transport
+
+if TYPE_CHECKING:  # annotations only (the planners of these import this module)
+    from magi_jax.planning.hierarchy import RelayTable
+    from magi_jax.planning.relay_runs import RelayRunsTable
+    from magi_jax.planning.stages import DistPlan
 
 __all__ = [
     "WIRE_TRANSPORTS",
@@ -184,7 +192,7 @@ def piece_len(width: int, pieces: int) -> int:
     return max(1, -(-int(width) // max(int(pieces), 1)))
 
 
-def gated_widths(widths, live, pieces: int = 1) -> np.ndarray:
+def gated_widths(widths: ArrayLike, live: ArrayLike, pieces: int = 1) -> np.ndarray:
     """int64 ``[n_slots]``: rows a gated ``ppermute`` slot moves from every rank: its
     ``live`` rows (the most real rows any rank sends in it) rounded up to whole pieces
     (:func:`piece_len`), never more than its width; ``pieces = 1``: the whole width."""
@@ -195,7 +203,7 @@ def gated_widths(widths, live, pieces: int = 1) -> np.ndarray:
     return np.minimum(widths, -(-np.asarray(live, np.int64) // size) * size)
 
 
-def relay_wire(rt, pieces: int = 1) -> WireCount:
+def relay_wire(rt: RelayTable | RelayRunsTable, pieces: int = 1) -> WireCount:
     """Real and wire rows of two-hop tables ``rt``
     (:class:`~magi_jax.planning.hierarchy.RelayTable`, or
     :class:`~magi_jax.planning.relay_runs.RelayRunsTable`): the inter-node hop's rows count
@@ -220,7 +228,11 @@ def relay_wire(rt, pieces: int = 1) -> WireCount:
 
 
 def plan_wire(
-    plan, transport: str = "auto", local: int | None = None, relays=None, pieces: int = 1
+    plan: DistPlan,
+    transport: str | Sequence[str] = "auto",
+    local: int | None = None,
+    relays: Sequence[RelayTable | RelayRunsTable | None] | None = None,
+    pieces: int = 1,
 ) -> WireCount:
     """The casts of every stage of ``plan``
     (:class:`~magi_jax.planning.stages.DistPlan`) summed: one cast per remote stage, on

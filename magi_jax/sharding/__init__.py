@@ -25,10 +25,11 @@ activations per layer.
 
 from magi_jax.planning.solver import solve_dispatch
 from magi_jax.sharding.attention import magi_attention, magi_attention_local
+from magi_jax.sharding.batch_key import batch_rows, make_batch_key
 from magi_jax.sharding.collectives import group_cast, group_reduce
 from magi_jax.sharding.key import MagiKey
 from magi_jax.sharding.layout import dispatch, position_ids, undispatch
-from magi_jax.sharding.make_key import batch_rows, make_batch_key, make_flex_key, make_varlen_key
+from magi_jax.sharding.make_key import make_flex_key, make_varlen_key
 from magi_jax.sharding.roll import roll
 
 __all__ = [

@@ -16,36 +16,35 @@ flight; ``backward_refetch=False`` keeps the buffers instead. Batched inputs
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from magi_jax.ffa.plan import expand_lists
 from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.sharding import native
+from magi_jax.sharding.attention_checks import check_inputs, check_local_inputs
 from magi_jax.sharding.collectives import cast_rows, reduce_rows, start_reduce_rows
 from magi_jax.sharding.ffa_backends import get_backend
-from magi_jax.sharding.key import (
-    MagiKey,
-    axes_entry,
-    check_key,
-    cp_names,
-    cp_ranks,
-    is_checked,
-    rows_desc,
-)
+from magi_jax.sharding.key import MagiKey, is_checked
+from magi_jax.sharding.layout import PodSpecs, pod_specs
 
-__all__ = ["magi_attention", "magi_attention_local", "merge_partials"]
+# One rank's keys and values, [T, Hkv, D] and [T, Hkv, Dv] (or their gradients).
+KV = tuple[jax.Array, jax.Array]
+
+__all__ = ["magi_attention", "magi_attention_local", "merge_partials", "PodSpecs", "pod_specs"]
 
 
-def merge_partials(outs, lses, dtype):
+def merge_partials(
+    outs: Sequence[jax.Array], lses: Sequence[jax.Array], dtype: jnp.dtype
+) -> tuple[jax.Array, jax.Array]:
     """Exact merge of partial attention over disjoint key sets, in float32:
     ``lse = log Σ exp(lse_i)``, ``out = Σ out_i · exp(lse_i − lse)``. Rows with no key in any
-    part give ``out = 0``, ``lse = -inf`` (and finite, zero gradients)."""
+    part give ``out = 0``, ``lse = -inf`` (and finite, zero gradients). ``outs[i]``
+    ``[T, H, Dv]``, ``lses[i]`` ``[T, H]``; returns ``out [T, H, Dv]`` in ``dtype`` and ``lse
+    [T, H]`` float32 (float64 for float64)."""
     if len(outs) == 1:
         return outs[0].astype(dtype), lses[0]
     acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
@@ -85,7 +84,9 @@ class _StagesCfg(NamedTuple):
     max_logits: bool = False
 
 
-def stages_forward(q, kv, stage_arrays, cfg: _StagesCfg, fetch):
+def stages_forward(
+    q: jax.Array, kv: KV, stage_arrays: tuple, cfg: _StagesCfg, fetch: Callable[[int], KV]
+) -> tuple[tuple[jax.Array, ...], list[KV | None]]:
     """Every stage's FFA on the local ``kv = (k, v)`` or on ``fetch(i)`` (remote stage
     ``i``'s K, V) and the float32 merge -> ``(out, lse)`` (``(out, lse, max_logits [Hq])``
     with ``cfg.max_logits``: the stages' key sets are disjoint, so the rank's max is the
@@ -107,7 +108,17 @@ def stages_forward(q, kv, stage_arrays, cfg: _StagesCfg, fetch):
     return (out, lse), used
 
 
-def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, send_back):
+def stages_backward(
+    q: jax.Array,
+    kv: KV,
+    stage_arrays: tuple,
+    cfg: _StagesCfg,
+    out: jax.Array,
+    lse: jax.Array,
+    cts: tuple[jax.Array, jax.Array],
+    fetch: Callable[[int], KV],
+    send_back: Callable[[int, KV, bool], KV],
+) -> tuple[jax.Array, KV]:
     """The backward of :func:`stages_forward` without differentiating the merge: each stage's
     FFA backward runs against the *merged* ``(out, lse)`` — its probabilities are then the
     final softmax's, restricted to the stage's keys, so the stages' dQ and dK/dV partials sum
@@ -121,7 +132,9 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
     ``done(token)`` comes after the host stage's backward. A combined stage's dK/dV come
     from the kernel in two parts, the local rows (``own``, which the done call sums into in
     place) and the fetched ones (``rows``). Returns ``dq`` (float32) and the local
-    ``(dk, dv)`` (float32, or kv's dtype when one stage made them)."""
+    ``(dk, dv)`` (float32, or kv's dtype when one stage made them). Shapes as in
+    :func:`stages_forward`: ``q``, ``out`` ``[T, Hq, D]`` / ``[T, Hq, Dv]``, ``lse`` ``[T, Hq]``,
+    ``kv`` ``([Tk, Hkv, D], [Tk, Hkv, Dv])``; ``cts = (dout, dlse)`` like ``(out, lse)``."""
     be, kw = get_backend(cfg.backend), dict(cfg.kw)
     acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     up = lambda tree: jax.tree.map(lambda a: a.astype(acc), tree)
@@ -165,8 +178,9 @@ def stages_backward(q, kv, stage_arrays, cfg: _StagesCfg, out, lse, cts, fetch, 
     return dq, dkv
 
 
-def group_fetch(kv, stage_arrays, cfg):
-    """``fetch(i)`` of :func:`rank_stages`: remote stage ``i``'s KV by group-cast."""
+def group_fetch(kv: KV, stage_arrays: tuple, cfg: _StagesCfg) -> Callable[[int], KV]:
+    """``fetch(i)`` of :func:`rank_stages`: remote stage ``i``'s KV by group-cast, ``(k, v)``
+    ``[buffer_len, Hkv, D]`` / ``[buffer_len, Hkv, Dv]`` from the local ``kv``."""
     return lambda i: _fetch(kv, stage_arrays[i][1], cfg.stages[i])
 
 
@@ -176,7 +190,7 @@ class group_send_back:
     (:func:`magi_jax.sharding.native.can_start_reduce`), ``(rows, own) -> (token, done)`` (``own``:
     a combined stage's local rows, apart from its fetched ``rows``); else ``None``."""
 
-    def __init__(self, kv, stage_arrays, cfg):
+    def __init__(self, kv: KV, stage_arrays: tuple, cfg: _StagesCfg) -> None:
         self.rows, self.stage_arrays, self.cfg = kv[0].shape[0], stage_arrays, cfg
 
     def _args(self, i, final):
@@ -185,11 +199,11 @@ class group_send_back:
             prefix=stage.combined, round_to_input=final
         )
 
-    def __call__(self, i, rows, final):
+    def __call__(self, i: int, rows: KV, final: bool) -> KV:
         args, kw = self._args(i, final)
         return reduce_rows(rows, *args, **kw)
 
-    def start(self, i, final):
+    def start(self, i: int, final: bool) -> Callable[[KV, KV | None], tuple] | None:
         spec = self.cfg.stages[i].cast
         if spec.transport != "native" or not native.can_start_reduce(spec):
             return None
@@ -198,14 +212,24 @@ class group_send_back:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def rank_stages(q, kv, stage_arrays, cfg: _StagesCfg, fetcher=group_fetch, sender=group_send_back):
+def rank_stages(
+    q: jax.Array,
+    kv: KV,
+    stage_arrays: tuple,
+    cfg: _StagesCfg,
+    fetcher: Callable[..., Callable[[int], KV]] = group_fetch,
+    sender: Callable[..., Callable[[int, KV, bool], KV]] = group_send_back,
+) -> tuple[jax.Array, ...]:
     """One rank's stages and merge -> ``(out, lse)`` (and the rank's max logits, with
     ``cfg.max_logits``; they get no gradient). Backward (docs/design.md §3.2): re-fetch
     each remote stage's KV (``cfg.refetch``; else keep the forward's buffers), FFA backward
     per stage from the merged ``(out, lse)``, partial dK/dV sent back to the owners.
     ``fetcher`` / ``sender`` (static) make the ``fetch`` / ``send_back`` of
     :func:`stages_forward` / :func:`stages_backward` from ``(kv, stage_arrays, cfg)``: the
-    group collectives here; the timing probe swaps in local stand-ins."""
+    group collectives here; the timing probe swaps in local stand-ins. ``q`` ``[T, Hq, D]``
+    and ``kv = (k, v)`` ``[T, Hkv, D]`` / ``[T, Hkv, Dv]`` are the rank's local tokens
+    (``T = local_len``, a batch folded into the heads); ``out [T, Hq, Dv]``, ``lse [T, Hq]``
+    float32, max logits ``[Hq]``."""
     return stages_forward(q, kv, stage_arrays, cfg, fetcher(kv, stage_arrays, cfg))[0]
 
 
@@ -272,294 +296,6 @@ def _local(
     return res[:2] + tuple(jax.lax.pmax(jax.lax.stop_gradient(x), key.cp_axis) for x in res[2:])
 
 
-def _check_inputs(q, k, v, key):
-    check_key(key, "magi_attention", q, k, v)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not (hasattr(x, "ndim") and hasattr(x, "shape") and hasattr(x, "dtype")):
-            raise TypeError(
-                f"magi_attention: {name} must be an array (dispatched tokens); "
-                f"got {type(x).__name__}"
-            )
-        if x.ndim not in (3, 4) or x.ndim != q.ndim:
-            raise ValueError(
-                f"magi_attention: {name} must be [padded_total, H, D] or "
-                f"[B, padded_total, H, D] (dispatched tokens, like q); got shape "
-                f"{tuple(x.shape)}"
-            )
-        if name != "q" and key.cross:
-            if x.shape[-3] != key.kv_padded_total:
-                raise ValueError(_kv_length_message(name, x, key))
-        elif x.shape[-3] != key.padded_total:
-            raise ValueError(_length_message(name, x, key))
-    if q.ndim == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
-    _check_pod_shapes(q, k, key)
-    if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(
-            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape up to the "
-            "head dim (v may have its own, Dv: multi-head latent attention)"
-        )
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"head dims differ: q has D={q.shape[-1]}, k has D={k.shape[-1]}")
-    from magi_jax.ffa.api import MAX_HEAD_DIM
-
-    for name, d in (("D", q.shape[-1]), ("Dv (v's head dim)", v.shape[-1])):
-        if d % 8 or not 8 <= d <= MAX_HEAD_DIM:
-            raise ValueError(
-                f"magi_attention: head dim {name}={d} is not supported: use a multiple "
-                f"of 8 in [8, {MAX_HEAD_DIM}] (as flex_flash_attention)"
-            )
-    if q.shape[-2] % k.shape[-2]:
-        raise ValueError(
-            f"q has {q.shape[-2]} heads and k/v have {k.shape[-2]}: the number "
-            "of query heads must be a multiple of the number of key/value heads"
-        )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(
-            f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype"
-        )
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise TypeError(
-            f"magi_attention: q, k, v have dtype {q.dtype}; attention needs "
-            "floating-point inputs (bfloat16, float16 or float32)"
-        )
-    if key.ffa_backend == "pallas":
-        from magi_jax.pallas.api import supported
-
-        if v.shape[-1] != q.shape[-1]:
-            ok, why = False, f"v's head dim Dv={v.shape[-1]} differs from D={q.shape[-1]}"
-        else:
-            ok, why = supported(q, k, v, check_device=False)
-        if not ok:
-            raise ValueError(
-                f"magi_attention: the key runs the Mosaic GPU kernels "
-                f"(ffa_backend='pallas', the default on sm90 GPUs), which cannot "
-                f"take these inputs: {why}; cast q, k, v to bfloat16, or build "
-                "the key with ffa_backend='xla'"
-            )
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if name == "q" or key.kv_layout in ("shared", "dispatched"):
-            _check_dispatched_layout(name, x, key, "q" if name == "q" else "kv")
-
-
-def _axes_size(key: MagiKey, axes) -> int:
-    return int(np.prod([key.mesh.shape[a] for a in axes]))
-
-
-def _check_pod_shapes(q, k, key: MagiKey):
-    """Batch rows and heads split evenly over the key's batch and head axes."""
-    if key.batched and (q.ndim != 4 or q.shape[0] != key.rows):
-        raise ValueError(
-            f"magi_attention: q has shape {tuple(q.shape)}, but the key is batched (one plan "
-            f"for each of {key.rows} rows): q, k, v must be [{key.rows}, padded_total, H, D] "
-            "(mj.dispatch(x, key, seq_axis=1))"
-        )
-    shards = _axes_size(key, key.batch_axes)
-    if q.ndim == 4 and q.shape[0] % shards:
-        raise ValueError(
-            f"magi_attention: the batch of {q.shape[0]} rows cannot be split over the key's "
-            f"batch_axes={key.batch_axes!r} ({shards} shards); use a multiple of {shards} rows"
-        )
-    shards = _axes_size(key, key.head_axes)
-    for name, x in (("q", q), ("k/v", k)):
-        if x.shape[-2] % shards:
-            raise ValueError(
-                f"magi_attention: {name} has {x.shape[-2]} heads, which cannot be split over "
-                f"the key's head_axes={key.head_axes!r} ({shards} shards): every shard needs "
-                "whole query and key/value heads (use head counts divisible by the "
-                "tensor-parallel size)"
-            )
-
-
-def _kv_length_message(name, x, key):
-    """Keys/values of a cross-attention key with the wrong number of rows."""
-    n = x.shape[-3]
-    layout = (
-        "every rank holds all of them (replicated)"
-        if key.kv_layout == "replicated"
-        else f"dispatched: {key.kv_padded_total} rows ({key.total_k} keys + "
-        f"{key.kv_padded_total - key.total_k} padding)"
-    )
-    msg = (
-        f"magi_attention: {name} has {n} tokens (shape {tuple(x.shape)}) but the key "
-        f"(cross attention, kv_layout={key.kv_layout!r}) takes {key.total_k} keys, "
-        f"{layout}"
-    )
-    if n == key.total_k:
-        msg += "; these look like natural-order keys"
-    elif n == key.padded_total:
-        msg += "; these look like dispatched queries (role='q')"
-    seq = ", seq_axis=1" if x.ndim == 4 else ""
-    return (
-        f"{msg}. dispatch first: {name} = mj.dispatch(x, key{seq}, role='kv') lays out "
-        "keys and values as the key wants them"
-    )
-
-
-_DISPATCH_FIRST = (
-    "dispatch first: {name} = mj.dispatch(x, key{seq}) turns a natural-order "
-    "array into the dispatched layout (rank r holds rows [r·{L}, (r+1)·{L}))"
-)
-
-
-def _fix(name, x, key):
-    return _DISPATCH_FIRST.format(
-        name=name, seq=", seq_axis=1" if x.ndim == 4 else "", L=key.local_len
-    )
-
-
-def _length_message(name, x, key):
-    n, st = x.shape[-3], key.static
-    msg = (
-        f"magi_attention: {name} has {n} tokens (shape {tuple(x.shape)}) but the key "
-        f"dispatches {rows_desc(key)}"
-    )
-    looks = []
-    if n == key.total:
-        looks.append("natural-order tokens")
-    if is_checked(key) and n == st.padded_total:
-        looks.append(
-            "tokens dispatched with the key's unchecked twin (make_flex_key without "
-            "check_dispatch): dispatch with this key"
-        )
-    if not is_checked(key) and n == st.padded_total + st.cp:
-        looks.append("tokens dispatched with a check_dispatch=True key: use that key here too")
-    if looks:
-        msg += "; these look like " + ", or ".join(looks)
-    return f"{msg}. {_fix(name, x, key)}"
-
-
-# ---- the dispatched layout at the door --------------------------------------------------
-#
-# What magi_attention can see of an input, at no cost to the compiled program:
-# - its shape: natural-order arrays have `total` rows, dispatched ones `padded_total`. Equal
-#   whenever the sequence needs no padding, so the shape alone is not enough.
-# - on a mesh whose cp axis is Explicit, the sharding *type* of a traced array
-#   (jax.typeof(x).sharding), under jit too: an array not split over the cp axis along the
-#   sequence (replicated, on one device, split over another axis) is no dispatch output and
-#   would only fail later inside shard_map. A natural-order array typed P(cp) looks exactly
-#   like a dispatched one.
-# - for a concrete array (an eager call), where its rows live: rank r's devices must hold
-#   rows [r·local_len, (r+1)·local_len). An array that never went through dispatch is
-#   usually on one device or replicated; one that is sharded P(cp) in natural order again
-#   looks exactly like a dispatched one.
-# - under jit on an Auto mesh, nothing: the type carries no sharding.
-# Values cannot help (token-wise layers change them; magi_attention is exact on any input),
-# so the two cases that stay silent here — natural-order arrays sharded over cp, and any
-# array under jit on an Auto mesh, when padded_total == total — need a layout that differs
-# in shape: make_flex_key(..., check_dispatch=True) (or MAGI_JAX_CHECK_DISPATCH=1) returns a
-# CheckedKey whose dispatched arrays carry one hidden row per rank, so they never have the
-# natural length. The checks below are Python at trace time: the compiled program of the
-# default path is unchanged.
-
-
-def _check_dispatched_layout(name, x, key, role="q"):
-    seq = x.ndim - 3
-    if isinstance(x, jax.core.Tracer):
-        _check_type(name, x, key, seq)
-    elif isinstance(x, jax.Array):
-        _check_placement(name, x, key, seq, key.kv_local_len if role == "kv" else None)
-
-
-def _entry(e) -> tuple:
-    if e is None:
-        return ()
-    return tuple(e) if isinstance(e, (tuple, list)) else (e,)
-
-
-def _check_type(name, x, key, seq):
-    """A traced input on a mesh whose cp axis is Explicit: its sharding type."""
-    types = dict(zip(key.mesh.axis_names, key.mesh.axis_types))
-    names = cp_names(key.cp_axis)  # cp over one mesh axis or several
-    if all(types[a] != AxisType.Explicit for a in names):
-        return  # Auto: the type says nothing
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    if not isinstance(sharding, NamedSharding):
-        return
-    spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
-    got = _entry(spec[seq])
-    want = P(*([None] * seq), key.cp_axis)
-    if not set(names) <= set(sharding.mesh.axis_names):
-        where = "is not on the key's mesh (its type names no mesh axis)"
-    elif got == ():
-        where = (
-            f"is typed {sharding.spec}: not split over {key.cp_axis!r} (replicated along "
-            "the sequence)"
-        )
-    elif got != names:
-        where = (
-            f"is typed {sharding.spec}: its sequence axis is split over {got}, not "
-            f"over ({key.cp_axis!r},)"
-        )
-    else:
-        allowed = {x.ndim - 2: _entry(axes_entry(key.head_axes))}
-        if seq == 1:
-            allowed[0] = _entry(axes_entry(key.batch_axes))
-        others = [
-            i for i, e in enumerate(spec) if i != seq and _entry(e) and _entry(e) != allowed.get(i)
-        ]
-        if not others:
-            return
-        want = pod_specs(key, x.ndim).q
-        raise ValueError(
-            f"magi_attention: {name} is typed {sharding.spec}, but this key shards the "
-            f"sequence over {key.cp_axis!r}, the batch over batch_axes={key.batch_axes!r} "
-            f"and the heads over head_axes={key.head_axes!r} only; reshard {name} to "
-            f"{want}: jax.sharding.reshard({name}, NamedSharding(key.mesh, {want})), or "
-            "build the key with the axes your arrays use (make_flex_key(..., batch_axes=, "
-            "head_axes=))"
-        )
-    raise ValueError(
-        f"magi_attention: {name} {where}, so it is not in the dispatched layout "
-        f"{want}. {_fix(name, x, key)}"
-    )
-
-
-def _check_placement(name, x, key, seq, local=None):
-    """A concrete input (eager call): the rows each rank's devices hold (``local`` rows per
-    rank; default the queries' ``key.local_len``)."""
-    spec = pod_specs(key, x.ndim).q
-    want = NamedSharding(key.mesh, spec)
-    sharding = x.sharding
-    if sharding.is_equivalent_to(want, x.ndim):
-        return
-    local = key.local_len if local is None else local
-    mesh_devices = key.mesh.devices
-    rank = cp_ranks(key.mesh, key.cp_axis)
-    held = sharding.devices_indices_map(tuple(x.shape))
-    n = x.shape[seq]
-    if set(held) != set(rank):
-        where = (
-            f"lives on one device ({next(iter(held))})"
-            if len(held) == 1
-            else f"lives on {len(held)} devices"
-        )
-        where += f", not on the key's mesh of {mesh_devices.size} devices"
-    else:
-        where = None
-        for d, index in held.items():
-            a, b, _ = index[seq].indices(n)
-            r = rank[d]
-            if (a, b) != (r * local, (r + 1) * local):
-                where = (
-                    "is replicated along the sequence"
-                    if (a, b) == (0, n)
-                    else f"has rows [{a}, {b}) on {d}"
-                )
-                where += (
-                    f", but rank {r} of {key.cp_axis!r} must hold rows "
-                    f"[{r * local}, {(r + 1) * local})"
-                )
-                break
-        if where is None:
-            return
-    raise ValueError(
-        f"magi_attention: {name} {where}, so it is not in the dispatched layout. "
-        f"{_fix(name, x, key)}. If {name} already is in dispatched order, shard it: "
-        f"jax.device_put({name}, NamedSharding(key.mesh, {spec}))"
-    )
-
-
 def _check_options(softmax_scale, softcap):
     from magi_jax.ffa.api import check_options
 
@@ -579,29 +315,6 @@ def _add_hidden(out, lse):
     return pad(out, out.ndim - 3, 0), pad(lse, lse.ndim - 2, -jnp.inf)
 
 
-class PodSpecs(NamedTuple):
-    """The ``shard_map`` specs of one :func:`magi_attention` call: q, k/v and out
-    ``[(B,) T, H, D]``, lse ``[(B,) T, H]``, max logits ``[(B,) H]``, and the plan leaves
-    (``[cp, ...]``, or ``[B, cp, ...]`` for a batched key)."""
-
-    q: P
-    kv: P
-    lse: P
-    max_logits: P
-    plan: P
-
-
-def pod_specs(key: MagiKey, ndim: int) -> PodSpecs:
-    """How ``ndim``-dimensional inputs and the key's plans are sharded: the sequence over the
-    cp axis, a batch axis over ``key.batch_axes``, the heads over ``key.head_axes``."""
-    batch, heads = axes_entry(key.batch_axes), axes_entry(key.head_axes)
-    lead = (batch,) if ndim == 4 else ()
-    q = P(*lead, key.cp_axis, heads)
-    kv = P(*lead, None, heads) if key.kv_layout == "replicated" else q
-    plan = P(batch, key.cp_axis) if key.batched else P(key.cp_axis)
-    return PodSpecs(q, kv, P(*lead, key.cp_axis, heads), P(*lead, heads), plan)
-
-
 def _plan_guard(res, plan_id, key: MagiKey):
     """NaN rows where the ranks of a CP group hold different plans (``plan_id``, this rank's
     ``[(B,) 1]``: the processes planned different masks — a loader bug, another seed): never
@@ -614,16 +327,16 @@ def _plan_guard(res, plan_id, key: MagiKey):
 
 
 def magi_attention(
-    q,
-    k,
-    v,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     key: MagiKey,
     *,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
-    sink=None,
+    sink: jax.Array | None = None,
     return_max_logits: bool = False,
-):
+) -> tuple[jax.Array, ...]:
     """Context-parallel attention of dispatched tokens.
 
     Args:
@@ -656,7 +369,7 @@ def magi_attention(
     one when the sequence needs no padding; a key made with ``check_dispatch=True`` (or
     ``MAGI_JAX_CHECK_DISPATCH=1``) rejects those too (:class:`~magi_jax.sharding.key.CheckedKey`).
     """
-    _check_inputs(q, k, v, key)
+    check_inputs(q, k, v, key)
     _check_options(softmax_scale, softcap)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     specs = pod_specs(key, q.ndim)
@@ -711,15 +424,15 @@ def magi_attention(
 
 
 def magi_attention_local(
-    q,
-    k,
-    v,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     key: MagiKey,
     *,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
     return_max_logits: bool = False,
-):
+) -> tuple[jax.Array, ...]:
     """The per-rank body, for callers already inside ``shard_map`` over ``key.cp_axis``:
     q/k/v are this rank's ``[local_len, H, D]`` tokens; the rank's plan rows are picked with
     ``lax.axis_index`` from the (replicated) stacked plan. Returns ``(out, lse)`` local
@@ -727,33 +440,7 @@ def magi_attention_local(
     cp axis). Cross-attention keys: k/v are the rank's ``[kv_local_len, Hkv, D]`` block of
     ``dispatch(k, key, role="kv")`` (``"dispatched"``), or all ``total_k`` keys unmapped
     (``P()`` in ``in_specs``, so that ``shard_map`` sums their gradients: ``"replicated"``)."""
-    check_key(key)
-    if key.batched:
-        raise ValueError(
-            "magi_attention_local: the key is batched (one plan per row, sharded over "
-            f"batch_axes={key.batch_axes!r}); call mj.magi_attention, which runs each "
-            "device's rows under its own shard_map"
-        )
-    for name, x in (("k", k), ("v", v)):
-        if key.cross and x.ndim in (3, 4) and x.shape[-3] != key.kv_local_len:
-            raise ValueError(
-                f"magi_attention_local: {name} has {x.shape[-3]} tokens (shape "
-                f"{tuple(x.shape)}) but every rank of this cross-attention key (kv_layout="
-                f"{key.kv_layout!r}) holds {key.kv_local_len} keys; pass the rank's keys "
-                f"from mj.dispatch(k, key, role='kv') (in_specs "
-                f"{'P()' if key.kv_layout == 'replicated' else f'P({key.cp_axis!r})'})"
-            )
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if key.cross and name != "q":
-            continue
-        if x.ndim in (3, 4) and x.shape[-3] != key.local_len:
-            raise ValueError(
-                f"magi_attention_local: {name} has {x.shape[-3]} tokens (shape "
-                f"{tuple(x.shape)}) but every rank of the key holds local_len={key.local_len}"
-                f"; pass one rank's block of dispatched tokens (shard_map in_specs "
-                f"P({key.cp_axis!r}) over arrays from mj.dispatch(x, key)). "
-                f"{_fix(name, x, key)}"
-            )
+    check_local_inputs(q, k, v, key)
     _check_options(softmax_scale, softcap)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     r = jax.lax.axis_index(key.cp_axis)

@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,10 @@ __all__ = [
 ]
 
 TRANSPORTS = ("ppermute", "all_to_all", "native")
+
+
+# An array [T, ...] or a pytree of them (e.g. (k, v): one collective carries all).
+PyTree = Any
 
 
 class CastArrays(NamedTuple):
@@ -193,7 +198,9 @@ class RelaySpec:
 # ---- device code (inside shard_map over spec.axis_name) -------------------------------------
 
 
-def expand_tables(tables, spec):
+def expand_tables(
+    tables: CastArrays | CastRuns | RelayArrays | RelayRuns, spec: CastSpec | RelaySpec
+) -> CastArrays | RelayArrays:
     """``tables`` as the collectives read them: :class:`CastRuns` -> :class:`CastArrays`,
     :class:`RelayRuns` -> :class:`RelayArrays` (the expansion is exact: the same int32
     tables the host would have built); tables already expanded pass through."""
@@ -309,7 +316,7 @@ def _native(fn, leaves, *args):
     return got
 
 
-def cast_rows(x, tables: CastArrays, spec: CastSpec, prefix: bool = False):
+def cast_rows(x: PyTree, tables: CastArrays, spec: CastSpec, prefix: bool = False) -> PyTree:
     """``x``: an array ``[T, ...]`` or a pytree of them (e.g. ``(k, v)``: one collective
     carries all, with no concatenated copy). ``prefix``: ``[x; cast(x)]`` per array (the
     native transport writes it in one pass, the others concatenate)."""
@@ -369,13 +376,13 @@ def _acc_dtype(dtype):
 
 
 def reduce_rows(
-    y,
+    y: PyTree,
     tables: CastArrays,
     spec: CastSpec,
     num_rows: int,
     prefix: bool = False,
     round_to_input: bool = False,
-):
+) -> PyTree:
     """``y``: an array ``[B, ...]`` or a pytree of them; sums in float32 (float64 for
     float64) -> the same structure of ``[num_rows, ...]``. ``prefix``: each array is
     ``[num_rows + B, ...]``, the owner's own rows first, added to the sums (the adjoint of
@@ -573,8 +580,13 @@ def _relay_reduce(leaves, tables: RelayArrays, spec: RelaySpec, num_rows: int):
 
 
 def start_reduce_rows(
-    y, tables: CastArrays, spec: CastSpec, num_rows: int, own=None, round_to_input: bool = False
-):
+    y: PyTree,
+    tables: CastArrays,
+    spec: CastSpec,
+    num_rows: int,
+    own: PyTree | None = None,
+    round_to_input: bool = False,
+) -> tuple[jax.Array, Callable[[jax.Array], PyTree]]:
     """:func:`reduce_rows` started (:func:`magi_jax.sharding.native.group_reduce_start`;
     call it where ``spec``'s transport is native and
     :func:`magi_jax.sharding.native.can_start_reduce`): ``(token, done)`` with
@@ -599,7 +611,7 @@ def _carrier(x):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def group_cast(x, tables: CastArrays, spec: CastSpec, prefix: bool = False):
+def group_cast(x: PyTree, tables: CastArrays, spec: CastSpec, prefix: bool = False) -> PyTree:
     """Rows of the local ``x [T, ...]`` (or of every array of a pytree, e.g. ``(k, v)``) to
     the ranks that need them -> ``[B, ...]`` (x's dtype); with ``prefix``, ``[x; those rows]``
     (``[T + B, ...]``: a stage's local KV followed by its fetched KV). Call inside
@@ -627,7 +639,7 @@ group_cast.defvjp(_cast_fwd, _cast_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def group_reduce(y, tables: CastArrays, spec: CastSpec, num_rows: int):
+def group_reduce(y: PyTree, tables: CastArrays, spec: CastSpec, num_rows: int) -> PyTree:
     """Adjoint of :func:`group_cast`: buffer rows ``y [B, ...]`` (or a pytree of such
     arrays) summed (float32; float64 for float64 input) into their owners' rows ->
     ``[num_rows, ...]``. Its VJP is :func:`group_cast`."""

@@ -12,6 +12,9 @@ else (mesh, axes, stage shapes, transports) is static. Keys are built by
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +23,12 @@ from jax.sharding import Mesh
 
 from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.sharding.collectives import CastSpec
+
+if TYPE_CHECKING:  # annotations only
+    from matplotlib.figure import Figure
+
+    from magi_jax.mask import AttnMask
+    from magi_jax.planning.stages import DistPlan
 
 __all__ = [
     "MagiKey",
@@ -120,7 +129,7 @@ class MagiKey:
     over the cp axis and gives NaN rows where the processes of a CP group planned different
     masks.
 
-    A batched key (:func:`~magi_jax.sharding.make_key.make_batch_key`, ``key.rows`` set) holds
+    A batched key (:func:`~magi_jax.sharding.batch_key.make_batch_key`, ``key.rows`` set) holds
     one plan per batch row: every leaf has a leading ``[rows]`` axis sharded over
     ``key.batch_axes``, and ``plan`` / ``mask`` are ``None``.
 
@@ -133,16 +142,16 @@ class MagiKey:
     def __init__(
         self,
         static: KeyStatic,
-        chunk_order,
-        chunk_inverse,
-        stage_arrays,
-        kv_chunk_order=None,
-        kv_chunk_inverse=None,
+        chunk_order: jax.Array,
+        chunk_inverse: jax.Array,
+        stage_arrays: tuple,
+        kv_chunk_order: jax.Array | None = None,
+        kv_chunk_inverse: jax.Array | None = None,
         *,
-        plan_id=None,
-        plan=None,
-        mask=None,
-    ):
+        plan_id: jax.Array | None = None,
+        plan: DistPlan | None = None,
+        mask: AttnMask | None = None,
+    ) -> None:
         self.static = static
         self.chunk_order = chunk_order
         self.chunk_inverse = chunk_inverse
@@ -153,7 +162,7 @@ class MagiKey:
         self.plan = plan
         self.mask = mask
 
-    def tree_flatten(self):
+    def tree_flatten(self) -> tuple[tuple, KeyStatic]:
         children = (
             self.chunk_order,
             self.chunk_inverse,
@@ -165,19 +174,19 @@ class MagiKey:
         return children, self.static
 
     @property
-    def order(self):
+    def order(self) -> jax.Array:
         """int32 ``[padded_total]`` (``[rows, padded_total]`` batched): the global position of
         each dispatched token (expanded from ``chunk_order``)."""
         return token_index(self.chunk_order, self.static.chunk_size)
 
     @property
-    def inverse(self):
+    def inverse(self) -> jax.Array:
         """int32 ``[total]`` (``[rows, total]`` batched): the dispatched index of each natural
         position (expanded from ``chunk_inverse``)."""
         return token_index(self.chunk_inverse, self.static.chunk_size)[..., : self.static.total]
 
     @property
-    def kv_order(self):
+    def kv_order(self) -> jax.Array | None:
         """int32 ``[kv_padded_total]``: the global position of each dispatched key
         (``None`` unless ``kv_layout == "dispatched"``)."""
         if self.kv_chunk_order is None:
@@ -185,7 +194,7 @@ class MagiKey:
         return token_index(self.kv_chunk_order, self.static.kv_chunk_size)
 
     @property
-    def kv_inverse(self):
+    def kv_inverse(self) -> jax.Array | None:
         """int32 ``[total_k]``: the dispatched index of each natural key position (``None``
         unless ``kv_layout == "dispatched"``)."""
         if self.kv_chunk_inverse is None:
@@ -195,7 +204,7 @@ class MagiKey:
         ]
 
     @classmethod
-    def tree_unflatten(cls, static, children):
+    def tree_unflatten(cls, static: KeyStatic, children: Sequence) -> MagiKey:
         *leaves, plan_id = children
         return cls(static, *leaves, plan_id=plan_id)
 
@@ -234,7 +243,7 @@ class MagiKey:
         """Bytes of the key's device arrays (all ranks together)."""
         return int(sum(a.nbytes for a in jax.tree.leaves(self)))
 
-    def plot(self, path: str | None = None, **kwargs):
+    def plot(self, path: str | os.PathLike | None = None, **kwargs: Any) -> Figure:
         """Picture of the plan (PNG at ``path``); see :func:`magi_jax.plot.plot_plan`."""
         if self.plan is None:
             raise ValueError(

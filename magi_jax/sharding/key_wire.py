@@ -3,15 +3,20 @@ key chose): real rows and wire rows per rank, per hop and in total, per forward 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from magi_jax.planning.hierarchy import NodeLayout
 from magi_jax.planning.relay_runs import build_relay_runs
 from magi_jax.planning.wire import WireCount, cast_wire, relay_wire
 from magi_jax.sharding.collectives import RelaySpec
 
+if TYPE_CHECKING:  # annotations only
+    from magi_jax.sharding.key import MagiKey
+
 __all__ = ["key_wire"]
 
 
-def key_wire(key) -> WireCount:
+def key_wire(key: MagiKey) -> WireCount:
     """The casts of every remote stage of ``key`` (a :class:`~magi_jax.sharding.MagiKey`
     holding its host plan) on the transports it runs: ``ppermute`` (gated pieces at a
     capacity), ``all_to_all``, ``native`` or two-hop (its tables planned again by runs).

@@ -10,6 +10,8 @@ the key's ``[num_chunks]`` leaves: no token-level index exists, on the host or o
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,8 @@ from magi_jax.sharding.key import ROLES, MagiKey, axes_entry, check_key, is_chec
 
 __all__ = [
     "dispatch",
+    "PodSpecs",
+    "pod_specs",
     "undispatch",
     "position_ids",
     "split_axis",
@@ -306,6 +310,8 @@ def _guard(y, key: MagiKey, axis: int):
 
 
 def check_seq_axis(x: jax.Array, seq_axis: int, fn: str) -> int:
+    """``seq_axis`` of ``x`` (any rank) as a non-negative axis; ``TypeError`` / ``ValueError``
+    naming ``fn`` when it is not an int or out of range."""
     if isinstance(seq_axis, (bool, np.bool_)) or not isinstance(seq_axis, (int, np.integer)):
         raise TypeError(
             f"{fn}: seq_axis={seq_axis!r} must be an int (the axis of the packed sequence)"
@@ -358,3 +364,26 @@ def shard_rows(x: jax.Array, key: MagiKey, axis: int = 0, replicated: bool = Fal
     if explicit:
         return jax.sharding.reshard(x, NamedSharding(key.mesh, spec))
     return jax.lax.with_sharding_constraint(x, NamedSharding(key.mesh, spec))
+
+
+class PodSpecs(NamedTuple):
+    """The ``shard_map`` specs of one :func:`~magi_jax.sharding.magi_attention` call: q, k/v and out
+    ``[(B,) T, H, D]``, lse ``[(B,) T, H]``, max logits ``[(B,) H]``, and the plan leaves
+    (``[cp, ...]``, or ``[B, cp, ...]`` for a batched key)."""
+
+    q: P
+    kv: P
+    lse: P
+    max_logits: P
+    plan: P
+
+
+def pod_specs(key: MagiKey, ndim: int) -> PodSpecs:
+    """How ``ndim``-dimensional inputs and the key's plans are sharded: the sequence over the
+    cp axis, a batch axis over ``key.batch_axes``, the heads over ``key.head_axes``."""
+    batch, heads = axes_entry(key.batch_axes), axes_entry(key.head_axes)
+    lead = (batch,) if ndim == 4 else ()
+    q = P(*lead, key.cp_axis, heads)
+    kv = P(*lead, None, heads) if key.kv_layout == "replicated" else q
+    plan = P(batch, key.cp_axis) if key.batched else P(key.cp_axis)
+    return PodSpecs(q, kv, P(*lead, key.cp_axis, heads), P(*lead, heads), plan)

@@ -1,5 +1,8 @@
-"""Building keys: :func:`make_flex_key` (one mask), :func:`make_varlen_key`, their options
-and the key cache.
+"""Building keys: :func:`make_flex_key` (one mask), :func:`make_varlen_key`, what their
+options mean with a mask and a mesh (:func:`key_args`), the host half of a key
+(:func:`host_key`) and the key cache. The options themselves are
+:class:`~magi_jax.sharding.key_options.KeyOptions`; keys of a batch of masks are
+:mod:`magi_jax.sharding.batch_key`'s.
 
 Building a key is host work (NumPy planning in :mod:`magi_jax.planning`), cached by (mask
 fingerprint, mesh, options); the host arrays become global arrays whose shards each process
@@ -14,10 +17,9 @@ by a permutation of their own (``"dispatched"``).
 from __future__ import annotations
 
 import dataclasses
-import os
 import zlib
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -27,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from magi_jax.caches import Cache
 from magi_jax.ffa.backends import auto_backend
 from magi_jax.mask import AttnMask
-from magi_jax.planning.backends import AUTO, check_backend
+from magi_jax.planning.backends import AUTO
 from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.cast_table import choose_transport
 from magi_jax.planning.defaults import (
@@ -36,29 +38,40 @@ from magi_jax.planning.defaults import (
     cast_pieces,
     default_overlap_degree,
 )
-from magi_jax.planning.solver import ALGORITHMS, KV_LAYOUTS, solve_dispatch
+from magi_jax.planning.solver import KV_LAYOUTS, solve_dispatch
 from magi_jax.planning.stages import DistPlan, build_dist_plan, resolve_kv
 from magi_jax.planning.work_list import default_block_sizes
 from magi_jax.sharding import native
-from magi_jax.sharding.collectives import TRANSPORTS, CastRuns, CastSpec
+from magi_jax.sharding.collectives import CastRuns, CastSpec
 from magi_jax.sharding.key import (
     CheckedKey,
     KeyStatic,
     MagiKey,
     StageStatic,
-    axes_entry,
     check_mesh,
     check_pod_axes,
     cp_names,
     normal_cp_axis,
 )
+from magi_jax.sharding.key_options import (
+    CHECK_DISPATCH_ENV,
+    COMM_BACKENDS,
+    HIERARCHICAL,
+    MAX_OVERLAP_DEGREE,
+    KeyOptions,
+)
 from magi_jax.sharding.two_hop import relay_stage
+
+if TYPE_CHECKING:  # annotations only (imported lazily where two-hop casts are planned)
+    from magi_jax.planning.hierarchy import NodeLayout
 
 __all__ = [
     "make_flex_key",
-    "make_batch_key",
-    "batch_rows",
     "make_varlen_key",
+    "KeyOptions",
+    "key_args",
+    "host_key",
+    "HostKey",
     "ffa_backend_reason",
     "clear_key_cache",
     "put_global",
@@ -70,28 +83,10 @@ __all__ = [
 ]
 
 
-COMM_BACKENDS = ("auto", "xla") + TRANSPORTS
-# Largest overlap degree a key accepts (the bound of PlanCapacity.overlap_degree): every stage
-# costs a kernel launch, a merge and a collective, and the cost model never picks more than 4.
-MAX_OVERLAP_DEGREE = 8
-# Environment variable that turns on check_dispatch for every key make_flex_key builds.
-CHECK_DISPATCH_ENV = "MAGI_JAX_CHECK_DISPATCH"
-
-
-HIERARCHICAL = (True, False, "auto")
-
-
 def _relay_layout(mesh, cp_axis, hierarchical, comm_backend, capacity):
     """The :class:`~magi_jax.planning.hierarchy.NodeLayout` of a key's two-hop casts and
-    whether they are forced (``(layout, forced)``), or ``None`` for flat casts."""
-    if not (
-        isinstance(hierarchical, bool) or (isinstance(hierarchical, str) and hierarchical == "auto")
-    ):
-        raise ValueError(
-            f"hierarchical={hierarchical!r} must be True, False or 'auto' (two-hop "
-            "casts on a mesh of nodes; 'auto': where they move fewer rows between "
-            "nodes)"
-        )
+    whether they are forced (``(layout, forced)``), or ``None`` for flat casts
+    (``hierarchical`` checked by :class:`KeyOptions`)."""
     names = cp_names(cp_axis)
     if hierarchical is True:
         if len(names) != 2:
@@ -224,74 +219,50 @@ def make_flex_key(
     Returns a :class:`MagiKey`; cached by (mask fingerprint, mesh, options, capacity), in a
     cache bounded by the bytes of its keys' arrays (:func:`clear_key_cache`).
     """
-    args, check = _key_args(mask, mesh, cp_axis, **_options(locals()))
+    options = KeyOptions(
+        chunk_size=chunk_size,
+        overlap_degree=overlap_degree,
+        comm_backend=comm_backend,
+        dispatch_algorithm=dispatch_algorithm,
+        dispatch_from=dispatch_from,
+        block_q=block_q,
+        block_k=block_k,
+        ffa_backend=ffa_backend,
+        backward_refetch=backward_refetch,
+        capacity=capacity,
+        check_dispatch=check_dispatch,
+        kv_layout=kv_layout,
+        hierarchical=hierarchical,
+        batch_axes=batch_axes,
+        head_axes=head_axes,
+    )
+    args, check = key_args(mask, mesh, cp_axis, options)
     key = _KEYS.get(args, lambda: _make_key(*args))
     return CheckedKey.of(key) if check else key
 
 
-# The options of make_flex_key beside (mask, mesh, cp_axis), as make_batch_key passes them on.
-_OPTIONS = (
-    "chunk_size",
-    "overlap_degree",
-    "comm_backend",
-    "dispatch_algorithm",
-    "dispatch_from",
-    "block_q",
-    "block_k",
-    "ffa_backend",
-    "backward_refetch",
-    "capacity",
-    "check_dispatch",
-    "kv_layout",
-    "hierarchical",
-    "batch_axes",
-    "head_axes",
-)
-
-
-def _options(scope: dict) -> dict:
-    return {name: scope[name] for name in _OPTIONS}
-
-
-def _key_args(
-    mask,
-    mesh,
-    cp_axis,
-    *,
-    chunk_size,
-    overlap_degree,
-    comm_backend,
-    dispatch_algorithm,
-    dispatch_from,
-    block_q,
-    block_k,
-    ffa_backend,
-    backward_refetch,
-    capacity,
-    check_dispatch,
-    kv_layout,
-    hierarchical,
-    batch_axes,
-    head_axes,
+def key_args(
+    mask: AttnMask, mesh: Mesh, cp_axis: str | Sequence[str], options: KeyOptions
 ) -> tuple[tuple, bool]:
-    """make_flex_key's options checked and resolved: the arguments of :func:`_host_key`
-    (hashable: the key cache's key) and whether to return the checked view."""
+    """The checked ``options`` resolved for ``mask`` over ``mesh``'s ``cp_axis`` (cross
+    attention, the transport, two-hop casts, the FFA backend, the capacity's chunk size and
+    overlap degree, a shared dispatch): the arguments of :func:`host_key` (hashable: the
+    key cache's key) and whether to return the checked view."""
+    o = options
+    chunk_size, overlap_degree = o.chunk_size, o.overlap_degree
+    comm_backend, ffa_backend = o.comm_backend, o.ffa_backend
+    dispatch_from, capacity, kv_layout = o.dispatch_from, o.capacity, o.kv_layout
     if not isinstance(mask, AttnMask):
         raise TypeError(
             f"mask must be an AttnMask (e.g. AttnMask.varlen(...)); got {type(mask).__name__}"
         )
     cp_axis = normal_cp_axis(cp_axis)
     cp = check_mesh(mesh, cp_axis)
-    batch_axes, head_axes = check_pod_axes(mesh, cp_axis, batch_axes, head_axes)
+    batch_axes, head_axes = check_pod_axes(mesh, cp_axis, o.batch_axes, o.head_axes)
     if mask.total_q == 0 and mask.total_k == 0:
         raise ValueError(
             "the mask has no tokens (total_q = total_k = 0): context-parallel "
             "attention needs a packed sequence of at least one token"
-        )
-    if kv_layout not in KV_LAYOUTS:
-        raise ValueError(
-            f'kv_layout={kv_layout!r} is not one of {KV_LAYOUTS} ("auto": '
-            "shared for self-attention, by the size rule for cross attention)"
         )
     cross = kv_layout != "auto" or mask.total_q != mask.total_k
     if cross and (mask.total_q == 0 or mask.total_k == 0):
@@ -300,18 +271,7 @@ def _key_args(
             f"{mask.total_k}: context parallelism needs at least one query and "
             "one key"
         )
-    chunk_size = _check_int("chunk_size", chunk_size, 1, "a positive number of tokens")
-    block_q = _check_int("block_q", block_q, 1, "a positive tile size")
-    block_k = _check_int("block_k", block_k, 1, "a positive tile size")
-    overlap_degree = _check_int(
-        "overlap_degree",
-        overlap_degree,
-        0,
-        f"in [0, {MAX_OVERLAP_DEGREE}] (0: fetch all remote KV, then one FFA call; k: the "
-        "host stage plus k remote stages, each costing a kernel, a merge and a collective)",
-        hi=MAX_OVERLAP_DEGREE,
-    )
-    check = _check_dispatch_flag(check_dispatch)
+    check = o.check_dispatch
     if check and cross:
         raise ValueError(
             "check_dispatch=True is for self-attention keys; this key is cross "
@@ -319,8 +279,6 @@ def _key_args(
             f"kv_layout={kv_layout!r}): build it with check_dispatch=False (and "
             f"unset {CHECK_DISPATCH_ENV})"
         )
-    if comm_backend not in COMM_BACKENDS:
-        raise ValueError(f"comm_backend={comm_backend!r} is not one of {COMM_BACKENDS}")
     if comm_backend == "native" and cross:
         raise ValueError(
             "comm_backend='native' does not take cross-attention keys (total_q="
@@ -341,18 +299,14 @@ def _key_args(
         and native.auto_reason(mesh, cp_axis) is None
     ):
         comm_backend = "native"
-    relay = _relay_layout(mesh, cp_axis, hierarchical, comm_backend, capacity)
-    if check_backend(ffa_backend, "ffa_backend") == AUTO:
+    relay = _relay_layout(mesh, cp_axis, o.hierarchical, comm_backend, capacity)
+    if ffa_backend == AUTO:
         ffa_backend = auto_backend()[0]
     if capacity is not None:
         chunk_size, overlap_degree = _capacity_options(
             capacity, mask, cp, chunk_size, overlap_degree
         )
-    if dispatch_algorithm not in ALGORITHMS:
-        raise ValueError(f"dispatch_algorithm={dispatch_algorithm!r} is not one of {ALGORITHMS}")
     if dispatch_from is not None:
-        if not isinstance(dispatch_from, MagiKey):
-            raise TypeError(f"dispatch_from must be a MagiKey; got {type(dispatch_from).__name__}")
         if (
             dispatch_from.total != mask.total_q
             or dispatch_from.mesh != mesh
@@ -368,8 +322,6 @@ def _key_args(
             "dispatch_from carries no host plan (it was rebuilt inside a traced "
             "function); pass the key make_flex_key returned"
         )
-    if not isinstance(backward_refetch, (bool, np.bool_)):
-        raise ValueError(f"backward_refetch={backward_refetch!r} must be True or False")
     args = (
         mask,
         mesh,
@@ -377,13 +329,13 @@ def _key_args(
         chunk_size,
         overlap_degree,
         comm_backend,
-        dispatch_algorithm,
+        o.dispatch_algorithm,
         None if dispatch_from is None else _MetaRef(dispatch_from.plan.meta),
-        block_q,
-        block_k,
+        o.block_q,
+        o.block_k,
         ffa_backend,
         cp,
-        bool(backward_refetch),
+        o.backward_refetch,
         capacity,
         kv_layout,
         relay,
@@ -391,39 +343,6 @@ def _key_args(
         head_axes,
     )
     return args, check
-
-
-def _check_int(name, value, lo, what, hi=None):
-    """``None`` or an integer in ``[lo, hi]`` (an option of :func:`make_flex_key`)."""
-    if value is None:
-        return None
-    value = value.item() if isinstance(value, np.generic) else value
-    ok = not isinstance(value, bool) and (
-        isinstance(value, (int, np.integer))
-        or (isinstance(value, (float, np.floating)) and float(value).is_integer())
-    )
-    if not ok or value < lo or (hi is not None and value > hi):
-        default = "the cost model's choice" if name == "overlap_degree" else "the default"
-        raise ValueError(
-            f"{name}={value!r} must be an integer {what} (or None for {default})"
-            if hi is not None
-            else f"{name}={value!r} must be {what} (or None for {default})"
-        )
-    return int(value)
-
-
-def _check_dispatch_flag(value) -> bool:
-    if value is not None:
-        return bool(value)
-    env = os.environ.get(CHECK_DISPATCH_ENV, "").strip().lower()
-    if env in ("", "0", "false", "no", "off"):
-        return False
-    if env in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(
-        f"{CHECK_DISPATCH_ENV}={os.environ[CHECK_DISPATCH_ENV]!r}: use 1 (check "
-        "that magi_attention's inputs were dispatched) or 0"
-    )
 
 
 def ffa_backend_reason() -> str | None:
@@ -435,8 +354,6 @@ def ffa_backend_reason() -> str | None:
 
 def _capacity_options(capacity, mask, cp, chunk_size, overlap_degree):
     """Chunk size and overlap degree of a key at ``capacity`` (never from the mask)."""
-    if not isinstance(capacity, PlanCapacity):
-        raise TypeError(f"capacity must be a PlanCapacity; got {type(capacity).__name__}")
     if (capacity.total_q, capacity.total_k) != (mask.total_q, mask.total_k):
         raise ValueError(
             f"capacity is for total_q={capacity.total_q}, total_k="
@@ -508,26 +425,28 @@ class HostKey(NamedTuple):
     mask: AttnMask
 
 
-def _host_key(
-    mask,
-    mesh,
-    cp_axis,
-    chunk_size,
-    overlap_degree,
-    comm_backend,
-    algorithm,
-    meta_ref,
-    block_q,
-    block_k,
-    ffa_backend,
-    cp,
-    backward_refetch,
-    capacity,
-    kv_layout="auto",
-    relay=None,
-    batch_axes=(),
-    head_axes=(),
+def host_key(
+    mask: AttnMask,
+    mesh: Mesh,
+    cp_axis: str | tuple[str, ...],
+    chunk_size: int | None,
+    overlap_degree: int | None,
+    comm_backend: str,
+    algorithm: str,
+    meta_ref: _MetaRef | None,
+    block_q: int | None,
+    block_k: int | None,
+    ffa_backend: str,
+    cp: int,
+    backward_refetch: bool,
+    capacity: PlanCapacity | None,
+    kv_layout: str = "auto",
+    relay: tuple[NodeLayout, bool] | None = None,
+    batch_axes: tuple[str, ...] = (),
+    head_axes: tuple[str, ...] = (),
 ) -> HostKey:
+    """The host half of a key: :func:`key_args`' arguments planned (the dispatch, the
+    stages, their casts and FFA work lists) into a :class:`HostKey`."""
     if meta_ref is not None:
         meta = meta_ref.meta
     else:
@@ -634,9 +553,9 @@ def _host_key(
 
 
 def _make_key(*args) -> MagiKey:
-    """A key of one mask: :func:`_host_key`, its arrays made global (plans sharded over the
+    """A key of one mask: :func:`host_key`, its arrays made global (plans sharded over the
     cp axis, replicated over every other axis; the chunk permutations replicated)."""
-    hk = _host_key(*args)
+    hk = host_key(*args)
     mesh, cp_axis = hk.static.mesh, hk.static.cp_axis
     by_rank = NamedSharding(mesh, P(cp_axis))
     replicated = NamedSharding(mesh, P())
@@ -677,7 +596,7 @@ def make_varlen_key(
     *,
     causal: bool = True,
     window: int | tuple[int, int] | None = None,
-    **options,
+    **options: Any,
 ) -> MagiKey:
     """:func:`make_flex_key` for packed documents (``AttnMask.varlen(cu_seqlens, causal,
     window)``; causal by default, like ``AttnMask.varlen``); ``options`` as for
@@ -685,167 +604,3 @@ def make_varlen_key(
     return make_flex_key(
         AttnMask.varlen(cu_seqlens, causal=causal, window=window), mesh, cp_axis, **options
     )
-
-
-# ---- batched keys: one plan per batch row, rows sharded over the batch axes ---------------
-
-
-def batch_rows(mesh: Mesh, batch_axes: str | Sequence[str], batch: int) -> np.ndarray:
-    """int ``[n]``: the global batch rows (of ``batch``) that this process's devices hold
-    when the batch axis is sharded over ``batch_axes``, ascending — the rows a process
-    plans for :func:`make_batch_key`, and the order of its rows in
-    ``jax.make_array_from_process_local_data``."""
-    axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
-    shards = int(np.prod([mesh.shape[a] for a in axes]))
-    if batch < 1 or batch % shards:
-        raise ValueError(
-            f"batch={batch} rows cannot be split evenly over batch_axes={axes!r} "
-            f"({shards} shards): use a multiple of {shards}"
-        )
-    held = NamedSharding(mesh, P(axes_entry(axes))).addressable_devices_indices_map((batch,))
-    rows = set()
-    for (index,) in held.values():
-        rows.update(range(*index.indices(batch)))
-    return np.array(sorted(rows), np.int64)
-
-
-def make_batch_key(
-    masks: Sequence[AttnMask | None] | Callable[[int], AttnMask],
-    mesh: Mesh,
-    cp_axis: str = "cp",
-    *,
-    batch_axes: str | Sequence[str],
-    capacity: PlanCapacity,
-    batch: int | None = None,
-    **options,
-) -> MagiKey:
-    """One plan per batch row, at one capacity: a key for ``[B, T, H, D]`` inputs whose rows
-    each have their own packing (every data-parallel replica, and every row of it, its own
-    documents), with the rows sharded over ``batch_axes``.
-
-    Args:
-      masks: the rows' masks: a sequence of ``B`` masks (entries of rows this process does
-        not hold are never read and may be ``None``), or a function ``row -> AttnMask``
-        called for this process's rows only (:func:`batch_rows`).
-      mesh, cp_axis: as for :func:`make_flex_key`.
-      batch_axes: the mesh axes the batch is sharded over (e.g. ``("dp",)`` or ``("dp",
-        "fsdp")``); ``B`` must divide by their size.
-      capacity: a :class:`~magi_jax.planning.capacity.PlanCapacity` every row's mask fits
-        (it fixes the shapes, so the rows stack; a row that needs more raises
-        :class:`~magi_jax.planning.capacity.CapacityError`).
-      batch: ``B`` (default ``len(masks)``; needed when ``masks`` is a function).
-      options: the other options of :func:`make_flex_key` (``head_axes``, ``comm_backend``,
-        ``ffa_backend``, ...); ``dispatch_from`` and ``check_dispatch`` are for keys of one
-        mask.
-
-    Each process plans only the rows its devices hold (host time grows with its local rows,
-    not with ``B``), and fills only its own shards (``jax.make_array_from_callback``). The
-    key's leaves have a leading ``[B]`` axis sharded over ``batch_axes``; its static part
-    depends on (mesh, axes, capacity, options, ``B``) only, so a jitted step taking the key
-    as an argument compiles once for every batch of packings. Lay arrays out with
-    ``dispatch(x, key, seq_axis=1)`` (``x`` ``[B, total, ...]``), attend with
-    :func:`~magi_jax.magi_attention`, and ``position_ids(key)`` is ``[B, padded_total]``.
-    """
-    if capacity is None or not isinstance(capacity, PlanCapacity):
-        raise ValueError(
-            f"make_batch_key: capacity={capacity!r}; a batched key needs a PlanCapacity "
-            "(its rows' plans stack into arrays of the capacity's shapes): e.g. "
-            "capacity=mj.PlanCapacity.from_masks(sample, mesh_size=cp)"
-        )
-    for name in ("dispatch_from", "check_dispatch"):
-        if options.get(name) is not None:
-            raise ValueError(
-                f"make_batch_key: {name}= is for keys of one mask (make_flex_key); "
-                "leave it unset here"
-            )
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise TypeError(f"make_batch_key: unknown options {unknown}; see make_flex_key")
-    if callable(masks):
-        if batch is None:
-            raise ValueError(
-                "make_batch_key: masks is a function, so pass batch= (the global batch size)"
-            )
-        mask_of = masks
-    else:
-        masks = list(masks)
-        if batch is not None and batch != len(masks):
-            raise ValueError(f"make_batch_key: batch={batch} but {len(masks)} masks were given")
-        batch = len(masks)
-        mask_of = masks.__getitem__
-    cp_axis = normal_cp_axis(cp_axis)
-    check_mesh(mesh, cp_axis)
-    axes, _ = check_pod_axes(mesh, cp_axis, batch_axes, options.get("head_axes", ()))
-    if not axes:
-        raise ValueError(
-            "make_batch_key: batch_axes=() names no mesh axis; name the data-parallel "
-            "axes the batch is sharded over, e.g. batch_axes=('dp',) (a mesh with no such "
-            "axis: batch_axes of a size-1 axis, or make_flex_key for one mask)"
-        )
-    opts = dict.fromkeys(_OPTIONS)
-    opts.update(
-        comm_backend="auto",
-        dispatch_algorithm="magi",
-        ffa_backend="auto",
-        backward_refetch=True,
-        kv_layout="auto",
-        hierarchical="auto",
-        head_axes=(),
-    )
-    opts.update(options, capacity=capacity, batch_axes=axes)
-    hosts = {}
-    for row in batch_rows(mesh, axes, batch):
-        mask = mask_of(int(row))
-        if mask is None:
-            raise ValueError(
-                f"make_batch_key: row {row} is held by this process but its mask is None"
-            )
-        args, _ = _key_args(mask, mesh, cp_axis, **opts)
-        hosts[int(row)] = _host_key(*args)
-    first = next(iter(hosts.values()))
-    for row, hk in hosts.items():
-        if hk.static != first.static:
-            raise ValueError(
-                f"make_batch_key: row {row}'s plan has another static part than row "
-                f"{next(iter(hosts))}'s at this capacity ({_static_diff(first.static, hk.static)}"
-                "); build the capacity with the fields fixed (chunk_size, overlap_degree)"
-            )
-    static = dataclasses.replace(first.static, rows=batch)
-    entry = axes_entry(axes)
-    by_row = NamedSharding(mesh, P(entry))
-    by_row_rank = NamedSharding(mesh, P(entry, cp_axis))
-
-    def parts(hk: HostKey) -> tuple:
-        return (hk.chunk_order, hk.chunk_inverse, hk.stage_arrays, hk.kv_chunks, hk.plan_id)
-
-    # Leaf i of the key is the rows' leaves i stacked, [B, ...]: each process fills only
-    # the rows its devices hold (the other rows are never planned here).
-    leaves = {row: jax.tree.leaves(parts(hk)) for row, hk in hosts.items()}
-    mine = leaves[next(iter(hosts))]
-    shardings = jax.tree.leaves(
-        (by_row, by_row, jax.tree.map(lambda _: by_row_rank, first.stage_arrays))
-        + (tuple(by_row for _ in first.kv_chunks), by_row_rank)
-    )
-
-    def stacked(i: int, sharding: NamedSharding) -> jax.Array:
-        def fill(index):
-            rows = range(*index[0].indices(batch))
-            block = np.stack([np.asarray(leaves[r][i], np.int32) for r in rows])
-            return block[(slice(None),) + tuple(index[1:])]
-
-        return jax.make_array_from_callback((batch,) + mine[i].shape, sharding, fill)
-
-    tree = jax.tree.structure(parts(first))
-    order, inverse, stage_arrays, kv, plan_id = jax.tree.unflatten(
-        tree, [stacked(i, sh) for i, sh in enumerate(shardings)]
-    )
-    return MagiKey(static, order, inverse, stage_arrays, *kv, plan_id=plan_id)
-
-
-def _static_diff(a: KeyStatic, b: KeyStatic) -> str:
-    diff = [
-        f"{f.name}: {getattr(a, f.name)!r} vs {getattr(b, f.name)!r}"
-        for f in dataclasses.fields(a)
-        if getattr(a, f.name) != getattr(b, f.name)
-    ]
-    return "; ".join(diff)[:400]

@@ -162,7 +162,7 @@ def _dispatch_of(key: MagiKey):
 _TABLES = Cache("roll tables", 64)  # by (dispatch, shift, mesh, axis, rows)
 
 
-def clear_roll_cache():
+def clear_roll_cache() -> None:
     """Drops the cached roll tables (host and device)."""
     _TABLES.clear()
 
@@ -427,7 +427,7 @@ def _check_shift(shift):
     return shift
 
 
-def roll(x, shift: int, key: MagiKey, *, seq_axis: int = 0):
+def roll(x: jax.Array, shift: int, key: MagiKey, *, seq_axis: int = 0) -> jax.Array:
     """``jnp.roll`` of the packed sequence, on an array in dispatched order.
 
     Equals ``dispatch(jnp.roll(undispatch(x, key, seq_axis), shift, axis=seq_axis), key,

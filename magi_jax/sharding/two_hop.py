@@ -5,16 +5,27 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from magi_jax.planning.cast_table import CastTable
 from magi_jax.planning.defaults import cast_pieces
 from magi_jax.planning.hierarchy import NodeLayout, inter_node_wire_rows
 from magi_jax.planning.relay_runs import build_relay_runs, pad_runs, relay_run_bounds
 from magi_jax.sharding.collectives import RelayRuns, RelaySpec
 
+if TYPE_CHECKING:  # annotations only
+    from magi_jax.planning.capacity import PlanCapacity
+
 __all__ = ["relay_stage"]
 
 
-def relay_stage(cast: CastTable, layout: NodeLayout, forced: bool, capacity, cp_axis):
+def relay_stage(
+    cast: CastTable,
+    layout: NodeLayout,
+    forced: bool,
+    capacity: PlanCapacity | None,
+    cp_axis: str | tuple[str, ...],
+) -> tuple[RelaySpec, RelayRuns] | None:
     """``(RelaySpec, RelayRuns of host tables)`` of a stage's flat ``cast``, or ``None`` where
     the flat cast stays: not ``forced`` and the two hops send no fewer rows between nodes,
     padding included (a key of one mask: each slot as wide as its widest block). At a

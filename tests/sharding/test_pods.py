@@ -128,8 +128,8 @@ def _collective_axes(text: str, mesh) -> set[str]:
 
 def _compiled_grad(mesh, key, batch):
     """fwd+bwd of magi_attention on dispatched inputs sharded like the key wants them."""
-    spec = P(*((mj.sharding.attention.axes_entry(key.batch_axes),) if batch else ()), "cp")
-    spec = P(*spec, mj.sharding.attention.axes_entry(key.head_axes))
+    spec = P(*((mj.sharding.key.axes_entry(key.batch_axes),) if batch else ()), "cp")
+    spec = P(*spec, mj.sharding.key.axes_entry(key.head_axes))
     lead = (batch,) if batch else ()
     sharded = lambda h: jax.ShapeDtypeStruct(
         lead + (key.padded_total, h, D), jnp.float32, sharding=NamedSharding(mesh, spec)

@@ -1,0 +1,157 @@
+"""The options of a key: :class:`KeyOptions`, the fifteen keywords of
+:func:`~magi_jax.sharding.make_key.make_flex_key` beside ``(mask, mesh, cp_axis)``, each
+checked when the options are built; what they mean with a mask and a mesh (cross attention,
+the transport, two-hop casts, the capacity) is decided by
+:func:`~magi_jax.sharding.make_key.key_args`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from magi_jax.planning.backends import check_backend
+from magi_jax.planning.capacity import PlanCapacity
+from magi_jax.planning.solver import ALGORITHMS, KV_LAYOUTS
+from magi_jax.sharding.collectives import TRANSPORTS
+from magi_jax.sharding.key import MagiKey
+
+__all__ = [
+    "KeyOptions",
+    "COMM_BACKENDS",
+    "MAX_OVERLAP_DEGREE",
+    "CHECK_DISPATCH_ENV",
+    "HIERARCHICAL",
+    "KV_LAYOUTS",
+]
+
+COMM_BACKENDS = ("auto", "xla") + TRANSPORTS
+# Largest overlap degree a key accepts (the bound of PlanCapacity.overlap_degree): every stage
+# costs a kernel launch, a merge and a collective, and the cost model never picks more than 4.
+MAX_OVERLAP_DEGREE = 8
+# Environment variable that turns on check_dispatch for every key make_flex_key builds.
+CHECK_DISPATCH_ENV = "MAGI_JAX_CHECK_DISPATCH"
+
+HIERARCHICAL = (True, False, "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyOptions:
+    """The options of :func:`~magi_jax.sharding.make_key.make_flex_key` (see it for what
+    each means), with its defaults. Built, they are checked one by one (``ValueError`` or
+    ``TypeError`` naming the option, the value and the fix) and normalised: integer options
+    are Python ints or ``None``, ``backward_refetch`` a bool, and ``check_dispatch`` a bool
+    (``None`` reads the ``MAGI_JAX_CHECK_DISPATCH`` environment variable). Checks that need
+    the mask or the mesh are :func:`~magi_jax.sharding.make_key.key_args`'."""
+
+    chunk_size: int | None = None
+    overlap_degree: int | None = None
+    comm_backend: str = "auto"
+    dispatch_algorithm: str = "magi"
+    dispatch_from: MagiKey | None = None
+    block_q: int | None = None
+    block_k: int | None = None
+    ffa_backend: str = "auto"
+    backward_refetch: bool = True
+    capacity: PlanCapacity | None = None
+    check_dispatch: bool | None = None
+    kv_layout: str = "auto"
+    hierarchical: bool | str = "auto"
+    batch_axes: str | Sequence[str] = ()
+    head_axes: str | Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(
+                f'kv_layout={self.kv_layout!r} is not one of {KV_LAYOUTS} ("auto": '
+                "shared for self-attention, by the size rule for cross attention)"
+            )
+        put(
+            "chunk_size",
+            _check_int("chunk_size", self.chunk_size, 1, "a positive number of tokens"),
+        )
+        put("block_q", _check_int("block_q", self.block_q, 1, "a positive tile size"))
+        put("block_k", _check_int("block_k", self.block_k, 1, "a positive tile size"))
+        put(
+            "overlap_degree",
+            _check_int(
+                "overlap_degree",
+                self.overlap_degree,
+                0,
+                f"in [0, {MAX_OVERLAP_DEGREE}] (0: fetch all remote KV, then one FFA call; k: "
+                "the host stage plus k remote stages, each costing a kernel, a merge and a "
+                "collective)",
+                hi=MAX_OVERLAP_DEGREE,
+            ),
+        )
+        put("check_dispatch", _check_dispatch_flag(self.check_dispatch))
+        if self.comm_backend not in COMM_BACKENDS:
+            raise ValueError(f"comm_backend={self.comm_backend!r} is not one of {COMM_BACKENDS}")
+        if not (
+            isinstance(self.hierarchical, bool)
+            or (isinstance(self.hierarchical, str) and self.hierarchical == "auto")
+        ):
+            raise ValueError(
+                f"hierarchical={self.hierarchical!r} must be True, False or 'auto' (two-hop "
+                "casts on a mesh of nodes; 'auto': where they move fewer rows between "
+                "nodes)"
+            )
+        check_backend(self.ffa_backend, "ffa_backend")
+        if self.capacity is not None and not isinstance(self.capacity, PlanCapacity):
+            raise TypeError(f"capacity must be a PlanCapacity; got {type(self.capacity).__name__}")
+        if self.dispatch_algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"dispatch_algorithm={self.dispatch_algorithm!r} is not one of {ALGORITHMS}"
+            )
+        if self.dispatch_from is not None and not isinstance(self.dispatch_from, MagiKey):
+            raise TypeError(
+                f"dispatch_from must be a MagiKey; got {type(self.dispatch_from).__name__}"
+            )
+        if not isinstance(self.backward_refetch, (bool, np.bool_)):
+            raise ValueError(f"backward_refetch={self.backward_refetch!r} must be True or False")
+        put("backward_refetch", bool(self.backward_refetch))
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The options' names, in :func:`~magi_jax.sharding.make_key.make_flex_key`'s
+        order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _check_int(name: str, value: object, lo: int, what: str, hi: int | None = None) -> int | None:
+    """``None`` or an integer in ``[lo, hi]`` (an option of :func:`make_flex_key`)."""
+    if value is None:
+        return None
+    value = value.item() if isinstance(value, np.generic) else value
+    ok = not isinstance(value, bool) and (
+        isinstance(value, (int, np.integer))
+        or (isinstance(value, (float, np.floating)) and float(value).is_integer())
+    )
+    if not ok or value < lo or (hi is not None and value > hi):
+        default = "the cost model's choice" if name == "overlap_degree" else "the default"
+        raise ValueError(
+            f"{name}={value!r} must be an integer {what} (or None for {default})"
+            if hi is not None
+            else f"{name}={value!r} must be {what} (or None for {default})"
+        )
+    return int(value)
+
+
+def _check_dispatch_flag(value: bool | None) -> bool:
+    if value is not None:
+        return bool(value)
+    env = os.environ.get(CHECK_DISPATCH_ENV, "").strip().lower()
+    if env in ("", "0", "false", "no", "off"):
+        return False
+    if env in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(
+        f"{CHECK_DISPATCH_ENV}={os.environ[CHECK_DISPATCH_ENV]!r}: use 1 (check "
+        "that magi_attention's inputs were dispatched) or 0"
+    )
