@@ -79,6 +79,18 @@ PRESETS = {
     ]
     + [(m, 16384, ("ffa_pallas",)) for m in ZOO if m not in ("full", "causal")],
     "smoke": [("causal", 4096, None), ("doc_causal", 4096, None)],
+    # Masks of 10^4+ slices at 32k built by ``AttnMask.from_fn`` against the same masks built
+    # from their own slice lists (``from_block_mask``, ``varlen``) and against causal.
+    "any_mask": [
+        (m, 32768, ("ffa_pallas",))
+        for m in (
+            "causal",
+            "fn_block_sparse_64_5",
+            "block_sparse_64_5",
+            "fn_docs_3",
+            "docs_3",
+        )
+    ],
     "knobs": [
         (m, t, ("cudnn",) * (m != "doc_causal") + _FWD_KNOB_IMPLS, ("fwd",))
         for m, t in (
@@ -132,6 +144,8 @@ def make_mask(name: str, total: int) -> AttnMask:
     """A mask of :data:`ZOO` (``magi_jax.mask_zoo``; documents in multiples of 128 from 16k
     on, blocks of 2048, any ``swa_causal_<window>``), ``many_docs_<n>`` (``n`` documents of
     random lengths), or aligned full blocks ``block_full_<block>``."""
+    if name.startswith(("fn_", "block_sparse_", "docs_")):
+        return any_mask(name, total)
     if name.startswith("block_full_"):
         # Aligned full blocks (the last one shorter): rows as short as a sliding window's
         # without a single masked tile — what short rows cost apart from the predicate.
@@ -146,6 +160,43 @@ def make_mask(name: str, total: int) -> AttnMask:
     return zoo_mask(
         name.replace("_", "-"), total, block=2048, multiple=128 if total >= 16384 else 1
     )
+
+
+def any_mask(name: str, total: int) -> AttnMask:
+    """Masks of many slices, each built two ways: ``fn_<form>`` by ``AttnMask.from_fn`` from a
+    NumPy predicate, ``<form>`` from the mask's own slice list. ``block_sparse_<block>_<pct>``:
+    random ``block``-square blocks at ``pct`` % density (``from_block_mask``);
+    ``docs_<mean>``: causal documents of random lengths 1 .. 2·mean - 1 (``varlen``). Seeded,
+    so both builds of a form are the same mask (checked cell for cell by set difference)."""
+    rng = np.random.default_rng(0)
+    by_fn = name.startswith("fn_")
+    form = name.removeprefix("fn_")
+    if form.startswith("block_sparse_"):
+        block, pct = (int(x) for x in form.removeprefix("block_sparse_").split("_"))
+        nb = -(-total // block)
+        blocks = rng.random((nb, nb)) < pct / 100
+        if not by_fn:
+            return AttnMask.from_block_mask(blocks, block, block, total, total)
+        fn = lambda q, k: blocks[q // block, k // block]
+        return _same_cells(AttnMask.from_fn(fn, total, total, block=block), form, total)
+    if form.startswith("docs_"):
+        mean = int(form.removeprefix("docs_"))
+        lens = rng.integers(1, 2 * mean, size=2 * total // mean)
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        cu = np.append(cu[cu < total], total)
+        if not by_fn:
+            return AttnMask.varlen(cu, causal=True)
+        doc = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
+        fn = lambda q, k: (doc[q] == doc[k]) & (k <= q)
+        return _same_cells(AttnMask.from_fn(fn, total, total), form, total)
+    raise ValueError(f"unknown mask {name!r}")
+
+
+def _same_cells(built: AttnMask, form: str, total: int) -> AttnMask:
+    own = any_mask(form, total)
+    if (built - own).area or (own - built).area:
+        raise AssertionError(f"from_fn's {form} differs from its slice list's")
+    return built
 
 
 def row_intervals(mask: AttnMask):
