@@ -1,6 +1,6 @@
 """Multi-head latent attention on the pallas kernels: a value head dim ``Dv`` of its own
 (q, k ``[T, H, Dqk]``, v ``[T, Hkv, Dv]``, out ``[T, Hq, Dv]``) at Dqk/Dv = 128/64 (the
-narrow kernels) and 192/128 (the forward's half key tiles and the wide backward). In Mosaic
+narrow kernels), 192/128 and 256/128 (the forward's half key tiles and the wide backward). In Mosaic
 GPU interpret mode on the CPU at tiny shapes, forward and gradients against the float64
 reference by docs/design.md §5 (interpret mode fills fresh buffers with NaN, so an output
 element the kernels forget fails the NaN check); lowered for sm90 with every mode the
@@ -47,7 +47,7 @@ def _fwd_bwd(mask, q, k, v, dout, dlse, softcap=0.0, **tuning):
     return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
 
 
-@pytest.mark.parametrize("dqk,dv", DIMS)
+@pytest.mark.parametrize("dqk,dv", SUPPORTED_MLA_HEAD_DIMS)
 def test_forward_and_gradients_gqa(dqk, dv):
     """Two query heads over one key head (GQA): the dK/dV kernel sums both heads' gradients."""
     q, k, v, dout, dlse = _inputs(DOCS, 2, 1, dqk, dv)
@@ -83,7 +83,7 @@ def test_persistent_narrow_kernels():
     assert_matches_reference(res, q, k, v, DOCS, dout, dlse)
 
 
-@pytest.mark.parametrize("dqk,dv", DIMS)
+@pytest.mark.parametrize("dqk,dv", SUPPORTED_MLA_HEAD_DIMS)
 def test_lowers_for_sm90(dqk, dv):
     """Forward and backward lower to Mosaic GPU kernels for CUDA on this host (layout
     inference, the wgmma shapes and the shared-memory budget are checked there, no GPU
