@@ -65,7 +65,8 @@ def wide_halves(dqk: int, dv: int) -> tuple[int, int]:
         raise ValueError(
             f"the wide backward kernels take a query/key head dim Dqk that is a multiple of 64 "
             f"in ({MAX_NARROW_D}, {WIDE_BWD_D}] and a value head dim Dv that is a multiple "
-            f"of 128 up to Dqk; got Dqk={dqk}, Dv={dv}"
+            f"of 128 up to Dqk; got Dqk={dqk}, Dv={dv} (at Dqk <= {MAX_NARROW_D}: ffa_dq, "
+            "ffa_dkv)"
         )
     return dqk // 2, dv // 2
 

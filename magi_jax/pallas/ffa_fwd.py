@@ -83,10 +83,9 @@ def ffa_forward(
     assert order.shape == (num_tiles,), (order.shape, num_tiles)
     dtype = q.dtype
     bq, stages = _WG_ROWS, cfg.num_stages
-    # Key rows per ring slot: a whole key tile of the work list, or at D > MAX_NARROW_D (Q/K's
-    # head dim) half of one
-    # (K/V slots of 128 x 256 would leave no room for two of them beside Q), each item then
-    # walked as two steps.
+    # Key rows per ring slot: a whole key tile of the work list, or where Q/K's head dim is
+    # above MAX_NARROW_D half of one (K/V slots of 128 x 256 would leave no room for two of
+    # them beside Q), each item then walked as two steps.
     bk = FWD_BLOCK_K if d <= MAX_NARROW_D else FWD_BLOCK_K // 2
     sub = FWD_BLOCK_K // bk
     check_fma_cols(cfg.fma_exp_cols, bk, f"the forward's score blocks at D={d}")
@@ -454,9 +453,8 @@ def ffa_forward(
     )
     # Persistent: each consumer's output leaves through a buffer of its own, and so does an
     # output of another head dim than Q's; otherwise it leaves through its Q buffer.
-    own_out = dv != d
     out_scratch = dict(o=smem((COMPUTE_WGS, bq, dv), dtype)) if persistent else {}
-    if own_out and not persistent:
+    if dv != d and not persistent:
         scratch["o"] = smem((COMPUTE_WGS, bq, dv), dtype)
     row_max_scratch = (
         dict(row_max=plgpu.SMEM((COMPUTE_WGS, bq), jnp.float32)) if cfg.row_max else {}
