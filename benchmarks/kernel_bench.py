@@ -1,8 +1,13 @@
 """Kernel benchmark: FFA (pallas, xla) against cuDNN, tokamax and dense XLA over the mask zoo.
 
-TFLOP/s are counted from the mask area: ``4·area·Hq·D·B`` forward, 3.5× that for
-forward+backward, 2.5× for the backward alone (``--modes bwd``). Writes
-``benchmarks/results/kernel/kernel_<date>_<device>.{json,md}``.
+TFLOP/s are counted from the mask area: ``2·area·Hq·(Dqk + Dv)·B`` forward (``4·area·Hq·D·B``
+where v has q's head dim), 3.5× that for forward+backward, 2.5× for the backward alone
+(``--modes bwd``). Writes ``benchmarks/results/kernel/kernel_<date>_<device>.{json,md}``.
+
+``--v-head-dim`` gives v (and the output) a head dim of its own (multi-head latent attention,
+e.g. ``--head-dim 192 --v-head-dim 128``). Where cuDNN refuses it, the cuDNN row times the
+same shapes at ``Dv = Dqk`` instead, as impl ``cudnn[Dv=Dqk]`` (its FLOPs counted at that
+``Dv``).
 
     PYTHONPATH=. python benchmarks/kernel_bench.py --lengths 16384 --masks full,causal
     PYTHONPATH=. python benchmarks/kernel_bench.py --preset acceptance
@@ -293,12 +298,14 @@ def bench_interleaved(entries, n=5, reps=5, rounds_out=None):
     return [statistics.median(t) for t in ts]
 
 
-def case_inputs(total, batch, heads, kv_heads, head_dim, dtype):
+def case_inputs(total, batch, heads, kv_heads, head_dim, dtype, v_head_dim=None):
+    """Random ``q, k, v, dout``; v and dout of ``v_head_dim`` (default ``head_dim``)."""
+    dv = v_head_dim or head_dim
     ks = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(ks[0], (batch, total, heads, head_dim), dtype)
     k = jax.random.normal(ks[1], (batch, total, kv_heads, head_dim), dtype)
-    v = jax.random.normal(ks[2], (batch, total, kv_heads, head_dim), dtype)
-    do = jax.random.normal(ks[3], (batch, total, heads, head_dim), dtype)
+    v = jax.random.normal(ks[2], (batch, total, kv_heads, dv), dtype)
+    do = jax.random.normal(ks[3], (batch, total, heads, dv), dtype)
     return q, k, v, do
 
 
@@ -320,14 +327,33 @@ def mode_fn(f, mode, inputs, flops):
     raise ValueError(f"mode {mode!r}: fwd, bwd or fwd+bwd")
 
 
-def run_group(impls, name, total, batch, heads, kv_heads, head_dim, dtype, modes, calls=5, reps=5):
+# cuDNN timed at Dv = Dqk where it refuses v of its own head dim.
+CUDNN_SAME_DV = "cudnn[Dv=Dqk]"
+
+
+def run_group(
+    impls,
+    name,
+    total,
+    batch,
+    heads,
+    kv_heads,
+    head_dim,
+    dtype,
+    modes,
+    calls=5,
+    reps=5,
+    v_head_dim=None,
+):
     """Rows of every impl on one case, the impls of each mode timed in alternating rounds
     (:func:`bench_interleaved`, ``reps`` rounds of ``calls`` calls; each row keeps its
     rounds' times as ``rounds_ms``); an impl that is not implemented or fails gets a row
-    saying so and the others go on."""
+    saying so and the others go on. With ``v_head_dim`` other than ``head_dim``, cuDNN
+    failing on it is timed at ``Dv = Dqk`` instead (impl :data:`CUDNN_SAME_DV`)."""
+    dv = v_head_dim or head_dim
     mask = make_mask(name, total)
-    inputs = case_inputs(total, batch, heads, kv_heads, head_dim, dtype)
-    flops = 4.0 * mask.area * heads * head_dim * batch
+    inputs = case_inputs(total, batch, heads, kv_heads, head_dim, dtype, dv)
+    flops = 2.0 * mask.area * heads * (head_dim + dv) * batch
     base = dict(
         mask=name,
         length=total,
@@ -335,6 +361,7 @@ def run_group(impls, name, total, batch, heads, kv_heads, head_dim, dtype, modes
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
+        v_head_dim=dv,
         dtype=jnp.dtype(dtype).name,
         area=mask.area,
     )
@@ -357,12 +384,33 @@ def run_group(impls, name, total, batch, heads, kv_heads, head_dim, dtype, modes
                 rows.append(
                     dict(impl=impl, mask=name, length=total, mode=mode, error=repr(e)[:300])
                 )
+                if impl == "cudnn" and dv != head_dim:
+                    same = case_inputs(total, batch, heads, kv_heads, head_dim, dtype)
+                    fn, args, fl = mode_fn(
+                        f, mode, same, 4.0 * mask.area * heads * head_dim * batch
+                    )
+                    try:
+                        for _ in range(2):
+                            jax.block_until_ready(fn(*args))
+                        entries.append((CUDNN_SAME_DV, fn, args, fl))
+                    except Exception as e2:
+                        traceback.print_exc()
+                        rows.append(
+                            dict(
+                                impl=CUDNN_SAME_DV,
+                                mask=name,
+                                length=total,
+                                mode=mode,
+                                error=repr(e2)[:300],
+                            )
+                        )
         rounds = []
         times = bench_interleaved([(fn, args) for _, fn, args, _ in entries], calls, reps, rounds)
         for (impl, _, _, fl), t, r in zip(entries, times, rounds):
             rows.append(
                 dict(
                     base,
+                    **({"v_head_dim": head_dim} if impl == CUDNN_SAME_DV else {}),
                     impl=impl,
                     mode=mode,
                     ms=t * 1e3,
@@ -400,6 +448,12 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument(
+        "--v-head-dim",
+        type=int,
+        default=None,
+        help="v's (and the output's) head dim, default --head-dim (MLA: e.g. 192 / 128)",
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument(
         "--tokens-per-batch",
@@ -460,11 +514,12 @@ def main(argv=None):
         heads=a.heads,
         kv_heads=kvh,
         head_dim=a.head_dim,
+        v_head_dim=a.v_head_dim or a.head_dim,
         dtype=dtype.name,
         tokens_per_batch=a.tokens_per_batch,
         calls=a.calls,
         reps=a.reps,
-        flops="4*area*Hq*D*B fwd, 3.5x for fwd+bwd",
+        flops="2*area*Hq*(Dqk+Dv)*B fwd, 3.5x for fwd+bwd",
     )
     os.makedirs(a.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
@@ -492,6 +547,7 @@ def main(argv=None):
             case_modes,
             a.calls,
             a.reps,
+            a.v_head_dim,
         )
         save()
     save()
@@ -501,10 +557,13 @@ def main(argv=None):
 
 def _config(row) -> str:
     """The head configuration of a row, as :data:`TARGET_LINES` keys it: ``d64``, ``d256``,
-    ``gqa`` (fewer key heads than query heads) or ``default``; rows without head fields
-    count as the benchmark's defaults (Hq = Hkv = 16, D = 128)."""
+    ``gqa`` (fewer key heads than query heads), ``default``, or ``mla`` (v of a head dim of its
+    own: no targets); rows without head fields count as the benchmark's defaults (Hq = Hkv =
+    16, D = 128)."""
     heads = row.get("heads", 16)
     d = row.get("head_dim", 128)
+    if row.get("v_head_dim", d) != d:
+        return "mla"
     if d in (64, 256):
         return f"d{d}"
     return "gqa" if row.get("kv_heads", heads) < heads else "default"
@@ -562,7 +621,13 @@ def markdown(rows, meta) -> str:
         f"# Kernel benchmark {meta['date']} on {meta['device']}",
         "",
         f"versions: {meta['versions']}; Hq={meta['heads']}, Hkv={meta['kv_heads']}, "
-        f"D={meta['head_dim']}, {meta['dtype']}; B = max(1, "
+        f"D={meta['head_dim']}"
+        + (
+            f", Dv={meta['v_head_dim']} (rows {CUDNN_SAME_DV}: cuDNN at Dv = D)"
+            if meta.get("v_head_dim", meta["head_dim"]) != meta["head_dim"]
+            else ""
+        )
+        + f", {meta['dtype']}; B = max(1, "
         f"{meta['tokens_per_batch']} / length); TFLOP/s = {meta['flops']}",
         "",
         "| mask | length | mode | impl | ms | TFLOP/s |",

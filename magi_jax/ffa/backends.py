@@ -21,14 +21,16 @@ BACKENDS = BACKEND_CHOICES
 
 
 def mla_reason(q: jax.Array, v: jax.Array) -> str:
-    """Why the pallas kernels do not take ``v`` of its own head dim (empty when they could)."""
+    """Why the pallas kernels do not take ``v`` of its own head dim (multi-head latent
+    attention; empty when they could, or when ``v`` has q's head dim): the pairs
+    ``(Dqk, Dv)`` of :data:`magi_jax.pallas.SUPPORTED_MLA_HEAD_DIMS` run there, the others
+    on ``xla``."""
     if v.shape[-1] == q.shape[-1]:
         return ""
-    return (
-        f"v's head dim Dv={v.shape[-1]} differs from the query/key head dim D={q.shape[-1]} "
-        "(multi-head latent attention), which the Mosaic GPU kernels do not take; the xla "
-        "backend does"
-    )
+    from magi_jax.pallas.api import head_dims_problem
+
+    why = head_dims_problem(q.shape[-1], v.shape[-1])
+    return f"{why}; the xla backend takes any" if why else ""
 
 
 def _pallas_problem(q: jax.Array | None, k: jax.Array | None, v: jax.Array | None) -> str:
@@ -64,8 +66,9 @@ def select_backend(
     """The backend ``flex_flash_attention`` would use and why: ``(name, reason)``.
 
     ``auto`` picks ``pallas`` (Mosaic GPU kernels) on an sm90 GPU when the inputs, if given,
-    are supported (bf16/fp16, D 64, 128 or 256, ``v`` of q's head dim: a value head dim of
-    its own, multi-head latent attention, runs on ``xla``), else ``xla``, with the reason
+    are supported (bf16/fp16, D 64, 128 or 256, or a value head dim of its own, multi-head
+    latent attention, at the ``(Dqk, Dv)`` of :data:`magi_jax.pallas.SUPPORTED_MLA_HEAD_DIMS`:
+    128/64, 192/128, 256/128; other pairs run on ``xla``), else ``xla``, with the reason
     (:func:`auto_backend`). An explicit ``pallas`` that cannot run raises
     ``NotImplementedError`` saying why. ``mask`` is not needed to choose."""
     del mask

@@ -44,10 +44,17 @@ __all__ = [
     "FFAPlanArrays",
     "plan_for_mask",
     "SUPPORTED_HEAD_DIMS",
+    "SUPPORTED_MLA_HEAD_DIMS",
     "SUPPORTED_DTYPES",
+    "head_dims_problem",
 ]
 
+# Head dims of q, k and v where they are one.
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# (Dqk, Dv): the query/key head dim and a value head dim of its own (multi-head latent
+# attention). Dqk <= 128 runs the narrow kernels, above it the forward's half key tiles and
+# the wide backward (whose head-dim halves need Dv a multiple of 128).
+SUPPORTED_MLA_HEAD_DIMS = ((128, 64), (192, 128), (256, 128))
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 _MAX_GRID_TILES = 65535  # tiles sit on a grid dimension limited to 2**16 - 1 blocks
 
@@ -69,22 +76,42 @@ def device_supported() -> tuple[bool, str]:
     return True, ""
 
 
+def head_dims_problem(dqk: int, dv: int) -> str:
+    """Why the kernels do not take a query/key head dim ``dqk`` with a value head dim ``dv``
+    (empty when they do): one head dim in :data:`SUPPORTED_HEAD_DIMS`, or a pair of
+    :data:`SUPPORTED_MLA_HEAD_DIMS`."""
+    if dqk == dv:
+        if dqk in SUPPORTED_HEAD_DIMS:
+            return ""
+        return f"head dim {dqk}: the pallas kernels support D in {SUPPORTED_HEAD_DIMS}"
+    if (dqk, dv) in SUPPORTED_MLA_HEAD_DIMS:
+        return ""
+    return (
+        f"v's head dim Dv={dv} differs from the query/key head dim D={dqk} (multi-head "
+        f"latent attention): the pallas kernels take (Dqk, Dv) in {SUPPORTED_MLA_HEAD_DIMS} "
+        f"(or one D in {SUPPORTED_HEAD_DIMS})"
+    )
+
+
 def supported(
     q: jax.Array, k: jax.Array, v: jax.Array, *, check_device: bool = True
 ) -> tuple[bool, str]:
     """Whether the pallas kernels take these inputs: ``(ok, reason)`` (reason empty when ok).
 
-    q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]``; bf16 or fp16, ``D`` in
-    :data:`SUPPORTED_HEAD_DIMS`, ``Hq % Hkv == 0``. ``check_device`` also requires that the
-    default device is an sm90 GPU."""
+    q ``[(B,) Tq, Hq, Dqk]``, k ``[(B,) Tk, Hkv, Dqk]``, v ``[(B,) Tk, Hkv, Dv]``; bf16 or
+    fp16, ``Dqk = Dv`` in :data:`SUPPORTED_HEAD_DIMS` or ``(Dqk, Dv)`` in
+    :data:`SUPPORTED_MLA_HEAD_DIMS` (:func:`head_dims_problem`), ``Hq % Hkv == 0``.
+    ``check_device`` also requires that the default device is an sm90 GPU."""
     if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return False, (
             f"dtype {q.dtype}/{k.dtype}/{v.dtype}: the pallas kernels take "
             "bfloat16 or float16 q, k, v of one dtype"
         )
     d = q.shape[-1]
-    if d not in SUPPORTED_HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:
-        return False, f"head dim {d}: the pallas kernels support D in {SUPPORTED_HEAD_DIMS}"
+    if k.shape[-1] != d:
+        return False, f"q has head dim {d} and k {k.shape[-1]}: q and k take one head dim"
+    if why := head_dims_problem(d, v.shape[-1]):
+        return False, why
     if q.shape[-2] % k.shape[-2]:
         return False, f"Hq={q.shape[-2]} is not a multiple of Hkv={k.shape[-2]}"
     tq, tk = q.shape[-3], k.shape[-3]
@@ -243,10 +270,11 @@ def ffa_pallas(
 ) -> tuple[jax.Array, ...]:
     """Flexible-mask attention from plan arrays (no mask): the per-rank entry point.
 
-    q ``[(B,) Tq, Hq, D]``, k/v ``[(B,) Tk, Hkv, D]`` (bf16/fp16, D 64, 128 or 256); ``plan``:
-    the work lists of :func:`~magi_jax.planning.work_list.plan_for_mask` (``"pallas"``) for
-    these ``Tq``/``Tk``, as int32 arrays.
-    Returns ``out`` (q's shape and dtype) and ``lse [(B,) Tq, Hq]`` float32 (natural log,
+    q ``[(B,) Tq, Hq, Dqk]``, k ``[(B,) Tk, Hkv, Dqk]``, v ``[(B,) Tk, Hkv, Dv]`` (bf16/fp16;
+    one head dim 64, 128 or 256, or ``(Dqk, Dv)`` of :data:`SUPPORTED_MLA_HEAD_DIMS`);
+    ``plan``: the work lists of :func:`~magi_jax.planning.work_list.plan_for_mask`
+    (``"pallas"``) for these ``Tq``/``Tk``, as int32 arrays.
+    Returns ``out [(B,) Tq, Hq, Dv]`` (q's dtype) and ``lse [(B,) Tq, Hq]`` float32 (natural log,
     ``-inf`` for rows that see no key). Differentiable in q, k, v, also through lse.
     ``interpret=True`` runs the kernels in Mosaic GPU interpret mode (CPU, tests only).
 
@@ -256,17 +284,18 @@ def ffa_pallas(
 
     * ``num_stages`` (forward), ``dq_num_stages``, ``dkv_num_stages``: shared-memory slots of
       the producer rings (:func:`~magi_jax.pallas.tuning.default_num_stages`). At D = 128 the
-      forward fits 3 only with one program per unit, dQ 2, dK/dV 3; at D = 256 each takes 2.
+      forward fits 3 only with one program per unit, dQ 2, dK/dV 3; above D = 128 each
+      takes 2. The query/key head dim ``Dqk`` picks the defaults and the kernels.
     * ``persistent``: 0 (one program per q-tile and head) or the number of programs (the SM
       count) that walk the (q-tile, batch, head) units of a host schedule
       (:func:`~magi_jax.planning.work_list.persistent_schedule`), so the plan must be NumPy
       arrays; ``dkv_persistent``: the same for the dK/dV kernel (units: k-tile, batch, key
       head). By default each is persistent on short rows where its output buffers fit
-      (:func:`~magi_jax.pallas.tuning.default_persistence`); never at D = 256, and the dQ
+      (:func:`~magi_jax.pallas.tuning.default_persistence`); never above D = 128, and the dQ
       kernel always runs one program per unit.
     * ``dkv_steps_per_wait``: query blocks each dK/dV consumer takes between two waits, 1 or
       2 (D = 64 and ``dkv_num_stages`` >= 4 only).
-    * ``fma_exp_cols``: of each forward score block's 128 keys (64 at D = 256), how many are
+    * ``fma_exp_cols``: of each forward score block's 128 keys (64 above D = 128), how many are
       exponentiated by a cubic on the FMA pipes instead of the ``ex2`` unit (a multiple of 8;
       relative error 7.5e-5, under half an fp16 ulp).
 
@@ -324,10 +353,10 @@ def ffa_pallas(
 
 def _ffa_scheduled(q, k, v, plan, schedules, scale, softcap, interpret, max_logits):
     """:func:`ffa_pallas` over schedules that travel with the plan (the default kernels'
-    tuning; dQ one program per unit). At D = 256 the schedules are not used: every kernel
+    tuning; dQ one program per unit). Above D = 128 the schedules are not used: every kernel
     runs one program per unit there."""
     if q.shape[-1] > MAX_NARROW_D:
-        schedules = ()  # no persistent kernel at D = 256 (their output buffers do not fit)
+        schedules = ()  # no persistent kernel above D = 128 (the wide backward has none)
     programs = (
         (int(schedules[0].shape[0]) - 1, int(schedules[2].shape[0]) - 1) if schedules else (0, 0)
     )
@@ -373,9 +402,10 @@ def ffa_pallas_backward(
 ) -> tuple:
     """The backward of :func:`ffa_pallas` from a forward's ``(out, lse)``, which may be the
     merged result of several calls (context parallelism runs each stage's backward against
-    the merged output). Shapes as :func:`ffa_pallas`: q/out/dout ``[(B,) Tq, Hq, D]``, k/v
-    ``[(B,) Tk, Hkv, D]``, lse/dlse ``[(B,) Tq, Hq]`` float32. Returns ``(dq, dk, dv)``. The
-    kernels run one program per unit (the plan may be traced).
+    the merged output). Shapes as :func:`ffa_pallas`: q ``[(B,) Tq, Hq, Dqk]``, out/dout
+    ``[(B,) Tq, Hq, Dv]``, k ``[(B,) Tk, Hkv, Dqk]``, v ``[(B,) Tk, Hkv, Dv]``, lse/dlse
+    ``[(B,) Tq, Hq]`` float32. Returns ``(dq, dk, dv)``. The kernels run one program per unit
+    (the plan may be traced).
 
     ``between_dkv_dq(dk, dv) -> token`` (an array): the dK/dV kernel runs first, then this
     hook, then the dQ kernel; the token comes back as a fourth output, ordered after dQ.

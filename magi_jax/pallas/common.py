@@ -21,6 +21,7 @@ __all__ = [
     "MAX_NARROW_D",
     "WIDE_BWD_D",
     "WIDE_HALF_D",
+    "wide_halves",
     "SMEM_BYTES",
     "ItemField",
     "item_geometry",
@@ -51,6 +52,24 @@ MAX_NARROW_D = 128
 # accumulates one half of it.
 WIDE_HALF_D = 128
 WIDE_BWD_D = 2 * WIDE_HALF_D
+
+
+def wide_halves(dqk: int, dv: int) -> tuple[int, int]:
+    """The head-dim halves ``(Dqk / 2, Dv / 2)`` of the wide backward kernels, which each of
+    their two consumer warpgroups accumulates; ``ValueError`` where those kernels cannot
+    take the head dims. The halves of Q and K sit in tiles of 32 columns (the 64-byte
+    swizzle), those of dO and V in tiles of 64 (the 128-byte swizzle of the dQ kernel's
+    ``dO·Vᵀ``), so ``Dqk`` is a multiple of 64 in (``MAX_NARROW_D``, ``WIDE_BWD_D``] and ``Dv``
+    one of 128 up to ``Dqk``."""
+    if not (MAX_NARROW_D < dqk <= WIDE_BWD_D and dqk % 64 == 0 and dv % 128 == 0 and dv <= dqk):
+        raise ValueError(
+            f"the wide backward kernels take a query/key head dim Dqk that is a multiple of 64 "
+            f"in ({MAX_NARROW_D}, {WIDE_BWD_D}] and a value head dim Dv that is a multiple "
+            f"of 128 up to Dqk; got Dqk={dqk}, Dv={dv} (at Dqk <= {MAX_NARROW_D}: ffa_dq, "
+            "ffa_dkv)"
+        )
+    return dqk // 2, dv // 2
+
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -141,10 +160,12 @@ def check_smem(
     persistent: int = 0,
     d: int,
     dtype: Any,
+    dv: int | None = None,
 ) -> None:
     """Raises ``ValueError`` naming the knobs to turn when the buffers ``scratch`` and the
     persistent mode's output buffers ``out_scratch`` do not fit one sm90 block
-    (``persistent_knob=None``: a kernel without a persistent mode)."""
+    (``persistent_knob=None``: a kernel without a persistent mode). ``d`` is the query/key
+    head dim, ``dv`` v's where it differs."""
     total = smem_bytes(scratch) + smem_bytes(out_scratch)
     if total <= SMEM_BYTES:
         return
@@ -155,8 +176,9 @@ def check_smem(
             f"{smem_bytes(out_scratch)} bytes)"
         )
     mode = "" if persistent_knob is None else f", persistent={persistent}"
+    dims = f"D={d}" if dv in (None, d) else f"Dqk={d}, Dv={dv}"
     raise ValueError(
-        f"the {kernel} kernel with {stages_knob}={stages}{mode}, D={d} and "
+        f"the {kernel} kernel with {stages_knob}={stages}{mode}, {dims} and "
         f"{jnp.dtype(dtype).name} needs {total} bytes of shared memory "
         f"(> {SMEM_BYTES} on sm90); {fix}"
     )

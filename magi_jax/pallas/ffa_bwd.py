@@ -22,6 +22,12 @@ benchmarks/results/kernel/LATEST.md).
 
 Both kernels scale inside the exponent (``exp2(s·c − lse)``, one FMA per score) and launch
 their grid head-major (:func:`~magi_jax.pallas.common.launch_grid`).
+
+V, dO and the output may have a head dim ``Dv`` of their own (multi-head latent attention):
+``dP = dO·Vᵀ`` contracts over it and ``dV`` is ``[keys, Dv]``, while ``S = Q·Kᵀ``, ``dQ``
+and ``dK`` are ``Dqk`` wide. Every buffer takes the width of the tensor it holds, so each
+output still leaves through the buffer of its own input (dQ through Q, dK through K, dV
+through V).
 """
 
 from __future__ import annotations
@@ -153,12 +159,13 @@ def ffa_dq(
     items: jax.Array,
     cfg: DqConfig,
 ) -> jax.Array:
-    """dQ. q/dout ``[B, Tq, Hq, D]``, k/v ``[B, Tk, Hkv, D]``; ``lse2 [B, Hq, Tq]`` float32
+    """dQ. q ``[B, Tq, Hq, Dqk]``, dout ``[B, Tq, Hq, Dv]``, k ``[B, Tk, Hkv, Dqk]``, v
+    ``[B, Tk, Hkv, Dv]``; ``lse2 [B, Hq, Tq]`` float32
     is the lse times log2(e) with ``+inf`` on rows that see no key (so P = 0 there);
     ``delta [B, Hq, Tq]`` float32; the forward work list. One program per (q-tile, batch,
     query head). Returns dq like q."""
     b, tq, hq, d = q.shape
-    hkv = k.shape[2]
+    hkv, dv = k.shape[2], v.shape[-1]
     group = hq // hkv
     num_tiles = tq // FWD_BLOCK_Q
     assert order.shape == (num_tiles,)
@@ -262,10 +269,10 @@ def ffa_dq(
     # stages: 257 KiB, too much).
     scratch = dict(
         q=smem((COMPUTE_WGS, bq, d), dtype),
-        do=smem((COMPUTE_WGS, bq, d), dtype),
+        do=smem((COMPUTE_WGS, bq, dv), dtype),
         stats=plgpu.SMEM((COMPUTE_WGS, 2, bq), jnp.float32),  # each consumer's lse, delta
         k=smem((stages, bk, d), dtype),
-        v=smem((stages, bk, d), dtype),
+        v=smem((stages, bk, dv), dtype),
         in_ready=plgpu.Barrier(num_arrivals=4, num_barriers=COMPUTE_WGS),  # Q, dO, lse, delta
         k_ready=plgpu.Barrier(num_barriers=stages),
         v_ready=plgpu.Barrier(num_barriers=stages),
@@ -273,7 +280,13 @@ def ffa_dq(
         v_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
     )
     check_smem(
-        "dQ", list(scratch.values()), stages_knob="dq_num_stages", stages=stages, d=d, dtype=dtype
+        "dQ",
+        list(scratch.values()),
+        stages_knob="dq_num_stages",
+        stages=stages,
+        d=d,
+        dtype=dtype,
+        dv=dv,
     )
     if cfg.interpret:  # dS through shared memory (mma_lhs)
         scratch["p_stage"] = smem((COMPUTE_WGS, bq, bk), dtype)
@@ -304,22 +317,23 @@ def ffa_dkv(
     split: int = 0,
 ) -> tuple[jax.Array, ...]:
     """dK, dV. Same inputs as :func:`ffa_dq` but the dK/dV work list (k-tiles of 128 keys,
-    q-steps of 64 rows) and a ``schedule`` for ``B·Hkv`` groups. Returns ``(dk, dv)`` like
-    k; with ``split`` (a multiple of :data:`DKV_SPLIT_ALIGN` inside k's rows),
+    q-steps of 64 rows) and a ``schedule`` for ``B·Hkv`` groups. Returns ``(dk, dv)``, dk
+    like k and dv like v; with ``split`` (a multiple of :data:`DKV_SPLIT_ALIGN` inside k's rows),
     ``(dk[:, :split], dv[:, :split], dk[:, split:], dv[:, split:])`` as four arrays, each
     tile stored straight into its part (context parallelism sums the first part in place)."""
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1:3]
+    dv = v.shape[-1]
     group = hq // hkv
     num_tiles = tk // DKV_BLOCK_K
     assert order.shape == (num_tiles,)
     assert split % DKV_SPLIT_ALIGN == 0 and 0 <= split < tk, (split, tk)
     dtype = q.dtype
     bq, bk, stages = DKV_BLOCK_Q, DKV_BLOCK_K // COMPUTE_WGS, cfg.num_stages
-    if cfg.steps_per_wait > 1 and (d > 64 or stages < 2 * cfg.steps_per_wait):
+    if cfg.steps_per_wait > 1 and (max(d, dv) > 64 or stages < 2 * cfg.steps_per_wait):
         raise ValueError(
             f"dkv_steps_per_wait={cfg.steps_per_wait} needs D <= 64 and "
-            f"dkv_num_stages >= {2 * cfg.steps_per_wait}; got D={d}, "
+            f"dkv_num_stages >= {2 * cfg.steps_per_wait}; got D={max(d, dv)}, "
             f"dkv_num_stages={stages}"
         )
     persistent = cfg.persistent > 0
@@ -475,8 +489,8 @@ def ffa_dkv(
                         )
                     return dk_acc[...], dv_acc[...]
 
-                dk, dv = pl.run_scoped(
-                    run, plgpu.ACC((bk, d), jnp.float32), plgpu.ACC((bk, d), jnp.float32)
+                dk, dv_ = pl.run_scoped(
+                    run, plgpu.ACC((bk, d), jnp.float32), plgpu.ACC((bk, dv), jnp.float32)
                 )
                 out_k, out_v = (dk_smem.at[wg], dv_smem.at[wg]) if persistent else (my_k, my_v)
 
@@ -500,7 +514,7 @@ def ffa_dkv(
                 store_outputs(
                     [
                         (out_k, (dk * cfg.scale).astype(dtype), dst(0)),
-                        (out_v, dv.astype(dtype), dst(1)),
+                        (out_v, dv_.astype(dtype), dst(1)),
                     ],
                     persistent,
                 )
@@ -551,9 +565,9 @@ def ffa_dkv(
     per_stage = lambda n=1: plgpu.Barrier(num_arrivals=n, num_barriers=stages)
     scratch = dict(
         k=smem((COMPUTE_WGS, bk, d), dtype),  # each consumer's K and V
-        v=smem((COMPUTE_WGS, bk, d), dtype),
+        v=smem((COMPUTE_WGS, bk, dv), dtype),
         q=smem((stages, bq, d), dtype),  # the Q/dO/lse/delta ring
-        do=smem((stages, bq, d), dtype),
+        do=smem((stages, bq, dv), dtype),
         lse=plgpu.SMEM((stages, bq), jnp.float32),
         delta=plgpu.SMEM((stages, bq), jnp.float32),
         kv_ready=plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS),
@@ -569,7 +583,7 @@ def ffa_dkv(
     if cfg.turns:
         scratch["turn"] = plgpu.Barrier(num_barriers=COMPUTE_WGS)
     out_scratch = (
-        dict(dk=smem((COMPUTE_WGS, bk, d), dtype), dv=smem((COMPUTE_WGS, bk, d), dtype))
+        dict(dk=smem((COMPUTE_WGS, bk, d), dtype), dv=smem((COMPUTE_WGS, bk, dv), dtype))
         if persistent
         else {}
     )
@@ -583,12 +597,17 @@ def ffa_dkv(
         persistent=cfg.persistent,
         d=d,
         dtype=dtype,
+        dv=dv,
     )
     scratch |= out_scratch
     if cfg.interpret:  # Pᵀ and dSᵀ through shared memory (mma_lhs)
         scratch["p_stage"] = smem((COMPUTE_WGS, 2, bk, bq), dtype)
-    kv = lambda rows: jax.ShapeDtypeStruct((b, rows, hkv, d), dtype)
-    out_type = (kv(split), kv(split), kv(tk - split), kv(tk - split)) if split else (kv(tk), kv(tk))
+    kv = lambda rows, width: jax.ShapeDtypeStruct((b, rows, hkv, width), dtype)
+    out_type = (
+        (kv(split, d), kv(split, dv), kv(tk - split, d), kv(tk - split, dv))
+        if split
+        else (kv(tk, d), kv(tk, dv))
+    )
     return plgpu.kernel(
         kernel,
         out_type=out_type,

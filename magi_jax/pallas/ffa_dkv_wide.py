@@ -1,4 +1,4 @@
-"""FFA dK/dV for wide heads (D = 256) as a Mosaic GPU kernel (Hopper, sm90).
+"""FFA dK/dV for wide heads (D = 256, and Dqk = 192) as a Mosaic GPU kernel (Hopper, sm90).
 
 At D = 256 :func:`~magi_jax.pallas.ffa_bwd.ffa_dkv` does not fit: each consumer warpgroup
 would hold dK and dV of 64 x 256 in float32 (256 registers a thread for the two), and its
@@ -10,6 +10,10 @@ list) and its two consumer warpgroups split the work twice:
   dPᵀ (64 keys x 32 rows, over the whole head dim) and turns them into Pᵀ and dSᵀ;
 * the gradients: warpgroup ``w`` accumulates the head-dim half ``w`` of dK and dV (64 x 128
   each in float32: 128 registers a thread), which needs all 64 columns of Pᵀ and dSᵀ.
+
+With a value head dim of its own (multi-head latent attention, e.g. Dqk/Dv = 192/128),
+K, Q and dK are split in halves of ``Dqk / 2`` and V, dO and dV in halves of ``Dv / 2``
+(:func:`~magi_jax.pallas.common.wide_halves`).
 
 The two column halves meet in a shared-memory exchange buffer: each warpgroup writes its
 half, both pass the ``exchanged`` barrier, both multiply. The exchange is double-buffered
@@ -50,20 +54,19 @@ from magi_jax.pallas.bwd_common import (
 from magi_jax.pallas.common import (
     COMPUTE_WGS,
     WIDE_BWD_D,
-    WIDE_HALF_D,
     ItemField,
     check_smem,
     item_fields,
     launch_grid,
     mask_scores,
     smem64,
+    wide_halves,
 )
 from magi_jax.pallas.tuning import WideDkvConfig
 from magi_jax.planning.work_list import DKV_BLOCK_K, DKV_BLOCK_Q
 
 __all__ = ["ffa_dkv_wide"]
 
-_HALF_D = WIDE_HALF_D  # the head-dim half each consumer warpgroup accumulates
 # Keys a program owns: half a k-tile of the work list.
 _KEYS = DKV_BLOCK_K // 2
 _HALVES = DKV_BLOCK_K // _KEYS
@@ -105,7 +108,9 @@ def ffa_dkv_wide(
     schedule: tuple = (),
     split: int = 0,
 ) -> tuple[jax.Array, ...]:
-    """dK, dV at D = 256: the inputs and outputs of :func:`~magi_jax.pallas.ffa_bwd.ffa_dkv`
+    """dK, dV at D = 256 (or Dqk/Dv = 192/128, 256/128:
+    :func:`~magi_jax.pallas.common.wide_halves`): the inputs and outputs of
+    :func:`~magi_jax.pallas.ffa_bwd.ffa_dkv`
     (the dK/dV work list; ``split`` a multiple of :data:`DKV_SPLIT_ALIGN` gives four outputs,
     each 64-key piece stored straight into its part). One program per (64-key half of a
     k-tile, batch, key head); ``schedule`` must be empty (no persistent mode)."""
@@ -117,8 +122,9 @@ def ffa_dkv_wide(
         )
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1:3]
-    if d != WIDE_BWD_D:
-        raise ValueError(f"ffa_dkv_wide takes D = {WIDE_BWD_D}; got {d} (use ffa_dkv)")
+    dv = v.shape[-1]
+    # The head-dim halves of K, Q, dK and of V, dO, dV: each consumer accumulates one of each.
+    qk_half, v_half = wide_halves(d, dv)
     group = hq // hkv
     num_tiles = tk // DKV_BLOCK_K
     assert order.shape == (num_tiles,)
@@ -163,10 +169,15 @@ def ffa_dkv_wide(
         @pl.when(wg < COMPUTE_WGS)
         def consumer():
             plgpu.set_max_registers(cfg.registers[0], action="increase")
-            my_d = pl.ds(wg * _HALF_D, _HALF_D)
+            # This consumer's head-dim half of K/dK (0) and of V/dV (1).
+            my_d = (pl.ds(wg * qk_half, qk_half), pl.ds(wg * v_half, v_half))
             # Each consumer loads its head-dim half of K and V; both need both halves.
-            plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head, my_d], k_smem.at[wg], kv_ready)
-            plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head, my_d], v_smem.at[wg], kv_ready)
+            plgpu.copy_gmem_to_smem(
+                k_ref.at[batch, keys, kv_head, my_d[0]], k_smem.at[wg], kv_ready
+            )
+            plgpu.copy_gmem_to_smem(
+                v_ref.at[batch, keys, kv_head, my_d[1]], v_smem.at[wg], kv_ready
+            )
             plgpu.barrier_wait(kv_ready)
             my_rows = pl.ds(pl.multiple_of(wg * _ROWS, _ROWS), _ROWS)
 
@@ -226,10 +237,10 @@ def ffa_dkv_wide(
                 lax.fori_loop(0, num_steps, step, 0)
                 return dk_acc[...], dv_acc[...]
 
-            dk, dv = pl.run_scoped(
+            dk, dv_ = pl.run_scoped(
                 run,
-                plgpu.ACC((_KEYS, _HALF_D), jnp.float32),
-                plgpu.ACC((_KEYS, _HALF_D), jnp.float32),
+                plgpu.ACC((_KEYS, qk_half), jnp.float32),
+                plgpu.ACC((_KEYS, v_half), jnp.float32),
             )
             # dK and dV leave through this consumer's K and V halves. Only the Sᵀ/dPᵀ wgmmas
             # read those, and each consumer waits for its own before its last step's
@@ -241,17 +252,17 @@ def ffa_dkv_wide(
             def dst(l):  # where output l (0: dK, 1: dV) takes these keys
                 def store(src):
                     if not split:
-                        plgpu.copy_smem_to_gmem(src, outs[l].at[batch, keys, kv_head, my_d])
+                        plgpu.copy_smem_to_gmem(src, outs[l].at[batch, keys, kv_head, my_d[l]])
                         return
                     head_part, rest = outs[l], outs[2 + l]
                     pl.when(col0 < split)(
                         lambda: plgpu.copy_smem_to_gmem(
-                            src, head_part.at[batch, keys, kv_head, my_d]
+                            src, head_part.at[batch, keys, kv_head, my_d[l]]
                         )
                     )
                     pl.when(col0 >= split)(
                         lambda: plgpu.copy_smem_to_gmem(
-                            src, rest.at[batch, pl.ds(col0 - split, _KEYS), kv_head, my_d]
+                            src, rest.at[batch, pl.ds(col0 - split, _KEYS), kv_head, my_d[l]]
                         )
                     )
 
@@ -260,7 +271,7 @@ def ffa_dkv_wide(
             store_outputs(
                 [
                     (k_smem.at[wg], (dk * cfg.scale).astype(dtype), dst(0)),
-                    (v_smem.at[wg], dv.astype(dtype), dst(1)),
+                    (v_smem.at[wg], dv_.astype(dtype), dst(1)),
                 ],
                 persistent=False,
             )
@@ -281,10 +292,13 @@ def ffa_dkv_wide(
                 def _():
                     plgpu.barrier_wait(free.at[slot])
 
-                for src, dst_, ready in ((q_ref, q_smem, q_ready), (do_ref, do_smem, do_ready)):
+                for src, dst_, ready, width in (
+                    (q_ref, q_smem, q_ready, qk_half),
+                    (do_ref, do_smem, do_ready, v_half),
+                ):
                     for h in range(COMPUTE_WGS):
                         plgpu.copy_gmem_to_smem(
-                            src.at[batch, rows, head, pl.ds(h * _HALF_D, _HALF_D)],
+                            src.at[batch, rows, head, pl.ds(h * width, width)],
                             dst_.at[slot, h],
                             ready.at[slot],
                         )
@@ -299,16 +313,17 @@ def ffa_dkv_wide(
             def _(i):
                 plgpu.barrier_wait(free.at[lax.rem(i, jnp.int32(stages))])
 
-    # Shared memory by name, allocated in this order. bf16/fp16, 2 stages: K, V 2 x 16 KiB
-    # each, the Q/dO ring 2 x 16 KiB each a slot, lse2/delta 1 KiB, the exchange 32 KiB
-    # (parity x Pᵀ/dSᵀ x writer x 64 x 32): 225 KiB of 227 (3 stages: 291 KiB). A single
-    # exchange (209 KiB) would need a second barrier a step, for the other consumer's reads.
+    # Shared memory by name, allocated in this order. bf16/fp16, D = 256, 2 stages: K, V
+    # 2 x 16 KiB each, the Q/dO ring 2 x 16 KiB each a slot, lse2/delta 1 KiB, the exchange
+    # 32 KiB (parity x Pᵀ/dSᵀ x writer x 64 x 32): 225 KiB of 227 (3 stages: 291 KiB). A
+    # single exchange (209 KiB) would need a second barrier a step, for the other consumer's
+    # reads. Dqk/Dv = 192/128: 161 KiB (3 stages: 201 KiB).
     per_stage = lambda n: plgpu.Barrier(num_arrivals=n, num_barriers=stages)
     scratch = dict(
-        k=smem64((COMPUTE_WGS, _KEYS, _HALF_D), dtype),  # by head-dim half
-        v=smem64((COMPUTE_WGS, _KEYS, _HALF_D), dtype),
-        q=smem64((stages, COMPUTE_WGS, DKV_BLOCK_Q, _HALF_D), dtype),  # the ring
-        do=smem64((stages, COMPUTE_WGS, DKV_BLOCK_Q, _HALF_D), dtype),
+        k=smem64((COMPUTE_WGS, _KEYS, qk_half), dtype),  # by head-dim half
+        v=smem64((COMPUTE_WGS, _KEYS, v_half), dtype),
+        q=smem64((stages, COMPUTE_WGS, DKV_BLOCK_Q, qk_half), dtype),  # the ring
+        do=smem64((stages, COMPUTE_WGS, DKV_BLOCK_Q, v_half), dtype),
         stats=plgpu.SMEM((stages, 2, DKV_BLOCK_Q), jnp.float32),  # lse2, delta
         exchange=smem64((2, 2, COMPUTE_WGS, _KEYS, _ROWS), dtype),
         kv_ready=plgpu.Barrier(num_arrivals=2 * COMPUTE_WGS),  # K, V halves
@@ -325,9 +340,14 @@ def ffa_dkv_wide(
         stages=stages,
         d=d,
         dtype=dtype,
+        dv=dv,
     )
-    kv = lambda rows: jax.ShapeDtypeStruct((b, rows, hkv, d), dtype)
-    out_type = (kv(split), kv(split), kv(tk - split), kv(tk - split)) if split else (kv(tk), kv(tk))
+    kv = lambda rows, width: jax.ShapeDtypeStruct((b, rows, hkv, width), dtype)
+    out_type = (
+        (kv(split, d), kv(split, dv), kv(tk - split, d), kv(tk - split, dv))
+        if split
+        else (kv(tk, d), kv(tk, dv))
+    )
     return plgpu.kernel(
         kernel,
         out_type=out_type,

@@ -1,4 +1,5 @@
-"""The dQ backward kernel for wide heads (D = 256) in Mosaic GPU (Hopper, sm90).
+"""The dQ backward kernel for wide heads (D = 256, and Dqk = 192) in Mosaic GPU (Hopper,
+sm90).
 
 :func:`~magi_jax.pallas.ffa_bwd.ffa_dq` does not fit shared memory at D = 256: Q and dO of a
 128-row tile take 128 KiB, and one K/V slot of 128 keys another 128 KiB. Here one program
@@ -10,6 +11,10 @@ of 64 keys. Its two consumer warpgroups share the 64 rows and split every step t
   w·32 + 32`` (64 x 32, over the whole head dim) and turns them into its columns of dS;
 * the gradient: warpgroup ``w`` accumulates the head-dim half ``w`` of dQ (64 x 128 in
   float32), which takes the whole of dS: ``dQ_w += Σ_u dS_u · K[keys of u, half w]``.
+
+V and dO may have a head dim of their own (multi-head latent attention, e.g. Dqk/Dv =
+192/128): Q and K are then split in halves of ``Dqk / 2`` and dO and V in halves of
+``Dv / 2`` (:func:`~magi_jax.pallas.common.wide_halves`).
 
 The two column blocks of dS meet in a shared-memory exchange buffer, one writer slot per
 warpgroup, double buffered by step parity so that one rendezvous a step (``ex_ready``) is
@@ -48,8 +53,6 @@ from magi_jax.pallas.bwd_common import (
 )
 from magi_jax.pallas.common import (
     COMPUTE_WGS,
-    WIDE_BWD_D,
-    WIDE_HALF_D,
     ItemField,
     check_smem,
     item_fields,
@@ -57,13 +60,13 @@ from magi_jax.pallas.common import (
     mask_scores,
     smem,
     smem64,
+    wide_halves,
 )
 from magi_jax.pallas.tuning import WideDqConfig
 from magi_jax.planning.work_list import FWD_BLOCK_K, FWD_BLOCK_Q
 
 __all__ = ["ffa_dq_wide"]
 
-_HALF = WIDE_HALF_D  # the head-dim half each consumer warpgroup accumulates
 # Query rows of a program (half a q-tile), keys of a step (half a key tile), and the keys of
 # a step whose scores one warpgroup computes.
 _ROWS = FWD_BLOCK_Q // 2
@@ -96,15 +99,20 @@ def ffa_dq_wide(
     items: jax.Array,
     cfg: WideDqConfig,
 ) -> jax.Array:
-    """dQ at D = 256: the inputs and output of :func:`~magi_jax.pallas.ffa_bwd.ffa_dq`.
-    q/dout ``[B, Tq, Hq, 256]``, k/v ``[B, Tk, Hkv, 256]``, ``lse2``/``delta [B, Hq, Tq]``
-    float32, the forward work list. One program per (64-row half of a q-tile, batch, query
-    head). Returns dq like q."""
+    """dQ at D = 256 (or Dqk/Dv = 192/128, 256/128: :func:`~magi_jax.pallas.common.wide_halves`):
+    the inputs and output of :func:`~magi_jax.pallas.ffa_bwd.ffa_dq`. q ``[B, Tq, Hq, Dqk]``,
+    dout ``[B, Tq, Hq, Dv]``, k ``[B, Tk, Hkv, Dqk]``, v ``[B, Tk, Hkv, Dv]``,
+    ``lse2``/``delta [B, Hq, Tq]`` float32, the forward work list. One program per (64-row
+    half of a q-tile, batch, query head). Returns dq like q."""
     b, tq, hq, d = q.shape
-    if d != WIDE_BWD_D or k.shape[-1] != d or v.shape[-1] != d:
+    dv = v.shape[-1]
+    if k.shape[-1] != d or dout.shape[-1] != dv:
         raise ValueError(
-            f"the wide dQ kernel takes D = {WIDE_BWD_D}; got q {q.shape}, k {k.shape}, v {v.shape}"
+            f"the wide dQ kernel takes q, k of one head dim and v, dout of one; got q "
+            f"{q.shape}, k {k.shape}, v {v.shape}, dout {dout.shape}"
         )
+    # The head-dim halves of Q, K and of dO, V: each consumer loads one of each.
+    qk_half, v_half = wide_halves(d, dv)
     hkv = k.shape[2]
     group = hq // hkv
     num_tiles = tq // FWD_BLOCK_Q
@@ -157,16 +165,20 @@ def ffa_dq_wide(
                 + lax.rem(i, jnp.int32(sub)) * _STEP_KEYS
             )
 
-        def half(ref, idx, h):  # head-dim half h of ref[idx] (a [B, T, H, D] array)
-            return ref.at[(*idx, pl.ds(h * _HALF, _HALF))]
+        def half(ref, idx, h, width):  # head-dim half h of ref[idx] (a [B, T, H, D] array)
+            return ref.at[(*idx, pl.ds(h * width, width))]
 
         @pl.when(wg < COMPUTE_WGS)
         def consumer():
             plgpu.set_max_registers(cfg.registers[0], action="increase")
             # Both warpgroups multiply both halves of Q and dO: each loads its own half of
             # them, and its own copy of the rows' lse2 and delta, onto one barrier.
-            plgpu.copy_gmem_to_smem(half(q_ref, (batch, rows, head), wg), q_smem.at[wg], in_ready)
-            plgpu.copy_gmem_to_smem(half(do_ref, (batch, rows, head), wg), do_smem.at[wg], in_ready)
+            plgpu.copy_gmem_to_smem(
+                half(q_ref, (batch, rows, head), wg, qk_half), q_smem.at[wg], in_ready
+            )
+            plgpu.copy_gmem_to_smem(
+                half(do_ref, (batch, rows, head), wg, v_half), do_smem.at[wg], in_ready
+            )
             plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], stat_smem.at[wg, 0], in_ready)
             plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], stat_smem.at[wg, 1], in_ready)
             plgpu.barrier_wait(in_ready)
@@ -218,21 +230,24 @@ def ffa_dq_wide(
                 lax.fori_loop(0, num_steps, step, 0)
                 return dq_acc[...]
 
-            dq = pl.run_scoped(run, plgpu.ACC((_ROWS, _HALF), jnp.float32))
+            dq = pl.run_scoped(run, plgpu.ACC((_ROWS, qk_half), jnp.float32))
             # dQ leaves through this warpgroup's Q half. Q is read only by the S products;
             # the other warpgroup waited for its last one before it arrived at the last
             # ex_ready, which this warpgroup has passed (with no step, nothing reads Q).
             out = q_smem.at[wg]
             out[...] = (dq * cfg.scale).astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out, half(dq_ref, (batch, rows, head), wg))
+            plgpu.copy_smem_to_gmem(out, half(dq_ref, (batch, rows, head), wg, qk_half))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WGS)
         def producer():
             plgpu.set_max_registers(cfg.registers[1], action="decrease")
             # V first: its slot is freed a whole dQ product before K's.
-            streams = [(v_ref, v_smem, v_ready, v_free), (k_ref, k_smem, k_ready, k_free)]
+            streams = [
+                (v_ref, v_smem, v_ready, v_free, v_half),
+                (k_ref, k_smem, k_ready, k_free, qk_half),
+            ]
             kv_head = lax.div(head, jnp.int32(group))
 
             # As bwd_common.stream, but a slot takes two copies (its head-dim halves) on one
@@ -241,7 +256,7 @@ def ffa_dq_wide(
             def _(i):
                 slot = lax.rem(i, jnp.int32(stages))
                 keys = pl.ds(step_keys(i)[1], _STEP_KEYS)
-                for gmem, ring, ready, free in streams:
+                for gmem, ring, ready, free, width in streams:
 
                     @pl.when(i >= stages)
                     def _():
@@ -249,20 +264,22 @@ def ffa_dq_wide(
 
                     for h in range(halves):
                         plgpu.copy_gmem_to_smem(
-                            half(gmem, (batch, keys, kv_head), h), ring.at[slot, h], ready.at[slot]
+                            half(gmem, (batch, keys, kv_head), h, width),
+                            ring.at[slot, h],
+                            ready.at[slot],
                         )
 
-            drain(num_steps, stages, streams)
+            drain(num_steps, stages, [s[:4] for s in streams])
 
-    # Shared memory by name, allocated in this order. bf16, 2 stages: Q, dO 32 KiB each,
-    # lse/delta 1 KiB, the K/V ring 2 x 32 KiB per stage, the dS exchange 2 x 8 KiB:
-    # 209 KiB (3 stages: 273 KiB, too much).
+    # Shared memory by name, allocated in this order. bf16, D = 256, 2 stages: Q, dO 32 KiB
+    # each, lse/delta 1 KiB, the K/V ring 2 x 32 KiB per stage, the dS exchange 2 x 8 KiB:
+    # 209 KiB (3 stages: 273 KiB, too much). Dqk/Dv = 192/128: 137 KiB (3 stages: 177).
     scratch = dict(
-        q=smem64((halves, _ROWS, _HALF), dtype),  # by head-dim half
-        do=smem((halves, _ROWS, _HALF), dtype),
+        q=smem64((halves, _ROWS, qk_half), dtype),  # by head-dim half
+        do=smem((halves, _ROWS, v_half), dtype),
         stats=plgpu.SMEM((COMPUTE_WGS, 2, _ROWS), jnp.float32),  # each consumer's lse, delta
-        k=smem64((stages, halves, _STEP_KEYS, _HALF), dtype),
-        v=smem((stages, halves, _STEP_KEYS, _HALF), dtype),
+        k=smem64((stages, halves, _STEP_KEYS, qk_half), dtype),
+        v=smem((stages, halves, _STEP_KEYS, v_half), dtype),
         ex=smem64((2, COMPUTE_WGS, _ROWS, _COLS), dtype),  # dS by step parity, writer
         # Q, dO halves and lse, delta of each consumer.
         in_ready=plgpu.Barrier(num_arrivals=4 * COMPUTE_WGS),
@@ -279,6 +296,7 @@ def ffa_dq_wide(
         stages=stages,
         d=d,
         dtype=dtype,
+        dv=dv,
     )
     return plgpu.kernel(
         kernel,

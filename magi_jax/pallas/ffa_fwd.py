@@ -15,8 +15,14 @@ At D = 64 the exponentials, not the matmuls, bound an item (the ``ex2`` unit mak
 per SM), so part of each score block is exponentiated on the FMA pipes instead
 (``FwdConfig.fma_exp_cols``, :func:`~magi_jax.pallas.common.exp2_cols`).
 
-At D = 256 a ring slot holds half a key tile (64 keys: two slots of 128 x 256 would not fit
-beside Q), and each work item is walked as two steps; everything else is the same kernel.
+Above D = 128 (192 and 256) a ring slot holds half a key tile (64 keys: two slots of
+128 x 256 would not fit beside Q), and each work item is walked as two steps; everything else
+is the same kernel.
+
+V may have a head dim ``Dv`` of its own (multi-head latent attention): ``S = Q·Kᵀ``
+contracts over the query/key head dim ``Dqk``, which alone sets the key tile, and the output
+is ``[rows, Dv]``. It then leaves through a buffer of its own (with ``Dv = Dqk`` through Q's
+buffer, unless persistent).
 """
 
 from __future__ import annotations
@@ -61,23 +67,25 @@ def ffa_forward(
     cfg: FwdConfig,
     schedule: tuple = (),
 ) -> tuple[jax.Array, ...]:
-    """q ``[B, Tq, Hq, D]``, k/v ``[B, Tk, Hkv, D]`` (Tq, Tk multiples of 128; bf16/fp16),
-    plan arrays of the forward work list; with ``cfg.persistent``, ``schedule`` is the
-    ``(offsets, units)`` pair of :func:`magi_jax.planning.work_list.persistent_schedule` for
-    ``B·Hq`` groups. Returns ``out [B, Tq, Hq, D]`` and ``lse [B, Hq, Tq]`` float32 (natural
+    """q ``[B, Tq, Hq, Dqk]``, k ``[B, Tk, Hkv, Dqk]``, v ``[B, Tk, Hkv, Dv]`` (Tq, Tk
+    multiples of 128; bf16/fp16), plan arrays of the forward work list; with
+    ``cfg.persistent``, ``schedule`` is the ``(offsets, units)`` pair of
+    :func:`magi_jax.planning.work_list.persistent_schedule` for ``B·Hq`` groups. Returns
+    ``out [B, Tq, Hq, Dv]`` and ``lse [B, Hq, Tq]`` float32 (natural
     log; ``-inf`` for rows that see no key); with ``cfg.row_max`` also ``row_max [B, Hq, Tq]``
     float32, each row's largest ``scale·q·k`` over its allowed cells (``-inf`` where none)."""
     b, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
+    dv = v.shape[-1]
     group = hq // hkv
     num_tiles = tq // FWD_BLOCK_Q
     assert tq % FWD_BLOCK_Q == 0 and tk % FWD_BLOCK_K == 0, (tq, tk)
     assert order.shape == (num_tiles,), (order.shape, num_tiles)
     dtype = q.dtype
     bq, stages = _WG_ROWS, cfg.num_stages
-    # Key rows per ring slot: a whole key tile of the work list, or at D > MAX_NARROW_D half of one
-    # (K/V slots of 128 x 256 would leave no room for two of them beside Q), each item then
-    # walked as two steps.
+    # Key rows per ring slot: a whole key tile of the work list, or where Q/K's head dim is
+    # above MAX_NARROW_D half of one (K/V slots of 128 x 256 would leave no room for two of
+    # them beside Q), each item then walked as two steps.
     bk = FWD_BLOCK_K if d <= MAX_NARROW_D else FWD_BLOCK_K // 2
     sub = FWD_BLOCK_K // bk
     check_fma_cols(cfg.fma_exp_cols, bk, f"the forward's score blocks at D={d}")
@@ -186,7 +194,7 @@ def ffa_forward(
                 plgpu.barrier_wait(q_ready.at[wg])
                 m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
                 l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
-                acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), layout)
+                acc = plgpu.layout_cast(jnp.zeros((bq, dv), jnp.float32), layout)
 
                 def softmax(s, m_i, l_i, i, masked):
                     """Scores of item ``i`` to ``(P, alpha, m, l)``: the item's probabilities
@@ -301,7 +309,7 @@ def ffa_forward(
                             return (*overlapped(o_ref, rest, i, masked), o_ref[...])
 
                         p, alpha, m_new, l_new, o = pl.run_scoped(
-                            body, plgpu.ACC((bq, d), jnp.float32)
+                            body, plgpu.ACC((bq, dv), jnp.float32)
                         )
                         acc, p16 = rescale(acc + o, alpha), p.astype(dtype)
                     plgpu.barrier_arrive(v_free.at[slot_of(base + i - 1)])
@@ -350,7 +358,7 @@ def ffa_forward(
                             pv_last(o_ref, p_last, i)
                             return o_ref[...]
 
-                        acc = acc + pl.run_scoped(body, plgpu.ACC((bq, d), jnp.float32))
+                        acc = acc + pl.run_scoped(body, plgpu.ACC((bq, dv), jnp.float32))
                     plgpu.barrier_arrive(v_free.at[slot_of(base + i - 1)])
                     return acc, m_i, l_i, p_last
 
@@ -425,7 +433,7 @@ def ffa_forward(
                 plgpu.barrier_wait(v_free.at[slot])
 
     out_shape = (
-        jax.ShapeDtypeStruct(q.shape, dtype),
+        jax.ShapeDtypeStruct((b, tq, hq, dv), dtype),
         jax.ShapeDtypeStruct((b, hq, tq), jnp.float32),
     )
     if cfg.row_max:
@@ -434,7 +442,7 @@ def ffa_forward(
     scratch = dict(
         q=smem((COMPUTE_WGS, bq, d), dtype),  # each consumer's Q
         k=smem((stages, bk, d), dtype),  # the K/V ring
-        v=smem((stages, bk, d), dtype),
+        v=smem((stages, bk, dv), dtype),
         lse=plgpu.SMEM((COMPUTE_WGS, bq), jnp.float32),  # the lse on its way out
         q_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
         k_ready=plgpu.Barrier(num_barriers=stages),
@@ -443,9 +451,11 @@ def ffa_forward(
         v_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
         turn=plgpu.Barrier(num_barriers=COMPUTE_WGS),  # whose turn to issue wgmmas
     )
-    # Persistent: each consumer's output leaves through a buffer of its own (else through
-    # its Q buffer).
-    out_scratch = dict(o=smem((COMPUTE_WGS, bq, d), dtype)) if persistent else {}
+    # Persistent: each consumer's output leaves through a buffer of its own, and so does an
+    # output of another head dim than Q's; otherwise it leaves through its Q buffer.
+    out_scratch = dict(o=smem((COMPUTE_WGS, bq, dv), dtype)) if persistent else {}
+    if dv != d and not persistent:
+        scratch["o"] = smem((COMPUTE_WGS, bq, dv), dtype)
     row_max_scratch = (
         dict(row_max=plgpu.SMEM((COMPUTE_WGS, bq), jnp.float32)) if cfg.row_max else {}
     )
@@ -459,6 +469,7 @@ def ffa_forward(
         persistent=cfg.persistent,
         d=d,
         dtype=dtype,
+        dv=dv,
     )
     scratch |= out_scratch
     if cfg.interpret:  # P through shared memory (mma_lhs)

@@ -4,11 +4,12 @@ chose, and the rules that pick them.
 One config per kernel, holding only the knobs that kernel has: :class:`FwdConfig` (the
 forward), :class:`DqConfig` and :class:`DkvConfig` (the backward at ``D <=``
 :data:`~magi_jax.pallas.common.MAX_NARROW_D`), :class:`WideDqConfig` and
-:class:`WideDkvConfig` (the backward at ``D =``
-:data:`~magi_jax.pallas.common.WIDE_BWD_D`). :func:`kernel_configs` builds one call's three
-from the knobs of :func:`~magi_jax.pallas.ffa_pallas`, each left ``None`` taking its default
-here. Results never depend on tuning beyond rounding. Why each default is what it is (dated
-same-run A/Bs on an H200): benchmarks/results/kernel/LATEST.md and ``kernel_notes.md`` there.
+:class:`WideDkvConfig` (the backward above it: ``D =``
+:data:`~magi_jax.pallas.common.WIDE_BWD_D`, and a query/key head dim of 192).
+:func:`kernel_configs` builds one call's three from the knobs of
+:func:`~magi_jax.pallas.ffa_pallas`, each left ``None`` taking its default here. Results
+never depend on tuning beyond rounding. Why each default is what it is (dated same-run A/Bs
+on an H200): benchmarks/results/kernel/LATEST.md and ``kernel_notes.md`` there.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from magi_jax.pallas.common import MAX_NARROW_D, WIDE_BWD_D, check_fma_cols, check_pipeline
+from magi_jax.pallas.common import MAX_NARROW_D, check_fma_cols, check_pipeline
 from magi_jax.planning.persistence import (
     DKV_PERSISTENT_MAX_MEAN_ITEMS,
     PERSISTENT_MAX_MEAN_ITEMS,
@@ -162,7 +163,7 @@ class DkvConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class WideDqConfig:
-    """Static configuration of the dQ kernel at D = 256
+    """Static configuration of the dQ kernel at D = 256 (and Dqk = 192)
     (:func:`~magi_jax.pallas.ffa_dq_wide.ffa_dq_wide`): one program per unit, consumers
     that meet every step."""
 
@@ -181,7 +182,7 @@ class WideDqConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class WideDkvConfig:
-    """Static configuration of the dK/dV kernel at D = 256
+    """Static configuration of the dK/dV kernel at D = 256 (and Dqk = 192)
     (:func:`~magi_jax.pallas.ffa_dkv_wide.ffa_dkv_wide`): one program per unit (its shared
     memory leaves no room for a persistent mode's output buffers), one query block per wait,
     consumers that meet every step."""
@@ -308,7 +309,8 @@ def kernel_configs(
     fma_exp_cols: int | None = None,
     row_max: bool = False,
 ) -> KernelConfigs:
-    """The three kernels' configs of one call at ``head_dim``, sharing ``scale``,
+    """The three kernels' configs of one call at ``head_dim`` (q's and k's: with a value head
+    dim of its own, the query/key head dim picks the kernels and defaults), sharing ``scale``,
     ``softcap`` and ``interpret``; the forward and dK/dV kernels persistent over
     ``persistent`` / ``dkv_persistent`` programs (0: one program per unit). Each knob left
     ``None`` takes its default (:func:`default_num_stages`, :func:`default_steps_per_wait`,
@@ -334,13 +336,13 @@ def kernel_configs(
     if head_dim > MAX_NARROW_D:
         if dkv_persistent:
             raise ValueError(
-                f"dkv_persistent={dkv_persistent}: at D = {WIDE_BWD_D} the dK/dV kernel "
+                f"dkv_persistent={dkv_persistent}: at D = {head_dim} the dK/dV kernel "
                 "runs one program per unit (its shared memory leaves no room for "
                 "the persistent mode's output buffers); pass dkv_persistent=0"
             )
         if dkv_steps_per_wait != 1:
             raise ValueError(
-                f"dkv_steps_per_wait={dkv_steps_per_wait}: at D = {WIDE_BWD_D} the dK/dV "
+                f"dkv_steps_per_wait={dkv_steps_per_wait}: at D = {head_dim} the dK/dV "
                 "kernel takes one query block per wait (its warpgroups meet every "
                 "step); pass dkv_steps_per_wait=1"
             )

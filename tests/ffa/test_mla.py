@@ -1,8 +1,8 @@
 """Multi-head latent attention on one device: a value head dim ``Dv`` of its own (q, k
 ``[T, H, Dqk]``, v ``[T, Hkv, Dv]``, out ``[T, Hq, Dv]``) at 192/128 and 128/64, through
 ``flex_flash_attention`` (masks and plans), ``dot_product_attention``, sinks and max logits,
-forward and gradients against the float64 reference (docs/design.md §5); the backend choice
-falls back to ``xla`` with the reason."""
+forward and gradients against the float64 reference (docs/design.md §5); for the pairs the
+pallas kernels do not take, the backend choice falls back to ``xla`` with the reason."""
 
 import jax
 import jax.numpy as jnp
@@ -91,13 +91,15 @@ def test_dot_product_attention(dqk, dv):
 
 
 def test_backend_choice_falls_back_with_the_reason():
-    q, k, v, *_ = random_inputs(jax.random.key(5), MASK, 2, 2, 192, jnp.bfloat16, dv=128)
+    """The (Dqk, Dv) pairs the pallas kernels do not take run on xla, with the head dims as
+    the reason (those they take: tests/pallas/test_mla_pallas.py)."""
+    q, k, v, *_ = random_inputs(jax.random.key(5), MASK, 2, 2, 192, jnp.bfloat16, dv=64)
     name, why = mj.select_backend("auto", q, k, v, MASK)
-    assert name == "xla" and "Dv=128" in why and "D=192" in why
-    with pytest.raises(NotImplementedError, match="Dv=128 differs"):
+    assert name == "xla" and "Dv=64" in why and "D=192" in why
+    with pytest.raises(NotImplementedError, match="Dv=64 differs"):
         mj.flex_flash_attention(q, k, v, MASK, backend="pallas")
     plan = mj.plan_attention(MASK, backend="pallas")
-    with pytest.raises(ValueError, match="Dv=128 differs"):
+    with pytest.raises(ValueError, match="Dv=64 differs"):
         mj.flex_flash_attention(q, k, v, plan)
 
 

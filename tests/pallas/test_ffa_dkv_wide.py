@@ -123,7 +123,7 @@ def test_config_errors():
     # Its warpgroups meet every step already: no turns to take.
     with pytest.raises(TypeError, match="unexpected keyword argument 'turns'"):
         WideDkvConfig(scale=0.1, turns=True)
-    with pytest.raises(ValueError, match="takes D = 256; got 128"):
+    with pytest.raises(ValueError, match="wide backward kernels take .* got Dqk=128, Dv=128"):
         trace(jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16))
     with pytest.raises(ValueError, match=r"dkv_num_stages=3, D=256 .* lower dkv_num_stages"):
         trace(q, num_stages=3)

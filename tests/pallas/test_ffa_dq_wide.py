@@ -129,7 +129,7 @@ def test_config_errors():
             lambda *a: ffa_dq_wide(*a, *plan[:3], WideDqConfig(scale=0.1, num_stages=3)), *args[:6]
         )
     small = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="takes D = 256"):
+    with pytest.raises(ValueError, match="wide backward kernels take .* got Dqk=128, Dv=128"):
         ffa_dq_wide(*(small,) * 6, *plan[:3], WideDqConfig(scale=0.1))
 
 
