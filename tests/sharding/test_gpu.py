@@ -58,11 +58,12 @@ def test_pallas_split_vjp_matches_ffa_pallas_in_interpret_mode():
 
 
 @pytest.mark.slow
-def test_pallas_stage_backwards_from_the_merged_result_in_interpret_mode():
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 64)])
+def test_pallas_stage_backwards_from_the_merged_result_in_interpret_mode(d, dv):
     """CP's backward runs each stage's pallas backward against the merged (out, lse)
     (``split_bwd`` over :func:`~magi_jax.pallas.ffa_pallas_backward`): the two stages'
     gradients must sum to the VJP of one pallas call over all keys (Mosaic GPU interpret
-    mode, single device)."""
+    mode, single device); also with v's own head dim (MLA), as CP with a pallas key runs it."""
     from magi_jax.pallas import ffa_pallas, plan_for_mask
     from magi_jax.sharding.attention import merge_partials
     from magi_jax.sharding.ffa_backends import _pallas
@@ -71,8 +72,8 @@ def test_pallas_stage_backwards_from_the_merged_result_in_interpret_mode():
         [[0, 128], [0, 128]], [[0, 128], [128, 256]], ["full", "causal"], 128, 256
     )
     be = _pallas(interpret=True)
-    kw = dict(softmax_scale=0.125, softcap=0.0, block_q=0, block_k=0)
-    q, k, v, dout, dlse = random_inputs(jax.random.key(2), mask, 2, 1, 64, jnp.bfloat16)
+    kw = dict(softmax_scale=d**-0.5, softcap=0.0, block_q=0, block_k=0)
+    q, k, v, dout, dlse = random_inputs(jax.random.key(2), mask, 2, 1, d, jnp.bfloat16, dv=dv)
     parts = [
         AttnMask.from_ranges([[0, 128]], [[0, 128]], ["full"], 128, 128),
         AttnMask.from_ranges([[0, 128]], [[0, 128]], ["causal"], 128, 128),
@@ -90,7 +91,7 @@ def test_pallas_stage_backwards_from_the_merged_result_in_interpret_mode():
     dv = jnp.concatenate([grads[0][2], grads[1][2]])
     plan = plan_for_mask(mask, "pallas")
     (out1, lse1), vjp = jax.vjp(
-        lambda a, b, c: ffa_pallas(a, b, c, plan, softmax_scale=0.125, interpret=True), q, k, v
+        lambda a, b, c: ffa_pallas(a, b, c, plan, softmax_scale=d**-0.5, interpret=True), q, k, v
     )
     want = (out1, lse1, *vjp((dout, dlse)))
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), want):
