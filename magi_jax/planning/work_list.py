@@ -26,7 +26,7 @@ from magi_jax.caches import cached
 from magi_jax.mask import AttnMask, SliceShapes
 from magi_jax.planning.backends import FFA_BACKENDS
 from magi_jax.planning.errors import capacity_error
-from magi_jax.planning.intervals import ranges_incl
+from magi_jax.planning.intervals import ranges_incl, ranges_repeat
 from magi_jax.planning.tiling import EMPTY_ITEM, ITEM_FIELDS, tile_items
 
 __all__ = [
@@ -190,11 +190,11 @@ def emit_run_lists(
     cp = len(per_call)
     width = int(per_call.max(initial=0)) if num_runs is None else int(num_runs)
     out = np.empty((cp, width, NUM_RUN_FIELDS), np.int32)
+    pad = _padding(width - int(per_call.min(initial=width)), EMPTY_RUN)
     for r in range(cp):
         a, b = runs.run_bounds[r], runs.run_bounds[r + 1]
-        out[r, : b - a, :NUM_FIELDS] = runs.rows[a:b]
-        out[r, : b - a, _LENGTH] = runs.length[a:b]
-        out[r, b - a :] = EMPTY_RUN
+        np.take(runs.table, runs.row[a:b], axis=0, out=out[r, : b - a])
+        out[r, b - a :] = pad[: width - (b - a)]
     return runs.order, runs.offsets, out
 
 
@@ -228,9 +228,9 @@ def _expand_list(order, offsets, runs, num_items: int) -> WorkList:
     count = real.sum(axis=1)
     bounds = np.concatenate([[0], np.cumsum(count)])
     # Real runs come first on every call (padding runs after them).
-    rows = flat[real][:, :NUM_FIELDS]
-    lens = length[real]
-    listed = ListRuns(rows, lens, bounds, ends.astype(np.int64), None, None)
+    listed = ListRuns(
+        flat[real], np.arange(int(bounds[-1])), bounds, ends.astype(np.int64), None, None
+    )
     items = emit_work_lists(listed, num_items).items
     return WorkList(order, offsets, items.reshape(*lead, num_items, NUM_FIELDS))
 
@@ -310,18 +310,24 @@ def build_work_lists(
 
 
 class ListRuns(NamedTuple):
-    """Stacked work lists before their items are written: ``rows [R, 8]`` int32, the first
-    item of every run, runs ordered as the items (per call: by owned tile, FULL first, by
-    other tile, by slice) and grouped by call (``run_bounds [cp + 1]``); ``length [R]`` items
-    per run (the other tile steps by one along a run); ``per_rank [cp]`` items per call;
-    ``order``, ``offsets`` as in the stacked :class:`WorkList`."""
+    """Stacked work lists before their items are written: ``table [M, 9]`` int32 runs
+    (:data:`RUN_FIELDS`: the first item of a run and its length; the other tile steps by one
+    along a run) and ``row [R]`` int, the list's runs as rows of ``table``, ordered as the
+    items (per call: by owned tile, FULL first, by other tile, by slice) and grouped by call
+    (``run_bounds [cp + 1]``); ``per_rank [cp]`` items per call; ``order``, ``offsets`` as in
+    the stacked :class:`WorkList`."""
 
-    rows: np.ndarray
-    length: np.ndarray
+    table: np.ndarray
+    row: np.ndarray
     run_bounds: np.ndarray
     per_rank: np.ndarray
     order: np.ndarray
     offsets: np.ndarray
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The runs in list order, int32 ``[R, 9]``."""
+        return np.take(self.table, self.row, axis=0)
 
 
 def check_items(per_rank: np.ndarray, num_items: int, field: str = "items") -> None:
@@ -358,31 +364,33 @@ def work_list_runs(
     live = np.nonzero(shapes.nonempty)[0]
     if by == "k" and not _rows_nonempty(shapes, live):
         return _runs_fallback(shapes, slice_rank, cp, total_q, total_k, block_q, block_k, by)
-    rank, own, start, length, kind, s = _item_runs(
-        shapes, live, slice_rank, total_q, total_k, block_q, block_k, by
-    )
+    runs = _item_runs(shapes, live, slice_rank, total_q, total_k, block_q, block_k, by)
+    # Items per (call, owned tile): each table row adds its length on each of its tiles.
+    tile = runs.rank * num
+    step = np.bincount(tile + runs.first, runs.length, cp * num + 1).astype(np.int64)
+    step -= np.bincount(tile + runs.last + 1, runs.length, cp * num + 1).astype(np.int64)
+    counts = np.cumsum(step[: cp * num]).reshape(cp, num)
     # Order: call, owned tile, FULL first, other tile, slice. Full runs of one tile never
     # share an other tile (slices are disjoint), masked runs rarely do: those that share one
     # with another run of their tile are cut into single items, so that sorting runs by their
     # first other tile orders every item.
-    rank, own, start, length, kind, s = _order_runs(
-        rank, own, start, length, kind, s, cp, num, n_other, len(shapes.q0)
-    )
-    counts = np.bincount(rank * num + own, weights=length, minlength=cp * num)[: cp * num]
-    counts = counts.astype(np.int64).reshape(cp, num)
-    # One row per run: the item its first tile gives (the other tile, the slice, the kind).
+    runs, row, run_bounds = _order_runs(runs, cp, num, n_other)
+    # One row per table run: the item its first tile gives (the other tile, the slice, the
+    # kind) and its length.
     clip = lambda x: np.clip(x, -_I32.max, _I32.max)
-    rows = np.empty((len(s), NUM_FIELDS), np.int32)
-    rows[:, 0] = start
+    s = runs.slice
+    table = np.empty((len(s), NUM_RUN_FIELDS), np.int32)
+    table[:, 0] = runs.start
     for j, f in enumerate((shapes.q0, shapes.q1, shapes.k0, shapes.k1)):
-        rows[:, 1 + j] = f[s]
-    rows[:, 5] = clip(shapes.dlo[s])
-    rows[:, 6] = clip(shapes.dhi[s])
-    rows[:, 7] = kind
-    return _with_tiles(rows, length, np.searchsorted(rank, np.arange(cp + 1)), counts)
+        table[:, 1 + j] = f[s]
+    table[:, 5] = clip(shapes.dlo[s])
+    table[:, 6] = clip(shapes.dhi[s])
+    table[:, 7] = runs.kind
+    table[:, _LENGTH] = runs.length
+    return _with_tiles(table, row, run_bounds, counts)
 
 
-def _with_tiles(rows, length, run_bounds, counts) -> ListRuns:
+def _with_tiles(table, row, run_bounds, counts) -> ListRuns:
     cp, num = counts.shape
     per_rank = counts.sum(axis=1)
     if per_rank.max(initial=0) > _I32.max:
@@ -396,15 +404,16 @@ def _with_tiles(rows, length, run_bounds, counts) -> ListRuns:
     launch = np.lexsort(
         (np.tile(np.arange(num), cp), -counts.reshape(-1), np.repeat(np.arange(cp), num))
     ).reshape(cp, num) % max(num, 1)
-    return ListRuns(
-        rows, length, run_bounds, per_rank, launch.astype(np.int32), offsets.astype(np.int32)
-    )
+    order, offsets = launch.astype(np.int32), offsets.astype(np.int32)
+    return ListRuns(table, row, run_bounds, per_rank, order, offsets)
 
 
 def emit_work_lists(runs: ListRuns, num_items: int | None = None) -> WorkList:
     """The stacked :class:`WorkList` of ``runs``, items padded to ``num_items`` (default:
     the longest call's; :func:`check_items` first when it may hold fewer)."""
-    rows, length, run_bounds, per_rank = runs.rows, runs.length, runs.run_bounds, runs.per_rank
+    rows, run_bounds, per_rank = runs.rows, runs.run_bounds, runs.per_rank
+    length = rows[:, _LENGTH].astype(np.int64)
+    rows = rows[:, :NUM_FIELDS]
     cp = len(per_rank)
     width = int(per_rank.max(initial=0)) if num_items is None else int(num_items)
     items = np.empty((cp, width, NUM_FIELDS), np.int32)
@@ -429,10 +438,10 @@ def emit_work_lists(runs: ListRuns, num_items: int | None = None) -> WorkList:
     return WorkList(runs.order, runs.offsets, items)
 
 
-def _padding(n: int) -> np.ndarray:
-    """``n`` empty items (copied by doubling: memcpy speed)."""
-    pad = np.empty((max(n, 1), NUM_FIELDS), np.int32)
-    pad[0] = EMPTY_ITEM
+def _padding(n: int, empty: np.ndarray = EMPTY_ITEM) -> np.ndarray:
+    """``n`` rows ``empty`` (empty items, or runs), copied by doubling: memcpy speed."""
+    pad = np.empty((max(n, 1), len(empty)), np.int32)
+    pad[0] = empty
     k = 1
     while k < n:
         m = min(k, n - k)
@@ -458,21 +467,89 @@ def _ceil_div(a, b):
     return -((-a) // b)
 
 
-def _item_runs(sh, live, slice_rank, total_q, total_k, bq, bk, by):
-    """Runs of items: every (slice, owned tile) pair with cells, its other tiles
-    ``[start, start + length)`` cut where the mask kind changes. Int64 arrays
-    ``(rank, own, start, length, kind, slice)``, pairs in slice order, runs in tile order.
+class _Runs(NamedTuple):
+    """A table of runs of items: row ``i`` is a run of ``length[i]`` other tiles from
+    ``start[i]``, of mask kind ``kind[i]``, in slice ``slice[i]`` of call ``rank[i]``, on
+    each owned tile of ``[first[i], last[i]]`` (int64 ``[M]`` each): a pair's run on one
+    tile, or the run of every pair of a steady stretch (:func:`_steady_tiles`)."""
+
+    rank: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    kind: np.ndarray
+    slice: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+
+
+def _item_runs(sh, live, slice_rank, total_q, total_k, bq, bk, by) -> _Runs:
+    """Runs of items: every (slice, owned tile) pair with cells, its other tiles cut where
+    the mask kind changes (:func:`_pair_runs`). Pairs of a slice's steady stretch
+    (:func:`_steady_tiles`) all have the runs of its first tile: those are cut once and
+    stand for the whole stretch; the other pairs are cut one by one."""
+    if by == "q":
+        first, last = sh.q0[live] // bq, (sh.q1[live] - 1) // bq
+    else:
+        first, last = sh.lo(sh.q0[live], live) // bk, sh.hi(sh.q1[live] - 1, live) // bk
+    sa, sb, steady = _steady_tiles(sh, live, first, last, total_k, bq, bk, by)
+    # The pairs outside the steady stretches, one by one.
+    owner, own = ranges_repeat(
+        np.concatenate([first, sb[steady] + 1]),
+        np.concatenate([np.where(steady, sa, last + 1), last[steady] + 1]),
+    )
+    s = np.concatenate([live, live[steady]])[owner]
+    pair, start, length, kind = _pair_runs(sh, s, own, total_k, bq, bk, by)
+    # The runs of each steady stretch's first tile, for every tile of the stretch.
+    ls, sa, sb = live[steady], sa[steady], sb[steady]
+    t_pair, t_start, t_length, t_kind = _pair_runs(sh, ls, sa, total_k, bq, bk, by)
+    table_slice = np.concatenate([s[pair], ls[t_pair]])
+    return _Runs(
+        rank=slice_rank[table_slice],
+        start=np.concatenate([start, t_start]),
+        length=np.concatenate([length, t_length]),
+        kind=np.concatenate([kind, t_kind]),
+        slice=table_slice,
+        first=np.concatenate([own[pair], sa[t_pair]]),
+        last=np.concatenate([own[pair], sb[t_pair]]),
+    )
+
+
+def _steady_tiles(sh, live, first, last, total_k, bq, bk, by):
+    """Per live slice (owned tiles ``[first, last]``), a stretch ``[sa, sb]`` of owned tiles
+    whose pairs all cut into the same runs, and ``steady`` (bool): whether it holds one.
+
+    On the stretch every bound of :func:`_pair_bounds` takes the slice's own edge rather
+    than a diagonal, and FULL items are allowed. For q-tiles: the tile's rows lie in the
+    slice's, its first row's last key is the slice's last (``t0 + dhi >= k1 - 1``) and its
+    last row's first key the slice's first (``t0 + bq - 1 + dlo <= k0``). For k-tiles: the
+    tile lies in the slice's keys (so in the sequence), its last column is seen by the
+    slice's first row (``c1 - dhi <= q0``) and its first column by the slice's last row
+    (``c0 - dlo >= q1 - 1``). Each is a bound on the tile index."""
+    q0, q1, k0, k1, dlo, dhi = (f[live] for f in (sh.q0, sh.q1, sh.k0, sh.k1, sh.dlo, sh.dhi))
+    if by == "q":
+        sa = np.maximum(np.maximum(first, _ceil_div(q0, bq)), _ceil_div(k1 - 1 - dhi, bq))
+        sb = np.minimum(np.minimum(last, (q1 - bq) // bq), (k0 - dlo - bq + 1) // bq)
+    else:
+        sa = np.maximum(np.maximum(first, _ceil_div(k0, bk)), _ceil_div(q1 - 1 + dlo, bk))
+        sb = np.minimum(np.minimum(last, (k1 - bk) // bk), (q0 + dhi - bk + 1) // bk)
+    return sa, sb, sa <= sb
+
+
+def _pair_bounds(sh, s, own, total_k, bq, bk, by):
+    """Of every (slice ``s``, owned tile ``own``) pair: the other tiles ``[oa, ob)`` with
+    cells, the FULL ones ``[fa, fb)``, those inside the slice's row and key ranges ``[ia,
+    ib)`` (int64 ``[n, 6]``: ``oa, fa, fb, ia, ib, ob``, the inner ones clipped into
+    ``[oa, ob]``); whether the owned tile lies inside the slice's (row or key) range and
+    whether FULL items are allowed (it also lies inside the sequence), bool ``[n]`` each.
 
     An item (slice, q-tile, k-tile) holds a cell when the tile's rows see a key of its
     columns (:func:`magi_jax.planning.tiling.tile_items`); it is FULL when the q-tile's rows
     lie in the slice's, the last row's first key is at most the tile's first column and the
     first row's last key at least its last column (inside the sequence); BAND when the tile
     lies inside the slice's row and key ranges (:func:`build_work_list`). Along the other
-    tile each of these holds on one interval, so a pair has at most five runs."""
+    tile each of these holds on one interval."""
+    q0, q1, k0, k1, dlo, dhi = (f[s] for f in (sh.q0, sh.q1, sh.k0, sh.k1, sh.dlo, sh.dhi))
     if by == "q":
-        owner, own = ranges_incl(sh.q0[live] // bq, (sh.q1[live] - 1) // bq)
-        s = live[owner]
-        q0, q1, k0, k1, dlo, dhi = (f[s] for f in (sh.q0, sh.q1, sh.k0, sh.k1, sh.dlo, sh.dhi))
         lo = lambda r: np.maximum(k0, r + dlo)
         hi = lambda r: np.minimum(k1 - 1, r + dhi)
         t0 = own * bq
@@ -484,10 +561,6 @@ def _item_runs(sh, live, slice_rank, total_q, total_k, bq, bk, by):
         full_ok = own_in
         ia, ib = _ceil_div(k0, bk), k1 // bk
     else:
-        q0, q1 = sh.q0[live], sh.q1[live]
-        owner, own = ranges_incl(sh.lo(q0, live) // bk, sh.hi(q1 - 1, live) // bk)
-        s = live[owner]
-        q0, q1, k0, k1, dlo, dhi = (f[s] for f in (sh.q0, sh.q1, sh.k0, sh.k1, sh.dlo, sh.dhi))
         c0 = own * bk
         c1 = c0 + bk - 1
         # Rows that see a column of the k-tile: hi(r) >= c0 and lo(r) <= c1.
@@ -503,7 +576,16 @@ def _item_runs(sh, live, slice_rank, total_q, total_k, bq, bk, by):
     fb = np.where(full_ok, np.clip(fb, oa, ob), oa)
     fb = np.maximum(fa, fb)
     ia, ib = np.clip(ia, oa, ob), np.clip(ib, oa, ob)
-    bounds = np.sort(np.stack([oa, fa, fb, ia, ib, ob], axis=1), axis=1)
+    return np.stack([oa, fa, fb, ia, ib, ob], axis=1), own_in, full_ok
+
+
+def _pair_runs(sh, s, own, total_k, bq, bk, by):
+    """The runs of every (slice ``s``, owned tile ``own``) pair: its other tiles with cells
+    cut where the mask kind changes (at most five runs). Int64 arrays ``(pair, start,
+    length, kind)``, runs in pair order, then in tile order."""
+    b, own_in, _ = _pair_bounds(sh, s, own, total_k, bq, bk, by)
+    fa, fb, ia, ib = b[:, 1], b[:, 2], b[:, 3], b[:, 4]
+    bounds = np.sort(b, axis=1)
     start, stop = bounds[:, :-1], bounds[:, 1:]
     keep = stop > start
     pair = np.broadcast_to(np.arange(len(s))[:, None], keep.shape)[keep]
@@ -511,47 +593,74 @@ def _item_runs(sh, live, slice_rank, total_q, total_k, bq, bk, by):
     full = (start >= fa[pair]) & (start < fb[pair])
     inside = own_in[pair] & (start >= ia[pair]) & (start < ib[pair])
     kind = np.where(full, FULL, np.where(inside, BAND, GENERAL)).astype(np.int64)
-    s = s[pair]
-    return slice_rank[s], own[pair], start, length, kind, s
+    return pair, start, length, kind
 
 
-def _order_runs(rank, own, start, length, kind, s, cp, num, n_other, n_slices):
-    """Runs sorted by (call, owned tile, FULL first, other tile, slice); runs that share an
-    other tile with an earlier run of their (call, tile, FULL or not) group are first cut
-    into single items, as are those they share it with."""
-    masked = (kind != FULL).astype(np.int64)
+def _order_runs(runs: _Runs, cp, num, n_other):
+    """Every run of the table on each of its owned tiles, in list order (per call and owned
+    tile: FULL first, then by other tile and slice): ``(runs, row, run_bounds)``, the list's
+    runs as rows ``row [R]`` (int64) of the table ``runs`` returned, grouped by call
+    (``run_bounds [cp + 1]``). Runs that share an other tile with an earlier run of their
+    (call, tile, FULL or not) group are first cut into single items (new rows of the
+    table), as are those they share it with.
 
-    def order_of(rank, own, masked, start, s):
-        bound = float(max(cp, 1)) * max(num, 1) * 2 * max(n_other, 1) * max(n_slices, 1)
-        if bound < 2.0**62:
-            key = (((rank * num + own) * 2 + masked) * n_other + start) * n_slices + s
-            return np.argsort(key, kind="stable")
-        return np.lexsort((s, start, masked, own, rank))
-
-    o = order_of(rank, own, masked, start, s)
-    rank, own, start, length, kind, s, masked = (
-        x[o] for x in (rank, own, start, length, kind, s, masked)
-    )
-    if len(s) > 1:
-        group = (rank * num + own) * 2 + masked
-        g0 = group * n_other
-        reach = np.maximum.accumulate(g0 + start + length - 1)
-        shared = np.zeros(len(s), bool)
-        shared[1:] = g0[1:] + start[1:] <= reach[:-1]
+    The table's tile ranges cut the owned tiles (numbered over all calls) into segments on
+    which the same rows run, so a segment's runs are ordered (and cut) once, as a list, and
+    that list is the segment's runs on each of its tiles."""
+    masked = (runs.kind != FULL).astype(np.int64)
+    o = np.lexsort((runs.slice, runs.start, masked, runs.rank))  # a tile's order
+    runs, masked = _Runs(*(x[o] for x in runs)), masked[o]
+    lo = runs.rank * num + runs.first
+    hi = runs.rank * num + runs.last + 1
+    edges = np.unique(np.concatenate([lo, hi]))
+    # (row, segment) pairs: each row on every segment of its tiles, then by segment (rows
+    # stay in a tile's order).
+    pair, seg = ranges_repeat(np.searchsorted(edges, lo), np.searchsorted(edges, hi))
+    o = np.argsort(seg, kind="stable")
+    pair, seg = pair[o], seg[o]
+    if len(pair) > 1:
+        # A run shares a tile when it starts before an earlier run of its (segment, FULL or
+        # not) group ends; the places of different groups never meet.
+        span = 2 * n_other
+        place = seg * span + (masked * n_other + runs.start)[pair]
+        reach = np.maximum.accumulate(place + (runs.length - 1)[pair])
+        shared = np.zeros(len(pair), bool)
+        shared[1:] = place[1:] <= reach[:-1]
         if shared.any():
-            cluster = np.cumsum(~shared)
-            cut = np.bincount(cluster)[cluster] > 1
-            keep = ~cut
-            i, step = ranges_incl(np.zeros(int(cut.sum()), np.int64), length[cut] - 1)
-            idx = np.nonzero(cut)[0][i]
-            rank, own, kind, s, masked = (
-                np.concatenate([x[keep], x[idx]]) for x in (rank, own, kind, s, masked)
-            )
-            start = np.concatenate([start[keep], start[idx] + step])
-            length = np.concatenate([length[keep], np.ones(len(idx), np.int64)])
-            o = order_of(rank, own, masked, start, s)
-            rank, own, start, length, kind, s = (x[o] for x in (rank, own, start, length, kind, s))
-    return rank, own, start, length, kind, s
+            runs, pair, seg = _cut_shared(runs, masked, pair, seg, shared)
+    # Each segment's list on every tile of the segment.
+    size = np.bincount(seg, minlength=max(len(edges) - 1, 0))
+    width = np.diff(edges)
+    tile_start = np.repeat(np.cumsum(size) - size, width)
+    _, idx = ranges_repeat(tile_start, tile_start + np.repeat(size, width))
+    per_call = np.bincount(np.repeat(edges[:-1] // max(num, 1), width), np.repeat(size, width), cp)
+    run_bounds = np.concatenate([[0], np.cumsum(per_call[:cp].astype(np.int64))])
+    return runs, pair[idx], run_bounds
+
+
+def _cut_shared(runs: _Runs, masked, pair, seg, shared):
+    """The (row, segment) pairs with the runs in clusters of ``shared`` cut into single
+    items (new rows of the table), reordered by (segment, FULL first, other tile, slice)."""
+    cluster = np.cumsum(~shared)
+    cut = np.bincount(cluster)[cluster] > 1
+    i, step = ranges_incl(np.zeros(int(cut.sum()), np.int64), runs.length[pair[cut]] - 1)
+    idx = np.nonzero(cut)[0][i]
+    piece = pair[idx]  # each item's run
+    m = len(runs.rank)
+    runs = _Runs(
+        rank=np.concatenate([runs.rank, runs.rank[piece]]),
+        start=np.concatenate([runs.start, runs.start[piece] + step]),
+        length=np.concatenate([runs.length, np.ones(len(idx), np.int64)]),
+        kind=np.concatenate([runs.kind, runs.kind[piece]]),
+        slice=np.concatenate([runs.slice, runs.slice[piece]]),
+        first=np.concatenate([runs.first, runs.first[piece]]),
+        last=np.concatenate([runs.last, runs.last[piece]]),
+    )
+    masked = np.concatenate([masked, masked[piece]])
+    pair = np.concatenate([pair[~cut], m + np.arange(len(idx))])
+    seg = np.concatenate([seg[~cut], seg[idx]])
+    o = np.lexsort((runs.slice[pair], runs.start[pair], masked[pair], seg))
+    return runs, pair[o], seg[o]
 
 
 def _runs_fallback(shapes, slice_rank, cp, total_q, total_k, block_q, block_k, by):
@@ -563,11 +672,12 @@ def _runs_fallback(shapes, slice_rank, cp, total_q, total_k, block_q, block_k, b
         sl = slice(bounds[r], bounds[r + 1])
         sub = SliceShapes(*(getattr(shapes, f)[sl] for f in ("q0", "q1", "k0", "k1", "dlo", "dhi")))
         lists.append(_build_work_list_items(sub, total_q, total_k, block_q, block_k, by))
-    rows = np.concatenate([w.items for w in lists]).reshape(-1, NUM_FIELDS)
+    items = np.concatenate([w.items for w in lists]).reshape(-1, NUM_FIELDS)
+    rows = np.concatenate([items, np.ones((len(items), 1), np.int32)], axis=1)
     sizes = np.array([len(w.items) for w in lists], np.int64)
     run_bounds = np.concatenate([[0], np.cumsum(sizes)])
     counts = np.stack([np.diff(w.offsets.astype(np.int64)) for w in lists])
-    return _with_tiles(rows, np.ones(len(rows), np.int64), run_bounds, counts)
+    return _with_tiles(rows, np.arange(len(rows)), run_bounds, counts)
 
 
 def _build_work_list_items(
