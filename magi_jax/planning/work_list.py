@@ -193,7 +193,7 @@ def emit_run_lists(
     pad = _padding(width - int(per_call.min(initial=width)), EMPTY_RUN)
     for r in range(cp):
         a, b = runs.run_bounds[r], runs.run_bounds[r + 1]
-        np.take(runs.table, runs.row[a:b], axis=0, out=out[r, : b - a])
+        np.take(runs.table, runs.row[a:b], axis=0, out=out[r, : b - a], mode="clip")
         out[r, b - a :] = pad[: width - (b - a)]
     return runs.order, runs.offsets, out
 
@@ -628,14 +628,19 @@ def _order_runs(runs: _Runs, cp, num, n_other):
         shared[1:] = place[1:] <= reach[:-1]
         if shared.any():
             runs, pair, seg = _cut_shared(runs, masked, pair, seg, shared)
-    # Each segment's list on every tile of the segment.
+    # Each segment's list on every tile of the segment (indices into ``pair``; int32 where
+    # they fit: the lists' rows are the plan's largest temporaries).
     size = np.bincount(seg, minlength=max(len(edges) - 1, 0))
     width = np.diff(edges)
-    tile_start = np.repeat(np.cumsum(size) - size, width)
-    _, idx = ranges_repeat(tile_start, tile_start + np.repeat(size, width))
-    per_call = np.bincount(np.repeat(edges[:-1] // max(num, 1), width), np.repeat(size, width), cp)
+    tile_size = np.repeat(size, width)
+    tile_first = np.repeat(np.cumsum(size) - size, width)
+    total = int(tile_size.sum())
+    dtype = np.int32 if max(total, len(pair)) <= _I32.max else np.int64
+    idx = np.arange(total, dtype=dtype)
+    idx += np.repeat((tile_first - (np.cumsum(tile_size) - tile_size)).astype(dtype), tile_size)
+    per_call = np.bincount(np.repeat(edges[:-1] // max(num, 1), width), tile_size, cp)
     run_bounds = np.concatenate([[0], np.cumsum(per_call[:cp].astype(np.int64))])
-    return runs, pair[idx], run_bounds
+    return runs, pair.astype(dtype)[idx], run_bounds
 
 
 def _cut_shared(runs: _Runs, masked, pair, seg, shared):
