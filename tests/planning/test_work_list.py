@@ -309,20 +309,20 @@ def test_lists_by_runs_match_item_by_item(mask, blocks, by):
 
 def _stretches_are_steady(sh, total_k, bq, bk, by):
     """Every tile of every steady stretch has the bounds of the stretch's first tile."""
-    from magi_jax.planning import work_list as W
     from magi_jax.planning.intervals import ranges_incl
+    from magi_jax.planning.item_runs import pair_bounds, steady_tiles
 
     live = np.nonzero(sh.nonempty)[0]
     if by == "q":
         first, last = sh.q0[live] // bq, (sh.q1[live] - 1) // bq
     else:
         first, last = sh.lo(sh.q0[live], live) // bk, sh.hi(sh.q1[live] - 1, live) // bk
-    sa, sb, steady = W._steady_tiles(sh, live, first, last, total_k, bq, bk, by)
+    sa, sb, steady = steady_tiles(sh, live, first, last, total_k, bq, bk, by)
     assert ((sa[steady] >= first[steady]) & (sb[steady] <= last[steady])).all()
     owner, tile = ranges_incl(sa[steady], sb[steady])
     s = live[steady][owner]
-    bounds, own_in, full_ok = W._pair_bounds(sh, s, tile, total_k, bq, bk, by)
-    at_first = W._pair_bounds(sh, s, sa[steady][owner], total_k, bq, bk, by)[0]
+    bounds, own_in, full_ok = pair_bounds(sh, s, tile, total_k, bq, bk, by)
+    at_first = pair_bounds(sh, s, sa[steady][owner], total_k, bq, bk, by)[0]
     np.testing.assert_array_equal(bounds, at_first)
     assert own_in.all() and full_ok.all()
     return int(steady.sum())
