@@ -17,7 +17,7 @@ def ranges_repeat(start: np.ndarray, stop: np.ndarray) -> tuple[np.ndarray, np.n
     range ``i`` each value comes from, in order."""
     n = np.maximum(np.asarray(stop) - np.asarray(start), 0)
     owner = np.repeat(np.arange(len(n)), n)
-    value = np.repeat(start, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
+    value = np.arange(int(n.sum())) + np.repeat(np.asarray(start) - (np.cumsum(n) - n), n)
     return owner, value
 
 

@@ -19,14 +19,27 @@ import numpy as np
 from magi_jax.mask import SliceShapes
 from magi_jax.planning.intervals import ranges_incl
 
-__all__ = ["TileItems", "tile_items", "count_items", "ITEM_FIELDS", "EMPTY_ITEM"]
+__all__ = [
+    "TileItems",
+    "tile_items",
+    "count_items",
+    "ITEM_FIELDS",
+    "EMPTY_ITEM",
+    "GENERAL",
+    "FULL",
+    "BAND",
+]
 
 # Columns of one work item (int32): the tile on the other side (k-tile for a q-tile's item,
-# q-tile for a k-tile's), the slice's canonical geometry, and the mask kind of the tile
-# (magi_jax.planning.work_list: GENERAL, FULL, BAND).
+# q-tile for a k-tile's), the slice's canonical geometry, and the mask kind of the tile.
 ITEM_FIELDS = ("other_tile", "q0", "q1", "k0", "k1", "dlo", "dhi", "kind")
 # An item that holds no cell: the padding of item arrays.
 EMPTY_ITEM = np.array([0, 0, 0, 0, 0, 0, -1, 0], np.int32)
+# The last item field (``kind`` in ITEM_FIELDS) holds the item's mask kind: every cell of the
+# tile in the slice (FULL, no predicate), only the slice's diagonal bounds cut the tile (BAND:
+# it lies inside the slice's query and key ranges; one range check per cell), or any bound
+# may cut it (GENERAL: three range checks per cell).
+GENERAL, FULL, BAND = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)

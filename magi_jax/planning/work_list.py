@@ -26,8 +26,8 @@ from magi_jax.caches import cached
 from magi_jax.mask import AttnMask, SliceShapes
 from magi_jax.planning.backends import FFA_BACKENDS
 from magi_jax.planning.errors import capacity_error
-from magi_jax.planning.intervals import ranges_incl
-from magi_jax.planning.tiling import EMPTY_ITEM, ITEM_FIELDS, tile_items
+from magi_jax.planning.item_runs import order_runs, slice_runs
+from magi_jax.planning.tiling import BAND, EMPTY_ITEM, FULL, GENERAL, ITEM_FIELDS, tile_items
 
 __all__ = [
     "ITEM_FIELDS",
@@ -85,12 +85,6 @@ FWD_BLOCK_Q, FWD_BLOCK_K = 128, 128
 DKV_BLOCK_Q, DKV_BLOCK_K = 64, 128
 # Tiles of the xla backend (its vectorised tile loop is the same at any size).
 _XLA_BLOCK, _XLA_MIN_BLOCK = 128, 8
-
-# The last item field (``kind`` in ITEM_FIELDS) holds the item's mask kind: every cell of the
-# tile in the slice (FULL, no predicate), only the slice's diagonal bounds cut the tile (BAND:
-# it lies inside the slice's query and key ranges; one range check per cell), or any bound
-# may cut it (GENERAL: three range checks per cell).
-GENERAL, FULL, BAND = 0, 1, 2
 
 
 class WorkList(NamedTuple):
@@ -190,11 +184,11 @@ def emit_run_lists(
     cp = len(per_call)
     width = int(per_call.max(initial=0)) if num_runs is None else int(num_runs)
     out = np.empty((cp, width, NUM_RUN_FIELDS), np.int32)
+    pad = _padding(width - int(per_call.min(initial=width)), EMPTY_RUN)
     for r in range(cp):
         a, b = runs.run_bounds[r], runs.run_bounds[r + 1]
-        out[r, : b - a, :NUM_FIELDS] = runs.rows[a:b]
-        out[r, : b - a, _LENGTH] = runs.length[a:b]
-        out[r, b - a :] = EMPTY_RUN
+        np.take(runs.table, runs.row[a:b], axis=0, out=out[r, : b - a], mode="clip")
+        out[r, b - a :] = pad[: width - (b - a)]
     return runs.order, runs.offsets, out
 
 
@@ -228,9 +222,9 @@ def _expand_list(order, offsets, runs, num_items: int) -> WorkList:
     count = real.sum(axis=1)
     bounds = np.concatenate([[0], np.cumsum(count)])
     # Real runs come first on every call (padding runs after them).
-    rows = flat[real][:, :NUM_FIELDS]
-    lens = length[real]
-    listed = ListRuns(rows, lens, bounds, ends.astype(np.int64), None, None)
+    listed = ListRuns(
+        flat[real], np.arange(int(bounds[-1])), bounds, ends.astype(np.int64), None, None
+    )
     items = emit_work_lists(listed, num_items).items
     return WorkList(order, offsets, items.reshape(*lead, num_items, NUM_FIELDS))
 
@@ -310,18 +304,24 @@ def build_work_lists(
 
 
 class ListRuns(NamedTuple):
-    """Stacked work lists before their items are written: ``rows [R, 8]`` int32, the first
-    item of every run, runs ordered as the items (per call: by owned tile, FULL first, by
-    other tile, by slice) and grouped by call (``run_bounds [cp + 1]``); ``length [R]`` items
-    per run (the other tile steps by one along a run); ``per_rank [cp]`` items per call;
-    ``order``, ``offsets`` as in the stacked :class:`WorkList`."""
+    """Stacked work lists before their items are written: ``table [M, 9]`` int32 runs
+    (:data:`RUN_FIELDS`: the first item of a run and its length; the other tile steps by one
+    along a run) and ``row [R]`` int, the list's runs as rows of ``table``, ordered as the
+    items (per call: by owned tile, FULL first, by other tile, by slice) and grouped by call
+    (``run_bounds [cp + 1]``); ``per_rank [cp]`` items per call; ``order``, ``offsets`` as in
+    the stacked :class:`WorkList`."""
 
-    rows: np.ndarray
-    length: np.ndarray
+    table: np.ndarray
+    row: np.ndarray
     run_bounds: np.ndarray
     per_rank: np.ndarray
     order: np.ndarray
     offsets: np.ndarray
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The runs in list order, int32 ``[R, 9]``."""
+        return np.take(self.table, self.row, axis=0)
 
 
 def check_items(per_rank: np.ndarray, num_items: int, field: str = "items") -> None:
@@ -358,31 +358,33 @@ def work_list_runs(
     live = np.nonzero(shapes.nonempty)[0]
     if by == "k" and not _rows_nonempty(shapes, live):
         return _runs_fallback(shapes, slice_rank, cp, total_q, total_k, block_q, block_k, by)
-    rank, own, start, length, kind, s = _item_runs(
-        shapes, live, slice_rank, total_q, total_k, block_q, block_k, by
-    )
+    runs = slice_runs(shapes, live, slice_rank, total_k, block_q, block_k, by)
+    # Items per (call, owned tile): each table row adds its length on each of its tiles.
+    tile = runs.rank * num
+    step = np.bincount(tile + runs.first, runs.length, cp * num + 1).astype(np.int64)
+    step -= np.bincount(tile + runs.last + 1, runs.length, cp * num + 1).astype(np.int64)
+    counts = np.cumsum(step[: cp * num]).reshape(cp, num)
     # Order: call, owned tile, FULL first, other tile, slice. Full runs of one tile never
     # share an other tile (slices are disjoint), masked runs rarely do: those that share one
     # with another run of their tile are cut into single items, so that sorting runs by their
     # first other tile orders every item.
-    rank, own, start, length, kind, s = _order_runs(
-        rank, own, start, length, kind, s, cp, num, n_other, len(shapes.q0)
-    )
-    counts = np.bincount(rank * num + own, weights=length, minlength=cp * num)[: cp * num]
-    counts = counts.astype(np.int64).reshape(cp, num)
-    # One row per run: the item its first tile gives (the other tile, the slice, the kind).
+    runs, row, run_bounds = order_runs(runs, cp, num, n_other)
+    # One row per table run: the item its first tile gives (the other tile, the slice, the
+    # kind) and its length.
     clip = lambda x: np.clip(x, -_I32.max, _I32.max)
-    rows = np.empty((len(s), NUM_FIELDS), np.int32)
-    rows[:, 0] = start
+    s = runs.slice
+    table = np.empty((len(s), NUM_RUN_FIELDS), np.int32)
+    table[:, 0] = runs.start
     for j, f in enumerate((shapes.q0, shapes.q1, shapes.k0, shapes.k1)):
-        rows[:, 1 + j] = f[s]
-    rows[:, 5] = clip(shapes.dlo[s])
-    rows[:, 6] = clip(shapes.dhi[s])
-    rows[:, 7] = kind
-    return _with_tiles(rows, length, np.searchsorted(rank, np.arange(cp + 1)), counts)
+        table[:, 1 + j] = f[s]
+    table[:, 5] = clip(shapes.dlo[s])
+    table[:, 6] = clip(shapes.dhi[s])
+    table[:, 7] = runs.kind
+    table[:, _LENGTH] = runs.length
+    return _with_tiles(table, row, run_bounds, counts)
 
 
-def _with_tiles(rows, length, run_bounds, counts) -> ListRuns:
+def _with_tiles(table, row, run_bounds, counts) -> ListRuns:
     cp, num = counts.shape
     per_rank = counts.sum(axis=1)
     if per_rank.max(initial=0) > _I32.max:
@@ -396,15 +398,16 @@ def _with_tiles(rows, length, run_bounds, counts) -> ListRuns:
     launch = np.lexsort(
         (np.tile(np.arange(num), cp), -counts.reshape(-1), np.repeat(np.arange(cp), num))
     ).reshape(cp, num) % max(num, 1)
-    return ListRuns(
-        rows, length, run_bounds, per_rank, launch.astype(np.int32), offsets.astype(np.int32)
-    )
+    order, offsets = launch.astype(np.int32), offsets.astype(np.int32)
+    return ListRuns(table, row, run_bounds, per_rank, order, offsets)
 
 
 def emit_work_lists(runs: ListRuns, num_items: int | None = None) -> WorkList:
     """The stacked :class:`WorkList` of ``runs``, items padded to ``num_items`` (default:
     the longest call's; :func:`check_items` first when it may hold fewer)."""
-    rows, length, run_bounds, per_rank = runs.rows, runs.length, runs.run_bounds, runs.per_rank
+    rows, run_bounds, per_rank = runs.rows, runs.run_bounds, runs.per_rank
+    length = rows[:, _LENGTH].astype(np.int64)
+    rows = rows[:, :NUM_FIELDS]
     cp = len(per_rank)
     width = int(per_rank.max(initial=0)) if num_items is None else int(num_items)
     items = np.empty((cp, width, NUM_FIELDS), np.int32)
@@ -429,10 +432,10 @@ def emit_work_lists(runs: ListRuns, num_items: int | None = None) -> WorkList:
     return WorkList(runs.order, runs.offsets, items)
 
 
-def _padding(n: int) -> np.ndarray:
-    """``n`` empty items (copied by doubling: memcpy speed)."""
-    pad = np.empty((max(n, 1), NUM_FIELDS), np.int32)
-    pad[0] = EMPTY_ITEM
+def _padding(n: int, empty: np.ndarray = EMPTY_ITEM) -> np.ndarray:
+    """``n`` rows ``empty`` (empty items, or runs), copied by doubling: memcpy speed."""
+    pad = np.empty((max(n, 1), len(empty)), np.int32)
+    pad[0] = empty
     k = 1
     while k < n:
         m = min(k, n - k)
@@ -454,106 +457,6 @@ def _rows_nonempty(sh: SliceShapes, live: np.ndarray) -> bool:
     )
 
 
-def _ceil_div(a, b):
-    return -((-a) // b)
-
-
-def _item_runs(sh, live, slice_rank, total_q, total_k, bq, bk, by):
-    """Runs of items: every (slice, owned tile) pair with cells, its other tiles
-    ``[start, start + length)`` cut where the mask kind changes. Int64 arrays
-    ``(rank, own, start, length, kind, slice)``, pairs in slice order, runs in tile order.
-
-    An item (slice, q-tile, k-tile) holds a cell when the tile's rows see a key of its
-    columns (:func:`magi_jax.planning.tiling.tile_items`); it is FULL when the q-tile's rows
-    lie in the slice's, the last row's first key is at most the tile's first column and the
-    first row's last key at least its last column (inside the sequence); BAND when the tile
-    lies inside the slice's row and key ranges (:func:`build_work_list`). Along the other
-    tile each of these holds on one interval, so a pair has at most five runs."""
-    if by == "q":
-        owner, own = ranges_incl(sh.q0[live] // bq, (sh.q1[live] - 1) // bq)
-        s = live[owner]
-        q0, q1, k0, k1, dlo, dhi = (f[s] for f in (sh.q0, sh.q1, sh.k0, sh.k1, sh.dlo, sh.dhi))
-        lo = lambda r: np.maximum(k0, r + dlo)
-        hi = lambda r: np.minimum(k1 - 1, r + dhi)
-        t0 = own * bq
-        oa = lo(np.maximum(q0, t0)) // bk
-        ob = hi(np.minimum(q1, t0 + bq) - 1) // bk + 1
-        own_in = (q0 <= t0) & (t0 + bq <= q1)
-        fa = _ceil_div(lo(t0 + bq - 1), bk)
-        fb = (np.minimum(hi(t0), total_k - 1) + 1) // bk
-        full_ok = own_in
-        ia, ib = _ceil_div(k0, bk), k1 // bk
-    else:
-        q0, q1 = sh.q0[live], sh.q1[live]
-        owner, own = ranges_incl(sh.lo(q0, live) // bk, sh.hi(q1 - 1, live) // bk)
-        s = live[owner]
-        q0, q1, k0, k1, dlo, dhi = (f[s] for f in (sh.q0, sh.q1, sh.k0, sh.k1, sh.dlo, sh.dhi))
-        c0 = own * bk
-        c1 = c0 + bk - 1
-        # Rows that see a column of the k-tile: hi(r) >= c0 and lo(r) <= c1.
-        oa = np.maximum(q0, c0 - dhi) // bq
-        ob = np.minimum(q1 - 1, c1 - dlo) // bq + 1
-        own_in = (k0 <= c0) & (c0 + bk <= k1)
-        full_ok = own_in & (c1 < total_k)
-        fa = np.maximum(_ceil_div(q0, bq), _ceil_div(c1 - dhi, bq))
-        fb = np.minimum(q1 // bq, (c0 - dlo + 1) // bq)
-        ia, ib = _ceil_div(q0, bq), q1 // bq
-    ob = np.maximum(ob, oa)  # rows that see no key (shapes not canonical)
-    fa = np.where(full_ok, np.clip(fa, oa, ob), oa)
-    fb = np.where(full_ok, np.clip(fb, oa, ob), oa)
-    fb = np.maximum(fa, fb)
-    ia, ib = np.clip(ia, oa, ob), np.clip(ib, oa, ob)
-    bounds = np.sort(np.stack([oa, fa, fb, ia, ib, ob], axis=1), axis=1)
-    start, stop = bounds[:, :-1], bounds[:, 1:]
-    keep = stop > start
-    pair = np.broadcast_to(np.arange(len(s))[:, None], keep.shape)[keep]
-    start, length = start[keep], (stop - start)[keep]
-    full = (start >= fa[pair]) & (start < fb[pair])
-    inside = own_in[pair] & (start >= ia[pair]) & (start < ib[pair])
-    kind = np.where(full, FULL, np.where(inside, BAND, GENERAL)).astype(np.int64)
-    s = s[pair]
-    return slice_rank[s], own[pair], start, length, kind, s
-
-
-def _order_runs(rank, own, start, length, kind, s, cp, num, n_other, n_slices):
-    """Runs sorted by (call, owned tile, FULL first, other tile, slice); runs that share an
-    other tile with an earlier run of their (call, tile, FULL or not) group are first cut
-    into single items, as are those they share it with."""
-    masked = (kind != FULL).astype(np.int64)
-
-    def order_of(rank, own, masked, start, s):
-        bound = float(max(cp, 1)) * max(num, 1) * 2 * max(n_other, 1) * max(n_slices, 1)
-        if bound < 2.0**62:
-            key = (((rank * num + own) * 2 + masked) * n_other + start) * n_slices + s
-            return np.argsort(key, kind="stable")
-        return np.lexsort((s, start, masked, own, rank))
-
-    o = order_of(rank, own, masked, start, s)
-    rank, own, start, length, kind, s, masked = (
-        x[o] for x in (rank, own, start, length, kind, s, masked)
-    )
-    if len(s) > 1:
-        group = (rank * num + own) * 2 + masked
-        g0 = group * n_other
-        reach = np.maximum.accumulate(g0 + start + length - 1)
-        shared = np.zeros(len(s), bool)
-        shared[1:] = g0[1:] + start[1:] <= reach[:-1]
-        if shared.any():
-            cluster = np.cumsum(~shared)
-            cut = np.bincount(cluster)[cluster] > 1
-            keep = ~cut
-            i, step = ranges_incl(np.zeros(int(cut.sum()), np.int64), length[cut] - 1)
-            idx = np.nonzero(cut)[0][i]
-            rank, own, kind, s, masked = (
-                np.concatenate([x[keep], x[idx]]) for x in (rank, own, kind, s, masked)
-            )
-            start = np.concatenate([start[keep], start[idx] + step])
-            length = np.concatenate([length[keep], np.ones(len(idx), np.int64)])
-            o = order_of(rank, own, masked, start, s)
-            rank, own, start, length, kind, s = (x[o] for x in (rank, own, start, length, kind, s))
-    return rank, own, start, length, kind, s
-
-
 def _runs_fallback(shapes, slice_rank, cp, total_q, total_k, block_q, block_k, by):
     """Runs of one item each, from the item-by-item lists of every call (shapes that are not
     canonical)."""
@@ -563,11 +466,12 @@ def _runs_fallback(shapes, slice_rank, cp, total_q, total_k, block_q, block_k, b
         sl = slice(bounds[r], bounds[r + 1])
         sub = SliceShapes(*(getattr(shapes, f)[sl] for f in ("q0", "q1", "k0", "k1", "dlo", "dhi")))
         lists.append(_build_work_list_items(sub, total_q, total_k, block_q, block_k, by))
-    rows = np.concatenate([w.items for w in lists]).reshape(-1, NUM_FIELDS)
+    items = np.concatenate([w.items for w in lists]).reshape(-1, NUM_FIELDS)
+    rows = np.concatenate([items, np.ones((len(items), 1), np.int32)], axis=1)
     sizes = np.array([len(w.items) for w in lists], np.int64)
     run_bounds = np.concatenate([[0], np.cumsum(sizes)])
     counts = np.stack([np.diff(w.offsets.astype(np.int64)) for w in lists])
-    return _with_tiles(rows, np.ones(len(rows), np.int64), run_bounds, counts)
+    return _with_tiles(rows, np.arange(len(rows)), run_bounds, counts)
 
 
 def _build_work_list_items(

@@ -289,3 +289,66 @@ def test_runs_expand_to_the_item_lists(mask, blocks):
         with pytest.raises(CapacityError, match=rf"PlanCapacity\.q_runs>={n}"):
             check_runs(rq, n - 1, "q_runs")
     check_runs(rk, plan.k_runs.shape[1], "k_runs")
+
+
+@given(
+    slice_masks(max_len=300),
+    st.sampled_from([(128, 128), (64, 128), (16, 8), (8, 32), (4, 4)]),
+    st.sampled_from("qk"),
+)
+def test_lists_by_runs_match_item_by_item(mask, blocks, by):
+    """Lists planned by runs (one cut for every tile of a steady stretch, runs that share a
+    tile cut into items) are exactly the lists sorted item by item from every tile's items."""
+    from magi_jax.planning.work_list import _build_work_list_items
+
+    got = build_work_list(mask.shapes, mask.total_q, mask.total_k, *blocks, by)
+    want = _build_work_list_items(mask.shapes, mask.total_q, mask.total_k, *blocks, by)
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(x, y)
+
+
+def _stretches_are_steady(sh, total_k, bq, bk, by):
+    """Every tile of every steady stretch has the bounds of the stretch's first tile."""
+    from magi_jax.planning.intervals import ranges_incl
+    from magi_jax.planning.item_runs import pair_bounds, steady_tiles
+
+    live = np.nonzero(sh.nonempty)[0]
+    if by == "q":
+        first, last = sh.q0[live] // bq, (sh.q1[live] - 1) // bq
+    else:
+        first, last = sh.lo(sh.q0[live], live) // bk, sh.hi(sh.q1[live] - 1, live) // bk
+    sa, sb, steady = steady_tiles(sh, live, first, last, total_k, bq, bk, by)
+    assert ((sa[steady] >= first[steady]) & (sb[steady] <= last[steady])).all()
+    owner, tile = ranges_incl(sa[steady], sb[steady])
+    s = live[steady][owner]
+    bounds, own_in, full_ok = pair_bounds(sh, s, tile, total_k, bq, bk, by)
+    at_first = pair_bounds(sh, s, sa[steady][owner], total_k, bq, bk, by)[0]
+    np.testing.assert_array_equal(bounds, at_first)
+    assert own_in.all() and full_ok.all()
+    return int(steady.sum())
+
+
+@given(
+    slice_masks(max_len=300),
+    st.sampled_from([(128, 128), (16, 8), (8, 32), (4, 4), (4, 8), (1, 1)]),
+    st.sampled_from("qk"),
+)
+def test_steady_stretches_are_steady(mask, blocks, by):
+    """On every tile of a slice's steady stretch the pair's tile bounds and FULL's
+    condition are those of the stretch's first tile (so its runs are too)."""
+    _stretches_are_steady(mask.shapes, mask.total_k, *blocks, by)
+
+
+def test_steady_stretches_of_any_geometry():
+    """The same for every slice of a grid of geometries, canonical or not (diagonals that
+    pass the slice's corners, rows that see no key)."""
+    from magi_jax.mask_slices import SliceShapes
+
+    grid = np.meshgrid(
+        [0, 3], [7, 16], [0, 5], [8, 20], np.arange(-12, 13), np.arange(0, 25), indexing="ij"
+    )
+    q0, rows, k0, keys, dlo, width = (g.ravel().astype(np.int64) for g in grid)
+    sh = SliceShapes(q0, q0 + rows, k0, k0 + keys, dlo, dlo + width)
+    for bq, bk in ((4, 4), (4, 8), (8, 4), (1, 1)):
+        for by in "qk":
+            assert _stretches_are_steady(sh, 32, bq, bk, by) > 0
