@@ -207,16 +207,11 @@ def nocomm_attention(
     spec = P(key.cp_axis)
 
     def body(q, k, v, stage_arrays):
-        return rank_stages(
-            q,
-            (k, v),
-            tuple(jax.tree.map(lambda x: x[0], stage_arrays)),
-            cfg,
-            _local_fetch,
-            _local_send_back,
-        )
+        forward, backward = jax.tree.map(lambda x: x[0], stage_arrays)
+        return rank_stages(q, (k, v), tuple(forward), backward, cfg, _local_fetch, _local_send_back)
 
-    specs = jax.tree.map(lambda _: spec, key.stage_arrays)
+    arrays = (key.stage_arrays, key.backward_stage_arrays)
+    specs = jax.tree.map(lambda _: spec, arrays)
     fn = jax.shard_map(
         body,
         mesh=key.mesh,
@@ -224,7 +219,7 @@ def nocomm_attention(
         out_specs=(spec, spec),
         check_vma=False,
     )
-    return fn(q, k, v, key.stage_arrays)
+    return fn(q, k, v, arrays)
 
 
 def time_ms(fn, *args, warmup: int = 2, iters: int = 10) -> float:
