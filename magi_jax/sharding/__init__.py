@@ -15,8 +15,8 @@ remote KV), :mod:`~magi_jax.planning.cast_table` (the group-cast tables). Here, 
 :mod:`collectives` (``group_cast``/``group_reduce`` over static int32 tables; XLA
 transports), :mod:`native` (the C++ FFI transport), :mod:`attention` (the per-rank pipeline
 under ``shard_map``), :mod:`key` (keys, dispatch), :mod:`ffa_backends` (per-rank FFA:
-``xla`` | ``pallas``), :mod:`calibrate` (overlap degrees chosen by timing on the mesh). Comm/compute/both timings for overlap measurements are in
-``benchmarks/probe.py``.
+``xla`` | ``pallas``), :mod:`calibrate` (overlap degrees chosen by timing on the mesh).
+Comm/compute/both timings for overlap measurements are in ``benchmarks/probe.py``.
 
 Dispatch gathers over the whole sequence: dispatch token ids (or the embedding output) once
 and keep activations in dispatched order between layers, rather than dispatching large

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -48,6 +48,7 @@ __all__ = [
     "calibrate_overlap",
     "overlap_calibrations",
     "clear_overlap_calibrations",
+    "timed_programs",
     "CANDIDATE_DEGREES",
 ]
 
@@ -296,10 +297,23 @@ def _candidate_capacity(capacity, mask, cp, degree, chunk_size):
     return dataclasses.replace(capacity, **fields)
 
 
-def _programs(key: MagiKey, dtype, shape, seed: int):
-    """Zero-argument callables that run the key's forward and its backward alone (from the
-    forward's residuals), each returning arrays to block on."""
-    hq, hkv, d, dv = shape
+def timed_programs(
+    key: MagiKey,
+    *,
+    num_heads: int,
+    head_dim: int,
+    dtype: Any = jnp.bfloat16,
+    num_kv_heads: int | None = None,
+    value_head_dim: int | None = None,
+    seed: int = 0,
+) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """What :func:`calibrate_overlap` times: two zero-argument callables over random
+    dispatched inputs (``[padded_total, H, D]``, sharded as the key says), the key's forward
+    as training runs it (outputs and the backward's residuals) and its backward alone (from
+    those residuals), each returning arrays to block on. The first call of each compiles."""
+    hq, d = num_heads, head_dim
+    hkv = num_heads if num_kv_heads is None else num_kv_heads
+    dv = head_dim if value_head_dim is None else value_head_dim
     specs = pod_specs(key, 3)
     rows_q, rows_kv = key.padded_total, key.kv_padded_total
     keys = jax.random.split(jax.random.key(seed), 4)
@@ -330,7 +344,16 @@ def _measure(
                 capacity, mask, check_mesh(mesh, cp_axis), degree, opts.chunk_size
             )
         key = make_flex_key(mask, mesh, cp_axis, overlap_degree=degree, capacity=cap, **options)
-        programs[degree] = _programs(key, dtype, shape, seed=degree)
+        hq, hkv, d, dv = shape
+        programs[degree] = timed_programs(
+            key,
+            num_heads=hq,
+            head_dim=d,
+            dtype=dtype,
+            num_kv_heads=hkv,
+            value_head_dim=dv,
+            seed=degree,
+        )
         for fn in programs[degree]:  # compile and warm up
             jax.block_until_ready(fn())
     times = {degree: ([], []) for degree in candidates}

@@ -393,12 +393,13 @@ def _capacity_options(capacity, mask, cp, chunk_size, overlap_degree):
         else OverlapDegrees(capacity.overlap_degree, capacity.backward_overlap_degree)
     )
     if overlap_degree is not None and fixed is not None and overlap_degree != fixed:
+        one = lambda pair: pair.forward if pair.forward == pair.backward else tuple(pair)
         raise ValueError(
-            f"overlap_degree={tuple(overlap_degree)} (forward, backward) but the capacity "
-            f"fixes {tuple(fixed)} (capacity.overlap_degree, "
-            "capacity.backward_overlap_degree); set it in one place (the capacity fixes the "
+            f"overlap_degree={one(overlap_degree)} but capacity.overlap_degree="
+            f"{capacity.overlap_degree}, capacity.backward_overlap_degree="
+            f"{capacity.backward_overlap_degree}; set it in one place (the capacity fixes the "
             "key's static part), e.g. PlanCapacity.from_masks(sample, mesh_size=cp, "
-            f"overlap_degree={tuple(overlap_degree)})"
+            f"overlap_degree={one(overlap_degree)})"
         )
     chunk = int(chunk_size or capacity.chunk_size or capacity_chunk_size(capacity.total_q, cp))
     if overlap_degree is None:
