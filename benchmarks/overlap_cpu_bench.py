@@ -8,7 +8,7 @@ rotated from round to round so that load from other jobs falls on all alike; med
 chosen degree *holds* when its fixed-degree median is within 5 % of the fastest fixed
 degree's.
 
-    PYTHONPATH=. python benchmarks/overlap_cpu_bench.py          # ~15 minutes on 2 cores
+    PYTHONPATH=. python benchmarks/overlap_cpu_bench.py      # ~25 minutes on 2 busy cores
 
 8 host devices of one process, ``xla`` FFA and the ``xla`` transport; float32 by default
 (bfloat16 is emulated on CPUs). Writes ``<out>/overlap_cpu_<stamp>.{json,md}``.
@@ -46,9 +46,9 @@ WITHIN = 0.05
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--masks", default="doc_causal,causal,sliding_window")
-    p.add_argument("--lengths", default="4096,8192")
+    p.add_argument("--lengths", default="2048,4096")
     p.add_argument("--degrees", default="0,1,2,3,4")
-    p.add_argument("--rounds", type=int, default=7, help="timed rounds of the comparison")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds of the comparison")
     p.add_argument("--cal-rounds", type=int, default=3, help="rounds of the calibration")
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--kv-heads", type=int, default=1)

@@ -50,6 +50,12 @@ def overlap_probe(
 ) -> dict:
     """Jitted ``comm``, ``compute`` and ``both`` for ``key`` and inputs shaped like the
     dispatched ``q, k, v`` (``[padded_total, H, D]``); see the module docstring."""
+    if backward and key.static.backward_stages is not None:
+        raise ValueError(
+            f"overlap_probe(backward=True) splits the backward by the forward's stages; this "
+            f"key's backward has its own (overlap_degree={key.overlap_degree}, "
+            f"backward_overlap_degree={key.backward_overlap_degree}): probe a key of one degree"
+        )
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     spec = P(key.cp_axis)
     arr_specs = jax.tree.map(lambda _: spec, key.stage_arrays)
