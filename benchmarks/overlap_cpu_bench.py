@@ -45,7 +45,7 @@ WITHIN = 0.05
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--masks", default="doc_causal,causal,sliding_window")
+    p.add_argument("--masks", default="doc_causal,causal,swa_causal_512")
     p.add_argument("--lengths", default="2048,4096")
     p.add_argument("--degrees", default="0,1,2,3,4")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds of the comparison")
