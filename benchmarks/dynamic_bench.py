@@ -125,7 +125,7 @@ def host_key(mask: AttnMask, cp: int, capacity: PlanCapacity | None, ffa_backend
         degree = (
             capacity.overlap_degree
             if capacity.overlap_degree is not None
-            else capacity_overlap_degree(capacity.total_q, cp, chunk)
+            else capacity_overlap_degree(capacity.total_q, cp, chunk).forward
         )
     t0 = time.perf_counter()
     meta = solve_dispatch(mask, cp, chunk, "magi")

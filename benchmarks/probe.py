@@ -50,6 +50,12 @@ def overlap_probe(
 ) -> dict:
     """Jitted ``comm``, ``compute`` and ``both`` for ``key`` and inputs shaped like the
     dispatched ``q, k, v`` (``[padded_total, H, D]``); see the module docstring."""
+    if backward and key.static.backward_stages is not None:
+        raise ValueError(
+            f"overlap_probe(backward=True) splits the backward by the forward's stages; this "
+            f"key's backward has its own (overlap_degree={key.overlap_degree}, "
+            f"backward_overlap_degree={key.backward_overlap_degree}): probe a key of one degree"
+        )
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     spec = P(key.cp_axis)
     arr_specs = jax.tree.map(lambda _: spec, key.stage_arrays)
@@ -207,16 +213,11 @@ def nocomm_attention(
     spec = P(key.cp_axis)
 
     def body(q, k, v, stage_arrays):
-        return rank_stages(
-            q,
-            (k, v),
-            tuple(jax.tree.map(lambda x: x[0], stage_arrays)),
-            cfg,
-            _local_fetch,
-            _local_send_back,
-        )
+        forward, backward = jax.tree.map(lambda x: x[0], stage_arrays)
+        return rank_stages(q, (k, v), tuple(forward), backward, cfg, _local_fetch, _local_send_back)
 
-    specs = jax.tree.map(lambda _: spec, key.stage_arrays)
+    arrays = (key.stage_arrays, key.backward_stage_arrays)
+    specs = jax.tree.map(lambda _: spec, arrays)
     fn = jax.shard_map(
         body,
         mesh=key.mesh,
@@ -224,7 +225,7 @@ def nocomm_attention(
         out_specs=(spec, spec),
         check_vma=False,
     )
-    return fn(q, k, v, key.stage_arrays)
+    return fn(q, k, v, arrays)
 
 
 def time_ms(fn, *args, warmup: int = 2, iters: int = 10) -> float:

@@ -35,6 +35,10 @@ _LAZY = {
     "position_ids": "magi_jax.sharding",
     "roll": "magi_jax.sharding",
     "undispatch": "magi_jax.sharding",
+    "calibrate_overlap": "magi_jax.sharding",
+    "OverlapCalibration": "magi_jax.sharding",
+    "overlap_calibrations": "magi_jax.sharding",
+    "clear_overlap_calibrations": "magi_jax.sharding",
 }
 _SUBPACKAGES = ("caches", "cli", "ffa", "mask", "nn", "pallas", "planning", "plot", "sharding")
 
@@ -60,6 +64,10 @@ __all__ = [
     "position_ids",
     "roll",
     "undispatch",
+    "calibrate_overlap",
+    "OverlapCalibration",
+    "overlap_calibrations",
+    "clear_overlap_calibrations",
 ]
 
 

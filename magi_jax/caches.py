@@ -95,6 +95,11 @@ class Cache:
             self._sizes.clear()
             self._bytes = 0
 
+    def values(self) -> list:
+        """The values held, least recently used first (a snapshot)."""
+        with self._lock:
+            return list(self._items.values())
+
     def info(self) -> CacheInfo:
         """Hits, misses, the entry bound and the entries held."""
         with self._lock:

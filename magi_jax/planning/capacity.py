@@ -67,8 +67,12 @@ class PlanCapacity:
       recv_runs: context parallelism: runs of one rank's receive table in one stage (buffer
         rows filled by consecutive rows of one slot, padding between them counted).
         Default: every buffer row a run of its own.
-      overlap_degree: context parallelism: remote stages (default: the cost model's choice
-        for a causal mask of this length).
+      overlap_degree: context parallelism: remote stages of the forward (default: the cost
+        model's choice for a causal mask of this length).
+      backward_overlap_degree: context parallelism: remote stages of the backward (default:
+        ``overlap_degree`` when that is set, else the cost model's backward choice); where
+        it differs from the forward's, keys carry a second stage plan for the backward, and
+        the other fields must hold both plans (:meth:`from_masks` measures both).
       chunk_size: context parallelism: dispatch granularity in tokens (default: 16 chunks
         per rank).
       persistent: let the Mosaic GPU forward and dK/dV kernels run persistent programs over
@@ -94,6 +98,7 @@ class PlanCapacity:
     persistent: bool = True
     q_runs: int | None = None
     k_runs: int | None = None
+    backward_overlap_degree: int | None = None
 
     def __post_init__(self):
         if self.total_k is None:
@@ -126,16 +131,22 @@ class PlanCapacity:
                     "(or None for the default)"
                 )
             object.__setattr__(self, name, int(value))
-        if self.overlap_degree is not None:
+        for name in ("overlap_degree", "backward_overlap_degree"):
+            value = getattr(self, name)
+            if value is None:
+                continue
             if (
-                not isinstance(self.overlap_degree, (int, np.integer))
-                or not 0 <= self.overlap_degree <= 8
+                isinstance(value, bool)
+                or not isinstance(value, (int, np.integer))
+                or not 0 <= value <= 8
             ):
                 raise ValueError(
-                    f"PlanCapacity.overlap_degree={self.overlap_degree!r} must "
-                    "be an integer in [0, 8] (or None for the cost model's)"
+                    f"PlanCapacity.{name}={value!r} must be an integer in [0, 8] (or None "
+                    "for the cost model's)"
                 )
-            object.__setattr__(self, "overlap_degree", int(self.overlap_degree))
+            object.__setattr__(self, name, int(value))
+        if self.backward_overlap_degree is None and self.overlap_degree is not None:
+            object.__setattr__(self, "backward_overlap_degree", self.overlap_degree)
         object.__setattr__(self, "persistent", bool(self.persistent))
 
     @classmethod
@@ -152,7 +163,9 @@ class PlanCapacity:
         ``masks``: a sample of the masks a loader produces (same lengths). Without
         ``mesh_size`` it bounds single-device plans; with ``mesh_size=cp`` it also plans
         each mask for ``cp`` ranks (:func:`magi_jax.planning.defaults.capacity_needs`) and
-        bounds the per-rank fields. ``fixed``: fields to set rather than measure."""
+        bounds the per-rank fields. ``fixed``: fields to set rather than measure;
+        ``overlap_degree`` may be a pair ``(forward, backward)`` (e.g. the ``degrees`` of
+        :func:`~magi_jax.sharding.calibrate.calibrate_overlap`), which sets both degrees."""
         masks = list(masks)
         if not masks:
             raise ValueError("PlanCapacity.from_masks needs at least one mask")
@@ -166,6 +179,14 @@ class PlanCapacity:
                 f"{sorted(tk)}); a capacity is for one length"
             )
         total_q, total_k = tq.pop(), tk.pop()
+        if isinstance(fixed.get("overlap_degree"), (tuple, list)):
+            pair = tuple(fixed["overlap_degree"])
+            if len(pair) != 2 or "backward_overlap_degree" in fixed:
+                raise ValueError(
+                    f"overlap_degree={pair!r}: a pair is (forward, backward); give it alone "
+                    "(without backward_overlap_degree), or two integer fields"
+                )
+            fixed = {**fixed, "overlap_degree": pair[0], "backward_overlap_degree": pair[1]}
         grow = lambda x: max(1, int(np.ceil(x * headroom)))
         fields = dict(total_q=total_q, total_k=total_k)
         # The measuring half lives beside capacity_needs (it plans the masks).
@@ -176,6 +197,7 @@ class PlanCapacity:
             None if mesh_size is None else int(mesh_size),
             fixed.get("chunk_size"),
             fixed.get("overlap_degree"),
+            fixed.get("backward_overlap_degree"),
         )
         grown = ("items", "q_runs", "k_runs")
         if mesh_size is not None:
@@ -185,7 +207,11 @@ class PlanCapacity:
             # Persistent programs pay on short rows (the forward kernel's rule).
             fields["persistent"] = persistent_pays(need["mean_items"], tile_count(total_q))
         else:
-            fields.update(overlap_degree=need["overlap_degree"], chunk_size=need["chunk_size"])
+            fields.update(
+                overlap_degree=need["overlap_degree"],
+                backward_overlap_degree=need["backward_overlap_degree"],
+                chunk_size=need["chunk_size"],
+            )
         fields.update(fixed)
         return cls(**fields)
 

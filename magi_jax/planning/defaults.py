@@ -5,7 +5,7 @@ key of one mask and a key at a capacity choose by the same rules."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -18,7 +18,9 @@ if TYPE_CHECKING:  # annotations only: capacity.py imports this module
     from magi_jax.planning.capacity import PlanCapacity
 
 __all__ = [
+    "OverlapDegrees",
     "default_overlap_degree",
+    "default_overlap_degrees",
     "capacity_chunk_size",
     "capacity_overlap_degree",
     "capacity_needs",
@@ -39,6 +41,23 @@ _SEC_PER_STAGE = 30e-6
 _SEC_PER_STAGE_TOKEN = 5e-9
 _OVERLAP_EFFICIENCY = 0.5
 _MAX_DEGREE = 4
+# The backward against the forward, per stage: its FFA does about 2.5x the forward's FLOPs
+# (dQ and dK/dV recompute the scores), it fetches the stage's KV again (backward_refetch)
+# and sends the partial dK/dV back in float32 (twice a bf16 row), and it runs two kernels
+# and a reduce per stage.
+_BWD_COMPUTE = 2.5
+_BWD_REDUCE_PER_CAST = 2.0
+_BWD_STAGE = 2.0
+
+
+class OverlapDegrees(NamedTuple):
+    """The overlap degrees of a key: remote stages of the forward and of the backward
+    (each ``0``: fetch all remote KV, then one FFA call)."""
+
+    forward: int
+    backward: int
+
+
 # Gated pieces of a ppermute slot at a capacity (collectives._gated_ppermute): counted by
 # benchmarks/wire_bench.py at 128k x cp 8 (benchmarks/results/wire/LATEST.md), 8 pieces
 # bring the busiest rank's wire from 1.25-9.7x its real rows (whole slots) to 1.09-3.2x;
@@ -47,28 +66,63 @@ CAPACITY_CAST_PIECES = 8
 
 
 def default_overlap_degree(
-    mask: AttnMask, meta: DispatchMeta, kv: DispatchMeta | str | None = None
+    mask: AttnMask,
+    meta: DispatchMeta,
+    kv: DispatchMeta | str | None = None,
+    *,
+    backward: bool = False,
 ) -> int:
-    """Overlap degree minimising a simple per-rank pipeline model: stage 0 computes the host
-    area while remote stage 0 arrives; each later stage computes its share while the next
-    arrives — of which ideal overlap only a measured share is realised; every stage costs a
+    """Overlap degree minimising a simple per-rank pipeline model (the constants above:
+    measured on one pair of H200s). Forward: stage 0 computes the host area while remote
+    stage 0 arrives; each later stage computes its share while the next arrives. Backward
+    (``backward=True``): remote stages first, each fetching its KV (the first fetch
+    exposed), computing ``_BWD_COMPUTE`` times the forward's work while the next stage's KV
+    arrives and the previous stage's partial dK/dV are reduced, the last reduce beside the
+    host stage. Of the ideal overlap only a measured share is realised; every stage costs a
     fixed overhead plus one per local token. Degree 0 fetches everything, then computes.
     Needs no kernel plan (areas from the clipped slices). ``kv``: where a cross-attention
-    mask's keys live (:func:`~magi_jax.planning.stages.build_dist_plan`)."""
+    mask's keys live (:func:`~magi_jax.planning.stages.build_dist_plan`).
+    :func:`magi_jax.sharding.calibrate.calibrate_overlap` chooses by timing instead."""
     host, rem, tokens = (x.astype(np.float64) for x in split_areas(mask, meta, kv))
     if not tokens.any():
         return 0
-    host, rem, comm = host * _SEC_PER_CELL, rem * _SEC_PER_CELL, tokens * _SEC_PER_TOKEN
+    host, rem, cast = host * _SEC_PER_CELL, rem * _SEC_PER_CELL, tokens * _SEC_PER_TOKEN
     stage = _SEC_PER_STAGE + _SEC_PER_STAGE_TOKEN * meta.padded_total / meta.cp
-    serial = comm + host + rem
+    if backward:
+        host, rem, stage = host * _BWD_COMPUTE, rem * _BWD_COMPUTE, stage * _BWD_STAGE
+        reduce = cast * _BWD_REDUCE_PER_CAST
+    else:
+        reduce = np.zeros_like(cast)
+    serial = cast + reduce + host + rem
     best, best_t = 0, float(np.max(serial)) + stage
     for k in range(1, _MAX_DEGREE + 1):
-        c, r = comm / k, rem / k
-        ideal = np.maximum(c, host) + (k - 1) * np.maximum(c, r) + r
+        c, d, r = cast / k, reduce / k, rem / k
+        if not backward:
+            ideal = np.maximum(c, host) + (k - 1) * np.maximum(c, r) + r
+        elif k == 1:
+            ideal = c + r + np.maximum(d, host)
+        else:
+            ideal = (
+                c
+                + np.maximum(r, c)
+                + (k - 2) * np.maximum(r, c + d)
+                + np.maximum(r, d)
+                + np.maximum(host, d)
+            )
         t = serial - _OVERLAP_EFFICIENCY * (serial - ideal) + (k + 1) * stage
         if float(t.max()) < best_t * 0.98:
             best, best_t = k, float(t.max())
     return best
+
+
+def default_overlap_degrees(
+    mask: AttnMask, meta: DispatchMeta, kv: DispatchMeta | str | None = None
+) -> OverlapDegrees:
+    """The cost model's forward and backward degrees (:func:`default_overlap_degree`)."""
+    return OverlapDegrees(
+        default_overlap_degree(mask, meta, kv),
+        default_overlap_degree(mask, meta, kv, backward=True),
+    )
 
 
 def cast_pieces(capacity: PlanCapacity | None) -> int:
@@ -84,11 +138,11 @@ def capacity_chunk_size(total: int, cp: int) -> int:
 
 
 @cached(64)
-def capacity_overlap_degree(total: int, cp: int, chunk_size: int) -> int:
-    """The overlap degree of keys at a capacity: the cost model's choice for a causal mask
+def capacity_overlap_degree(total: int, cp: int, chunk_size: int) -> OverlapDegrees:
+    """The overlap degrees of keys at a capacity: the cost model's choice for a causal mask
     of the packed length (a mask-independent stand-in for document-causal training data)."""
     proxy = AttnMask.causal(total)
-    return default_overlap_degree(proxy, solve_dispatch(proxy, cp, chunk_size, "magi"))
+    return default_overlap_degrees(proxy, solve_dispatch(proxy, cp, chunk_size, "magi"))
 
 
 def capacity_needs(
@@ -96,23 +150,27 @@ def capacity_needs(
     cp: int,
     chunk_size: int | None = None,
     overlap_degree: int | None = None,
+    backward_overlap_degree: int | None = None,
 ) -> dict:
     """What keys of ``masks`` (one packed length) over ``cp`` ranks need, per rank and
     stage: ``items`` (the longest q-tile list, on the ``xla`` backend's tiles, which are
     never larger than the kernels'), ``q_runs`` / ``k_runs`` (the most runs of items on a
     q-tile / k-tile list, on either backend's tiles), ``remote_kv`` (remote KV tokens, all
     stages), and ``cast_width`` (tokens one rank sends another in one stage), ``send_runs`` /
-    ``recv_runs`` (runs of one rank's cast tables in one stage), with the ``chunk_size`` and
-    ``overlap_degree`` the keys use — the inputs of :meth:`PlanCapacity.from_masks`."""
-    from magi_jax.planning.stages import build_dist_plan, resolve_kv
-    from magi_jax.planning.work_list import count_runs, default_block_sizes
-
+    ``recv_runs`` (runs of one rank's cast tables in one stage), with the ``chunk_size``,
+    ``overlap_degree`` and ``backward_overlap_degree`` the keys use — the inputs of
+    :meth:`PlanCapacity.from_masks`. Where the backward's degree differs, the keys carry a
+    second stage plan for it, and both plans are measured. ``backward_overlap_degree=None``
+    is ``overlap_degree`` when that is given, else the cost model's."""
     masks = list(masks)
     total = masks[0].total_q
     chunk = int(chunk_size or capacity_chunk_size(total, cp))
-    degree = int(
-        overlap_degree if overlap_degree is not None else capacity_overlap_degree(total, cp, chunk)
-    )
+    model = capacity_overlap_degree(total, cp, chunk)
+    degree = int(overlap_degree if overlap_degree is not None else model.forward)
+    if backward_overlap_degree is not None:
+        back = int(backward_overlap_degree)
+    else:
+        back = degree if overlap_degree is not None else model.backward
     need = dict(
         items=1,
         q_runs=1,
@@ -123,44 +181,55 @@ def capacity_needs(
         recv_runs=1,
         chunk_size=chunk,
         overlap_degree=degree,
+        backward_overlap_degree=back,
     )
     for mask in masks:
-        meta = solve_dispatch(mask, cp, chunk, "magi")
-        kv = resolve_kv(mask, meta)  # cross attention: the automatic key layout
-        kv_local = (
-            meta.local_len if kv is None else mask.total_k if isinstance(kv, str) else kv.local_len
-        )
-        bq, bk = default_block_sizes(meta.local_len, kv_local)
-        plan = build_dist_plan(mask, meta, degree, bq, bk, "xla", kv=kv)
-        stages = max(degree, 1)
-        remote = [st for st in plan.stages if st.cast is not None]
-        need["items"] = max(need["items"], max(st.items[0] for st in plan.stages))
-        for st in plan.stages:
-            # Runs on either backend's tiles (the Mosaic GPU k-tile list steps over 64 rows).
-            sizes = [len(x.q0) for x in st.shapes]
-            flat = SliceShapes(
-                *(
-                    np.concatenate([getattr(x, f) for x in st.shapes])
-                    for f in ("q0", "q1", "k0", "k1", "dlo", "dhi")
-                )
-            )
-            runs = count_runs(
-                flat, meta.local_len, st.kv_len, (bq, bk), np.repeat(np.arange(cp), sizes), cp
-            )
-            need["q_runs"] = max(need["q_runs"], runs[0])
-            need["k_runs"] = max(need["k_runs"], runs[1])
-        if remote:
-            # Stages split a rank's remote KV evenly: the longest stage bounds them all.
-            longest = max(int(st.cast.rows_received().max()) for st in remote)
-            need["remote_kv"] = max(need["remote_kv"], longest * stages)
-            need["cast_width"] = max(
-                need["cast_width"], max(max(st.cast.widths, default=1) for st in remote)
-            )
-            for st in remote:
-                send_runs, recv_runs = st.cast.run_counts()
-                need["send_runs"] = max(need["send_runs"], send_runs)
-                need["recv_runs"] = max(need["recv_runs"], recv_runs)
+        for plan_degree in sorted({degree, back}):
+            _plan_needs(need, mask, cp, chunk, plan_degree)
     return need
+
+
+def _plan_needs(need: dict, mask: AttnMask, cp: int, chunk: int, degree: int) -> None:
+    """Grows ``need`` (:func:`capacity_needs`' fields) to hold ``mask``'s plan of
+    ``degree`` remote stages."""
+    from magi_jax.planning.stages import build_dist_plan, resolve_kv
+    from magi_jax.planning.work_list import count_runs, default_block_sizes
+
+    meta = solve_dispatch(mask, cp, chunk, "magi")
+    kv = resolve_kv(mask, meta)  # cross attention: the automatic key layout
+    kv_local = (
+        meta.local_len if kv is None else mask.total_k if isinstance(kv, str) else kv.local_len
+    )
+    bq, bk = default_block_sizes(meta.local_len, kv_local)
+    plan = build_dist_plan(mask, meta, degree, bq, bk, "xla", kv=kv)
+    stages = max(degree, 1)
+    remote = [st for st in plan.stages if st.cast is not None]
+    need["items"] = max(need["items"], max(st.items[0] for st in plan.stages))
+    for st in plan.stages:
+        # Runs on either backend's tiles (the Mosaic GPU k-tile list steps over 64 rows).
+        sizes = [len(x.q0) for x in st.shapes]
+        flat = SliceShapes(
+            *(
+                np.concatenate([getattr(x, f) for x in st.shapes])
+                for f in ("q0", "q1", "k0", "k1", "dlo", "dhi")
+            )
+        )
+        runs = count_runs(
+            flat, meta.local_len, st.kv_len, (bq, bk), np.repeat(np.arange(cp), sizes), cp
+        )
+        need["q_runs"] = max(need["q_runs"], runs[0])
+        need["k_runs"] = max(need["k_runs"], runs[1])
+    if remote:
+        # Stages split a rank's remote KV evenly: the longest stage bounds them all.
+        longest = max(int(st.cast.rows_received().max()) for st in remote)
+        need["remote_kv"] = max(need["remote_kv"], longest * stages)
+        need["cast_width"] = max(
+            need["cast_width"], max(max(st.cast.widths, default=1) for st in remote)
+        )
+        for st in remote:
+            send_runs, recv_runs = st.cast.run_counts()
+            need["send_runs"] = max(need["send_runs"], send_runs)
+            need["recv_runs"] = max(need["recv_runs"], recv_runs)
 
 
 def sample_needs(
@@ -168,6 +237,7 @@ def sample_needs(
     mesh_size: int | None = None,
     chunk_size: int | None = None,
     overlap_degree: int | None = None,
+    backward_overlap_degree: int | None = None,
 ) -> dict:
     """What a sample of masks (one length) needs, the measuring half of
     :meth:`~magi_jax.planning.capacity.PlanCapacity.from_masks`. Without ``mesh_size``
@@ -176,7 +246,9 @@ def sample_needs(
     mask, and ``mean_items``, the sample's mean item count; with ``mesh_size=cp``:
     :func:`capacity_needs` over ``cp`` ranks."""
     if mesh_size is not None:
-        return capacity_needs(masks, int(mesh_size), chunk_size, overlap_degree)
+        return capacity_needs(
+            masks, int(mesh_size), chunk_size, overlap_degree, backward_overlap_degree
+        )
     from magi_jax.planning.tiling import count_items
     from magi_jax.planning.work_list import count_runs
 

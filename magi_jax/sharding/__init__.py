@@ -15,8 +15,8 @@ remote KV), :mod:`~magi_jax.planning.cast_table` (the group-cast tables). Here, 
 :mod:`collectives` (``group_cast``/``group_reduce`` over static int32 tables; XLA
 transports), :mod:`native` (the C++ FFI transport), :mod:`attention` (the per-rank pipeline
 under ``shard_map``), :mod:`key` (keys, dispatch), :mod:`ffa_backends` (per-rank FFA:
-``xla`` | ``pallas``). Comm/compute/both timings for overlap measurements are in
-``benchmarks/probe.py``.
+``xla`` | ``pallas``), :mod:`calibrate` (overlap degrees chosen by timing on the mesh).
+Comm/compute/both timings for overlap measurements are in ``benchmarks/probe.py``.
 
 Dispatch gathers over the whole sequence: dispatch token ids (or the embedding output) once
 and keep activations in dispatched order between layers, rather than dispatching large
@@ -26,6 +26,12 @@ activations per layer.
 from magi_jax.planning.solver import solve_dispatch
 from magi_jax.sharding.attention import magi_attention, magi_attention_local
 from magi_jax.sharding.batch_key import batch_rows, make_batch_key
+from magi_jax.sharding.calibrate import (
+    OverlapCalibration,
+    calibrate_overlap,
+    clear_overlap_calibrations,
+    overlap_calibrations,
+)
 from magi_jax.sharding.collectives import group_cast, group_reduce
 from magi_jax.sharding.key import MagiKey
 from magi_jax.sharding.layout import dispatch, position_ids, undispatch
@@ -34,6 +40,10 @@ from magi_jax.sharding.roll import roll
 
 __all__ = [
     "MagiKey",
+    "OverlapCalibration",
+    "calibrate_overlap",
+    "clear_overlap_calibrations",
+    "overlap_calibrations",
     "batch_rows",
     "make_batch_key",
     "dispatch",

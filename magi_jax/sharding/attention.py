@@ -9,7 +9,10 @@ only the final output and lse are kept), remote stages first, and ``group_cast``
 ``group_reduce`` sums their partial dK/dV (float32) back onto the owners. By default
 (``backward_refetch=True`` on the key) the backward re-fetches each remote stage's KV
 (group-cast again) rather than keeping it — memory stays at local KV plus the stage in
-flight; ``backward_refetch=False`` keeps the buffers instead. Batched inputs
+flight; ``backward_refetch=False`` keeps the buffers instead. Since the backward only needs
+the merged ``(out, lse)``, it may cut the remote KV into stages of its own: a key whose
+``backward_overlap_degree`` differs from its ``overlap_degree`` carries a second stage plan
+(``key.backward_stage_arrays``), which the backward fetches, computes and reduces by. Batched inputs
 ``[B, T, H, D]`` take the same pipeline with the batch folded into the heads.
 """
 
@@ -82,6 +85,14 @@ class _StagesCfg(NamedTuple):
     start_reduce: bool = False
     # Also return the rank's per-head max logits (the max over its stages').
     max_logits: bool = False
+    # The backward's own stages (a key whose backward overlap degree differs), else None.
+    backward_stages: tuple | None = None
+
+    def for_backward(self) -> _StagesCfg:
+        """The configuration the backward runs: its own stages where it has them."""
+        if self.backward_stages is None:
+            return self
+        return self._replace(stages=self.backward_stages, backward_stages=None)
 
 
 def stages_forward(
@@ -211,11 +222,12 @@ class group_send_back:
         return lambda rows, own: start_reduce_rows(rows, *args, own=own, round_to_input=final)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def rank_stages(
     q: jax.Array,
     kv: KV,
     stage_arrays: tuple,
+    backward_arrays: tuple | None,
     cfg: _StagesCfg,
     fetcher: Callable[..., Callable[[int], KV]] = group_fetch,
     sender: Callable[..., Callable[[int, KV, bool], KV]] = group_send_back,
@@ -223,7 +235,9 @@ def rank_stages(
     """One rank's stages and merge -> ``(out, lse)`` (and the rank's max logits, with
     ``cfg.max_logits``; they get no gradient). Backward (docs/design.md §3.2): re-fetch
     each remote stage's KV (``cfg.refetch``; else keep the forward's buffers), FFA backward
-    per stage from the merged ``(out, lse)``, partial dK/dV sent back to the owners.
+    per stage from the merged ``(out, lse)``, partial dK/dV sent back to the owners. The
+    backward runs ``backward_arrays`` (this rank's plan rows of the backward's own stages,
+    ``cfg.backward_stages``) where the key has them (``None`` otherwise: the forward's).
     ``fetcher`` / ``sender`` (static) make the ``fetch`` / ``send_back`` of
     :func:`stages_forward` / :func:`stages_backward` from ``(kv, stage_arrays, cfg)``: the
     group collectives here; the timing probe swaps in local stand-ins. ``q`` ``[T, Hq, D]``
@@ -233,23 +247,29 @@ def rank_stages(
     return stages_forward(q, kv, stage_arrays, cfg, fetcher(kv, stage_arrays, cfg))[0]
 
 
-def _rank_stages_fwd(q, kv, stage_arrays, cfg, fetcher, sender):
+def _rank_stages_fwd(q, kv, stage_arrays, backward_arrays, cfg, fetcher, sender):
     res, used = stages_forward(q, kv, stage_arrays, cfg, fetcher(kv, stage_arrays, cfg))
     kept = None if cfg.refetch else used
-    return res, (q, kv, stage_arrays, res[0], res[1], kept)
+    # The backward's own stages replace the forward's (their arrays are not kept twice).
+    arrays = stage_arrays if cfg.backward_stages is None else backward_arrays
+    return res, (q, kv, arrays, res[0], res[1], kept)
 
 
 def _rank_stages_bwd(cfg, fetcher, sender, res, cts):
-    q, kv, stage_arrays, out, lse, kept = res
+    q, kv, arrays, out, lse, kept = res
     cts = cts[:2]  # the max logits, if returned, have no gradient
-    fetch = fetcher(kv, stage_arrays, cfg) if kept is None else kept.__getitem__
-    dq, dkv = stages_backward(
-        q, kv, stage_arrays, cfg, out, lse, cts, fetch, sender(kv, stage_arrays, cfg)
-    )
+    bcfg = cfg.for_backward()
+    if kept is not None and bcfg is not cfg:
+        raise ValueError("a key with backward stages of its own needs backward_refetch=True")
+    fetch = fetcher(kv, arrays, bcfg) if kept is None else kept.__getitem__
+    dq, dkv = stages_backward(q, kv, arrays, bcfg, out, lse, cts, fetch, sender(kv, arrays, bcfg))
+    no_grad = lambda tree: jax.tree.map(lambda _: None, tree)
     return (
         dq.astype(q.dtype),
         jax.tree.map(lambda d, x: d.astype(x.dtype), dkv, kv),
-        jax.tree.map(lambda _: None, stage_arrays),
+        # Cotangents shaped like the primal arrays (one of the two was kept as residual).
+        no_grad(arrays) if cfg.backward_stages is None else None,
+        None if cfg.backward_stages is None else no_grad(arrays),
     )
 
 
@@ -270,24 +290,34 @@ def stages_cfg(key: MagiKey, scale: float, softcap: float, max_logits: bool = Fa
         key.backward_refetch,
         native.cuda_tuning().started_reduce,
         bool(max_logits),
+        key.static.backward_stages,
     )
 
 
 def _local(
-    q, k, v, stage_arrays, key: MagiKey, scale: float, softcap: float, max_logits: bool = False
+    q,
+    k,
+    v,
+    stage_arrays,
+    backward_arrays,
+    key: MagiKey,
+    scale: float,
+    softcap: float,
+    max_logits: bool = False,
 ):
-    """One rank: q/k/v ``[(B,) local_len, H, D]``, ``stage_arrays`` this rank's plan arrays.
+    """One rank: q/k/v ``[(B,) local_len, H, D]``, ``stage_arrays`` this rank's plan arrays
+    (``backward_arrays``: of the backward's own stages, or ``None``).
     One pipeline for both layouts: a batch is folded into the heads (query head ``b·Hq + h``
     keeps key head ``b·Hkv + h // G``), so the sequence stays the first axis the casts move
     and every stage runs the same custom VJP. With ``max_logits`` a third output, the max
     logits ``[(B,) Hq]`` over all ranks (``pmax`` over the cp axis)."""
     cfg = stages_cfg(key, scale, softcap, max_logits)
     if q.ndim == 3:
-        res = rank_stages(q, (k, v), tuple(stage_arrays), cfg)
+        res = rank_stages(q, (k, v), tuple(stage_arrays), backward_arrays, cfg)
     else:
         b, t, hq, _ = q.shape
         fold = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], b * x.shape[2], x.shape[3])
-        res = rank_stages(fold(q), (fold(k), fold(v)), tuple(stage_arrays), cfg)
+        res = rank_stages(fold(q), (fold(k), fold(v)), tuple(stage_arrays), backward_arrays, cfg)
         res = (
             jnp.moveaxis(res[0].reshape(t, b, hq, v.shape[-1]), 1, 0),
             jnp.moveaxis(res[1].reshape(t, b, hq), 1, 0),
@@ -376,7 +406,7 @@ def magi_attention(
     hidden = is_checked(key)
     max_logits = bool(return_max_logits)
 
-    def body(q, k, v, stage_arrays, plan_id):
+    def body(q, k, v, stage_arrays, backward_arrays, plan_id):
         if hidden:
             q, k, v = (_strip_hidden(x, key) for x in (q, k, v))
         if key.batched:  # one plan per row: each local row runs its own
@@ -385,7 +415,7 @@ def magi_attention(
                     q[i],
                     k[i],
                     v[i],
-                    jax.tree.map(lambda a, i=i: a[i, 0], stage_arrays),
+                    *jax.tree.map(lambda a, i=i: a[i, 0], (stage_arrays, backward_arrays)),
                     key,
                     scale,
                     float(softcap),
@@ -395,8 +425,8 @@ def magi_attention(
             ]
             res = tuple(jnp.stack(parts) for parts in zip(*rows))
         else:
-            stage_arrays = jax.tree.map(lambda a: a[0], stage_arrays)
-            res = _local(q, k, v, stage_arrays, key, scale, float(softcap), max_logits)
+            mine = jax.tree.map(lambda a: a[0], (stage_arrays, backward_arrays))
+            res = _local(q, k, v, *mine, key, scale, float(softcap), max_logits)
         res = _plan_guard(res, plan_id, key)
         return (_add_hidden(*res[:2]) + res[2:]) if hidden else res
 
@@ -408,6 +438,7 @@ def magi_attention(
             specs.kv,
             specs.kv,
             jax.tree.map(lambda _: specs.plan, key.stage_arrays),
+            jax.tree.map(lambda _: specs.plan, key.backward_stage_arrays),
             specs.plan,
         ),
         out_specs=(specs.q, specs.lse) + ((specs.max_logits,) if max_logits else ()),
@@ -417,9 +448,9 @@ def magi_attention(
     if plan_id is None:  # a key built before plan ids (e.g. by hand): nothing to compare
         plan_id = jnp.zeros(((key.rows,) if key.batched else ()) + (key.cp,), jnp.int32)
     if sink is None:
-        return fn(q, k, v, key.stage_arrays, plan_id)
+        return fn(q, k, v, key.stage_arrays, key.backward_stage_arrays, plan_id)
     check_sink(sink, q.shape[-2])
-    res = fn(q, k, v, key.stage_arrays, plan_id)
+    res = fn(q, k, v, key.stage_arrays, key.backward_stage_arrays, plan_id)
     return apply_sink(*res[:2], sink) + tuple(res[2:])
 
 
@@ -444,10 +475,10 @@ def magi_attention_local(
     _check_options(softmax_scale, softcap)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     r = jax.lax.axis_index(key.cp_axis)
-    stage_arrays = jax.tree.map(lambda a: jnp.asarray(a)[r], key.stage_arrays)
+    mine = jax.tree.map(lambda a: jnp.asarray(a)[r], (key.stage_arrays, key.backward_stage_arrays))
     max_logits = bool(return_max_logits)
     if not is_checked(key):
-        return _local(q, k, v, stage_arrays, key, scale, float(softcap), max_logits)
+        return _local(q, k, v, *mine, key, scale, float(softcap), max_logits)
     q, k, v = (_strip_hidden(x, key) for x in (q, k, v))
-    res = _local(q, k, v, stage_arrays, key, scale, float(softcap), max_logits)
+    res = _local(q, k, v, *mine, key, scale, float(softcap), max_logits)
     return _add_hidden(*res[:2]) + res[2:]

@@ -148,7 +148,14 @@ def make_batch_key(
     by_row_rank = NamedSharding(mesh, P(entry, cp_axis))
 
     def parts(hk: HostKey) -> tuple:
-        return (hk.chunk_order, hk.chunk_inverse, hk.stage_arrays, hk.kv_chunks, hk.plan_id)
+        return (
+            hk.chunk_order,
+            hk.chunk_inverse,
+            hk.stage_arrays,
+            hk.kv_chunks,
+            hk.backward_stage_arrays,
+            hk.plan_id,
+        )
 
     # Leaf i of the key is the rows' leaves i stacked, [B, ...]: each process fills only
     # the rows its devices hold (the other rows are never planned here).
@@ -156,7 +163,8 @@ def make_batch_key(
     mine = leaves[next(iter(hosts))]
     shardings = jax.tree.leaves(
         (by_row, by_row, jax.tree.map(lambda _: by_row_rank, first.stage_arrays))
-        + (tuple(by_row for _ in first.kv_chunks), by_row_rank)
+        + (tuple(by_row for _ in first.kv_chunks),)
+        + (jax.tree.map(lambda _: by_row_rank, first.backward_stage_arrays), by_row_rank)
     )
 
     def stacked(i: int, sharding: NamedSharding) -> jax.Array:
@@ -168,10 +176,12 @@ def make_batch_key(
         return jax.make_array_from_callback((batch,) + mine[i].shape, sharding, fill)
 
     tree = jax.tree.structure(parts(first))
-    order, inverse, stage_arrays, kv, plan_id = jax.tree.unflatten(
+    order, inverse, stage_arrays, kv, backward, plan_id = jax.tree.unflatten(
         tree, [stacked(i, sh) for i, sh in enumerate(shardings)]
     )
-    return MagiKey(static, order, inverse, stage_arrays, *kv, plan_id=plan_id)
+    return MagiKey(
+        static, order, inverse, stage_arrays, *kv, backward_stage_arrays=backward, plan_id=plan_id
+    )
 
 
 def _static_diff(a: KeyStatic, b: KeyStatic) -> str:

@@ -102,6 +102,10 @@ class KeyStatic:
     batch_axes: tuple[str, ...] = ()
     head_axes: tuple[str, ...] = ()
     rows: int | None = None
+    # The backward's own stages, where its overlap degree differs from the forward's (None:
+    # the backward runs the forward's stages, backward_overlap_degree is overlap_degree).
+    backward_overlap_degree: int | None = None
+    backward_stages: tuple[StageStatic, ...] | None = None
 
 
 @jax.tree_util.register_pytree_node_class
@@ -123,6 +127,11 @@ class MagiKey:
     Static: :class:`KeyStatic` (``key.static``; its fields are also attributes of the key).
     Host only (``None`` on a key rebuilt inside a traced function): ``plan`` (the
     :class:`~magi_jax.planning.stages.DistPlan`) and ``mask``, for pictures and inspection.
+
+    ``backward_stage_arrays``: where the backward's overlap degree differs from the
+    forward's (``key.backward_overlap_degree``), the backward's own stages, stacked like
+    ``stage_arrays`` (static part ``key.static.backward_stages``); ``None`` when the backward
+    runs the forward's stages.
 
     ``plan_id`` int32 ``[cp]`` (``[rows, cp]`` batched), sharded like the plan: a fingerprint
     of the plan each device's process built; :func:`~magi_jax.magi_attention` compares it
@@ -148,6 +157,7 @@ class MagiKey:
         kv_chunk_order: jax.Array | None = None,
         kv_chunk_inverse: jax.Array | None = None,
         *,
+        backward_stage_arrays: tuple | None = None,
         plan_id: jax.Array | None = None,
         plan: DistPlan | None = None,
         mask: AttnMask | None = None,
@@ -158,6 +168,7 @@ class MagiKey:
         self.stage_arrays = stage_arrays
         self.kv_chunk_order = kv_chunk_order
         self.kv_chunk_inverse = kv_chunk_inverse
+        self.backward_stage_arrays = backward_stage_arrays
         self.plan_id = plan_id
         self.plan = plan
         self.mask = mask
@@ -169,6 +180,7 @@ class MagiKey:
             self.stage_arrays,
             self.kv_chunk_order,
             self.kv_chunk_inverse,
+            self.backward_stage_arrays,
             self.plan_id,
         )
         return children, self.static
@@ -205,8 +217,8 @@ class MagiKey:
 
     @classmethod
     def tree_unflatten(cls, static: KeyStatic, children: Sequence) -> MagiKey:
-        *leaves, plan_id = children
-        return cls(static, *leaves, plan_id=plan_id)
+        *leaves, backward, plan_id = children
+        return cls(static, *leaves, backward_stage_arrays=backward, plan_id=plan_id)
 
     mesh = property(lambda self: self.static.mesh)
     cp_axis = property(lambda self: self.static.cp_axis)
@@ -216,6 +228,13 @@ class MagiKey:
     local_len = property(lambda self: self.static.local_len)
     chunk_size = property(lambda self: self.static.chunk_size)
     overlap_degree = property(lambda self: self.static.overlap_degree)
+    backward_overlap_degree = property(
+        lambda self: (
+            self.static.overlap_degree
+            if self.static.backward_overlap_degree is None
+            else self.static.backward_overlap_degree
+        )
+    )
     block_q = property(lambda self: self.static.block_q)
     block_k = property(lambda self: self.static.block_k)
     stages = property(lambda self: self.static.stages)
@@ -263,6 +282,11 @@ class MagiKey:
                 f"max_remote_kv={int(p.remote_tokens.max(initial=0))}"
             )
         cap = "" if self.capacity is None else ", capacity"
+        back = (
+            ""
+            if self.backward_overlap_degree == self.overlap_degree
+            else f", backward_overlap_degree={self.backward_overlap_degree}"
+        )
         cross = f", total_k={self.total_k}, kv_layout={self.kv_layout!r}" if self.cross else ""
         pod = "".join(
             f", {name}={value!r}"
@@ -275,7 +299,7 @@ class MagiKey:
         )
         return (
             f"MagiKey(cp={self.cp}, total={self.total}, padded_total={self.padded_total}, "
-            f"chunk_size={self.chunk_size}, overlap_degree={self.overlap_degree}"
+            f"chunk_size={self.chunk_size}, overlap_degree={self.overlap_degree}{back}"
             f"{cross}{pod}{extra}{cap})"
         )
 
@@ -353,6 +377,7 @@ class CheckedKey(MagiKey):
             key.chunk_order,
             key.chunk_inverse,
             key.stage_arrays,
+            backward_stage_arrays=key.backward_stage_arrays,
             plan_id=key.plan_id,
             plan=key.plan,
             mask=key.mask,

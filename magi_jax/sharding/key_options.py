@@ -15,12 +15,14 @@ import numpy as np
 
 from magi_jax.planning.backends import check_backend
 from magi_jax.planning.capacity import PlanCapacity
+from magi_jax.planning.defaults import OverlapDegrees
 from magi_jax.planning.solver import ALGORITHMS, KV_LAYOUTS
 from magi_jax.sharding.collectives import TRANSPORTS
 from magi_jax.sharding.key import MagiKey
 
 __all__ = [
     "KeyOptions",
+    "check_overlap_degree",
     "COMM_BACKENDS",
     "MAX_OVERLAP_DEGREE",
     "CHECK_DISPATCH_ENV",
@@ -43,12 +45,14 @@ class KeyOptions:
     """The options of :func:`~magi_jax.sharding.make_key.make_flex_key` (see it for what
     each means), with its defaults. Built, they are checked one by one (``ValueError`` or
     ``TypeError`` naming the option, the value and the fix) and normalised: integer options
-    are Python ints or ``None``, ``backward_refetch`` a bool, and ``check_dispatch`` a bool
-    (``None`` reads the ``MAGI_JAX_CHECK_DISPATCH`` environment variable). Checks that need
-    the mask or the mesh are :func:`~magi_jax.sharding.make_key.key_args`'."""
+    are Python ints or ``None``, ``overlap_degree`` ``None`` (the cost model's, also for
+    ``"auto"``) or :class:`~magi_jax.planning.defaults.OverlapDegrees` (an integer is both
+    degrees), ``backward_refetch`` a bool, and ``check_dispatch`` a bool (``None`` reads the
+    ``MAGI_JAX_CHECK_DISPATCH`` environment variable). Checks that need the mask or the mesh
+    are :func:`~magi_jax.sharding.make_key.key_args`'."""
 
     chunk_size: int | None = None
-    overlap_degree: int | None = None
+    overlap_degree: int | tuple[int, int] | str | None = None
     comm_backend: str = "auto"
     dispatch_algorithm: str = "magi"
     dispatch_from: MagiKey | None = None
@@ -78,18 +82,7 @@ class KeyOptions:
         )
         put("block_q", _check_int("block_q", self.block_q, 1, "a positive tile size"))
         put("block_k", _check_int("block_k", self.block_k, 1, "a positive tile size"))
-        put(
-            "overlap_degree",
-            _check_int(
-                "overlap_degree",
-                self.overlap_degree,
-                0,
-                f"in [0, {MAX_OVERLAP_DEGREE}] (0: fetch all remote KV, then one FFA call; k: "
-                "the host stage plus k remote stages, each costing a kernel, a merge and a "
-                "collective)",
-                hi=MAX_OVERLAP_DEGREE,
-            ),
-        )
+        put("overlap_degree", check_overlap_degree(self.overlap_degree))
         put("check_dispatch", _check_dispatch_flag(self.check_dispatch))
         if self.comm_backend not in COMM_BACKENDS:
             raise ValueError(f"comm_backend={self.comm_backend!r} is not one of {COMM_BACKENDS}")
@@ -116,12 +109,59 @@ class KeyOptions:
         if not isinstance(self.backward_refetch, (bool, np.bool_)):
             raise ValueError(f"backward_refetch={self.backward_refetch!r} must be True or False")
         put("backward_refetch", bool(self.backward_refetch))
+        degrees = self.overlap_degree
+        if (
+            degrees is not None
+            and degrees.forward != degrees.backward
+            and not self.backward_refetch
+        ):
+            raise ValueError(
+                f"overlap_degree={tuple(degrees)!r} gives the backward its own stages, but "
+                "backward_refetch=False keeps the forward's stage buffers for the backward: "
+                "pass backward_refetch=True (the default), or one degree for both"
+            )
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
         """The options' names, in :func:`~magi_jax.sharding.make_key.make_flex_key`'s
         order."""
         return tuple(f.name for f in dataclasses.fields(cls))
+
+
+_DEGREE_RANGE = (
+    f"in [0, {MAX_OVERLAP_DEGREE}] (0: fetch all remote KV, then one FFA call; k: the host "
+    "stage plus k remote stages, each costing a kernel, a merge and a collective)"
+)
+
+
+def check_overlap_degree(value: object) -> OverlapDegrees | None:
+    """``make_flex_key``'s ``overlap_degree`` normalised: ``None`` for ``None`` or
+    ``"auto"`` (the cost model's degrees), :class:`OverlapDegrees` for one integer (both
+    the forward and the backward) or a pair ``(forward, backward)``; ``ValueError`` naming
+    the value and the fix otherwise."""
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return None
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(
+                f"overlap_degree={value!r}: a sequence must be a pair (forward, backward) of "
+                f"integers {_DEGREE_RANGE}, e.g. overlap_degree=(1, 2)"
+            )
+        names = ("overlap_degree[0] (forward)", "overlap_degree[1] (backward)")
+        return OverlapDegrees(
+            *(
+                _check_int(n, x, 0, _DEGREE_RANGE, hi=MAX_OVERLAP_DEGREE)
+                for n, x in zip(names, value)
+            )
+        )
+    if isinstance(value, str):
+        raise ValueError(
+            f"overlap_degree={value!r} is not a degree: pass an integer {_DEGREE_RANGE}, a "
+            "pair (forward, backward), 'auto' or None (the cost model's), or the degrees "
+            "mj.calibrate_overlap(...) measured on this machine (its .degrees)"
+        )
+    degree = _check_int("overlap_degree", value, 0, _DEGREE_RANGE, hi=MAX_OVERLAP_DEGREE)
+    return OverlapDegrees(degree, degree)
 
 
 def _check_int(name: str, value: object, lo: int, what: str, hi: int | None = None) -> int | None:
@@ -134,7 +174,7 @@ def _check_int(name: str, value: object, lo: int, what: str, hi: int | None = No
         or (isinstance(value, (float, np.floating)) and float(value).is_integer())
     )
     if not ok or value < lo or (hi is not None and value > hi):
-        default = "the cost model's choice" if name == "overlap_degree" else "the default"
+        default = "the cost model's choice" if name.startswith("overlap") else "the default"
         raise ValueError(
             f"{name}={value!r} must be an integer {what} (or None for {default})"
             if hi is not None

@@ -17,6 +17,7 @@ by a permutation of their own (``"dispatched"``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -33,10 +34,11 @@ from magi_jax.planning.backends import AUTO
 from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.cast_table import choose_transport
 from magi_jax.planning.defaults import (
+    OverlapDegrees,
     capacity_chunk_size,
     capacity_overlap_degree,
     cast_pieces,
-    default_overlap_degree,
+    default_overlap_degrees,
 )
 from magi_jax.planning.solver import KV_LAYOUTS, solve_dispatch
 from magi_jax.planning.stages import DistPlan, build_dist_plan, resolve_kv
@@ -120,7 +122,7 @@ def make_flex_key(
     cp_axis: str = "cp",
     *,
     chunk_size: int | None = None,
-    overlap_degree: int | None = None,
+    overlap_degree: int | tuple[int, int] | str | None = None,
     comm_backend: str = "auto",
     dispatch_algorithm: str = "magi",
     dispatch_from: MagiKey | None = None,
@@ -148,8 +150,17 @@ def make_flex_key(
         ``node · local_size + local``; shard arrays with ``P(("node", "local"))``).
       chunk_size: dispatch granularity in tokens (default: chosen by the solver, ≥ 8 chunks
         per rank).
-      overlap_degree: number of remote stages (0: fetch all remote KV, then one FFA call);
-        default from a compute/communication cost model.
+      overlap_degree: number of remote stages (0: fetch all remote KV, then one FFA call;
+        at most :data:`MAX_OVERLAP_DEGREE`): one integer for the forward and the backward,
+        or a pair ``(forward, backward)``: the backward then runs a stage split of its own
+        (its ratio of compute to communication differs: ~2.5x the forward's FLOPs against a
+        second cast of the KV and a reduce of dK/dV; ``key.overlap_degree`` and
+        ``key.backward_overlap_degree`` say what was chosen; a pair of different degrees
+        needs ``backward_refetch=True``). ``None`` or ``"auto"`` (default): each degree from
+        a compute/communication cost model whose constants were measured on a pair of
+        H200s (:func:`~magi_jax.planning.defaults.default_overlap_degree`). To choose by
+        timing on the machine at hand, pass the ``degrees`` of
+        :func:`~magi_jax.sharding.calibrate.calibrate_overlap`.
       comm_backend: ``"xla"`` (XLA collectives, transport per stage), ``"ppermute"``,
         ``"all_to_all"``, ``"native"`` (the FFI transport of :mod:`magi_jax.sharding.native`)
         or ``"auto"``: ``native`` on GPUs with one process per GPU when its CUDA library was
@@ -306,6 +317,16 @@ def key_args(
         chunk_size, overlap_degree = _capacity_options(
             capacity, mask, cp, chunk_size, overlap_degree
         )
+        if not o.backward_refetch and overlap_degree.forward != overlap_degree.backward:
+            if capacity.overlap_degree is not None:
+                raise ValueError(
+                    f"capacity.overlap_degree={capacity.overlap_degree} and "
+                    f"capacity.backward_overlap_degree={capacity.backward_overlap_degree} "
+                    "give the backward its own stages, but backward_refetch=False keeps "
+                    "the forward's stage buffers for the backward: pass "
+                    "backward_refetch=True, or build the capacity with one degree"
+                )
+            overlap_degree = OverlapDegrees(overlap_degree.forward, overlap_degree.forward)
     if dispatch_from is not None:
         if (
             dispatch_from.total != mask.total_q
@@ -353,30 +374,39 @@ def ffa_backend_reason() -> str | None:
 
 
 def _capacity_options(capacity, mask, cp, chunk_size, overlap_degree):
-    """Chunk size and overlap degree of a key at ``capacity`` (never from the mask)."""
+    """Chunk size and overlap degrees of a key at ``capacity`` (never from the mask)."""
     if (capacity.total_q, capacity.total_k) != (mask.total_q, mask.total_k):
         raise ValueError(
             f"capacity is for total_q={capacity.total_q}, total_k="
             f"{capacity.total_k} but the mask has total_q={mask.total_q}, "
             f"total_k={mask.total_k}; build the capacity for the packed lengths"
         )
-    for name, given, fixed in (
-        ("chunk_size", chunk_size, capacity.chunk_size),
-        ("overlap_degree", overlap_degree, capacity.overlap_degree),
-    ):
-        if given is not None and fixed is not None and int(given) != fixed:
+    if chunk_size is not None and capacity.chunk_size is not None:
+        if int(chunk_size) != capacity.chunk_size:
             raise ValueError(
-                f"{name}={given} but capacity.{name}={fixed}; set it in one "
-                "place (the capacity fixes the key's static part)"
+                f"chunk_size={chunk_size} but capacity.chunk_size={capacity.chunk_size}; set "
+                "it in one place (the capacity fixes the key's static part)"
             )
+    fixed = (
+        None
+        if capacity.overlap_degree is None
+        else OverlapDegrees(capacity.overlap_degree, capacity.backward_overlap_degree)
+    )
+    if overlap_degree is not None and fixed is not None and overlap_degree != fixed:
+        one = lambda pair: pair.forward if pair.forward == pair.backward else tuple(pair)
+        raise ValueError(
+            f"overlap_degree={one(overlap_degree)} but capacity.overlap_degree="
+            f"{capacity.overlap_degree}, capacity.backward_overlap_degree="
+            f"{capacity.backward_overlap_degree}; set it in one place (the capacity fixes the "
+            "key's static part), e.g. PlanCapacity.from_masks(sample, mesh_size=cp, "
+            f"overlap_degree={one(overlap_degree)})"
+        )
     chunk = int(chunk_size or capacity.chunk_size or capacity_chunk_size(capacity.total_q, cp))
     if overlap_degree is None:
         overlap_degree = (
-            capacity.overlap_degree
-            if capacity.overlap_degree is not None
-            else capacity_overlap_degree(capacity.total_q, cp, chunk)
+            fixed if fixed is not None else capacity_overlap_degree(capacity.total_q, cp, chunk)
         )
-    return chunk, int(overlap_degree)
+    return chunk, OverlapDegrees(*map(int, overlap_degree))
 
 
 # Keys by their arguments, bounded by the bytes of the keys' device arrays (each key holds
@@ -420,6 +450,7 @@ class HostKey(NamedTuple):
     chunk_inverse: np.ndarray
     stage_arrays: tuple
     kv_chunks: tuple  # (kv_chunk_order, kv_chunk_inverse) or ()
+    backward_stage_arrays: tuple | None  # the backward's own stages, or None
     plan_id: np.ndarray
     plan: DistPlan
     mask: AttnMask
@@ -430,7 +461,7 @@ def host_key(
     mesh: Mesh,
     cp_axis: str | tuple[str, ...],
     chunk_size: int | None,
-    overlap_degree: int | None,
+    overlap_degree: OverlapDegrees | None,
     comm_backend: str,
     algorithm: str,
     meta_ref: _MetaRef | None,
@@ -459,10 +490,86 @@ def host_key(
     )
     auto_q, auto_k = default_block_sizes(meta.local_len, kv_local)
     bq, bk = int(block_q or auto_q), int(block_k or auto_k)
-    degree = (
-        default_overlap_degree(mask, meta, kv) if overlap_degree is None else int(overlap_degree)
-    )
+    if overlap_degree is None:
+        overlap_degree = default_overlap_degrees(mask, meta, kv)
+        if not backward_refetch:  # the backward keeps the forward's stage buffers
+            overlap_degree = OverlapDegrees(overlap_degree.forward, overlap_degree.forward)
+    degree, back = overlap_degree
     plan: DistPlan = build_dist_plan(mask, meta, degree, bq, bk, ffa_backend, capacity, kv=kv)
+    stage_parts = functools.partial(
+        _stage_parts, cp_axis=cp_axis, cp=cp, comm_backend=comm_backend, capacity=capacity
+    )
+    statics, arrays = stage_parts(plan, relay=relay)
+    back_plan = (
+        plan
+        if back == degree
+        else build_dist_plan(mask, meta, back, bq, bk, ffa_backend, capacity, kv=kv)
+    )
+    back_statics = back_arrays = None
+    if back_plan.overlap_degree != plan.overlap_degree:
+        back_statics, back_arrays = stage_parts(back_plan, relay=relay)
+    fingerprint = None if capacity is not None else (mask.fingerprint, meta.fingerprint())
+    static = KeyStatic(
+        mesh=mesh,
+        cp_axis=cp_axis,
+        cp=cp,
+        total=meta.total,
+        padded_total=meta.padded_total,
+        local_len=meta.local_len,
+        chunk_size=meta.chunk_size,
+        overlap_degree=plan.overlap_degree,
+        block_q=bq,
+        block_k=bk,
+        stages=statics,
+        ffa_backend=ffa_backend,
+        comm_backend=comm_backend,
+        backward_refetch=backward_refetch,
+        capacity=capacity,
+        fingerprint=fingerprint,
+        batch_axes=batch_axes,
+        head_axes=head_axes,
+        backward_overlap_degree=None if back_statics is None else back_plan.overlap_degree,
+        backward_stages=back_statics,
+    )
+    kv_chunks = ()
+    if kv is not None:
+        kv_rows = mask.total_k if kv_meta is None else kv_meta.padded_total
+        static = dataclasses.replace(
+            static,
+            kv_layout=plan.kv_layout,
+            total_k=mask.total_k,
+            kv_padded_total=kv_rows,
+            kv_local_len=kv_local,
+            kv_chunk_size=None if kv_meta is None else kv_meta.chunk_size,
+        )
+        if kv_meta is not None:
+            kv_chunks = _chunk_permutation(kv_meta)
+    # What this process planned, as one int32 per rank: ranks of one CP group compare it.
+    ident = repr((mask.fingerprint, meta.fingerprint(), kv_meta and kv_meta.fingerprint()))
+    plan_id = np.full(cp, zlib.crc32(ident.encode()) & 0x7FFFFFFF, np.int64)
+    return HostKey(
+        static,
+        *_chunk_permutation(meta),
+        arrays,
+        kv_chunks,
+        back_arrays,
+        plan_id,
+        plan,
+        mask,
+    )
+
+
+def _stage_parts(
+    plan: DistPlan,
+    *,
+    cp_axis: str | tuple[str, ...],
+    cp: int,
+    comm_backend: str,
+    capacity: PlanCapacity | None,
+    relay: tuple[NodeLayout, bool] | None,
+) -> tuple[tuple[StageStatic, ...], tuple]:
+    """A plan's stages as a key holds them: their static parts and their host arrays
+    (``(FFAPlanRuns, CastRuns | RelayRuns | None)`` each), each cast on its transport."""
     statics, arrays = [], []
     for st in plan.stages:
         ffa = st.ffa
@@ -504,52 +611,7 @@ def host_key(
         statics.append(StageStatic(st.kv_len, combined, spec, st.items))
         # The tables travel as runs; the collectives expand them on the device.
         arrays.append((ffa, CastRuns(st.cast.send_runs, st.cast.recv_runs)))
-    fingerprint = None if capacity is not None else (mask.fingerprint, meta.fingerprint())
-    static = KeyStatic(
-        mesh=mesh,
-        cp_axis=cp_axis,
-        cp=cp,
-        total=meta.total,
-        padded_total=meta.padded_total,
-        local_len=meta.local_len,
-        chunk_size=meta.chunk_size,
-        overlap_degree=plan.overlap_degree,
-        block_q=bq,
-        block_k=bk,
-        stages=tuple(statics),
-        ffa_backend=ffa_backend,
-        comm_backend=comm_backend,
-        backward_refetch=backward_refetch,
-        capacity=capacity,
-        fingerprint=fingerprint,
-        batch_axes=batch_axes,
-        head_axes=head_axes,
-    )
-    kv_chunks = ()
-    if kv is not None:
-        kv_rows = mask.total_k if kv_meta is None else kv_meta.padded_total
-        static = dataclasses.replace(
-            static,
-            kv_layout=plan.kv_layout,
-            total_k=mask.total_k,
-            kv_padded_total=kv_rows,
-            kv_local_len=kv_local,
-            kv_chunk_size=None if kv_meta is None else kv_meta.chunk_size,
-        )
-        if kv_meta is not None:
-            kv_chunks = _chunk_permutation(kv_meta)
-    # What this process planned, as one int32 per rank: ranks of one CP group compare it.
-    ident = repr((mask.fingerprint, meta.fingerprint(), kv_meta and kv_meta.fingerprint()))
-    plan_id = np.full(cp, zlib.crc32(ident.encode()) & 0x7FFFFFFF, np.int64)
-    return HostKey(
-        static,
-        *_chunk_permutation(meta),
-        tuple(arrays),
-        kv_chunks,
-        plan_id,
-        plan,
-        mask,
-    )
+    return tuple(statics), tuple(arrays)
 
 
 def _make_key(*args) -> MagiKey:
@@ -559,13 +621,16 @@ def _make_key(*args) -> MagiKey:
     mesh, cp_axis = hk.static.mesh, hk.static.cp_axis
     by_rank = NamedSharding(mesh, P(cp_axis))
     replicated = NamedSharding(mesh, P())
-    stage_arrays = jax.tree.map(lambda a: put_global(a, by_rank), hk.stage_arrays)
+    stage_arrays, backward_stage_arrays = jax.tree.map(
+        lambda a: put_global(a, by_rank), (hk.stage_arrays, hk.backward_stage_arrays)
+    )
     return MagiKey(
         hk.static,
         put_global(hk.chunk_order, replicated),
         put_global(hk.chunk_inverse, replicated),
         stage_arrays,
         *(put_global(a, replicated) for a in hk.kv_chunks),
+        backward_stage_arrays=backward_stage_arrays,
         plan_id=put_global(hk.plan_id, by_rank),
         plan=hk.plan,
         mask=hk.mask,
