@@ -41,13 +41,6 @@ _SEC_PER_STAGE = 30e-6
 _SEC_PER_STAGE_TOKEN = 5e-9
 _OVERLAP_EFFICIENCY = 0.5
 _MAX_DEGREE = 4
-# The backward against the forward, per stage: its FFA does about 2.5x the forward's FLOPs
-# (dQ and dK/dV recompute the scores), it fetches the stage's KV again (backward_refetch)
-# and sends the partial dK/dV back in float32 (twice a bf16 row), and it runs two kernels
-# and a reduce per stage.
-_BWD_COMPUTE = 2.5
-_BWD_REDUCE_PER_CAST = 2.0
-_BWD_STAGE = 2.0
 
 
 class OverlapDegrees(NamedTuple):
@@ -66,49 +59,26 @@ CAPACITY_CAST_PIECES = 8
 
 
 def default_overlap_degree(
-    mask: AttnMask,
-    meta: DispatchMeta,
-    kv: DispatchMeta | str | None = None,
-    *,
-    backward: bool = False,
+    mask: AttnMask, meta: DispatchMeta, kv: DispatchMeta | str | None = None
 ) -> int:
-    """Overlap degree minimising a simple per-rank pipeline model (the constants above:
-    measured on one pair of H200s). Forward: stage 0 computes the host area while remote
-    stage 0 arrives; each later stage computes its share while the next arrives. Backward
-    (``backward=True``): remote stages first, each fetching its KV (the first fetch
-    exposed), computing ``_BWD_COMPUTE`` times the forward's work while the next stage's KV
-    arrives and the previous stage's partial dK/dV are reduced, the last reduce beside the
-    host stage. Of the ideal overlap only a measured share is realised; every stage costs a
-    fixed overhead plus one per local token. Degree 0 fetches everything, then computes.
-    Needs no kernel plan (areas from the clipped slices). ``kv``: where a cross-attention
-    mask's keys live (:func:`~magi_jax.planning.stages.build_dist_plan`).
+    """Overlap degree minimising a simple per-rank pipeline model (the constants above,
+    measured on one pair of H200s): stage 0 computes the host area while remote stage 0
+    arrives; each later stage computes its share while the next arrives — of which ideal
+    overlap only a measured share is realised; every stage costs a fixed overhead plus one
+    per local token. Degree 0 fetches everything, then computes. Needs no kernel plan (areas
+    from the clipped slices). ``kv``: where a cross-attention mask's keys live
+    (:func:`~magi_jax.planning.stages.build_dist_plan`).
     :func:`magi_jax.sharding.calibrate.calibrate_overlap` chooses by timing instead."""
     host, rem, tokens = (x.astype(np.float64) for x in split_areas(mask, meta, kv))
     if not tokens.any():
         return 0
-    host, rem, cast = host * _SEC_PER_CELL, rem * _SEC_PER_CELL, tokens * _SEC_PER_TOKEN
+    host, rem, comm = host * _SEC_PER_CELL, rem * _SEC_PER_CELL, tokens * _SEC_PER_TOKEN
     stage = _SEC_PER_STAGE + _SEC_PER_STAGE_TOKEN * meta.padded_total / meta.cp
-    if backward:
-        host, rem, stage = host * _BWD_COMPUTE, rem * _BWD_COMPUTE, stage * _BWD_STAGE
-        reduce = cast * _BWD_REDUCE_PER_CAST
-    else:
-        reduce = np.zeros_like(cast)
-    serial = cast + reduce + host + rem
+    serial = comm + host + rem
     best, best_t = 0, float(np.max(serial)) + stage
     for k in range(1, _MAX_DEGREE + 1):
-        c, d, r = cast / k, reduce / k, rem / k
-        if not backward:
-            ideal = np.maximum(c, host) + (k - 1) * np.maximum(c, r) + r
-        elif k == 1:
-            ideal = c + r + np.maximum(d, host)
-        else:
-            ideal = (
-                c
-                + np.maximum(r, c)
-                + (k - 2) * np.maximum(r, c + d)
-                + np.maximum(r, d)
-                + np.maximum(host, d)
-            )
+        c, r = comm / k, rem / k
+        ideal = np.maximum(c, host) + (k - 1) * np.maximum(c, r) + r
         t = serial - _OVERLAP_EFFICIENCY * (serial - ideal) + (k + 1) * stage
         if float(t.max()) < best_t * 0.98:
             best, best_t = k, float(t.max())
@@ -118,11 +88,13 @@ def default_overlap_degree(
 def default_overlap_degrees(
     mask: AttnMask, meta: DispatchMeta, kv: DispatchMeta | str | None = None
 ) -> OverlapDegrees:
-    """The cost model's forward and backward degrees (:func:`default_overlap_degree`)."""
-    return OverlapDegrees(
-        default_overlap_degree(mask, meta, kv),
-        default_overlap_degree(mask, meta, kv, backward=True),
-    )
+    """The degrees a key takes before any measurement: the cost model's
+    (:func:`default_overlap_degree`, a model of the forward's pipeline) for the forward, and
+    the same degree for the backward, as keys have always run it; nothing measured yet says
+    more about the backward. :func:`magi_jax.sharding.calibrate.calibrate_overlap` measures
+    each direction on the machine at hand."""
+    degree = default_overlap_degree(mask, meta, kv)
+    return OverlapDegrees(degree, degree)
 
 
 def cast_pieces(capacity: PlanCapacity | None) -> int:
