@@ -22,8 +22,9 @@ With ``--capacity-packings N`` (default 4) each mask is also planned as a key at
 as ``make_flex_key(..., capacity=...)`` plans it: every slot as wide as the capacity, moved
 in gated pieces (:func:`magi_jax.planning.defaults.cast_pieces`), two-hop tables planned by
 runs (:func:`magi_jax.planning.relay_runs.build_relay_runs`). Counted: inter-node wire of
-the flat cast as it was (whole slots), gated, and of the gated two-hop cast; and the host
-time of the whole key (dispatch, plan, two-hop tables).
+the flat cast as it was (whole slots), gated, and of the gated two-hop cast; the host
+time of the whole key (dispatch, plan, two-hop tables) and the MiB of its host arrays (work
+lists as runs padded to the capacity, two-hop tables).
 
 Writes ``benchmarks/results/wire/hierarchical_<date>.{json,md}`` (earlier runs, before
 gated slots and tables by runs: ``benchmarks/results/collectives/``).
@@ -147,7 +148,7 @@ def run_capacity_case(name: str, total: int, layout: NodeLayout, packings: int) 
     t1 = time.perf_counter()
     plan = D.build_dist_plan(mask, meta, cap.overlap_degree, bq, bk, "xla", cap)
     t2 = time.perf_counter()
-    relays = []
+    relays, table_bytes = [], 0
     for st in plan.stages:
         if st.cast is None:
             continue
@@ -156,9 +157,12 @@ def run_capacity_case(name: str, total: int, layout: NodeLayout, packings: int) 
         # As the key holds them (sharding/two_hop.relay_stage): padded to the capacity's runs.
         bounds = relay_run_bounds(layout, c.slot_len, c.buffer_len, cap.send_runs, cap.recv_runs)
         for runs, size in zip((rt.inter_runs, rt.intra_runs, rt.recv_runs), bounds):
-            pad_runs(runs, size, "two-hop")
+            table_bytes += pad_runs(runs, size, "two-hop").nbytes
         relays.append(rt)
     t3 = time.perf_counter()
+    # The key's host arrays: every stage's work lists (runs, order, offsets) and the two-hop
+    # tables (the casts travel as these in place of the flat tables).
+    list_bytes = sum(a.nbytes for st in plan.stages for a in st.ffa)
     whole = plan_wire(plan, "ppermute", layout.local)
     gated = plan_wire(plan, "ppermute", layout.local, pieces=pieces)
     two_hop = plan_wire(plan, "ppermute", layout.local, relays, pieces)
@@ -180,6 +184,10 @@ def run_capacity_case(name: str, total: int, layout: NodeLayout, packings: int) 
         plan_s=t2 - t1,
         relay_s=t3 - t2,
         key_s=t3 - t0,
+        lists_mib=list_bytes / 2**20,
+        tables_mib=table_bytes / 2**20,
+        host_k_runs=cap.runs(host=True)[1],
+        k_runs=cap.k_runs,
     )
 
 
@@ -192,12 +200,15 @@ def capacity_markdown(rows: list[dict], meta: dict) -> str:
         "`PlanCapacity.from_masks` over the generator's packings (default headroom), "
         "packing 0 planned at it. Inter-node GiB per forward cast: the flat cast with "
         "whole slots (before gated pieces), gated, and the gated two-hop cast (tables "
-        "planned by runs). *Key s*: dispatch + distributed plan + two-hop tables, host.",
+        "planned by runs). *Key s*: dispatch + distributed plan + two-hop tables, host. "
+        "*Key MiB*: the key's host arrays, work lists (all stages, as runs padded to the "
+        "capacity) / two-hop tables; *k runs*: the capacity's bound on a k-tile list's runs, "
+        "host stage / remote stages.",
         "",
         "| mask | packings | real flat / two-hop GiB | flat wire (whole) | flat wire (gated) "
         "| two-hop wire (gated) | reduction vs whole flat | two-hop intra GiB | solve / plan "
-        "/ two-hop s | key s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "/ two-hop s | key s | key MiB | k runs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
@@ -206,7 +217,8 @@ def capacity_markdown(rows: list[dict], meta: dict) -> str:
             f"{r['flat_gated_wire_inter'] * rb:.2f} | {r['two_hop_gated_wire_inter'] * rb:.2f} "
             f"| **{r['reduction']:.2f}×** | {r['two_hop_gated_wire_intra'] * rb:.2f} | "
             f"{r['solve_s']:.2f} / {r['plan_s']:.2f} / {r['relay_s']:.2f} | "
-            f"**{r['key_s']:.2f}** |"
+            f"**{r['key_s']:.2f}** | {r['lists_mib']:.1f} / {r['tables_mib']:.1f} | "
+            f"{r['host_k_runs']:,} / {r['k_runs']:,} |"
         )
     return "\n".join(out) + "\n"
 

@@ -276,10 +276,16 @@ def _print_capacity_wire(mask, args, name):
     meta = solve_dispatch(mask, args.cp, cap.chunk_size, args.algorithm)
     bq, bk = default_block_sizes(meta.local_len, meta.local_len)
     plan = build_dist_plan(mask, meta, cap.overlap_degree, bq, bk, "xla", cap)
+    host_runs = (
+        ""
+        if cap.host_q_runs is None and cap.host_k_runs is None
+        else f"host stage {_fmt(cap.host_q_runs)} / {_fmt(cap.host_k_runs)}, "
+    )
     print(
         f"capacity  from_masks over {len(masks)} packing(s) of {name}: cast_width "
         f"{_fmt(cap.cast_width)}, overlap degree {cap.overlap_degree}, slots in "
-        f"{cast_pieces(cap)} gated pieces  [{time.perf_counter() - t0:.2f} s]"
+        f"{cast_pieces(cap)} gated pieces; runs per q / k list: {host_runs}stages on "
+        f"fetched KV {_fmt(cap.q_runs)} / {_fmt(cap.k_runs)}  [{time.perf_counter() - t0:.2f} s]"
     )
     _print_wire(plan, args.local, ring_rows(args.cp, meta.local_len), cast_pieces(cap))
 

@@ -70,7 +70,7 @@ class PlanCapacity:
       overlap_degree: context parallelism: remote stages of the forward (default: the cost
         model's choice for a causal mask of this length).
       backward_overlap_degree: context parallelism: remote stages of the backward (default:
-        ``overlap_degree`` when that is set, else the cost model's backward choice); where
+        the forward's degree); where
         it differs from the forward's, keys carry a second stage plan for the backward, and
         the other fields must hold both plans (:meth:`from_masks` measures both).
       chunk_size: context parallelism: dispatch granularity in tokens (default: 16 chunks
@@ -81,9 +81,14 @@ class PlanCapacity:
       q_runs, k_runs: runs of work items per q-tile list (forward, dQ) and per k-tile list
         (dK/dV) of one call, on each backend's own tiles: the compact form lists are stored
         and shipped in (consecutive items of one owned tile, slice and mask kind,
-        :class:`~magi_jax.planning.work_list.FFAPlanRuns`). Default ``None``: the list's
-        item bound (always fits, saves nothing); a mask of few slices needs far fewer
-        (:meth:`from_masks` measures them).
+        :class:`~magi_jax.planning.work_list.FFAPlanRuns`). Under context parallelism they
+        bound the stages that read fetched KV (every remote stage, and the one stage of
+        ``overlap_degree=0``). Default ``None``: the list's item bound (always fits, saves
+        nothing); a mask of few slices needs far fewer (:meth:`from_masks` measures them).
+      host_q_runs, host_k_runs: context parallelism: the same bounds for the host stage
+        (a rank's queries on its own KV), whose lists hold far fewer runs than the remote
+        stages' (a rank's own diagonal block against every other rank's keys). Default
+        ``None``: ``q_runs`` / ``k_runs``; :meth:`from_masks` measures them apart.
     """
 
     total_q: int
@@ -99,6 +104,8 @@ class PlanCapacity:
     q_runs: int | None = None
     k_runs: int | None = None
     backward_overlap_degree: int | None = None
+    host_q_runs: int | None = None
+    host_k_runs: int | None = None
 
     def __post_init__(self):
         if self.total_k is None:
@@ -116,6 +123,8 @@ class PlanCapacity:
             "items",
             "q_runs",
             "k_runs",
+            "host_q_runs",
+            "host_k_runs",
             "remote_kv",
             "cast_width",
             "send_runs",
@@ -201,8 +210,11 @@ class PlanCapacity:
         )
         grown = ("items", "q_runs", "k_runs")
         if mesh_size is not None:
+            grown += ("host_q_runs", "host_k_runs")
             grown += ("remote_kv", "cast_width", "send_runs", "recv_runs")
-        fields.update({f: grow(need[f]) for f in grown})
+        # A field the sample never reaches (no host stage when every key has one combined
+        # stage) keeps its default.
+        fields.update({f: grow(need[f]) for f in grown if need[f] is not None})
         if mesh_size is None:
             # Persistent programs pay on short rows (the forward kernel's rule).
             fields["persistent"] = persistent_pays(need["mean_items"], tile_count(total_q))
@@ -214,6 +226,16 @@ class PlanCapacity:
             )
         fields.update(fixed)
         return cls(**fields)
+
+    def runs(self, host: bool) -> tuple[int | None, int | None]:
+        """``(q, k)`` run bounds of a host stage's lists (``host``) or of any other call's:
+        ``host_q_runs`` / ``host_k_runs``, each defaulting to ``q_runs`` / ``k_runs``."""
+        if not host:
+            return self.q_runs, self.k_runs
+        return (
+            self.q_runs if self.host_q_runs is None else self.host_q_runs,
+            self.k_runs if self.host_k_runs is None else self.host_k_runs,
+        )
 
     def check(self, field: str, needed: int, what: str = "this mask") -> None:
         """Raises :class:`CapacityError` when ``needed`` exceeds the capacity's ``field``."""

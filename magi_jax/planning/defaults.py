@@ -127,7 +127,9 @@ def capacity_needs(
     """What keys of ``masks`` (one packed length) over ``cp`` ranks need, per rank and
     stage: ``items`` (the longest q-tile list, on the ``xla`` backend's tiles, which are
     never larger than the kernels'), ``q_runs`` / ``k_runs`` (the most runs of items on a
-    q-tile / k-tile list, on either backend's tiles), ``remote_kv`` (remote KV tokens, all
+    q-tile / k-tile list of the stages that read fetched KV, on either backend's tiles),
+    ``host_q_runs`` / ``host_k_runs`` (the same on the host stage; ``None`` when the keys
+    have none: one combined stage), ``remote_kv`` (remote KV tokens, all
     stages), and ``cast_width`` (tokens one rank sends another in one stage), ``send_runs`` /
     ``recv_runs`` (runs of one rank's cast tables in one stage), with the ``chunk_size``,
     ``overlap_degree`` and ``backward_overlap_degree`` the keys use — the inputs of
@@ -147,6 +149,8 @@ def capacity_needs(
         items=1,
         q_runs=1,
         k_runs=1,
+        host_q_runs=None,
+        host_k_runs=None,
         remote_kv=1,
         cast_width=1,
         send_runs=1,
@@ -177,6 +181,9 @@ def _plan_needs(need: dict, mask: AttnMask, cp: int, chunk: int, degree: int) ->
     stages = max(degree, 1)
     remote = [st for st in plan.stages if st.cast is not None]
     need["items"] = max(need["items"], max(st.items[0] for st in plan.stages))
+    # At a capacity a key keeps its host stage, unless one combined stage holds all its KV
+    # (overlap degree 0 on fetched keys), whatever this mask fetches.
+    combined = degree == 0 and cp > 1 and not isinstance(kv, str)
     for st in plan.stages:
         # Runs on either backend's tiles (the Mosaic GPU k-tile list steps over 64 rows).
         sizes = [len(x.q0) for x in st.shapes]
@@ -189,8 +196,11 @@ def _plan_needs(need: dict, mask: AttnMask, cp: int, chunk: int, degree: int) ->
         runs = count_runs(
             flat, meta.local_len, st.kv_len, (bq, bk), np.repeat(np.arange(cp), sizes), cp
         )
-        need["q_runs"] = max(need["q_runs"], runs[0])
-        need["k_runs"] = max(need["k_runs"], runs[1])
+        fields = ("q_runs", "k_runs")
+        if st.cast is None and not combined:
+            fields = ("host_q_runs", "host_k_runs")
+        for f, n in zip(fields, runs):
+            need[f] = max(need[f] or 0, n)
     if remote:
         # Stages split a rank's remote KV evenly: the longest stage bounds them all.
         longest = max(int(st.cast.rows_received().max()) for st in remote)

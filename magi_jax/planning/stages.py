@@ -714,7 +714,9 @@ def _build(mask, meta, degree, bq, bk, backend, capacity=None, kv=None) -> DistP
             )
             num_slices = np.diff(rank.bounds).astype(np.int64)
             area = _rank_sums(flat.areas(), rank)
-        ffa, items = _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity)
+        ffa, items = _stage_lists(
+            flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, which == "host"
+        )
         return StagePlan(
             ffa=ffa,
             kv_len=kv_len,
@@ -751,11 +753,11 @@ def _build(mask, meta, degree, bq, bk, backend, capacity=None, kv=None) -> DistP
 _SHAPE_FIELDS = ("q0", "q1", "k0", "k1", "dlo", "dhi")
 
 
-def _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity):
+def _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, host):
     """One stage's FFA plan of every rank, stacked ``[cp, ...]``, and the widths of its item
     arrays: runs (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) standing for lists of
-    the capacity's items (at ``capacity``; runs padded to :func:`_capacity_runs`) or of the
-    longest rank's."""
+    the capacity's items (at ``capacity``; runs padded to :func:`_capacity_runs`, the host
+    stage's (``host``) to its own bounds) or of the longest rank's."""
     fwd_block, bwd_block = backend_blocks(backend.name, t_loc, kv_len, bq, bk)
     with _phase("work_lists"):
         runs_q = work_list_runs(flat, rank.rank, cp, t_loc, kv_len, *fwd_block, "q")
@@ -768,20 +770,23 @@ def _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity):
         for r in range(cp):  # the first rank and list over the capacity, as padding
             check_items(runs_q.per_rank[r : r + 1], items[0])
             check_items(runs_k.per_rank[r : r + 1], items[1])
-        num_runs = _capacity_runs(capacity, items)
-        check_runs(runs_q, num_runs[0], "q_runs")
-        check_runs(runs_k, num_runs[1], "k_runs")
+        num_runs = _capacity_runs(capacity, items, host)
+        fields = ("host_q_runs", "host_k_runs") if host else ("q_runs", "k_runs")
+        check_runs(runs_q, num_runs[0], fields[0])
+        check_runs(runs_k, num_runs[1], fields[1])
     with _phase("stack_pad"):
         return plan_runs(runs_q, runs_k, num_runs), items
 
 
-def _capacity_runs(capacity: PlanCapacity, items: tuple[int, int]) -> tuple[int, int]:
+def _capacity_runs(
+    capacity: PlanCapacity, items: tuple[int, int], host: bool = False
+) -> tuple[int, int]:
     """Runs of the q-tile and k-tile lists at ``capacity`` (lists of ``items``): its
-    ``q_runs`` / ``k_runs`` bounds, never more than a list's items (a run holds at least
-    one)."""
+    ``q_runs`` / ``k_runs`` bounds (the host stage's: ``host_q_runs`` / ``host_k_runs``),
+    never more than a list's items (a run holds at least one)."""
     return tuple(
         int(n) if bound is None else min(int(bound), int(n))
-        for bound, n in zip((capacity.q_runs, capacity.k_runs), items)
+        for bound, n in zip(capacity.runs(host), items)
     )
 
 

@@ -18,6 +18,7 @@ visited.
 from __future__ import annotations
 
 import heapq
+import mmap
 from typing import NamedTuple
 
 import numpy as np
@@ -75,6 +76,8 @@ _I32 = np.iinfo(np.int32)
 RUN_FIELDS = ITEM_FIELDS + ("length",)
 NUM_RUN_FIELDS = len(RUN_FIELDS)
 _LENGTH = RUN_FIELDS.index("length")
+# NumPy advises huge pages for arrays from this size on (numpy/_core/src/multiarray/alloc.c).
+_HUGE_PAGE_ADVICE_BYTES = 1 << 22
 # The padding of run arrays: no items.
 EMPTY_RUN = np.append(EMPTY_ITEM, 0).astype(np.int32)
 
@@ -183,13 +186,27 @@ def emit_run_lists(
     per_call = np.diff(runs.run_bounds)
     cp = len(per_call)
     width = int(per_call.max(initial=0)) if num_runs is None else int(num_runs)
-    out = np.empty((cp, width, NUM_RUN_FIELDS), np.int32)
+    out = _ordinary_pages((cp, width, NUM_RUN_FIELDS))
     pad = _padding(width - int(per_call.min(initial=width)), EMPTY_RUN)
     for r in range(cp):
         a, b = runs.run_bounds[r], runs.run_bounds[r + 1]
         np.take(runs.table, runs.row[a:b], axis=0, out=out[r, : b - a], mode="clip")
         out[r, b - a :] = pad[: width - (b - a)]
     return runs.order, runs.offsets, out
+
+
+def _ordinary_pages(shape: tuple[int, ...]) -> np.ndarray:
+    """``np.empty(shape, np.int32)``, in memory of ordinary pages where NumPy would ask for
+    huge ones (arrays of 4 MiB and more). In a process whose memory is fragmented (a loader
+    that has planned many keys), every first touch of a huge page waits for the kernel to
+    compact memory: that took most of the host time of the largest keys at a capacity
+    (``benchmarks/results/wire/LATEST.md``). Run arrays are written once, front to back, so
+    ordinary pages cost them nothing."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * 4
+    if nbytes < _HUGE_PAGE_ADVICE_BYTES:
+        return np.empty(shape, np.int32)
+    # An anonymous mapping of its own, without NumPy's madvise; unmapped with the array.
+    return np.frombuffer(mmap.mmap(-1, nbytes), np.int32).reshape(shape)
 
 
 def check_runs(runs: ListRuns, num_runs: int, field: str = "q_runs") -> None:

@@ -152,3 +152,52 @@ def test_split_areas_and_default_overlap_degree():
     assert default_overlap_degree(docs, S.solve_dispatch(docs, 4, 1024, "contiguous")) == 0
     big = AttnMask.causal(1 << 20)
     assert default_overlap_degree(big, S.solve_dispatch(big, 64)) >= 1
+
+
+def test_host_stage_runs_have_their_own_bound():
+    """At a capacity the host stage's run arrays take ``host_q_runs`` / ``host_k_runs`` and
+    the remote stages ``q_runs`` / ``k_runs``, from the capacity alone; ``from_masks``
+    measures them apart, a capacity without host bounds pads the host stage like the others,
+    and a host list over its bound names the host field."""
+    from magi_jax.planning.capacity import CapacityError, PlanCapacity
+    from magi_jax.planning.defaults import capacity_needs
+
+    mask = AttnMask.causal(4096)
+    for degree in (1, 2):
+        cap = PlanCapacity.from_masks([mask], mesh_size=8, overlap_degree=degree, headroom=1.0)
+        need = capacity_needs([mask], 8, overlap_degree=degree)
+        assert (cap.host_q_runs, cap.host_k_runs) == (need["host_q_runs"], need["host_k_runs"])
+        # Causal: a rank's own block holds far fewer k-list runs than its remote keys.
+        assert cap.host_k_runs < cap.k_runs
+        assert "host_q_runs=" in repr(cap) and "host_k_runs=" in repr(cap)
+        meta = S.solve_dispatch(mask, 8, cap.chunk_size)
+        plan = D.build_dist_plan(mask, meta, degree, 128, 128, "xla", cap)
+        host, *remote = plan.stages
+        assert host.cast is None and len(remote) == degree
+        assert (host.ffa.q_runs.shape[1], host.ffa.k_runs.shape[1]) == cap.runs(host=True)
+        for st_ in remote:
+            assert (st_.ffa.q_runs.shape[1], st_.ffa.k_runs.shape[1]) == (cap.q_runs, cap.k_runs)
+        # The runs a list holds are exactly those of the free plan (the padding is empty).
+        free = D.build_dist_plan(mask, meta, degree, 128, 128, "xla")
+        for a, b in zip(free.stages, plan.stages):
+            for x, y in ((a.ffa.q_runs, b.ffa.q_runs), (a.ffa.k_runs, b.ffa.k_runs)):
+                n = x.shape[1]
+                np.testing.assert_array_equal(y[:, :n], x)
+                assert not y[:, n:, -1].any()
+        # Without host bounds the host stage takes q_runs / k_runs, as before they existed.
+        old = PlanCapacity(
+            **{f: getattr(cap, f) for f in cap.__dataclass_fields__ if not f.startswith("host_")}
+        )
+        assert old.runs(host=True) == (cap.q_runs, cap.k_runs)
+        plan = D.build_dist_plan(mask, meta, degree, 128, 128, "xla", old)
+        assert plan.stages[0].ffa.k_runs.shape[1] == cap.k_runs
+        for field in ("host_q_runs", "host_k_runs"):
+            have = getattr(cap, field)
+            small = PlanCapacity(**{**cap.__dict__, field: have - 1})
+            with pytest.raises(CapacityError, match=rf"PlanCapacity\.{field}>={have}"):
+                D.build_dist_plan(mask, meta, degree, 128, 128, "xla", small)
+    # One combined stage (overlap degree 0): no host stage, no host bounds measured.
+    cap = PlanCapacity.from_masks([mask], mesh_size=8, overlap_degree=0)
+    assert cap.host_q_runs is None and cap.host_k_runs is None
+    with pytest.raises(ValueError, match=r"PlanCapacity\.host_k_runs=0"):
+        PlanCapacity(4096, host_k_runs=0)

@@ -181,3 +181,20 @@ def test_gated_casts_choose_ppermute():
     assert gated.transports == ("ppermute",) and whole.transports == ("all_to_all",)
     np.testing.assert_array_equal(gated.wire, [2] * 10)  # one piece of the shift-3 slot
     np.testing.assert_array_equal(whole.wire, [36] * 10)
+
+
+def test_cli_prints_the_capacity_run_bounds(capsys):
+    """``--capacity-packings``: the capacity's run bounds per list, the host stage's apart."""
+    from magi_jax.cli import _fmt, main
+    from magi_jax.planning.capacity import PlanCapacity
+
+    args = ["--mask", "causal", "--seqlen", "16384", "--cp", "4", "--capacity-packings", "1"]
+    assert main(args + ["--out", ""]) == 0
+    out = capsys.readouterr().out
+    cap = PlanCapacity.from_masks([AttnMask.causal(16384)], mesh_size=4)
+    assert cap.host_k_runs < cap.k_runs
+    line = next(x for x in out.splitlines() if x.startswith("capacity"))
+    assert (
+        f"runs per q / k list: host stage {_fmt(cap.host_q_runs)} / {_fmt(cap.host_k_runs)}, "
+        f"stages on fetched KV {_fmt(cap.q_runs)} / {_fmt(cap.k_runs)}" in line
+    ), line

@@ -154,14 +154,20 @@ def test_stage_lists_travel_as_runs_and_expand_to_the_item_lists(backend):
                         )
 
 
-def test_runs_over_capacity_name_the_field():
+@pytest.mark.parametrize("degree", [0, 1])
+def test_runs_over_capacity_name_the_field(degree):
+    """Run bounds of the stages on fetched KV (``q_runs``, ``k_runs``) and, with an overlap
+    degree, of the host stage (``host_q_runs``, ``host_k_runs``)."""
     masks = list(varlen_packings(T, 3, seed=4))
-    cap = mj.PlanCapacity.from_masks(masks, mesh_size=CP, headroom=1.0)
+    cap = mj.PlanCapacity.from_masks(masks, mesh_size=CP, headroom=1.0, overlap_degree=degree)
     mesh = _mesh()
     for mask in masks:
         mj.make_flex_key(mask, mesh, "cp", capacity=cap, ffa_backend="xla")
-    for field in ("q_runs", "k_runs"):
-        small = mj.PlanCapacity.from_masks(masks, mesh_size=CP, headroom=1.0, **{field: 1})
+    fields = ("q_runs", "k_runs") + (("host_q_runs", "host_k_runs") if degree else ())
+    for field in fields:
+        small = mj.PlanCapacity.from_masks(
+            masks, mesh_size=CP, headroom=1.0, overlap_degree=degree, **{field: 1}
+        )
         with pytest.raises(mj.CapacityError, match=rf"PlanCapacity\.{field}>=\d+ .* holds 1;"):
             for mask in masks:
                 mj.make_flex_key(mask, mesh, "cp", capacity=small, ffa_backend="xla")
