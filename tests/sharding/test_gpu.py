@@ -58,8 +58,8 @@ def test_pallas_split_vjp_matches_ffa_pallas_in_interpret_mode():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("d,dv", [(64, 64), (128, 64)])
-def test_pallas_stage_backwards_from_the_merged_result_in_interpret_mode(d, dv):
+@pytest.mark.parametrize("d,d_v", [(64, 64), (128, 64)])
+def test_pallas_stage_backwards_from_the_merged_result_in_interpret_mode(d, d_v):
     """CP's backward runs each stage's pallas backward against the merged (out, lse)
     (``split_bwd`` over :func:`~magi_jax.pallas.ffa_pallas_backward`): the two stages'
     gradients must sum to the VJP of one pallas call over all keys (Mosaic GPU interpret
@@ -73,7 +73,7 @@ def test_pallas_stage_backwards_from_the_merged_result_in_interpret_mode(d, dv):
     )
     be = _pallas(interpret=True)
     kw = dict(softmax_scale=d**-0.5, softcap=0.0, block_q=0, block_k=0)
-    q, k, v, dout, dlse = random_inputs(jax.random.key(2), mask, 2, 1, d, jnp.bfloat16, dv=dv)
+    q, k, v, dout, dlse = random_inputs(jax.random.key(2), mask, 2, 1, d, jnp.bfloat16, dv=d_v)
     parts = [
         AttnMask.from_ranges([[0, 128]], [[0, 128]], ["full"], 128, 128),
         AttnMask.from_ranges([[0, 128]], [[0, 128]], ["causal"], 128, 128),
