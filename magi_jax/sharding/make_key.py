@@ -156,9 +156,9 @@ def make_flex_key(
         (its ratio of compute to communication differs: ~2.5x the forward's FLOPs against a
         second cast of the KV and a reduce of dK/dV; ``key.overlap_degree`` and
         ``key.backward_overlap_degree`` say what was chosen; a pair of different degrees
-        needs ``backward_refetch=True``). ``None`` or ``"auto"`` (default): each degree from
-        a compute/communication cost model whose constants were measured on a pair of
-        H200s (:func:`~magi_jax.planning.defaults.default_overlap_degree`). To choose by
+        needs ``backward_refetch=True``). ``None`` or ``"auto"`` (default): one degree for
+        both, from a compute/communication cost model whose constants were measured on a
+        pair of H200s (:func:`~magi_jax.planning.defaults.default_overlap_degree`). To choose by
         timing on the machine at hand, pass the ``degrees`` of
         :func:`~magi_jax.sharding.calibrate.calibrate_overlap`.
       comm_backend: ``"xla"`` (XLA collectives, transport per stage), ``"ppermute"``,
@@ -490,23 +490,17 @@ def host_key(
     )
     auto_q, auto_k = default_block_sizes(meta.local_len, kv_local)
     bq, bk = int(block_q or auto_q), int(block_k or auto_k)
-    if overlap_degree is None:
+    if overlap_degree is None:  # one degree for both directions until measured
         overlap_degree = default_overlap_degrees(mask, meta, kv)
-        if not backward_refetch:  # the backward keeps the forward's stage buffers
-            overlap_degree = OverlapDegrees(overlap_degree.forward, overlap_degree.forward)
     degree, back = overlap_degree
     plan: DistPlan = build_dist_plan(mask, meta, degree, bq, bk, ffa_backend, capacity, kv=kv)
     stage_parts = functools.partial(
         _stage_parts, cp_axis=cp_axis, cp=cp, comm_backend=comm_backend, capacity=capacity
     )
     statics, arrays = stage_parts(plan, relay=relay)
-    back_plan = (
-        plan
-        if back == degree
-        else build_dist_plan(mask, meta, back, bq, bk, ffa_backend, capacity, kv=kv)
-    )
     back_statics = back_arrays = None
-    if back_plan.overlap_degree != plan.overlap_degree:
+    if back != degree:  # the backward's own stage plan
+        back_plan = build_dist_plan(mask, meta, back, bq, bk, ffa_backend, capacity, kv=kv)
         back_statics, back_arrays = stage_parts(back_plan, relay=relay)
     fingerprint = None if capacity is not None else (mask.fingerprint, meta.fingerprint())
     static = KeyStatic(
