@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from magi_jax.caches import cached
 from magi_jax.sharding.key import ROLES, MagiKey, axes_entry, check_key, is_checked, rows_desc
 
 __all__ = [
@@ -288,14 +289,19 @@ def plans_agree(key: MagiKey) -> jax.Array:
     another seed on one of them would otherwise go unseen."""
     batch = axes_entry(key.batch_axes) if key.batched else None
     spec = P(batch, key.cp_axis) if key.batched else P(key.cp_axis)
+    return _agreement(key.mesh, key.cp_axis, spec)(key.plan_id)
+
+
+@cached(64)
+def _agreement(mesh: jax.sharding.Mesh, cp_axis, spec: P):
+    """The compiled check of :func:`plans_agree` for one mesh and layout (cached: an eager
+    ``undispatch`` would otherwise trace and compile it again at every call)."""
 
     def body(ids):
-        return (jax.lax.pmin(ids, key.cp_axis) == jax.lax.pmax(ids, key.cp_axis)).astype(ids.dtype)
+        return (jax.lax.pmin(ids, cp_axis) == jax.lax.pmax(ids, cp_axis)).astype(ids.dtype)
 
-    agree = jax.shard_map(body, mesh=key.mesh, in_specs=spec, out_specs=spec, check_vma=False)(
-        key.plan_id
-    )
-    return agree.min(axis=-1) > 0
+    check = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    return jax.jit(lambda ids: check(ids).min(axis=-1) > 0)
 
 
 def _guard(y, key: MagiKey, axis: int):

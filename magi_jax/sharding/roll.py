@@ -160,6 +160,9 @@ def _dispatch_of(key: MagiKey):
 
 
 _TABLES = Cache("roll tables", 64)  # by (dispatch, shift, mesh, axis, rows)
+# The compiled per-rank programs of a route, by (route, deltas or edge shift): without them
+# every eager roll would trace and compile its shard_map again.
+_PROGRAMS = Cache("roll programs", 64)
 
 
 def clear_roll_cache() -> None:
@@ -210,20 +213,24 @@ class _Route:
     bwd: tuple[int, ...]
 
     def move(self, x, deltas, send, gather):
+        return _PROGRAMS.get((self, deltas), lambda: self._program(deltas))(x, send, gather)
+
+    def _program(self, deltas):
         spec = P(*([None] * self.axis), self.cp_axis)
         table_spec = P(self.cp_axis)
 
         def body(x, send, gather):
             return _move(x, send, gather, deltas, self.cp, self.cp_axis, self.axis)
 
-        fn = jax.shard_map(
-            body,
-            mesh=self.mesh,
-            in_specs=(spec, tuple(table_spec for _ in deltas), table_spec),
-            out_specs=spec,
-            check_vma=False,
+        return jax.jit(
+            jax.shard_map(
+                body,
+                mesh=self.mesh,
+                in_specs=(spec, tuple(table_spec for _ in deltas), table_spec),
+                out_specs=spec,
+                check_vma=False,
+            )
         )
-        return fn(x, send, gather)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -345,6 +352,10 @@ class _EdgeRoute:
         return self.num_chunks // self.cp
 
     def move(self, x, t, chunk_order, chunk_inverse):
+        program = _PROGRAMS.get((self, t), lambda: self._program(t))
+        return program(x, chunk_order, chunk_inverse)
+
+    def _program(self, t):
         if self.batch_axes is None:
             spec, order_spec = P(*([None] * self.axis), self.cp_axis), P()
 
@@ -364,14 +375,15 @@ class _EdgeRoute:
                 ]
                 return jnp.stack(parts)
 
-        fn = jax.shard_map(
-            body,
-            mesh=self.mesh,
-            in_specs=(spec, order_spec, order_spec),
-            out_specs=spec,
-            check_vma=False,
+        return jax.jit(
+            jax.shard_map(
+                body,
+                mesh=self.mesh,
+                in_specs=(spec, order_spec, order_spec),
+                out_specs=spec,
+                check_vma=False,
+            )
         )
-        return fn(x, chunk_order, chunk_inverse)
 
 
 def _edge_route(key: MagiKey, shift: int, axis: int) -> _EdgeRoute:
