@@ -56,6 +56,8 @@ class OverlapDegrees(NamedTuple):
 # bring the busiest rank's wire from 1.25-9.7x its real rows (whole slots) to 1.09-3.2x;
 # 16 would gain 4-10 % more at twice the branches of the slot's one conditional.
 CAPACITY_CAST_PIECES = 8
+PAIR_CAST_LEVELS = 4
+PAIR_CAST_PIECES = 32
 
 
 def default_overlap_degree(
