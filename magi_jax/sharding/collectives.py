@@ -398,8 +398,7 @@ def cast_rows(x: PyTree, tables: CastArrays, spec: CastSpec, prefix: bool = Fals
         # capacity), or its pairs each moving their own rows; received blocks stay packed.
         move = _slot_mover(send, spec, reverse=False)
         blocks = [
-            move(j, tuple(_take(a, idx[j, :w]) for a in leaves))
-            for j, w in enumerate(spec.widths)
+            move(j, tuple(_take(a, idx[j, :w]) for a in leaves)) for j, w in enumerate(spec.widths)
         ]
         entry = _packed_entry(recv, spec, s)
         return tree.unflatten(

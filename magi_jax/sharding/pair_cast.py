@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from magi_jax.planning.wire import pair_levels, piece_len
 
@@ -41,7 +42,7 @@ def _pairs(cp: int, shift: int, senders, reverse: bool) -> list[tuple[int, int]]
 
 def staircase_ppermute(
     rows: tuple,
-    axis_name,
+    axis_name: str | tuple[str, ...],
     cp: int,
     shift: int,
     counts: Sequence[int],
@@ -70,7 +71,7 @@ def staircase_ppermute(
     )
 
 
-def pair_counts(send: jax.Array, axis_name) -> jax.Array:
+def pair_counts(send: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
     """int32 ``[cp, n_slots]``: the real rows every rank sends in each slot of its send table
     ``send [n_slots, S]`` (left-packed), gathered over the axis: the same on every rank, so
     that every rank takes the same branch of each pair's conditionals."""
@@ -79,7 +80,7 @@ def pair_counts(send: jax.Array, axis_name) -> jax.Array:
 
 def pair_gated_ppermute(
     rows: tuple,
-    axis_name,
+    axis_name: str | tuple[str, ...],
     cp: int,
     shift: int,
     counts: jax.Array,
@@ -97,6 +98,12 @@ def pair_gated_ppermute(
     w = rows[0].shape[0]
     if w == 0:
         return rows
+    if len({a.dtype for a in rows}) == 1 and len(rows) > 1:
+        # One array of the leaves side by side: one collective per move, not one per leaf.
+        flat = jnp.concatenate([a.reshape(w, -1) for a in rows], axis=1)
+        (got,) = pair_gated_ppermute((flat,), axis_name, cp, shift, counts, pieces, reverse)
+        cuts = np.cumsum([int(np.prod(a.shape[1:])) for a in rows])[:-1]
+        return tuple(g.reshape(a.shape) for g, a in zip(jnp.split(got, cuts, axis=1), rows))
     size = piece_len(w, pieces)
     n = -(-w // size)  # pieces in the slot; the block is padded to whole pieces
     pad = n * size - w

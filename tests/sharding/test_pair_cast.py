@@ -2,12 +2,18 @@
 the exact staircase of a key of one mask and the gated pieces per pair of a key at a capacity
 deliver the rows of the NumPy model, and the wire counted for them is what they move."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import magi_jax as mj
+from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 from magi_jax.planning.cast_table import build_cast_table, cast_model, reduce_model
 from magi_jax.planning.wire import cast_wire, pair_levels, pair_rows_moved, slot_rows
 from magi_jax.sharding.collectives import CastSpec
+from magi_jax.sharding.key_wire import key_wire
+from tests.dynamic_masks import varlen_packings
 from tests.sharding.test_collectives import _meta, _random_table, _runner
 
 
@@ -75,9 +81,8 @@ def test_staircase_moves_the_model_rows(seed):
     same rows as the model (and as whole slots), the wire each pair's rows up to its level."""
     rng = np.random.default_rng(seed)
     table, t_loc = _uneven_table(rng, 8)
-    assert max(table.widths) == t_loc  # the full pair sets slot 1's width
     rows = slot_rows(table)
-    assert (rows == 0).any()
+    assert (rows == 0).any() and rows[0, 0] == table.widths[0] == t_loc  # the full pair
     _check(table, t_loc, _spec(table, "pair"), rng)
     exact = cast_wire(table, "ppermute", gating="pair", levels=8)
     np.testing.assert_array_equal(exact.wire, exact.real)
@@ -86,14 +91,14 @@ def test_staircase_moves_the_model_rows(seed):
     assert (capped.real <= capped.wire).all() and (capped.wire <= whole.wire).all()
 
 
-@pytest.mark.parametrize("seed", [2])
-def test_pair_gated_pieces_move_the_model_rows(seed):
-    """A key at a capacity: slots of a fixed width, each pair moving its own pieces."""
-    rng = np.random.default_rng(seed)
-    table, t_loc = _uneven_table(rng, 8, width=14)
+def test_pair_gated_pieces_move_the_model_rows():
+    """A key at a capacity: slots of a fixed width, each pair moving its own pieces (3
+    pieces of 5 rows: the block is padded to 15; the full pair moves all three)."""
+    rng = np.random.default_rng(2)
+    table, t_loc = _uneven_table(rng, 4, width=14)
     assert set(table.widths) == {14}
-    for pieces in (3, 8):  # piece of 5 rows (the block padded to 15) and of 2
-        _check(table, t_loc, _spec(table, "pair", pieces), rng)
+    assert (slot_rows(table) == 0).any() and slot_rows(table)[0, 0] == t_loc
+    _check(table, t_loc, _spec(table, "pair", 3), rng)
 
 
 def test_pair_gated_random_sparse_table():
@@ -131,7 +136,8 @@ def test_hand_checked_pair_wire():
         pair_rows_moved(slot_rows(table), (4, 4), pieces=2), [[0, 2], [2, 4], [2, 0], [0, 0]]
     )
     x = np.arange(4 * 4 * 2, dtype=np.float32).reshape(4, 4, 2)
-    out = np.asarray(_runner(4, _spec(table, "pair"), 4, "cast")(x, table.send_runs, table.recv_runs))
+    run = _runner(4, _spec(table, "pair"), 4, "cast")
+    out = np.asarray(run(x, table.send_runs, table.recv_runs))
     np.testing.assert_array_equal(out, cast_model(x, table))
     np.testing.assert_array_equal(out[3], np.stack([x[1, 0], x[1, 1], x[1, 2], x[1, 3], x[2, 0]]))
 
@@ -143,3 +149,64 @@ def test_spec_checks_pair_rows():
         CastSpec("cp", 4, (1,), (4,), "all_to_all", gating="pair", pair_rows=((1, 1, 1, 1),))
     with pytest.raises(ValueError, match="gating"):
         CastSpec("cp", 4, (1,), (4,), gating="pairs")
+
+
+@jax.jit
+def _step(q, k, v, dout, dlse, key):
+    def loss(q, k, v):
+        o, lse = mj.magi_attention(*(mj.dispatch(x, key) for x in (q, k, v)), key)
+        out, lse = mj.undispatch(o, key), mj.undispatch(lse, key)
+        total = (out * dout).sum() + (jnp.where(jnp.isfinite(lse), lse, 0) * dlse).sum()
+        return total, (out, lse)
+
+    (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, lse, grads
+
+
+def test_pair_gated_key_matches_reference_over_packings():
+    """cast_gating="pair" at a capacity on 8 CPU devices: forward and gradients of three
+    document-causal packings against the float64 reference, one compilation; the key's
+    wire follows each pair (never more than its slot-gated twin's). The buffers are kept
+    for the backward (backward_refetch=False: the cast and its reduce, one compilation
+    fewer of the same transport)."""
+    total, cp = 64, 8
+    mesh = jax.make_mesh(
+        (cp,), ("cp",), devices=jax.devices()[:cp], axis_types=(jax.sharding.AxisType.Auto,)
+    )
+    masks = list(varlen_packings(total, 3, seed=3))
+    capacity = mj.PlanCapacity.from_masks(masks, mesh_size=cp)
+    size = _step._cache_size()
+    for i, mask in enumerate(masks):
+        opts = dict(capacity=capacity, ffa_backend="xla", backward_refetch=False)
+        key = mj.make_flex_key(mask, mesh, "cp", cast_gating="pair", **opts)
+        specs = [s.cast for s in key.stages if s.cast is not None]
+        assert specs and all(s.gating == "pair" and s.pieces > 1 for s in specs)
+        slot = mj.make_flex_key(mask, mesh, "cp", **opts)
+        assert all(s.cast.gating == "slot" for s in slot.stages if s.cast is not None)
+        pair_wire, slot_wire = key_wire(key), key_wire(slot)
+        np.testing.assert_array_equal(pair_wire.real, slot_wire.real)
+        assert (pair_wire.wire <= slot_wire.wire).all()
+        q, k, v, dout, dlse = random_inputs(jax.random.key(i), mask, 2, 1, 8, jnp.float32)
+        out, lse, (dq, dk, dv) = _step(q, k, v, dout, dlse, key)
+        assert_matches_reference(
+            dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, mask, dout, dlse
+        )
+    assert _step._cache_size() == size + 1
+
+
+def test_cast_gating_is_checked():
+    mesh = jax.make_mesh(
+        (2,), ("cp",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,)
+    )
+    mask = mj.AttnMask.causal(16)
+    with pytest.raises(ValueError, match="cast_gating='pairs'"):
+        mj.make_flex_key(mask, mesh, "cp", cast_gating="pairs")
+    with pytest.raises(ValueError, match="cast_gating='pair'.*comm_backend='xla'"):
+        mj.make_flex_key(mask, mesh, "cp", cast_gating="pair", comm_backend="native")
+    # A key of one mask moves each pair's exact rows by default; "slot" keeps whole slots.
+    pair = mj.make_flex_key(mask, mesh, "cp", comm_backend="xla", ffa_backend="xla")
+    whole = mj.make_flex_key(
+        mask, mesh, "cp", comm_backend="xla", ffa_backend="xla", cast_gating="slot"
+    )
+    assert [s.cast.gating for s in pair.stages if s.cast is not None] in ([], ["pair"])
+    assert all(s.cast.gating == "slot" for s in whole.stages if s.cast is not None)
