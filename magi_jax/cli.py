@@ -284,19 +284,29 @@ def _print_capacity_wire(mask, args, name):
     print(
         f"capacity  from_masks over {len(masks)} packing(s) of {name}: cast_width "
         f"{_fmt(cap.cast_width)}, overlap degree {cap.overlap_degree}, slots in "
-        f"{cast_pieces(cap)} gated pieces; runs per q / k list: {host_runs}stages on "
+        f"{cast_pieces(cap)} gated pieces (cast_gating='pair': {cast_pieces(cap, 'pair')} "
+        f"per pair); runs per q / k list: {host_runs}stages on "
         f"fetched KV {_fmt(cap.q_runs)} / {_fmt(cap.k_runs)}  [{time.perf_counter() - t0:.2f} s]"
     )
-    _print_wire(plan, args.local, ring_rows(args.cp, meta.local_len), cast_pieces(cap))
+    _print_wire(
+        plan,
+        args.local,
+        ring_rows(args.cp, meta.local_len),
+        cast_pieces(cap),
+        cast_pieces(cap, "pair"),
+    )
 
 
-def _print_wire(plan, local, ring: int, pieces: int = 1):
-    """The wire counts of ``plan``'s casts (:mod:`magi_jax.planning.wire`), per transport;
-    ``pieces``: gated ``ppermute`` slots (a key at a capacity)."""
+def _print_wire(plan, local, ring: int, pieces: int = 1, pair_pieces: int = 1):
+    """The wire counts of ``plan``'s casts (:mod:`magi_jax.planning.wire`), per transport:
+    ``ppermute`` gated by slot (``pieces``: gated pieces, a key at a capacity; 1: whole
+    slots) and by pair (``pair_pieces``: gated pieces per pair at a capacity, with
+    ``cast_gating="pair"``; 1: each pair's rows in a few levels, a key of one mask's
+    default)."""
     counts = [
-        (name, plan_wire(plan, name, local, pieces=pieces))
-        for name in ("ppermute", "all_to_all", "native")
-    ]
+        ("ppermute, slots", plan_wire(plan, "ppermute", local, pieces=pieces)),
+        ("ppermute, pairs", plan_wire(plan, "ppermute", local, pieces=pair_pieces, gating="pair")),
+    ] + [(name, plan_wire(plan, name, local, pieces=pieces)) for name in ("all_to_all", "native")]
     if local is not None and local < plan.cp and plan.cp // local > 1:
         from magi_jax.planning.hierarchy import NodeLayout
         from magi_jax.planning.relay_runs import build_relay_runs
