@@ -14,7 +14,7 @@ Two keys of the same document-causal packing (``--packings`` packings size the c
 A CPU times XLA:CPU's compiler and its host-device collectives, not a GPU's; the figures say
 what the conditionals cost to compile and what they cost where collectives are cheap.
 
-Writes ``benchmarks/results/pair_cast/pair_cast_<date>.{json,md}``.
+Writes ``benchmarks/results/wire/pair_cast_<date>.{json,md}``.
 
     PYTHONPATH=. python benchmarks/pair_cast_bench.py                 # 4k tokens, 3 steps
 """
@@ -73,9 +73,9 @@ def measure(key, q, k, v, steps: int) -> dict:
         compile_s=round(compile_s, 2),
         step_s=round(statistics.median(times), 4),
         step_all_s=[round(t, 4) for t in times],
-        collective_permutes=len(re.findall(r"= \S+ collective-permute(?:-start)?\(", hlo)),
-        conditionals=len(re.findall(r"= \S+ conditional\(", hlo)),
-        all_gathers=len(re.findall(r"= \S+ all-gather(?:-start)?\(", hlo)),
+        collective_permutes=len(re.findall(r"\scollective-permute(?:-start)?\(", hlo)),
+        conditionals=len(re.findall(r"\sconditional\(", hlo)),
+        all_gathers=len(re.findall(r"\sall-gather(?:-start)?\(", hlo)),
         wire_per_rank=round(w.per_rank_ratio(), 3),
         wire_total=round(w.total_ratio(), 3),
         stages=sum(s.cast is not None for s in key.stages),
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--packings", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--heads", default="4,2,64", help="query heads, KV heads, head dim")
-    ap.add_argument("--out", default="benchmarks/results/pair_cast")
+    ap.add_argument("--out", default="benchmarks/results/wire")
     args = ap.parse_args(argv)
     cp = 8
     hq, hkv, d = (int(x) for x in args.heads.split(","))

@@ -239,7 +239,7 @@ def make_flex_key(
         wire stays within 1.25x its real rows on every mask counted
         (benchmarks/results/wire/LATEST.md) against up to 3.2x, at ``cp · (cp − 1) · 6``
         conditional collectives per cast instead of ``cp − 1`` (their cost on GPUs is
-        unmeasured; CPU figures in benchmarks/results/pair_cast/LATEST.md). ``"slot"``:
+        unmeasured; CPU figures in benchmarks/results/wire/LATEST.md). ``"slot"``:
         gated slots at a capacity and whole slots for a key of one mask (as before pairs).
         Two-hop casts (``hierarchical``) are gated by slot whatever this says; the
         ``native`` transport moves exact rows anyway (``"slot"`` and ``"pair"`` need
