@@ -303,9 +303,14 @@ def _print_wire(plan, local, ring: int, pieces: int = 1, pair_pieces: int = 1):
     slots) and by pair (``pair_pieces``: gated pieces per pair at a capacity, with
     ``cast_gating="pair"``; 1: each pair's rows in a few levels, a key of one mask's
     default)."""
+    # The key's default (cast_gating="auto"): pairs for one mask, gated slots at a capacity.
+    mark = ("", " *") if pieces == 1 else (" *", "")
     counts = [
-        ("ppermute, slots", plan_wire(plan, "ppermute", local, pieces=pieces)),
-        ("ppermute, pairs", plan_wire(plan, "ppermute", local, pieces=pair_pieces, gating="pair")),
+        ("ppermute, slots" + mark[0], plan_wire(plan, "ppermute", local, pieces=pieces)),
+        (
+            "ppermute, pairs" + mark[1],
+            plan_wire(plan, "ppermute", local, pieces=pair_pieces, gating="pair"),
+        ),
     ] + [(name, plan_wire(plan, name, local, pieces=pieces)) for name in ("all_to_all", "native")]
     if local is not None and local < plan.cp and plan.cp // local > 1:
         from magi_jax.planning.hierarchy import NodeLayout
@@ -326,17 +331,18 @@ def _print_wire(plan, local, ring: int, pieces: int = 1, pair_pieces: int = 1):
     real = counts[0][1]
     print(
         "wire      rows each rank sends per cast, busiest rank (and all ranks), padding "
-        f"included; ring attention sends {_fmt(ring)} per rank"
+        f"included; ring attention sends {_fmt(ring)} per rank (* the flat xla transport's "
+        "default)"
     )
     split = local is not None and local < plan.cp
     print(
-        f"          {'real (the plan)':<16} {_fmt(int(real.real.max(initial=0))):>7} "
+        f"          {'real (the plan)':<17} {_fmt(int(real.real.max(initial=0))):>7} "
         f"({_fmt(int(real.real.sum()))})"
         + (f"   between nodes {_fmt(int(real.real_inter.sum()))}" if split else "")
     )
     for name, w in counts:
         print(
-            f"          {name:<16} {_fmt(int(w.wire.max(initial=0))):>7} "
+            f"          {name:<17} {_fmt(int(w.wire.max(initial=0))):>7} "
             f"({_fmt(int(w.wire.sum()))})   {w.per_rank_ratio():5.2f}x per rank, "
             f"{w.total_ratio():5.2f}x in total, {100 * w.wire.max(initial=0) / max(ring, 1):5.1f}% "
             "of ring"
