@@ -30,9 +30,11 @@ scatter of the data itself, while the slots are few.
 
 Transports: ``"ppermute"`` (one ``lax.ppermute`` per slot, sending only its ``width``
 columns; partly overlappable with compute on GPU,
-benchmarks/results/overlap/LATEST.md) and ``"all_to_all"`` (one padded
-``lax.all_to_all``; fewer launches when nearly every pair talks). ``ragged_all_to_all`` is not
-used: ~100x slower than the link on H200 and unsupported on CPU. ``"native"``: the
+benchmarks/results/overlap/LATEST.md; :class:`CastSpec`'s ``gating="pair"`` moves each
+sender-receiver pair's own rows instead, :mod:`magi_jax.sharding.pair_cast`) and
+``"all_to_all"`` (one padded ``lax.all_to_all``; fewer launches when nearly every pair
+talks). ``ragged_all_to_all`` is not used: ~100x slower than the link on H200 and
+unsupported on CPU. ``"native"``: the
 C++ XLA FFI custom calls of :mod:`magi_jax.sharding.native` (NVSHMEM on GPU, a rendezvous of
 the host devices on CPU) take the same tables and replace the whole gather/exchange/scatter.
 
