@@ -5,11 +5,15 @@ For each mask generator, at ``--total`` tokens over ``--cp`` ranks on one node, 
 same rows again):
 
 - *one-mask key*: ``make_flex_key(mask, ...)`` without a capacity (default chunk and overlap
-  degree; the ``xla`` transport ``choose_transport`` picks per stage), on packing 0;
+  degree; the ``xla`` transport ``choose_transport`` picks per stage), on packing 0: its
+  slots whole (``cast_gating="slot"``, the transport before pairs) and pair by pair (each
+  pair's rows in at most :data:`~magi_jax.planning.defaults.PAIR_CAST_LEVELS` levels a
+  slot: what such a key now moves);
 - *key at a capacity*: ``PlanCapacity.from_masks`` over ``--packings`` packings of the same
   generator (default headroom), every packing planned at it; the worst packing is reported.
-  Columns: the slots moved whole (the transport before gated pieces) and with the gated
-  pieces keys at a capacity now use (:func:`magi_jax.planning.defaults.cast_pieces`);
+  Columns: the slots moved whole (the transport before gated pieces), with the gated
+  pieces keys at a capacity use by default (:func:`magi_jax.planning.defaults.cast_pieces`),
+  and with gated pieces per pair (``cast_gating="pair"``), the worst packing and packing 0;
 - ``native``: the FFI transport, which sends real rows only (1.00x by construction).
 
 *per rank*: the busiest rank's wire over the busiest rank's real rows (the bottleneck of a
@@ -37,7 +41,7 @@ import numpy as np
 from magi_jax.mask import AttnMask
 from magi_jax.mask_zoo import make_mask, random_doc_lengths
 from magi_jax.planning.capacity import PlanCapacity
-from magi_jax.planning.defaults import cast_pieces, default_overlap_degree
+from magi_jax.planning.defaults import PAIR_CAST_LEVELS, cast_pieces, default_overlap_degree
 from magi_jax.planning.solver import solve_dispatch
 from magi_jax.planning.stages import build_dist_plan
 from magi_jax.planning.wire import plan_wire, ring_rows
@@ -85,18 +89,21 @@ def run_generator(name: str, total: int, cp: int, packings: int) -> dict:
     masks = [generate(name, total, s) for s in range(packings)]
     plan, meta = _plan(masks[0], cp)
     one = plan_wire(plan, "auto")
+    one_pairs = plan_wire(plan, "auto", gating="pair")
     cap = PlanCapacity.from_masks(masks, mesh_size=cp)
-    pieces = cast_pieces(cap)
-    whole, gated = [], []
+    pieces, pair_pieces = cast_pieces(cap), cast_pieces(cap, "pair")
+    whole, gated, pairs = [], [], []
     for mask in masks:
         p, _ = _plan(mask, cp, cap)
         whole.append(plan_wire(p, "auto"))
         gated.append(plan_wire(p, "auto", pieces=pieces))
+        pairs.append(plan_wire(p, "auto", pieces=pair_pieces, gating="pair"))
     worst = lambda ws: max(ws, key=lambda w: w.per_rank_ratio())
     return dict(
         mask=name,
         ring_per_rank=ring_rows(cp, meta.local_len),
         one_mask=_ratios(one),
+        one_mask_pairs=dict(_ratios(one_pairs), levels=PAIR_CAST_LEVELS),
         capacity=dict(
             cast_width=cap.cast_width,
             overlap_degree=cap.overlap_degree,
@@ -108,6 +115,10 @@ def run_generator(name: str, total: int, cp: int, packings: int) -> dict:
             # Packing 0: what `python -m magi_jax.cli --mask NAME --capacity-packings N`
             # prints (with --docs as generate() sets them).
             gated_packing0=_ratios(gated[0]),
+            pair_pieces=pair_pieces,
+            pairs=_ratios(worst(pairs)),
+            pairs_worst_total=round(max(w.total_ratio() for w in pairs), 3),
+            pairs_packing0=_ratios(pairs[0]),
         ),
         seconds=round(time.perf_counter() - t0, 2),
     )
@@ -137,17 +148,20 @@ def _env() -> dict:
 
 def table(rows) -> str:
     out = [
-        "| mask | one-mask key | at a capacity, slots whole | at a capacity, gated pieces | "
-        "gated, packing 0 | native | ring (rows/rank) |",
-        "|---|---|---|---|---|---|---|",
+        "| mask | one-mask key, slots whole | one-mask key, pairs | at a capacity, slots whole "
+        "| at a capacity, gated slots | gated slots, packing 0 | at a capacity, gated pairs "
+        "| gated pairs, packing 0 | native | ring (rows/rank) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         c = r["capacity"]
         f = lambda x: f"{x['per_rank']:.2f}× / {x['total']:.2f}×"
         out.append(
-            f"| {r['mask']} | {f(r['one_mask'])} | {f(c['whole'])} | {f(c['gated'])} "
-            f"(×{c['pieces']}) | {f(c['gated_packing0'])} | 1.00× / 1.00× | "
-            f"{r['ring_per_rank']:,} |"
+            f"| {r['mask']} | {f(r['one_mask'])} | {f(r['one_mask_pairs'])} "
+            f"(≤ {r['one_mask_pairs']['levels']} levels) | {f(c['whole'])} | {f(c['gated'])} "
+            f"(×{c['pieces']}) | {f(c['gated_packing0'])} | {f(c['pairs'])} "
+            f"(×{c['pair_pieces']}; worst total {c['pairs_worst_total']:.2f}×) | "
+            f"{f(c['pairs_packing0'])} | 1.00× / 1.00× | {r['ring_per_rank']:,} |"
         )
     return "\n".join(out)
 
@@ -177,7 +191,7 @@ def main(argv=None) -> int:
         f"git `{env['git']}`{' (dirty)' if env['dirty'] else ''}. Per forward cast, all "
         f"remote stages; busiest rank's wire / busiest rank's real rows, then total wire / "
         f"total real. Capacity: `PlanCapacity.from_masks` over {args.packings} packings "
-        "(default headroom), the worst packing shown.\n\n" + table(rows) + "\n"
+        "(default headroom), the worst packing (by per rank) shown.\n\n" + table(rows) + "\n"
     )
     with open(base + ".md", "w") as fh:
         fh.write(md)

@@ -284,19 +284,34 @@ def _print_capacity_wire(mask, args, name):
     print(
         f"capacity  from_masks over {len(masks)} packing(s) of {name}: cast_width "
         f"{_fmt(cap.cast_width)}, overlap degree {cap.overlap_degree}, slots in "
-        f"{cast_pieces(cap)} gated pieces; runs per q / k list: {host_runs}stages on "
+        f"{cast_pieces(cap)} gated pieces (cast_gating='pair': {cast_pieces(cap, 'pair')} "
+        f"per pair); runs per q / k list: {host_runs}stages on "
         f"fetched KV {_fmt(cap.q_runs)} / {_fmt(cap.k_runs)}  [{time.perf_counter() - t0:.2f} s]"
     )
-    _print_wire(plan, args.local, ring_rows(args.cp, meta.local_len), cast_pieces(cap))
+    _print_wire(
+        plan,
+        args.local,
+        ring_rows(args.cp, meta.local_len),
+        cast_pieces(cap),
+        cast_pieces(cap, "pair"),
+    )
 
 
-def _print_wire(plan, local, ring: int, pieces: int = 1):
-    """The wire counts of ``plan``'s casts (:mod:`magi_jax.planning.wire`), per transport;
-    ``pieces``: gated ``ppermute`` slots (a key at a capacity)."""
+def _print_wire(plan, local, ring: int, pieces: int = 1, pair_pieces: int = 1):
+    """The wire counts of ``plan``'s casts (:mod:`magi_jax.planning.wire`), per transport:
+    ``ppermute`` gated by slot (``pieces``: gated pieces, a key at a capacity; 1: whole
+    slots) and by pair (``pair_pieces``: gated pieces per pair at a capacity, with
+    ``cast_gating="pair"``; 1: each pair's rows in a few levels, a key of one mask's
+    default)."""
+    # The key's default (cast_gating="auto"): pairs for one mask, gated slots at a capacity.
+    mark = ("", " *") if pieces == 1 else (" *", "")
     counts = [
-        (name, plan_wire(plan, name, local, pieces=pieces))
-        for name in ("ppermute", "all_to_all", "native")
-    ]
+        ("ppermute, slots" + mark[0], plan_wire(plan, "ppermute", local, pieces=pieces)),
+        (
+            "ppermute, pairs" + mark[1],
+            plan_wire(plan, "ppermute", local, pieces=pair_pieces, gating="pair"),
+        ),
+    ] + [(name, plan_wire(plan, name, local, pieces=pieces)) for name in ("all_to_all", "native")]
     if local is not None and local < plan.cp and plan.cp // local > 1:
         from magi_jax.planning.hierarchy import NodeLayout
         from magi_jax.planning.relay_runs import build_relay_runs
@@ -316,17 +331,18 @@ def _print_wire(plan, local, ring: int, pieces: int = 1):
     real = counts[0][1]
     print(
         "wire      rows each rank sends per cast, busiest rank (and all ranks), padding "
-        f"included; ring attention sends {_fmt(ring)} per rank"
+        f"included; ring attention sends {_fmt(ring)} per rank (* the flat xla transport's "
+        "default)"
     )
     split = local is not None and local < plan.cp
     print(
-        f"          {'real (the plan)':<16} {_fmt(int(real.real.max(initial=0))):>7} "
+        f"          {'real (the plan)':<17} {_fmt(int(real.real.max(initial=0))):>7} "
         f"({_fmt(int(real.real.sum()))})"
         + (f"   between nodes {_fmt(int(real.real_inter.sum()))}" if split else "")
     )
     for name, w in counts:
         print(
-            f"          {name:<16} {_fmt(int(w.wire.max(initial=0))):>7} "
+            f"          {name:<17} {_fmt(int(w.wire.max(initial=0))):>7} "
             f"({_fmt(int(w.wire.sum()))})   {w.per_rank_ratio():5.2f}x per rank, "
             f"{w.total_ratio():5.2f}x in total, {100 * w.wire.max(initial=0) / max(ring, 1):5.1f}% "
             "of ring"

@@ -27,6 +27,8 @@ __all__ = [
     "sample_needs",
     "cast_pieces",
     "CAPACITY_CAST_PIECES",
+    "PAIR_CAST_LEVELS",
+    "PAIR_CAST_PIECES",
 ]
 
 # Cost model of the default overlap degree (H200 figures, bf16, Hq = Hkv = 16,
@@ -56,6 +58,16 @@ class OverlapDegrees(NamedTuple):
 # bring the busiest rank's wire from 1.25-9.7x its real rows (whole slots) to 1.09-3.2x;
 # 16 would gain 4-10 % more at twice the branches of the slot's one conditional.
 CAPACITY_CAST_PIECES = 8
+# ppermute levels per slot of a key of one mask moved pair by pair (pair_cast.staircase_ppermute):
+# counted by benchmarks/wire_bench.py at 128k x cp 8, the busiest rank's wire over its real
+# rows is at most 1.74x with 1 level, 1.31x with 2, 1.17x with 3 (total 1.11x), 1.09x with 4
+# and exact with 8 (one level per distinct count): 3 is the fewest within 1.25x.
+PAIR_CAST_LEVELS = 3
+# Gated pieces per slot of a key at a capacity moved pair by pair (cast_gating="pair";
+# pair_cast.pair_gated_ppermute): the worst packing of 16 per generator at 128k x cp 8 is
+# within 1.25x per rank with 32 (at most 1.12x, many-docs) and not with 16 (1.26x).
+# Binary digits of the piece count: 6 conditionals per pair with 32, 5 with 16.
+PAIR_CAST_PIECES = 32
 
 
 def default_overlap_degree(
@@ -97,11 +109,14 @@ def default_overlap_degrees(
     return OverlapDegrees(degree, degree)
 
 
-def cast_pieces(capacity: PlanCapacity | None) -> int:
+def cast_pieces(capacity: PlanCapacity | None, gating: str = "slot") -> int:
     """Gated pieces per ``ppermute`` slot of a key's casts: :data:`CAPACITY_CAST_PIECES` at a
-    capacity (slots as wide as the capacity, most of it padding for most masks), 1 for a
-    key of one mask (its slots are as wide as their widest real block already)."""
-    return 1 if capacity is None else CAPACITY_CAST_PIECES
+    capacity (slots as wide as the capacity, most of it padding for most masks;
+    :data:`PAIR_CAST_PIECES` with ``gating="pair"``), 1 for a key of one mask (its slots are
+    as wide as their widest real block already, and its pairs' rows are static)."""
+    if capacity is None:
+        return 1
+    return PAIR_CAST_PIECES if gating == "pair" else CAPACITY_CAST_PIECES
 
 
 def capacity_chunk_size(total: int, cp: int) -> int:

@@ -7,7 +7,12 @@ to that rank (:class:`~magi_jax.planning.cast_table.CastTable`). A transport mov
 rows*, the real ones and the padding its fixed shapes carry:
 
 - ``"ppermute"``: one ``lax.ppermute`` per slot; every rank sends the slot's whole width
-  (:attr:`CastTable.widths`) to its partner, whatever it really has for it;
+  (:attr:`CastTable.widths`) to its partner, whatever it really has for it (gating
+  ``"slot"``, the slot cut into gated pieces at a capacity: the pieces its fullest rank
+  fills). Gating ``"pair"`` follows each (sender, receiver) pair instead: a key of one mask
+  moves each pair's exact rows in a few ``ppermute`` levels per slot (:func:`pair_levels`,
+  the rows rounded up to a level), a key at a capacity each pair's own gated pieces
+  (:func:`pair_rows_moved`);
 - ``"all_to_all"``: one padded ``lax.all_to_all``; every rank sends ``slot_len`` rows to
   every other rank;
 - ``"native"``: the FFI transport, which sends exactly the real rows;
@@ -46,7 +51,14 @@ __all__ = [
     "ring_rows",
     "piece_len",
     "gated_widths",
+    "GATINGS",
+    "pair_levels",
+    "pair_rows_moved",
+    "slot_rows",
 ]
+
+# How a ppermute slot's wire follows the rows: by its fullest rank, or pair by pair.
+GATINGS = ("slot", "pair")
 
 # Transports whose wire this module counts ("auto": choose_transport's pick, as the key's).
 WIRE_TRANSPORTS = ("ppermute", "all_to_all", "native", "relay", "auto")
@@ -135,14 +147,26 @@ def _nodes(cp: int, local: int | None) -> np.ndarray:
 
 
 def cast_wire(
-    table: CastTable, transport: str = "auto", local: int | None = None, pieces: int = 1
+    table: CastTable,
+    transport: str = "auto",
+    local: int | None = None,
+    pieces: int = 1,
+    gating: str = "slot",
+    levels: int | None = None,
 ) -> WireCount:
     """Real and wire rows of the flat cast ``table`` on ``transport`` (``"ppermute"``,
     ``"all_to_all"``, ``"native"``, or ``"auto"``: :func:`choose_transport`'s pick, as a key
     on the ``xla`` backend makes it). ``local``: ranks per node (node-major ranks; default
     all on one node). ``pieces``: a ``ppermute`` slot cut into that many gated pieces
     (:func:`gated_widths`): only the pieces some rank fills move (``"auto"`` then picks
-    ``ppermute``, as a key at a capacity does)."""
+    ``ppermute``, as a key at a capacity does). ``gating``: ``"slot"`` (a slot moves as
+    many rows from every rank as its fullest rank needs) or ``"pair"`` (each pair its own:
+    with ``pieces = 1`` the exact rows of a key of one mask in at most ``levels``
+    ``ppermute`` levels per slot, :func:`pair_levels`, default
+    :data:`~magi_jax.planning.defaults.PAIR_CAST_LEVELS`; with ``pieces > 1`` each pair's
+    gated pieces, :func:`pair_rows_moved`)."""
+    if gating not in GATINGS:
+        raise ValueError(f"gating={gating!r} is not one of {GATINGS}")
     if transport == "auto":
         transport = choose_transport(table, gated=pieces > 1)
     if transport not in ("ppermute", "all_to_all", "native"):
@@ -154,20 +178,15 @@ def cast_wire(
     node = _nodes(cp, local)
     if table.n_slots == 0:
         return dataclasses.replace(WireCount.zeros(cp), transports=(transport,))
-    # Real rows per (rank, slot), from the runs: slot j holds entries [j·S, (j + 1)·S).
-    runs = table.send_runs.astype(np.int64)
-    length = runs[..., 1]
-    start = np.cumsum(length, axis=1) - length
-    real = (runs[..., 0] >= 0) & (length > 0)
-    slot = np.minimum(start // max(table.slot_len, 1), table.n_slots - 1)
-    per_slot = np.zeros((cp, table.n_slots), np.int64)
-    rank = np.broadcast_to(np.arange(cp)[:, None], length.shape)
-    np.add.at(per_slot, (rank[real], slot[real]), length[real])
+    per_slot = slot_rows(table)
     shifts = np.asarray(table.shifts, np.int64)
     inter = node[:, None] != node[(np.arange(cp)[:, None] + shifts[None, :]) % cp]  # [cp, n]
     if transport == "ppermute":
-        widths = gated_widths(table.widths, per_slot.max(axis=0), pieces)
-        wire = np.broadcast_to(widths[None, :], per_slot.shape)
+        if gating == "pair":
+            wire = pair_rows_moved(per_slot, table.widths, pieces, levels)
+        else:
+            widths = gated_widths(table.widths, per_slot.max(axis=0), pieces)
+            wire = np.broadcast_to(widths[None, :], per_slot.shape)
         wire_intra = np.where(inter, 0, wire).sum(axis=1)
         wire_inter = np.where(inter, wire, 0).sum(axis=1)
     elif transport == "all_to_all":
@@ -187,6 +206,20 @@ def cast_wire(
     )
 
 
+def slot_rows(table: CastTable) -> np.ndarray:
+    """int64 ``[cp, n_slots]``: the real rows each rank sends in each slot of ``table``
+    (from its runs: slot ``j`` holds entries ``[j·S, (j + 1)·S)``)."""
+    runs = table.send_runs.astype(np.int64)
+    length = runs[..., 1]
+    start = np.cumsum(length, axis=1) - length
+    real = (runs[..., 0] >= 0) & (length > 0)
+    slot = np.minimum(start // max(table.slot_len, 1), max(table.n_slots - 1, 0))
+    per_slot = np.zeros((table.cp, table.n_slots), np.int64)
+    rank = np.broadcast_to(np.arange(table.cp)[:, None], length.shape)
+    np.add.at(per_slot, (rank[real], slot[real]), length[real])
+    return per_slot
+
+
 def piece_len(width: int, pieces: int) -> int:
     """Rows of one gated piece of a slot ``width`` rows wide cut into ``pieces``."""
     return max(1, -(-int(width) // max(int(pieces), 1)))
@@ -201,6 +234,69 @@ def gated_widths(widths: ArrayLike, live: ArrayLike, pieces: int = 1) -> np.ndar
         return widths
     size = np.array([piece_len(w, pieces) for w in widths], np.int64).reshape(widths.shape)
     return np.minimum(widths, -(-np.asarray(live, np.int64) // size) * size)
+
+
+def pair_levels(rows: ArrayLike, cap: int) -> tuple[int, ...]:
+    """The ``ppermute`` levels of one slot moved pair by pair (a key of one mask):
+    ``rows [cp]`` are the rows each rank sends in the slot; level ``i`` moves rows
+    ``[levels[i - 1], levels[i])`` of every pair whose rows pass ``levels[i - 1]``, so a pair
+    moves its rows rounded up to the next level. The distinct positive counts, or, where
+    there are more than ``cap``, the ``cap`` of them (the largest always) that move the
+    fewest rows in all (dynamic programming over the sorted counts); ``()`` for an empty
+    slot."""
+    rows = np.asarray(rows, np.int64)
+    vals, cnt = np.unique(rows[rows > 0], return_counts=True)
+    m, cap = len(vals), max(int(cap), 1)
+    if m <= cap:
+        return tuple(int(v) for v in vals)
+    # cost[i, j]: extra rows when counts vals[i..j] all round up to vals[j].
+    csum = np.concatenate([[0], np.cumsum(cnt * vals)])
+    ccnt = np.concatenate([[0], np.cumsum(cnt)])
+    cost = np.full((m, m), np.inf)
+    for i in range(m):
+        for j in range(i, m):
+            cost[i, j] = vals[j] * (ccnt[j + 1] - ccnt[i]) - (csum[j + 1] - csum[i])
+    # best[k, j]: least extra covering vals[0..j] with k + 1 levels, the last vals[j].
+    best = np.full((cap, m), np.inf)
+    back = np.zeros((cap, m), np.int64)
+    best[0] = cost[0]
+    for k in range(1, cap):
+        for j in range(m):
+            for i in range(j):  # previous level vals[i], this one covers vals[i+1..j]
+                c = best[k - 1, i] + cost[i + 1, j]
+                if c < best[k, j]:
+                    best[k, j], back[k, j] = c, i
+    k, j, out = cap - 1, m - 1, []
+    while True:
+        out.append(int(vals[j]))
+        if k == 0:
+            break
+        j, k = int(back[k, j]), k - 1
+    return tuple(reversed(out))
+
+
+def pair_rows_moved(
+    per_slot: ArrayLike, widths: ArrayLike, pieces: int = 1, levels: int | None = None
+) -> np.ndarray:
+    """int64 ``[cp, n_slots]``: rows each rank sends in each slot of a cast moved pair by
+    pair, given the real rows ``per_slot [cp, n_slots]``. ``pieces = 1`` (a key of one
+    mask): each pair's rows rounded up to the slot's next level (:func:`pair_levels`, at
+    most ``levels`` a slot; default :data:`~magi_jax.planning.defaults.PAIR_CAST_LEVELS`).
+    ``pieces > 1`` (a key at a capacity): each pair's rows rounded up to whole pieces of
+    :func:`piece_len` rows; a pair that fills its last piece moves the whole piece (up to
+    ``piece_len - 1`` rows past the slot's width: the pieces move in power-of-two runs of a
+    block padded to whole pieces)."""
+    per_slot = np.asarray(per_slot, np.int64)
+    if int(pieces) > 1:
+        size = np.array([piece_len(w, pieces) for w in widths], np.int64).reshape(1, -1)
+        return -(-per_slot // size) * size
+    out = np.zeros_like(per_slot)
+    if levels is None:
+        from magi_jax.planning.defaults import PAIR_CAST_LEVELS as levels
+    for j in range(per_slot.shape[1]):
+        lv = np.asarray(pair_levels(per_slot[:, j], levels) or (0,), np.int64)
+        out[:, j] = np.where(per_slot[:, j] > 0, lv[np.searchsorted(lv, per_slot[:, j])], 0)
+    return out
 
 
 def relay_wire(rt: RelayTable | RelayRunsTable, pieces: int = 1) -> WireCount:
@@ -233,6 +329,8 @@ def plan_wire(
     local: int | None = None,
     relays: Sequence[RelayTable | RelayRunsTable | None] | None = None,
     pieces: int = 1,
+    gating: str = "slot",
+    levels: int | None = None,
 ) -> WireCount:
     """The casts of every stage of ``plan``
     (:class:`~magi_jax.planning.stages.DistPlan`) summed: one cast per remote stage, on
@@ -240,7 +338,8 @@ def plan_wire(
     key's stages hold them; ``"auto"``: :func:`choose_transport` per stage). ``relays``:
     the stages' :class:`~magi_jax.planning.hierarchy.RelayTable` (``None`` where the stage
     stays flat), counted in place of their flat cast. ``local``: ranks per node;
-    ``pieces``: gated ``ppermute`` slots (:func:`cast_wire`)."""
+    ``pieces``, ``gating``, ``levels``: how ``ppermute`` slots move (:func:`cast_wire`;
+    two-hop casts are gated by slot)."""
     casts = [st.cast for st in plan.stages if st.cast is not None]
     names = [transport] * len(casts) if isinstance(transport, str) else list(transport)
     relays = [None] * len(casts) if relays is None else list(relays)
@@ -252,7 +351,9 @@ def plan_wire(
     total = WireCount.zeros(plan.cp)
     for table, name, rt in zip(casts, names, relays):
         total = total + (
-            cast_wire(table, name, local, pieces) if rt is None else relay_wire(rt, pieces)
+            cast_wire(table, name, local, pieces, gating, levels)
+            if rt is None
+            else relay_wire(rt, pieces)
         )
     return total
 

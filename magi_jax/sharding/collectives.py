@@ -30,9 +30,11 @@ scatter of the data itself, while the slots are few.
 
 Transports: ``"ppermute"`` (one ``lax.ppermute`` per slot, sending only its ``width``
 columns; partly overlappable with compute on GPU,
-benchmarks/results/overlap/LATEST.md) and ``"all_to_all"`` (one padded
-``lax.all_to_all``; fewer launches when nearly every pair talks). ``ragged_all_to_all`` is not
-used: ~100x slower than the link on H200 and unsupported on CPU. ``"native"``: the
+benchmarks/results/overlap/LATEST.md; :class:`CastSpec`'s ``gating="pair"`` moves each
+sender-receiver pair's own rows instead, :mod:`magi_jax.sharding.pair_cast`) and
+``"all_to_all"`` (one padded ``lax.all_to_all``; fewer launches when nearly every pair
+talks). ``ragged_all_to_all`` is not used: ~100x slower than the link on H200 and
+unsupported on CPU. ``"native"``: the
 C++ XLA FFI custom calls of :mod:`magi_jax.sharding.native` (NVSHMEM on GPU, a rendezvous of
 the host devices on CPU) take the same tables and replace the whole gather/exchange/scatter.
 
@@ -55,8 +57,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from magi_jax.ffa.ragged import expand_index_runs as expand_runs
-from magi_jax.planning.wire import piece_len
+from magi_jax.planning.defaults import PAIR_CAST_LEVELS
+from magi_jax.planning.wire import GATINGS, piece_len
 from magi_jax.sharding import native
+from magi_jax.sharding.pair_cast import pair_counts, pair_gated_ppermute, staircase_ppermute
 
 __all__ = [
     "CastArrays",
@@ -111,7 +115,13 @@ class CastSpec:
     (0: the tables come as :class:`CastArrays`). ``pieces``: the ``ppermute`` transport cuts
     each slot into that many gated pieces and moves only those some rank fills
     (:func:`_gated_ppermute`; keys at a capacity, whose slots are as wide as the capacity
-    allows); 1: every slot moves whole."""
+    allows); 1: every slot moves whole. ``gating``: on the ``ppermute`` transport,
+    ``"slot"`` (a slot moves as many rows from every rank as its fullest rank needs) or
+    ``"pair"`` (each sender-receiver pair its own rows, :mod:`magi_jax.sharding.pair_cast`):
+    with ``pieces = 1`` the static ``pair_rows`` (per slot, the rows each rank sends in it:
+    a key of one mask) move in at most
+    :data:`~magi_jax.planning.defaults.PAIR_CAST_LEVELS` ``ppermute`` levels a slot, exactly;
+    with ``pieces > 1`` each pair moves its own gated pieces, read on the device."""
 
     axis_name: str
     cp: int
@@ -122,6 +132,8 @@ class CastSpec:
     slot_len: int = 0
     buffer_len: int = 0
     pieces: int = 1
+    gating: str = "slot"
+    pair_rows: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -130,6 +142,31 @@ class CastSpec:
             raise ValueError(f"pieces={self.pieces!r} must be a positive integer")
         if len(self.shifts) != len(self.widths):
             raise ValueError("shifts and widths must have one entry per slot")
+        if self.gating not in GATINGS:
+            raise ValueError(f"gating={self.gating!r} is not one of {GATINGS}")
+        if self.gating == "pair" and self.transport != "ppermute":
+            raise ValueError(
+                f"gating='pair' is for the ppermute transport; got transport="
+                f"{self.transport!r}: use gating='slot'"
+            )
+        static = self.gating == "pair" and self.pieces == 1
+        if static != (self.pair_rows is not None):
+            raise ValueError(
+                "pair_rows (the static rows of each pair) go with gating='pair' and pieces=1, "
+                f"and only there; got gating={self.gating!r}, pieces={self.pieces}, "
+                f"pair_rows {'given' if self.pair_rows is not None else 'None'}"
+            )
+        if static and (
+            len(self.pair_rows) != len(self.shifts)
+            or any(
+                len(c) != self.cp or max(c, default=0) > w
+                for c, w in zip(self.pair_rows, self.widths)
+            )
+        ):
+            raise ValueError(
+                "pair_rows must hold, per slot, the rows each of the cp ranks sends in it "
+                "(never more than the slot's width)"
+            )
 
 
 class RelayArrays(NamedTuple):
@@ -260,6 +297,27 @@ def _gated_ppermute(rows: tuple, axis_name, perm, live, pieces: int) -> tuple:
     return jax.lax.switch(index, [branch(k) for k in range(count + 1)], tuple(rows))
 
 
+def _slot_mover(send, spec: CastSpec, reverse: bool) -> Callable[[int, tuple], tuple]:
+    """``move(j, rows)``: slot ``j``'s block ``rows`` (a tuple of ``[w_j, ...]``) sent to
+    ``r + shifts[j]`` (back to ``r - shifts[j]`` when ``reverse``) on the ``ppermute``
+    transport as ``spec`` gates it: whole or in gated pieces (:func:`_gated_ppermute`,
+    gating ``"slot"``), or pair by pair (:mod:`magi_jax.sharding.pair_cast`)."""
+    axis, cp = spec.axis_name, spec.cp
+    if spec.gating == "pair" and spec.pieces == 1:
+        return lambda j, rows: staircase_ppermute(
+            rows, axis, cp, spec.shifts[j], spec.pair_rows[j], PAIR_CAST_LEVELS, reverse
+        )
+    if spec.gating == "pair":
+        counts = pair_counts(send, axis)
+        return lambda j, rows: pair_gated_ppermute(
+            rows, axis, cp, spec.shifts[j], counts[:, j], spec.pieces, reverse
+        )
+    live = _slot_live(send, axis) if spec.pieces > 1 else [None] * len(spec.shifts)
+    return lambda j, rows: _gated_ppermute(
+        rows, axis, _perm(spec, spec.shifts[j], reverse), live[j], spec.pieces
+    )
+
+
 def _exchange(blocks, spec: CastSpec, reverse: bool):
     """``blocks [n_slots, S, ...]``: block ``j`` goes to ``r + shifts[j]`` (``r - shifts[j]``
     when ``reverse``) in one padded ``all_to_all``; returns the received blocks in the same
@@ -339,17 +397,10 @@ def cast_rows(x: PyTree, tables: CastArrays, spec: CastSpec, prefix: bool = Fals
     idx = jnp.where(send < 0, leaves[0].shape[0], send)
     if spec.transport == "ppermute":
         # One ppermute per slot carrying only its real width (gated pieces of it at a
-        # capacity); received blocks stay packed.
-        live = _slot_live(send, spec.axis_name) if spec.pieces > 1 else [None] * n
+        # capacity), or its pairs each moving their own rows; received blocks stay packed.
+        move = _slot_mover(send, spec, reverse=False)
         blocks = [
-            _gated_ppermute(
-                tuple(_take(a, idx[j, :w]) for a in leaves),
-                spec.axis_name,
-                _perm(spec, shift, False),
-                live[j],
-                spec.pieces,
-            )
-            for j, (shift, w) in enumerate(zip(spec.shifts, spec.widths))
+            move(j, tuple(_take(a, idx[j, :w]) for a in leaves)) for j, w in enumerate(spec.widths)
         ]
         entry = _packed_entry(recv, spec, s)
         return tree.unflatten(
@@ -419,19 +470,16 @@ def reduce_rows(
     if spec.transport == "ppermute":
         # The cast's slots backwards, gated alike (its entries past the cast's live rows
         # are read by no buffer row: zeros).
-        live = _slot_live(send, spec.axis_name) if spec.pieces > 1 else [None] * n
+        move = _slot_mover(send, spec, reverse=True)
         back = [
-            _gated_ppermute(
+            move(
+                j,
                 tuple(
                     _take(a, inv_recv[j * s : j * s + w]).astype(_acc_dtype(a.dtype))
                     for a in leaves
                 ),
-                spec.axis_name,
-                _perm(spec, shift, True),
-                live[j],
-                spec.pieces,
             )
-            for j, (shift, w) in enumerate(zip(spec.shifts, spec.widths))
+            for j, w in enumerate(spec.widths)
         ]
     else:
         got = [

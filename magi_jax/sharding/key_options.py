@@ -1,4 +1,4 @@
-"""The options of a key: :class:`KeyOptions`, the fifteen keywords of
+"""The options of a key: :class:`KeyOptions`, the sixteen keywords of
 :func:`~magi_jax.sharding.make_key.make_flex_key` beside ``(mask, mesh, cp_axis)``, each
 checked when the options are built; what they mean with a mask and a mesh (cross attention,
 the transport, two-hop casts, the capacity) is decided by
@@ -28,6 +28,7 @@ __all__ = [
     "CHECK_DISPATCH_ENV",
     "HIERARCHICAL",
     "KV_LAYOUTS",
+    "CAST_GATINGS",
 ]
 
 COMM_BACKENDS = ("auto", "xla") + TRANSPORTS
@@ -38,6 +39,9 @@ MAX_OVERLAP_DEGREE = 8
 CHECK_DISPATCH_ENV = "MAGI_JAX_CHECK_DISPATCH"
 
 HIERARCHICAL = (True, False, "auto")
+
+# How the lax.ppermute slots of a key's casts follow the rows (make_flex_key's cast_gating).
+CAST_GATINGS = ("auto", "slot", "pair")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +70,7 @@ class KeyOptions:
     hierarchical: bool | str = "auto"
     batch_axes: str | Sequence[str] = ()
     head_axes: str | Sequence[str] = ()
+    cast_gating: str = "auto"
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -94,6 +99,18 @@ class KeyOptions:
                 f"hierarchical={self.hierarchical!r} must be True, False or 'auto' (two-hop "
                 "casts on a mesh of nodes; 'auto': where they move fewer rows between "
                 "nodes)"
+            )
+        if not isinstance(self.cast_gating, str) or self.cast_gating not in CAST_GATINGS:
+            raise ValueError(
+                f"cast_gating={self.cast_gating!r} is not one of {CAST_GATINGS} ('auto': "
+                "each pair's exact rows for a key of one mask, gated slots at a capacity; "
+                "'pair': gated pieces per pair at a capacity too)"
+            )
+        if self.cast_gating != "auto" and self.comm_backend in ("all_to_all", "native"):
+            raise ValueError(
+                f"cast_gating={self.cast_gating!r} chooses how lax.ppermute slots move, but "
+                f"comm_backend={self.comm_backend!r} moves none: pass comm_backend='xla' "
+                "(or 'ppermute'), or leave cast_gating='auto'"
             )
         check_backend(self.ffa_backend, "ffa_backend")
         if self.capacity is not None and not isinstance(self.capacity, PlanCapacity):

@@ -18,7 +18,8 @@ __all__ = ["key_wire"]
 
 def key_wire(key: MagiKey) -> WireCount:
     """The casts of every remote stage of ``key`` (a :class:`~magi_jax.sharding.MagiKey`
-    holding its host plan) on the transports it runs: ``ppermute`` (gated pieces at a
+    holding its host plan) on the transports it runs: ``ppermute`` (whole, pair by pair or in
+    gated pieces per slot or per pair, as its :class:`CastSpec` gates it; gated pieces at a
     capacity), ``all_to_all``, ``native`` or two-hop (its tables planned again by runs).
     Ranks per node: the local axis of a two-axis cp (else all on one node)."""
     plan = key.plan
@@ -40,5 +41,5 @@ def key_wire(key: MagiKey) -> WireCount:
             rt = build_relay_runs(table, NodeLayout(spec.nodes, spec.local), **widths)
             total = total + relay_wire(rt, spec.pieces)
         else:
-            total = total + cast_wire(table, spec.transport, local, spec.pieces)
+            total = total + cast_wire(table, spec.transport, local, spec.pieces, spec.gating)
     return total

@@ -42,6 +42,7 @@ from magi_jax.planning.defaults import (
 )
 from magi_jax.planning.solver import KV_LAYOUTS, solve_dispatch
 from magi_jax.planning.stages import DistPlan, build_dist_plan, resolve_kv
+from magi_jax.planning.wire import slot_rows
 from magi_jax.planning.work_list import default_block_sizes
 from magi_jax.sharding import native
 from magi_jax.sharding.collectives import CastRuns, CastSpec
@@ -136,6 +137,7 @@ def make_flex_key(
     hierarchical: bool | str = "auto",
     batch_axes: str | Sequence[str] = (),
     head_axes: str | Sequence[str] = (),
+    cast_gating: str = "auto",
 ) -> MagiKey:
     """Plans context-parallel attention of ``mask`` over ``mesh``'s ``cp_axis``.
 
@@ -226,6 +228,22 @@ def make_flex_key(
       head_axes: mesh axes the heads of q, k, v are sharded over (tensor parallelism): every
         head shard runs the same plan on its heads, with no collective over these axes; the
         query and key/value head counts must divide by their size.
+      cast_gating: how the ``lax.ppermute`` slots of the ``xla`` transport (one slot per
+        shift ``s`` of the ranks, rank ``r`` sending to ``r + s``) follow the rows each
+        sender-receiver pair needs (:mod:`magi_jax.sharding.pair_cast`). ``"auto"``
+        (default): a key of one mask moves each pair's exact rows (its counts are static: a
+        few ``ppermute`` levels per slot, no conditional); a key at a capacity moves each
+        slot in gated pieces that its fullest rank fills (one conditional per slot).
+        ``"pair"``: a key at a capacity moves each pair's own gated pieces
+        (:data:`~magi_jax.planning.defaults.PAIR_CAST_PIECES` a slot): the busiest rank's
+        wire stays within 1.25x its real rows on every mask counted
+        (benchmarks/results/wire/LATEST.md) against up to 3.2x, at ``cp · (cp − 1) · 6``
+        conditional collectives per cast instead of ``cp − 1`` (their cost on GPUs is
+        unmeasured; CPU figures in benchmarks/results/wire/LATEST.md). ``"slot"``:
+        gated slots at a capacity and whole slots for a key of one mask (as before pairs).
+        Two-hop casts (``hierarchical``) are gated by slot whatever this says; the
+        ``native`` transport moves exact rows anyway (``"slot"`` and ``"pair"`` need
+        ``comm_backend="xla"`` or ``"ppermute"``).
 
     Returns a :class:`MagiKey`; cached by (mask fingerprint, mesh, options, capacity), in a
     cache bounded by the bytes of its keys' arrays (:func:`clear_key_cache`).
@@ -246,6 +264,7 @@ def make_flex_key(
         hierarchical=hierarchical,
         batch_axes=batch_axes,
         head_axes=head_axes,
+        cast_gating=cast_gating,
     )
     args, check = key_args(mask, mesh, cp_axis, options)
     key = _KEYS.get(args, lambda: _make_key(*args))
@@ -362,6 +381,7 @@ def key_args(
         relay,
         batch_axes,
         head_axes,
+        o.cast_gating,
     )
     return args, check
 
@@ -475,6 +495,7 @@ def host_key(
     relay: tuple[NodeLayout, bool] | None = None,
     batch_axes: tuple[str, ...] = (),
     head_axes: tuple[str, ...] = (),
+    cast_gating: str = "auto",
 ) -> HostKey:
     """The host half of a key: :func:`key_args`' arguments planned (the dispatch, the
     stages, their casts and FFA work lists) into a :class:`HostKey`."""
@@ -495,7 +516,12 @@ def host_key(
     degree, back = overlap_degree
     plan: DistPlan = build_dist_plan(mask, meta, degree, bq, bk, ffa_backend, capacity, kv=kv)
     stage_parts = functools.partial(
-        _stage_parts, cp_axis=cp_axis, cp=cp, comm_backend=comm_backend, capacity=capacity
+        _stage_parts,
+        cp_axis=cp_axis,
+        cp=cp,
+        comm_backend=comm_backend,
+        capacity=capacity,
+        cast_gating=cast_gating,
     )
     statics, arrays = stage_parts(plan, relay=relay)
     back_statics = back_arrays = None
@@ -561,9 +587,16 @@ def _stage_parts(
     comm_backend: str,
     capacity: PlanCapacity | None,
     relay: tuple[NodeLayout, bool] | None,
+    cast_gating: str = "auto",
 ) -> tuple[tuple[StageStatic, ...], tuple]:
     """A plan's stages as a key holds them: their static parts and their host arrays
-    (``(FFAPlanRuns, CastRuns | RelayRuns | None)`` each), each cast on its transport."""
+    (``(FFAPlanRuns, CastRuns | RelayRuns | None)`` each), each cast on its transport;
+    ``ppermute`` slots gated as ``cast_gating`` says (:func:`make_flex_key`)."""
+    gating = (
+        "slot"
+        if cast_gating == "slot" or (cast_gating == "auto" and capacity is not None)
+        else "pair"
+    )
     statics, arrays = [], []
     for st in plan.stages:
         ffa = st.ffa
@@ -572,7 +605,11 @@ def _stage_parts(
             arrays.append((ffa, None))
             continue
         # Two-hop casts on a mesh of nodes (hierarchical=...; see two_hop.relay_stage).
-        two_hop = None if relay is None else relay_stage(st.cast, *relay, capacity, cp_axis)
+        two_hop = (
+            None
+            if relay is None
+            else relay_stage(st.cast, *relay, capacity, cp_axis, flat_gating=gating)
+        )
         if two_hop is not None:
             statics.append(
                 StageStatic(st.kv_len, st.kv_len != st.cast.buffer_len, two_hop[0], st.items)
@@ -590,6 +627,12 @@ def _stage_parts(
             # The started reduce needs the receive table's runs as static data: a key of one
             # mask only.
             runs = native.reduce_runs(st.cast) if capacity is None else None
+        ppermute = transport == "ppermute"
+        pieces = 1 if not ppermute else cast_pieces(capacity, gating)
+        pair_rows = None
+        if ppermute and gating == "pair" and pieces == 1:  # a key of one mask: static rows
+            rows = slot_rows(st.cast)
+            pair_rows = tuple(tuple(int(c) for c in rows[:, j]) for j in range(rows.shape[1]))
         spec = CastSpec(
             cp_axis,
             cp,
@@ -599,7 +642,9 @@ def _stage_parts(
             runs,
             st.cast.slot_len,
             st.cast.buffer_len,
-            cast_pieces(capacity) if transport == "ppermute" else 1,
+            pieces,
+            gating if ppermute else "slot",
+            pair_rows,
         )
         combined = st.kv_len != st.cast.buffer_len
         statics.append(StageStatic(st.kv_len, combined, spec, st.items))

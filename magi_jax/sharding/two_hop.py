@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 
 from magi_jax.planning.cast_table import CastTable
 from magi_jax.planning.defaults import cast_pieces
-from magi_jax.planning.hierarchy import NodeLayout, inter_node_wire_rows
+from magi_jax.planning.hierarchy import NodeLayout
 from magi_jax.planning.relay_runs import build_relay_runs, pad_runs, relay_run_bounds
+from magi_jax.planning.wire import cast_wire
 from magi_jax.sharding.collectives import RelayRuns, RelaySpec
 
 if TYPE_CHECKING:  # annotations only
@@ -25,10 +26,12 @@ def relay_stage(
     forced: bool,
     capacity: PlanCapacity | None,
     cp_axis: str | tuple[str, ...],
+    flat_gating: str = "slot",
 ) -> tuple[RelaySpec, RelayRuns] | None:
     """``(RelaySpec, RelayRuns of host tables)`` of a stage's flat ``cast``, or ``None`` where
     the flat cast stays: not ``forced`` and the two hops send no fewer rows between nodes,
-    padding included (a key of one mask: each slot as wide as its widest block). At a
+    padding included (a key of one mask: each slot as wide as its widest block, or, with
+    ``flat_gating="pair"``, each pair's rows up to its level). At a
     ``capacity`` the slots are as wide as the capacity allows and move in gated pieces
     (:func:`~magi_jax.planning.defaults.cast_pieces`), and the tables hold the runs
     :func:`~magi_jax.planning.relay_runs.relay_run_bounds` allows, so the shapes depend on
@@ -37,8 +40,10 @@ def relay_stage(
         {} if capacity is None else dict(inter_width=cast.slot_len, intra_width=cast.buffer_len)
     )
     rt = build_relay_runs(cast, layout, **widths)
-    if not forced and rt.inter_node_wire_rows() >= inter_node_wire_rows(cast, layout):
-        return None
+    if not forced:
+        flat = cast_wire(cast, "ppermute", layout.local, gating=flat_gating)
+        if rt.inter_node_wire_rows() >= int(flat.wire_inter.sum()):
+            return None
     spec = RelaySpec(
         tuple(cp_axis),
         layout.nodes,

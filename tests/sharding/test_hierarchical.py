@@ -359,10 +359,19 @@ def test_key_wire_counts_the_transports_the_key_runs():
     from magi_jax.sharding.key_wire import key_wire
 
     mask = ZOO["doc_causal"]
-    flat = make_flex_key(mask, _mesh(), AXES, overlap_degree=1, hierarchical=False)
+    flat = make_flex_key(
+        mask, _mesh(), AXES, overlap_degree=1, hierarchical=False, cast_gating="slot"
+    )
     got, want = key_wire(flat), plan_wire(flat.plan, "auto", local=4)
     np.testing.assert_array_equal(got.wire, want.wire)
     np.testing.assert_array_equal(got.real_inter, want.real_inter)
+    # A key of one mask moves each pair's rows by default (a few levels a slot).
+    pairs = make_flex_key(mask, _mesh(), AXES, overlap_degree=1, hierarchical=False)
+    got = key_wire(pairs)
+    np.testing.assert_array_equal(
+        got.wire, plan_wire(pairs.plan, "auto", local=4, gating="pair").wire
+    )
+    assert (got.wire <= want.wire).all() and got.wire.sum() < want.wire.sum()
     cap = PlanCapacity.from_masks([mask], mesh_size=8)
     capped = make_flex_key(mask, _mesh(), AXES, capacity=cap)
     specs = [s.cast for s in capped.stages if s.cast is not None]
