@@ -37,35 +37,31 @@ def random_inputs(
     batch: int | None = None,
     dv: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Random ``q, k, v, dout, dlse`` for ``mask`` (normal, unit scale), as one jitted program
-    per shape (eagerly each random and cast op would compile on its own, which on CPU costs
-    more than the attention under test). ``dv``: v's head dim (default ``d``; multi-head
-    latent attention gives it its own). Shapes ``[(batch,) total_q, hq, d]`` (q),
-    ``[(batch,) total_k, hkv, d]`` / ``[..., dv]`` (k / v), ``[(batch,) total_q, hq, dv]``
-    (dout) in ``dtype``, and ``[(batch,) total_q, hq]`` float32 (dlse)."""
-    return _random_inputs(
-        key,
-        int(mask.total_q),
-        int(mask.total_k),
-        int(hq),
-        int(hkv),
-        int(d),
-        jnp.dtype(dtype),
-        batch,
-        int(d if dv is None else dv),
+    """Random ``q, k, v, dout, dlse`` for ``mask`` (normal, unit scale), drawn on the host by
+    NumPy from a generator seeded with ``key``'s bits, so no program is compiled for them (on
+    CPU a compiled random draw per shape costs more than the attention under test). ``dv``:
+    v's head dim (default ``d``; multi-head latent attention gives it its own). Shapes
+    ``[(batch,) total_q, hq, d]`` (q), ``[(batch,) total_k, hkv, d]`` / ``[..., dv]`` (k /
+    v), ``[(batch,) total_q, hq, dv]`` (dout) in ``dtype``, and ``[(batch,) total_q, hq]``
+    float32 (dlse)."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    rng = np.random.default_rng(np.asarray(key, np.uint32).ravel().tolist())
+    lead = () if batch is None else (int(batch),)
+    tq, tk, hq, hkv, d = int(mask.total_q), int(mask.total_k), int(hq), int(hkv), int(d)
+    dv = d if dv is None else int(dv)
+    dtype = jnp.dtype(dtype)
+
+    def normal(shape, dt):
+        return jnp.asarray(rng.standard_normal(lead + shape, np.float32).astype(dt))
+
+    return (
+        normal((tq, hq, d), dtype),
+        normal((tk, hkv, d), dtype),
+        normal((tk, hkv, dv), dtype),
+        normal((tq, hq, dv), dtype),
+        normal((tq, hq), np.float32),
     )
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8))
-def _random_inputs(key, total_q, total_k, hq, hkv, d, dtype, batch, dv):
-    lead = () if batch is None else (batch,)
-    ks = jax.random.split(key, 5)
-    q = jax.random.normal(ks[0], lead + (total_q, hq, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], lead + (total_k, hkv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], lead + (total_k, hkv, dv), jnp.float32).astype(dtype)
-    dout = jax.random.normal(ks[3], lead + (total_q, hq, dv), jnp.float32).astype(dtype)
-    dlse = jax.random.normal(ks[4], lead + (total_q, hq), jnp.float32)
-    return q, k, v, dout, dlse
 
 
 def fwd_bwd(
