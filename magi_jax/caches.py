@@ -147,7 +147,9 @@ def register(clear: Callable[[], None]) -> None:
 
 def clear_caches() -> None:
     """Drops every cached plan and key (their device arrays are freed once nothing else
-    holds them). Compiled functions stay cached by JAX."""
+    holds them), and the small compiled programs the library keeps for eager calls (``roll``'s
+    routes, the plan-agreement check of ``undispatch``), built again at their next use.
+    JAX's own compilation caches are left as they are."""
     with _REGISTRY_LOCK:
         clears = list(_REGISTRY)
     for clear in clears:

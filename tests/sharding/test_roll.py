@@ -368,3 +368,34 @@ def test_capacity_key_traced_rejects_shifts_of_a_chunk_or_more():
         np.asarray(jax.jit(lambda a, k: roll(a, T + 4, k))(xd, key)),
         np.asarray(_definition(xd, 4, key)),
     )
+
+
+def test_eager_calls_compile_once():
+    """Eager ``roll`` (both routes: whole chunks and edge rows) and ``undispatch`` of a key
+    with a plan id (its agreement check) compile their programs at the first call only: the
+    second call of each, with the same key and shapes, compiles nothing."""
+    compiles = []
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    key = mj.make_flex_key(mj.AttnMask.varlen(CU), _mesh(4), "cp")
+    x = mj.dispatch(jnp.arange(T, dtype=jnp.float32), key)
+    edge = 1
+    whole = key.static.chunk_size * 4
+
+    def calls():
+        return (roll(x, edge, key), roll(x, whole, key), mj.undispatch(x, key))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        first = jax.block_until_ready(calls())
+        before = len(compiles)
+        again = jax.block_until_ready(calls())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert before > 0, "the listener saw no compilation at the first calls"
+    assert len(compiles) == before, f"{len(compiles) - before} compilations at the second calls"
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
