@@ -164,7 +164,7 @@ def _step(q, k, v, dout, dlse, key):
 
 
 def test_pair_gated_key_matches_reference_over_packings():
-    """cast_gating="pair" at a capacity on 8 CPU devices: forward and gradients of three
+    """cast_gating="pair" at a capacity on 8 CPU devices: forward and gradients of ten
     document-causal packings against the float64 reference, one compilation; the key's
     wire follows each pair (never more than its slot-gated twin's). The buffers are kept
     for the backward (backward_refetch=False: the cast and its reduce, one compilation
@@ -173,7 +173,7 @@ def test_pair_gated_key_matches_reference_over_packings():
     mesh = jax.make_mesh(
         (cp,), ("cp",), devices=jax.devices()[:cp], axis_types=(jax.sharding.AxisType.Auto,)
     )
-    masks = list(varlen_packings(total, 3, seed=3))
+    masks = list(varlen_packings(total, 10, seed=3))
     capacity = mj.PlanCapacity.from_masks(masks, mesh_size=cp)
     size = _step._cache_size()
     for i, mask in enumerate(masks):
