@@ -402,9 +402,26 @@ def magi_attention(
     check_inputs(q, k, v, key)
     _check_options(softmax_scale, softcap)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return _global_attention(
+        q,
+        k,
+        v,
+        key,
+        sink,
+        scale=float(scale),
+        softcap=float(softcap),
+        max_logits=bool(return_max_logits),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "max_logits"))
+def _global_attention(q, k, v, key: MagiKey, sink, *, scale: float, softcap: float, max_logits):
+    """:func:`magi_attention` past its checks, as one program: under a caller's ``jit`` it is
+    inlined; called eagerly it compiles once per key structure and shapes (the key is an
+    argument, as in a jitted training step), where an eager ``shard_map`` would run its body
+    op by op and compile again at every call."""
     specs = pod_specs(key, q.ndim)
     hidden = is_checked(key)
-    max_logits = bool(return_max_logits)
 
     def body(q, k, v, stage_arrays, backward_arrays, plan_id):
         if hidden:

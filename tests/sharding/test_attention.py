@@ -262,3 +262,32 @@ def test_two_dimensional_mesh_replicates_over_the_other_axis():
 
     out, lse = fwd(q, k, v)
     assert_matches_reference(dict(out=out, lse=lse), q, k, v, mask)
+
+
+@pytest.mark.parametrize("cast_gating", ["auto", "slot"])
+def test_eager_calls_compile_once_and_match_the_reference(cast_gating):
+    """``magi_attention`` called eagerly (no ``jit`` of the caller's) runs as one program:
+    compiled at the first call, not again at the second, with the same result; on the
+    default pair-by-pair casts of a key of one mask and on whole slots."""
+    compiles = []
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    mask = AttnMask.varlen(CU, causal=True)
+    key = mj.make_flex_key(mask, _mesh(4), "cp", ffa_backend="xla", cast_gating=cast_gating)
+    q, k, v, _, _ = random_inputs(jax.random.key(5), mask, 2, 1, 8, jnp.float32)
+    qd, kd, vd = (mj.dispatch(x, key) for x in (q, k, v))
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        first = jax.block_until_ready(mj.magi_attention(qd, kd, vd, key))
+        before = len(compiles)
+        again = jax.block_until_ready(mj.magi_attention(qd, kd, vd, key))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert len(compiles) == before, f"{len(compiles) - before} compilations at the second call"
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    out, lse = (mj.undispatch(x, key) for x in first)
+    assert_matches_reference(dict(out=out, lse=lse), q, k, v, mask)
