@@ -450,7 +450,7 @@ def main(argv=None) -> int:
     sections = {}
     for name in args.sections.split(","):
         sections[name] = SECTIONS[name][0](args)
-    env["load_average_end"] = list(os.getloadavg())
+    env["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     env.update({f"{k}_end": v for k, v in memory_probe().items()})
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")

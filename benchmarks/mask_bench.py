@@ -310,7 +310,7 @@ def main(argv=None) -> int:
         rows.append(plan_row(row, mask, args, mesh))
         print("   ", rows[-1], flush=True)
         del mask
-    env["load_average_end"] = list(os.getloadavg())
+    env["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
     path = os.path.join(args.out, f"masks_{stamp}_cpu" + (f"_{args.label}" if args.label else ""))

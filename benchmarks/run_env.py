@@ -100,7 +100,7 @@ def environment(argv: Sequence[str] | None = None, **extra: object) -> dict[str,
         argv=list(sys.argv[1:] if argv is None else argv),
     )
     if os.environ.get("XLA_FLAGS"):
-        env["xla_flags"] = os.environ["XLA_FLAGS"]
+        env["xla_flags"] = os.environ["XLA_FLAGS"].strip()
     clash = sorted(set(extra) & set(env))
     if clash:
         raise ValueError(
