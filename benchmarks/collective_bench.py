@@ -565,7 +565,8 @@ def markdown(res) -> str:
     lines = [
         f"# Collective benchmark {m['date']}",
         "",
-        f"Device: {m['device']}; {describe(m)}, torch {m['torch']}, NVSHMEM {m['nvshmem']}; "
+        f"Device: {m['device']}; {describe(m)}, torch {m['torch'] or 'not installed'}, "
+        f"NVSHMEM {m['nvshmem'] or 'not installed'}; "
         f"rows of {m['row_bytes']} B (bf16).",
         "",
         "GB/s = bytes sent per rank / time per op (best of reps, ops back to back).",

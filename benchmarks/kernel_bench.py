@@ -607,7 +607,8 @@ def markdown(rows, meta) -> str:
     lines = [
         f"# Kernel benchmark {meta['date']} on {meta['device']}",
         "",
-        f"{describe(meta)}, tokamax {meta['tokamax']}; Hq={meta['heads']}, Hkv={meta['kv_heads']}, "
+        f"{describe(meta)}, tokamax {meta['tokamax'] or 'not installed'}; "
+        f"Hq={meta['heads']}, Hkv={meta['kv_heads']}, "
         f"D={meta['head_dim']}"
         + (
             f", Dv={meta['v_head_dim']} (rows {CUDNN_SAME_DV}: cuDNN at Dv = D)"
