@@ -33,7 +33,6 @@ import datetime
 import functools
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -42,8 +41,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 from collective_e2e import e2e, tuning_fields  # noqa: E402
 from gpu_trace import trace_summary  # noqa: E402
+
+from benchmarks.run_env import describe, environment, package_version  # noqa: E402
 
 # The rows --profile traces (default native tuning and XLA's plain ppermute).
 _PROFILED = ("native_cast", "native_reduce", "ppermute")
@@ -431,23 +434,10 @@ def worker(args):
 # ---- launcher -------------------------------------------------------------------------------
 
 
-def _versions():
-    v = {"python": platform.python_version()}
-    for mod in ("jax", "jaxlib", "numpy", "torch"):
-        try:
-            v[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            pass
+def _gpus() -> list[str] | None:
+    """``nvidia-smi``'s name and driver of each GPU; None where it does not answer."""
     try:
-        from importlib.metadata import version
-
-        import nvidia.nvshmem  # noqa: F401
-
-        v["nvshmem"] = version("nvidia-nvshmem-cu13")
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        v["gpu"] = (
+        return (
             subprocess.run(
                 ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                 capture_output=True,
@@ -457,9 +447,8 @@ def _versions():
             .stdout.strip()
             .splitlines()
         )
-    except Exception:  # noqa: BLE001
-        pass
-    return v
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def launch(args):
@@ -554,15 +543,15 @@ def launch(args):
         if mib in peer and "GBps" in peer[mib]:
             row["peer_copy"] = peer[mib]
     stamp = datetime.datetime.now(datetime.timezone.utc)
-    versions = _versions()
-    dev = (versions.get("gpu") or ["unknown"])[0].split(",")[0].replace(" ", "_")
-    meta = {
-        "date": stamp.isoformat(timespec="seconds"),
-        "device": versions.get("gpu"),
-        "versions": versions,
-        "row_bytes": args.row_kib * 1024,
-        "method": __doc__.split("\n\n")[1] if "\n\n" in __doc__ else "",
-    }
+    gpus = _gpus()
+    dev = (gpus or ["unknown"])[0].split(",")[0].replace(" ", "_")
+    meta = environment(
+        device=gpus,
+        torch=package_version("torch"),
+        nvshmem=package_version("nvidia-nvshmem-cu13"),
+        row_bytes=args.row_kib * 1024,
+        method=__doc__.split("\n\n")[1] if "\n\n" in __doc__ else "",
+    )
     out = {"meta": meta, **result}
     name = f"collective_{stamp:%Y%m%d_%H%M}_{dev}"
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -576,7 +565,9 @@ def markdown(res) -> str:
     lines = [
         f"# Collective benchmark {m['date']}",
         "",
-        f"Device: {m['device']}; versions: {m['versions']}; rows of {m['row_bytes']} B (bf16).",
+        f"Device: {m['device']}; {describe(m)}, torch {m['torch'] or 'not installed'}, "
+        f"NVSHMEM {m['nvshmem'] or 'not installed'}; "
+        f"rows of {m['row_bytes']} B (bf16).",
         "",
         "GB/s = bytes sent per rank / time per op (best of reps, ops back to back).",
         "",

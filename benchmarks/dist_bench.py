@@ -50,9 +50,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -155,13 +153,13 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import magi_jax  # noqa: E402
 from benchmarks.baselines.allgather import allgather_attention, make_allgather_plan  # noqa: E402
 from benchmarks.baselines.common import LocalFFA, make_layout, pick_backend  # noqa: E402
 from benchmarks.baselines.ring import make_ring_plan, ring_attention  # noqa: E402
 from benchmarks.baselines.ulysses import make_ulysses_plan, ulysses_attention  # noqa: E402
 from benchmarks.kernel_bench import make_mask  # noqa: E402
 from benchmarks.probe import nocomm_attention  # noqa: E402
+from benchmarks.run_env import describe, environment  # noqa: E402
 from magi_jax.planning.backends import FFA_BACKENDS  # noqa: E402
 from magi_jax.planning.stages import build_dist_plan  # noqa: E402
 from magi_jax.sharding import magi_attention, make_flex_key  # noqa: E402
@@ -174,30 +172,6 @@ FWD_BWD = 3.5  # fwd+bwd FLOPs = 3.5 x forward (every benchmark here)
 # the fixed cost is then learnt from the run itself.
 _EST_TFLOPS = 250e12
 _EST_OVERHEAD_S = 12.0
-
-
-def versions():
-    v = dict(
-        jax=jax.__version__,
-        python=platform.python_version(),
-        magi_jax=getattr(magi_jax, "__version__", "?"),
-    )
-    try:
-        import jaxlib
-
-        v["jaxlib"] = jaxlib.__version__
-    except ImportError:
-        pass
-    try:
-        v["git"] = subprocess.run(
-            ["git", "-C", _ROOT, "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
-    except Exception:
-        pass
-    return v
 
 
 def work_list(a):
@@ -350,12 +324,10 @@ def run(a):
     magi_ffa = backend if backend in FFA_BACKENDS else "xla"
     dev = devices[0]
     stamp = datetime.datetime.now(datetime.timezone.utc)
-    meta = dict(
-        date=stamp.isoformat(timespec="seconds"),
+    meta = environment(
         device=getattr(dev, "device_kind", str(dev)),
         platform=dev.platform,
         num_devices=cp,
-        versions=versions(),
         head_dim=a.head_dim,
         dtype=dtype.name,
         ffa_backend=backend,
@@ -364,7 +336,6 @@ def run(a):
         flops="per-GPU TFLOP/s = 4*area*Hq*D (x3.5 fwd+bwd) / cp / max-rank time; "
         "single: the heaviest magi rank's area on one GPU",
         smoke=a.smoke,
-        argv=sys.argv[1:],
     )
     if magi_ffa != backend:
         meta["note"] = (
@@ -548,12 +519,11 @@ def _fmt(x, spec):
 
 
 def markdown(meta, rows) -> str:
-    v = meta["versions"]
     lines = [
         f"# Distributed attention benchmark {meta['date']}",
         "",
         f"{meta['num_devices']} × {meta['device']} ({meta['platform']}), one process; "
-        f"versions {v}; D={meta['head_dim']}, {meta['dtype']}; per-rank FFA "
+        f"{describe(meta)}; D={meta['head_dim']}, {meta['dtype']}; per-rank FFA "
         f"{meta['ffa_backend']} ({meta['ffa_backend_reason']}), magi's "
         f"{meta['magi_ffa_backend']}.",
         "",

@@ -48,26 +48,26 @@ import datetime
 import gc
 import json
 import os
-import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
+from benchmarks.run_env import environment  # noqa: E402
 from magi_jax.caches import clear_caches  # noqa: E402
 from magi_jax.mask import AttnMask  # noqa: E402
 from magi_jax.mask_zoo import make_mask, random_doc_lengths  # noqa: E402
 from magi_jax.planning import stages as ST  # noqa: E402
 from magi_jax.planning.capacity import PlanCapacity  # noqa: E402
 from magi_jax.planning.cast_table import choose_transport  # noqa: E402
-from magi_jax.planning.defaults import (
+from magi_jax.planning.defaults import (  # noqa: E402
     capacity_chunk_size,
-    capacity_overlap_degree,  # noqa: E402
+    capacity_overlap_degree,
     default_overlap_degree,
 )
 from magi_jax.planning.solver import solve_dispatch  # noqa: E402
@@ -398,41 +398,6 @@ def memory_probe(mib: int = 256) -> dict:
     return out
 
 
-def environment(args) -> dict:
-    def git(*cmd):
-        try:
-            return subprocess.run(
-                ["git", *cmd],
-                capture_output=True,
-                text=True,
-                timeout=10,
-                cwd=os.path.dirname(os.path.abspath(__file__)),
-            ).stdout.strip()
-        except Exception:
-            return ""
-
-    return dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-        host=socket.gethostname(),
-        machine=platform.machine(),
-        cpu_count=os.cpu_count(),
-        load_average=list(os.getloadavg()),
-        python=platform.python_version(),
-        numpy=np.__version__,
-        commit=git("rev-parse", "--short", "HEAD"),
-        dirty=bool(git("status", "--porcelain", "--untracked-files=no")),
-        **memory_probe(),
-        argv=sys.argv[1:],
-        ffa_backend=args.ffa_backend,
-        malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
-        kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        dtype_bytes=args.dtype_bytes,
-        reps=args.reps,
-        packings=args.packings,
-    )
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -470,12 +435,22 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if isinstance(args.cases, str):
         args.cases = parse_cases(args.cases)
-    env = environment(args)
+    env = environment(
+        argv,
+        **memory_probe(),
+        ffa_backend=args.ffa_backend,
+        malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype_bytes=args.dtype_bytes,
+        reps=args.reps,
+        packings=args.packings,
+    )
     print(json.dumps(env))
     sections = {}
     for name in args.sections.split(","):
         sections[name] = SECTIONS[name][0](args)
-    env["load_average_end"] = list(os.getloadavg())
+    env["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     env.update({f"{k}_end": v for k, v in memory_probe().items()})
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")

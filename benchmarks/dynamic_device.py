@@ -27,10 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-from kernel_bench import bench_interleaved, versions  # noqa: E402
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 import magi_jax as mj  # noqa: E402
+from benchmarks.kernel_bench import bench_interleaved  # noqa: E402
+from benchmarks.run_env import environment  # noqa: E402
 from magi_jax.mask_zoo import random_doc_lengths  # noqa: E402
 
 
@@ -152,10 +155,9 @@ def main(argv=None):
         rows.append(dict(row=name, ms=sec * 1e3, tflops=flops / sec / 1e12))
     ratio = times[0] / times[1]
     seg_ratio = times[3] / times[2]
-    meta = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+    meta = environment(
+        argv,
         device=jax.devices()[0].device_kind,
-        **versions(),
         total=t,
         heads=h,
         kv_heads=hkv,

@@ -24,15 +24,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_bench import (
-    bench_interleaved,
-    case_inputs,
-    make_mask,  # noqa: E402
-    versions,
-)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 import magi_jax as mj  # noqa: E402
+from benchmarks.kernel_bench import bench_interleaved, case_inputs, make_mask  # noqa: E402
+from benchmarks.run_env import describe, environment  # noqa: E402
 
 VARIANTS = {
     "plain": (False, False),
@@ -114,7 +112,7 @@ def markdown(rows, meta) -> str:
     lines = [
         f"# Sinks and max logits: overhead ({meta['date']}, {meta['device']})",
         "",
-        f"backend {meta['backend']}; {meta['versions']}; median of {meta['reps']} rounds "
+        f"backend {meta['backend']}; {describe(meta)}; median of {meta['reps']} rounds "
         f"of {meta['n']} calls after 2 warm-up calls, variants interleaved",
         "",
         "| case | mode | variant | ms | vs plain |",
@@ -158,10 +156,9 @@ def main(argv=None):
         a.reps,
         a.n,
     )
-    meta = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    meta = environment(
+        argv,
         device=getattr(dev, "device_kind", str(dev)),
-        versions=versions(),
         backend=backend,
         reps=a.reps,
         n=a.n,

@@ -39,27 +39,30 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 
 import numpy as np
 
-from magi_jax.mask_zoo import MASKS, make_mask
-from magi_jax.planning import solver as S
-from magi_jax.planning import stages as D
-from magi_jax.planning.capacity import PlanCapacity
-from magi_jax.planning.cast_table import cast_moves
-from magi_jax.planning.defaults import cast_pieces, default_overlap_degree
-from magi_jax.planning.hierarchy import (
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks.run_env import describe, environment  # noqa: E402
+from magi_jax.mask_zoo import MASKS, make_mask  # noqa: E402
+from magi_jax.planning import solver as S  # noqa: E402
+from magi_jax.planning import stages as D  # noqa: E402
+from magi_jax.planning.capacity import PlanCapacity  # noqa: E402
+from magi_jax.planning.cast_table import cast_moves  # noqa: E402
+from magi_jax.planning.defaults import cast_pieces, default_overlap_degree  # noqa: E402
+from magi_jax.planning.hierarchy import (  # noqa: E402
     NodeLayout,
     inter_node_rows,
     inter_node_wire_rows,
 )
-from magi_jax.planning.relay_runs import build_relay_runs, pad_runs, relay_run_bounds
-from magi_jax.planning.wire import plan_wire
-from magi_jax.planning.work_list import default_block_sizes
+from magi_jax.planning.relay_runs import build_relay_runs, pad_runs, relay_run_bounds  # noqa: E402
+from magi_jax.planning.wire import plan_wire  # noqa: E402
+from magi_jax.planning.work_list import default_block_sizes  # noqa: E402
 
 _DEFAULT_MASKS = ("doc-causal", "causal", "sliding-window", "shared-question")
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -228,9 +231,7 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
     out = [
         f"# Inter-node KV volume: flat vs two-hop group-cast ({meta['total']:,} tokens, {lay})",
         "",
-        f"{meta['date']}; host planner only, no devices ({meta['host']}, "
-        f"{meta['cpu_count']} CPUs; Python {meta['python']}, NumPy {meta['numpy']}, "
-        f"commit {meta['commit']}). `{meta['command']}`",
+        f"{describe(meta)}; host planner only, no devices. `{meta['command']}`",
         "",
         f"One row = K and V of one token: 2 × Hkv {meta['hkv']} × D {meta['d']} × "
         f"{meta['dtype']} = {meta['row_bytes']:,} B. GiB per forward cast, summed over "
@@ -305,22 +306,8 @@ def main(argv=None):
             cap_rows.append(run_capacity_case(name, args.total, layout, args.capacity_packings))
             print(f"capacity {name}: {cap_rows[-1]['key_s']:.2f} s", file=sys.stderr)
     now = datetime.datetime.now(datetime.timezone.utc)
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-            ).stdout.strip()
-            or "unknown"
-        )
-    except OSError:
-        commit = "unknown"
-    meta = dict(
-        date=now.strftime("%Y-%m-%d %H:%M UTC"),
-        host=platform.processor() or platform.machine(),
-        cpu_count=os.cpu_count(),
-        python=platform.python_version(),
-        numpy=np.__version__,
-        commit=commit,
+    meta = environment(
+        argv,
         total=args.total,
         nodes=args.nodes,
         local=args.local,

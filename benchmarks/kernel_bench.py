@@ -25,7 +25,6 @@ import datetime
 import functools
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -38,6 +37,11 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks.run_env import describe, environment, package_version  # noqa: E402
 from magi_jax.mask import AttnMask  # noqa: E402
 from magi_jax.mask_zoo import make_mask as zoo_mask  # noqa: E402
 
@@ -421,23 +425,6 @@ def run_group(
     return rows
 
 
-def versions():
-    v = dict(jax=jax.__version__, python=platform.python_version())
-    try:
-        import jaxlib
-
-        v["jaxlib"] = jaxlib.__version__
-    except ImportError:
-        pass
-    try:
-        import tokamax
-
-        v["tokamax"] = getattr(tokamax, "__version__", "0.0.17")
-    except Exception:
-        pass
-    return v
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default=None)
@@ -507,10 +494,10 @@ def main(argv=None):
         it = work
     rows = []
     dev = jax.devices()[0]
-    meta = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    meta = environment(
+        argv,
         device=getattr(dev, "device_kind", str(dev)),
-        versions=versions(),
+        tokamax=package_version("tokamax"),
         heads=a.heads,
         kv_heads=kvh,
         head_dim=a.head_dim,
@@ -620,7 +607,8 @@ def markdown(rows, meta) -> str:
     lines = [
         f"# Kernel benchmark {meta['date']} on {meta['device']}",
         "",
-        f"versions: {meta['versions']}; Hq={meta['heads']}, Hkv={meta['kv_heads']}, "
+        f"{describe(meta)}, tokamax {meta['tokamax'] or 'not installed'}; "
+        f"Hq={meta['heads']}, Hkv={meta['kv_heads']}, "
         f"D={meta['head_dim']}"
         + (
             f", Dv={meta['v_head_dim']} (rows {CUDNN_SAME_DV}: cuDNN at Dv = D)"

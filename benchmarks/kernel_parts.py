@@ -24,9 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-from kernel_bench import bench, make_mask, versions  # noqa: E402
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
+from benchmarks.kernel_bench import bench, make_mask  # noqa: E402
+from benchmarks.run_env import describe, environment  # noqa: E402
 from magi_jax.pallas import plan_for_mask  # noqa: E402
 from magi_jax.pallas.common import LOG2E  # noqa: E402
 from magi_jax.pallas.ffa_bwd import ffa_dkv, ffa_dq  # noqa: E402
@@ -38,10 +41,10 @@ from magi_jax.pallas.tuning import (  # noqa: E402
     default_num_stages,
     default_steps_per_wait,
 )
-from magi_jax.planning.work_list import (
+from magi_jax.planning.work_list import (  # noqa: E402
     BAND,
     GENERAL,
-    FFAPlanArrays,  # noqa: E402
+    FFAPlanArrays,
     persistent_schedule,
 )
 
@@ -177,10 +180,9 @@ def main(argv=None):
                             m, int(t), a.heads, a.head_dim, programs, bands, stages, registers
                         )
                         print(json.dumps(rows[-1]), flush=True)
-    meta = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    meta = environment(
+        argv,
         device=getattr(dev, "device_kind", str(dev)),
-        versions=versions(),
         programs=programs,
         core_count=getattr(dev, "core_count", None),
         heads=a.heads,
@@ -200,7 +202,7 @@ def write(base, rows, meta):
     lines = [
         f"# FFA pallas parts {meta['date']} on {meta['device']}",
         "",
-        f"versions: {meta['versions']}; persistent programs: {meta['programs']} "
+        f"{describe(meta)}; persistent programs: {meta['programs']} "
         f"(core_count {meta['core_count']}); bf16, Hq = Hkv = "
         f"{meta.get('heads', 16)}, D = {meta.get('head_dim', 128)}, "
         "B = 32768 / length; TFLOP/s from the matmuls each part runs (forward 2, dQ 3, "

@@ -29,9 +29,6 @@ import datetime
 import gc
 import json
 import os
-import platform
-import socket
-import subprocess
 import sys
 import time
 
@@ -42,11 +39,14 @@ flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={_CP}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 import jax  # noqa: E402
 
 import magi_jax as mj  # noqa: E402
+from benchmarks.run_env import environment  # noqa: E402
 from magi_jax import mask_zoo as mz  # noqa: E402
 from magi_jax.mask import AttnMask  # noqa: E402
 from magi_jax.mask_runs import canonical  # noqa: E402
@@ -251,34 +251,6 @@ def plan_row(row: dict, mask: AttnMask, args, mesh) -> dict:
     return row
 
 
-def environment(args) -> dict:
-    def git(*cmd):
-        try:
-            return subprocess.run(
-                ["git", *cmd],
-                capture_output=True,
-                text=True,
-                timeout=10,
-                cwd=os.path.dirname(os.path.abspath(__file__)),
-            ).stdout.strip()
-        except Exception:
-            return ""
-
-    return dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-        host=socket.gethostname(),
-        machine=platform.machine(),
-        cpu_count=os.cpu_count(),
-        load_average=list(os.getloadavg()),
-        python=platform.python_version(),
-        numpy=np.__version__,
-        jax=jax.__version__,
-        commit=git("rev-parse", "--short", "HEAD"),
-        dirty=bool(git("status", "--porcelain", "--untracked-files=no")),
-        argv=sys.argv[1:],
-    )
-
-
 COLUMNS = (
     ("mask", "mask", "{}"),
     ("tokens", "tokens", None),
@@ -324,7 +296,7 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
-    env = environment(args)
+    env = environment(argv)
     print(json.dumps(env), flush=True)
     mesh = jax.make_mesh((_CP,), ("cp",), devices=jax.devices()[:_CP])
     rows = []
@@ -338,7 +310,7 @@ def main(argv=None) -> int:
         rows.append(plan_row(row, mask, args, mesh))
         print("   ", rows[-1], flush=True)
         del mask
-    env["load_average_end"] = list(os.getloadavg())
+    env["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
     path = os.path.join(args.out, f"masks_{stamp}_cpu" + (f"_{args.label}" if args.label else ""))

@@ -33,9 +33,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from benchmarks.baselines.common import pick_backend  # noqa: E402
-from benchmarks.dist_bench import versions  # noqa: E402
 from benchmarks.kernel_bench import make_mask  # noqa: E402
 from benchmarks.probe import measure_overlap, overlap_probe  # noqa: E402
+from benchmarks.run_env import describe, environment  # noqa: E402
 from magi_jax.sharding import make_flex_key  # noqa: E402
 
 
@@ -91,7 +91,7 @@ def markdown(meta, rows) -> str:
     lines = [
         f"# Overlap probe {meta['date']}",
         "",
-        f"{meta['num_devices']} × {meta['device']}; {meta['versions']}; H={meta['heads']}, "
+        f"{meta['num_devices']} × {meta['device']}; {describe(meta)}; H={meta['heads']}, "
         f"D={meta['head_dim']}, bf16, ffa {meta['ffa_backend']}, comm {meta['comm']}.",
         "",
         "`comm`: group collectives alone; `compute`: FFA stages + merge on pre-fetched KV; "
@@ -125,16 +125,13 @@ def main(argv=None):
     dtype = jnp.bfloat16
     ffa, _ = pick_backend("auto", dtype, a.head_dim)
     stamp = datetime.datetime.now(datetime.timezone.utc)
-    meta = dict(
-        date=stamp.isoformat(timespec="seconds"),
+    meta = environment(
         device=getattr(devices[0], "device_kind", str(devices[0])),
         num_devices=len(devices),
-        versions=versions(),
         heads=a.heads,
         head_dim=a.head_dim,
         ffa_backend=ffa,
         comm=a.comm,
-        argv=sys.argv[1:],
     )
     os.makedirs(a.out, exist_ok=True)
     base = os.path.join(

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import sys
 import time
 
@@ -36,8 +35,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import magi_jax as mj  # noqa: E402
-from benchmarks.dist_bench import versions  # noqa: E402
 from benchmarks.kernel_bench import make_mask  # noqa: E402
+from benchmarks.run_env import describe, environment  # noqa: E402
 from magi_jax.sharding.calibrate import timed_programs  # noqa: E402
 
 WITHIN = 0.05
@@ -56,19 +55,6 @@ def _parse(argv):
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results", "overlap"))
     return p.parse_args(argv)
-
-
-def _machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores visible, {platform.system()} {platform.release()}"
 
 
 def _time(fn) -> float:
@@ -154,10 +140,8 @@ def write(rows: list, a, stamp: str, meta: dict) -> str:
     lines = [
         "# Overlap degrees on 8 CPU devices: fixed degrees against the calibrated choice",
         "",
-        f"{meta['date']}; {meta['machine']}; 8 host devices of one process "
-        f"(`--xla_force_host_platform_device_count=8`), shared with other jobs; "
-        + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
-        + f". `benchmarks/overlap_cpu_bench.py`: {a.dtype}, Hq = {a.heads}, Hkv = "
+        f"{describe(meta)}; 8 host devices of one process, shared with other jobs. "
+        f"`benchmarks/overlap_cpu_bench.py`: {a.dtype}, Hq = {a.heads}, Hkv = "
         f"{a.kv_heads}, D = {a.head_dim}, `xla` FFA and transport; medians of {a.rounds} "
         f"interleaved rounds (calibration: {a.cal_rounds} rounds of its own). Forward: as "
         "training runs it (with the backward's residuals); backward: alone, from them.",
@@ -203,12 +187,7 @@ def main(argv=None) -> None:
         (8,), ("cp",), devices=jax.devices()[:8], axis_types=(jax.sharding.AxisType.Auto,)
     )
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
-    meta = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        machine=_machine(),
-        versions=dict(versions(), numpy=np.__version__),
-        args=vars(a),
-    )
+    meta = environment(argv, args=vars(a))
     rows = []
     for total in [int(x) for x in a.lengths.split(",")]:
         for name in a.masks.split(","):

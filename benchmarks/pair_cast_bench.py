@@ -31,10 +31,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import argparse
 import datetime
 import json
-import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 
@@ -42,9 +40,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import magi_jax as mj
-from magi_jax.mask_zoo import random_doc_lengths
-from magi_jax.sharding.key_wire import key_wire
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import magi_jax as mj  # noqa: E402
+from benchmarks.run_env import describe, environment  # noqa: E402
+from magi_jax.mask_zoo import random_doc_lengths  # noqa: E402
+from magi_jax.sharding.key_wire import key_wire  # noqa: E402
 
 
 def _step(q, k, v, key):
@@ -79,26 +82,6 @@ def measure(key, q, k, v, steps: int) -> dict:
         wire_per_rank=round(w.per_rank_ratio(), 3),
         wire_total=round(w.total_ratio(), 3),
         stages=sum(s.cast is not None for s in key.stages),
-    )
-
-
-def _env() -> dict:
-    def git(*cmd):
-        try:
-            return subprocess.run(
-                ["git", *cmd], capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return None
-
-    return dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        machine=f"{platform.machine()} CPU, {os.cpu_count()} cores, 8 host devices",
-        python=platform.python_version(),
-        jax=jax.__version__,
-        xla_flags=os.environ.get("XLA_FLAGS", ""),
-        git=git("rev-parse", "--short", "HEAD"),
-        dirty=bool(git("status", "--porcelain", "--untracked-files=no")),
     )
 
 
@@ -138,7 +121,7 @@ def main(argv=None) -> int:
             got = measure(key, q, k, v, args.steps)
             rows.append(dict(key=kind, cast_gating=gating, **got))
             print(rows[-1], file=sys.stderr, flush=True)
-    env = _env()
+    env = environment(argv, devices=f"{len(jax.devices())} {jax.default_backend()} devices")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, f"pair_cast_{stamp}")
@@ -158,9 +141,8 @@ def main(argv=None) -> int:
         )
     md = (
         f"# Slot against pair gating, {args.total:,} tokens, cp {cp} on CPU host devices\n\n"
-        f"{env['date']}, {env['machine']}, Python {env['python']}, jax {env['jax']}, "
-        f"git `{env['git']}`{' (dirty)' if env['dirty'] else ''}, XLA_FLAGS "
-        f"`{env['xla_flags']}`. Document-causal ({args.docs} random documents, packing 0); "
+        f"{describe(env)}; {env['devices']}. Document-causal ({args.docs} random "
+        "documents, packing 0); "
         f"capacity from {args.packings} packings (cast width {cap.cast_width}); q/k/v "
         f"float32 [{args.total}, {hq}/{hkv}, {d}]; one forward + backward of the sum of "
         f"squares, {args.steps} timed steps after a warm one.\n\n" + "\n".join(lines) + "\n"

@@ -22,13 +22,14 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
 
 
 def parse_args(argv=None):
@@ -67,6 +68,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import magi_jax as mj  # noqa: E402
+from benchmarks.run_env import describe, environment  # noqa: E402
 
 
 def packings(rng, n, total, docs):
@@ -207,15 +209,7 @@ def planning_rows(args):
 
 def main(args):
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d_%H%M")
-    env = dict(
-        date=stamp,
-        machine=f"{platform.machine()} {os.cpu_count()} cores",
-        python=platform.python_version(),
-        jax=jax.__version__,
-        numpy=np.__version__,
-        load=os.getloadavg()[0],
-        argv=sys.argv[1:],
-    )
+    env = environment()
     if args.attention_from:
         attn = json.loads(Path(args.attention_from).read_text())["attention"]
         env["attention_from"] = args.attention_from
@@ -231,9 +225,8 @@ def main(args):
     lines = [
         f"# Pods on CPU host devices ({stamp} UTC)",
         "",
-        f"`python benchmarks/pods_bench.py {' '.join(sys.argv[1:])}`; {env['machine']}, Python "
-        f"{env['python']}, jax {env['jax']}, NumPy {env['numpy']}, load average "
-        f"{env['load']:.1f}. Attention: {args.tokens} tokens per row, {args.docs} documents, "
+        f"`python benchmarks/pods_bench.py {' '.join(env['argv'])}`; {describe(env)}. "
+        f"Attention: {args.tokens} tokens per row, {args.docs} documents, "
         f"{args.heads}/{args.kv_heads} heads, D {args.head_dim}, float32, xla backend, fwd+bwd.",
         "",
         "| dp x cp | rows | GFLOP per device | one replica | ratio | fwd+bwd ms | one replica ms "

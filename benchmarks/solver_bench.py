@@ -19,17 +19,21 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import sys
 import time
 
 import numpy as np
 
-from magi_jax.mask import AttnMask
-from magi_jax.mask_zoo import make_mask as zoo_mask
-from magi_jax.planning import solver as S
-from magi_jax.planning import stages as D
-from magi_jax.planning.cast_table import build_cast_table
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks.run_env import describe, environment  # noqa: E402
+from magi_jax.mask import AttnMask  # noqa: E402
+from magi_jax.mask_zoo import make_mask as zoo_mask  # noqa: E402
+from magi_jax.planning import solver as S  # noqa: E402
+from magi_jax.planning import stages as D  # noqa: E402
+from magi_jax.planning.cast_table import build_cast_table  # noqa: E402
 
 # The zoo of magi_jax.mask_zoo under this benchmark's names (mask_zoo.DOC_LENGTHS documents).
 ZOO = (
@@ -110,7 +114,7 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
     out = [
         f"# Dispatch solver benchmark — {meta['date']}",
         "",
-        f"Host: {meta['host']}; Python {meta['python']}; NumPy {meta['numpy']}. "
+        f"{describe(meta)}. "
         "Per-rank area balance (max/mean), remote KV tokens per rank (max) as a fraction "
         "of ring attention's (every rank receives all other KV), remote KV in total, and "
         "planning time (dispatch solve, wall and CPU seconds — CPU time is the robust figure on a "
@@ -187,15 +191,7 @@ def main(argv=None):
             flush=True,
         )
     now = datetime.datetime.now(datetime.timezone.utc)
-    meta = dict(
-        date=now.strftime("%Y-%m-%d %H:%M UTC"),
-        host=platform.processor() or platform.machine(),
-        cpu_count=os.cpu_count(),
-        python=platform.python_version(),
-        numpy=np.__version__,
-        argv=sys.argv[1:],
-        load_average=os.getloadavg(),
-    )
+    meta = environment(argv)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"solver_{now.strftime('%Y%m%d_%H%M')}")
     with open(stem + ".json", "w") as f:

@@ -31,21 +31,24 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 
 import numpy as np
 
-from magi_jax.mask import AttnMask
-from magi_jax.mask_zoo import make_mask, random_doc_lengths
-from magi_jax.planning.capacity import PlanCapacity
-from magi_jax.planning.defaults import PAIR_CAST_LEVELS, cast_pieces, default_overlap_degree
-from magi_jax.planning.solver import solve_dispatch
-from magi_jax.planning.stages import build_dist_plan
-from magi_jax.planning.wire import plan_wire, ring_rows
-from magi_jax.planning.work_list import default_block_sizes
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks.run_env import describe, environment  # noqa: E402
+from magi_jax.mask import AttnMask  # noqa: E402
+from magi_jax.mask_zoo import make_mask, random_doc_lengths  # noqa: E402
+from magi_jax.planning.capacity import PlanCapacity  # noqa: E402
+from magi_jax.planning.defaults import PAIR_CAST_LEVELS, cast_pieces, default_overlap_degree  # noqa: E402
+from magi_jax.planning.solver import solve_dispatch  # noqa: E402
+from magi_jax.planning.stages import build_dist_plan  # noqa: E402
+from magi_jax.planning.wire import plan_wire, ring_rows  # noqa: E402
+from magi_jax.planning.work_list import default_block_sizes  # noqa: E402
 
 GENERATORS = ("doc-causal", "sliding-window", "many-docs", "shared-question", "causal")
 
@@ -124,28 +127,6 @@ def run_generator(name: str, total: int, cp: int, packings: int) -> dict:
     )
 
 
-def _env() -> dict:
-    def git(*cmd):
-        try:
-            return subprocess.run(
-                ["git", *cmd], capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return None
-
-    import magi_jax
-
-    return dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        machine=f"{platform.machine()} CPU, {os.cpu_count()} cores (host planner only)",
-        python=platform.python_version(),
-        numpy=np.__version__,
-        magi_jax=getattr(magi_jax, "__version__", None),
-        git=git("rev-parse", "--short", "HEAD"),
-        dirty=bool(git("status", "--porcelain", "--untracked-files=no")),
-    )
-
-
 def table(rows) -> str:
     out = [
         "| mask | one-mask key, slots whole | one-mask key, pairs | at a capacity, slots whole "
@@ -179,7 +160,7 @@ def main(argv=None) -> int:
     for i, name in enumerate(names):
         rows.append(run_generator(name, args.total, args.cp, args.packings))
         print(f"[{i + 1}/{len(names)}] {name}: {rows[-1]['seconds']} s", file=sys.stderr)
-    env = _env()
+    env = environment(argv)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, f"wire_{stamp}")
@@ -187,8 +168,7 @@ def main(argv=None) -> int:
         json.dump(dict(env=env, args=vars(args), rows=rows), fh, indent=1)
     md = (
         f"# Wire rows against real rows, {args.total:,} tokens, cp {args.cp} (one node)\n\n"
-        f"{env['date']}, {env['machine']}, Python {env['python']}, NumPy {env['numpy']}, "
-        f"git `{env['git']}`{' (dirty)' if env['dirty'] else ''}. Per forward cast, all "
+        f"{describe(env)}; host planner only. Per forward cast, all "
         f"remote stages; busiest rank's wire / busiest rank's real rows, then total wire / "
         f"total real. Capacity: `PlanCapacity.from_masks` over {args.packings} packings "
         "(default headroom), the worst packing (by per rank) shown.\n\n" + table(rows) + "\n"

@@ -1,6 +1,7 @@
 """The distributed benchmark's bookkeeping (no timing): work order, derived ratios, report."""
 
 from benchmarks import dist_bench as db
+from benchmarks.run_env import environment
 
 
 def test_work_list_puts_d1_first():
@@ -43,12 +44,11 @@ def test_derived_ratios_and_d1_lines():
     assert abs(magi["vs_single"] - 0.95) < 1e-12 and abs(magi["vs_ring"] - 16 / 11) < 1e-12
     assert abs(magi["compute_ms"] - 10.0) < 1e-12 and abs(magi["exposed_ms"] - 1.0) < 1e-12
     assert abs(ring["compute_ms"] - 12.0) < 1e-12 and abs(uly["compute_ms"] - 5.0) < 1e-12
-    meta = dict(
-        date="d",
+    meta = environment(
+        [],
         num_devices=2,
         device="dev",
         platform="gpu",
-        versions={},
         head_dim=128,
         dtype="bfloat16",
         ffa_backend="pallas",

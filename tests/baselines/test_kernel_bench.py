@@ -1,6 +1,7 @@
 """The kernel benchmark's acceptance check (no timing): which lines a run's rows measure."""
 
 from benchmarks import kernel_bench as kb
+from benchmarks.run_env import environment
 
 
 def _row(mask, length, mode, impl, tflops):
@@ -40,10 +41,10 @@ def test_target_lines_ratios_absolutes_and_zoo():
     }
     md = kb.markdown(
         rows,
-        dict(
-            date="d",
+        environment(
+            [],
             device="dev",
-            versions={},
+            tokamax=None,
             heads=16,
             kv_heads=16,
             head_dim=128,
@@ -90,10 +91,10 @@ def test_target_lines_skip_what_was_not_measured():
     assert kb.target_lines(rows) == []
     assert "acceptance lines" not in kb.markdown(
         rows,
-        dict(
-            date="d",
+        environment(
+            [],
             device="dev",
-            versions={},
+            tokamax=None,
             heads=1,
             kv_heads=1,
             head_dim=64,
