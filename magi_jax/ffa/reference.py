@@ -34,13 +34,14 @@ def _attend(q, k, v, dense, scale, softcap, sink=None):
     s = jnp.where(allowed, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     if sink is not None:
-        sink = jnp.asarray(sink, s.dtype)  # [S, Hq]
-        m = jnp.maximum(m, jnp.max(sink, axis=0)[:, None, None])
+        sink = jnp.asarray(sink, s.dtype)  # [S, Hq] -> [S, ..., Hq, 1, 1], beside every batch row
+        sink = sink.reshape(sink.shape[:1] + (1,) * (s.ndim - 3) + sink.shape[1:] + (1, 1))
+        m = jnp.maximum(m, jnp.max(sink, axis=0))
     m = jnp.where(jnp.isfinite(m), m, 0)
     e = jnp.where(allowed, jnp.exp(s - m), 0)
     denom = jnp.sum(e, axis=-1, keepdims=True)
     if sink is not None:
-        denom = denom + jnp.sum(jnp.exp(sink[:, :, None, None] - m), axis=0)
+        denom = denom + jnp.sum(jnp.exp(sink - m), axis=0)
     has_key = denom > 0
     p = e / jnp.where(has_key, denom, 1)
     out = jnp.einsum("...hqk,...khd->...qhd", p, v)

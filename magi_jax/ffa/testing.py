@@ -19,7 +19,14 @@ import numpy as np
 from magi_jax.ffa.reference import dense_attention
 from magi_jax.mask import AttnMask
 
-__all__ = ["reference_results", "assert_matches_reference", "random_inputs", "fwd_bwd", "FLOORS"]
+__all__ = [
+    "reference_results",
+    "reference_vjp_float64",
+    "assert_matches_reference",
+    "random_inputs",
+    "fwd_bwd",
+    "FLOORS",
+]
 
 # Absolute error floors, relative to max(1, ‖ref64‖∞): what a correct implementation may
 # always differ by, even where the low-precision reference happens to be very accurate.
@@ -105,12 +112,79 @@ def reference_results(
         return dict(zip(_NAMES + ("dsink",), res[: len(_NAMES)] + res[len(_NAMES) :]))
 
     if float64:
-        with jax.enable_x64(True):
-            cast = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))
-            res = run(*(cast(x) for x in (q, k, v, dout, dlse, sink)))
-            return {n: np.asarray(x, np.float64) for n, x in res.items()}
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        res = reference_vjp_float64(q, k, v, dense, dout, dlse, scale, softcap, sink)
+        return dict(zip(_NAMES + ("dsink",), res))
     res = run(q, k, v, dout, dlse, None if sink is None else jnp.asarray(sink, jnp.float32))
     return {n: np.asarray(x).astype(np.float64) for n, x in res.items()}
+
+
+def reference_vjp_float64(
+    q: jax.typing.ArrayLike,
+    k: jax.typing.ArrayLike,
+    v: jax.typing.ArrayLike,
+    dense: np.ndarray,
+    dout: jax.typing.ArrayLike,
+    dlse: jax.typing.ArrayLike | None,
+    softmax_scale: float,
+    softcap: float = 0.0,
+    sink: jax.typing.ArrayLike | None = None,
+) -> tuple[np.ndarray, ...]:
+    """The dense reference and its hand-derived backward in NumPy float64: no program to
+    compile, where the tests would compile one per shape. ``tests/ffa/test_reference.py``
+    holds it to JAX's autodiff of :func:`~magi_jax.ffa.reference.dense_attention`.
+
+    Shapes as for :func:`reference_results` (``dense`` bool ``[Tq, Tk]``, ``sink``
+    ``[S, Hq]``). Returns ``out``, ``lse``, ``dq``, ``dk``, ``dv``, ``max_logits``, then
+    ``dsink`` when ``sink`` is given.
+    """
+    f64 = lambda x: np.asarray(x, np.float64)
+    q, k, v, dout = f64(q), f64(k), f64(v), f64(dout)
+    lead, hq, (tk, hkv) = q.shape[:-3], q.shape[-2], k.shape[-3:-1]
+    group = hq // hkv
+    heads = lambda x: np.moveaxis(np.repeat(x, group, axis=-2), -2, -3)  # [..., Hq, T, D]
+    qh, kh, vh, doh = np.moveaxis(q, -2, -3), heads(k), heads(v), np.moveaxis(dout, -2, -3)
+    allowed = np.asarray(dense, bool)
+    s = (qh @ np.swapaxes(kh, -1, -2)) * softmax_scale  # [..., Hq, Tq, Tk]
+    max_logits = np.max(np.where(allowed, s, -np.inf), axis=(-2, -1))
+    t = np.tanh(s / softcap) if softcap else None
+    logits = np.where(allowed, softcap * t if softcap else s, -np.inf)
+    m = logits.max(-1, keepdims=True)
+    if sink is not None:
+        sink = f64(sink)  # [S, Hq] -> [S, ..., Hq, 1, 1]
+        sink = sink.reshape(sink.shape[:1] + (1,) * len(lead) + (hq, 1, 1))
+        m = np.maximum(m, sink.max(0))
+    m = np.where(np.isfinite(m), m, 0)
+    e = np.where(allowed, np.exp(logits - m), 0)
+    denom = e.sum(-1, keepdims=True)
+    if sink is not None:
+        e_sink = np.exp(sink - m)  # [S, ..., Hq, Tq, 1]
+        denom = denom + e_sink.sum(0)
+    has_key = denom > 0
+    denom = np.where(has_key, denom, 1)
+    p = e / denom
+    out = p @ vh  # [..., Hq, Tq, Dv]
+    lse = np.where(has_key, m + np.log(denom), -np.inf)[..., 0]
+    # Backward: dlogits = p·(dp − δ + dlse) with δ = rowsum(dout·out); the softcap's
+    # derivative 1 − tanh²; GQA sums the grouped heads back onto their KV head.
+    dl = np.zeros(lse.shape) if dlse is None else np.swapaxes(f64(dlse), -1, -2)
+    delta = (doh * out).sum(-1)
+    dlogits = p * (doh @ np.swapaxes(vh, -1, -2) - delta[..., None] + dl[..., None])
+    ds = dlogits * (1 - t * t) if softcap else dlogits
+    kv = lambda x: np.moveaxis(x, -3, -2).reshape(lead + (tk, hkv, group, -1)).sum(-2)
+    res = (
+        np.moveaxis(out, -3, -2),
+        np.swapaxes(lse, -1, -2),
+        np.moveaxis(ds @ kh, -3, -2) * softmax_scale,
+        kv(np.swapaxes(ds, -1, -2) @ qh) * softmax_scale,
+        kv(np.swapaxes(p, -1, -2) @ doh),
+        max_logits,
+    )
+    if sink is None:
+        return res
+    p_sink = e_sink / denom  # d lse / d sink = p_sink, d out / d sink = −p_sink·out
+    dsink = (p_sink * (dl - delta)[..., None]).sum(axis=tuple(range(1, p_sink.ndim - 3)) + (-2, -1))
+    return res + (dsink,)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "softcap"))

@@ -27,10 +27,12 @@ def free_port() -> int:
 def run_processes(argv_of, n=2, timeout=TIMEOUT, env=None) -> list[str]:
     """Starts ``n`` processes (``argv_of(i)``), waits for all (bounded), returns their
     outputs; fails with every process's output if one fails or times out. ``env``: more
-    environment variables (by default each process sets its own device count)."""
-    base = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    base.pop("XLA_FLAGS", None)
-    env = {**base, **(env or {})}
+    environment variables (by default each process sets its own device count). The
+    processes compile as the suite does (its XLA flags, less the device count)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = dict(env or {})
+    env["XLA_FLAGS"] = " ".join(flags + env.get("XLA_FLAGS", "").split())
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), **env}
     procs = [
         subprocess.Popen(
             argv_of(i),
