@@ -3,8 +3,6 @@ takes the key as an argument compiles once over 20 packings (document-causal, an
 kinds) within one capacity, and matches the float64 reference at every step, forward and
 gradients; over-capacity masks name the field."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +11,7 @@ import pytest
 import magi_jax as mj
 from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 from tests.dynamic_masks import mixed_packings, varlen_packings
+from tests.sharding.steps import attention_step
 from tests.xla_options import OPTIMIZED
 
 T = 256
@@ -25,16 +24,8 @@ def _mesh():
     )
 
 
-@functools.partial(jax.jit, compiler_options=OPTIMIZED)  # runs 20 times: worth optimising
-def _step(q, k, v, dout, dlse, key):
-    def loss(q, k, v):
-        o, lse = mj.magi_attention(*(mj.dispatch(x, key) for x in (q, k, v)), key)
-        out, lse = mj.undispatch(o, key), mj.undispatch(lse, key)
-        total = (out * dout).sum() + (jnp.where(jnp.isfinite(lse), lse, 0) * dlse).sum()
-        return total, (out, lse)
-
-    (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    return out, lse, grads
+# runs 20 times: worth optimising
+_step = jax.jit(attention_step, compiler_options=OPTIMIZED)
 
 
 @pytest.mark.parametrize("packings", ["varlen", "mixed"])

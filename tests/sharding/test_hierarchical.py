@@ -37,6 +37,7 @@ from magi_jax.sharding.collectives import (
 )
 from tests.dynamic_masks import varlen_packings
 from tests.sharding.masks import ZOO
+from tests.sharding.steps import attention_step
 from tests.xla_options import OPTIMIZED
 
 AXES = ("node", "local")
@@ -324,16 +325,8 @@ def test_auto_and_options():
         make_flex_key(mask, _mesh(), ("node", "gpu"))
 
 
-@functools.partial(jax.jit, compiler_options=OPTIMIZED)  # runs 10 times: worth optimising
-def _capacity_step(q, k, v, dout, dlse, key):
-    def loss(q, k, v):
-        o, lse = magi_attention(*(dispatch(x, key) for x in (q, k, v)), key)
-        out, lse = undispatch(o, key), undispatch(lse, key)
-        total = (out * dout).sum() + (jnp.where(jnp.isfinite(lse), lse, 0) * dlse).sum()
-        return total, (out, lse)
-
-    (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    return out, lse, grads
+# runs 10 times: worth optimising
+_capacity_step = jax.jit(attention_step, compiler_options=OPTIMIZED)
 
 
 def test_two_hop_at_a_capacity_compiles_once_over_ten_packings():

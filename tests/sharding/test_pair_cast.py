@@ -14,6 +14,7 @@ from magi_jax.planning.wire import cast_wire, pair_levels, pair_rows_moved, slot
 from magi_jax.sharding.collectives import CastSpec
 from magi_jax.sharding.key_wire import key_wire
 from tests.dynamic_masks import varlen_packings
+from tests.sharding.steps import attention_step
 from tests.sharding.test_collectives import _meta, _random_table, _runner
 
 
@@ -151,16 +152,7 @@ def test_spec_checks_pair_rows():
         CastSpec("cp", 4, (1,), (4,), gating="pairs")
 
 
-@jax.jit
-def _step(q, k, v, dout, dlse, key):
-    def loss(q, k, v):
-        o, lse = mj.magi_attention(*(mj.dispatch(x, key) for x in (q, k, v)), key)
-        out, lse = mj.undispatch(o, key), mj.undispatch(lse, key)
-        total = (out * dout).sum() + (jnp.where(jnp.isfinite(lse), lse, 0) * dlse).sum()
-        return total, (out, lse)
-
-    (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    return out, lse, grads
+_step = jax.jit(attention_step)
 
 
 def test_pair_gated_key_matches_reference_over_packings():
