@@ -220,7 +220,7 @@ def test_reduce_sums_bf16_in_float32():
     meta = _meta(4, 1, 1)
     remote = [np.zeros((0, 5), np.int64)] + [np.array([[0, 1, 0, 0, 0]])] * 3
     table = build_cast_table(meta, remote, 1)
-    y = jnp.full((4, 1, 1), 1.0 + 2**-7, jnp.bfloat16)
+    y = np.full((4, 1, 1), 1.0 + 2**-7, jnp.bfloat16)
     out = _run("reduce", y, table, 1, "native")
     assert out.dtype == np.float32 and out[0, 0, 0] == 3.0234375
 

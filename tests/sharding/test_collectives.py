@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from magi_jax.planning import solver as S
@@ -73,9 +74,10 @@ def _run(op, x, table, num_rows, transport, runs=False, pieces=1):
         pieces=pieces,
     )
     tables = (table.send_runs, table.recv_runs) if runs else (table.send_index, table.recv_index)
-    return np.asarray(
-        _runner(table.cp, spec, num_rows, op)(jnp.asarray(x), *map(jnp.asarray, tables))
-    )
+    # Placed as the shard_map reads them: a one-device array would be sliced by a program of
+    # its own, compiled per shape.
+    put = lambda a: jax.device_put(a, NamedSharding(_mesh(table.cp), P("cp")))
+    return np.asarray(_runner(table.cp, spec, num_rows, op)(put(x), *map(put, tables)))
 
 
 def _meta(cp, chunk, per_rank):
@@ -265,7 +267,7 @@ def test_reduce_sums_in_float32():
     meta = _meta(4, 1, 1)
     remote = [np.zeros((0, 5), np.int64)] + [np.array([[0, 1, 0, 0, 0]])] * 3
     table = build_cast_table(meta, remote, 1)
-    y = jnp.full((4, 1, 1), 1.0 + 2**-7, jnp.bfloat16)
+    y = np.full((4, 1, 1), 1.0 + 2**-7, jnp.bfloat16)
     out = _run("reduce", y, table, 1, "ppermute")
     assert out.dtype == np.float32 and out[0, 0, 0] == 3.0234375
     assert float(jnp.bfloat16(3.0234375)) != 3.0234375
