@@ -31,10 +31,15 @@ def _mesh(kind):
     return jax.sharding.Mesh(np.array(jax.devices()[:8]), ("cp",))  # Mesh(): Auto axes
 
 
-def _qkv(batch=None):
+def _host_qkv(batch=None):
+    """Unit-normal float32 q, k, v in NumPy (a jax.random draw compiles a program per shape)."""
     shape = (T, 2, 8) if batch is None else (batch, T, 2, 8)
-    ks = jax.random.split(jax.random.key(0), 3)
-    return tuple(jax.random.normal(k, shape, jnp.float32) for k in ks)
+    rng = np.random.default_rng(0)
+    return tuple(rng.standard_normal(shape, np.float32) for _ in range(3))
+
+
+def _qkv(batch=None):
+    return tuple(jax.device_put(x) for x in _host_qkv(batch))
 
 
 def _put(xs, mesh, spec):
@@ -133,7 +138,7 @@ def test_keys_of_one_mask_with_and_without_check_do_not_mix():
     mask = mj.AttnMask.varlen([0, 100, 250])  # 6 rows of padding
     plain = mj.make_flex_key(mask, mesh, "cp")
     checked = mj.make_flex_key(mask, mesh, "cp", check_dispatch=True)
-    q, k, v = (x[:250] for x in _qkv())
+    q, k, v = (jax.device_put(x[:250]) for x in _host_qkv())
     with pytest.raises(ValueError, match="dispatched with a check_dispatch=True key"):
         mj.magi_attention(*(mj.dispatch(x, checked) for x in (q, k, v)), plain)
     with pytest.raises(ValueError, match="unchecked twin"):
@@ -148,8 +153,8 @@ def test_check_dispatch_changes_no_result(mesh_kind):
     mask = mj.AttnMask.varlen([0, 70, 200, 250])  # 6 rows of padding as well
     plain = mj.make_flex_key(mask, mesh, "cp", overlap_degree=1)
     checked = mj.make_flex_key(mask, mesh, "cp", overlap_degree=1, check_dispatch=True)
-    ks = jax.random.split(jax.random.key(1), 4)
-    q, k, v, g = (jax.random.normal(kk, (250, 2, 8), jnp.float32) for kk in ks)
+    rng = np.random.default_rng(1)  # on the host: a jax.random draw compiles a program
+    q, k, v, g = (jax.device_put(rng.standard_normal((250, 2, 8), np.float32)) for _ in range(4))
 
     def loss(q, k, v, key):
         o, lse = mj.magi_attention(*(mj.dispatch(x, key) for x in (q, k, v)), key)

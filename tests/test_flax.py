@@ -38,8 +38,13 @@ def _close(a, b, what):
         )
 
 
+def _host_x(shape, seed=0):
+    """Unit-normal float32 in NumPy (a jax.random draw compiles a program per shape)."""
+    return np.random.default_rng(seed).standard_normal(shape, np.float32)
+
+
 def _x(shape, seed=0):
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+    return jax.device_put(_host_x(shape, seed))
 
 
 # ---- linen ------------------------------------------------------------------------------------
@@ -50,7 +55,7 @@ def test_linen_single_device_matches_flax_dense_attention():
     ours = nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=make_attention_fn(MASK))
     dense = nn.MultiHeadDotProductAttention(num_heads=4)
     params = ours.init(jax.random.key(1), x)
-    dmask = jnp.asarray(MASK.to_dense())[None, None]
+    dmask = jax.device_put(MASK.to_dense()[None, None])
     w = _x((2, T, 32), 2)
     f_ours = lambda p, x: (ours.apply(p, x) * w).sum()
     f_dense = lambda p, x: (dense.apply(p, x, mask=dmask) * w).sum()
@@ -96,7 +101,7 @@ def test_nnx_multihead_adapter_single_and_context_parallel():
     dense = nnx.MultiHeadAttention(**kw)
     nnx.update(cp_layer, nnx.state(ours))
     nnx.update(dense, nnx.state(ours))
-    dmask = jnp.asarray(MASK.to_dense())[None]
+    dmask = jax.device_put(MASK.to_dense()[None])
     g_ours, state = nnx.split(ours)
     g_cp = nnx.graphdef(cp_layer)
     one = lambda st, x: nnx.merge(g_ours, st)(x)
@@ -130,9 +135,10 @@ def _dense_self_attention(layer: SelfAttention, x, positions):
 def test_self_attention_single_device_matches_dense_reference():
     layer = SelfAttention(32, 4, num_kv_heads=2, rngs=nnx.Rngs(0))
     x = _x((T, 32))
-    np.testing.assert_allclose(
-        layer(x, MASK), _dense_self_attention(layer, x, jnp.arange(T)), **TOL
-    )
+    graphdef, state = nnx.split(layer)
+    # The reference as one compiled program (eagerly it compiles op by op).
+    dense = jax.jit(lambda st, x: _dense_self_attention(nnx.merge(graphdef, st), x, jnp.arange(T)))
+    np.testing.assert_allclose(layer(x, MASK), dense(state, x), **TOL)
 
 
 def test_self_attention_context_parallel_matches_single_device():
@@ -161,14 +167,15 @@ def test_self_attention_context_parallel_matches_single_device():
 def test_self_attention_batch_axis_folds_into_heads():
     key = _key(4)
     layer = SelfAttention(32, 4, num_kv_heads=2, rngs=nnx.Rngs(0))
-    x = _x((3, T, 32))
+    x_host = _host_x((3, T, 32))
+    x = jax.device_put(x_host)
     graphdef, state = nnx.split(layer)
     run = jax.jit(lambda st, x, k: nnx.merge(graphdef, st)(x, k))
     one = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x, MASK))
     y_cp = mj.undispatch(run(state, mj.dispatch(x, key, seq_axis=1), key), key, seq_axis=1)
-    y_one = one(state, x)
+    y_one = np.asarray(one(state, x))
     np.testing.assert_allclose(y_cp, y_one, **TOL)
-    np.testing.assert_allclose(y_one[1], one(state, x[1]), **TOL)
+    np.testing.assert_allclose(y_one[1], one(state, jax.device_put(x_host[1])), **TOL)
 
 
 # ---- errors -----------------------------------------------------------------------------------

@@ -31,6 +31,12 @@ def _layer(**kw):
     )
 
 
+def _normal(shape, seed):
+    """Unit-normal float32, drawn on the host (a jax.random draw compiles a program per
+    shape)."""
+    return jax.device_put(np.random.default_rng(seed).standard_normal(shape, np.float32))
+
+
 def _dense(params, graphdef, x):
     """The layer's math by hand with the dense reference (sinks in the denominator):
     output and per-head max logits."""
@@ -60,8 +66,7 @@ def _run(params, graphdef, x, mask_or_key):
 def test_layer_matches_reference_and_sink_gets_gradients():
     graphdef, params = nnx.split(_layer(), nnx.Param)
     assert params["sink"][...].shape == (2, 4) and params["sink"][...].dtype == jnp.float32
-    x = jax.random.normal(jax.random.key(1), (T, 32))
-    w = jax.random.normal(jax.random.key(2), (T, 32))
+    x, w = _normal((T, 32), 1), _normal((T, 32), 2)
     loss = lambda f: lambda p: (f(p, graphdef, x)[0] * w).sum()
 
     @jax.jit
@@ -88,8 +93,7 @@ def test_context_parallel_with_batch_matches_one_device():
     )
     key = mj.make_flex_key(MASK, mesh, "cp")
     graphdef, params = nnx.split(_layer(), nnx.Param)
-    x = jax.random.normal(jax.random.key(3), (2, T, 32))
-    w = jax.random.normal(jax.random.key(4), (2, T, 32))
+    x, w = _normal((2, T, 32), 3), _normal((2, T, 32), 4)
 
     def cp(p, x):
         y, ml = _run(p, graphdef, mj.dispatch(x, key, seq_axis=1), key)

@@ -56,13 +56,13 @@ def scaled_inputs(mask, dtype, *, hq, hkv, d, q_scale=1.0, batch=None, seed=0):
     ``dlse`` (float32) for ``mask``; drawn by NumPy, so a new shape costs no compilation."""
     rng = np.random.default_rng(seed)
     lead = () if batch is None else (batch,)
-    normal = lambda t, h, scale=1.0: jnp.asarray(
+    normal = lambda t, h, scale=1.0: jax.device_put(
         (rng.standard_normal(lead + (t, h, d), np.float32) * scale).astype(dtype)
     )
     q = normal(mask.total_q, hq, q_scale)
     k, v = normal(mask.total_k, hkv), normal(mask.total_k, hkv)
     dout = normal(mask.total_q, hq)
-    dlse = jnp.asarray(rng.standard_normal(lead + (mask.total_q, hq), np.float32))
+    dlse = jax.device_put(rng.standard_normal(lead + (mask.total_q, hq), np.float32))
     return q, k, v, dout, dlse
 
 
@@ -70,7 +70,7 @@ def check_edges(res, mask, q, k, v, dout, dlse, **kw) -> dict:
     """The correctness rule, plus: nothing NaN or infinite (``lse`` is ``-inf`` exactly where
     a row sees no key), gradients exactly 0 on rows that see no key and on keys no query
     sees, and rows that see one key output exactly that key's value."""
-    res = {n: np.asarray(jnp.asarray(x, jnp.float32)) for n, x in res.items()}
+    res = {n: np.asarray(x).astype(np.float32) for n, x in res.items()}  # on the host
     dense = mask.to_dense()
     empty_rows, unseen_keys = ~dense.any(1), ~dense.any(0)
     for name, x in res.items():
@@ -90,7 +90,7 @@ def check_edges(res, mask, q, k, v, dout, dlse, **kw) -> dict:
     rows, keys = single_key_rows(mask)
     if rows.size:
         group = q.shape[-2] // k.shape[-2]
-        v_rep = np.repeat(np.asarray(jnp.asarray(v, jnp.float32)), group, axis=-2)
+        v_rep = np.repeat(np.asarray(v).astype(np.float32), group, axis=-2)
         np.testing.assert_array_equal(
             rows_of(res["out"], rows),
             rows_of(v_rep, keys),
@@ -158,7 +158,7 @@ def test_all_masked_batch():
     assert res["out"].dtype == dtype and res["lse"].dtype == jnp.float32
     assert np.isneginf(np.asarray(res["lse"])).all()
     for name in ("out", "dq", "dk", "dv"):
-        x = np.asarray(jnp.asarray(res[name], jnp.float32))
+        x = np.asarray(res[name]).astype(np.float32)
         assert x.shape == (q if name in ("out", "dq") else k).shape
         assert (x == 0).all(), f"{name} of an all-masked batch is not exactly 0"
     check_edges(res, mask, q, k, v, dout, dlse)
@@ -190,16 +190,27 @@ def test_long_row_lse_is_exact_for_equal_logits():
     without a reference run (same shapes as above: no new compilation)."""
     mask = AttnMask.full(1, LONG_ROW)
     rng = np.random.default_rng(3)
-    q = jnp.asarray(rng.standard_normal((1, 1, 8), np.float32) * 4)
-    k = jnp.asarray(np.broadcast_to(np.linspace(-1.0, 1.0, 8, dtype=np.float32), (LONG_ROW, 1, 8)))
-    v = jnp.asarray(rng.standard_normal((LONG_ROW, 1, 8), np.float32))
-    dout = jnp.asarray(rng.standard_normal((1, 1, 8), np.float32))
-    res = run_ffa(mask, q, k, v, dout, jnp.zeros((1, 1), jnp.float32), block_k=4096, optimized=True)
-    s = float(np.asarray(q, np.float64)[0, 0] @ np.asarray(k[0, 0], np.float64)) * 8**-0.5
+    q = jax.device_put(rng.standard_normal((1, 1, 8), np.float32) * 4)
+    k = jax.device_put(
+        np.broadcast_to(np.linspace(-1.0, 1.0, 8, dtype=np.float32), (LONG_ROW, 1, 8))
+    )
+    v = jax.device_put(rng.standard_normal((LONG_ROW, 1, 8), np.float32))
+    dout = jax.device_put(rng.standard_normal((1, 1, 8), np.float32))
+    res = run_ffa(
+        mask,
+        q,
+        k,
+        v,
+        dout,
+        jax.device_put(np.zeros((1, 1), np.float32)),
+        block_k=4096,
+        optimized=True,
+    )
+    s = float(np.asarray(q, np.float64)[0, 0] @ np.asarray(k)[0, 0].astype(np.float64)) * 8**-0.5
     want_lse = s + np.log(LONG_ROW)
-    assert abs(float(res["lse"][0, 0]) - want_lse) <= 2e-5 * max(1.0, abs(want_lse))
+    assert abs(float(np.asarray(res["lse"])[0, 0]) - want_lse) <= 2e-5 * max(1.0, abs(want_lse))
     np.testing.assert_allclose(
-        np.asarray(res["out"][0], np.float64), np.asarray(v, np.float64).mean(0), rtol=0, atol=2e-5
+        np.asarray(res["out"], np.float64)[0], np.asarray(v, np.float64).mean(0), rtol=0, atol=2e-5
     )
     want_dv = np.broadcast_to(np.asarray(dout, np.float64) / LONG_ROW, v.shape)
     np.testing.assert_allclose(np.asarray(res["dv"], np.float64), want_dv, rtol=1e-4, atol=1e-12)

@@ -30,13 +30,17 @@ def _exact_float32_matmuls():
         yield
 
 
+def _host_inputs(seed, b, t, s, n, kh, h, dtype, hv=None):
+    """Unit-normal q, k, v and a cotangent g as NumPy arrays in ``dtype``, drawn on the host
+    (a jax.random draw compiles a program per shape and dtype)."""
+    rng = np.random.default_rng(seed)
+    shapes = [(b, t, n, h), (b, s, kh, h), (b, s, kh, hv or h), (b, t, n, hv or h)]
+    return [rng.standard_normal(shape, np.float32).astype(dtype) for shape in shapes]
+
+
 def _inputs(seed, b, t, s, n, kh, h, dtype, hv=None):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(ks[0], (b, t, n, h), dtype)
-    k = jax.random.normal(ks[1], (b, s, kh, h), dtype)
-    v = jax.random.normal(ks[2], (b, s, kh, hv or h), dtype)
-    g = jax.random.normal(ks[3], (b, t, n, hv or h), dtype)
-    return q, k, v, g
+    # device_put, not jnp.asarray: the latter compiles a copy program per shape and dtype.
+    return tuple(jax.device_put(x) for x in _host_inputs(seed, b, t, s, n, kh, h, dtype, hv))
 
 
 def _cells(b, t, s, mask=None, is_causal=False, window=None, q_len=None, kv_len=None):
@@ -61,8 +65,9 @@ def _cells(b, t, s, mask=None, is_causal=False, window=None, q_len=None, kv_len=
 
 def _compare(ours, ref, q, k, v, g, cells, dtype, residual=False):
     """Forward on the rows that see a key, and the VJP of a cotangent zero elsewhere."""
-    seen = jnp.asarray(cells.any(-1))[..., None, None]  # [B, T, 1, 1]
-    gz = jnp.where(seen, g, 0).astype(g.dtype)
+    seen = cells.any(-1)[..., None, None]  # [B, T, 1, 1]
+    g_host = np.asarray(g)
+    gz = jax.device_put(np.where(seen, g_host, np.zeros((), g_host.dtype)))
 
     def run(f):  # one compiled program (eager VJPs compile op by op)
         def fwd_bwd(q, k, v, gz):
@@ -78,14 +83,10 @@ def _compare(ours, ref, q, k, v, g, cells, dtype, residual=False):
         ref = up(ref)
     (o, grads_o), (r, grads_r) = run(ours), run(ref)
     tol = _TOL[dtype]
-    np.testing.assert_allclose(
-        np.asarray(jnp.where(seen, o, 0), np.float32),
-        np.asarray(jnp.where(seen, r, 0), np.float32),
-        atol=tol,
-        rtol=tol,
-    )
+    o, r = np.asarray(o, np.float32), np.asarray(r, np.float32)
+    np.testing.assert_allclose(np.where(seen, o, 0), np.where(seen, r, 0), atol=tol, rtol=tol)
     # Rows that see no key are exactly 0 here.
-    assert not np.asarray(jnp.where(seen, 0, o), np.float32).any()
+    assert not np.where(seen, 0, o).any()
     for a, want in zip(grads_o, grads_r):
         np.testing.assert_allclose(
             np.asarray(a, np.float32), np.asarray(want, np.float32), atol=2 * tol, rtol=2 * tol
@@ -156,7 +157,9 @@ def test_mask_modes(mode):
 def test_bias_modes_are_rejected():
     """jax's 'bias' and ('bias', 'causal') modes: additive biases are not supported."""
     q, k, v, _ = _inputs(2, B, T, S, N, N, H, jnp.bfloat16)
-    bias = jax.random.normal(jax.random.key(3), (1, N, T, S), jnp.bfloat16)
+    bias = jax.device_put(
+        np.random.default_rng(3).standard_normal((1, N, T, S), np.float32).astype(jnp.bfloat16)
+    )
     for causal in (False, True):
         with pytest.raises(NotImplementedError, match="bias: an additive bias"):
             mj.dot_product_attention(q, k, v, bias, is_causal=causal)
@@ -179,7 +182,7 @@ def test_traced_lengths_compile_once_and_cross_lengths(is_causal, window):
     )
     values = [([24, 5, 0], [40, 13, 7]), ([30, 24, 1], [0, 3, 99]), ([7, 7, 7], [9, 9, 9])]
     for i, (ql, kl) in enumerate(values):
-        ql, kl = jnp.asarray(ql, jnp.int32), jnp.asarray(kl, jnp.int32)
+        ql, kl = (jax.device_put(np.asarray(x, np.int32)) for x in (ql, kl))
         cells = _cells(b, t, s, None, is_causal, window, ql, kl)
         out, lse = ours(q, k, v, ql, kl)
         ref, ref_lse = jax.nn.dot_product_attention(
@@ -282,7 +285,7 @@ def test_segment_ids_with_lengths():
 
 def test_three_d_inputs_and_residual():
     t, s = 33, 50
-    q, k, v, g = (x[0] for x in _inputs(6, 1, t, s, 4, 1, 16, jnp.float32))
+    q, k, v, g = (jax.device_put(x[0]) for x in _host_inputs(6, 1, t, s, 4, 1, 16, jnp.float32))
     for kw in [dict(), dict(is_causal=True), dict(local_window_size=3, scale=0.2)]:
         out, lse = mj.dot_product_attention(q, k, v, return_residual=True, **kw)
         ref, ref_lse = jax.nn.dot_product_attention(
@@ -379,5 +382,5 @@ def test_vmap_over_rows_with_segment_ids():
     q, k, v, _ = _inputs(11, b, t, t, 2, 2, 16, jnp.float32)
     ids = np.repeat(np.array([[1, 2, 3, 0], [4, 4, 5, 6]], np.int32), 6, axis=1)
     call = lambda q, k, v, i: mj.dot_product_attention(q, k, v, segment_ids=i, is_causal=True)
-    mapped = jax.jit(jax.vmap(call))(q, k, v, jnp.asarray(ids))
+    mapped = jax.jit(jax.vmap(call))(q, k, v, jax.device_put(ids))
     np.testing.assert_allclose(mapped, call(q, k, v, ids), atol=1e-6)

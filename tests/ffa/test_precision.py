@@ -24,7 +24,7 @@ def test_front_door_forward_and_gradients_in_float64():
     mask = mj.AttnMask.varlen([0, 13, 40], causal=True, window=(5, 0))
     with jax.enable_x64(True):
         q, k, v, dout, dlse = random_inputs(jax.random.key(0), mask, 4, 2, 16, jnp.float64)
-        dlse = dlse.astype(jnp.float64)
+        dlse = jax.device_put(np.asarray(dlse, np.float64))
         run = fwd_bwd(lambda q, k, v: mj.flex_flash_attention(q, k, v, mask, backend="xla"))
         res = run(q, k, v, dout, dlse)
         assert all(x.dtype == jnp.float64 for x in res.values())
@@ -37,7 +37,7 @@ def test_sinks_in_float64():
     mask = mj.AttnMask.causal(24)
     with jax.enable_x64(True):
         q, k, v, dout, dlse = random_inputs(jax.random.key(1), mask, 2, 2, 8, jnp.float64)
-        sink = jax.random.normal(jax.random.key(2), (2, 2), jnp.float64)
+        sink = jax.device_put(np.random.default_rng(2).standard_normal((2, 2)))
         out, lse = mj.flex_flash_attention(q, k, v, mask, sink=sink, backend="xla")
         assert out.dtype == lse.dtype == jnp.float64
         table = assert_matches_reference(dict(out=out, lse=lse), q, k, v, mask, sink=sink)
@@ -59,9 +59,9 @@ def test_dot_product_attention_in_float64(with_ids):
         allowed = allowed[:, None]
     with jax.enable_x64(True):
         out = mj.dot_product_attention(
-            jnp.asarray(q),
-            jnp.asarray(k),
-            jnp.asarray(v),
+            jax.device_put(q),
+            jax.device_put(k),
+            jax.device_put(v),
             segment_ids=ids if with_ids else None,
             is_causal=True,
             backend="xla",

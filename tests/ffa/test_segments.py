@@ -351,29 +351,30 @@ def _random_packing(rng, b, t):
     return ids
 
 
-def _inputs(key, b, t, n, kv, h):
-    kq, kk, kv_ = jax.random.split(key, 3)
-    return (
-        jax.random.normal(kq, (b, t, n, h), jnp.float32),
-        jax.random.normal(kk, (b, t, kv, h), jnp.float32),
-        jax.random.normal(kv_, (b, t, kv, h), jnp.float32),
-    )
+def _inputs(seed, b, t, n, kv, h):
+    """Unit-normal float32 q, k, v, drawn on the host (a jax.random draw compiles a program
+    per shape)."""
+    rng = np.random.default_rng(seed)
+    shapes = [(b, t, n, h), (b, t, kv, h), (b, t, kv, h)]
+    return tuple(jax.device_put(rng.standard_normal(shape, np.float32)) for shape in shapes)
 
 
-def _ref(q, k, v, mask, scale=None):
+def _ref(q, k, v, mask, scale=None, where=jnp.where):
+    """jax.nn's output; ``where=np.where`` zeroes the fully masked rows on the host, for a
+    result that is compared but not differentiated."""
     out = jax.nn.dot_product_attention(
         q, k, v, mask=jnp.asarray(mask), scale=scale, implementation="xla"
     )
     # Fully masked rows: jax.nn averages the values there; ours are 0.
     seen = np.asarray(mask).any(-1)[:, 0][..., None, None]
-    return jnp.where(seen, out, 0)
+    return where(seen, out, 0)
 
 
 @pytest.mark.parametrize("is_causal,window", [(True, None), (False, (3, 5)), (True, 6)])
 def test_matches_jax_nn_forward_and_grads(is_causal, window):
     rng = np.random.default_rng(1)
     b, t, n, kv, h = 2, 24, 4, 2, 8
-    q, k, v = _inputs(jax.random.key(2), b, t, n, kv, h)
+    q, k, v = _inputs(2, b, t, n, kv, h)
     ids = _random_packing(rng, b, t)
     mask = _nn_mask(ids, is_causal, window)
     ours = lambda q, k, v: (
@@ -398,19 +399,22 @@ def test_compiles_once_over_packings_and_padding_is_zero():
         )
     )
     for i in range(4):
-        q, k, v = _inputs(jax.random.key(10 + i), b, t, n, kv, h)
+        q, k, v = _inputs(10 + i, b, t, n, kv, h)
         ids = _random_packing(rng, b, t)
         out = step(q, k, v, ids)
         np.testing.assert_allclose(
-            out, _ref(q, k, v, _nn_mask(ids, True, None), scale=0.3), atol=2e-5, rtol=2e-5
+            out,
+            _ref(q, k, v, _nn_mask(ids, True, None), scale=0.3, where=np.where),
+            atol=2e-5,
+            rtol=2e-5,
         )
         assert (np.asarray(out)[ids == 0] == 0).all()
     assert step._cache_size() == 1
 
 
 def test_without_segment_ids_and_cross_lengths():
-    q, _, _ = _inputs(jax.random.key(4), 2, 12, 2, 2, 8)
-    _, k, v = _inputs(jax.random.key(5), 2, 20, 2, 2, 8)
+    q, _, _ = _inputs(4, 2, 12, 2, 2, 8)
+    _, k, v = _inputs(5, 2, 20, 2, 2, 8)
     for is_causal, window in [(True, None), (False, None), (False, (2, 3))]:
         out = dpa.dot_product_attention(
             q, k, v, is_causal=is_causal, local_window_size=window, backend="xla"
@@ -429,7 +433,7 @@ def test_over_capacity_and_split_ids_raise_or_give_nan():
     from magi_jax.planning.capacity import CapacityError
 
     b, t = 1, 64
-    q, k, v = _inputs(jax.random.key(6), b, t, 1, 1, 8)
+    q, k, v = _inputs(6, b, t, 1, 1, 8)
     ids = np.arange(1, t + 1, dtype=np.int32)[None]  # 64 one-token documents: 64 items
     split = np.ones((1, t), np.int32)
     split[0, 10:20] = 2
@@ -505,7 +509,7 @@ def test_gpu_backends_against_reference(backend):
         q, k, v, do = (
             x.astype(jnp.bfloat16)
             for x in (
-                *_inputs(jax.random.key(20 + i), b, t, n, kv, h),
+                *_inputs(20 + i, b, t, n, kv, h),
                 jax.random.normal(jax.random.key(30 + i), (b, t, n, h)),
             )
         )

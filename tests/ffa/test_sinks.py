@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import magi_jax as mj
-from magi_jax.ffa.testing import random_inputs
+from magi_jax.ffa.testing import random_inputs, reference_vjp_float64
 
 T = 96
 
@@ -23,26 +23,28 @@ def _grads(attn, q, k, v, sink, dout):
 
 def _check(attn, mask, atol):
     q, k, v, dout, _ = random_inputs(jax.random.key(0), mask, 4, 2, 16, jnp.float32)
-    sink = jax.random.normal(jax.random.key(1), (2, 4), jnp.float32)
+    sink = jax.device_put(np.random.default_rng(1).standard_normal((2, 4), np.float32))
     out, lse = jax.jit(attn)(q, k, v, sink)
     g = jax.jit(lambda *a: _grads(attn, *a))(q, k, v, sink, dout)
-    with jax.enable_x64(True):
-        x64 = [jnp.asarray(np.asarray(a, np.float64)) for a in (q, k, v, sink, dout)]
-        ref = lambda q, k, v, s: mj.reference_attention(q, k, v, mask, sink=s)
-        rout, rlse = jax.jit(ref)(*x64[:4])
-        rg = jax.jit(lambda *a: _grads(ref, *a))(*x64)
-        np.testing.assert_allclose(out, rout, atol=atol)
-        np.testing.assert_allclose(lse, rlse, atol=atol)
-        for a, b in zip(g, rg):
-            np.testing.assert_allclose(a, b, atol=atol * max(1.0, float(jnp.abs(b).max())))
-        empty = ~mask.to_dense().any(axis=1)
-        if empty.any():
-            assert (np.asarray(out)[empty] == 0).all()
-            np.testing.assert_allclose(
-                np.asarray(lse)[empty],
-                np.broadcast_to(jax.scipy.special.logsumexp(x64[3], axis=0), (int(empty.sum()), 4)),
-                atol=1e-5,
-            )
+    # The float64 reference in NumPy (no program to compile per mask), its gradients for
+    # _grads' loss: cotangents dout and 1 for every lse.
+    q64, k64, v64, sink64, dout64 = (np.asarray(a, np.float64) for a in (q, k, v, sink, dout))
+    dense = mask.to_dense()
+    rout, rlse, *rg, _, rdsink = reference_vjp_float64(
+        q64, k64, v64, dense, dout64, np.ones(lse.shape), q.shape[-1] ** -0.5, 0.0, sink64
+    )
+    np.testing.assert_allclose(out, rout, atol=atol)
+    np.testing.assert_allclose(lse, rlse, atol=atol)
+    for a, b in zip(g, rg + [rdsink]):
+        np.testing.assert_allclose(a, b, atol=atol * max(1.0, float(np.abs(b).max())))
+    empty = ~dense.any(axis=1)
+    if empty.any():
+        assert (np.asarray(out)[empty] == 0).all()
+        np.testing.assert_allclose(
+            np.asarray(lse)[empty],
+            np.broadcast_to(np.logaddexp.reduce(sink64, axis=0), (int(empty.sum()), 4)),
+            atol=1e-5,
+        )
 
 
 MASKS = {
