@@ -60,7 +60,7 @@ def random_inputs(
     dtype = jnp.dtype(dtype)
 
     def normal(shape, dt):
-        return jnp.asarray(rng.standard_normal(lead + shape, np.float32).astype(dt))
+        return jax.device_put(rng.standard_normal(lead + shape, np.float32).astype(dt))
 
     return (
         normal((tq, hq, d), dtype),
