@@ -16,13 +16,16 @@ import numpy as np
 import pytest
 
 import magi_jax as mj
+from tests.xla_options import OPTIMIZED_FLAG, with_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _env():
+def _env(optimized=False):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    if optimized:
+        env["XLA_FLAGS"] = with_flags(env.get("XLA_FLAGS", ""), OPTIMIZED_FLAG)
     return env
 
 
@@ -63,7 +66,7 @@ def test_train_example_runs_loss_falls_and_matches_single_device(tmp_path):
         "--json",
         str(out),
     ]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(True), timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "-> OK" in res.stdout, res.stdout  # step-0 check vs one device
     log = json.loads(out.read_text())
@@ -215,7 +218,7 @@ def test_train_example_on_a_pod_mesh(tmp_path):
     compilation, the step-0 check per row against the one-device model."""
     out = tmp_path / "train.json"
     cmd = _train_argv(out, "--devices", "8", "--dp", "2", "--tp", "2")
-    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(True), timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "over 2 rows" in res.stdout and "-> OK" in res.stdout, res.stdout
     log = json.loads(out.read_text())
@@ -235,7 +238,7 @@ def test_train_example_two_processes(tmp_path):
             + ["--distributed", "--coordinator", coordinator, "--num-processes", "2"]
             + ["--process-id", str(i)]
         ),
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+        env={"XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {OPTIMIZED_FLAG}"},
     )
     assert "-> OK" in outs[0] and "2 process(es)" in outs[0], outs[0][-3000:]
     _check_pod_run(json.loads((tmp_path / "train0.json").read_text()), 2)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.xla_options import with_flags
+
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 420
@@ -31,7 +33,7 @@ def run_processes(argv_of, n=2, timeout=TIMEOUT, env=None) -> list[str]:
     processes compile as the suite does (its XLA flags, less the device count)."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env = dict(env or {})
-    env["XLA_FLAGS"] = " ".join(flags + env.get("XLA_FLAGS", "").split())
+    env["XLA_FLAGS"] = with_flags(" ".join(flags), env.get("XLA_FLAGS", ""))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), **env}
     procs = [
         subprocess.Popen(
