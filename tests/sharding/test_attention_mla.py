@@ -66,6 +66,9 @@ def test_batch_sinks_and_max_logits():
         return (o * dout).sum() + (l * dlse).sum()
 
     dq, dk, dv_ = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    out, lse, peak, dq, dk, dv_, q, k, v, dout, dlse = jax.device_get(
+        (out, lse, peak, dq, dk, dv_, q, k, v, dout, dlse)
+    )
     for b in range(2):
         res = dict(out=out[b], lse=lse[b], dq=dq[b], dk=dk[b], dv=dv_[b])
         assert_matches_reference(res, q[b], k[b], v[b], MASK, dout[b], dlse[b], sink=sink)

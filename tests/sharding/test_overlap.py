@@ -133,7 +133,7 @@ def test_batched_key_with_separate_degrees():
         return dict(zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *vjp((dout, dlse)))))
 
     q, k, v, dout, dlse = random_inputs(jax.random.key(5), masks[0], 2, 1, 8, "float32", 2)
-    res = step(q, k, v, dout, dlse, key)
+    res, q, k, v, dout, dlse = jax.device_get((step(q, k, v, dout, dlse, key), q, k, v, dout, dlse))
     for b, mask in enumerate(masks):
         row = {name: x[b] for name, x in res.items()}
         assert_matches_reference(row, q[b], k[b], v[b], mask, dout[b], dlse[b])
