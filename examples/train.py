@@ -16,10 +16,10 @@ next step's key is planned on a background thread (``mj.prefetch_keys``) while a
 
 Precision: parameters are float32; attention inputs (q, k, v) are bfloat16 on GPUs (the
 Mosaic GPU kernels, ``pallas``, need bf16/fp16 and head dim 64, 128 or 256) and float32
-elsewhere (``--dtype``). Before training, the step-0 loss and gradients of the
-context-parallel model are checked against the same model on one device
-(``flex_flash_attention`` over natural-order tokens, same attention dtype and FFA backend)
-with a tolerance that fits the dtype.
+elsewhere (``--dtype``). The first step's loss and gradients of the context-parallel model
+are checked against the same model on one device (``flex_flash_attention`` over
+natural-order tokens, same attention dtype and FFA backend) with a tolerance that fits the
+dtype, before its update is applied.
 
 Pods: ``--dp N`` gives the mesh a data-parallel axis of N replicas, each training on its own
 packed sequence with its own layout every step (a batch of N rows, one plan per row: a
