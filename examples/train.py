@@ -463,7 +463,6 @@ def main(args):
                 attn_dtype,
                 say,
             )
-            start = time.perf_counter()  # the check's own time is not the step's
         if step == 0:
             bar = _progress(args.steps, lead)  # below the check's line
         params, opt_state = update(params, opt_state, grads)
