@@ -32,7 +32,8 @@ def _attn(key, seq_axis=0, **kw):
     return fwd
 
 
-@pytest.mark.parametrize("overlap_degree", [None, 0])
+# The default degree is 0 (one stage) for this mask; 2 adds two remote stages.
+@pytest.mark.parametrize("overlap_degree", [None, 2])
 @pytest.mark.parametrize("dqk,dv", [(192, 128), (128, 64)])
 def test_forward_and_gradients(dqk, dv, overlap_degree):
     key = _key(overlap_degree)
