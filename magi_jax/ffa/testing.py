@@ -10,7 +10,8 @@ inputs' precision. Also: no NaN, rows that see no key give exactly ``out = 0`` a
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ __all__ = [
     "reference_results",
     "reference_vjp_float64",
     "assert_matches_reference",
+    "assert_rows_match_reference",
     "random_inputs",
     "fwd_bwd",
     "FLOORS",
@@ -278,3 +280,24 @@ def assert_matches_reference(
     if failures:
         raise AssertionError("; ".join(failures) + f" (errors/bounds: {table})")
     return table
+
+
+def assert_rows_match_reference(
+    results: dict,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    masks: AttnMask | Sequence[AttnMask],
+    dout: jax.Array,
+    dlse: jax.Array,
+    **kw: Any,
+) -> None:
+    """:func:`assert_matches_reference` for every row of a batch: ``results`` and the inputs
+    carry a leading batch axis ``B``, ``masks`` is one mask for every row or one per row;
+    ``kw`` goes to each row's check. Everything is read to the host once, then cut into
+    rows there (indexing sharded device arrays row by row dispatches a gather per row)."""
+    results, q, k, v, dout, dlse = jax.device_get((results, q, k, v, dout, dlse))
+    for b in range(q.shape[0]):
+        mask = masks if isinstance(masks, AttnMask) else masks[b]
+        row = {name: x[b] for name, x in results.items()}
+        assert_matches_reference(row, q[b], k[b], v[b], mask, dout[b], dlse[b], **kw)

@@ -11,7 +11,11 @@ import numpy as np
 import pytest
 
 import magi_jax as mj
-from magi_jax.ffa.testing import assert_matches_reference, random_inputs
+from magi_jax.ffa.testing import (
+    assert_matches_reference,
+    assert_rows_match_reference,
+    random_inputs,
+)
 
 MASK = mj.AttnMask.varlen([0, 50, 51, 160], causal=True)
 
@@ -67,11 +71,9 @@ def test_batch_sinks_and_max_logits():
         return (o * dout).sum() + (l * dlse).sum()
 
     dq, dk, dv_ = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-    out, lse, peak, dq, dk, dv_, q, k, v, dout, dlse = jax.device_get(
-        (out, lse, peak, dq, dk, dv_, q, k, v, dout, dlse)
-    )
+    res = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv_)
+    assert_rows_match_reference(res, q, k, v, MASK, dout, dlse, sink=sink)
+    peak, q, k, v = jax.device_get((peak, q, k, v))
     for b in range(2):
-        res = dict(out=out[b], lse=lse[b], dq=dq[b], dk=dk[b], dv=dv_[b])
-        assert_matches_reference(res, q[b], k[b], v[b], MASK, dout[b], dlse[b], sink=sink)
         plain = mj.flex_flash_attention(q[b], k[b], v[b], MASK, return_max_logits=True)[2]
         np.testing.assert_allclose(peak[b], plain, rtol=1e-6)

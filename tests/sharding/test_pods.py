@@ -19,7 +19,11 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import magi_jax as mj
-from magi_jax.ffa.testing import assert_matches_reference, random_inputs
+from magi_jax.ffa.testing import (
+    assert_matches_reference,
+    assert_rows_match_reference,
+    random_inputs,
+)
 
 T, HQ, HKV, D = 128, 4, 2, 16
 
@@ -88,13 +92,7 @@ def test_batched_keys_every_row_its_packing_one_compilation(mesh_name):
         assert key.chunk_order.sharding.spec == P(batch_axes[0])
         mask0 = masks[s][0]
         q, k, v, dout, dlse = random_inputs(jax.random.key(s), mask0, HQ, HKV, D, "float32", batch)
-        # Rows are cut on the host: eager indexing of sharded arrays dispatches per row.
-        res, q, k, v, dout, dlse = jax.device_get(
-            (step(q, k, v, dout, dlse, key), q, k, v, dout, dlse)
-        )
-        for b in range(batch):
-            row = {name: x[b] for name, x in res.items()}
-            assert_matches_reference(row, q[b], k[b], v[b], masks[s][b], dout[b], dlse[b])
+        assert_rows_match_reference(step(q, k, v, dout, dlse, key), q, k, v, masks[s], dout, dlse)
     assert step._cache_size() == 1
 
 
@@ -192,10 +190,7 @@ def test_one_mask_key_with_batch_axes_attends_own_rows_only():
     q, k, v, dout, dlse = random_inputs(jax.random.key(1), mask, HQ, HKV, D, "float32", 2)
     res = fwd_bwd_step()(q, k, v, dout, dlse, key)
     assert res["out"].sharding.spec[0] == "dp"
-    res, q, k, v, dout, dlse = jax.device_get((res, q, k, v, dout, dlse))
-    for b in range(2):
-        row = {name: x[b] for name, x in res.items()}
-        assert_matches_reference(row, q[b], k[b], v[b], mask, dout[b], dlse[b])
+    assert_rows_match_reference(res, q, k, v, mask, dout, dlse)
 
 
 def test_plan_mismatch_in_a_cp_group_gives_nan_rows():
