@@ -466,7 +466,7 @@ def main(args):
         if step == 0:
             bar = _progress(args.steps, lead)  # below the check's line
         params, opt_state = update(params, opt_state, grads)
-        loss = float(loss)  # waits for the step
+        loss = float(loss)  # waits for the gradients; the update runs on meanwhile
         sec = time.perf_counter() - start
         history.append(loss)
         layouts.extend(np.diff(cu).tolist() for cu in cus)
