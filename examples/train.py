@@ -452,18 +452,18 @@ def main(args):
         if step:  # planned on the background thread meanwhile
             (cus, batch), key = next(stream)
         (loss, rows_loss), grads = grad_step(params, *map(global_array, batch), key)
-        if step == 0 and args.check:
-            check_step0(
-                (loss, rows_loss, grads),
-                params,
-                graphdef,
-                batch,
-                key,
-                packed_mask(cus, args.seqlen),
-                attn_dtype,
-                say,
-            )
         if step == 0:
+            if args.check:
+                check_step0(
+                    (loss, rows_loss, grads),
+                    params,
+                    graphdef,
+                    batch,
+                    key,
+                    packed_mask(cus, args.seqlen),
+                    attn_dtype,
+                    say,
+                )
             bar = _progress(args.steps, lead)  # below the check's line
         params, opt_state = update(params, opt_state, grads)
         loss = float(loss)  # waits for the gradients; the update runs on meanwhile
