@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:
 from collective_e2e import e2e, tuning_fields  # noqa: E402
 from gpu_trace import trace_summary  # noqa: E402
 
-from benchmarks.run_env import describe, environment, package_version  # noqa: E402
+from benchmarks.harness import describe, environment, package_version  # noqa: E402
 
 # The rows --profile traces (default native tuning and XLA's plain ppermute).
 _PROFILED = ("native_cast", "native_reduce", "ppermute")

@@ -157,9 +157,9 @@ from benchmarks.baselines.allgather import allgather_attention, make_allgather_p
 from benchmarks.baselines.common import LocalFFA, make_layout, pick_backend  # noqa: E402
 from benchmarks.baselines.ring import make_ring_plan, ring_attention  # noqa: E402
 from benchmarks.baselines.ulysses import make_ulysses_plan, ulysses_attention  # noqa: E402
+from benchmarks.harness import describe, environment  # noqa: E402
 from benchmarks.kernel_bench import make_mask  # noqa: E402
 from benchmarks.probe import nocomm_attention  # noqa: E402
-from benchmarks.run_env import describe, environment  # noqa: E402
 from magi_jax.planning.backends import FFA_BACKENDS  # noqa: E402
 from magi_jax.planning.stages import build_dist_plan  # noqa: E402
 from magi_jax.sharding import magi_attention, make_flex_key  # noqa: E402

@@ -58,7 +58,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks.run_env import environment  # noqa: E402
+from benchmarks.harness import environment  # noqa: E402
 from magi_jax.caches import clear_caches  # noqa: E402
 from magi_jax.mask import AttnMask  # noqa: E402
 from magi_jax.mask_zoo import make_mask, random_doc_lengths  # noqa: E402

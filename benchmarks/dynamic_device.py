@@ -32,8 +32,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import magi_jax as mj  # noqa: E402
-from benchmarks.kernel_bench import bench_interleaved  # noqa: E402
-from benchmarks.run_env import environment  # noqa: E402
+from benchmarks.harness import environment, time_interleaved  # noqa: E402
 from magi_jax.mask_zoo import random_doc_lengths  # noqa: E402
 
 
@@ -150,7 +149,7 @@ def main(argv=None):
             "segment_ids_unchecked",
             "host_not_persistent",
         ]
-    times = bench_interleaved(entries, n=len(masks), reps=args.reps)
+    times = [t for t, _ in time_interleaved(entries, len(masks), args.reps)]
     for name, sec in zip(names, times):
         rows.append(dict(row=name, ms=sec * 1e3, tflops=flops / sec / 1e12))
     ratio = times[0] / times[1]

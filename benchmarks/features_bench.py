@@ -4,7 +4,7 @@ Times ``flex_flash_attention`` on one case (default: doc-causal 32k, bf16, Hq = 
 D = 128, the zoo's document lengths) in four variants — plain, ``sink=`` (4 sink logits per
 head), ``return_max_logits=True``, and both — forward alone and forward+backward (the
 backward differentiates the sink logits too). Variants of one mode are timed in alternating
-rounds after two warm-up calls each (``kernel_bench.bench_interleaved``), so the medians
+rounds after two warm-up calls each (``harness.time_interleaved``), so the medians
 compare within one run. Writes ``<out>/features_<date>_<device>.{json,md}``.
 
     PYTHONPATH=. python benchmarks/features_bench.py
@@ -29,8 +29,8 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import magi_jax as mj  # noqa: E402
-from benchmarks.kernel_bench import bench_interleaved, case_inputs, make_mask  # noqa: E402
-from benchmarks.run_env import describe, environment  # noqa: E402
+from benchmarks.harness import describe, environment, random_inputs, time_interleaved  # noqa: E402  # noqa: E402
+from benchmarks.kernel_bench import make_mask  # noqa: E402
 
 VARIANTS = {
     "plain": (False, False),
@@ -76,7 +76,7 @@ def variant_fn(mask, sinks: bool, max_logits: bool, mode: str, softcap: float, b
 
 def run(mask_name, length, heads, kv_heads, head_dim, dtype, softcap, backend, reps, n):
     mask = make_mask(mask_name, length)
-    q, k, v, do = case_inputs(length, 1, heads, kv_heads, head_dim, dtype)
+    q, k, v, do = random_inputs(length, 1, heads, kv_heads, head_dim, dtype)
     q, k, v, do = (x[0] for x in (q, k, v, do))
     do = do.astype(jnp.float32)
     sink = jax.random.normal(jax.random.key(1), (NUM_SINKS, heads), jnp.float32)
@@ -86,7 +86,10 @@ def run(mask_name, length, heads, kv_heads, head_dim, dtype, softcap, backend, r
         fns = {
             v_: variant_fn(mask, *flags, mode, softcap, backend) for v_, flags in VARIANTS.items()
         }
-        times = bench_interleaved([(f, (q, k, v, do, sink)) for f in fns.values()], n, reps)
+        times = [
+            t
+            for t, _ in time_interleaved([(f, (q, k, v, do, sink)) for f in fns.values()], n, reps)
+        ]
         plain = times[0]
         for v_, t in zip(fns, times):
             rows.append(

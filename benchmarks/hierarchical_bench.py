@@ -48,7 +48,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks.run_env import describe, environment  # noqa: E402
+from benchmarks.harness import describe, environment  # noqa: E402
 from magi_jax.mask_zoo import MASKS, make_mask  # noqa: E402
 from magi_jax.planning import solver as S  # noqa: E402
 from magi_jax.planning import stages as D  # noqa: E402

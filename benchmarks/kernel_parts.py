@@ -28,8 +28,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from benchmarks.harness import describe, environment  # noqa: E402
 from benchmarks.kernel_bench import bench, make_mask  # noqa: E402
-from benchmarks.run_env import describe, environment  # noqa: E402
 from magi_jax.pallas import plan_for_mask  # noqa: E402
 from magi_jax.pallas.common import LOG2E  # noqa: E402
 from magi_jax.pallas.ffa_bwd import ffa_dkv, ffa_dq  # noqa: E402

@@ -46,7 +46,7 @@ if _ROOT not in sys.path:
 import jax  # noqa: E402
 
 import magi_jax as mj  # noqa: E402
-from benchmarks.run_env import environment  # noqa: E402
+from benchmarks.harness import environment  # noqa: E402
 from magi_jax import mask_zoo as mz  # noqa: E402
 from magi_jax.mask import AttnMask  # noqa: E402
 from magi_jax.mask_runs import canonical  # noqa: E402

@@ -33,9 +33,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from benchmarks.baselines.common import pick_backend  # noqa: E402
+from benchmarks.harness import describe, environment  # noqa: E402
 from benchmarks.kernel_bench import make_mask  # noqa: E402
 from benchmarks.probe import measure_overlap, overlap_probe  # noqa: E402
-from benchmarks.run_env import describe, environment  # noqa: E402
 from magi_jax.sharding import make_flex_key  # noqa: E402
 
 

@@ -35,8 +35,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import magi_jax as mj  # noqa: E402
+from benchmarks.harness import describe, environment  # noqa: E402
 from benchmarks.kernel_bench import make_mask  # noqa: E402
-from benchmarks.run_env import describe, environment  # noqa: E402
 from magi_jax.sharding.calibrate import timed_programs  # noqa: E402
 
 WITHIN = 0.05

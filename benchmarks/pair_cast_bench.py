@@ -45,7 +45,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import magi_jax as mj  # noqa: E402
-from benchmarks.run_env import describe, environment  # noqa: E402
+from benchmarks.harness import describe, environment  # noqa: E402
 from magi_jax.mask_zoo import random_doc_lengths  # noqa: E402
 from magi_jax.sharding.key_wire import key_wire  # noqa: E402
 

@@ -68,7 +68,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import magi_jax as mj  # noqa: E402
-from benchmarks.run_env import describe, environment  # noqa: E402
+from benchmarks.harness import describe, environment  # noqa: E402
 
 
 def packings(rng, n, total, docs):
