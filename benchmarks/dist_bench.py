@@ -56,10 +56,6 @@ import time
 import traceback
 
 _T_START = time.perf_counter()
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
 _SMOKE_DEVICES = 8
 
 
@@ -121,7 +117,7 @@ def _parse(argv):
         help="time each measurement over at least this long (default 0.3; >= 2 "
         "calls; smoke: one call)",
     )
-    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results", "cp"))
+    p.add_argument("--out", default="benchmarks/results/cp")
     p.add_argument("--tag", default="")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument(

@@ -3,10 +3,8 @@
 A script declares its cases and calls these; run it from the repository root as
 ``python -m benchmarks.<script>`` (or with ``PYTHONPATH=.``).
 
-- :func:`environment` / :func:`describe`: when, on what machine, with what software, at
-  what commit, under the same keys in every script's JSON and one line in its markdown.
-  JAX's versions are recorded only when the script has imported JAX (a host-only script
-  pays no JAX start-up for its record).
+- :func:`environment` / :func:`describe`: when, where, with what software, at what commit,
+  under the same keys in every script's JSON (JAX's versions only when JAX is imported).
 - :func:`time_interleaved`: medians of blocked calls, entries alternating round by round.
 - :func:`attempt`: one row that fails prints its error and the run goes on.
 - :class:`Run`: ``<out>/<name>_<stamp>_<device>[_tag].{json,md}``, rewritten after every
@@ -205,7 +203,7 @@ def progress(items: Iterable, **kw) -> Iterable:
 # --- result files ----------------------------------------------------------------------
 
 
-def stamp() -> str:
+def stamp() -> str:  # a run file's UTC date and minute
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
 
 
@@ -243,9 +241,7 @@ class Run:
 
 
 def _plain(x):
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
+    if isinstance(x, (np.generic, np.ndarray)):
         return x.tolist()
     raise TypeError(f"{type(x).__name__} is not JSON serialisable")
 
