@@ -18,7 +18,7 @@ beforehand); MFU = (6·N·T + 12·L·Hq·Dh·area) / time / peak, N the matmul p
 tied head counted once, the embedding lookup not), ``area`` the packing's causal cells, the
 peak bf16 dense rate by device (``--peak-tflops``); rematerialisation is not counted.
 
-    python -m benchmarks.model_bench --out DIR    # 32k and 64k, ~6 min on an H100
+    python -m benchmarks.model_bench --out DIR    # 32k and 64k (estimate: ~6 min, H100)
     python -m benchmarks.model_bench --smoke      # tiny model on CPU, xla backend
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 
 import jax
@@ -55,7 +56,7 @@ class Shape:
         return self.layers * layer + d * self.vocab
 
 
-SMOKE = Shape(dim=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=256)
+SMOKE = Shape(dim=32, layers=1, heads=2, kv_heads=1, head_dim=16, ffn=64, vocab=128)
 # bf16 dense peaks (TFLOP/s) by device kind, for MFU.
 _PEAKS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "GH200": 989.0}
 _LOSS_CHUNK = 4096
@@ -91,7 +92,6 @@ def rms_norm(x, w):
 
 def rope(x, pos, theta):
     """Rotary embedding of ``x`` ``[B, T, H, Dh]`` at positions ``pos`` ``[B, T]``."""
-
     half = x.shape[-1] // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     ang = pos[..., None, None].astype(jnp.float32) * freq
@@ -102,7 +102,6 @@ def rope(x, pos, theta):
 
 def loss_fn(params, batch, s: Shape, attend):
     """Mean next-token cross-entropy of ``batch`` (tokens, positions, segment data)."""
-
     tokens, pos = batch["tokens"], batch["pos"]
     b, t = tokens.shape
     cast = lambda p: jax.tree.map(lambda w: w.astype(jnp.bfloat16), p)
@@ -139,7 +138,6 @@ def loss_fn(params, batch, s: Shape, attend):
 
 def attention_variant(name: str):
     """``attend(q, k, v, batch)`` of a variant: ``cudnn_packed`` or a magi_jax backend."""
-
     if name == "cudnn_packed":
         f = harness.cudnn_packed(causal=True)
         return lambda q, k, v, batch: f(q, k, v, batch["q_seqlen"], batch["q_offsets"])
@@ -182,7 +180,7 @@ def train_variant(variant, s: Shape, total: int, batches, a) -> dict:
     params = init_params(jax.random.key(0), s)
     state = opt.init(params)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch, s, attend)
         updates, state = opt.update(grads, state, params)
@@ -256,16 +254,16 @@ def main(argv=None):
     p.add_argument("--mix", default="web", choices=sorted(packings.MIXES))
     p.add_argument("--engines", default="auto,pallas,cudnn", help="magi_jax backends (xla: slow)")
     p.add_argument("--anchors", default="cudnn_packed", help="cudnn_packed, or empty")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per variant")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--peak-tflops", type=float, default=None, help="default by device kind")
-    p.add_argument("--smoke", action="store_true", help="tiny model, 256 tokens, xla, on CPU")
+    p.add_argument("--smoke", action="store_true", help="tiny model, 128 tokens, xla, on CPU")
     p.add_argument("--out", default=str(harness.RESULTS / "dynamic"))
     p.add_argument("--tag", default="")
     a = p.parse_args(argv)
     shape = Shape()
     if a.smoke:
-        shape, a.tokens, a.engines, a.anchors, a.steps, a.warmup = SMOKE, "256", "xla", "", 2, 1
+        shape, a.tokens, a.engines, a.anchors, a.steps, a.warmup = SMOKE, "128", "xla", "", 1, 0
     device = harness.device_name()
     if a.peak_tflops is None:
         a.peak_tflops = next((v for k, v in _PEAKS.items() if k in device), None)

@@ -131,7 +131,7 @@ def test_document_masks_are_their_packings():
     assert (again == kb.documents("pack_long", 8192)[0]).all()  # seeded by length
     assert kb.make_mask("doc_causal", 32768) == zoo_mask("doc-causal", 32768, multiple=128)
     assert kb.documents("causal", 1024) is None and kb.documents("swa_causal_1024", 1024) is None
-    for preset in ("realistic", "stress"):
+    for preset in ("realistic", "realistic_masks", "stress"):
         assert all(kb.documents(m, t) is not None for m, t, _, _ in kb.PRESETS[preset])
 
 
