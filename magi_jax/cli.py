@@ -19,8 +19,7 @@ import re
 import sys
 import time
 
-from magi_jax.mask import AttnMask
-from magi_jax.mask_zoo import MASKS, make_mask  # the zoo of --mask (re-exported)
+from magi_jax.masks import MASKS, AttnMask, make_mask  # the zoo of --mask (re-exported)
 from magi_jax.planning.defaults import default_overlap_degree
 from magi_jax.planning.solver import ALGORITHMS, remote_kv_tokens, solve_dispatch
 from magi_jax.planning.stages import build_dist_plan

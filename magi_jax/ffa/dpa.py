@@ -27,7 +27,7 @@ import numpy as np
 from magi_jax.ffa.api import finite_float, flex_flash_attention, select_backend
 from magi_jax.ffa.dense_mask import dense_rectangles
 from magi_jax.ffa.segments import device_plan, pack_rows, unpack_rows
-from magi_jax.mask import AttnMask, shape_to_slices
+from magi_jax.masks import AttnMask, shape_to_slices
 
 if TYPE_CHECKING:  # annotations only
     from magi_jax.planning.capacity import PlanCapacity

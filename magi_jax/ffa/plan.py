@@ -24,7 +24,7 @@ import numpy as np
 
 from magi_jax.ffa.backends import auto_backend
 from magi_jax.ffa.ragged import expand_item_runs
-from magi_jax.mask import AttnMask
+from magi_jax.masks import AttnMask
 from magi_jax.planning.backends import AUTO, BACKEND_CHOICES, check_backend
 from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.work_list import (

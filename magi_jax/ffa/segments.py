@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from magi_jax.ffa.ragged import ragged_enumerate, take_in_bounds
-from magi_jax.mask import window_bounds
+from magi_jax.masks import window_bounds
 from magi_jax.planning.tiling import EMPTY_ITEM
 from magi_jax.planning.work_list import BAND, FULL, GENERAL
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from magi_jax.mask import AttnMask
+from magi_jax.masks import AttnMask
 from magi_jax.planning.errors import CapacityError, capacity_error
 from magi_jax.planning.persistence import persistent_pays
 

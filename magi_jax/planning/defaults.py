@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from magi_jax.caches import cached
-from magi_jax.mask import AttnMask, SliceShapes
+from magi_jax.masks import AttnMask, SliceShapes
 from magi_jax.planning.solver import DispatchMeta, auto_chunk_size, solve_dispatch
 from magi_jax.planning.stages import split_areas
 

@@ -43,7 +43,7 @@ import heapq
 import numpy as np
 
 from magi_jax.caches import cached
-from magi_jax.mask import AttnMask, SliceShapes
+from magi_jax.masks import AttnMask, SliceShapes
 from magi_jax.planning.intervals import ranges_repeat
 
 __all__ = [

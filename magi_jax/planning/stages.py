@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from magi_jax.caches import register
-from magi_jax.mask import AttnMask, SliceShapes
+from magi_jax.masks import AttnMask, SliceShapes
 from magi_jax.planning.backends import host_planner
 from magi_jax.planning.cast_table import CastTable, cast_table_from_pieces
 from magi_jax.planning.solver import (

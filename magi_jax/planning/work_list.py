@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from magi_jax.caches import cached
-from magi_jax.mask import AttnMask, SliceShapes
+from magi_jax.masks import AttnMask, SliceShapes
 from magi_jax.planning.backends import FFA_BACKENDS
 from magi_jax.planning.errors import capacity_error
 from magi_jax.planning.item_runs import order_runs, slice_runs

@@ -34,14 +34,18 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from magi_jax.caches import Cache
-from magi_jax.mask import AttnMask
-from magi_jax.planning.capacity import PlanCapacity
-from magi_jax.planning.defaults import OverlapDegrees, capacity_needs
+from magi_jax.masks import AttnMask
+from magi_jax.planning import OverlapDegrees, PlanCapacity, capacity_needs
 from magi_jax.sharding.attention import magi_attention
-from magi_jax.sharding.key import MagiKey, check_mesh, normal_cp_axis
-from magi_jax.sharding.key_options import MAX_OVERLAP_DEGREE, KeyOptions
+from magi_jax.sharding.keys import (
+    MAX_OVERLAP_DEGREE,
+    KeyOptions,
+    MagiKey,
+    check_mesh,
+    make_flex_key,
+    normal_cp_axis,
+)
 from magi_jax.sharding.layout import pod_specs
-from magi_jax.sharding.make_key import make_flex_key
 
 __all__ = [
     "OverlapCalibration",

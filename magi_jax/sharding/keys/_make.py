@@ -29,24 +29,25 @@ from jax.sharding import PartitionSpec as P
 
 from magi_jax.caches import Cache
 from magi_jax.ffa.backends import auto_backend
-from magi_jax.mask import AttnMask
-from magi_jax.planning.backends import AUTO
-from magi_jax.planning.capacity import PlanCapacity
-from magi_jax.planning.cast_table import choose_transport
-from magi_jax.planning.defaults import (
+from magi_jax.masks import AttnMask
+from magi_jax.planning import (
+    KV_LAYOUTS,
+    DistPlan,
     OverlapDegrees,
+    PlanCapacity,
+    build_dist_plan,
     capacity_chunk_size,
     capacity_overlap_degree,
     cast_pieces,
+    choose_transport,
+    default_block_sizes,
     default_overlap_degrees,
+    resolve_kv,
+    slot_rows,
+    solve_dispatch,
 )
-from magi_jax.planning.solver import KV_LAYOUTS, solve_dispatch
-from magi_jax.planning.stages import DistPlan, build_dist_plan, resolve_kv
-from magi_jax.planning.wire import slot_rows
-from magi_jax.planning.work_list import default_block_sizes
-from magi_jax.sharding import native
-from magi_jax.sharding.collectives import CastRuns, CastSpec
-from magi_jax.sharding.key import (
+from magi_jax.planning.backends import AUTO
+from magi_jax.sharding.keys._key import (
     CheckedKey,
     KeyStatic,
     MagiKey,
@@ -56,17 +57,18 @@ from magi_jax.sharding.key import (
     cp_names,
     normal_cp_axis,
 )
-from magi_jax.sharding.key_options import (
+from magi_jax.sharding.keys._options import (
     CHECK_DISPATCH_ENV,
     COMM_BACKENDS,
     HIERARCHICAL,
     MAX_OVERLAP_DEGREE,
     KeyOptions,
 )
-from magi_jax.sharding.two_hop import relay_stage
+from magi_jax.sharding.keys._relay import relay_stage
+from magi_jax.sharding.transport import CastRuns, CastSpec, native
 
 if TYPE_CHECKING:  # annotations only (imported lazily where two-hop casts are planned)
-    from magi_jax.planning.hierarchy import NodeLayout
+    from magi_jax.planning import NodeLayout
 
 __all__ = [
     "make_flex_key",
@@ -107,7 +109,7 @@ def _relay_layout(mesh, cp_axis, hierarchical, comm_backend, capacity):
             )
     if hierarchical is False or len(names) != 2 or comm_backend in ("all_to_all", "native"):
         return None
-    from magi_jax.planning.hierarchy import NodeLayout
+    from magi_jax.planning import NodeLayout
 
     layout = NodeLayout(int(mesh.shape[names[0]]), int(mesh.shape[names[1]]))
     if hierarchical == "auto" and (layout.nodes == 1 or layout.local == 1):

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from magi_jax.planning.cast_table import CastTable
-from magi_jax.planning.defaults import cast_pieces
-from magi_jax.planning.hierarchy import NodeLayout
-from magi_jax.planning.relay_runs import build_relay_runs, pad_runs, relay_run_bounds
-from magi_jax.planning.wire import cast_wire
-from magi_jax.sharding.collectives import RelayRuns, RelaySpec
+from magi_jax.planning import (
+    CastTable,
+    NodeLayout,
+    build_relay_runs,
+    cast_pieces,
+    cast_wire,
+    pad_runs,
+    relay_run_bounds,
+)
+from magi_jax.sharding.transport import RelayRuns, RelaySpec
 
 if TYPE_CHECKING:  # annotations only
-    from magi_jax.planning.capacity import PlanCapacity
+    from magi_jax.planning import PlanCapacity
 
 __all__ = ["relay_stage"]
 

@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from magi_jax.mask_slices import AttnMaskType, SliceShapes
+from magi_jax.masks.slices import AttnMaskType, SliceShapes
 
 __all__ = [
     "RowRuns",

@@ -13,12 +13,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from magi_jax.planning import ALGORITHMS, KV_LAYOUTS, OverlapDegrees, PlanCapacity
 from magi_jax.planning.backends import check_backend
-from magi_jax.planning.capacity import PlanCapacity
-from magi_jax.planning.defaults import OverlapDegrees
-from magi_jax.planning.solver import ALGORITHMS, KV_LAYOUTS
-from magi_jax.sharding.collectives import TRANSPORTS
-from magi_jax.sharding.key import MagiKey
+from magi_jax.sharding.keys._key import MagiKey
+from magi_jax.sharding.transport import TRANSPORTS
 
 __all__ = [
     "KeyOptions",

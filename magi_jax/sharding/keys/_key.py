@@ -21,14 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from magi_jax.planning.capacity import PlanCapacity
-from magi_jax.sharding.collectives import CastSpec
+from magi_jax.planning import PlanCapacity
+from magi_jax.sharding.transport import CastSpec
 
 if TYPE_CHECKING:  # annotations only
     from matplotlib.figure import Figure
 
-    from magi_jax.mask import AttnMask
-    from magi_jax.planning.stages import DistPlan
+    from magi_jax.masks import AttnMask
+    from magi_jax.planning import DistPlan
 
 __all__ = [
     "MagiKey",

@@ -22,8 +22,14 @@ from typing import Callable
 
 import numpy as np
 
-from magi_jax.mask import AttnMask
-from magi_jax.mask_rows import DEFAULT_BLOCK, RowRuns, combine_runs, runs_to_slices, shape_runs
+from magi_jax.masks._mask import AttnMask
+from magi_jax.masks._row_runs import (
+    DEFAULT_BLOCK,
+    RowRuns,
+    combine_runs,
+    runs_to_slices,
+    shape_runs,
+)
 
 __all__ = [
     "RowRuns",

@@ -55,7 +55,7 @@ import numpy as np
 
 # The library's loading and the platform / mesh checks live in library.py; the public ones
 # are this module's API too.
-from magi_jax.sharding.native.library import (
+from magi_jax.sharding.transport.native._library import (
     CAST_TARGET,
     DONE_TARGET,
     REDUCE_TARGET,
@@ -70,8 +70,8 @@ from magi_jax.sharding.native.library import (
 if TYPE_CHECKING:  # annotations only: the collectives import this module
     from jax.sharding import Mesh
 
-    from magi_jax.planning.cast_table import CastTable
-    from magi_jax.sharding.collectives import CastSpec
+    from magi_jax.planning import CastTable
+    from magi_jax.sharding.transport._collectives import CastSpec
 
 # One array or a list of arrays of the same rows (moved side by side by one collective).
 Arrays = jax.Array | list[jax.Array]

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from magi_jax.planning.hierarchy import NodeLayout
-from magi_jax.planning.relay_runs import build_relay_runs
-from magi_jax.planning.wire import WireCount, cast_wire, relay_wire
-from magi_jax.sharding.collectives import RelaySpec
+from magi_jax.planning import NodeLayout, WireCount, build_relay_runs, cast_wire, relay_wire
+from magi_jax.sharding.transport import RelaySpec
 
 if TYPE_CHECKING:  # annotations only
-    from magi_jax.sharding.key import MagiKey
+    from magi_jax.sharding.keys._key import MagiKey
 
 __all__ = ["key_wire"]
 

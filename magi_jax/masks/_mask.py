@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from magi_jax.mask_checks import (
+from magi_jax.masks._checks import (
     as_ranges,
     as_types,
     check_bounds,
@@ -38,7 +38,7 @@ from magi_jax.mask_checks import (
     drop_empty_past_end,
     window_bounds,
 )
-from magi_jax.mask_rows import (
+from magi_jax.masks._row_runs import (
     DEFAULT_BLOCK,
     combine_runs,
     shape_runs,
@@ -46,7 +46,7 @@ from magi_jax.mask_rows import (
     slices_from_dense,
     slices_from_fn,
 )
-from magi_jax.mask_slices import AttnMaskType, SliceShapes, shape_to_slices
+from magi_jax.masks.slices import AttnMaskType, SliceShapes, shape_to_slices
 
 if TYPE_CHECKING:  # annotations only (matplotlib is the plot extra)
     from matplotlib.figure import Figure

@@ -16,9 +16,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from magi_jax.mask import AttnMask
-from magi_jax.planning.capacity import PlanCapacity
-from magi_jax.sharding.key import (
+from magi_jax.masks import AttnMask
+from magi_jax.planning import PlanCapacity
+from magi_jax.sharding.keys._key import (
     KeyStatic,
     MagiKey,
     axes_entry,
@@ -26,8 +26,8 @@ from magi_jax.sharding.key import (
     check_pod_axes,
     normal_cp_axis,
 )
-from magi_jax.sharding.key_options import KeyOptions
-from magi_jax.sharding.make_key import HostKey, host_key, key_args
+from magi_jax.sharding.keys._make import HostKey, host_key, key_args
+from magi_jax.sharding.keys._options import KeyOptions
 
 __all__ = ["make_batch_key", "batch_rows"]
 

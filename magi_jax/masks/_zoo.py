@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from magi_jax.mask import AttnMask, AttnMaskType, shape_to_slices
+from magi_jax.masks._mask import AttnMask, AttnMaskType, shape_to_slices
 
 __all__ = [
     "DOC_LENGTHS",

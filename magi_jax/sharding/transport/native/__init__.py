@@ -1,13 +1,12 @@
 """The ``native`` transport of the group collectives: a C++ XLA FFI library (``ffi/``).
 
-:mod:`~magi_jax.sharding.native.transport` holds the collectives (``group_cast``,
-``group_reduce``, a started reduce, NVSHMEM set-up); :mod:`~magi_jax.sharding.native.library`
-finds, loads and registers the compiled library and says whether a platform or a mesh can
-run it.
+:mod:`~magi_jax.sharding.transport.native._calls` holds the collectives
+(``group_cast``, ``group_reduce``, a started reduce, NVSHMEM set-up);
+:mod:`~magi_jax.sharding.transport.native._library` finds, loads and registers the compiled
+library and says whether a platform or a mesh can run it.
 """
 
-from magi_jax.sharding.native.library import NativeUnavailable, check_mesh
-from magi_jax.sharding.native.transport import (
+from magi_jax.sharding.transport.native._calls import (
     DEFAULT_TIMEOUT_S,
     MAX_ARRAYS,
     MAX_RUNS,
@@ -27,6 +26,7 @@ from magi_jax.sharding.native.transport import (
     tuning,
     unavailable_reason,
 )
+from magi_jax.sharding.transport.native._library import NativeUnavailable, check_mesh
 
 __all__ = [
     "available",

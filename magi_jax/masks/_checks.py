@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from magi_jax.mask_slices import AttnMaskType, SliceShapes
+from magi_jax.masks.slices import AttnMaskType, SliceShapes
 
 __all__ = [
     "as_ranges",

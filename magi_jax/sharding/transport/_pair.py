@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magi_jax.planning.wire import pair_levels, piece_len
+from magi_jax.planning import pair_levels, piece_len
 
 __all__ = ["staircase_ppermute", "pair_gated_ppermute", "pair_counts"]
 
