@@ -179,7 +179,7 @@ def _rgba(colour):
 
 def remote_kv_matrix(cast: CastTable) -> np.ndarray:
     """int64 ``[cp, cp]``: ``m[dst, src]`` = KV tokens rank ``src`` sends to rank ``dst`` in
-    one stage's group-cast table (:class:`~magi_jax.sharding.collectives.CastTable`)."""
+    one stage's group-cast table (:class:`~magi_jax.planning.cast_table.CastTable`)."""
     cp = cast.cp
     counts = (np.asarray(cast.send_index) >= 0).sum(axis=2)  # [cp src, slots]
     m = np.zeros((cp, cp), np.int64)

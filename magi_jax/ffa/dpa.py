@@ -7,7 +7,7 @@ ones that have no exact, memory-light equivalent here (an additive ``bias``, a t
 How each input becomes a mask:
 
 - nothing but ``is_causal`` / ``local_window_size``: one host mask for the whole batch
-  (at most three slices, :func:`magi_jax.mask.shape_to_slices`);
+  (at most three slices, :func:`magi_jax.masks.shape_to_slices`);
 - ``segment_ids`` and/or ``query_seq_lengths`` / ``key_value_seq_lengths`` (may be traced):
   the batch rows are packed into one sequence and the plan is built on the device
   (:func:`magi_jax.ffa.segments.device_plan`), one compilation for every value;

@@ -1,6 +1,6 @@
 """The checks of a mask's arguments: ranges, types, totals, document lengths, windows, and
 that slices stay inside their totals and share no cell. Every error names the argument, the
-value and the fix. Host-only NumPy; :mod:`magi_jax.mask` runs them when it builds a mask.
+value and the fix. Host-only NumPy; :mod:`magi_jax.masks` runs them when it builds a mask.
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ validator, the area, the dense view and every planner downstream work with; cons
 describe masks as shapes and turn them back into typed slices with :func:`shape_to_slices`.
 
 The pieces live below this module and are re-exported here: the slice types and the
-canonical form in :mod:`magi_jax.mask_slices`, the checks of every argument in
-:mod:`magi_jax.mask_checks`, and the row-run algorithms behind :meth:`AttnMask.from_fn`,
+canonical form in :mod:`magi_jax.masks.slices`, the checks of every argument in
+:mod:`magi_jax.masks._checks`, and the row-run algorithms behind :meth:`AttnMask.from_fn`,
 :meth:`AttnMask.from_dense`, :meth:`AttnMask.from_block_mask` and ``|``, ``&``, ``-`` in
-:mod:`magi_jax.mask_rows`.
+:mod:`magi_jax.masks._row_runs`.
 """
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ class AttnMask:
         """The mask whose cell ``(q, k)`` is ``fn(q_idx, k_idx)``, a vectorised NumPy
         predicate (int64 ``q_idx [bq, 1]``, ``k_idx [1, bk]`` → bool ``[bq, bk]``), evaluated
         block by block and compressed into slices; ``blocks(qb, kb)`` optionally codes the
-        blocks (0 empty, 1 full, 2 evaluate). See :func:`magi_jax.mask_rows.slices_from_fn`.
+        blocks (0 empty, 1 full, 2 evaluate). See :func:`magi_jax.masks._row_runs.slices_from_fn`.
 
         >>> AttnMask.from_fn(lambda q, k: (k <= q) & (q - k < 2), 4, 4).area
         7
@@ -316,7 +316,7 @@ class AttnMask:
         ceil(total_k / block_k)]`` (FlexAttention's ``BlockMask`` / splash form): True
         blocks are FULL rectangles, merged where they line up. With a predicate ``fn``,
         ``block_mask`` holds codes 0 (empty), 1 (full), 2 (partial: ``fn``'s cells); see
-        :func:`magi_jax.mask_rows.slices_from_block_mask`.
+        :func:`magi_jax.masks._row_runs.slices_from_block_mask`.
 
         >>> AttnMask.from_block_mask(np.array([[1, 0], [1, 1]], bool), 2, 2).slices()
         [((0, 2), (0, 2), <AttnMaskType.FULL: 0>), ((2, 4), (0, 4), <AttnMaskType.FULL: 0>)]

@@ -8,9 +8,9 @@ moves (:func:`shape_runs`); a predicate or a dense mask becomes row runs block b
 two masks combine run by run; and row runs become slices again by :func:`runs_to_slices`,
 which chains the runs of consecutive rows whose edges stay put or move by one key per row
 into FULL, CAUSAL, INV_CAUSAL and BI_CAUSAL slices. No step builds a ``total_q × total_k``
-array. Results are :class:`Slices`, the arguments of :class:`magi_jax.mask.AttnMask`, which
-wraps them (:mod:`magi_jax.mask_runs` gives the same on masks). Host-only NumPy; imports
-only :mod:`magi_jax.mask_slices`.
+array. Results are :class:`Slices`, the arguments of :class:`magi_jax.masks.AttnMask`, which
+wraps them (:mod:`magi_jax.masks._builders` gives the same on masks). Host-only NumPy; imports
+only :mod:`magi_jax.masks.slices`.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class RowRuns(NamedTuple):
 
 
 class Slices(NamedTuple):
-    """Slices as :class:`magi_jax.mask.AttnMask` takes them (``AttnMask(*slices)``):
+    """Slices as :class:`magi_jax.masks.AttnMask` takes them (``AttnMask(*slices)``):
     ``q_ranges`` and ``k_ranges`` int ``[N, 2]``, ``types`` int ``[N]`` (or one
     :class:`AttnMaskType` for all), and the totals."""
 

@@ -1,9 +1,9 @@
 """The benchmark mask zoo: the reference document lengths and the masks built from them.
 
 One definition for the planner CLI, the benchmarks (``benchmarks/*_bench.py``) and the tests.
-Besides the constructors of :class:`~magi_jax.mask.AttnMask`, two families live here:
+Besides the constructors of :class:`~magi_jax.masks.AttnMask`, two families live here:
 :func:`hstu` (generative recommenders) and :func:`doc_window_global` (documents with a
-sliding window and global tokens). Host-only NumPy; imports only :mod:`magi_jax.mask`.
+sliding window and global tokens). Host-only NumPy; imports only :mod:`magi_jax.masks`.
 
 >>> sum(DOC_LENGTHS), scaled_doc_lengths(65536)[:3]
 (32768, [14080, 10752, 8704])

@@ -22,7 +22,7 @@ The names below are the front door the device layers (:mod:`magi_jax.sharding`) 
 through.
 """
 
-from magi_jax.planning.capacity import CapacityError, PlanCapacity
+from magi_jax.planning.capacity import HEADROOM, CapacityError, PlanCapacity
 from magi_jax.planning.cast_table import CastTable, choose_transport
 from magi_jax.planning.defaults import (
     PAIR_CAST_LEVELS,
@@ -54,6 +54,7 @@ __all__ = [
     "CastTable",
     "DistPlan",
     "GATINGS",
+    "HEADROOM",
     "KV_LAYOUTS",
     "NodeLayout",
     "OverlapDegrees",

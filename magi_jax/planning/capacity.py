@@ -21,13 +21,21 @@ from magi_jax.masks import AttnMask
 from magi_jax.planning.errors import CapacityError, capacity_error
 from magi_jax.planning.persistence import persistent_pays
 
-__all__ = ["PlanCapacity", "CapacityError", "CAPACITY_TILE", "tile_count", "default_items"]
+__all__ = [
+    "PlanCapacity",
+    "CapacityError",
+    "CAPACITY_TILE",
+    "HEADROOM",
+    "tile_count",
+    "default_items",
+]
 
 # Work items are counted on tiles of this size (the forward list of the Mosaic GPU kernels):
 # a (slice, q-tile, k-tile) triple whose intersection holds a cell.
 CAPACITY_TILE = 128
-# Default headroom of PlanCapacity.from_masks over the largest sample.
-_HEADROOM = 1.25
+# Default headroom of PlanCapacity.from_masks over the largest sample (and of the capacities
+# calibrate_overlap grows).
+HEADROOM = 1.25
 # Per row of tiles, boundary items the default item count allows beyond the dense tile count
 # (tiles cut by several slices give one item per slice).
 _BOUNDARY_ITEMS_PER_TILE_ROW = 32
@@ -163,7 +171,7 @@ class PlanCapacity:
         cls,
         masks: Iterable[AttnMask],
         *,
-        headroom: float = _HEADROOM,
+        headroom: float = HEADROOM,
         mesh_size: int | None = None,
         **fixed: int | bool | None,
     ) -> PlanCapacity:

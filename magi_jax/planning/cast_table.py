@@ -2,7 +2,7 @@
 buffer, as static int32 tables, and their NumPy models.
 
 The meaning of the tables (the contract every transport implements) is described in
-:mod:`magi_jax.sharding.collectives`, which moves the data on the device.
+:mod:`magi_jax.sharding.transport`, which moves the data on the device.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from magi_jax.planning.errors import capacity_error
-from magi_jax.planning.solver import DispatchMeta, ranges_repeat
+from magi_jax.planning.intervals import ranges_repeat
+from magi_jax.planning.solver import DispatchMeta
 
 __all__ = [
     "CastTable",
@@ -32,13 +33,13 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class CastTable:
-    """Host tables of one cast, stacked over ranks (see :mod:`magi_jax.sharding.collectives`),
+    """Host tables of one cast, stacked over ranks (see :mod:`magi_jax.sharding.transport`),
     stored as runs: ``send_runs`` int32 ``[cp, Rs, 2]`` and ``recv_runs`` int32 ``[cp, Rr, 2]``,
     rows ``(first value, length)`` (:func:`expand_runs`). They expand to ``send_index`` int32
     ``[cp, n_slots, S]`` (``S = slot_len``) and ``recv_index`` int32 ``[cp, B]``
     (``B = buffer_len``), the tables the transports read; the key ships the runs and the
     device expands them right before a collective
-    (:func:`magi_jax.sharding.collectives.expand_runs`)."""
+    (:func:`magi_jax.sharding.transport.expand_runs`)."""
 
     send_runs: np.ndarray
     recv_runs: np.ndarray

@@ -8,7 +8,7 @@ at a few points: where the set of ranks of a node that need a row changes, where
 split among its relays, where blocks meet slot boundaries. Working on runs makes planning
 cost grow with the runs of the masks (thousands) instead of the rows moved (tens of millions
 at 1M tokens over 8 × 8 ranks), and the result comes as runs, the form the key ships
-(:class:`~magi_jax.sharding.collectives.RelayRuns`).
+(:class:`~magi_jax.sharding.transport.RelayRuns`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from magi_jax.planning.hierarchy import (
     slot_code,
     slot_key,
 )
-from magi_jax.planning.solver import ranges_repeat
+from magi_jax.planning.intervals import ranges_repeat
 
 __all__ = ["RelayRunsTable", "build_relay_runs", "move_runs", "relay_run_bounds", "pad_runs"]
 

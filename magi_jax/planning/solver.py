@@ -44,7 +44,7 @@ import numpy as np
 
 from magi_jax.caches import cached
 from magi_jax.masks import AttnMask, SliceShapes
-from magi_jax.planning.intervals import ranges_repeat
+from magi_jax.planning.intervals import merge_intervals, ranges_repeat
 
 __all__ = [
     "ALGORITHMS",
@@ -53,7 +53,6 @@ __all__ = [
     "chunk_areas",
     "needed_kv",
     "remote_kv_tokens",
-    "ranges_repeat",
     "auto_chunk_size",
     "KV_LAYOUTS",
     "auto_kv_layout",
@@ -190,19 +189,6 @@ def needed_kv(mask: AttnMask, meta: DispatchMeta) -> list[np.ndarray]:
     for r in range(meta.cp):
         out.append(merge_intervals(k0[bounds[r] : bounds[r + 1]], k1[bounds[r] : bounds[r + 1]]))
     return out
-
-
-def merge_intervals(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Union of half-open intervals sorted by start -> disjoint sorted ``int64 [n, 2]``."""
-    if not len(starts):
-        return np.zeros((0, 2), np.int64)
-    run_end = np.maximum.accumulate(ends)
-    # A new run starts where the interval begins after everything before it ended.
-    new = np.ones(len(starts), bool)
-    new[1:] = starts[1:] > run_end[:-1]
-    first = np.nonzero(new)[0]
-    last = np.append(first[1:], len(starts)) - 1
-    return np.stack([starts[first], run_end[last]], axis=1).astype(np.int64)
 
 
 def _coverage(intervals: np.ndarray, x: np.ndarray) -> np.ndarray:

@@ -396,7 +396,7 @@ def magi_attention(
     where the dispatched layout puts them (eager calls). A natural-order array sharded over
     the cp axis, or any array under ``jit`` on an Auto mesh, cannot be told from a dispatched
     one when the sequence needs no padding; a key made with ``check_dispatch=True`` (or
-    ``MAGI_JAX_CHECK_DISPATCH=1``) rejects those too (:class:`~magi_jax.sharding.key.CheckedKey`).
+    ``MAGI_JAX_CHECK_DISPATCH=1``) rejects those too (:class:`~magi_jax.sharding.keys.CheckedKey`).
     """
     check_inputs(q, k, v, key)
     _check_options(softmax_scale, softcap)

@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from magi_jax.caches import Cache
 from magi_jax.masks import AttnMask
-from magi_jax.planning import OverlapDegrees, PlanCapacity, capacity_needs
+from magi_jax.planning import HEADROOM, OverlapDegrees, PlanCapacity, capacity_needs
 from magi_jax.sharding.attention import magi_attention
 from magi_jax.sharding.keys import (
     MAX_OVERLAP_DEGREE,
@@ -58,9 +58,6 @@ __all__ = [
 
 # The degrees tried by default: the cost model never picks more than 4.
 CANDIDATE_DEGREES = (0, 1, 2, 3, 4)
-# Headroom over the sample mask's needs when a candidate degree needs more than the
-# capacity holds (PlanCapacity.from_masks's default).
-_HEADROOM = 1.25
 # Options of a key that calibration sets itself or cannot time.
 _NOT_OPTIONS = ("overlap_degree", "capacity", "check_dispatch", "batch_axes")
 
@@ -116,9 +113,9 @@ def calibrate_overlap(
     """Measures the fastest forward and backward overlap degrees of a key on its mesh.
 
     Args:
-      key_or_mask: a key from :func:`~magi_jax.sharding.make_key.make_flex_key` (its mask,
+      key_or_mask: a key from :func:`~magi_jax.sharding.make_flex_key` (its mask,
         mesh, cp axis, capacity and options are calibrated; pass no ``mesh`` then), or an
-        :class:`~magi_jax.mask.AttnMask` with ``mesh`` (and ``cp_axis``, ``capacity``,
+        :class:`~magi_jax.masks.AttnMask` with ``mesh`` (and ``cp_axis``, ``capacity``,
         ``options``) as for ``make_flex_key``.
       num_heads, head_dim: the query heads and head dim of the attention calls (the heads
         of the whole call; with ``head_axes`` they are sharded as the key says).
@@ -297,7 +294,7 @@ def _candidate_capacity(capacity, mask, cp, degree, chunk_size):
     for name in ("items", "q_runs", "k_runs", "remote_kv", "cast_width", "send_runs", "recv_runs"):
         have = getattr(capacity, name)
         if have is not None and have < need[name]:
-            fields[name] = max(1, int(np.ceil(need[name] * _HEADROOM)))
+            fields[name] = max(1, int(np.ceil(need[name] * HEADROOM)))
     return dataclasses.replace(capacity, **fields)
 
 

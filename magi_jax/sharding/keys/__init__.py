@@ -30,7 +30,6 @@ from magi_jax.sharding.keys._key import (
 )
 from magi_jax.sharding.keys._make import (
     clear_key_cache,
-    ffa_backend_reason,
     make_flex_key,
     make_varlen_key,
     put_global,
@@ -43,6 +42,7 @@ from magi_jax.sharding.keys._options import (
     KeyOptions,
     check_overlap_degree,
 )
+from magi_jax.sharding.keys._resolve import ResolvedOptions, ffa_backend_reason
 from magi_jax.sharding.keys._wire import key_wire
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "StageStatic",
     "CheckedKey",
     "KeyOptions",
+    "ResolvedOptions",
     "make_flex_key",
     "make_varlen_key",
     "make_batch_key",

@@ -138,7 +138,7 @@ class MagiKey:
     over the cp axis and gives NaN rows where the processes of a CP group planned different
     masks.
 
-    A batched key (:func:`~magi_jax.sharding.batch_key.make_batch_key`, ``key.rows`` set) holds
+    A batched key (:func:`~magi_jax.sharding.make_batch_key`, ``key.rows`` set) holds
     one plan per batch row: every leaf has a leading ``[rows]`` axis sharded over
     ``key.batch_axes``, and ``plan`` / ``mask`` are ``None``.
 

@@ -1,8 +1,8 @@
-"""Building keys: :func:`make_flex_key` (one mask), :func:`make_varlen_key`, what their
-options mean with a mask and a mesh (:func:`key_args`), the host half of a key
-(:func:`host_key`) and the key cache. The options themselves are
-:class:`~magi_jax.sharding.key_options.KeyOptions`; keys of a batch of masks are
-:mod:`magi_jax.sharding.batch_key`'s.
+"""Building keys: :func:`make_flex_key` (one mask), :func:`make_varlen_key` and the key
+cache. A key's options are :class:`~magi_jax.sharding.keys._options.KeyOptions`; what they
+mean with a mask and a mesh is resolved by :mod:`~magi_jax.sharding.keys._resolve`, planned
+on the host by :mod:`~magi_jax.sharding.keys._host`; keys of a batch of masks are
+:mod:`~magi_jax.sharding.keys._batch`'s.
 
 Building a key is host work (NumPy planning in :mod:`magi_jax.planning`), cached by (mask
 fingerprint, mesh, options); the host arrays become global arrays whose shards each process
@@ -12,15 +12,16 @@ with nothing exchanged.
 Cross attention (``total_q != total_k``) keys dispatch the queries like self-attention and
 keep the keys either whole on every rank (``key.kv_layout == "replicated"``) or dispatched
 by a permutation of their own (``"dispatched"``).
+
+The names imported ``as`` themselves are what this module held before option resolution and
+host planning left it, importable from its old path (``magi_jax.sharding.make_key``) for one
+release.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import zlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -28,95 +29,21 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from magi_jax.caches import Cache
-from magi_jax.ffa.backends import auto_backend
 from magi_jax.masks import AttnMask
-from magi_jax.planning import (
-    KV_LAYOUTS,
-    DistPlan,
-    OverlapDegrees,
-    PlanCapacity,
-    build_dist_plan,
-    capacity_chunk_size,
-    capacity_overlap_degree,
-    cast_pieces,
-    choose_transport,
-    default_block_sizes,
-    default_overlap_degrees,
-    resolve_kv,
-    slot_rows,
-    solve_dispatch,
-)
-from magi_jax.planning.backends import AUTO
-from magi_jax.sharding.keys._key import (
-    CheckedKey,
-    KeyStatic,
-    MagiKey,
-    StageStatic,
-    check_mesh,
-    check_pod_axes,
-    cp_names,
-    normal_cp_axis,
-)
-from magi_jax.sharding.keys._options import (
-    CHECK_DISPATCH_ENV,
-    COMM_BACKENDS,
-    HIERARCHICAL,
-    MAX_OVERLAP_DEGREE,
-    KeyOptions,
-)
-from magi_jax.sharding.keys._relay import relay_stage
-from magi_jax.sharding.transport import CastRuns, CastSpec, native
+from magi_jax.planning import KV_LAYOUTS as KV_LAYOUTS
+from magi_jax.planning import PlanCapacity
+from magi_jax.sharding.keys._host import HostKey as HostKey
+from magi_jax.sharding.keys._host import host_key
+from magi_jax.sharding.keys._key import CheckedKey, MagiKey
+from magi_jax.sharding.keys._options import CHECK_DISPATCH_ENV as CHECK_DISPATCH_ENV
+from magi_jax.sharding.keys._options import COMM_BACKENDS as COMM_BACKENDS
+from magi_jax.sharding.keys._options import HIERARCHICAL as HIERARCHICAL
+from magi_jax.sharding.keys._options import MAX_OVERLAP_DEGREE as MAX_OVERLAP_DEGREE
+from magi_jax.sharding.keys._options import KeyOptions
+from magi_jax.sharding.keys._resolve import ResolvedOptions, resolve_options
+from magi_jax.sharding.keys._resolve import ffa_backend_reason as ffa_backend_reason
 
-if TYPE_CHECKING:  # annotations only (imported lazily where two-hop casts are planned)
-    from magi_jax.planning import NodeLayout
-
-__all__ = [
-    "make_flex_key",
-    "make_varlen_key",
-    "KeyOptions",
-    "key_args",
-    "host_key",
-    "HostKey",
-    "ffa_backend_reason",
-    "clear_key_cache",
-    "put_global",
-    "COMM_BACKENDS",
-    "MAX_OVERLAP_DEGREE",
-    "CHECK_DISPATCH_ENV",
-    "HIERARCHICAL",
-    "KV_LAYOUTS",
-]
-
-
-def _relay_layout(mesh, cp_axis, hierarchical, comm_backend, capacity):
-    """The :class:`~magi_jax.planning.hierarchy.NodeLayout` of a key's two-hop casts and
-    whether they are forced (``(layout, forced)``), or ``None`` for flat casts
-    (``hierarchical`` checked by :class:`KeyOptions`)."""
-    names = cp_names(cp_axis)
-    if hierarchical is True:
-        if len(names) != 2:
-            raise ValueError(
-                f"hierarchical=True needs cp_axis=(node_axis, local_axis), two "
-                f"mesh axes; got cp_axis={cp_axis!r}: build the mesh with a node "
-                "axis and a local axis, e.g. jax.make_mesh((nodes, gpus_per_node)"
-                ", ('node', 'local')), or pass hierarchical=False"
-            )
-        if comm_backend in ("all_to_all", "native"):
-            raise ValueError(
-                f"hierarchical=True runs on lax.ppermute (comm_backend='xla', "
-                f"'ppermute' or 'auto'); got comm_backend={comm_backend!r}: "
-                "pass one of those or hierarchical=False"
-            )
-    if hierarchical is False or len(names) != 2 or comm_backend in ("all_to_all", "native"):
-        return None
-    from magi_jax.planning import NodeLayout
-
-    layout = NodeLayout(int(mesh.shape[names[0]]), int(mesh.shape[names[1]]))
-    if hierarchical == "auto" and (layout.nodes == 1 or layout.local == 1):
-        return None
-    # At a capacity the choice cannot follow the mask (the static part would): its gated
-    # two-hop casts are taken (benchmarks/results/wire/LATEST.md counts them).
-    return layout, hierarchical is True or capacity is not None
+__all__ = ["make_flex_key", "make_varlen_key", "clear_key_cache", "put_global"]
 
 
 def make_flex_key(
@@ -232,7 +159,7 @@ def make_flex_key(
         query and key/value head counts must divide by their size.
       cast_gating: how the ``lax.ppermute`` slots of the ``xla`` transport (one slot per
         shift ``s`` of the ranks, rank ``r`` sending to ``r + s``) follow the rows each
-        sender-receiver pair needs (:mod:`magi_jax.sharding.pair_cast`). ``"auto"``
+        sender-receiver pair needs (:mod:`magi_jax.sharding.transport._pair`). ``"auto"``
         (default): a key of one mask moves each pair's exact rows (its counts are static: a
         few ``ppermute`` levels per slot, no conditional); a key at a capacity moves each
         slot in gated pieces that its fullest rank fills (one conditional per slot).
@@ -268,172 +195,14 @@ def make_flex_key(
         head_axes=head_axes,
         cast_gating=cast_gating,
     )
-    args, check = key_args(mask, mesh, cp_axis, options)
-    key = _KEYS.get(args, lambda: _make_key(*args))
-    return CheckedKey.of(key) if check else key
+    resolved = resolve_options(mask, mesh, cp_axis, options)
+    key = _KEYS.get(resolved, lambda: _make_key(resolved))
+    return CheckedKey.of(key) if resolved.check else key
 
 
-def key_args(
-    mask: AttnMask, mesh: Mesh, cp_axis: str | Sequence[str], options: KeyOptions
-) -> tuple[tuple, bool]:
-    """The checked ``options`` resolved for ``mask`` over ``mesh``'s ``cp_axis`` (cross
-    attention, the transport, two-hop casts, the FFA backend, the capacity's chunk size and
-    overlap degree, a shared dispatch): the arguments of :func:`host_key` (hashable: the
-    key cache's key) and whether to return the checked view."""
-    o = options
-    chunk_size, overlap_degree = o.chunk_size, o.overlap_degree
-    comm_backend, ffa_backend = o.comm_backend, o.ffa_backend
-    dispatch_from, capacity, kv_layout = o.dispatch_from, o.capacity, o.kv_layout
-    if not isinstance(mask, AttnMask):
-        raise TypeError(
-            f"mask must be an AttnMask (e.g. AttnMask.varlen(...)); got {type(mask).__name__}"
-        )
-    cp_axis = normal_cp_axis(cp_axis)
-    cp = check_mesh(mesh, cp_axis)
-    batch_axes, head_axes = check_pod_axes(mesh, cp_axis, o.batch_axes, o.head_axes)
-    if mask.total_q == 0 and mask.total_k == 0:
-        raise ValueError(
-            "the mask has no tokens (total_q = total_k = 0): context-parallel "
-            "attention needs a packed sequence of at least one token"
-        )
-    cross = kv_layout != "auto" or mask.total_q != mask.total_k
-    if cross and (mask.total_q == 0 or mask.total_k == 0):
-        raise ValueError(
-            f"the cross-attention mask has total_q={mask.total_q}, total_k="
-            f"{mask.total_k}: context parallelism needs at least one query and "
-            "one key"
-        )
-    check = o.check_dispatch
-    if check and cross:
-        raise ValueError(
-            "check_dispatch=True is for self-attention keys; this key is cross "
-            f"attention (total_q={mask.total_q}, total_k={mask.total_k}, "
-            f"kv_layout={kv_layout!r}): build it with check_dispatch=False (and "
-            f"unset {CHECK_DISPATCH_ENV})"
-        )
-    if comm_backend == "native" and cross:
-        raise ValueError(
-            "comm_backend='native' does not take cross-attention keys (total_q="
-            f"{mask.total_q}, total_k={mask.total_k}); use comm_backend='xla' "
-            "(or 'auto', which picks it for them)"
-        )
-    if comm_backend == "native" and not isinstance(cp_axis, str):
-        raise ValueError(
-            f"comm_backend='native' takes one cp axis; got cp_axis={cp_axis!r}: "
-            "use comm_backend='xla' (or 'auto', which picks it here)"
-        )
-    if comm_backend == "native":
-        native.check_mesh(mesh, cp_axis)
-    elif (
-        comm_backend == "auto"
-        and not cross
-        and isinstance(cp_axis, str)
-        and native.auto_reason(mesh, cp_axis) is None
-    ):
-        comm_backend = "native"
-    relay = _relay_layout(mesh, cp_axis, o.hierarchical, comm_backend, capacity)
-    if ffa_backend == AUTO:
-        ffa_backend = auto_backend()[0]
-    if capacity is not None:
-        chunk_size, overlap_degree = _capacity_options(
-            capacity, mask, cp, chunk_size, overlap_degree
-        )
-        if not o.backward_refetch and overlap_degree.forward != overlap_degree.backward:
-            if capacity.overlap_degree is not None:
-                raise ValueError(
-                    f"capacity.overlap_degree={capacity.overlap_degree} and "
-                    f"capacity.backward_overlap_degree={capacity.backward_overlap_degree} "
-                    "give the backward its own stages, but backward_refetch=False keeps "
-                    "the forward's stage buffers for the backward: pass "
-                    "backward_refetch=True, or build the capacity with one degree"
-                )
-            overlap_degree = OverlapDegrees(overlap_degree.forward, overlap_degree.forward)
-    if dispatch_from is not None:
-        if (
-            dispatch_from.total != mask.total_q
-            or dispatch_from.mesh != mesh
-            or dispatch_from.cp_axis != cp_axis
-        ):
-            raise ValueError(
-                f"dispatch_from was made for {dispatch_from.total} tokens on axis "
-                f"{dispatch_from.cp_axis!r} of its mesh, but this mask has {mask.total_q} "
-                f"tokens (axis {cp_axis!r}); a shared dispatch needs the same sequence and mesh"
-            )
-    if dispatch_from is not None and dispatch_from.plan is None:
-        raise ValueError(
-            "dispatch_from carries no host plan (it was rebuilt inside a traced "
-            "function); pass the key make_flex_key returned"
-        )
-    args = (
-        mask,
-        mesh,
-        cp_axis,
-        chunk_size,
-        overlap_degree,
-        comm_backend,
-        o.dispatch_algorithm,
-        None if dispatch_from is None else _MetaRef(dispatch_from.plan.meta),
-        o.block_q,
-        o.block_k,
-        ffa_backend,
-        cp,
-        o.backward_refetch,
-        capacity,
-        kv_layout,
-        relay,
-        batch_axes,
-        head_axes,
-        o.cast_gating,
-    )
-    return args, check
-
-
-def ffa_backend_reason() -> str | None:
-    """``None`` when ``ffa_backend="auto"`` picks ``"pallas"`` (the default device is an sm90
-    GPU), else why it picks ``"xla"``."""
-    name, why = auto_backend()
-    return None if name == "pallas" else why
-
-
-def _capacity_options(capacity, mask, cp, chunk_size, overlap_degree):
-    """Chunk size and overlap degrees of a key at ``capacity`` (never from the mask)."""
-    if (capacity.total_q, capacity.total_k) != (mask.total_q, mask.total_k):
-        raise ValueError(
-            f"capacity is for total_q={capacity.total_q}, total_k="
-            f"{capacity.total_k} but the mask has total_q={mask.total_q}, "
-            f"total_k={mask.total_k}; build the capacity for the packed lengths"
-        )
-    if chunk_size is not None and capacity.chunk_size is not None:
-        if int(chunk_size) != capacity.chunk_size:
-            raise ValueError(
-                f"chunk_size={chunk_size} but capacity.chunk_size={capacity.chunk_size}; set "
-                "it in one place (the capacity fixes the key's static part)"
-            )
-    fixed = (
-        None
-        if capacity.overlap_degree is None
-        else OverlapDegrees(capacity.overlap_degree, capacity.backward_overlap_degree)
-    )
-    if overlap_degree is not None and fixed is not None and overlap_degree != fixed:
-        one = lambda pair: pair.forward if pair.forward == pair.backward else tuple(pair)
-        raise ValueError(
-            f"overlap_degree={one(overlap_degree)} but capacity.overlap_degree="
-            f"{capacity.overlap_degree}, capacity.backward_overlap_degree="
-            f"{capacity.backward_overlap_degree}; set it in one place (the capacity fixes the "
-            "key's static part), e.g. PlanCapacity.from_masks(sample, mesh_size=cp, "
-            f"overlap_degree={one(overlap_degree)})"
-        )
-    chunk = int(chunk_size or capacity.chunk_size or capacity_chunk_size(capacity.total_q, cp))
-    if overlap_degree is None:
-        overlap_degree = (
-            fixed if fixed is not None else capacity_overlap_degree(capacity.total_q, cp, chunk)
-        )
-    return chunk, OverlapDegrees(*map(int, overlap_degree))
-
-
-# Keys by their arguments, bounded by the bytes of the keys' device arrays (each key holds
-# [cp, ...] plan arrays on every device): 1 GiB, a few hundred keys of 32k tokens, a handful
-# at 1M.
+# Keys by their resolved options, bounded by the bytes of the keys' device arrays (each key
+# holds [cp, ...] plan arrays on every device): 1 GiB, a few hundred keys of 32k tokens, a
+# handful at 1M.
 _KEYS = Cache("keys", max_bytes=1 << 30, size_of=lambda key: key.nbytes())
 
 
@@ -448,217 +217,11 @@ def clear_key_cache(max_bytes: int | None = None) -> None:
         _KEYS.max_bytes = int(max_bytes)
 
 
-class _MetaRef:
-    """Hashable handle of a DispatchMeta (by its content)."""
-
-    def __init__(self, meta):
-        self.meta = meta
-        self._fp = meta.fingerprint()
-
-    def __hash__(self):
-        return hash(self._fp)
-
-    def __eq__(self, other):
-        return isinstance(other, _MetaRef) and self._fp == other._fp
-
-
-class HostKey(NamedTuple):
-    """A key on the host, before its arrays become global ones: the static part, the leaves
-    as NumPy arrays (``stage_arrays`` and ``plan_id`` ``[cp, ...]``, the chunk permutations
-    ``[num_chunks]``) and the host plan."""
-
-    static: KeyStatic
-    chunk_order: np.ndarray
-    chunk_inverse: np.ndarray
-    stage_arrays: tuple
-    kv_chunks: tuple  # (kv_chunk_order, kv_chunk_inverse) or ()
-    backward_stage_arrays: tuple | None  # the backward's own stages, or None
-    plan_id: np.ndarray
-    plan: DistPlan
-    mask: AttnMask
-
-
-def host_key(
-    mask: AttnMask,
-    mesh: Mesh,
-    cp_axis: str | tuple[str, ...],
-    chunk_size: int | None,
-    overlap_degree: OverlapDegrees | None,
-    comm_backend: str,
-    algorithm: str,
-    meta_ref: _MetaRef | None,
-    block_q: int | None,
-    block_k: int | None,
-    ffa_backend: str,
-    cp: int,
-    backward_refetch: bool,
-    capacity: PlanCapacity | None,
-    kv_layout: str = "auto",
-    relay: tuple[NodeLayout, bool] | None = None,
-    batch_axes: tuple[str, ...] = (),
-    head_axes: tuple[str, ...] = (),
-    cast_gating: str = "auto",
-) -> HostKey:
-    """The host half of a key: :func:`key_args`' arguments planned (the dispatch, the
-    stages, their casts and FFA work lists) into a :class:`HostKey`."""
-    if meta_ref is not None:
-        meta = meta_ref.meta
-    else:
-        meta = solve_dispatch(mask, cp, chunk_size, algorithm)
-    # Cross attention: where the keys live (None: self-attention, the queries' dispatch).
-    kv = resolve_kv(mask, meta, kv_layout)
-    kv_meta = kv if kv is not None and not isinstance(kv, str) else None
-    kv_local = (
-        meta.local_len if kv is None else mask.total_k if kv_meta is None else kv_meta.local_len
-    )
-    auto_q, auto_k = default_block_sizes(meta.local_len, kv_local)
-    bq, bk = int(block_q or auto_q), int(block_k or auto_k)
-    if overlap_degree is None:  # one degree for both directions until measured
-        overlap_degree = default_overlap_degrees(mask, meta, kv)
-    degree, back = overlap_degree
-    plan: DistPlan = build_dist_plan(mask, meta, degree, bq, bk, ffa_backend, capacity, kv=kv)
-    stage_parts = functools.partial(
-        _stage_parts,
-        cp_axis=cp_axis,
-        cp=cp,
-        comm_backend=comm_backend,
-        capacity=capacity,
-        cast_gating=cast_gating,
-    )
-    statics, arrays = stage_parts(plan, relay=relay)
-    back_statics = back_arrays = None
-    if back != degree:  # the backward's own stage plan
-        back_plan = build_dist_plan(mask, meta, back, bq, bk, ffa_backend, capacity, kv=kv)
-        back_statics, back_arrays = stage_parts(back_plan, relay=relay)
-    fingerprint = None if capacity is not None else (mask.fingerprint, meta.fingerprint())
-    static = KeyStatic(
-        mesh=mesh,
-        cp_axis=cp_axis,
-        cp=cp,
-        total=meta.total,
-        padded_total=meta.padded_total,
-        local_len=meta.local_len,
-        chunk_size=meta.chunk_size,
-        overlap_degree=plan.overlap_degree,
-        block_q=bq,
-        block_k=bk,
-        stages=statics,
-        ffa_backend=ffa_backend,
-        comm_backend=comm_backend,
-        backward_refetch=backward_refetch,
-        capacity=capacity,
-        fingerprint=fingerprint,
-        batch_axes=batch_axes,
-        head_axes=head_axes,
-        backward_overlap_degree=None if back_statics is None else back_plan.overlap_degree,
-        backward_stages=back_statics,
-    )
-    kv_chunks = ()
-    if kv is not None:
-        kv_rows = mask.total_k if kv_meta is None else kv_meta.padded_total
-        static = dataclasses.replace(
-            static,
-            kv_layout=plan.kv_layout,
-            total_k=mask.total_k,
-            kv_padded_total=kv_rows,
-            kv_local_len=kv_local,
-            kv_chunk_size=None if kv_meta is None else kv_meta.chunk_size,
-        )
-        if kv_meta is not None:
-            kv_chunks = _chunk_permutation(kv_meta)
-    # What this process planned, as one int32 per rank: ranks of one CP group compare it.
-    ident = repr((mask.fingerprint, meta.fingerprint(), kv_meta and kv_meta.fingerprint()))
-    plan_id = np.full(cp, zlib.crc32(ident.encode()) & 0x7FFFFFFF, np.int64)
-    return HostKey(
-        static,
-        *_chunk_permutation(meta),
-        arrays,
-        kv_chunks,
-        back_arrays,
-        plan_id,
-        plan,
-        mask,
-    )
-
-
-def _stage_parts(
-    plan: DistPlan,
-    *,
-    cp_axis: str | tuple[str, ...],
-    cp: int,
-    comm_backend: str,
-    capacity: PlanCapacity | None,
-    relay: tuple[NodeLayout, bool] | None,
-    cast_gating: str = "auto",
-) -> tuple[tuple[StageStatic, ...], tuple]:
-    """A plan's stages as a key holds them: their static parts and their host arrays
-    (``(FFAPlanRuns, CastRuns | RelayRuns | None)`` each), each cast on its transport;
-    ``ppermute`` slots gated as ``cast_gating`` says (:func:`make_flex_key`)."""
-    gating = (
-        "slot"
-        if cast_gating == "slot" or (cast_gating == "auto" and capacity is not None)
-        else "pair"
-    )
-    statics, arrays = [], []
-    for st in plan.stages:
-        ffa = st.ffa
-        if st.cast is None:
-            statics.append(StageStatic(st.kv_len, False, None, st.items))
-            arrays.append((ffa, None))
-            continue
-        # Two-hop casts on a mesh of nodes (hierarchical=...; see two_hop.relay_stage).
-        two_hop = (
-            None
-            if relay is None
-            else relay_stage(st.cast, *relay, capacity, cp_axis, flat_gating=gating)
-        )
-        if two_hop is not None:
-            statics.append(
-                StageStatic(st.kv_len, st.kv_len != st.cast.buffer_len, two_hop[0], st.items)
-            )
-            arrays.append((ffa, two_hop[1]))
-            continue
-        transport = (
-            choose_transport(st.cast, gated=cast_pieces(capacity) > 1)
-            if comm_backend in ("auto", "xla")
-            else comm_backend
-        )
-        runs = None
-        if transport == "native":
-            native.check_table(st.cast)
-            # The started reduce needs the receive table's runs as static data: a key of one
-            # mask only.
-            runs = native.reduce_runs(st.cast) if capacity is None else None
-        ppermute = transport == "ppermute"
-        pieces = 1 if not ppermute else cast_pieces(capacity, gating)
-        pair_rows = None
-        if ppermute and gating == "pair" and pieces == 1:  # a key of one mask: static rows
-            rows = slot_rows(st.cast)
-            pair_rows = tuple(tuple(int(c) for c in rows[:, j]) for j in range(rows.shape[1]))
-        spec = CastSpec(
-            cp_axis,
-            cp,
-            st.cast.shifts,
-            st.cast.widths,
-            transport,
-            runs,
-            st.cast.slot_len,
-            st.cast.buffer_len,
-            pieces,
-            gating if ppermute else "slot",
-            pair_rows,
-        )
-        combined = st.kv_len != st.cast.buffer_len
-        statics.append(StageStatic(st.kv_len, combined, spec, st.items))
-        # The tables travel as runs; the collectives expand them on the device.
-        arrays.append((ffa, CastRuns(st.cast.send_runs, st.cast.recv_runs)))
-    return tuple(statics), tuple(arrays)
-
-
-def _make_key(*args) -> MagiKey:
-    """A key of one mask: :func:`host_key`, its arrays made global (plans sharded over the
-    cp axis, replicated over every other axis; the chunk permutations replicated)."""
-    hk = host_key(*args)
+def _make_key(resolved: ResolvedOptions) -> MagiKey:
+    """A key of one mask: :func:`~magi_jax.sharding.keys._host.host_key`, its arrays made
+    global (plans sharded over the cp axis, replicated over every other axis; the chunk
+    permutations replicated)."""
+    hk = host_key(resolved)
     mesh, cp_axis = hk.static.mesh, hk.static.cp_axis
     by_rank = NamedSharding(mesh, P(cp_axis))
     replicated = NamedSharding(mesh, P())
@@ -676,16 +239,6 @@ def _make_key(*args) -> MagiKey:
         plan=hk.plan,
         mask=hk.mask,
     )
-
-
-def _chunk_permutation(meta) -> tuple[np.ndarray, np.ndarray]:
-    """``(chunk_order, chunk_inverse)`` int64 ``[num_chunks]`` of a dispatch: the natural
-    chunk in each dispatched slot (rank-major, as ``meta.rank_chunks``) and the slot of each
-    natural chunk."""
-    chunk_order = meta.rank_chunks.reshape(-1)
-    chunk_inverse = np.empty(meta.num_chunks, np.int64)
-    chunk_inverse[chunk_order] = np.arange(meta.num_chunks)
-    return chunk_order, chunk_inverse
 
 
 def put_global(a: np.ndarray, sharding: NamedSharding) -> jax.Array:

@@ -1,6 +1,6 @@
 """The two-hop cast of one stage of a key on a mesh of nodes: its static part
-(:class:`~magi_jax.sharding.collectives.RelaySpec`) and its tables as runs
-(:class:`~magi_jax.sharding.collectives.RelayRuns`), planned by runs
+(:class:`~magi_jax.sharding.transport.RelaySpec`) and its tables as runs
+(:class:`~magi_jax.sharding.transport.RelayRuns`), planned by runs
 (:func:`~magi_jax.planning.relay_runs.build_relay_runs`)."""
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def key_wire(key: MagiKey) -> WireCount:
     total = WireCount.zeros(plan.cp)
     for spec, table in zip(specs, casts):
         if isinstance(spec, RelaySpec):
-            fixed = key.capacity is not None  # as two_hop.relay_stage plans them
+            fixed = key.capacity is not None  # as keys._relay.relay_stage plans them
             widths = dict(inter_width=table.slot_len, intra_width=table.buffer_len) if fixed else {}
             rt = build_relay_runs(table, NodeLayout(spec.nodes, spec.local), **widths)
             total = total + relay_wire(rt, spec.pieces)

@@ -31,7 +31,7 @@ scatter of the data itself, while the slots are few.
 Transports: ``"ppermute"`` (one ``lax.ppermute`` per slot, sending only its ``width``
 columns; partly overlappable with compute on GPU,
 benchmarks/results/overlap/LATEST.md; :class:`CastSpec`'s ``gating="pair"`` moves each
-sender-receiver pair's own rows instead, :mod:`magi_jax.sharding.pair_cast`) and
+sender-receiver pair's own rows instead, :mod:`magi_jax.sharding.transport._pair`) and
 ``"all_to_all"`` (one padded ``lax.all_to_all``; fewer launches when nearly every pair
 talks). ``ragged_all_to_all`` is not used: ~100x slower than the link on H200 and
 unsupported on CPU. ``"native"``: the
@@ -120,7 +120,7 @@ class CastSpec:
     (:func:`gated_ppermute`; keys at a capacity, whose slots are as wide as the capacity
     allows); 1: every slot moves whole. ``gating``: on the ``ppermute`` transport,
     ``"slot"`` (a slot moves as many rows from every rank as its fullest rank needs) or
-    ``"pair"`` (each sender-receiver pair its own rows, :mod:`magi_jax.sharding.pair_cast`):
+    ``"pair"`` (each sender-receiver pair its own rows, :mod:`magi_jax.sharding.transport._pair`):
     with ``pieces = 1`` the static ``pair_rows`` (per slot, the rows each rank sends in it:
     a key of one mask) move in at most
     :data:`~magi_jax.planning.defaults.PAIR_CAST_LEVELS` ``ppermute`` levels a slot, exactly;
@@ -265,7 +265,7 @@ def _slot_mover(send, spec: CastSpec, reverse: bool) -> Callable[[int, tuple], t
     """``move(j, rows)``: slot ``j``'s block ``rows`` (a tuple of ``[w_j, ...]``) sent to
     ``r + shifts[j]`` (back to ``r - shifts[j]`` when ``reverse``) on the ``ppermute``
     transport as ``spec`` gates it: whole or in gated pieces (:func:`gated_ppermute`,
-    gating ``"slot"``), or pair by pair (:mod:`magi_jax.sharding.pair_cast`)."""
+    gating ``"slot"``), or pair by pair (:mod:`magi_jax.sharding.transport._pair`)."""
     axis, cp = spec.axis_name, spec.cp
     if spec.gating == "pair" and spec.pieces == 1:
         return lambda j, rows: staircase_ppermute(

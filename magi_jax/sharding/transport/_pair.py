@@ -1,5 +1,5 @@
 """The ``ppermute`` transport pair by pair: one slot of a cast (a shift ``s`` of the ranks,
-rank ``r`` sending to ``(r + s) % cp``; :mod:`magi_jax.sharding.collectives` states the
+rank ``r`` sending to ``(r + s) % cp``; :mod:`magi_jax.sharding.transport` states the
 contract) moved so that each (sender, receiver) pair's wire follows its own rows, rather than
 the slot's fullest rank's.
 

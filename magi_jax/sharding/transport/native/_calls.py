@@ -16,9 +16,9 @@ Two shared libraries, built by the package build (``CMakeLists.txt``):
   no barrier.
 
 Semantics (both platforms) are those of ``cast_model`` / ``reduce_model`` in
-:mod:`magi_jax.sharding.collectives`, for tables that satisfy :func:`check_table` (every real
+:mod:`magi_jax.sharding.transport`, for tables that satisfy :func:`check_table` (every real
 send entry is received exactly once, every received entry is a real send entry — which
-:func:`~magi_jax.sharding.collectives.build_cast_table` guarantees).
+:func:`~magi_jax.planning.cast_table.build_cast_table` guarantees).
 
 NVSHMEM needs every process to join: :func:`initialize` (called lazily by the first traced
 native collective, identically on every process of an SPMD program) takes the unique id from
@@ -466,7 +466,7 @@ def group_cast(
     prefix: bool = False,
     timeout_s: float | None = None,
 ) -> Arrays:
-    """Native :func:`~magi_jax.sharding.collectives.group_cast` (no VJP of its own: the
+    """Native :func:`~magi_jax.sharding.transport.group_cast` (no VJP of its own: the
     transport-generic ``group_cast`` wraps it). ``x [T, ...]`` -> ``[B, ...]``; ``x`` may be
     a list of up to :data:`MAX_ARRAYS` arrays with the same rows (e.g. ``[k, v]``): one
     collective moves their rows side by side, without concatenating them, and returns a list.
@@ -610,7 +610,7 @@ def group_reduce(
     out_dtype: Any = None,
     timeout_s: float | None = None,
 ) -> Arrays:
-    """Native :func:`~magi_jax.sharding.collectives.group_reduce`: ``y [B, ...]`` summed in
+    """Native :func:`~magi_jax.sharding.transport.group_reduce`: ``y [B, ...]`` summed in
     float32 (float64 for float64 ``y``; CPU only) into the owners' rows ->
     ``[num_rows, ...]``, added to ``acc`` (same shape, float32) when given. ``y`` (and
     ``acc``) may be lists of up to :data:`MAX_ARRAYS` arrays of one dtype with the same rows:
