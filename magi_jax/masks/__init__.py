@@ -8,8 +8,9 @@ view, the named masks), :mod:`~magi_jax.masks._row_runs` (any set of cells as ro
 plain arrays: slices from predicates, dense and block masks, exact set algebra),
 :mod:`~magi_jax.masks._builders` (the same row runs on masks: ``row_runs``,
 ``runs_to_mask``, ``canonical``, ``combine``, ``mask_from_fn`` / ``_dense`` /
-``_block_mask``) and :mod:`~magi_jax.masks._zoo` (the named masks of the benchmarks and
-tests).
+``_block_mask``), :mod:`~magi_jax.masks._zoo` (the named masks of the benchmarks and
+tests) and :mod:`~magi_jax.masks.packings` (public: realistic packings, document lengths
+drawn from published corpus statistics, and their masks and segment ids).
 """
 
 from magi_jax.masks._builders import (
