@@ -1,5 +1,6 @@
 """Import paths of modules that moved into the wings (``masks/``, ``sharding/keys/``,
-``sharding/transport/``), kept working for one release: ``import magi_jax.mask`` gives the
+``sharding/transport/``) or took a name that says what they hold, kept working for one
+release: ``import magi_jax.mask`` gives the
 module now at ``magi_jax.masks._mask``, the same module object (so its attributes, set or
 read, are the module's own), not a copy."""
 
@@ -32,6 +33,10 @@ MOVED = {
     "magi_jax.sharding.native": "magi_jax.sharding.transport.native",
     "magi_jax.sharding.native.transport": "magi_jax.sharding.transport.native._calls",
     "magi_jax.sharding.native.library": "magi_jax.sharding.transport.native._library",
+    "magi_jax.planning.persistence": "magi_jax.planning.persistent_kernels",
+    "magi_jax.planning.defaults": "magi_jax.planning.cost_model",
+    "magi_jax.planning.hierarchy": "magi_jax.planning.relay_table",
+    "magi_jax.ffa.segments": "magi_jax.ffa.device_planner",
 }
 
 

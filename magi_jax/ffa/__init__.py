@@ -2,7 +2,7 @@
 (:mod:`~magi_jax.ffa.api`), the portable ``xla`` backend (:mod:`~magi_jax.ffa.xla`), the dense
 reference (:mod:`~magi_jax.ffa.reference`), the correctness rule of the tests
 (:mod:`~magi_jax.ffa.testing`) and ``jax.nn.dot_product_attention``'s interface
-(:mod:`~magi_jax.ffa.dpa`, with device-built plans from :mod:`~magi_jax.ffa.segments`).
+(:mod:`~magi_jax.ffa.dpa`, with device-built plans from :mod:`~magi_jax.ffa.device_planner`).
 The ``pallas`` backend is :mod:`magi_jax.pallas`."""
 
 from magi_jax.ffa.api import BACKENDS, flex_flash_attention, select_backend

@@ -392,7 +392,7 @@ class AttnMask:
         document that attends only to itself; id 0 is padding: its tokens attend nothing and
         are attended by nothing. A ``[B, T]`` array packs its rows into one sequence of
         ``B·T`` tokens (row ``b`` at ``[b·T, (b+1)·T)``, see
-        :func:`magi_jax.ffa.segments.pack_rows`); documents never cross rows.
+        :func:`magi_jax.ffa.device_planner.pack_rows`); documents never cross rows.
         ``causal`` (default ``True``, like :meth:`varlen` and
         :func:`magi_jax.make_varlen_key`): causal inside each document. ``window``: as in
         :meth:`varlen` — ``(left, right)``, query ``q`` sees keys ``[q - left, q + right]``

@@ -48,7 +48,7 @@ class KeyOptions:
     each means), with its defaults. Built, they are checked one by one (``ValueError`` or
     ``TypeError`` naming the option, the value and the fix) and normalised: integer options
     are Python ints or ``None``, ``overlap_degree`` ``None`` (the cost model's, also for
-    ``"auto"``) or :class:`~magi_jax.planning.defaults.OverlapDegrees` (an integer is both
+    ``"auto"``) or :class:`~magi_jax.planning.cost_model.OverlapDegrees` (an integer is both
     degrees), ``backward_refetch`` a bool, and ``check_dispatch`` a bool (``None`` reads the
     ``MAGI_JAX_CHECK_DISPATCH`` environment variable). Checks that need the mask or the mesh
     are :func:`~magi_jax.sharding.keys._resolve.resolve_options`'."""

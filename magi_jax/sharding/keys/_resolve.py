@@ -197,7 +197,7 @@ def ffa_backend_reason() -> str | None:
 
 
 def _relay_layout(mesh, cp_axis, hierarchical, comm_backend, capacity):
-    """The :class:`~magi_jax.planning.hierarchy.NodeLayout` of a key's two-hop casts and
+    """The :class:`~magi_jax.planning.relay_table.NodeLayout` of a key's two-hop casts and
     whether they are forced (``(layout, forced)``), or ``None`` for flat casts
     (``hierarchical`` checked by :class:`KeyOptions`)."""
     names = cp_names(cp_axis)
