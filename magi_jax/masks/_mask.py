@@ -51,7 +51,6 @@ from magi_jax.masks.slices import AttnMaskType, SliceShapes, shape_to_slices
 if TYPE_CHECKING:  # annotations only (matplotlib is the plot extra)
     from matplotlib.figure import Figure
 
-__all__ = ["AttnMaskType", "AttnMask", "SliceShapes", "shape_to_slices", "window_bounds"]
 
 # Largest dense view to_dense() agrees to build (bool cells).
 _MAX_DENSE_CELLS = 1 << 28

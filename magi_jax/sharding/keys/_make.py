@@ -43,8 +43,6 @@ from magi_jax.sharding.keys._options import KeyOptions
 from magi_jax.sharding.keys._resolve import ResolvedOptions, resolve_options
 from magi_jax.sharding.keys._resolve import ffa_backend_reason as ffa_backend_reason
 
-__all__ = ["make_flex_key", "make_varlen_key", "clear_key_cache", "put_global"]
-
 
 def make_flex_key(
     mask: AttnMask,

@@ -18,17 +18,6 @@ from magi_jax.planning.backends import check_backend
 from magi_jax.sharding.keys._key import MagiKey
 from magi_jax.sharding.transport import TRANSPORTS
 
-__all__ = [
-    "KeyOptions",
-    "check_overlap_degree",
-    "COMM_BACKENDS",
-    "MAX_OVERLAP_DEGREE",
-    "CHECK_DISPATCH_ENV",
-    "HIERARCHICAL",
-    "KV_LAYOUTS",
-    "CAST_GATINGS",
-]
-
 COMM_BACKENDS = ("auto", "xla") + TRANSPORTS
 # Largest overlap degree a key accepts (the bound of PlanCapacity.overlap_degree): every stage
 # costs a kernel launch, a merge and a collective, and the cost model never picks more than 4.

@@ -21,8 +21,6 @@ from magi_jax.sharding.transport import RelayRuns, RelaySpec
 if TYPE_CHECKING:  # annotations only
     from magi_jax.planning import PlanCapacity
 
-__all__ = ["relay_stage"]
-
 
 def relay_stage(
     cast: CastTable,

@@ -26,8 +26,6 @@ from magi_jax.sharding.keys._key import check_mesh, check_pod_axes, cp_names, no
 from magi_jax.sharding.keys._options import CHECK_DISPATCH_ENV, KeyOptions
 from magi_jax.sharding.transport import native
 
-__all__ = ["ResolvedOptions", "resolve_options", "ffa_backend_reason"]
-
 
 class _MetaRef:
     """Hashable handle of a DispatchMeta (by its content)."""

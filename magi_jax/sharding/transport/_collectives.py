@@ -66,23 +66,6 @@ from magi_jax.sharding.transport._pair import pair_counts, pair_gated_ppermute, 
 from magi_jax.sharding.transport._relay import relay_cast, relay_reduce
 from magi_jax.sharding.transport._slot import gated_ppermute, slot_live, slot_perm
 
-__all__ = [
-    "CastArrays",
-    "CastRuns",
-    "CastSpec",
-    "RelayArrays",
-    "RelayRuns",
-    "RelaySpec",
-    "TRANSPORTS",
-    "expand_index_runs",
-    "expand_tables",
-    "group_cast",
-    "group_reduce",
-    "cast_rows",
-    "reduce_rows",
-    "start_reduce_rows",
-]
-
 TRANSPORTS = ("ppermute", "all_to_all", "native")
 # The name the device expansion had here before, for one release.
 expand_runs = expand_index_runs

@@ -12,7 +12,6 @@ from magi_jax.sharding.transport.native._calls import (
     MAX_RUNS,
     CudaTuning,
     auto_reason,
-    available,
     can_start_reduce,
     check_table,
     cuda_tuning,
@@ -26,7 +25,7 @@ from magi_jax.sharding.transport.native._calls import (
     tuning,
     unavailable_reason,
 )
-from magi_jax.sharding.transport.native._library import NativeUnavailable, check_mesh
+from magi_jax.sharding.transport.native._library import NativeUnavailable, available, check_mesh
 
 __all__ = [
     "available",
