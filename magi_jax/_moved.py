@@ -12,7 +12,7 @@ import importlib.util
 import sys
 from types import ModuleType
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "install", "old_child"]
 
 # old path -> where the module lives now
 MOVED = {
@@ -75,6 +75,15 @@ class _Finder(importlib.abc.MetaPathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         new = _target(fullname)
         return None if new is None else importlib.util.spec_from_loader(fullname, _Alias(new))
+
+
+def old_child(package: str, name: str) -> ModuleType:
+    """``package.name`` where that is an old path (a package's ``__getattr__``: the old
+    children of a package are attributes of it, as they were when the package imported
+    them), else ``AttributeError``."""
+    if _target(f"{package}.{name}") is None:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    return importlib.import_module(f"{package}.{name}")
 
 
 def install() -> None:

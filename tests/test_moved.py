@@ -4,6 +4,8 @@ test's monkeypatch) reaches the code that reads it."""
 
 import importlib
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -55,3 +57,18 @@ def test_no_old_path_is_left_as_a_file():
     for old in _moved.MOVED:
         rel = root.joinpath(*old.split("."))
         assert not rel.with_suffix(".py").exists() and not (rel / "__init__.py").exists(), old
+
+
+def test_an_old_child_is_an_attribute_of_its_package():
+    """``mj.sharding.key`` without importing it first, as when the package imported it
+    itself: in a fresh interpreter, so that no earlier import has set the attribute."""
+    code = (
+        "import magi_jax as mj\n"
+        "assert mj.sharding.key.axes_entry is mj.sharding.keys.axes_entry\n"
+        "assert mj.planning.defaults is mj.planning.cost_model\n"
+        "assert mj.ffa.segments is mj.ffa.device_planner\n"
+        "assert mj.sharding.native.transport.__name__.endswith('native._calls')\n"
+        "assert not hasattr(mj.sharding, 'no_such_module')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

@@ -22,6 +22,7 @@ The names below are the front door the device layers (:mod:`magi_jax.sharding`) 
 through.
 """
 
+from magi_jax import _moved
 from magi_jax.planning.capacity import HEADROOM, CapacityError, PlanCapacity
 from magi_jax.planning.cast_table import CastTable, choose_transport
 from magi_jax.planning.cost_model import (
@@ -80,3 +81,7 @@ __all__ = [
     "slot_rows",
     "solve_dispatch",
 ]
+
+
+def __getattr__(name: str) -> object:  # the modules that moved away, by their old names
+    return _moved.old_child(__name__, name)

@@ -6,6 +6,7 @@
 library and says whether a platform or a mesh can run it.
 """
 
+from magi_jax import _moved
 from magi_jax.sharding.transport.native._calls import (
     DEFAULT_TIMEOUT_S,
     MAX_ARRAYS,
@@ -49,3 +50,7 @@ __all__ = [
     "check_mesh",
     "NativeUnavailable",
 ]
+
+
+def __getattr__(name: str) -> object:  # the modules that moved away, by their old names
+    return _moved.old_child(__name__, name)
