@@ -185,7 +185,7 @@ def expand_lists(
     """The :class:`~magi_jax.planning.work_list.FFAPlanArrays` that ``lists`` stand for, on
     the device: runs (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) expanded to item
     arrays ``items = (q, k)`` wide, exactly those of
-    :func:`~magi_jax.planning.work_list.expand_runs`; lists of items are returned as they
+    :func:`~magi_jax.planning.work_list.expand_plan_runs`; lists of items are returned as they
     are. jnp, traceable, O(items) work: a ragged enumeration of the runs (cumulative lengths
     and an unrolled binary search, no device loop) and one gather. Leading axes (stacked
     ranks) are mapped over."""

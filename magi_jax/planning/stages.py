@@ -136,7 +136,7 @@ class StagePlan:
     ``ffa`` holds the work lists as runs
     (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) and ``items`` the widths ``(q, k)``
     of the item arrays they stand for (expanded on the device right before the FFA call;
-    :func:`~magi_jax.planning.work_list.expand_runs` on the host)."""
+    :func:`~magi_jax.planning.work_list.expand_plan_runs` on the host)."""
 
     ffa: tuple  # the backend's plan arrays (NamedTuple), stacked
     kv_len: int

@@ -26,8 +26,6 @@ from magi_jax.sharding.keys._key import check_mesh, check_pod_axes, cp_names, no
 from magi_jax.sharding.keys._options import CHECK_DISPATCH_ENV, KeyOptions
 from magi_jax.sharding.transport import native
 
-__all__ = ["ResolvedOptions", "resolve_options", "ffa_backend_reason"]
-
 
 class _MetaRef:
     """Hashable handle of a DispatchMeta (by its content)."""
@@ -197,7 +195,7 @@ def ffa_backend_reason() -> str | None:
 
 
 def _relay_layout(mesh, cp_axis, hierarchical, comm_backend, capacity):
-    """The :class:`~magi_jax.planning.hierarchy.NodeLayout` of a key's two-hop casts and
+    """The :class:`~magi_jax.planning.relay_table.NodeLayout` of a key's two-hop casts and
     whether they are forced (``(layout, forced)``), or ``None`` for flat casts
     (``hierarchical`` checked by :class:`KeyOptions`)."""
     names = cp_names(cp_axis)
