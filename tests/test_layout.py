@@ -175,7 +175,8 @@ def internal_imports(files: dict[str, pathlib.Path] | None = None) -> list[str]:
 # The wings: packages of one concept, entered through their __init__; the modules of each
 # that are not its inside (a leading underscore) are named here.
 WINGS = {
-    "magi_jax.masks": {"slices"},  # the slice types, which plot takes without the mask type
+    # the slice types, which plot takes without the mask type; realistic packings (data loaders)
+    "magi_jax.masks": {"slices", "packings"},
     "magi_jax.sharding.keys": set(),
     "magi_jax.sharding.transport": {"native"},  # the native transport, a package itself
 }
