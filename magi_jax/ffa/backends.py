@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-from magi_jax.mask import AttnMask
+from magi_jax.masks import AttnMask
 from magi_jax.planning.backends import AUTO, BACKEND_CHOICES, check_backend
 
 __all__ = ["BACKENDS", "auto_backend", "select_backend", "mla_reason"]

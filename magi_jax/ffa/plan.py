@@ -24,7 +24,8 @@ import numpy as np
 
 from magi_jax.ffa.backends import auto_backend
 from magi_jax.ffa.ragged import expand_item_runs
-from magi_jax.mask import AttnMask
+from magi_jax.ffa.xla import LANE_LEN
+from magi_jax.masks import AttnMask
 from magi_jax.planning.backends import AUTO, BACKEND_CHOICES, check_backend
 from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.work_list import (
@@ -41,8 +42,6 @@ from magi_jax.planning.work_list import (
 __all__ = ["AttnPlan", "PlanStatic", "plan_attention", "PLAN_BACKENDS", "expand_lists"]
 
 PLAN_BACKENDS = BACKEND_CHOICES
-# Items per lane of the xla backend (its device-side cut of each tile's run).
-_XLA_LANE_LEN = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +59,7 @@ class PlanStatic:
     backend: str
     fwd_block: tuple[int, int]
     bwd_block: tuple[int, int]
-    lane_len: int = _XLA_LANE_LEN
+    lane_len: int = LANE_LEN
     groups: tuple[int, int] | None = None
     programs: int = 0
     items: tuple[int, int] | None = None
@@ -167,16 +166,16 @@ def plan_attention(
         hq, hkv = (int(h) for h in num_heads)
         if hq < 1 or hkv < 1 or hq % hkv:
             raise ValueError(f"num_heads={num_heads} must be (Hq, Hkv) with Hq % Hkv == 0")
-        programs = _sm_count()
+        from magi_jax.pallas.tuning import sm_count
+
+        programs = sm_count()
         if programs:
             groups = (int(batch) * hq, int(batch) * hkv)
             schedules = (
                 *persistent_schedule(fwd, groups[0], programs),
                 *persistent_schedule(bwd, groups[1], programs),
             )
-    static = PlanStatic(
-        capacity, name, fwd_block, bwd_block, _XLA_LANE_LEN, groups, programs, items
-    )
+    static = PlanStatic(capacity, name, fwd_block, bwd_block, LANE_LEN, groups, programs, items)
     return AttnPlan(lists, schedules, static)
 
 
@@ -186,7 +185,7 @@ def expand_lists(
     """The :class:`~magi_jax.planning.work_list.FFAPlanArrays` that ``lists`` stand for, on
     the device: runs (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) expanded to item
     arrays ``items = (q, k)`` wide, exactly those of
-    :func:`~magi_jax.planning.work_list.expand_runs`; lists of items are returned as they
+    :func:`~magi_jax.planning.work_list.expand_plan_runs`; lists of items are returned as they
     are. jnp, traceable, O(items) work: a ragged enumeration of the runs (cumulative lengths
     and an unrolled binary search, no device loop) and one gather. Leading axes (stacked
     ranks) are mapped over."""
@@ -205,10 +204,3 @@ def expand_lists(
         lists.k_offsets,
         expand_item_runs(lists.k_runs, int(items[1])),
     )
-
-
-def _sm_count() -> int:
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        return 0
-    return int(getattr(dev, "core_count", 0) or 0)

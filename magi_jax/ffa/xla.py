@@ -25,12 +25,12 @@ import jax.numpy as jnp
 
 from magi_jax.planning.work_list import EMPTY_ITEM, ITEM_FIELDS, FFAPlanArrays
 
-__all__ = ["xla_ffa", "xla_ffa_forward", "xla_ffa_backward", "XlaConfig"]
+__all__ = ["xla_ffa", "xla_ffa_forward", "xla_ffa_backward", "XlaConfig", "LANE_LEN"]
 
 _F = {name: i for i, name in enumerate(ITEM_FIELDS)}
 # Items per lane: long enough that a lane's state and its merge are cheap beside its items,
 # short enough that the last lane of a tile wastes little.
-_LANE_LEN = 16
+LANE_LEN = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,7 @@ class XlaConfig:
     softcap: float
     fwd_block: tuple[int, int]
     bwd_block: tuple[int, int]
-    lane_len: int = _LANE_LEN
+    lane_len: int = LANE_LEN
     lanes_per_block: int = 0
     max_logits: bool = False
 
@@ -372,7 +372,7 @@ _ffa_jit = jax.jit(_ffa, static_argnums=(4,))
 
 
 def _config(
-    softmax_scale, softcap, block_q, block_k, lane_len=_LANE_LEN, max_logits=False
+    softmax_scale, softcap, block_q, block_k, lane_len=LANE_LEN, max_logits=False
 ) -> XlaConfig:
     block = (int(block_q), int(block_k))
     return XlaConfig(
@@ -395,7 +395,7 @@ def xla_ffa(
     softcap: float,
     block_q: int,
     block_k: int,
-    lane_len: int = _LANE_LEN,
+    lane_len: int = LANE_LEN,
     return_max_logits: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Flexible-mask attention from plan arrays (no mask object): the entry point of the
