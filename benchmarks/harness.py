@@ -266,7 +266,7 @@ def backend_missing(engine: str) -> str | None:
     import jax
 
     from magi_jax.ffa import flex_flash_attention
-    from magi_jax.mask import AttnMask
+    from magi_jax.masks import AttnMask
 
     x = jax.ShapeDtypeStruct((128, 1, 64), "bfloat16")
     try:

@@ -11,7 +11,7 @@ mask's area for every row: ``2·area·Hq·(Dqk + Dv)·B`` forward, 3.5× forward
 the backward alone.
 
 Masks: the zoo (``ZOO``), ``many_docs_<n>``, ``swa_causal_<w>``, and documents
-``pack_<mix>`` (lengths from :mod:`magi_jax.packings`, mix ``web`` or ``long``, seeded by
+``pack_<mix>`` (lengths from :mod:`magi_jax.masks.packings`, mix ``web`` or ``long``, seeded by
 length) and ``docs<n>`` (``n`` equal documents), each causal, or ``..._full``, or
 ``..._w<window>`` (a causal window inside each document).
 
@@ -35,10 +35,8 @@ import re
 import numpy as np
 
 from benchmarks import harness
-from magi_jax import packings
-from magi_jax.mask import AttnMask
-from magi_jax.mask_zoo import make_mask as zoo_mask
-from magi_jax.mask_zoo import random_doc_lengths, scaled_doc_lengths
+from magi_jax.masks import AttnMask, packings, random_doc_lengths, scaled_doc_lengths
+from magi_jax.masks import make_mask as zoo_mask
 
 ZOO = (
     "full",
@@ -67,7 +65,7 @@ PRESETS = {
     ]
     + [(m, 16384, ("pallas",), ()) for m in ZOO if m not in ("full", "causal")],
     "smoke": [("causal", 4096, None, None), ("doc_causal", 4096, None, None)],
-    # Realistic packings (magi_jax.packings): causal documents at 8k, 32k and 128k; then full
+    # Realistic packings (magi_jax.masks.packings): causal documents at 8k, 32k and 128k; then full
     # documents and a 1024-token window inside each. A few minutes each on an H100 (estimate).
     "realistic": [
         (f"pack_{m}", t, None, None) for t in (8192, 32768, 131072) for m in ("web", "long")

@@ -3,7 +3,7 @@
 Dim 2048, 16 layers, 32 query / 8 key heads of 64, SwiGLU 8192, RoPE (positions restart at
 every document), tied embeddings (vocab 128256), each layer rematerialised, bf16 compute
 over float32 AdamW weights; one row of ``--tokens`` tokens a step, a new packing from
-:mod:`magi_jax.packings` every step (``--mix``, causal documents). Attention variants, all
+:mod:`magi_jax.masks.packings` every step (``--mix``, causal documents). Attention variants, all
 in one run and one table:
 
 - ``auto`` and each engine forced (``--engines``): ``magi_jax.dot_product_attention`` with
@@ -35,7 +35,7 @@ import numpy as np
 
 import magi_jax as mj
 from benchmarks import harness
-from magi_jax import packings
+from magi_jax.masks import packings
 
 
 @dataclasses.dataclass(frozen=True)

@@ -118,8 +118,8 @@ def test_judge_reads_a_results_file(tmp_path, capsys):
 
 
 def test_document_masks_are_their_packings():
-    from magi_jax.mask_zoo import make_mask as zoo_mask
-    from magi_jax.packings import packing_mask
+    from magi_jax.masks import make_mask as zoo_mask
+    from magi_jax.masks.packings import packing_mask
 
     for name in ("pack_web", "pack_long_full", "pack_web_w1024", "docs128", "docs512_full"):
         lens, causal, window = kb.documents(name, 32768)

@@ -5,7 +5,7 @@ import json
 import numpy as np
 
 from benchmarks import model_bench as mb
-from magi_jax.packings import WEB_TEXT
+from magi_jax.masks.packings import WEB_TEXT
 
 
 def test_llama_1b_matmul_parameters():
