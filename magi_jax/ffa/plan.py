@@ -25,7 +25,7 @@ import numpy as np
 from magi_jax.ffa.backends import auto_backend
 from magi_jax.ffa.ragged import expand_item_runs
 from magi_jax.mask import AttnMask
-from magi_jax.planning.backends import AUTO, BACKEND_CHOICES, check_backend
+from magi_jax.planning.backends import AUTO, HOST_SPECS, check_backend
 from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.work_list import (
     FFAPlanArrays,
@@ -38,11 +38,10 @@ from magi_jax.planning.work_list import (
     work_list_runs,
 )
 
-__all__ = ["AttnPlan", "PlanStatic", "plan_attention", "PLAN_BACKENDS", "expand_lists"]
+__all__ = ["AttnPlan", "PlanStatic", "plan_attention", "expand_lists"]
 
-PLAN_BACKENDS = BACKEND_CHOICES
-# Items per lane of the xla backend (its device-side cut of each tile's run).
-_XLA_LANE_LEN = 16
+# Items per lane of the xla engine (its device-side cut of each tile's run).
+_XLA_LANE_LEN = HOST_SPECS["xla"].lane_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +102,13 @@ class AttnPlan:
 
 def _resolve_backend(backend: str) -> tuple[str, str]:
     if check_backend(backend) == AUTO:
-        return auto_backend()
+        # A plan holds work lists: the engines that read them.
+        return auto_backend(context_parallel=True)
+    if not HOST_SPECS[backend].work_lists:
+        raise ValueError(
+            f"backend={backend!r} reads no work lists, so it has no plan: pass the AttnMask "
+            "to flex_flash_attention for it, or plan for 'pallas' or 'xla'"
+        )
     return backend, "requested explicitly"
 
 
@@ -167,7 +172,9 @@ def plan_attention(
         hq, hkv = (int(h) for h in num_heads)
         if hq < 1 or hkv < 1 or hq % hkv:
             raise ValueError(f"num_heads={num_heads} must be (Hq, Hkv) with Hq % Hkv == 0")
-        programs = _sm_count()
+        from magi_jax.pallas.tuning import sm_count
+
+        programs = sm_count()
         if programs:
             groups = (int(batch) * hq, int(batch) * hkv)
             schedules = (
@@ -205,10 +212,3 @@ def expand_lists(
         lists.k_offsets,
         expand_item_runs(lists.k_runs, int(items[1])),
     )
-
-
-def _sm_count() -> int:
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        return 0
-    return int(getattr(dev, "core_count", 0) or 0)

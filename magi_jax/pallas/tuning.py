@@ -271,7 +271,16 @@ def default_programs(plan: FFAPlanArrays, interpret: bool, kernel: str = "fwd") 
     counts = counts[counts > 0]
     if counts.size and not persistent_pays(counts.sum(), counts.size, kernel):
         return 0
-    return int(getattr(jax.devices()[0], "core_count", 0) or 0)
+    return sm_count()
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the default device (0 off GPUs): the programs of a
+    persistent kernel."""
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        return 0
+    return int(getattr(dev, "core_count", 0) or 0)
 
 
 def default_persistence(
