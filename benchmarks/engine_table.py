@@ -60,7 +60,7 @@ def _cases(smoke: bool):
     yield "causal 32k", AttnMask.causal(32768)
     for total in (8192, 32768, 131072):
         yield f"web {total // 1024}k", docs(sample_doc_lens(total, 0))
-    yield "long-context 32k", docs(sample_doc_lens(32768, 0, "long_context"))
+    yield "long-context 32k", docs(sample_doc_lens(32768, 0, "long"))
     yield "web 32k full", docs(sample_doc_lens(32768, 0), causal=False)
     yield f"web 32k window {_WINDOW}", docs(sample_doc_lens(32768, 0), window=(_WINDOW - 1, 0))
     for n in (128, 512):

@@ -28,6 +28,10 @@ from magi_jax.mask import AttnMask
 __all__ = ["PackedDocs", "PackedArrays", "packed_docs", "packed_arrays", "FULL_DOCS", "CAUSAL_DOCS"]
 
 FULL_DOCS, CAUSAL_DOCS = "full", "causal"
+_ORDER = (
+    "the documents' key ranges are not in the order of their query ranges (or overlap); "
+    "cuDNN's packed layout pairs the j-th query block with the j-th key block"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,46 +71,33 @@ class PackedArrays(tuple):
     capacity of ``M`` documents (as :func:`packed_arrays` builds them)."""
 
 
-def _components(shapes, keep: np.ndarray) -> np.ndarray:
-    """Labels of the slices ``keep`` joined when their query rows or their key columns
-    overlap (a document's slices share rows or columns; two documents share neither)."""
-    idx = np.flatnonzero(keep)
-    parent = np.arange(idx.size)
-
-    def find(i):
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    for lo, hi in ((shapes.q0, shapes.q1), (shapes.k0, shapes.k1)):
-        lo, hi = lo[idx], hi[idx]
-        order = np.argsort(lo, kind="stable")
-        reach, head = -1, -1
-        for i in order.tolist():
-            if lo[i] < reach:
-                a, b = find(i), find(head)
-                if a != b:
-                    parent[a] = b
-            else:
-                head = i
-            reach = max(reach, int(hi[i]))
-    return np.array([find(i) for i in range(idx.size)], np.int64)
+def _row_intervals(mask: AttnMask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(lo, hi, count)`` int64 ``[total_q]``: each row's first and last visible key and its
+    number of cells (slices never share a cell, so the counts add up); ``count = 0`` for a
+    row that sees no key."""
+    shapes = mask.shapes
+    t = mask.total_q
+    lo = np.full(t, np.iinfo(np.int64).max, np.int64)
+    hi = np.full(t, -1, np.int64)
+    count = np.zeros(t, np.int64)
+    for s in np.flatnonzero(shapes.nonempty).tolist():
+        q = np.arange(shapes.q0[s], shapes.q1[s])
+        a, b = shapes.lo(q, s), shapes.hi(q, s)
+        rows = slice(int(q[0]), int(q[-1]) + 1)
+        np.minimum(lo[rows], a, out=lo[rows])
+        np.maximum(hi[rows], b, out=hi[rows])
+        count[rows] += b - a + 1
+    return lo, hi, count
 
 
-def _cell_bounds(shapes, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Least and largest ``k - q`` over the cells of the slices ``idx`` (their row bounds
-    are linear, so the ends of the rows decide)."""
-    first, last = shapes.q0[idx], shapes.q1[idx] - 1
-    lo = np.minimum(shapes.lo(first, idx) - first, shapes.lo(last, idx) - last)
-    hi = np.maximum(shapes.hi(first, idx) - first, shapes.hi(last, idx) - last)
-    return lo, hi
-
-
-def _band_area(n: np.ndarray, w: int) -> np.ndarray:
-    """Cells of a causal ``n x n`` block whose rows see at most ``w`` keys."""
-    m = np.minimum(n, w)
-    return m * (m + 1) // 2 + (n - m) * w
+def _runs(starts: np.ndarray, used: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(first, end)``: the runs of consecutive ``used`` rows, cut before every ``starts``
+    row."""
+    prev = np.concatenate([[False], used[:-1]])
+    first = np.flatnonzero(used & (starts | ~prev))
+    stops = np.flatnonzero(prev & ~used)  # first unused row after a used one
+    bounds = np.sort(np.concatenate([first, stops, [used.size]]))
+    return first, bounds[np.searchsorted(bounds, first, side="right")]
 
 
 def packed_docs(mask: AttnMask) -> tuple[PackedDocs | None, str]:
@@ -116,79 +107,73 @@ def packed_docs(mask: AttnMask) -> tuple[PackedDocs | None, str]:
     It does when the mask is a union of per-document diagonal blocks — each document's
     queries ``[qs, qs + n)`` see only its keys ``[ks, ks + m)`` — in order along queries and
     keys, every block ``FULL``, or every block causal (``n == m``, query ``i`` sees keys up
-    to ``i``) with one optional sliding window for all. The check is exact: cells are
-    counted, not sampled."""
+    to ``i``) with one optional sliding window for all. The check is exact, row by row:
+    every row's keys are recomputed from the documents found and compared."""
     if not isinstance(mask, AttnMask):
         raise TypeError(f"mask must be an AttnMask; got {type(mask).__name__}")
-    shapes = mask.shapes
-    keep = shapes.nonempty
-    if not keep.any():
+    lo, hi, count = _row_intervals(mask)
+    used = count > 0
+    if not used.any():
         return None, "the mask holds no cell (cuDNN's packed layout needs a document)"
-    idx = np.flatnonzero(keep)
-    label = _components(shapes, keep)
-    groups = np.unique(label)
-    areas = shapes.areas()[idx]
-    dlo, dhi = _cell_bounds(shapes, idx)
-    q_starts, q_ends, k_starts, k_ends, doc_area, doc_dlo, doc_dhi = ([] for _ in range(7))
-    for g in groups.tolist():
-        mine = label == g
-        sel = idx[mine]
-        q_starts.append(shapes.q0[sel].min())
-        q_ends.append(shapes.q1[sel].max())
-        k_starts.append(shapes.k0[sel].min())
-        k_ends.append(shapes.k1[sel].max())
-        doc_area.append(areas[mine].sum())
-        doc_dlo.append(dlo[mine].min())
-        doc_dhi.append(dhi[mine].max())
-    qs, qe, ks, ke = (np.array(a, np.int64) for a in (q_starts, q_ends, k_starts, k_ends))
-    area, dmin, dmax = (np.array(a, np.int64) for a in (doc_area, doc_dlo, doc_dhi))
-    order = np.argsort(qs, kind="stable")
-    qs, qe, ks, ke, area, dmin, dmax = (a[order] for a in (qs, qe, ks, ke, area, dmin, dmax))
-    if np.any(np.diff(ks) <= 0) or np.any(ks[1:] < ke[:-1]) or np.any(qs[1:] < qe[:-1]):
+    width = np.where(used, hi - lo + 1, 0)
+    if np.any(count != width):
+        q = int(np.flatnonzero(count != width)[0])
         return None, (
-            "the documents' key ranges are not in the order of their query ranges (or "
-            "overlap); cuDNN's packed layout pairs the j-th query block with the j-th key "
-            "block"
+            f"query {q} sees keys in more than one range (within [{lo[q]}, {hi[q]}]); in "
+            "cuDNN's packed layout a query sees one range of its document's keys"
         )
-    n, m = qe - qs, ke - ks
-    # Slices inside a block may leave its cells partly uncovered; the counts decide.
-    if np.all(area == n * m):
-        return PackedDocs(FULL_DOCS, 0, qs, n, ks, m, mask.total_q, mask.total_k), ""
-    off = ks - qs  # k - q on a block's main diagonal
-    full = (area == n * m) & (n > 1) & (m > 1)
-    causal = (n == m) & (dmax <= off)
-    if np.any(~causal & ~full):
-        j = int(np.flatnonzero(~causal & ~full)[0])
+    rows = np.arange(mask.total_q)
+    # Full documents: runs of rows that see one same range, the ranges in order.
+    same = np.concatenate([[False], (lo[1:] == lo[:-1]) & (hi[1:] == hi[:-1])])
+    first, end = _runs(~same, used)
+    ks, ke = lo[first], hi[first] + 1
+    t = (mask.total_q, mask.total_k)
+    if np.all(ks[1:] >= ke[:-1]):
+        return PackedDocs(FULL_DOCS, 0, first, end - first, ks, ke - ks, *t), ""
+    by_key = np.argsort(ks, kind="stable")
+    if np.all(ks[by_key][1:] >= ke[by_key][:-1]):  # full blocks, keys out of order
+        return None, _ORDER
+    # Causal documents: each starts where a row sees one key (its first key), the rows after
+    # it see one more key each (up to the window).
+    off = hi - rows
+    first, end = _runs((width == 1) | np.concatenate([[True], off[1:] != off[:-1]]), used)
+    n = end - first
+    ks = lo[first]
+    doc_of = np.full(mask.total_q, -1, np.int64)
+    for j, (a, b) in enumerate(zip(first.tolist(), end.tolist())):
+        doc_of[a:b] = j
+    inside = doc_of >= 0
+    i = np.where(inside, rows - first[np.maximum(doc_of, 0)], 0)
+    base = np.where(inside, ks[np.maximum(doc_of, 0)], 0)
+    narrowed = inside & (width < i + 1)
+    windows = np.unique(width[narrowed])
+    if windows.size > 1:
         return None, (
-            f"document {j} (queries [{qs[j]}, {qe[j]}), keys [{ks[j]}, {ke[j]})) is neither "
-            "a full block nor a square causal one (cuDNN's causal diagonal is top-left "
-            "aligned, ours bottom-right: they agree where a document has as many queries as "
-            "keys)"
+            f"the documents have causal windows of different widths ({windows[:4].tolist()}); "
+            "cuDNN takes one sliding window per call"
         )
-    if np.any(~causal):
-        j = int(np.flatnonzero(~causal)[0])
+    window = int(windows[0]) if windows.size else 0
+    want_hi = base + i
+    want_lo = np.maximum(base, want_hi - window + 1) if window else base
+    bad = inside & ((hi != want_hi) | (lo != want_lo))
+    if bad.any():
+        q = int(np.flatnonzero(bad)[0])
+        j = int(doc_of[q])
+        full_rows = np.any(same & inside & (width > 1))
+        if full_rows and np.any(width[inside] == 1):
+            return None, (
+                "documents mix full blocks and causal ones (or a block is neither); cuDNN "
+                "takes one mask type per call"
+            )
         return None, (
-            f"documents mix full blocks (document {j}, queries [{qs[j]}, {qe[j]})) and causal "
-            "ones; cuDNN takes one mask type per call"
+            f"query {q} sees keys [{lo[q]}, {hi[q]}]: neither a full block nor a square causal "
+            f"one (as document {j} from query {first[j]}, key {ks[j]} it would see "
+            f"[{want_lo[q]}, {want_hi[q]}]); cuDNN's causal diagonal is top-left aligned, ours "
+            "bottom-right: they agree where a document has as many queries as keys"
         )
-    # Causal blocks with a window w: every cell has k - q > off - w, and the cells fill it.
-    width = (off - dmin + 1).astype(np.int64)  # keys the widest row of a block sees
-    cut = width < n  # blocks the window narrows
-    window = int(width[cut].max()) if cut.any() else 0
-    if cut.any() and np.any(width[cut] != window):
-        return None, (
-            f"the documents have causal windows of different widths "
-            f"({sorted(set(width[cut].tolist()))[:4]}); cuDNN takes one sliding window per call"
-        )
-    want = _band_area(n, window) if window else n * (n + 1) // 2
-    if np.any(area != want):
-        j = int(np.flatnonzero(area != want)[0])
-        what = f"causal with a window of {window} keys" if window else "causal"
-        return None, (
-            f"document {j} (queries [{qs[j]}, {qe[j]})) holds {int(area[j])} cells, not the "
-            f"{int(want[j])} of a {what} block: it has holes or extra cells"
-        )
-    return PackedDocs(CAUSAL_DOCS, window, qs, n, ks, m, mask.total_q, mask.total_k), ""
+    if np.any(ks[1:] < ks[:-1] + n[:-1]):
+        return None, _ORDER
+    return PackedDocs(CAUSAL_DOCS, window, first, n, ks, n.copy(), *t), ""
 
 
 def packed_arrays(docs: PackedDocs, max_docs: int) -> PackedArrays:
