@@ -177,12 +177,13 @@ def packed_docs(mask: AttnMask) -> tuple[PackedDocs | None, str]:
 
 
 def packed_arrays(docs: PackedDocs, max_docs: int) -> PackedArrays:
-    """The documents as cuDNN's packed-layout operands at a capacity of ``max_docs``
-    documents (``>= 2``: one row of offsets with a single entry reads as an unpacked call):
-    ``q_offsets [M + 1]``, ``kv_offsets [M + 1]`` (each document's first token, then the end
-    of the last one), ``q_seqlen [M]``, ``kv_seqlen [M]``; unused entries are -1. int32;
-    shapes from ``max_docs`` alone. ``ValueError`` naming ``max_docs`` when the documents
-    do not fit."""
+    """The documents as the operands of JAX's cuDNN call for one batch row, at a capacity of
+    ``max_docs`` documents (``>= 2``: offsets of one entry would read as an unpacked call):
+    ``q_offsets [M + 1]``, ``kv_offsets [M + 1]`` (each document's first query and key),
+    ``q_seqlen [M]``, ``kv_seqlen [M]`` (their counts); unused entries are -1 (JAX shifts
+    the documents of every batch row to the front and ends them with the batch's size, so
+    a row lists starts only). int32; shapes from ``max_docs`` alone. ``ValueError`` naming
+    ``max_docs`` when the documents do not fit."""
     if isinstance(max_docs, bool) or int(max_docs) != max_docs or int(max_docs) < 2:
         raise ValueError(f"max_docs={max_docs!r} must be an integer >= 2")
     cap = int(max_docs)
@@ -197,8 +198,6 @@ def packed_arrays(docs: PackedDocs, max_docs: int) -> PackedArrays:
     k_len = np.full(cap, -1, np.int32)
     q_off[:n] = docs.q_starts
     k_off[:n] = docs.k_starts
-    q_off[n] = docs.q_starts[-1] + docs.q_lens[-1]
-    k_off[n] = docs.k_starts[-1] + docs.k_lens[-1]
     q_len[:n] = docs.q_lens
     k_len[:n] = docs.k_lens
     return PackedArrays((q_off, k_off, q_len, k_len))
