@@ -8,7 +8,7 @@ On one GPU (sm90: both engines run there):
 times ``flex_flash_attention`` with ``backend="pallas"`` and ``backend="cudnn"`` on the
 same inputs (bf16, Hq = Hkv = 16, D = 128, 32768 tokens a call: B = 32768 / length), forward
 and forward + backward, for every class of cuDNN's packed layout: full and causal, realistic
-packings (``magi_jax.packings``: web text at 8k, 32k and 128k, the long-context mixture at
+packings (``magi_jax.masks.packings``: web text at 8k, 32k and 128k, the long-context mixture at
 32k; causal, full and with a 1024-token window) and the stress cases (128 and 512 equal
 documents in 32k). It replaces this GPU kind's rows of the table and writes the run to
 ``benchmarks/results/kernel/engine_table_<date>_<device>.{json,md}``.
@@ -45,7 +45,7 @@ _KEYS = ("device", "class", "tokens", "docs", "mode")
 
 def _cases(smoke: bool):
     from magi_jax import AttnMask
-    from magi_jax.packings import equal_doc_lens, sample_doc_lens
+    from magi_jax.masks.packings import equal_doc_lens, sample_doc_lens
 
     def docs(lens, causal=True, window=None):
         cu = np.concatenate([[0], np.cumsum(lens)])

@@ -4,13 +4,16 @@ Layers (folders): :mod:`magi_jax.planning` (host planning, pure NumPy, no JAX),
 :mod:`magi_jax.ffa` (single-device attention), :mod:`magi_jax.pallas` (Mosaic GPU kernels),
 :mod:`magi_jax.sharding` (context parallelism), :mod:`magi_jax.nn` (Flax modules).
 
-The public names below are imported on first use, so that ``import magi_jax.mask`` or
+The public names below are imported on first use, so that ``import magi_jax.masks`` or
 ``import magi_jax.planning`` (host planning) does not import JAX.
 """
 
-import importlib
+from importlib import import_module as _import_module
 
-from magi_jax.mask import AttnMask, AttnMaskType
+from magi_jax import _moved
+from magi_jax.masks import AttnMask, AttnMaskType
+
+_moved.install()
 
 __version__ = "0.1.0"
 
@@ -40,7 +43,7 @@ _LAZY = {
     "overlap_calibrations": "magi_jax.sharding",
     "clear_overlap_calibrations": "magi_jax.sharding",
 }
-_SUBPACKAGES = ("caches", "cli", "ffa", "mask", "nn", "pallas", "planning", "plot", "sharding")
+_SUBPACKAGES = ("caches", "cli", "ffa", "masks", "nn", "pallas", "planning", "plot", "sharding")
 
 __all__ = [
     "AttnMask",
@@ -73,9 +76,9 @@ __all__ = [
 
 def __getattr__(name):
     if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-    elif name in _SUBPACKAGES:
-        value = importlib.import_module(f"magi_jax.{name}")
+        value = getattr(_import_module(_LAZY[name]), name)
+    elif name in _SUBPACKAGES or f"magi_jax.{name}" in _moved.MOVED:
+        value = _import_module(f"magi_jax.{name}")
     else:
         raise AttributeError(f"module 'magi_jax' has no attribute {name!r}")
     globals()[name] = value
@@ -83,4 +86,4 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__) | set(_SUBPACKAGES))
+    return sorted({"__version__", *__all__, *_SUBPACKAGES})

@@ -3,7 +3,7 @@ switch that clears them all (:func:`clear_caches`).
 
 Host plans are cached by mask fingerprint (work lists, dispatches, distributed plans) and
 keys by their arguments, in a cache bounded by the bytes of its keys' device arrays
-(:func:`magi_jax.sharding.make_key.clear_key_cache` sets the bound). Every cache registers
+(:func:`magi_jax.sharding.keys.clear_key_cache` sets the bound). Every cache registers
 itself when it is made, so :func:`clear_caches` reaches all of them. Host only (no JAX)."""
 
 from __future__ import annotations

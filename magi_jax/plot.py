@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from magi_jax.mask_slices import AttnMaskType
+from magi_jax.masks.slices import AttnMaskType
 
 if TYPE_CHECKING:  # annotations only (matplotlib is an extra; mask, planner and keys sit above)
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from magi_jax.mask import AttnMask
+    from magi_jax.masks import AttnMask
     from magi_jax.planning.cast_table import CastTable
     from magi_jax.planning.stages import DistPlan
-    from magi_jax.sharding.key import MagiKey
+    from magi_jax.sharding.keys import MagiKey
 
 __all__ = ["plot_mask", "plot_plan", "plot_key", "remote_kv_matrix"]
 
@@ -179,7 +179,7 @@ def _rgba(colour):
 
 def remote_kv_matrix(cast: CastTable) -> np.ndarray:
     """int64 ``[cp, cp]``: ``m[dst, src]`` = KV tokens rank ``src`` sends to rank ``dst`` in
-    one stage's group-cast table (:class:`~magi_jax.sharding.collectives.CastTable`)."""
+    one stage's group-cast table (:class:`~magi_jax.planning.cast_table.CastTable`)."""
     cp = cast.cp
     counts = (np.asarray(cast.send_index) >= 0).sum(axis=2)  # [cp src, slots]
     m = np.zeros((cp, cp), np.int64)

@@ -1,4 +1,4 @@
-"""magi_jax.packings: document lengths of realistic packings, their masks and segment ids."""
+"""magi_jax.masks.packings: document lengths of realistic packings, their masks and segment ids."""
 
 import math
 import subprocess
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from magi_jax import AttnMask
-from magi_jax.packings import (
+from magi_jax.masks.packings import (
     LONG_CONTEXT,
     MIXES,
     WEB_TEXT,
@@ -123,5 +123,5 @@ def test_errors_name_the_argument():
 
 
 def test_no_jax_import():
-    code = "import sys, magi_jax.packings; sys.exit('jax' in sys.modules)"
+    code = "import sys, magi_jax.masks.packings; sys.exit('jax' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

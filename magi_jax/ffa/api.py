@@ -12,7 +12,7 @@ from magi_jax.ffa.backends import BACKENDS, mla_reason, select_backend
 from magi_jax.ffa.plan import AttnPlan
 from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.ffa.xla import xla_ffa
-from magi_jax.mask import AttnMask
+from magi_jax.masks import AttnMask
 from magi_jax.planning.backends import backend_blocks
 from magi_jax.planning.work_list import plan_for_mask
 

@@ -24,7 +24,7 @@ from typing import Callable
 
 import jax
 
-from magi_jax.mask import AttnMask
+from magi_jax.masks import AttnMask
 from magi_jax.planning.backends import AUTO, BACKENDS, HOST_SPECS, HostSpec, check_backend
 
 __all__ = [

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magi_jax.mask import AttnMask
+from magi_jax.masks import AttnMask
 from magi_jax.planning.packed import CAUSAL_DOCS, PackedDocs, packed_arrays, packed_docs
 
 if TYPE_CHECKING:

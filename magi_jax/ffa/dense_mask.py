@@ -5,7 +5,7 @@ Each row's runs of ``True`` are merged with the same run on the rows below into 
 rectangle, so a block-structured mask gives few rectangles and any mask at most one per run
 of a row. Host NumPy, ``O(Tq·Tk)`` time and memory: for the masks ``jax.nn`` takes (it builds
 the ``[T, S]`` scores itself), not for long sequences — build those as an
-:class:`~magi_jax.mask.AttnMask` from its constructors.
+:class:`~magi_jax.masks.AttnMask` from its constructors.
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ ones that have no exact, memory-light equivalent here (an additive ``bias``, a t
 How each input becomes a mask:
 
 - nothing but ``is_causal`` / ``local_window_size``: one host mask for the whole batch
-  (at most three slices, :func:`magi_jax.mask.shape_to_slices`);
+  (at most three slices, :func:`magi_jax.masks.shape_to_slices`);
 - ``segment_ids`` and/or ``query_seq_lengths`` / ``key_value_seq_lengths`` (may be traced):
   the batch rows are packed into one sequence and the plan is built on the device
-  (:func:`magi_jax.ffa.segments.device_plan`), one compilation for every value;
+  (:func:`magi_jax.ffa.device_planner.device_plan`), one compilation for every value;
 - a concrete boolean ``mask``: its rectangles (:func:`magi_jax.ffa.dense_mask.
   dense_rectangles`), each cut by the causal / window diagonals and by concrete lengths, as
   slices of one host mask (per batch row when the mask or the lengths differ between rows).
@@ -26,8 +26,8 @@ import numpy as np
 
 from magi_jax.ffa.api import finite_float, flex_flash_attention, select_backend
 from magi_jax.ffa.dense_mask import dense_rectangles
-from magi_jax.ffa.segments import device_plan, pack_rows, unpack_rows
-from magi_jax.mask import AttnMask, shape_to_slices
+from magi_jax.ffa.device_planner import device_plan, pack_rows, unpack_rows
+from magi_jax.masks import AttnMask, shape_to_slices
 
 if TYPE_CHECKING:  # annotations only
     from magi_jax.planning.capacity import PlanCapacity

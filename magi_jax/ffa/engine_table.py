@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from magi_jax.mask import AttnMask
+from magi_jax.masks import AttnMask
 from magi_jax.planning.packed import CAUSAL_DOCS, packed_docs
 
 __all__ = ["TABLE_PATH", "CLASSES", "mask_class", "load_table", "choose", "choose_from"]

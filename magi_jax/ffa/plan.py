@@ -24,7 +24,8 @@ import numpy as np
 
 from magi_jax.ffa.backends import auto_backend
 from magi_jax.ffa.ragged import expand_item_runs
-from magi_jax.mask import AttnMask
+from magi_jax.ffa.xla import LANE_LEN
+from magi_jax.masks import AttnMask
 from magi_jax.planning.backends import AUTO, HOST_SPECS, check_backend
 from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.work_list import (
@@ -39,9 +40,6 @@ from magi_jax.planning.work_list import (
 )
 
 __all__ = ["AttnPlan", "PlanStatic", "plan_attention", "expand_lists"]
-
-# Items per lane of the xla engine (its device-side cut of each tile's run).
-_XLA_LANE_LEN = HOST_SPECS["xla"].lane_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +57,7 @@ class PlanStatic:
     backend: str
     fwd_block: tuple[int, int]
     bwd_block: tuple[int, int]
-    lane_len: int = _XLA_LANE_LEN
+    lane_len: int = LANE_LEN
     groups: tuple[int, int] | None = None
     programs: int = 0
     items: tuple[int, int] | None = None
@@ -181,9 +179,7 @@ def plan_attention(
                 *persistent_schedule(fwd, groups[0], programs),
                 *persistent_schedule(bwd, groups[1], programs),
             )
-    static = PlanStatic(
-        capacity, name, fwd_block, bwd_block, _XLA_LANE_LEN, groups, programs, items
-    )
+    static = PlanStatic(capacity, name, fwd_block, bwd_block, LANE_LEN, groups, programs, items)
     return AttnPlan(lists, schedules, static)
 
 
@@ -193,7 +189,7 @@ def expand_lists(
     """The :class:`~magi_jax.planning.work_list.FFAPlanArrays` that ``lists`` stand for, on
     the device: runs (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) expanded to item
     arrays ``items = (q, k)`` wide, exactly those of
-    :func:`~magi_jax.planning.work_list.expand_runs`; lists of items are returned as they
+    :func:`~magi_jax.planning.work_list.expand_plan_runs`; lists of items are returned as they
     are. jnp, traceable, O(items) work: a ragged enumeration of the runs (cumulative lengths
     and an unrolled binary search, no device loop) and one gather. Leading axes (stacked
     ranks) are mapped over."""

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from magi_jax.mask import AttnMask
+from magi_jax.masks import AttnMask
 
 __all__ = ["reference_attention", "reference_attention_vjp", "dense_attention"]
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from magi_jax.ffa.reference import dense_attention
-from magi_jax.mask import AttnMask
+from magi_jax.masks import AttnMask
 
 __all__ = [
     "reference_results",

@@ -26,12 +26,12 @@ import jax.numpy as jnp
 from magi_jax.planning.backends import HOST_SPECS
 from magi_jax.planning.work_list import EMPTY_ITEM, ITEM_FIELDS, FFAPlanArrays
 
-__all__ = ["xla_ffa", "xla_ffa_forward", "xla_ffa_backward", "XlaConfig"]
+__all__ = ["xla_ffa", "xla_ffa_forward", "xla_ffa_backward", "XlaConfig", "LANE_LEN"]
 
 _F = {name: i for i, name in enumerate(ITEM_FIELDS)}
 # Items per lane (the xla engine's host spec): long enough that a lane's state and its merge
 # are cheap beside its items, short enough that the last lane of a tile wastes little.
-_LANE_LEN = HOST_SPECS["xla"].lane_len
+LANE_LEN = HOST_SPECS["xla"].lane_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ class XlaConfig:
     softcap: float
     fwd_block: tuple[int, int]
     bwd_block: tuple[int, int]
-    lane_len: int = _LANE_LEN
+    lane_len: int = LANE_LEN
     lanes_per_block: int = 0
     max_logits: bool = False
 
@@ -373,7 +373,7 @@ _ffa_jit = jax.jit(_ffa, static_argnums=(4,))
 
 
 def _config(
-    softmax_scale, softcap, block_q, block_k, lane_len=_LANE_LEN, max_logits=False
+    softmax_scale, softcap, block_q, block_k, lane_len=LANE_LEN, max_logits=False
 ) -> XlaConfig:
     block = (int(block_q), int(block_k))
     return XlaConfig(
@@ -396,7 +396,7 @@ def xla_ffa(
     softcap: float,
     block_q: int,
     block_k: int,
-    lane_len: int = _LANE_LEN,
+    lane_len: int = LANE_LEN,
     return_max_logits: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Flexible-mask attention from plan arrays (no mask object): the entry point of the

@@ -30,9 +30,9 @@ from flax import nnx
 
 from magi_jax.ffa import flex_flash_attention
 from magi_jax.ffa.sinks import MAX_SINKS, apply_sink, check_sink
-from magi_jax.mask import AttnMask
+from magi_jax.masks import AttnMask
 from magi_jax.sharding.attention import magi_attention, magi_attention_local
-from magi_jax.sharding.key import MagiKey
+from magi_jax.sharding.keys import MagiKey
 from magi_jax.sharding.layout import position_ids
 
 __all__ = ["make_attention_fn", "SelfAttention", "apply_rope", "rope_positions"]

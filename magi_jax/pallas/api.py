@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from magi_jax.mask import AttnMask
+from magi_jax.masks import AttnMask
 from magi_jax.pallas.bwd_common import DKV_SPLIT_ALIGN
 from magi_jax.pallas.common import LOG2E, MAX_NARROW_D
 from magi_jax.pallas.ffa_bwd import ffa_dkv, ffa_dq

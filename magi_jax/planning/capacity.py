@@ -17,17 +17,25 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from magi_jax.mask import AttnMask
+from magi_jax.masks import AttnMask
 from magi_jax.planning.errors import CapacityError, capacity_error
-from magi_jax.planning.persistence import persistent_pays
+from magi_jax.planning.persistent_kernels import persistent_pays
 
-__all__ = ["PlanCapacity", "CapacityError", "CAPACITY_TILE", "tile_count", "default_items"]
+__all__ = [
+    "PlanCapacity",
+    "CapacityError",
+    "CAPACITY_TILE",
+    "HEADROOM",
+    "tile_count",
+    "default_items",
+]
 
 # Work items are counted on tiles of this size (the forward list of the Mosaic GPU kernels):
 # a (slice, q-tile, k-tile) triple whose intersection holds a cell.
 CAPACITY_TILE = 128
-# Default headroom of PlanCapacity.from_masks over the largest sample.
-_HEADROOM = 1.25
+# Default headroom of PlanCapacity.from_masks over the largest sample (and of the capacities
+# calibrate_overlap grows).
+HEADROOM = 1.25
 # Per row of tiles, boundary items the default item count allows beyond the dense tile count
 # (tiles cut by several slices give one item per slice).
 _BOUNDARY_ITEMS_PER_TILE_ROW = 32
@@ -163,7 +171,7 @@ class PlanCapacity:
         cls,
         masks: Iterable[AttnMask],
         *,
-        headroom: float = _HEADROOM,
+        headroom: float = HEADROOM,
         mesh_size: int | None = None,
         **fixed: int | bool | None,
     ) -> PlanCapacity:
@@ -171,7 +179,7 @@ class PlanCapacity:
 
         ``masks``: a sample of the masks a loader produces (same lengths). Without
         ``mesh_size`` it bounds single-device plans; with ``mesh_size=cp`` it also plans
-        each mask for ``cp`` ranks (:func:`magi_jax.planning.defaults.capacity_needs`) and
+        each mask for ``cp`` ranks (:func:`magi_jax.planning.cost_model.capacity_needs`) and
         bounds the per-rank fields. ``fixed``: fields to set rather than measure;
         ``overlap_degree`` may be a pair ``(forward, backward)`` (e.g. the ``degrees`` of
         :func:`~magi_jax.sharding.calibrate.calibrate_overlap`), which sets both degrees."""
@@ -199,7 +207,7 @@ class PlanCapacity:
         grow = lambda x: max(1, int(np.ceil(x * headroom)))
         fields = dict(total_q=total_q, total_k=total_k)
         # The measuring half lives beside capacity_needs (it plans the masks).
-        from magi_jax.planning.defaults import sample_needs
+        from magi_jax.planning.cost_model import sample_needs
 
         need = sample_needs(
             masks,

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from magi_jax.mask import SliceShapes
+from magi_jax.masks import SliceShapes
 from magi_jax.planning.intervals import ranges_incl, ranges_repeat
 from magi_jax.planning.tiling import BAND, FULL, GENERAL
 

@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from magi_jax.mask import AttnMask
+from magi_jax.masks import AttnMask
 
 __all__ = ["PackedDocs", "PackedArrays", "packed_docs", "packed_arrays", "FULL_DOCS", "CAUSAL_DOCS"]
 

@@ -43,8 +43,8 @@ import heapq
 import numpy as np
 
 from magi_jax.caches import cached
-from magi_jax.mask import AttnMask, SliceShapes
-from magi_jax.planning.intervals import ranges_repeat
+from magi_jax.masks import AttnMask, SliceShapes
+from magi_jax.planning.intervals import merge_intervals, ranges_repeat
 
 __all__ = [
     "ALGORITHMS",
@@ -53,7 +53,6 @@ __all__ = [
     "chunk_areas",
     "needed_kv",
     "remote_kv_tokens",
-    "ranges_repeat",
     "auto_chunk_size",
     "KV_LAYOUTS",
     "auto_kv_layout",
@@ -190,19 +189,6 @@ def needed_kv(mask: AttnMask, meta: DispatchMeta) -> list[np.ndarray]:
     for r in range(meta.cp):
         out.append(merge_intervals(k0[bounds[r] : bounds[r + 1]], k1[bounds[r] : bounds[r + 1]]))
     return out
-
-
-def merge_intervals(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Union of half-open intervals sorted by start -> disjoint sorted ``int64 [n, 2]``."""
-    if not len(starts):
-        return np.zeros((0, 2), np.int64)
-    run_end = np.maximum.accumulate(ends)
-    # A new run starts where the interval begins after everything before it ended.
-    new = np.ones(len(starts), bool)
-    new[1:] = starts[1:] > run_end[:-1]
-    first = np.nonzero(new)[0]
-    last = np.append(first[1:], len(starts)) - 1
-    return np.stack([starts[first], run_end[last]], axis=1).astype(np.int64)
 
 
 def _coverage(intervals: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -606,7 +592,7 @@ def _solve(mask: AttnMask, cp: int, chunk_size: int, algorithm: str) -> Dispatch
             assign = _refine_comm(assign, area, mask, chunk_size)
     else:
         assign = _ASSIGN[algorithm](n, cp, area)
-    return _meta(mask, cp, chunk_size, assign, area, algorithm)
+    return _meta(mask.total_q, cp, chunk_size, assign, area, algorithm)
 
 
 def _balanced(n: int, cp: int, area: np.ndarray) -> np.ndarray:
@@ -621,21 +607,6 @@ def _balanced_cached(n: int, cp: int, area_bytes: bytes) -> np.ndarray:
     assign = _refine_swaps(_greedy(n, cp, area), area)
     assign.setflags(write=False)
     return assign
-
-
-def _meta(mask, cp, chunk_size, assign, area, algorithm) -> DispatchMeta:
-    total = mask.total_q
-    assign = np.sort(assign, axis=1).astype(np.int64)
-    assign.setflags(write=False)
-    area.setflags(write=False)
-    return DispatchMeta(
-        total=total,
-        cp=cp,
-        chunk_size=chunk_size,
-        rank_chunks=assign,
-        algorithm=algorithm,
-        chunk_area=area,
-    )
 
 
 # ---- cross attention: where the keys live ----------------------------------------------------
@@ -728,12 +699,10 @@ def _solve_kv(mask, total_q, cp, q_chunk, rank_chunks_bytes, shape, chunk) -> Di
         owner[c] = r
         room[r] -= 1
     assign = np.stack([np.nonzero(owner == r)[0] for r in range(cp)])
-    return _meta_over(
-        mask.total_k, cp, chunk, assign, demand.sum(axis=0).astype(np.int64), "affinity"
-    )
+    return _meta(mask.total_k, cp, chunk, assign, demand.sum(axis=0).astype(np.int64), "affinity")
 
 
-def _meta_over(total, cp, chunk_size, assign, area, algorithm) -> DispatchMeta:
+def _meta(total, cp, chunk_size, assign, area, algorithm) -> DispatchMeta:
     assign = np.sort(assign, axis=1).astype(np.int64)
     assign.setflags(write=False)
     area.setflags(write=False)

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from magi_jax.caches import register
-from magi_jax.mask import AttnMask, SliceShapes
+from magi_jax.caches import Cache
+from magi_jax.masks import AttnMask, SliceShapes
 from magi_jax.planning.backends import host_spec
 from magi_jax.planning.cast_table import CastTable, cast_table_from_pieces
 from magi_jax.planning.solver import (
@@ -85,12 +85,11 @@ REPLICATED_KV = "replicated"
 
 # Diagonal bounds beyond this magnitude are "unbounded" sentinels and are never shifted.
 _UNBOUNDED = 1 << 39
-_CACHE: dict = {}
-_CACHE_LOCK = threading.Lock()
-_CACHE_MAX = 64
-# Host bytes of plan arrays the cache keeps (at least the newest plan): a key at a capacity
-# over 1M tokens and 64 ranks holds ~2.6 GB of them.
-_CACHE_MAX_BYTES = 2 << 30
+# Distributed plans by their arguments: at most 64, and at most 2 GiB of host plan arrays
+# (but always the newest plan): a key at a capacity over 1M tokens and 64 ranks holds ~2.6 GB.
+_PLANS = Cache(
+    "planning.stages.plans", max_items=64, max_bytes=2 << 30, size_of=lambda p: _plan_bytes(p)
+)
 # Phases of build_dist_plan that phase_times() reports (seconds each).
 PHASES = ("rank_views", "stage_shapes", "work_lists", "cast_tables", "stack_pad")
 _TIMES = threading.local()
@@ -137,7 +136,7 @@ class StagePlan:
     ``ffa`` holds the work lists as runs
     (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) and ``items`` the widths ``(q, k)``
     of the item arrays they stand for (expanded on the device right before the FFA call;
-    :func:`~magi_jax.planning.work_list.expand_runs` on the host)."""
+    :func:`~magi_jax.planning.work_list.expand_plan_runs` on the host)."""
 
     ffa: tuple  # the backend's plan arrays (NamedTuple), stacked
     kv_len: int
@@ -318,8 +317,7 @@ class _Geometry:
         return shapes, _Flat(shape_rank, cp)
 
 
-_GEOMETRY: dict = {}
-_GEOMETRY_MAX = 4
+_GEOMETRY = Cache("planning.stages.geometry", max_items=4)
 
 
 def resolve_kv(
@@ -368,16 +366,7 @@ def _kv_part(mask: AttnMask, meta: DispatchMeta, kv):
 
 def _geometry(mask: AttnMask, meta: DispatchMeta, kv=None) -> _Geometry:
     key = (mask.fingerprint, meta.fingerprint(), _kv_part(mask, meta, kv))
-    with _CACHE_LOCK:
-        hit = _GEOMETRY.get(key)
-    if hit is not None:
-        return hit
-    geo = _Geometry(mask, meta, kv)
-    with _CACHE_LOCK:
-        while len(_GEOMETRY) >= _GEOMETRY_MAX:
-            _GEOMETRY.pop(next(iter(_GEOMETRY)))
-        _GEOMETRY[key] = geo
-    return geo
+    return _GEOMETRY.get(key, lambda: _Geometry(mask, meta, kv))
 
 
 def rank_views(
@@ -551,12 +540,8 @@ def _rank_sums(x: np.ndarray, flat: _Flat) -> np.ndarray:
 
 def clear_cache() -> None:
     """Drops the cached distributed plans (and the geometry they were derived from)."""
-    with _CACHE_LOCK:
-        _CACHE.clear()
-        _GEOMETRY.clear()
-
-
-register(clear_cache)
+    _PLANS.clear()
+    _GEOMETRY.clear()
 
 
 def _plan_bytes(plan: "DistPlan") -> int:
@@ -610,20 +595,12 @@ def build_dist_plan(
         capacity,
         _kv_part(mask, meta, kv),
     )
-    with _CACHE_LOCK:
-        hit = _CACHE.get(key)
-    if hit is not None:
-        return hit
-    plan = _build(
-        mask, meta, int(overlap_degree), int(block_q), int(block_k), backend, capacity, kv
+    return _PLANS.get(
+        key,
+        lambda: _build(
+            mask, meta, int(overlap_degree), int(block_q), int(block_k), backend, capacity, kv
+        ),
     )
-    with _CACHE_LOCK:
-        if len(_CACHE) >= _CACHE_MAX:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = plan
-        while len(_CACHE) > 1 and sum(_plan_bytes(p) for p in _CACHE.values()) > _CACHE_MAX_BYTES:
-            _CACHE.pop(next(iter(_CACHE)))
-    return plan
 
 
 def split_areas(

@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from magi_jax.mask import SliceShapes
+from magi_jax.masks import SliceShapes
 from magi_jax.planning.intervals import ranges_incl
 
 __all__ = [

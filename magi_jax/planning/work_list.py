@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from magi_jax.caches import cached
-from magi_jax.mask import AttnMask, SliceShapes
+from magi_jax.masks import AttnMask, SliceShapes
 from magi_jax.planning.backends import (
     DKV_BLOCK_K,
     DKV_BLOCK_Q,
@@ -50,7 +50,7 @@ __all__ = [
     "FFAPlanRuns",
     "emit_run_lists",
     "check_runs",
-    "expand_runs",
+    "expand_plan_runs",
     "plan_runs",
     "count_runs",
     "build_work_list",
@@ -157,7 +157,7 @@ class FFAPlanRuns(NamedTuple):
     parallelism every array gets a leading ``cp`` axis.
 
     The widths of the item arrays it stands for are not part of it (the owner's static part
-    keeps them): :func:`expand_runs` (host) and :func:`magi_jax.ffa.plan.expand_lists`
+    keeps them): :func:`expand_plan_runs` (host) and :func:`magi_jax.ffa.plan.expand_lists`
     (device, inside the traced step) give exactly the :class:`FFAPlanArrays` of those
     widths."""
 
@@ -249,7 +249,7 @@ def _expand_list(order, offsets, runs, num_items: int) -> WorkList:
     return WorkList(order, offsets, items.reshape(*lead, num_items, NUM_FIELDS))
 
 
-def expand_runs(plan: FFAPlanRuns, num_q_items: int, num_k_items: int) -> FFAPlanArrays:
+def expand_plan_runs(plan: FFAPlanRuns, num_q_items: int, num_k_items: int) -> FFAPlanArrays:
     """The :class:`FFAPlanArrays` that ``plan`` stands for, item arrays ``num_q_items`` /
     ``num_k_items`` wide (host NumPy; the device does the same with
     :func:`magi_jax.ffa.plan.expand_lists`)."""
@@ -258,6 +258,10 @@ def expand_runs(plan: FFAPlanRuns, num_q_items: int, num_k_items: int) -> FFAPla
     return FFAPlanArrays(
         *_expand_list(*plan[:3], int(num_q_items)), *_expand_list(*plan[3:], int(num_k_items))
     )
+
+
+# The name this function had before it was named for what it expands, for one release.
+expand_runs = expand_plan_runs
 
 
 def pad_work_list(work: WorkList, num_items: int, field: str = "items") -> WorkList:

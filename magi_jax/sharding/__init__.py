@@ -9,13 +9,14 @@ attention and keys (docs/design.md §3.2, §4.2).
     out, lse = mj.magi_attention(q, k, v, key)        # [padded_total, H, D], [.., H]
     y = mj.undispatch(out, key)                       # back to natural order
 
-Host planning lives in :mod:`magi_jax.planning`: :mod:`~magi_jax.planning.solver` (which
-chunks each rank owns), :mod:`~magi_jax.planning.stages` (per-rank stages and exactly-needed
-remote KV), :mod:`~magi_jax.planning.cast_table` (the group-cast tables). Here, on the device:
-:mod:`collectives` (``group_cast``/``group_reduce`` over static int32 tables; XLA
-transports), :mod:`native` (the C++ FFI transport), :mod:`attention` (the per-rank pipeline
-under ``shard_map``), :mod:`key` (keys, dispatch), :mod:`ffa_backends` (per-rank FFA:
-``xla`` | ``pallas``), :mod:`calibrate` (overlap degrees chosen by timing on the mesh).
+Host planning lives in :mod:`magi_jax.planning` (its front door names what this layer uses).
+Here, on the device, four wings: :mod:`~magi_jax.sharding.keys` (keys: their options, their
+planning, a batch of them, what they put on the wire), :mod:`~magi_jax.sharding.transport`
+(``group_cast``/``group_reduce`` over static int32 tables, one module per transport, the
+native C++ FFI transport among them), the dispatched layout (:mod:`layout`, :mod:`roll`) and
+attention (:mod:`attention` the per-rank pipeline under ``shard_map``, :mod:`attention_checks`
+its inputs checked at the door, :mod:`ffa_backends` per-rank FFA: ``xla`` | ``pallas``,
+:mod:`calibrate` overlap degrees chosen by timing on the mesh).
 Comm/compute/both timings for overlap measurements are in ``benchmarks/probe.py``.
 
 Dispatch gathers over the whole sequence: dispatch token ids (or the embedding output) once
@@ -23,20 +24,25 @@ and keep activations in dispatched order between layers, rather than dispatching
 activations per layer.
 """
 
-from magi_jax.planning.solver import solve_dispatch
+from magi_jax import _moved
+from magi_jax.planning import solve_dispatch
 from magi_jax.sharding.attention import magi_attention, magi_attention_local
-from magi_jax.sharding.batch_key import batch_rows, make_batch_key
 from magi_jax.sharding.calibrate import (
     OverlapCalibration,
     calibrate_overlap,
     clear_overlap_calibrations,
     overlap_calibrations,
 )
-from magi_jax.sharding.collectives import group_cast, group_reduce
-from magi_jax.sharding.key import MagiKey
+from magi_jax.sharding.keys import (
+    MagiKey,
+    batch_rows,
+    make_batch_key,
+    make_flex_key,
+    make_varlen_key,
+)
 from magi_jax.sharding.layout import dispatch, position_ids, undispatch
-from magi_jax.sharding.make_key import make_flex_key, make_varlen_key
 from magi_jax.sharding.roll import roll
+from magi_jax.sharding.transport import group_cast, group_reduce, native
 
 __all__ = [
     "MagiKey",
@@ -53,8 +59,13 @@ __all__ = [
     "magi_attention_local",
     "make_flex_key",
     "make_varlen_key",
+    "native",
     "position_ids",
     "roll",
     "solve_dispatch",
     "undispatch",
 ]
+
+
+def __getattr__(name: str) -> object:  # the modules that moved away, by their old names
+    return _moved.old_child(__name__, name)

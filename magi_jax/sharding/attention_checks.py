@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from magi_jax.sharding.key import (
+from magi_jax.sharding.keys import (
     MagiKey,
     axes_entry,
     check_key,

@@ -1,7 +1,7 @@
 """Overlap degrees chosen by measurement on the machine at hand.
 
 The default degrees of a key come from a cost model whose constants were measured once, on a
-pair of H200s (:func:`~magi_jax.planning.defaults.default_overlap_degree`). Elsewhere (other
+pair of H200s (:func:`~magi_jax.planning.cost_model.default_overlap_degree`). Elsewhere (other
 GPUs, other links, more ranks, CPU devices) the best degree differs, and the forward's and
 the backward's differ from each other. :func:`calibrate_overlap` times the key's own
 programs instead: for every candidate degree it builds the key, compiles its forward and its
@@ -34,14 +34,18 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from magi_jax.caches import Cache
-from magi_jax.mask import AttnMask
-from magi_jax.planning.capacity import PlanCapacity
-from magi_jax.planning.defaults import OverlapDegrees, capacity_needs
+from magi_jax.masks import AttnMask
+from magi_jax.planning import HEADROOM, OverlapDegrees, PlanCapacity, capacity_needs
 from magi_jax.sharding.attention import magi_attention
-from magi_jax.sharding.key import MagiKey, check_mesh, normal_cp_axis
-from magi_jax.sharding.key_options import MAX_OVERLAP_DEGREE, KeyOptions
+from magi_jax.sharding.keys import (
+    MAX_OVERLAP_DEGREE,
+    KeyOptions,
+    MagiKey,
+    check_mesh,
+    make_flex_key,
+    normal_cp_axis,
+)
 from magi_jax.sharding.layout import pod_specs
-from magi_jax.sharding.make_key import make_flex_key
 
 __all__ = [
     "OverlapCalibration",
@@ -54,9 +58,6 @@ __all__ = [
 
 # The degrees tried by default: the cost model never picks more than 4.
 CANDIDATE_DEGREES = (0, 1, 2, 3, 4)
-# Headroom over the sample mask's needs when a candidate degree needs more than the
-# capacity holds (PlanCapacity.from_masks's default).
-_HEADROOM = 1.25
 # Options of a key that calibration sets itself or cannot time.
 _NOT_OPTIONS = ("overlap_degree", "capacity", "check_dispatch", "batch_axes")
 
@@ -67,7 +68,7 @@ _CALIBRATIONS = Cache("overlap_calibrations", max_items=256)
 class OverlapCalibration:
     """The overlap degrees :func:`calibrate_overlap` measured as fastest, and what it saw.
 
-    ``degrees``: :class:`~magi_jax.planning.defaults.OverlapDegrees` ``(forward,
+    ``degrees``: :class:`~magi_jax.planning.cost_model.OverlapDegrees` ``(forward,
     backward)``, for ``make_flex_key(..., overlap_degree=cal.degrees)`` or
     ``PlanCapacity.from_masks(..., overlap_degree=cal.degrees)``. ``forward_ms`` /
     ``backward_ms``: the median milliseconds of each candidate degree (the backward alone,
@@ -112,9 +113,9 @@ def calibrate_overlap(
     """Measures the fastest forward and backward overlap degrees of a key on its mesh.
 
     Args:
-      key_or_mask: a key from :func:`~magi_jax.sharding.make_key.make_flex_key` (its mask,
+      key_or_mask: a key from :func:`~magi_jax.sharding.make_flex_key` (its mask,
         mesh, cp axis, capacity and options are calibrated; pass no ``mesh`` then), or an
-        :class:`~magi_jax.mask.AttnMask` with ``mesh`` (and ``cp_axis``, ``capacity``,
+        :class:`~magi_jax.masks.AttnMask` with ``mesh`` (and ``cp_axis``, ``capacity``,
         ``options``) as for ``make_flex_key``.
       num_heads, head_dim: the query heads and head dim of the attention calls (the heads
         of the whole call; with ``head_axes`` they are sharded as the key says).
@@ -293,7 +294,7 @@ def _candidate_capacity(capacity, mask, cp, degree, chunk_size):
     for name in ("items", "q_runs", "k_runs", "remote_kv", "cast_width", "send_runs", "recv_runs"):
         have = getattr(capacity, name)
         if have is not None and have < need[name]:
-            fields[name] = max(1, int(np.ceil(need[name] * _HEADROOM)))
+            fields[name] = max(1, int(np.ceil(need[name] * HEADROOM)))
     return dataclasses.replace(capacity, **fields)
 
 

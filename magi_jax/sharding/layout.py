@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from magi_jax.caches import cached
-from magi_jax.sharding.key import ROLES, MagiKey, axes_entry, check_key, is_checked, rows_desc
+from magi_jax.sharding.keys import ROLES, MagiKey, axes_entry, check_key, is_checked, rows_desc
 
 __all__ = [
     "dispatch",

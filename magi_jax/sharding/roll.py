@@ -36,9 +36,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from magi_jax.caches import Cache
-from magi_jax.sharding.key import MagiKey, axes_entry, check_key, rows_desc
+from magi_jax.sharding.keys import MagiKey, axes_entry, check_key, put_global, rows_desc
 from magi_jax.sharding.layout import check_seq_axis, merge_axes, split_axis
-from magi_jax.sharding.make_key import put_global
 
 __all__ = ["roll", "roll_tables", "RollTables", "clear_roll_cache"]
 

@@ -12,7 +12,7 @@ import pytest
 
 from magi_jax.ffa import cudnn as C
 from magi_jax.ffa.testing import assert_matches_reference, random_inputs
-from magi_jax.mask import AttnMask
+from magi_jax.masks import AttnMask
 from magi_jax.planning.packed import CAUSAL_DOCS
 
 GARBAGE = 7.0  # what the stand-in leaves where cuDNN writes nothing

@@ -10,8 +10,8 @@ import magi_jax as mj
 from magi_jax import pallas
 from magi_jax.ffa.cudnn import device_problem
 from magi_jax.ffa.testing import assert_matches_reference, random_inputs
-from magi_jax.mask import AttnMask
-from magi_jax.packings import sample_doc_lens
+from magi_jax.masks import AttnMask
+from magi_jax.masks.packings import sample_doc_lens
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,7 +12,7 @@ import magi_jax as mj
 from magi_jax.ffa import backends as B
 from magi_jax.ffa import engine_table as E
 from magi_jax.ffa.cudnn import cudnn_problem
-from magi_jax.packings import equal_doc_lens, sample_doc_lens
+from magi_jax.masks.packings import equal_doc_lens, sample_doc_lens
 from magi_jax.planning.backends import BACKENDS, HOST_SPECS, check_backend, host_spec
 
 DOCS = mj.AttnMask.varlen([0, 100, 300, 512])

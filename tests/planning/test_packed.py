@@ -4,9 +4,8 @@ the offsets and lengths it builds, and the reasons it gives."""
 import numpy as np
 import pytest
 
-from magi_jax.mask import AttnMask, shape_to_slices
-from magi_jax.mask_zoo import MASKS, make_mask
-from magi_jax.packings import equal_doc_lens, sample_doc_lens
+from magi_jax.masks import MASKS, AttnMask, make_mask, shape_to_slices
+from magi_jax.masks.packings import equal_doc_lens, sample_doc_lens
 from magi_jax.planning.packed import CAUSAL_DOCS, FULL_DOCS, packed_arrays, packed_docs
 
 # The zoo at 2048 tokens, window 128 (so that windows narrow documents): what each is.

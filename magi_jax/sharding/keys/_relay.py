@@ -1,23 +1,25 @@
 """The two-hop cast of one stage of a key on a mesh of nodes: its static part
-(:class:`~magi_jax.sharding.collectives.RelaySpec`) and its tables as runs
-(:class:`~magi_jax.sharding.collectives.RelayRuns`), planned by runs
+(:class:`~magi_jax.sharding.transport.RelaySpec`) and its tables as runs
+(:class:`~magi_jax.sharding.transport.RelayRuns`), planned by runs
 (:func:`~magi_jax.planning.relay_runs.build_relay_runs`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from magi_jax.planning.cast_table import CastTable
-from magi_jax.planning.defaults import cast_pieces
-from magi_jax.planning.hierarchy import NodeLayout
-from magi_jax.planning.relay_runs import build_relay_runs, pad_runs, relay_run_bounds
-from magi_jax.planning.wire import cast_wire
-from magi_jax.sharding.collectives import RelayRuns, RelaySpec
+from magi_jax.planning import (
+    CastTable,
+    NodeLayout,
+    build_relay_runs,
+    cast_pieces,
+    cast_wire,
+    pad_runs,
+    relay_run_bounds,
+)
+from magi_jax.sharding.transport import RelayRuns, RelaySpec
 
 if TYPE_CHECKING:  # annotations only
-    from magi_jax.planning.capacity import PlanCapacity
-
-__all__ = ["relay_stage"]
+    from magi_jax.planning import PlanCapacity
 
 
 def relay_stage(
@@ -33,7 +35,7 @@ def relay_stage(
     padding included (a key of one mask: each slot as wide as its widest block, or, with
     ``flat_gating="pair"``, each pair's rows up to its level). At a
     ``capacity`` the slots are as wide as the capacity allows and move in gated pieces
-    (:func:`~magi_jax.planning.defaults.cast_pieces`), and the tables hold the runs
+    (:func:`~magi_jax.planning.cost_model.cast_pieces`), and the tables hold the runs
     :func:`~magi_jax.planning.relay_runs.relay_run_bounds` allows, so the shapes depend on
     the capacity alone."""
     widths = (

@@ -16,9 +16,9 @@ Two shared libraries, built by the package build (``CMakeLists.txt``):
   no barrier.
 
 Semantics (both platforms) are those of ``cast_model`` / ``reduce_model`` in
-:mod:`magi_jax.sharding.collectives`, for tables that satisfy :func:`check_table` (every real
+:mod:`magi_jax.sharding.transport`, for tables that satisfy :func:`check_table` (every real
 send entry is received exactly once, every received entry is a real send entry — which
-:func:`~magi_jax.sharding.collectives.build_cast_table` guarantees).
+:func:`~magi_jax.planning.cast_table.build_cast_table` guarantees).
 
 NVSHMEM needs every process to join: :func:`initialize` (called lazily by the first traced
 native collective, identically on every process of an SPMD program) takes the unique id from
@@ -55,12 +55,11 @@ import numpy as np
 
 # The library's loading and the platform / mesh checks live in library.py; the public ones
 # are this module's API too.
-from magi_jax.sharding.native.library import (
+from magi_jax.sharding.transport.native._library import (
     CAST_TARGET,
     DONE_TARGET,
     REDUCE_TARGET,
     START_TARGET,
-    available,
     gpu_mesh_problem,
     load_library,
     platform_key,
@@ -70,32 +69,12 @@ from magi_jax.sharding.native.library import (
 if TYPE_CHECKING:  # annotations only: the collectives import this module
     from jax.sharding import Mesh
 
-    from magi_jax.planning.cast_table import CastTable
-    from magi_jax.sharding.collectives import CastSpec
+    from magi_jax.planning import CastTable
+    from magi_jax.sharding.transport._collectives import CastSpec
 
 # One array or a list of arrays of the same rows (moved side by side by one collective).
 Arrays = jax.Array | list[jax.Array]
 
-__all__ = [
-    "available",
-    "unavailable_reason",
-    "group_cast",
-    "group_reduce",
-    "MAX_ARRAYS",
-    "check_table",
-    "initialize",
-    "finalize",
-    "staging_bytes",
-    "auto_reason",
-    "DEFAULT_TIMEOUT_S",
-    "CudaTuning",
-    "tuning",
-    "cuda_tuning",
-    "group_reduce_start",
-    "can_start_reduce",
-    "reduce_runs",
-    "MAX_RUNS",
-]
 
 DEFAULT_TIMEOUT_S = 60.0
 # Runs per rank above which a reduce is not started (each run is one contiguous copy per
@@ -466,7 +445,7 @@ def group_cast(
     prefix: bool = False,
     timeout_s: float | None = None,
 ) -> Arrays:
-    """Native :func:`~magi_jax.sharding.collectives.group_cast` (no VJP of its own: the
+    """Native :func:`~magi_jax.sharding.transport.group_cast` (no VJP of its own: the
     transport-generic ``group_cast`` wraps it). ``x [T, ...]`` -> ``[B, ...]``; ``x`` may be
     a list of up to :data:`MAX_ARRAYS` arrays with the same rows (e.g. ``[k, v]``): one
     collective moves their rows side by side, without concatenating them, and returns a list.
@@ -610,7 +589,7 @@ def group_reduce(
     out_dtype: Any = None,
     timeout_s: float | None = None,
 ) -> Arrays:
-    """Native :func:`~magi_jax.sharding.collectives.group_reduce`: ``y [B, ...]`` summed in
+    """Native :func:`~magi_jax.sharding.transport.group_reduce`: ``y [B, ...]`` summed in
     float32 (float64 for float64 ``y``; CPU only) into the owners' rows ->
     ``[num_rows, ...]``, added to ``acc`` (same shape, float32) when given. ``y`` (and
     ``acc``) may be lists of up to :data:`MAX_ARRAYS` arrays of one dtype with the same rows:

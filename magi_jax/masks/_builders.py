@@ -1,5 +1,5 @@
 """Any mask as slices: masks from predicates, dense and block-sparse boolean masks, and
-exact set algebra (docs/masks.md §7), on :class:`magi_jax.mask.AttnMask`.
+exact set algebra (docs/masks.md §7), on :class:`magi_jax.masks.AttnMask`.
 
 Everything goes through one canonical form, :class:`RowRuns`: per query row, the maximal
 runs of consecutive visible keys, stored once for a band of identical rows. A mask of
@@ -8,7 +8,7 @@ edge moves (:func:`row_runs`); a predicate or a dense mask becomes row runs bloc
 two masks combine run by run; and row runs become slices again by :func:`runs_to_mask`,
 which chains the runs of consecutive rows whose edges stay put or move by one key per row
 into FULL, CAUSAL, INV_CAUSAL and BI_CAUSAL slices. No step builds a ``total_q × total_k``
-array. The algorithms work on plain arrays in :mod:`magi_jax.mask_rows`; the functions here
+array. The algorithms work on plain arrays in :mod:`magi_jax.masks._row_runs`; the functions here
 take and give masks. Host-only NumPy.
 
 >>> m = mask_from_fn(lambda q, k: k <= q, 6, 6)   # a causal predicate: one CAUSAL slice
@@ -18,24 +18,13 @@ take and give masks. Host-only NumPy.
 
 from __future__ import annotations
 
-from typing import Callable
-
-import numpy as np
-
-from magi_jax.mask import AttnMask
-from magi_jax.mask_rows import DEFAULT_BLOCK, RowRuns, combine_runs, runs_to_slices, shape_runs
-
-__all__ = [
-    "RowRuns",
-    "row_runs",
-    "runs_to_mask",
-    "mask_from_fn",
-    "mask_from_dense",
-    "mask_from_block_mask",
-    "combine",
-    "canonical",
-    "DEFAULT_BLOCK",
-]
+from magi_jax.masks._mask import AttnMask
+from magi_jax.masks._row_runs import (
+    RowRuns,
+    combine_runs,
+    runs_to_slices,
+    shape_runs,
+)
 
 
 def row_runs(mask: AttnMask) -> RowRuns:
@@ -48,49 +37,16 @@ def row_runs(mask: AttnMask) -> RowRuns:
 
 def runs_to_mask(runs: RowRuns, diagonals: bool = True) -> AttnMask:
     """The mask of canonical ``runs``: exactly its cells, as disjoint slices (see
-    :func:`magi_jax.mask_rows.runs_to_slices`; ``diagonals=False`` makes FULL rectangles
+    :func:`magi_jax.masks._row_runs.runs_to_slices`; ``diagonals=False`` makes FULL rectangles
     only). Time ``O(R log R)`` for ``R`` runs."""
     return AttnMask(*runs_to_slices(runs, diagonals))
 
 
-def mask_from_fn(
-    fn: Callable[[np.ndarray, np.ndarray], np.ndarray],
-    total_q: int,
-    total_k: int,
-    *,
-    block: int | tuple[int, int] = DEFAULT_BLOCK,
-    blocks: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
-    check_blocks: bool = False,
-) -> AttnMask:
-    """The mask whose cell ``(q, k)`` is ``fn(q, k)``, for a vectorised NumPy predicate
-    (int64 ``q_idx [bq, 1]``, ``k_idx [1, bk]`` → bool ``[bq, bk]``), evaluated block by
-    block; ``blocks(qb, kb)`` optionally codes the blocks (0 empty, 1 full, 2 evaluate).
-    The same as :meth:`AttnMask.from_fn`; see :func:`magi_jax.mask_rows.slices_from_fn`."""
-    return AttnMask.from_fn(
-        fn, total_q, total_k, block=block, blocks=blocks, check_blocks=check_blocks
-    )
-
-
-def mask_from_dense(dense: np.ndarray) -> AttnMask:
-    """The mask of a bool array ``[total_q, total_k]`` (True = attend), as slices; the same
-    as :meth:`AttnMask.from_dense`. For masks that fit in memory; :func:`mask_from_fn`
-    builds larger ones block by block."""
-    return AttnMask.from_dense(dense)
-
-
-def mask_from_block_mask(
-    block_mask: np.ndarray,
-    block_q: int,
-    block_k: int,
-    total_q: int | None = None,
-    total_k: int | None = None,
-    fn: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
-) -> AttnMask:
-    """The mask of a block-sparse ``block_mask [ceil(total_q / block_q), ceil(total_k /
-    block_k)]`` (bool, or int codes 0 / 1 / 2 with the partial blocks' predicate ``fn``);
-    the same as :meth:`AttnMask.from_block_mask`, see
-    :func:`magi_jax.mask_rows.slices_from_block_mask`."""
-    return AttnMask.from_block_mask(block_mask, block_q, block_k, total_q, total_k, fn)
+# The constructors of AttnMask as functions of this module (the same methods, bound to the
+# class): the mask of a predicate, of a dense bool array, of a block-sparse bool array.
+mask_from_fn = AttnMask.from_fn
+mask_from_dense = AttnMask.from_dense
+mask_from_block_mask = AttnMask.from_block_mask
 
 
 def combine(a: AttnMask, b: AttnMask, op: str) -> AttnMask:

@@ -29,8 +29,8 @@ def platform_key(platform: str) -> str:
 
 def _search_dirs():
     # The build installs the libraries into the magi_jax package folder (CMakeLists.txt),
-    # two levels above this module (magi_jax/sharding/native/).
-    here = Path(__file__).resolve().parents[2]
+    # three levels above this module (magi_jax/sharding/transport/native/).
+    here = Path(__file__).resolve().parents[3]
     seen = [here]
     for p in sys.path:
         d = Path(p or ".").resolve() / "magi_jax"

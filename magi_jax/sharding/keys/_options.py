@@ -1,8 +1,8 @@
 """The options of a key: :class:`KeyOptions`, the sixteen keywords of
-:func:`~magi_jax.sharding.make_key.make_flex_key` beside ``(mask, mesh, cp_axis)``, each
+:func:`~magi_jax.sharding.make_flex_key` beside ``(mask, mesh, cp_axis)``, each
 checked when the options are built; what they mean with a mask and a mesh (cross attention,
 the transport, two-hop casts, the capacity) is decided by
-:func:`~magi_jax.sharding.make_key.key_args`.
+:func:`~magi_jax.sharding.keys._resolve.resolve_options`.
 """
 
 from __future__ import annotations
@@ -13,23 +13,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from magi_jax.planning import ALGORITHMS, KV_LAYOUTS, OverlapDegrees, PlanCapacity
 from magi_jax.planning.backends import check_backend
-from magi_jax.planning.capacity import PlanCapacity
-from magi_jax.planning.defaults import OverlapDegrees
-from magi_jax.planning.solver import ALGORITHMS, KV_LAYOUTS
-from magi_jax.sharding.collectives import TRANSPORTS
-from magi_jax.sharding.key import MagiKey
-
-__all__ = [
-    "KeyOptions",
-    "check_overlap_degree",
-    "COMM_BACKENDS",
-    "MAX_OVERLAP_DEGREE",
-    "CHECK_DISPATCH_ENV",
-    "HIERARCHICAL",
-    "KV_LAYOUTS",
-    "CAST_GATINGS",
-]
+from magi_jax.sharding.keys._key import MagiKey
+from magi_jax.sharding.transport import TRANSPORTS
 
 COMM_BACKENDS = ("auto", "xla") + TRANSPORTS
 # Largest overlap degree a key accepts (the bound of PlanCapacity.overlap_degree): every stage
@@ -46,14 +33,14 @@ CAST_GATINGS = ("auto", "slot", "pair")
 
 @dataclasses.dataclass(frozen=True)
 class KeyOptions:
-    """The options of :func:`~magi_jax.sharding.make_key.make_flex_key` (see it for what
+    """The options of :func:`~magi_jax.sharding.make_flex_key` (see it for what
     each means), with its defaults. Built, they are checked one by one (``ValueError`` or
     ``TypeError`` naming the option, the value and the fix) and normalised: integer options
     are Python ints or ``None``, ``overlap_degree`` ``None`` (the cost model's, also for
-    ``"auto"``) or :class:`~magi_jax.planning.defaults.OverlapDegrees` (an integer is both
+    ``"auto"``) or :class:`~magi_jax.planning.cost_model.OverlapDegrees` (an integer is both
     degrees), ``backward_refetch`` a bool, and ``check_dispatch`` a bool (``None`` reads the
     ``MAGI_JAX_CHECK_DISPATCH`` environment variable). Checks that need the mask or the mesh
-    are :func:`~magi_jax.sharding.make_key.key_args`'."""
+    are :func:`~magi_jax.sharding.keys._resolve.resolve_options`'."""
 
     chunk_size: int | None = None
     overlap_degree: int | tuple[int, int] | str | None = None
@@ -140,7 +127,7 @@ class KeyOptions:
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        """The options' names, in :func:`~magi_jax.sharding.make_key.make_flex_key`'s
+        """The options' names, in :func:`~magi_jax.sharding.make_flex_key`'s
         order."""
         return tuple(f.name for f in dataclasses.fields(cls))
 

@@ -20,7 +20,7 @@ inside the node first (intra-node hop reversed, summed at the relay) and sends o
 across the node boundary per (source row, destination node).
 
 Tables (stacked over ranks; the contract the device code of
-:mod:`magi_jax.sharding.collectives` implements), seen from rank ``r`` of node ``n`` and local
+:mod:`magi_jax.sharding.transport` implements), seen from rank ``r`` of node ``n`` and local
 index ``l``:
 
 - ``inter_send [n_inter, S1]``: slot ``j`` sends local rows to rank

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from magi_jax.planning.hierarchy import NodeLayout
-from magi_jax.planning.relay_runs import build_relay_runs
-from magi_jax.planning.wire import WireCount, cast_wire, relay_wire
-from magi_jax.sharding.collectives import RelaySpec
+from magi_jax.planning import NodeLayout, WireCount, build_relay_runs, cast_wire, relay_wire
+from magi_jax.sharding.transport import RelaySpec
 
 if TYPE_CHECKING:  # annotations only
-    from magi_jax.sharding.key import MagiKey
-
-__all__ = ["key_wire"]
+    from magi_jax.sharding.keys._key import MagiKey
 
 
 def key_wire(key: MagiKey) -> WireCount:
@@ -36,7 +32,7 @@ def key_wire(key: MagiKey) -> WireCount:
     total = WireCount.zeros(plan.cp)
     for spec, table in zip(specs, casts):
         if isinstance(spec, RelaySpec):
-            fixed = key.capacity is not None  # as two_hop.relay_stage plans them
+            fixed = key.capacity is not None  # as keys._relay.relay_stage plans them
             widths = dict(inter_width=table.slot_len, intra_width=table.buffer_len) if fixed else {}
             rt = build_relay_runs(table, NodeLayout(spec.nodes, spec.local), **widths)
             total = total + relay_wire(rt, spec.pieces)

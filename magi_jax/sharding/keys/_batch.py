@@ -1,8 +1,8 @@
 """Batched keys: one plan per batch row, rows sharded over the batch axes
 (:func:`make_batch_key`), and the rows a process plans (:func:`batch_rows`). Every row is
-planned as :func:`~magi_jax.sharding.make_key.make_flex_key` plans one mask (its
-:func:`~magi_jax.sharding.make_key.key_args` and
-:func:`~magi_jax.sharding.make_key.host_key`), at one capacity, and the rows' arrays stack.
+planned as :func:`~magi_jax.sharding.make_flex_key` plans one mask (its
+:func:`~magi_jax.sharding.keys._resolve.resolve_options` and
+:func:`~magi_jax.sharding.keys._host.host_key`), at one capacity, and the rows' arrays stack.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from magi_jax.mask import AttnMask
-from magi_jax.planning.capacity import PlanCapacity
-from magi_jax.sharding.key import (
+from magi_jax.masks import AttnMask
+from magi_jax.planning import PlanCapacity
+from magi_jax.sharding.keys._host import HostKey, host_key
+from magi_jax.sharding.keys._key import (
     KeyStatic,
     MagiKey,
     axes_entry,
@@ -26,10 +27,8 @@ from magi_jax.sharding.key import (
     check_pod_axes,
     normal_cp_axis,
 )
-from magi_jax.sharding.key_options import KeyOptions
-from magi_jax.sharding.make_key import HostKey, host_key, key_args
-
-__all__ = ["make_batch_key", "batch_rows"]
+from magi_jax.sharding.keys._options import KeyOptions
+from magi_jax.sharding.keys._resolve import resolve_options
 
 
 def batch_rows(mesh: Mesh, batch_axes: str | Sequence[str], batch: int) -> np.ndarray:
@@ -132,8 +131,7 @@ def make_batch_key(
             raise ValueError(
                 f"make_batch_key: row {row} is held by this process but its mask is None"
             )
-        args, _ = key_args(mask, mesh, cp_axis, opts)
-        hosts[int(row)] = host_key(*args)
+        hosts[int(row)] = host_key(resolve_options(mask, mesh, cp_axis, opts))
     first = next(iter(hosts.values()))
     for row, hk in hosts.items():
         if hk.static != first.static:

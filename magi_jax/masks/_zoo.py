@@ -1,9 +1,9 @@
 """The benchmark mask zoo: the reference document lengths and the masks built from them.
 
 One definition for the planner CLI, the benchmarks (``benchmarks/*_bench.py``) and the tests.
-Besides the constructors of :class:`~magi_jax.mask.AttnMask`, two families live here:
+Besides the constructors of :class:`~magi_jax.masks.AttnMask`, two families live here:
 :func:`hstu` (generative recommenders) and :func:`doc_window_global` (documents with a
-sliding window and global tokens). Host-only NumPy; imports only :mod:`magi_jax.mask`.
+sliding window and global tokens). Host-only NumPy; imports only :mod:`magi_jax.masks`.
 
 >>> sum(DOC_LENGTHS), scaled_doc_lengths(65536)[:3]
 (32768, [14080, 10752, 8704])
@@ -17,19 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from magi_jax.mask import AttnMask, AttnMaskType, shape_to_slices
-
-__all__ = [
-    "DOC_LENGTHS",
-    "REFERENCE_TOTAL",
-    "MASKS",
-    "scaled_doc_lengths",
-    "random_doc_lengths",
-    "make_mask",
-    "zoo",
-    "hstu",
-    "doc_window_global",
-]
+from magi_jax.masks._mask import AttnMask, AttnMaskType, shape_to_slices
 
 # The ten documents of the benchmarks' document-causal mask: 32768 tokens in all.
 DOC_LENGTHS = (7040, 5376, 4352, 2560, 2816, 768, 1024, 512, 1792, 6528)

@@ -7,7 +7,7 @@ Every slice ``(q_range, k_range, type)``, whatever its type, is one *shape*: the
 (``dlo``/``dhi`` possibly unbounded). That canonical form (:class:`SliceShapes`) is what the
 validator, the area, the dense view and every planner downstream work with; constructors
 describe masks as shapes and turn them back into typed slices with :func:`shape_to_slices`.
-A leaf module (NumPy only): :mod:`magi_jax.mask` re-exports its names.
+A leaf module (NumPy only): :mod:`magi_jax.masks` re-exports its names.
 """
 
 from __future__ import annotations

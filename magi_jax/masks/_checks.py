@@ -1,25 +1,13 @@
 """The checks of a mask's arguments: ranges, types, totals, document lengths, windows, and
 that slices stay inside their totals and share no cell. Every error names the argument, the
-value and the fix. Host-only NumPy; :mod:`magi_jax.mask` runs them when it builds a mask.
+value and the fix. Host-only NumPy; :mod:`magi_jax.masks` runs them when it builds a mask.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from magi_jax.mask_slices import AttnMaskType, SliceShapes
-
-__all__ = [
-    "as_ranges",
-    "as_types",
-    "drop_empty_past_end",
-    "check_bounds",
-    "check_disjoint",
-    "check_total",
-    "check_cu_seqlens",
-    "check_doc_lens",
-    "window_bounds",
-]
+from magi_jax.masks.slices import AttnMaskType, SliceShapes
 
 # Overlap validation processes (row band, slice) pairs in chunks of this many.
 _OVERLAP_CHUNK = 1 << 22

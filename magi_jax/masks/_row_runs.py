@@ -8,9 +8,9 @@ moves (:func:`shape_runs`); a predicate or a dense mask becomes row runs block b
 two masks combine run by run; and row runs become slices again by :func:`runs_to_slices`,
 which chains the runs of consecutive rows whose edges stay put or move by one key per row
 into FULL, CAUSAL, INV_CAUSAL and BI_CAUSAL slices. No step builds a ``total_q × total_k``
-array. Results are :class:`Slices`, the arguments of :class:`magi_jax.mask.AttnMask`, which
-wraps them (:mod:`magi_jax.mask_runs` gives the same on masks). Host-only NumPy; imports
-only :mod:`magi_jax.mask_slices`.
+array. Results are :class:`Slices`, the arguments of :class:`magi_jax.masks.AttnMask`, which
+wraps them (:mod:`magi_jax.masks._builders` gives the same on masks). Host-only NumPy; imports
+only :mod:`magi_jax.masks.slices`.
 """
 
 from __future__ import annotations
@@ -19,19 +19,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from magi_jax.mask_slices import AttnMaskType, SliceShapes
-
-__all__ = [
-    "RowRuns",
-    "Slices",
-    "shape_runs",
-    "runs_to_slices",
-    "slices_from_fn",
-    "slices_from_dense",
-    "slices_from_block_mask",
-    "combine_runs",
-    "DEFAULT_BLOCK",
-]
+from magi_jax.masks.slices import AttnMaskType, SliceShapes
 
 # Predicate blocks of (rows, keys): 4M cells, 4 MiB of bools per evaluation.
 DEFAULT_BLOCK = (256, 16384)
@@ -68,7 +56,7 @@ class RowRuns(NamedTuple):
 
 
 class Slices(NamedTuple):
-    """Slices as :class:`magi_jax.mask.AttnMask` takes them (``AttnMask(*slices)``):
+    """Slices as :class:`magi_jax.masks.AttnMask` takes them (``AttnMask(*slices)``):
     ``q_ranges`` and ``k_ranges`` int ``[N, 2]``, ``types`` int ``[N]`` (or one
     :class:`AttnMaskType` for all), and the totals."""
 

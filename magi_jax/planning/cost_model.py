@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from magi_jax.caches import cached
-from magi_jax.mask import AttnMask, SliceShapes
+from magi_jax.masks import AttnMask, SliceShapes
 from magi_jax.planning.solver import DispatchMeta, auto_chunk_size, solve_dispatch
 from magi_jax.planning.stages import split_areas
 
@@ -53,18 +53,19 @@ class OverlapDegrees(NamedTuple):
     backward: int
 
 
-# Gated pieces of a ppermute slot at a capacity (collectives._gated_ppermute): counted by
+# Gated pieces of a ppermute slot at a capacity (transport._slot.gated_ppermute): counted by
 # benchmarks/wire_bench.py at 128k x cp 8 (benchmarks/results/wire/LATEST.md), 8 pieces
 # bring the busiest rank's wire from 1.25-9.7x its real rows (whole slots) to 1.09-3.2x;
 # 16 would gain 4-10 % more at twice the branches of the slot's one conditional.
 CAPACITY_CAST_PIECES = 8
-# ppermute levels per slot of a key of one mask moved pair by pair (pair_cast.staircase_ppermute):
-# counted by benchmarks/wire_bench.py at 128k x cp 8, the busiest rank's wire over its real
-# rows is at most 1.74x with 1 level, 1.31x with 2, 1.17x with 3 (total 1.11x), 1.09x with 4
-# and exact with 8 (one level per distinct count): 3 is the fewest within 1.25x.
+# ppermute levels per slot of a key of one mask moved pair by pair
+# (transport._pair.staircase_ppermute): counted by benchmarks/wire_bench.py at 128k x cp 8,
+# the busiest rank's wire over its real rows is at most 1.74x with 1 level, 1.31x with 2,
+# 1.17x with 3 (total 1.11x), 1.09x with 4 and exact with 8 (one level per distinct
+# count): 3 is the fewest within 1.25x.
 PAIR_CAST_LEVELS = 3
 # Gated pieces per slot of a key at a capacity moved pair by pair (cast_gating="pair";
-# pair_cast.pair_gated_ppermute): the worst packing of 16 per generator at 128k x cp 8 is
+# transport._pair.pair_gated_ppermute): the worst packing of 16 per generator at 128k x cp 8 is
 # within 1.25x per rank with 32 (at most 1.12x, many-docs) and not with 16 (1.26x).
 # Binary digits of the piece count: 6 conditionals per pair with 32, 5 with 16.
 PAIR_CAST_PIECES = 32

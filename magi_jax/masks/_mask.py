@@ -10,10 +10,10 @@ validator, the area, the dense view and every planner downstream work with; cons
 describe masks as shapes and turn them back into typed slices with :func:`shape_to_slices`.
 
 The pieces live below this module and are re-exported here: the slice types and the
-canonical form in :mod:`magi_jax.mask_slices`, the checks of every argument in
-:mod:`magi_jax.mask_checks`, and the row-run algorithms behind :meth:`AttnMask.from_fn`,
+canonical form in :mod:`magi_jax.masks.slices`, the checks of every argument in
+:mod:`magi_jax.masks._checks`, and the row-run algorithms behind :meth:`AttnMask.from_fn`,
 :meth:`AttnMask.from_dense`, :meth:`AttnMask.from_block_mask` and ``|``, ``&``, ``-`` in
-:mod:`magi_jax.mask_rows`.
+:mod:`magi_jax.masks._row_runs`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from magi_jax.mask_checks import (
+from magi_jax.masks._checks import (
     as_ranges,
     as_types,
     check_bounds,
@@ -38,7 +38,7 @@ from magi_jax.mask_checks import (
     drop_empty_past_end,
     window_bounds,
 )
-from magi_jax.mask_rows import (
+from magi_jax.masks._row_runs import (
     DEFAULT_BLOCK,
     combine_runs,
     shape_runs,
@@ -46,12 +46,11 @@ from magi_jax.mask_rows import (
     slices_from_dense,
     slices_from_fn,
 )
-from magi_jax.mask_slices import AttnMaskType, SliceShapes, shape_to_slices
+from magi_jax.masks.slices import AttnMaskType, SliceShapes, shape_to_slices
 
 if TYPE_CHECKING:  # annotations only (matplotlib is the plot extra)
     from matplotlib.figure import Figure
 
-__all__ = ["AttnMaskType", "AttnMask", "SliceShapes", "shape_to_slices", "window_bounds"]
 
 # Largest dense view to_dense() agrees to build (bool cells).
 _MAX_DENSE_CELLS = 1 << 28
@@ -276,7 +275,7 @@ class AttnMask:
         """The mask whose cell ``(q, k)`` is ``fn(q_idx, k_idx)``, a vectorised NumPy
         predicate (int64 ``q_idx [bq, 1]``, ``k_idx [1, bk]`` → bool ``[bq, bk]``), evaluated
         block by block and compressed into slices; ``blocks(qb, kb)`` optionally codes the
-        blocks (0 empty, 1 full, 2 evaluate). See :func:`magi_jax.mask_rows.slices_from_fn`.
+        blocks (0 empty, 1 full, 2 evaluate). See :func:`magi_jax.masks._row_runs.slices_from_fn`.
 
         >>> AttnMask.from_fn(lambda q, k: (k <= q) & (q - k < 2), 4, 4).area
         7
@@ -316,7 +315,7 @@ class AttnMask:
         ceil(total_k / block_k)]`` (FlexAttention's ``BlockMask`` / splash form): True
         blocks are FULL rectangles, merged where they line up. With a predicate ``fn``,
         ``block_mask`` holds codes 0 (empty), 1 (full), 2 (partial: ``fn``'s cells); see
-        :func:`magi_jax.mask_rows.slices_from_block_mask`.
+        :func:`magi_jax.masks._row_runs.slices_from_block_mask`.
 
         >>> AttnMask.from_block_mask(np.array([[1, 0], [1, 1]], bool), 2, 2).slices()
         [((0, 2), (0, 2), <AttnMaskType.FULL: 0>), ((2, 4), (0, 4), <AttnMaskType.FULL: 0>)]
@@ -392,7 +391,7 @@ class AttnMask:
         document that attends only to itself; id 0 is padding: its tokens attend nothing and
         are attended by nothing. A ``[B, T]`` array packs its rows into one sequence of
         ``B·T`` tokens (row ``b`` at ``[b·T, (b+1)·T)``, see
-        :func:`magi_jax.ffa.segments.pack_rows`); documents never cross rows.
+        :func:`magi_jax.ffa.device_planner.pack_rows`); documents never cross rows.
         ``causal`` (default ``True``, like :meth:`varlen` and
         :func:`magi_jax.make_varlen_key`): causal inside each document. ``window``: as in
         :meth:`varlen` — ``(left, right)``, query ``q`` sees keys ``[q - left, q + right]``

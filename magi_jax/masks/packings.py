@@ -44,8 +44,8 @@ import math
 
 import numpy as np
 
-from magi_jax.mask import AttnMask
-from magi_jax.mask_checks import check_doc_lens, check_total
+from magi_jax.masks._checks import check_doc_lens, check_total
+from magi_jax.masks._mask import AttnMask
 
 __all__ = [
     "LogNormalLengths",

@@ -21,8 +21,9 @@ So ``out[b] = x_src[send_index_src[j, p]]`` with ``recv_index[b] = j·S + p``.
 Keys store and ship the tables as runs (:class:`CastRuns`, :class:`RelayRuns`: rows
 ``(first value, length)``, value ``-1`` for padding; a few hundred per rank where the tables
 hold a row per token): every collective expands them here, inside the traced step, into
-exactly the tables above (:func:`expand_runs`, O(rows)) right before it reads them. Shifts (not
-absolute ranks) index the slots so that one SPMD program serves every rank. ``group_reduce``
+exactly the tables above (:func:`~magi_jax.ffa.ragged.expand_index_runs`, O(rows)) right
+before it reads them. Shifts (not absolute ranks) index the slots so that one SPMD program
+serves every rank. ``group_reduce``
 is the exact transpose: rows of the buffer go back to their received slot, the blocks go
 back (shift ``-shifts[j]``), and are summed (float32) into the owner's rows. Both directions
 move data by gathers through inverted tables (a scatter of int32 positions), never by a
@@ -31,7 +32,7 @@ scatter of the data itself, while the slots are few.
 Transports: ``"ppermute"`` (one ``lax.ppermute`` per slot, sending only its ``width``
 columns; partly overlappable with compute on GPU,
 benchmarks/results/overlap/LATEST.md; :class:`CastSpec`'s ``gating="pair"`` moves each
-sender-receiver pair's own rows instead, :mod:`magi_jax.sharding.pair_cast`) and
+sender-receiver pair's own rows instead, :mod:`magi_jax.sharding.transport._pair`) and
 ``"all_to_all"`` (one padded ``lax.all_to_all``; fewer launches when nearly every pair
 talks). ``ragged_all_to_all`` is not used: ~100x slower than the link on H200 and
 unsupported on CPU. ``"native"``: the
@@ -39,7 +40,7 @@ C++ XLA FFI custom calls of :mod:`magi_jax.sharding.native` (NVSHMEM on GPU, a r
 the host devices on CPU) take the same tables and replace the whole gather/exchange/scatter.
 
 Two-hop casts (a :class:`RelaySpec` in place of the :class:`CastSpec`, on a mesh of nodes):
-tables of their own (:mod:`magi_jax.planning.hierarchy`, which states their contract) move
+tables of their own (:mod:`magi_jax.planning.relay_table`, which states their contract) move
 each row across nodes once, to a relay in the receiving node, then inside the node; the
 reduce runs the two hops backwards, summing inside the node before the one inter-node send.
 Both hops are ``lax.ppermute``s, one per slot.
@@ -56,30 +57,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magi_jax.ffa.ragged import expand_index_runs as expand_runs
-from magi_jax.planning.defaults import PAIR_CAST_LEVELS
-from magi_jax.planning.wire import GATINGS, piece_len
-from magi_jax.sharding import native
-from magi_jax.sharding.pair_cast import pair_counts, pair_gated_ppermute, staircase_ppermute
-
-__all__ = [
-    "CastArrays",
-    "CastRuns",
-    "CastSpec",
-    "RelayArrays",
-    "RelayRuns",
-    "RelaySpec",
-    "TRANSPORTS",
-    "expand_runs",
-    "expand_tables",
-    "group_cast",
-    "group_reduce",
-    "cast_rows",
-    "reduce_rows",
-    "start_reduce_rows",
-]
+from magi_jax.ffa.ragged import expand_index_runs
+from magi_jax.planning import GATINGS, PAIR_CAST_LEVELS
+from magi_jax.sharding.transport import native
+from magi_jax.sharding.transport._all_to_all import exchange
+from magi_jax.sharding.transport._gather import acc_dtype, inverse, take
+from magi_jax.sharding.transport._pair import pair_counts, pair_gated_ppermute, staircase_ppermute
+from magi_jax.sharding.transport._relay import relay_cast, relay_reduce
+from magi_jax.sharding.transport._slot import gated_ppermute, slot_live, slot_perm
 
 TRANSPORTS = ("ppermute", "all_to_all", "native")
+# The name the device expansion had here before, for one release.
+expand_runs = expand_index_runs
 
 
 # An array [T, ...] or a pytree of them (e.g. (k, v): one collective carries all).
@@ -114,13 +103,13 @@ class CastSpec:
     ``slot_len``, ``buffer_len``: ``S`` and ``B`` of the tables, to expand :class:`CastRuns`
     (0: the tables come as :class:`CastArrays`). ``pieces``: the ``ppermute`` transport cuts
     each slot into that many gated pieces and moves only those some rank fills
-    (:func:`_gated_ppermute`; keys at a capacity, whose slots are as wide as the capacity
+    (:func:`gated_ppermute`; keys at a capacity, whose slots are as wide as the capacity
     allows); 1: every slot moves whole. ``gating``: on the ``ppermute`` transport,
     ``"slot"`` (a slot moves as many rows from every rank as its fullest rank needs) or
-    ``"pair"`` (each sender-receiver pair its own rows, :mod:`magi_jax.sharding.pair_cast`):
+    ``"pair"`` (each sender-receiver pair its own rows, :mod:`magi_jax.sharding.transport._pair`):
     with ``pieces = 1`` the static ``pair_rows`` (per slot, the rows each rank sends in it:
     a key of one mask) move in at most
-    :data:`~magi_jax.planning.defaults.PAIR_CAST_LEVELS` ``ppermute`` levels a slot, exactly;
+    :data:`~magi_jax.planning.cost_model.PAIR_CAST_LEVELS` ``ppermute`` levels a slot, exactly;
     with ``pieces > 1`` each pair moves its own gated pieces, read on the device."""
 
     axis_name: str
@@ -170,7 +159,7 @@ class CastSpec:
 
 
 class RelayArrays(NamedTuple):
-    """Device view of one rank's two-hop tables (:mod:`magi_jax.planning.hierarchy`):
+    """Device view of one rank's two-hop tables (:mod:`magi_jax.planning.relay_table`):
     ``inter_send [n_inter, S1]``, ``intra_send [n_intra, S2]``, ``recv_index [B]`` (with a
     leading ``cp`` axis before sharding)."""
 
@@ -193,7 +182,7 @@ class RelayRuns(NamedTuple):
 class RelaySpec:
     """Static part of a two-hop cast on a mesh of nodes: the mesh axes ``(node, local)``
     (the cp axis is their flattening), their sizes, the slots' shifts and widths of both
-    hops (:class:`~magi_jax.planning.hierarchy.RelayTable`). Both hops move by
+    hops (:class:`~magi_jax.planning.relay_table.RelayTable`). Both hops move by
     ``lax.ppermute``, one per slot: the inter-node hop over both axes, the intra-node hop
     over ``local`` alone. ``group_cast`` / ``group_reduce`` take it in place of a
     :class:`CastSpec`. ``inter_slot_len``, ``intra_slot_len``, ``buffer_len``: ``S1``,
@@ -244,64 +233,25 @@ def expand_tables(
     if isinstance(tables, CastRuns):
         n, s = len(spec.shifts), spec.slot_len
         return CastArrays(
-            expand_runs(tables.send_runs, n * s).reshape(n, s),
-            expand_runs(tables.recv_runs, spec.buffer_len),
+            expand_index_runs(tables.send_runs, n * s).reshape(n, s),
+            expand_index_runs(tables.recv_runs, spec.buffer_len),
         )
     if isinstance(tables, RelayRuns):
         n1, s1 = len(spec.inter_shifts), spec.inter_slot_len
         n2, s2 = len(spec.intra_shifts), spec.intra_slot_len
         return RelayArrays(
-            expand_runs(tables.inter_runs, n1 * s1).reshape(n1, s1),
-            expand_runs(tables.intra_runs, n2 * s2).reshape(n2, s2),
-            expand_runs(tables.recv_runs, spec.buffer_len),
+            expand_index_runs(tables.inter_runs, n1 * s1).reshape(n1, s1),
+            expand_index_runs(tables.intra_runs, n2 * s2).reshape(n2, s2),
+            expand_index_runs(tables.recv_runs, spec.buffer_len),
         )
     return tables
-
-
-def _perm(spec: CastSpec, shift: int, reverse: bool):
-    sign = -1 if reverse else 1
-    return [(r, (r + sign * shift) % spec.cp) for r in range(spec.cp)]
-
-
-def _slot_live(send, axis_name):
-    """int32 ``[n_slots]``: the most real entries any rank has in each slot of its send
-    table ``send [n_slots, S]`` (left-packed: entries at or past it are padding on every
-    rank), the same on every rank (a ``pmax`` over the axis)."""
-    return jax.lax.pmax(jnp.sum(send >= 0, axis=1, dtype=jnp.int32), axis_name)
-
-
-def _gated_ppermute(rows: tuple, axis_name, perm, live, pieces: int) -> tuple:
-    """``lax.ppermute(rows, axis_name, perm)`` of equally long ``rows [w, ...]`` that moves
-    only the first ``live`` rows (a scalar equal on every rank) rounded up to whole pieces
-    of :func:`~magi_jax.planning.wire.piece_len` rows, zeros past them: one conditional
-    whose branch ``k`` is a ``ppermute`` of ``k`` pieces. Exact when rows at or past
-    ``live`` are zero on every rank; the wire follows ``live`` rather than ``w`` (counted
-    by :func:`magi_jax.planning.wire.gated_widths`)."""
-    w = rows[0].shape[0]
-    if pieces <= 1 or w == 0:
-        return jax.lax.ppermute(rows, axis_name, perm)
-    size = piece_len(w, pieces)
-    count = -(-w // size)
-
-    def branch(k):
-        def moved(part):
-            head = jax.lax.ppermute(tuple(r[: min(w, k * size)] for r in part), axis_name, perm)
-            return tuple(
-                jnp.concatenate([h, jnp.zeros((w - h.shape[0],) + h.shape[1:], h.dtype)])
-                for h in head
-            )
-
-        return moved if k else (lambda part: jax.tree.map(jnp.zeros_like, part))
-
-    index = jnp.clip((live + size - 1) // size, 0, count)
-    return jax.lax.switch(index, [branch(k) for k in range(count + 1)], tuple(rows))
 
 
 def _slot_mover(send, spec: CastSpec, reverse: bool) -> Callable[[int, tuple], tuple]:
     """``move(j, rows)``: slot ``j``'s block ``rows`` (a tuple of ``[w_j, ...]``) sent to
     ``r + shifts[j]`` (back to ``r - shifts[j]`` when ``reverse``) on the ``ppermute``
-    transport as ``spec`` gates it: whole or in gated pieces (:func:`_gated_ppermute`,
-    gating ``"slot"``), or pair by pair (:mod:`magi_jax.sharding.pair_cast`)."""
+    transport as ``spec`` gates it: whole or in gated pieces (:func:`gated_ppermute`,
+    gating ``"slot"``), or pair by pair (:mod:`magi_jax.sharding.transport._pair`)."""
     axis, cp = spec.axis_name, spec.cp
     if spec.gating == "pair" and spec.pieces == 1:
         return lambda j, rows: staircase_ppermute(
@@ -312,24 +262,10 @@ def _slot_mover(send, spec: CastSpec, reverse: bool) -> Callable[[int, tuple], t
         return lambda j, rows: pair_gated_ppermute(
             rows, axis, cp, spec.shifts[j], counts[:, j], spec.pieces, reverse
         )
-    live = _slot_live(send, axis) if spec.pieces > 1 else [None] * len(spec.shifts)
-    return lambda j, rows: _gated_ppermute(
-        rows, axis, _perm(spec, spec.shifts[j], reverse), live[j], spec.pieces
+    live = slot_live(send, axis) if spec.pieces > 1 else [None] * len(spec.shifts)
+    return lambda j, rows: gated_ppermute(
+        rows, axis, slot_perm(spec, spec.shifts[j], reverse), live[j], spec.pieces
     )
-
-
-def _exchange(blocks, spec: CastSpec, reverse: bool):
-    """``blocks [n_slots, S, ...]``: block ``j`` goes to ``r + shifts[j]`` (``r - shifts[j]``
-    when ``reverse``) in one padded ``all_to_all``; returns the received blocks in the same
-    slot layout."""
-    cp = spec.cp
-    me = jax.lax.axis_index(spec.axis_name)
-    sign = -1 if reverse else 1
-    full = jnp.zeros((cp,) + blocks.shape[1:], blocks.dtype)
-    for j, shift in enumerate(spec.shifts):
-        full = full.at[(me + sign * shift) % cp].set(blocks[j])
-    got = jax.lax.all_to_all(full, spec.axis_name, 0, 0)
-    return jnp.stack([got[(me - sign * shift) % cp] for shift in spec.shifts])
 
 
 def _packed_entry(recv, spec: CastSpec, s: int):
@@ -339,23 +275,6 @@ def _packed_entry(recv, spec: CastSpec, s: int):
     j, p = recv // s, recv % s
     packed = jnp.asarray(offsets[:-1])[jnp.clip(j, 0, len(spec.widths) - 1)] + p
     return jnp.where(recv < 0, int(offsets[-1]), packed)
-
-
-def _inverse(index, size: int, fill: int):
-    """``inv [size]`` with ``inv[index[i]] = i`` (entries of ``index`` unique or < 0) and
-    ``fill`` elsewhere: a scatter of int32 positions, so that data moves by gathers."""
-    pos = jnp.arange(index.shape[0], dtype=jnp.int32)
-    # Padding entries point past the end, each to its own place: truly unique, then dropped.
-    return (
-        jnp.full((size,), fill, jnp.int32)
-        .at[jnp.where(index < 0, size + pos, index)]
-        .set(pos, mode="drop", unique_indices=True)
-    )
-
-
-def _take(x, idx):
-    """Rows ``x[idx]``, zero where ``idx`` is out of range (the padding convention)."""
-    return jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
 
 
 def _native(fn, leaves, *args):
@@ -388,7 +307,7 @@ def cast_rows(x: PyTree, tables: CastArrays, spec: CastSpec, prefix: bool = Fals
         got = jax.tree.leaves(cast_rows(x, tables, spec))
         return tree.unflatten([jnp.concatenate([a, g]) for a, g in zip(leaves, got)])
     if isinstance(spec, RelaySpec):
-        return tree.unflatten(_relay_cast(leaves, tables, spec))
+        return tree.unflatten(relay_cast(leaves, tables, spec))
     send, recv = tables
     buf = recv.shape[0]
     if not spec.shifts:
@@ -400,18 +319,16 @@ def cast_rows(x: PyTree, tables: CastArrays, spec: CastSpec, prefix: bool = Fals
         # capacity), or its pairs each moving their own rows; received blocks stay packed.
         move = _slot_mover(send, spec, reverse=False)
         blocks = [
-            move(j, tuple(_take(a, idx[j, :w]) for a in leaves)) for j, w in enumerate(spec.widths)
+            move(j, tuple(take(a, idx[j, :w]) for a in leaves)) for j, w in enumerate(spec.widths)
         ]
         entry = _packed_entry(recv, spec, s)
         return tree.unflatten(
-            [_take(jnp.concatenate([blk[i] for blk in blocks]), entry) for i in range(len(leaves))]
+            [take(jnp.concatenate([blk[i] for blk in blocks]), entry) for i in range(len(leaves))]
         )
     entry = jnp.where(recv < 0, n * s, recv)
     return tree.unflatten(
         [
-            _take(
-                _exchange(_take(a, idx), spec, reverse=False).reshape((n * s,) + a.shape[1:]), entry
-            )
+            take(exchange(take(a, idx), spec, reverse=False).reshape((n * s,) + a.shape[1:]), entry)
             for a in leaves
         ]
     )
@@ -420,10 +337,6 @@ def cast_rows(x: PyTree, tables: CastArrays, spec: CastSpec, prefix: bool = Fals
 # Gathers (one per slot, each over all owner rows) replace the float32 scatter-add of the
 # reduce while the slots are few; with many slots the scatter-add does less work.
 _GATHER_MAX_SLOTS = 4
-
-
-def _acc_dtype(dtype):
-    return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
 def reduce_rows(
@@ -457,16 +370,16 @@ def reduce_rows(
             [g.astype(a.dtype) if round_to_input else g for g, a in zip(got, leaves)]
         )
     if isinstance(spec, RelaySpec):
-        return tree.unflatten(_relay_reduce(leaves, tables, spec, num_rows))
+        return tree.unflatten(relay_reduce(leaves, tables, spec, num_rows))
     send, recv = tables
     if not spec.shifts:
         return tree.unflatten(
-            [jnp.zeros((num_rows,) + a.shape[1:], _acc_dtype(a.dtype)) for a in leaves]
+            [jnp.zeros((num_rows,) + a.shape[1:], acc_dtype(a.dtype)) for a in leaves]
         )
     n, s = send.shape
     b = leaves[0].shape[0]
     # Buffer rows back into their slot entries: recv is injective, so a gather by its inverse.
-    inv_recv = _inverse(recv, n * s, b)
+    inv_recv = inverse(recv, n * s, b)
     if spec.transport == "ppermute":
         # The cast's slots backwards, gated alike (its entries past the cast's live rows
         # are read by no buffer row: zeros).
@@ -475,16 +388,15 @@ def reduce_rows(
             move(
                 j,
                 tuple(
-                    _take(a, inv_recv[j * s : j * s + w]).astype(_acc_dtype(a.dtype))
-                    for a in leaves
+                    take(a, inv_recv[j * s : j * s + w]).astype(acc_dtype(a.dtype)) for a in leaves
                 ),
             )
             for j, w in enumerate(spec.widths)
         ]
     else:
         got = [
-            _exchange(
-                _take(a, inv_recv).astype(_acc_dtype(a.dtype)).reshape((n, s) + a.shape[1:]),
+            exchange(
+                take(a, inv_recv).astype(acc_dtype(a.dtype)).reshape((n, s) + a.shape[1:]),
                 spec,
                 reverse=True,
             )
@@ -494,137 +406,21 @@ def reduce_rows(
     widths = [blk[0].shape[0] for blk in back]
     if n <= _GATHER_MAX_SLOTS:
         # Within a slot every owner row appears at most once: sum one gather per slot.
-        invs = [_inverse(send[j, :w], num_rows, w) for j, w in enumerate(widths)]
+        invs = [inverse(send[j, :w], num_rows, w) for j, w in enumerate(widths)]
         return tree.unflatten(
-            [sum(_take(blk[i], inv) for blk, inv in zip(back, invs)) for i in range(len(leaves))]
+            [sum(take(blk[i], inv) for blk, inv in zip(back, invs)) for i in range(len(leaves))]
         )
     idx = jnp.concatenate(
         [jnp.where(send[j, :w] < 0, num_rows, send[j, :w]) for j, w in enumerate(widths)]
     )
     return tree.unflatten(
         [
-            jnp.zeros((num_rows,) + a.shape[1:], _acc_dtype(a.dtype))
+            jnp.zeros((num_rows,) + a.shape[1:], acc_dtype(a.dtype))
             .at[idx]
             .add(jnp.concatenate([blk[i] for blk in back]), mode="drop")
             for i, a in enumerate(leaves)
         ]
     )
-
-
-# ---- the two-hop cast on a mesh of nodes (RelaySpec) -----------------------------------------
-
-
-def _relay_perms(spec: RelaySpec, reverse: bool):
-    """Per slot, the ``ppermute`` pairs of both hops: inter-node over the flattened
-    ``(node, local)`` index, intra-node over ``local``."""
-    n, l, sign = spec.nodes, spec.local, -1 if reverse else 1
-    inter = []
-    for dn, dl in spec.inter_shifts:
-        pairs = [(a * l + b, ((a + dn) % n) * l + (b + dl) % l) for a in range(n) for b in range(l)]
-        inter.append([(t, s) for s, t in pairs] if reverse else pairs)
-    intra = [[(b, (b + sign * sh) % l) for b in range(l)] for sh in spec.intra_shifts]
-    return inter, intra
-
-
-def _hop(rows, send, widths, axis, perms, live=None, pieces=1):
-    """One hop of every leaf: slot ``j`` sends ``rows[send[j, :w_j]]`` (zeros for padding);
-    returns the received blocks packed back to back at their widths. ``live``: the slots'
-    :func:`_slot_live`, for ``pieces > 1`` (:func:`_gated_ppermute`)."""
-    idx = jnp.where(send < 0, rows[0].shape[0], send)
-    got = [
-        _gated_ppermute(
-            tuple(_take(a, idx[j, :w]) for a in rows),
-            axis,
-            perm,
-            None if live is None else live[j],
-            pieces,
-        )
-        for j, (w, perm) in enumerate(zip(widths, perms))
-    ]
-    return [
-        jnp.concatenate([g[i] for g in got]) if got else jnp.zeros((0,) + a.shape[1:], a.dtype)
-        for i, a in enumerate(rows)
-    ]
-
-
-def _relay_cast(leaves, tables: RelayArrays, spec: RelaySpec):
-    inter_send, intra_send, recv = tables
-    inter, intra = _relay_perms(spec, reverse=False)
-    live1, live2 = _relay_live(tables, spec)
-    relay = _hop(leaves, inter_send, spec.inter_widths, spec.axes, inter, live1, spec.pieces)
-    x2 = [jnp.concatenate([r, a]) for r, a in zip(relay, leaves)]
-    fwd = _hop(x2, intra_send, spec.intra_widths, spec.axes[1], intra, live2, spec.pieces)
-    got = [jnp.concatenate([r, f]) for r, f in zip(relay, fwd)]
-    size = sum(spec.inter_widths) + sum(spec.intra_widths)
-    return [_take(g, jnp.where(recv < 0, size, recv)) for g in got]
-
-
-def _relay_live(tables: RelayArrays, spec: RelaySpec):
-    """``(inter, intra)``: each hop's :func:`_slot_live` over every rank of both axes (one
-    value everywhere), or ``(None, None)`` without gated pieces."""
-    if spec.pieces <= 1:
-        return None, None
-    return tuple(
-        _slot_live(send, spec.axes) if send.shape[0] else None
-        for send in (tables.inter_send, tables.intra_send)
-    )
-
-
-def _hop_back(ct, send, widths, axis, perms, num_rows, live=None, pieces=1):
-    """Transpose of :func:`_hop`: received blocks ``ct`` (packed) go back to their senders
-    and are summed into ``num_rows`` rows there (gated alike)."""
-    offsets = np.concatenate([[0], np.cumsum(widths)]).astype(int)
-    back = [
-        _gated_ppermute(
-            tuple(c[offsets[j] : offsets[j + 1]] for c in ct),
-            axis,
-            perm,
-            None if live is None else live[j],
-            pieces,
-        )
-        for j, perm in enumerate(perms)
-    ]
-    idx = (
-        jnp.concatenate(
-            [jnp.where(send[j, :w] < 0, num_rows, send[j, :w]) for j, w in enumerate(widths)]
-        )
-        if widths
-        else None
-    )
-    out = []
-    for i, c in enumerate(ct):
-        acc = jnp.zeros((num_rows,) + c.shape[1:], c.dtype)
-        if back:
-            acc = acc.at[idx].add(jnp.concatenate([b[i] for b in back]), mode="drop")
-        out.append(acc)
-    return out
-
-
-def _relay_reduce(leaves, tables: RelayArrays, spec: RelaySpec, num_rows: int):
-    """Adjoint of :func:`_relay_cast`: sums inside the node first (the intra-node hop
-    reversed, at the relays), then one inter-node send back per relayed row."""
-    inter_send, intra_send, recv = tables
-    inter, intra = _relay_perms(spec, reverse=True)
-    live1, live2 = _relay_live(tables, spec)
-    r_len = int(sum(spec.inter_widths))
-    size = r_len + int(sum(spec.intra_widths))
-    inv = _inverse(recv, size, leaves[0].shape[0])  # recv is injective: a gather
-    got = [_take(a, inv).astype(_acc_dtype(a.dtype)) for a in leaves]
-    x2 = _hop_back(
-        [g[r_len:] for g in got],
-        intra_send,
-        spec.intra_widths,
-        spec.axes[1],
-        intra,
-        r_len + num_rows,
-        live2,
-        spec.pieces,
-    )
-    relay = [x[:r_len] + g[:r_len] for x, g in zip(x2, got)]
-    back = _hop_back(
-        relay, inter_send, spec.inter_widths, spec.axes, inter, num_rows, live1, spec.pieces
-    )
-    return [x[r_len:] + b for x, b in zip(x2, back)]
 
 
 def start_reduce_rows(

@@ -14,8 +14,8 @@ How the list is built (memory ``O(T + W_cap)``, nothing of size ``T x T``):
 1. runs of one id from the id changes (``jnp.nonzero(size=T)``); a nonzero run is a
    document;
 2. every document is cut into the (at most three) typed slices of
-   :func:`magi_jax.mask.shape_to_slices` (CAUSAL top, BI_CAUSAL or FULL middle, INV_CAUSAL
-   bottom) and put in the canonical form of :class:`magi_jax.mask.SliceShapes`;
+   :func:`magi_jax.masks.shape_to_slices` (CAUSAL top, BI_CAUSAL or FULL middle, INV_CAUSAL
+   bottom) and put in the canonical form of :class:`magi_jax.masks.SliceShapes`;
 3. (slice, q-tile) pairs: a ragged enumeration (cumsum + searchsorted) into ``T + NQ``
    slots (slices hold disjoint rows, so there are at most that many);
 4. per pair the k-tiles ``[lo(first row), hi(last row)]`` (rows' key intervals move
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from magi_jax.ffa.ragged import ragged_enumerate, take_in_bounds
-from magi_jax.mask import window_bounds
+from magi_jax.masks import window_bounds
 from magi_jax.planning.tiling import EMPTY_ITEM
 from magi_jax.planning.work_list import BAND, FULL, GENERAL
 
@@ -79,7 +79,7 @@ def unpack_rows(x: ArrayT, batch: int) -> ArrayT:
 def _pieces(q0, q1, k0, k1, dlo, dhi, live):
     """The typed pieces of shapes ``{q in [q0, q1), k in [k0, k1), dlo <= k - q <= dhi}``
     (int32 ``[n]`` each; a bound too wide to cut stands for a missing one), exactly
-    :func:`magi_jax.mask.shape_to_slices` on each: three pieces per shape, CAUSAL top,
+    :func:`magi_jax.masks.shape_to_slices` on each: three pieces per shape, CAUSAL top,
     BI_CAUSAL or FULL middle, INV_CAUSAL bottom, as ``(qs, qe, ks, ke, type, live)``
     ``[3n]`` (``live`` false for an empty piece)."""
     # Only rows with at least one cell.
@@ -105,7 +105,7 @@ def _pieces(q0, q1, k0, k1, dlo, dhi, live):
 
 
 def _canonical(qs, qe, ks, ke, ty, live, big: int):
-    """Pieces in the form of :class:`magi_jax.mask.SliceShapes`: int32 ``[n, 8]`` rows
+    """Pieces in the form of :class:`magi_jax.masks.SliceShapes`: int32 ``[n, 8]`` rows
     ``(q0, q1, k0, k1, dlo, dhi, dlo_field, dhi_field)`` (``q0 == q1 == 0`` for an empty
     piece). ``dlo``/``dhi`` are the diagonal bounds with a missing one replaced by
     ``-/+big`` (so ``lo``/``hi`` need no special case and nothing overflows); ``*_field``
@@ -198,7 +198,7 @@ def segment_work_lists(
     ``block_q x block_k`` owned by q-tiles (``by="q"``) or k-tiles (``by="k"``), built with
     ``jax.numpy``: traceable under ``jit`` with ``segment_ids`` a traced int ``[T]`` (or
     ``[B, T]``: rows packed into one sequence of ``B·T`` tokens, documents never crossing
-    rows, as :meth:`~magi_jax.mask.AttnMask.from_segment_ids` does); shapes are static.
+    rows, as :meth:`~magi_jax.masks.AttnMask.from_segment_ids` does); shapes are static.
 
     Returns ``(order [N], offsets [N + 1], items [capacity_items, 8], needed)`` int32, ``N``
     the number of owned tiles: exactly the arrays of

@@ -21,32 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from magi_jax.planning.capacity import PlanCapacity
-from magi_jax.sharding.collectives import CastSpec
+from magi_jax.planning import PlanCapacity
+from magi_jax.sharding.transport import CastSpec
 
 if TYPE_CHECKING:  # annotations only
     from matplotlib.figure import Figure
 
-    from magi_jax.mask import AttnMask
-    from magi_jax.planning.stages import DistPlan
+    from magi_jax.masks import AttnMask
+    from magi_jax.planning import DistPlan
 
-__all__ = [
-    "MagiKey",
-    "KeyStatic",
-    "StageStatic",
-    "CheckedKey",
-    "ROLES",
-    "check_key",
-    "is_checked",
-    "rows_desc",
-    "token_index",
-    "check_mesh",
-    "cp_names",
-    "cp_ranks",
-    "normal_cp_axis",
-    "axes_entry",
-    "check_pod_axes",
-]
 
 # What dispatch / undispatch / position_ids lay out: queries (and outputs), or keys/values.
 ROLES = ("q", "kv")
@@ -138,7 +121,7 @@ class MagiKey:
     over the cp axis and gives NaN rows where the processes of a CP group planned different
     masks.
 
-    A batched key (:func:`~magi_jax.sharding.batch_key.make_batch_key`, ``key.rows`` set) holds
+    A batched key (:func:`~magi_jax.sharding.make_batch_key`, ``key.rows`` set) holds
     one plan per batch row: every leaf has a leading ``[rows]`` axis sharded over
     ``key.batch_axes``, and ``plan`` / ``mask`` are ``None``.
 

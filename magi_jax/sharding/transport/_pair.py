@@ -1,5 +1,5 @@
 """The ``ppermute`` transport pair by pair: one slot of a cast (a shift ``s`` of the ranks,
-rank ``r`` sending to ``(r + s) % cp``; :mod:`magi_jax.sharding.collectives` states the
+rank ``r`` sending to ``(r + s) % cp``; :mod:`magi_jax.sharding.transport` states the
 contract) moved so that each (sender, receiver) pair's wire follows its own rows, rather than
 the slot's fullest rank's.
 
@@ -28,9 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magi_jax.planning.wire import pair_levels, piece_len
-
-__all__ = ["staircase_ppermute", "pair_gated_ppermute", "pair_counts"]
+from magi_jax.planning import pair_levels, piece_len
 
 
 def _pairs(cp: int, shift: int, senders, reverse: bool) -> list[tuple[int, int]]:
