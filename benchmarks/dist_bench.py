@@ -156,7 +156,7 @@ from benchmarks.baselines.ulysses import make_ulysses_plan, ulysses_attention  #
 from benchmarks.harness import describe, environment  # noqa: E402
 from benchmarks.kernel_bench import make_mask  # noqa: E402
 from benchmarks.probe import nocomm_attention  # noqa: E402
-from magi_jax.planning.backends import FFA_BACKENDS  # noqa: E402
+from magi_jax.planning.backends import HOST_SPECS  # noqa: E402
 from magi_jax.planning.stages import build_dist_plan  # noqa: E402
 from magi_jax.sharding import magi_attention, make_flex_key  # noqa: E402
 from magi_jax.sharding.key_wire import key_wire  # noqa: E402
@@ -317,7 +317,7 @@ def run(a):
     dtype = jnp.dtype(a.dtype)
     backend, why = pick_backend(a.backend, dtype, a.head_dim)
     ffa = LocalFFA(backend)
-    magi_ffa = backend if backend in FFA_BACKENDS else "xla"
+    magi_ffa = backend if HOST_SPECS[backend].context_parallel else "xla"
     dev = devices[0]
     stamp = datetime.datetime.now(datetime.timezone.utc)
     meta = environment(
@@ -336,7 +336,8 @@ def run(a):
     if magi_ffa != backend:
         meta["note"] = (
             f"magi_attention has no {backend!r} per-rank FFA yet "
-            f"(ffa_backends {FFA_BACKENDS}); it runs on {magi_ffa!r} "
+            f"(ffa_backend takes {[n for n, s in HOST_SPECS.items() if s.context_parallel]}); "
+            f"it runs on {magi_ffa!r} "
             f"while the baselines run on {backend!r}: not a like-for-like row"
         )
     os.makedirs(a.out, exist_ok=True)

@@ -305,6 +305,12 @@ def dot_product_attention(
                 )
             if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
                 raise ValueError(f"segment_ids must be integers; got dtype {segment_ids.dtype}")
+        if name == "cudnn":
+            raise NotImplementedError(
+                "backend='cudnn' runs masks known on the host (an AttnMask through "
+                "magi_jax.flex_flash_attention); segment ids and sequence lengths are planned "
+                "on the device for the FFA engines: use backend='auto', 'pallas' or 'xla'"
+            )
         plan, bad = device_plan(
             segment_ids,
             q_len,
@@ -330,7 +336,7 @@ def dot_product_attention(
         host = _host_mask(dense, q_len, kv_len, b, t, s, left, right)
         if host.total_q == t:  # one mask for the whole batch
             out, lse = flex_flash_attention(
-                q, k, v, host, softmax_scale=scale, softcap=softcap, backend=name
+                q, k, v, host, softmax_scale=scale, softcap=softcap, backend=backend
             )
         else:
             out, lse = flex_flash_attention(
@@ -340,7 +346,7 @@ def dot_product_attention(
                 host,
                 softmax_scale=scale,
                 softcap=softcap,
-                backend=name,
+                backend=backend,
             )
             out, lse = unpack_rows(out, b), unpack_rows(lse, b)
     if unbatched:

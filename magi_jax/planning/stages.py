@@ -42,7 +42,7 @@ import numpy as np
 
 from magi_jax.caches import Cache
 from magi_jax.masks import AttnMask, SliceShapes
-from magi_jax.planning.backends import host_planner
+from magi_jax.planning.backends import host_spec
 from magi_jax.planning.cast_table import CastTable, cast_table_from_pieces
 from magi_jax.planning.solver import (
     KV_LAYOUTS,
@@ -584,7 +584,7 @@ def build_dist_plan(
             f"overlap_degree={overlap_degree} must be >= 0 (0: one FFA call "
             "after fetching all remote KV; k: host stage + k remote stages)"
         )
-    backend = host_planner(ffa_backend)
+    backend = host_spec(ffa_backend, "ffa_backend", context_parallel=True)
     key = (
         mask.fingerprint,
         meta.fingerprint(),
@@ -735,7 +735,7 @@ def _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, host)
     arrays: runs (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) standing for lists of
     the capacity's items (at ``capacity``; runs padded to :func:`_capacity_runs`, the host
     stage's (``host``) to its own bounds) or of the longest rank's."""
-    fwd_block, bwd_block = backend_blocks(backend.name, t_loc, kv_len, bq, bk)
+    fwd_block, bwd_block = backend.blocks(t_loc, kv_len, bq, bk)
     with _phase("work_lists"):
         runs_q = work_list_runs(flat, rank.rank, cp, t_loc, kv_len, *fwd_block, "q")
         runs_k = work_list_runs(flat, rank.rank, cp, t_loc, kv_len, *bwd_block, "k")

@@ -25,10 +25,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from magi_jax.ffa.backends import get_backend
 from magi_jax.ffa.plan import expand_lists
 from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.sharding.attention_checks import check_inputs, check_local_inputs
-from magi_jax.sharding.ffa_backends import get_backend
 from magi_jax.sharding.keys import MagiKey, is_checked
 from magi_jax.sharding.layout import PodSpecs, pod_specs
 from magi_jax.sharding.transport import cast_rows, native, reduce_rows, start_reduce_rows

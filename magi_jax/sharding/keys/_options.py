@@ -99,7 +99,7 @@ class KeyOptions:
                 f"comm_backend={self.comm_backend!r} moves none: pass comm_backend='xla' "
                 "(or 'ppermute'), or leave cast_gating='auto'"
             )
-        check_backend(self.ffa_backend, "ffa_backend")
+        check_backend(self.ffa_backend, "ffa_backend", context_parallel=True)
         if self.capacity is not None and not isinstance(self.capacity, PlanCapacity):
             raise TypeError(f"capacity must be a PlanCapacity; got {type(self.capacity).__name__}")
         if self.dispatch_algorithm not in ALGORITHMS:

@@ -132,7 +132,7 @@ def resolve_options(
         comm_backend = "native"
     relay = _relay_layout(mesh, cp_axis, o.hierarchical, comm_backend, capacity)
     if ffa_backend == AUTO:
-        ffa_backend = auto_backend()[0]
+        ffa_backend = auto_backend(context_parallel=True)[0]
     if capacity is not None:
         chunk_size, overlap_degree = _capacity_options(
             capacity, mask, cp, chunk_size, overlap_degree
@@ -190,7 +190,7 @@ def resolve_options(
 def ffa_backend_reason() -> str | None:
     """``None`` when ``ffa_backend="auto"`` picks ``"pallas"`` (the default device is an sm90
     GPU), else why it picks ``"xla"``."""
-    name, why = auto_backend()
+    name, why = auto_backend(context_parallel=True)
     return None if name == "pallas" else why
 
 
