@@ -153,17 +153,7 @@ class Conformance:
             jax.random.key(case.seed), mask, case.hq, case.hkv, d, case.dtype, case.batch
         )
         kw = dict(softcap=case.softcap, softmax_scale=case.softmax_scale)
-
-        @jax.jit
-        def step(q, k, v, dout, dlse):
-            fwd = lambda a, b, c: self.attention(mask, a, b, c, **kw)
-            if self.supports_lse:
-                (out, lse), vjp = jax.vjp(fwd, q, k, v)
-                return dict(out=out, lse=lse), vjp((dout, dlse))
-            out, vjp = jax.vjp(lambda a, b, c: fwd(a, b, c)[0], q, k, v)
-            return dict(out=out), vjp(dout)
-
-        res, (dq, dk, dv) = step(q, k, v, dout, dlse)
+        res, (dq, dk, dv) = self.step(mask, **kw)(q, k, v, dout, dlse)
         res.update(dq=dq, dk=dk, dv=dv)
         dtype = jnp.dtype(case.dtype)
         assert res["out"].dtype == dtype and dq.dtype == dtype and dk.dtype == dtype
@@ -190,6 +180,21 @@ class Conformance:
                 _assert_unseen_get_nothing(cut, MASKS[name])
             except AssertionError as e:
                 raise AssertionError(f"{name}: {e}") from None
+
+    def step(self, mask, **kw):
+        """``step(q, k, v, dout, dlse) -> (results, (dq, dk, dv))``: the forward and the VJP
+        as one jitted program, the mask a constant of it."""
+
+        @jax.jit
+        def step(q, k, v, dout, dlse):
+            fwd = lambda a, b, c: self.attention(mask, a, b, c, **kw)
+            if self.supports_lse:
+                (out, lse), vjp = jax.vjp(fwd, q, k, v)
+                return dict(out=out, lse=lse), vjp((dout, dlse))
+            out, vjp = jax.vjp(lambda a, b, c: fwd(a, b, c)[0], q, k, v)
+            return dict(out=out), vjp(dout)
+
+        return step
 
     def test_zoo(self, case):
         self.run(case)
@@ -267,32 +272,56 @@ class TestFlexFlashAttentionPallasInterpret(Conformance):
 
 @functools.lru_cache(maxsize=None)
 def _cp_key(mask: AttnMask):
+    """The key of ``mask`` on 8 devices; the zoo's masks share one capacity (mask as data),
+    so their keys share a static part and the jitted step compiles once for all of them."""
     mesh = jax.make_mesh(
         (8,), ("cp",), devices=jax.devices()[:8], axis_types=(jax.sharding.AxisType.Auto,)
     )
+    if any(mask is m for m in ZOO.values()):
+        return mj.make_flex_key(mask, mesh, "cp", capacity=_zoo_capacity())
     return mj.make_flex_key(mask, mesh, "cp")
+
+
+@functools.lru_cache(maxsize=None)
+def _zoo_capacity():
+    return mj.PlanCapacity.from_masks(list(ZOO.values()), mesh_size=8)
+
+
+def _cp_attention(key, q, k, v, softcap, softmax_scale):
+    """Natural order in and out: dispatch, ``magi_attention``, undispatch (batches along
+    axis 1)."""
+    axis = q.ndim - 3
+    out, lse = mj.magi_attention(
+        mj.dispatch(q, key, seq_axis=axis),
+        mj.dispatch(k, key, seq_axis=axis, role="kv"),
+        mj.dispatch(v, key, seq_axis=axis, role="kv"),
+        key,
+        softcap=softcap,
+        softmax_scale=softmax_scale,
+    )
+    return mj.undispatch(out, key, seq_axis=axis), mj.undispatch(lse, key, seq_axis=axis)
+
+
+@functools.partial(jax.jit, static_argnames=("softcap", "softmax_scale"))
+def _cp_step(key, q, k, v, dout, dlse, softcap, softmax_scale):
+    fwd = lambda a, b, c: _cp_attention(key, a, b, c, softcap, softmax_scale)
+    (out, lse), vjp = jax.vjp(fwd, q, k, v)
+    return dict(out=out, lse=lse), vjp((dout, dlse))
 
 
 class TestMagiAttentionCp8(Conformance):
     """``magi_attention`` on 8 CPU host devices: natural-order inputs through dispatch and
-    undispatch (batches along axis 1). Each kind of the zoo on its own: how a mask is cut
-    over the ranks is what this entry point adds."""
+    undispatch. Each kind of the zoo on its own (how a mask is cut over the ranks is what
+    this entry point adds), as data: the key is an argument of the jitted step."""
 
     wrapper = True
     zoo_packed = False
 
     def attention(self, mask, q, k, v, softcap, softmax_scale):
-        key = _cp_key(mask)
-        axis = q.ndim - 3
-        out, lse = mj.magi_attention(
-            mj.dispatch(q, key, seq_axis=axis),
-            mj.dispatch(k, key, seq_axis=axis, role="kv"),
-            mj.dispatch(v, key, seq_axis=axis, role="kv"),
-            key,
-            softcap=softcap,
-            softmax_scale=softmax_scale,
-        )
-        return mj.undispatch(out, key, seq_axis=axis), mj.undispatch(lse, key, seq_axis=axis)
+        return _cp_attention(_cp_key(mask), q, k, v, softcap, softmax_scale)
+
+    def step(self, mask, **kw):
+        return functools.partial(_cp_step, _cp_key(mask), **kw)
 
 
 class TestDotProductAttention(Conformance):
