@@ -104,12 +104,9 @@ class Conformance:
     head_dim = 8  # the zoo's head dim
     zoo_heads = (2, 1)  # the zoo's query and key/value heads
     head_dims = None  # None: every multiple of 8 up to 256
-    supports_batch = True
-    supports_softcap = True
-    supports_scale = True
+    # Every entry point takes batches, GQA, softcap, a scale and masks without slices.
     supports_lse = True  # lse is returned and differentiable
     supports_cross = True  # total_q != total_k
-    supports_empty = True  # a mask without slices
     # A wrapper over another entry point runs the plumbing cases only: the kernel cases test
     # what it passes through untouched.
     wrapper = False
@@ -127,11 +124,7 @@ class Conformance:
         return (
             case.dtype in cls.dtypes
             and (d % 8 == 0 and d <= 256 if cls.head_dims is None else d in cls.head_dims)
-            and (case.batch is None or cls.supports_batch)
-            and (not case.softcap or cls.supports_softcap)
-            and (case.softmax_scale is None or cls.supports_scale)
             and (mask.total_q == mask.total_k or cls.supports_cross)
-            and (mask.num_slices > 0 or cls.supports_empty)
             and (case.catches == "plumbing" or not cls.wrapper)
         )
 
