@@ -20,7 +20,9 @@ T, H, D = 16, 2, 8
 
 @functools.lru_cache(maxsize=None)
 def _key():
-    mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    mesh = jax.make_mesh(
+        (2,), ("cp",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,)
+    )
     return mj.make_flex_key(mj.AttnMask.causal(T), mesh, "cp")
 
 

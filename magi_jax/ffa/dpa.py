@@ -314,7 +314,7 @@ def dot_product_attention(
         through ``jax.experimental.checkify``, JAX's way of raising from compiled code:
         ``err, out = checkify.checkify(step)(...)`` then ``err.throw()`` raises a
         ``ValueError`` (``checkify.JaxRuntimeError``) with the message (staged by ``jit``
-        without ``checkify``, JAX refuses at trace time and says so).
+        without ``checkify``, JAX refuses when it compiles the step and names checkify).
 
     Returns:
       The output, ``query``'s shape with ``Hv`` for ``H``, in ``query``'s dtype; with

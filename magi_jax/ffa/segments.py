@@ -438,13 +438,6 @@ _SPLIT_MESSAGE = (
     "{second}); segment ids must be contiguous runs (packed documents): give every "
     "document its own id"
 )
-_TRACED_CHECK_MESSAGE = (
-    "check_segment_ids=True with traced segment ids (or lengths) checks them in the "
-    "compiled program, which needs jax.experimental.checkify around the jitted step: "
-    "err, out = jax.jit(checkify.checkify(step))(...); err.throw() raises the message. "
-    "Otherwise pass concrete ids (checked on the host at the call), or drop "
-    "check_segment_ids (ids the plan cannot represent then make the whole output NaN)"
-)
 _CAPACITY_MESSAGE = (
     "these inputs need PlanCapacity.items={need}, but the capacity holds {cap}; pass "
     "capacity=PlanCapacity({total}, items={need}) or more (capacity=None: a bound that "
@@ -458,7 +451,7 @@ def _check_traced(
     """The check of traced ids: two ``jax.experimental.checkify`` checks with the messages of
     :func:`_raise_if_bad`. Functionalised by ``checkify.checkify``, ``err.throw()`` raises
     them as a ``ValueError`` (``checkify.JaxRuntimeError``); staged without it, JAX refuses
-    at trace time and says to use ``checkify``."""
+    when it compiles the step and says to use ``checkify``."""
     from jax.experimental import checkify
 
     row = first // row_len
@@ -616,12 +609,7 @@ def device_plan(
     else:
         lists, bad, diag = build()
         if raise_now:
-            try:
-                _check_traced(*diag, **checks)
-            except ValueError as err:
-                if "checkify" not in str(err):
-                    raise
-                raise ValueError(_TRACED_CHECK_MESSAGE) from err
+            _check_traced(*diag, **checks)
     plan = AttnPlan(lists, (), PlanStatic(capacity, backend, tuple(fwd_block), tuple(bwd_block)))
     return plan, bad
 

@@ -95,14 +95,16 @@ def test_bad_ids_raise_where_seen_and_give_nan_where_not():
     assert np.isnan(np.asarray(out)).all()
     y = jax.jit(lambda x, ids: layer(x, segment_ids=ids))(x, split)
     assert np.isnan(np.asarray(y)).all()
-    # Traced with the check on but no checkify: a message that says how.
-    with pytest.raises(ValueError, match=r"check_segment_ids=True with traced segment ids.*"):
+    # Traced with the check on but no checkify: JAX refuses when it compiles, naming checkify.
+    with pytest.raises(ValueError, match=r"functionalizing it through `checkify.checkify`"):
         jax.jit(lambda x, ids: layer(x, segment_ids=ids, check_segment_ids=True))(x, IDS)
-    with pytest.raises(ValueError, match=r"checkify.checkify\(step\)"):
-        jax.jit(
-            lambda q, k, v, ids: dpa.dot_product_attention(
-                q, k, v, segment_ids=ids, check_segment_ids=True
-            )
-        )(q, k, v, IDS)
+    # With checkify, the layer's traced ids raise the message of the concrete ones.
+    from jax.experimental import checkify
+
+    err, _ = jax.jit(
+        checkify.checkify(lambda x, ids: layer(x, segment_ids=ids, check_segment_ids=True))
+    )(x, split)
+    with pytest.raises(ValueError, match=r"segment id 3 appears in two separate runs of row 0"):
+        err.throw()
     with pytest.raises(ValueError, match=r"segment_ids must be integers \(positive: documents"):
         dpa.dot_product_attention(q, k, v, segment_ids=IDS.astype(np.float32))
