@@ -63,7 +63,7 @@ FAULTS = {
     "kv_shape": (dict(v_tokens=-1), ValueError, r"must have the same shape up to the head dim"),
     "d_differs": (dict(dk=16), ValueError, r"head dims differ: .* has D=8, .* has D=16"),
     "int_dtype": (dict(dtype=np.int32), TypeError, r"have dtype int32; attention needs floating"),
-    "rank": (dict(rank=2), ValueError, r"must all be of one rank; got shapes"),
+    "rank": (dict(rank=2), ValueError, r"must be of one rank \(they must all .*\); got shapes"),
     "batch": (dict(k_batch=3), ValueError, r"batch sizes differ"),
 }
 

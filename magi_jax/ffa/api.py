@@ -110,9 +110,14 @@ def check_qkv(
     for name, x in zip(names, (q, k, v)):
         rank_ok = x.ndim >= 3 if ranks is None else x.ndim in ranks
         if not rank_ok or x.ndim != q.ndim:
+            alike = (
+                "they must all have the same number of axes"
+                if ranks is None
+                else "they must all be " + " or all ".join(f"{r}-D" for r in ranks)
+            )
             raise ValueError(
-                f"{caller}: {name} must be {layout}, and {nq}, {nk} and {nv} must all be of "
-                f"one rank; got shapes {nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}, {nv} "
+                f"{caller}: {name} must be {layout}; {nq}, {nk} and {nv} must be of one rank "
+                f"({alike}); got shapes {nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}, {nv} "
                 f"{tuple(v.shape)}"
             )
     if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
