@@ -148,7 +148,9 @@ def _host_mask(dense, q_len, kv_len, b: int, t: int, s: int, left, right) -> Att
     return AttnMask.from_ranges(arr[:, :2], arr[:, 2:], types, rows * t, rows * s)
 
 
-def check_segment_ids_shape(segment_ids, batch: int, tokens: int, *, caller: str):
+def check_segment_ids_shape(
+    segment_ids: jax.Array | np.ndarray, batch: int, tokens: int, *, caller: str
+) -> jax.Array | np.ndarray:
     """``segment_ids`` as ``[batch, tokens]`` integers: NumPy when concrete (so that they can
     be checked on the host at the call; inside a trace ``jnp.asarray`` would stage them),
     the tracer when traced. ``ValueError`` naming the shape or dtype otherwise."""
