@@ -231,8 +231,8 @@ def flex_flash_attention(
       the scores); it has no gradient.
     """
     return_max_logits = bool(return_max_logits)
+    check_qkv(q, k, v)  # again below with the mask's or the plan's token counts
     if sink is not None:
-        check_qkv(q, k, v)
         check_sink(sink, q.shape[-2])
         res = flex_flash_attention(
             q,
