@@ -201,7 +201,7 @@ def test_errors_name_the_mistake():
         fn_mask(q, q, q, dropout_rate=0.1, deterministic=False)
     with pytest.raises(ValueError, match="is_causal"):
         fn_mask(q, q, q, is_causal=True)
-    with pytest.raises(TypeError, match="AttnMask or a MagiKey"):
+    with pytest.raises(TypeError, match="an AttnMask, an AttnPlan .* or a MagiKey"):
         make_attention_fn(np.ones((T, T), bool))
     with pytest.raises(ValueError, match="SelfAttention|multiple of"):
         SelfAttention(32, 4, num_kv_heads=3, rngs=nnx.Rngs(0))

@@ -21,6 +21,7 @@ __all__ = [
     "BACKENDS",
     "select_backend",
     "check_options",
+    "check_qkv",
     "finite_float",
     "MAX_HEAD_DIM",
 ]
@@ -36,7 +37,7 @@ def _check_inputs(q, k, v, mask: AttnMask):
             f"mask must be an AttnMask (e.g. AttnMask.varlen(...)) or an AttnPlan "
             f"(mj.plan_attention); got {type(mask).__name__}"
         )
-    _check_shapes(q, k, v, mask.total_q, mask.total_k, "the mask")
+    check_qkv(q, k, v, tokens=(mask.total_q, mask.total_k, "the mask"))
 
 
 def finite_float(value: object) -> float | None:
@@ -79,68 +80,102 @@ def check_options(
             )
 
 
-def _check_arrays(q, k, v):
-    for name, x in (("q", q), ("k", k), ("v", v)):
+def check_qkv(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    caller: str = "flex_flash_attention",
+    names: tuple[str, str, str] = ("q", "k", "v"),
+    layout: str = "[T, H, D] or [B, T, H, D]",
+    ranks: tuple[int, ...] | None = (3, 4),
+    tokens: tuple[int, int, str] | None = None,
+) -> None:
+    """The rules every attention entry point holds its ``q``, ``k``, ``v`` to, written once:
+    arrays of ``ranks`` dims (``None``: 3 or more, any leading batch axes) all of one rank
+    (``layout`` spells it in the caller's words), the same batch axes, k and v the same
+    shape up to the head dim (v may have its own, ``Dv``: multi-head latent attention), no
+    empty axis, q and k one head dim ``D``, ``D`` and ``Dv`` multiples of 8 in ``[8,
+    MAX_HEAD_DIM]``, query heads a multiple of key/value heads (GQA), one dtype among
+    bfloat16, float16, float32 and float64. ``tokens = (total_q, total_k, what)``: also the
+    token axes (third from last) against ``what``'s lengths. Raises ``TypeError`` /
+    ``ValueError`` prefixed with ``caller``, naming the input (``names``), its value and the
+    fix. Shapes and dtypes only: nothing is traced or computed."""
+    nq, nk, nv = names
+    for name, x in zip(names, (q, k, v)):
         if not all(hasattr(x, a) for a in ("ndim", "shape", "dtype")):
             raise TypeError(
-                f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}"
+                f"{caller}: {name} must be an array (jax.Array or numpy.ndarray); got "
+                f"{type(x).__name__}"
             )
-
-
-def _check_shapes(q, k, v, total_q: int, total_k: int, what: str):
-    _check_arrays(q, k, v)
-    if q.ndim not in (3, 4):
-        raise ValueError(f"q must be [T, H, D] or [B, T, H, D]; got shape {q.shape}")
-    for name, x in (("k", k), ("v", v)):
-        if x.ndim != q.ndim:
+    for name, x in zip(names, (q, k, v)):
+        rank_ok = x.ndim >= 3 if ranks is None else x.ndim in ranks
+        if not rank_ok or x.ndim != q.ndim:
+            alike = (
+                "they must all have the same number of axes"
+                if ranks is None
+                else "they must all be " + " or all ".join(f"{r}-D" for r in ranks)
+            )
             raise ValueError(
-                f"{name} has shape {x.shape} but q has shape {q.shape}; q, k and v "
-                "must all be [T, H, D] or all [B, T, H, D]"
+                f"{caller}: {name} must be {layout}; {nq}, {nk} and {nv} must be of one rank "
+                f"({alike}); got shapes {nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}, {nv} "
+                f"{tuple(v.shape)}"
             )
-    if q.ndim == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+        raise ValueError(
+            f"{caller}: batch sizes differ: {nq} {tuple(q.shape[:-3])}, {nk} "
+            f"{tuple(k.shape[:-3])}, {nv} {tuple(v.shape[:-3])}; the leading (batch) axes of "
+            f"{nq}, {nk} and {nv} must be equal"
+        )
     if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(
-            f"k {k.shape} and v {v.shape} must have the same shape up to the head dim "
-            "(v may have its own head dim Dv)"
+            f"{caller}: {nk} {tuple(k.shape)} and {nv} {tuple(v.shape)} must have the same "
+            f"shape up to the head dim ({nv} may have its own head dim Dv: multi-head latent "
+            "attention)"
         )
+    for name, x in ((nq, q), (nk, k)):
+        if 0 in x.shape:
+            axes = ["B"] * (x.ndim - 3) + ["T", "H", "D"]
+            empty = ", ".join(f"{a} = 0" for a, n in zip(axes, x.shape) if n == 0)
+            raise ValueError(
+                f"{caller}: {name} has shape {tuple(x.shape)} ({empty}): attention needs at "
+                "least one token, head and batch row; skip the call for an empty sequence "
+                "or batch (its output is empty)"
+            )
     tq, hq, d = q.shape[-3:]
     tk, hkv, dk = k.shape[-3:]
     dv = v.shape[-1]
-    for name, x in (("q", q), ("k", k)):
-        if 0 in x.shape:
-            axes = ["B", "T", "H", "D"][4 - x.ndim :]
-            empty = ", ".join(f"{a} = 0" for a, n in zip(axes, x.shape) if n == 0)
+    if tokens is not None:
+        total_q, total_k, what = tokens
+        if tq != total_q or tk != total_k:
             raise ValueError(
-                f"{name} has shape {x.shape} ({empty}): flex_flash_attention "
-                "needs at least one token, head and batch row; skip the call "
-                "for an empty sequence or batch (its output is empty)"
+                f"{caller}: {nq} has {tq} tokens and {nk} has {tk}, but {what} is over "
+                f"total_q={total_q}, total_k={total_k}; build it for these lengths"
             )
-    if tq != total_q or tk != total_k:
-        raise ValueError(
-            f"q has {tq} tokens and k has {tk}, but {what} is over "
-            f"total_q={total_q}, total_k={total_k}; build it for these lengths"
-        )
     if dk != d:
-        raise ValueError(f"head dims differ: q has D={d}, k has D={dk}; they must be equal")
-    for name, x in (("D", d), ("Dv (v's head dim)", dv)):
+        raise ValueError(
+            f"{caller}: head dims differ: {nq} has D={d}, {nk} has D={dk}; they must be equal"
+        )
+    for name, x in (("D", d), (f"Dv ({nv}'s head dim)", dv)):
         if x % 8 or not 8 <= x <= MAX_HEAD_DIM:
             raise ValueError(
-                f"head dim {name}={x} is not supported: use a multiple of 8 in [8, {MAX_HEAD_DIM}]"
+                f"{caller}: head dim {name}={x} is not supported: use a multiple of 8 in "
+                f"[8, {MAX_HEAD_DIM}]"
             )
     if hq % hkv:
         raise ValueError(
-            f"q has {hq} heads and k/v have {hkv}: the number of query heads "
-            "must be a multiple of the number of key/value heads (GQA)"
+            f"{caller}: {nq} has {hq} heads and {nk}/{nv} have {hkv}: the number of query "
+            "heads must be a multiple of the number of key/value heads (GQA)"
         )
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
-            f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype"
+            f"{caller}: {nq}, {nk}, {nv} dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); "
+            "cast them to one dtype"
         )
     if q.dtype not in _DTYPES:
         raise TypeError(
-            f"q, k, v have dtype {q.dtype}, which is not supported; use bfloat16, "
-            "float16 or float32 (float64 with jax_enable_x64)"
+            f"{caller}: {nq}, {nk}, {nv} have dtype {q.dtype}; attention needs floating-point "
+            "inputs: bfloat16, float16 or float32 (float64 with jax_enable_x64)"
         )
 
 
@@ -199,7 +234,7 @@ def flex_flash_attention(
       the scores); it has no gradient.
     """
     return_max_logits = bool(return_max_logits)
-    _check_arrays(q, k, v)
+    check_qkv(q, k, v)  # again below with the mask's or the plan's token counts
     if sink is not None:
         check_sink(sink, q.shape[-2])
         if backend == "auto" and isinstance(mask, AttnMask):
@@ -277,7 +312,7 @@ def _attend_plan(
             f"backend={backend!r} but the plan was built for {st.backend!r}; "
             f"pass backend='auto' or plan_attention(..., backend={backend!r})"
         )
-    _check_shapes(q, k, v, cap.total_q, cap.total_k, "the plan's capacity")
+    check_qkv(q, k, v, tokens=(cap.total_q, cap.total_k, "the plan's capacity"))
     if st.backend == "pallas":
         from magi_jax import pallas
 

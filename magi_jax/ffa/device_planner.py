@@ -11,8 +11,8 @@ rows from segment ids and/or per-row query and key lengths (``jax.nn``'s
 
 How the list is built (memory ``O(T + W_cap)``, nothing of size ``T x T``):
 
-1. runs of one id from the id changes (``jnp.nonzero(size=T)``); a nonzero run is a
-   document;
+1. runs of one id from the id changes (``jnp.nonzero(size=T)``); a run of a positive id
+   is a document (ids 0 and below are padding, as on the host);
 2. every document is cut into the (at most three) typed slices of
    :func:`magi_jax.masks.shape_to_slices` (CAUSAL top, BI_CAUSAL or FULL middle, INV_CAUSAL
    bottom) and put in the canonical form of :class:`magi_jax.masks.SliceShapes`;
@@ -136,7 +136,7 @@ def _canonical(qs, qe, ks, ke, ty, live, big: int):
 
 def _slices(ids, left, right, row_len, q_lengths=None, kv_lengths=None):
     """The canonical slices (:func:`_canonical`, ``[3T, 8]``) of the documents of ``ids``
-    (int32 ``[T]``): every run of one nonzero id is a document ``[s, e)`` seeing itself
+    (int32 ``[T]``): every run of one positive id is a document ``[s, e)`` seeing itself
     through the window ``(left, right)`` (int32 scalars, may be traced, finite: an unbounded
     side is ``T``, which no document exceeds, so the pieces come out as the host's). Runs
     also break every ``row_len`` tokens (packed rows). ``q_lengths``/``kv_lengths`` (int32
@@ -147,7 +147,7 @@ def _slices(ids, left, right, row_len, q_lengths=None, kv_lengths=None):
     change = (pos % row_len == 0) | (ids != jnp.roll(ids, 1))
     s = jnp.nonzero(change, size=t, fill_value=t)[0].astype(jnp.int32)
     e = jnp.concatenate([s[1:], jnp.full((1,), t, jnp.int32)])
-    live = (s < t) & (take_in_bounds(ids, jnp.minimum(s, t - 1)) != 0)
+    live = (s < t) & (take_in_bounds(ids, jnp.minimum(s, t - 1)) > 0)  # ids <= 0: padding
     qe = ke = e
     row = jnp.minimum(s, t - 1) // row_len
     if q_lengths is not None:
@@ -354,7 +354,7 @@ def _table_work_lists(
 def noncontiguous_ids(
     segment_ids: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Whether some nonzero id of ``segment_ids`` (int ``[T]`` or ``[B, T]``, may be traced)
+    """Whether some positive id of ``segment_ids`` (int ``[T]`` or ``[B, T]``, may be traced)
     appears in two separate runs of one row, which :meth:`AttnMask.from_segment_ids`
     rejects: ``(bad, id, first, second)`` int32 scalars (``bad`` bool), ``first``/``second``
     the starts of two runs of ``id`` (packed positions) when ``bad``. One sort of ``T``."""
@@ -367,7 +367,7 @@ def noncontiguous_ids(
         return jnp.zeros((), bool), z, z, z
     pos = jnp.arange(t, dtype=jnp.int32)
     change = (pos % row_len == 0) | (ids != jnp.roll(ids, 1))
-    live = change & (ids != 0)
+    live = change & (ids > 0)  # ids <= 0 are padding, never a document
     if row_len == 1:  # one-token rows: one run each
         z = jnp.zeros((), jnp.int32)
         return jnp.zeros((), bool), z, z, z
@@ -451,7 +451,7 @@ def _check_traced(
     """The check of traced ids: two ``jax.experimental.checkify`` checks with the messages of
     :func:`_raise_if_bad`. Functionalised by ``checkify.checkify``, ``err.throw()`` raises
     them as a ``ValueError`` (``checkify.JaxRuntimeError``); staged without it, JAX refuses
-    at trace time and says to use ``checkify``."""
+    when it compiles the step and says to use ``checkify``."""
     from jax.experimental import checkify
 
     row = first // row_len

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magi_jax.ffa.api import finite_float, flex_flash_attention, select_backend
+from magi_jax.ffa.api import check_qkv, finite_float, flex_flash_attention, select_backend
 from magi_jax.ffa.dense_mask import dense_rectangles
 from magi_jax.ffa.device_planner import device_plan, pack_rows, unpack_rows
 from magi_jax.masks import AttnMask, shape_to_slices
@@ -32,7 +32,12 @@ from magi_jax.masks import AttnMask, shape_to_slices
 if TYPE_CHECKING:  # annotations only
     from magi_jax.planning.capacity import PlanCapacity
 
-__all__ = ["dot_product_attention", "IMPLEMENTATIONS"]
+__all__ = [
+    "dot_product_attention",
+    "packed_attention",
+    "check_segment_ids_shape",
+    "IMPLEMENTATIONS",
+]
 
 # jax.nn's `implementation` and the backend each one means here: "xla" the portable backend,
 # "cudnn" (a fused GPU kernel that raises when it cannot take the inputs) the Mosaic GPU
@@ -143,6 +148,105 @@ def _host_mask(dense, q_len, kv_len, b: int, t: int, s: int, left, right) -> Att
     return AttnMask.from_ranges(arr[:, :2], arr[:, 2:], types, rows * t, rows * s)
 
 
+def check_segment_ids_shape(
+    segment_ids: jax.Array | np.ndarray, batch: int, tokens: int, *, caller: str
+) -> jax.Array | np.ndarray:
+    """``segment_ids`` as ``[batch, tokens]`` integers: NumPy when concrete (so that they can
+    be checked on the host at the call; inside a trace ``jnp.asarray`` would stage them),
+    the tracer when traced. ``ValueError`` naming the shape or dtype otherwise."""
+    if not _is_traced(segment_ids):
+        segment_ids = np.asarray(segment_ids)
+    if tuple(segment_ids.shape) != (batch, tokens):
+        raise ValueError(
+            f"{caller}: segment_ids must be [B, T] = {(batch, tokens)} (one id per token of "
+            f"every row); got shape {tuple(segment_ids.shape)}"
+        )
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(
+            f"{caller}: segment_ids must be integers (positive: documents, 0 or negative: "
+            f"padding); got dtype {segment_ids.dtype}"
+        )
+    return segment_ids
+
+
+def packed_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    q_lengths: jax.Array | None = None,
+    kv_lengths: jax.Array | None = None,
+    *,
+    window: tuple[int | None, int | None] = (None, None),
+    capacity: int | PlanCapacity | None = None,
+    backend: str = "auto",
+    check_segment_ids: bool = False,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    sink: jax.Array | None = None,
+    return_max_logits: bool = False,
+    caller: str = "dot_product_attention",
+) -> tuple[jax.Array, ...]:
+    """Attention of ``B`` rows whose mask is data: segment ids and/or per-row lengths, the
+    plan built on the device (:func:`~magi_jax.ffa.device_planner.device_plan`), so one
+    compilation serves every value. What :func:`dot_product_attention` and the Flax layers
+    (:mod:`magi_jax.nn`) run for ``segment_ids``.
+
+    ``q [B, T, N, H]``, ``k [B, S, K, H]``, ``v [B, S, K, Hv]``; ``segment_ids`` int ``[B,
+    T]`` (``T == S``): each maximal run of one positive id in a row is a document, ids 0
+    and below are padding; ``q_lengths`` / ``kv_lengths`` int ``[B]``; ``window = (left,
+    right)`` (``None``: unbounded) inside each document. ``capacity``, ``check_segment_ids``
+    as for :func:`dot_product_attention`; ``softmax_scale``, ``softcap``, ``sink``,
+    ``return_max_logits`` as for :func:`~magi_jax.flex_flash_attention`.
+
+    Returns ``(out [B, T, N, Hv], lse [B, T, N])``, with ``return_max_logits`` also
+    ``max_logits [N]``: the rows are packed into one sequence, so it is the max over the
+    batch. Inputs the plan cannot represent (an id in two runs of a row, more work than
+    ``capacity``) make every output NaN unless ``check_segment_ids`` raises first."""
+    b, t = q.shape[:2]
+    s = k.shape[1]
+    if segment_ids is not None:
+        if t != s:
+            raise ValueError(
+                f"{caller}: segment_ids need self-attention over packed rows (T == S); got "
+                f"T={t}, S={s}: for other masks build an AttnMask and call "
+                "magi_jax.flex_flash_attention"
+            )
+        segment_ids = check_segment_ids_shape(segment_ids, b, t, caller=caller)
+    name, _ = select_backend(backend, q, k, v)
+    if name == "cudnn":
+        raise NotImplementedError(
+            f"{caller}: backend='cudnn' runs masks known on the host (an AttnMask through "
+            "magi_jax.flex_flash_attention); segment ids and sequence lengths are planned "
+            "on the device for the FFA engines: use backend='auto', 'pallas' or 'xla'"
+        )
+    plan, bad = device_plan(
+        segment_ids,
+        q_lengths,
+        kv_lengths,
+        shape=(b, t, s),
+        window=window,
+        backend=name,
+        capacity=capacity,
+        raise_now=bool(check_segment_ids),
+    )
+    res = flex_flash_attention(
+        pack_rows(q),
+        pack_rows(k),
+        pack_rows(v),
+        plan,
+        softmax_scale=softmax_scale,
+        softcap=softcap,
+        sink=sink,
+        return_max_logits=return_max_logits,
+    )
+    bad = jax.lax.stop_gradient(bad)
+    nan = lambda x: jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
+    return (unpack_rows(nan(res[0]), b), unpack_rows(nan(res[1]), b)) + tuple(
+        nan(x) for x in res[2:]
+    )
+
+
 def dot_product_attention(
     query: jax.Array,
     key: jax.Array,
@@ -198,9 +302,11 @@ def dot_product_attention(
         inputs), as ``jax.nn`` defines it: ``log Σ_j exp(scale·q·k_j)`` over the cells that
         take part, natural log, in ``key``'s dtype, without gradient.
       segment_ids: int ``[B, T]`` (``[T]`` for 3-D inputs; ``T == S``; may be traced,
-        also under ``vmap``): each maximal run of one
-        nonzero id in a row is a document that attends only to itself; id 0 is padding. One
-        id must not appear in two separate runs of a row (see ``check_segment_ids``).
+        also under ``vmap``): each maximal run of one positive id in a row is a document
+        that attends only to itself; ids 0 and below (0 or -1, as pipelines pad) are
+        padding: those rows see no key, give output 0 and are seen by no query. One id must
+        not appear in two separate runs of a row (see ``check_segment_ids``). ``jax.nn``
+        differs here: it treats every id, 0 and -1 included, as a document.
       softcap: tanh soft-capping of the scores (0: off).
       capacity: work items of the device-built plan (an int or a
         :class:`~magi_jax.planning.capacity.PlanCapacity` over ``B·T x B·S``); default a
@@ -216,7 +322,7 @@ def dot_product_attention(
         through ``jax.experimental.checkify``, JAX's way of raising from compiled code:
         ``err, out = checkify.checkify(step)(...)`` then ``err.throw()`` raises a
         ``ValueError`` (``checkify.JaxRuntimeError``) with the message (staged by ``jit``
-        without ``checkify``, JAX refuses at trace time and says so).
+        without ``checkify``, JAX refuses when it compiles the step and names checkify).
 
     Returns:
       The output, ``query``'s shape with ``Hv`` for ``H``, in ``query``'s dtype; with
@@ -225,14 +331,14 @@ def dot_product_attention(
       otherwise averages the values with a large finite ``lse`` there.
     """
     q, k, v = query, key, value
-    for name, x in (("query", q), ("key", k), ("value", v)):
-        if not all(hasattr(x, a) for a in ("ndim", "shape", "dtype")):
-            raise TypeError(f"{name} must be an array; got {type(x).__name__}")
-    if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
-        raise ValueError(
-            f"query, key and value must be all [B, T, N, H] / [B, S, K, H] or all [T, N, H] "
-            f"/ [S, K, H]; got {q.shape}, {k.shape}, {v.shape}"
-        )
+    check_qkv(
+        q,
+        k,
+        v,
+        caller="dot_product_attention",
+        names=("query", "key", "value"),
+        layout="[B, T, N, H] or [T, N, H]",
+    )
     unbatched = q.ndim == 3
     if unbatched:
         q, k, v = q[None], k[None], v[None]
@@ -255,14 +361,7 @@ def dot_product_attention(
             )
         backend = want
     b, t, n, h = q.shape
-    s, kh = k.shape[1], k.shape[2]
-    if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[3] != h:
-        raise ValueError(
-            f"shapes do not match: query {q.shape}, key {k.shape}, value {v.shape} (want "
-            "[B, T, N, H], [B, S, K, H], [B, S, K, Hv])"
-        )
-    if n % kh:
-        raise ValueError(f"N={n} query heads are not a multiple of K={kh} key/value heads")
+    s = k.shape[1]
     if scale is not None and finite_float(scale) is None:
         raise ValueError(f"scale={scale!r} must be a finite number (or None for H ** -0.5)")
     scale = h**-0.5 if scale is None else float(scale)
@@ -271,6 +370,7 @@ def dot_product_attention(
     kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, b, s)
     name, _ = select_backend(backend, q, k, v)
 
+    dense = None
     if mask is not None:
         dense = _dense_mask(mask, b, n, t, s)
         if segment_ids is not None:
@@ -284,55 +384,26 @@ def dot_product_attention(
                 "lengths concretely, fold them into the mask, or drop the mask (traced "
                 "lengths alone are planned on the device)"
             )
-        plan = None
     elif segment_ids is not None or q_len is not None or kv_len is not None:
-        if segment_ids is not None:
-            if t != s:
-                raise ValueError(
-                    f"segment_ids need self-attention over packed rows (T == S); got T={t}, "
-                    f"S={s}: for other masks build an AttnMask and call "
-                    "magi_jax.flex_flash_attention"
-                )
-            if not _is_traced(segment_ids):
-                # Concrete ids stay NumPy, so that they can be checked on the host (inside
-                # a trace jnp.asarray would stage them).
-                segment_ids = np.asarray(segment_ids)
-            if unbatched and segment_ids.ndim == 1:  # [T] beside [T, N, H] inputs
-                segment_ids = segment_ids[None]
-            if segment_ids.shape != (b, t):
-                raise ValueError(
-                    f"segment_ids must be [B, T] = {(b, t)}; got shape {segment_ids.shape}"
-                )
-            if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-                raise ValueError(f"segment_ids must be integers; got dtype {segment_ids.dtype}")
-        if name == "cudnn":
-            raise NotImplementedError(
-                "backend='cudnn' runs masks known on the host (an AttnMask through "
-                "magi_jax.flex_flash_attention); segment ids and sequence lengths are planned "
-                "on the device for the FFA engines: use backend='auto', 'pallas' or 'xla'"
-            )
-        plan, bad = device_plan(
+        if segment_ids is not None and not _is_traced(segment_ids):
+            segment_ids = np.asarray(segment_ids)
+        if segment_ids is not None and unbatched and segment_ids.ndim == 1:
+            segment_ids = segment_ids[None]  # [T] beside [T, N, H] inputs
+        out, lse = packed_attention(
+            q,
+            k,
+            v,
             segment_ids,
             q_len,
             kv_len,
-            shape=(b, t, s),
             window=(left, right),
-            backend=name,
             capacity=capacity,
-            raise_now=bool(check_segment_ids),
+            backend=name,
+            check_segment_ids=check_segment_ids,
+            softmax_scale=scale,
+            softcap=softcap,
         )
-    else:
-        dense = None
-        plan = None
-
-    if plan is not None:
-        out, lse = flex_flash_attention(
-            pack_rows(q), pack_rows(k), pack_rows(v), plan, softmax_scale=scale, softcap=softcap
-        )
-        bad = jax.lax.stop_gradient(bad)
-        out = unpack_rows(jnp.where(bad, jnp.asarray(jnp.nan, out.dtype), out), b)
-        lse = unpack_rows(jnp.where(bad, jnp.nan, lse), b)
-    else:
+    if mask is not None or (segment_ids is None and q_len is None and kv_len is None):
         host = _host_mask(dense, q_len, kv_len, b, t, s, left, right)
         if host.total_q == t:  # one mask for the whole batch
             out, lse = flex_flash_attention(

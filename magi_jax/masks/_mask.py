@@ -387,16 +387,16 @@ class AttnMask:
         """Packed documents given by per-token segment ids (``jax.nn``'s / Flax's
         ``segment_ids``).
 
-        ``segment_ids``: int ``[T]`` or ``[B, T]``. Every maximal run of one nonzero id is a
-        document that attends only to itself; id 0 is padding: its tokens attend nothing and
-        are attended by nothing. A ``[B, T]`` array packs its rows into one sequence of
-        ``B·T`` tokens (row ``b`` at ``[b·T, (b+1)·T)``, see
-        :func:`magi_jax.ffa.device_planner.pack_rows`); documents never cross rows.
+        ``segment_ids``: int ``[T]`` or ``[B, T]``. Every maximal run of one positive id is
+        a document that attends only to itself; ids 0 and below are padding (pipelines pad
+        with 0 or -1): their tokens attend nothing and are attended by nothing. A ``[B, T]``
+        array packs its rows into one sequence of ``B·T`` tokens (row ``b`` at ``[b·T,
+        (b+1)·T)``, see :func:`magi_jax.ffa.device_planner.pack_rows`); documents never cross rows.
         ``causal`` (default ``True``, like :meth:`varlen` and
         :func:`magi_jax.make_varlen_key`): causal inside each document. ``window``: as in
         :meth:`varlen` — ``(left, right)``, query ``q`` sees keys ``[q - left, q + right]``
         of its document, or an int ``w`` meaning ``(w, 0)`` when causal, ``(w, w)``
-        otherwise. Raises ``ValueError`` when one nonzero id appears in two separate runs of
+        otherwise. Raises ``ValueError`` when one positive id appears in two separate runs of
         a row (segment ids must be contiguous runs). ``per_row=True`` with ``[B, T]`` ids:
         a list of ``B`` masks of ``T`` tokens, one per row (each row its own packing, the
         masks of :func:`magi_jax.make_batch_key`).
@@ -426,7 +426,7 @@ class AttnMask:
             cut = np.flatnonzero(row[1:] != row[:-1]) + 1
             starts = np.concatenate([[0], cut]) if t else np.zeros((0,), np.int64)
             ends = np.concatenate([cut, [t]]) if t else np.zeros((0,), np.int64)
-            keep = row[starts] != 0
+            keep = row[starts] > 0  # ids <= 0: padding
             starts, ends, vals = starts[keep], ends[keep], row[starts[keep]]
             by_id = np.argsort(vals, kind="stable")
             dup = np.flatnonzero(vals[by_id][1:] == vals[by_id][:-1])

@@ -2,8 +2,7 @@
 
 Two ways into a Flax model:
 
-- :func:`make_attention_fn` turns an :class:`~magi_jax.AttnMask` (one device) or a
-  :class:`~magi_jax.sharding.MagiKey` (context parallel) into an ``attention_fn`` for
+- :func:`make_attention_fn` turns a mask into an ``attention_fn`` for
   ``flax.linen.MultiHeadDotProductAttention(attention_fn=...)`` or
   ``flax.nnx.MultiHeadAttention(attention_fn=...)``: the layer's projections stay as they are,
   the attention itself becomes :func:`~magi_jax.flex_flash_attention` or
@@ -11,6 +10,19 @@ Two ways into a Flax model:
 - :class:`SelfAttention` is an NNX layer with grouped-query attention and rotary position
   embeddings; called with a mask it runs on one device, called with a key it runs context
   parallel and takes its RoPE positions from :func:`~magi_jax.position_ids`.
+
+What a mask may be, in both (the one-device forms first):
+
+- an :class:`~magi_jax.AttnMask`: a compile-time constant (a new mask under ``jit``
+  compiles anew);
+- an :class:`~magi_jax.AttnPlan` (:func:`~magi_jax.plan_attention` at a
+  :class:`~magi_jax.PlanCapacity`): the mask as data, one compilation for every mask within
+  the capacity;
+- ``segment_ids`` (int ``[..., T]``, may be traced; with ``causal`` and ``window``): the
+  plan is built on the device from the ids, as :func:`~magi_jax.dot_product_attention` does,
+  one compilation for every packing; positive ids are documents, 0 and negative ids padding;
+- a :class:`~magi_jax.sharding.MagiKey` (context parallel; one built at a
+  :class:`~magi_jax.PlanCapacity` is data too, also on a one-device mesh).
 
 Token layout: with a mask, the layer sees the packed sequence in natural order
 (``[..., T, H, D]``); with a key, it sees *dispatched* tokens (``mj.dispatch(x, key)``,
@@ -23,24 +35,57 @@ axis (query head ``b·Hq + h`` keeps using key head ``b·Hkv + h // (Hq/Hkv)``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from magi_jax.ffa import flex_flash_attention
-from magi_jax.ffa.sinks import MAX_SINKS, apply_sink, check_sink
-from magi_jax.masks import AttnMask
+from magi_jax.ffa.api import check_qkv
+from magi_jax.ffa.dpa import check_segment_ids_shape, packed_attention
+from magi_jax.ffa.plan import AttnPlan
+from magi_jax.ffa.sinks import MAX_SINKS, check_sink
+from magi_jax.masks import AttnMask, window_bounds
 from magi_jax.sharding.attention import magi_attention, magi_attention_local
 from magi_jax.sharding.keys import MagiKey
 from magi_jax.sharding.layout import position_ids
 
+if TYPE_CHECKING:  # annotations only
+    from magi_jax.planning.capacity import PlanCapacity
+
 __all__ = ["make_attention_fn", "SelfAttention", "apply_rope", "rope_positions"]
 
 
+_MASK_TYPES = (AttnMask, AttnPlan, MagiKey)
+_WHAT = "an AttnMask, an AttnPlan (mj.plan_attention) or a MagiKey (mj.make_flex_key)"
+
+
+def _check_target(mask_or_key, caller: str) -> None:
+    if mask_or_key is not None and not isinstance(mask_or_key, _MASK_TYPES):
+        extra = ""
+        if hasattr(mask_or_key, "dtype") and jnp.issubdtype(mask_or_key.dtype, jnp.integer):
+            extra = "; integer per-token ids go in segment_ids="
+        raise TypeError(
+            f"{caller} needs {_WHAT}, or segment_ids=; got {type(mask_or_key).__name__}{extra}"
+        )
+
+
+def _is_segment_ids(x) -> bool:
+    """Integer arrays passed as the layer's ``mask=`` are segment ids (Flax's masks are
+    boolean)."""
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer)
+
+
 def make_attention_fn(
-    mask_or_key: AttnMask | MagiKey,
+    mask_or_key: AttnMask | AttnPlan | MagiKey | None = None,
     *,
+    segment_ids: jax.Array | None = None,
+    causal: bool = True,
+    window: int | tuple[int, int] | None = None,
+    capacity: int | PlanCapacity | None = None,
+    check_segment_ids: bool = False,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
     backend: str = "auto",
@@ -49,9 +94,23 @@ def make_attention_fn(
     """An ``attention_fn`` for Flax's multi-head attention layers.
 
     Args:
-      mask_or_key: an :class:`AttnMask` (single-device :func:`flex_flash_attention` over
-        natural-order tokens) or a :class:`MagiKey` (context-parallel :func:`magi_attention`
-        over dispatched tokens).
+      mask_or_key: the mask of every call: an :class:`AttnMask` (one device, natural-order
+        tokens; a compile-time constant), an :class:`AttnPlan` (one device, the mask as
+        data: build it in the jitted step or pass it in), or a :class:`MagiKey`
+        (context-parallel :func:`magi_attention` over dispatched tokens). ``None`` (and no
+        ``segment_ids``): the mask comes with every call, through the layer's ``mask=``
+        argument — any of the three, or integer segment ids ``[..., T]`` (Flax's own
+        masks are boolean and stay refused) — so a stock Flax layer takes a new packing
+        every step with one compilation.
+      segment_ids: int ``[..., T]`` (x's batch axes and tokens, or ``[T]`` for all rows; may
+        be traced), for every call: each maximal run of one positive id in a row is a
+        document, ids 0 and below are padding; the plan is built on the device as
+        :func:`~magi_jax.dot_product_attention` builds it.
+      causal, window: the documents' mask with segment ids, as
+        :meth:`AttnMask.from_segment_ids`; the layer's ``is_causal=True`` makes them causal.
+      capacity, check_segment_ids: with segment ids, as for
+        :func:`~magi_jax.dot_product_attention` (ids the plan cannot represent give a NaN
+        output unless ``check_segment_ids`` raises).
       softmax_scale: default ``head_dim ** -0.5`` (Flax's own scaling).
       softcap: tanh soft-capping of the logits (0 = off).
       backend: FFA backend for the single-device path (``"auto"``, ``"xla"``, ...).
@@ -60,25 +119,25 @@ def make_attention_fn(
 
     Returns ``fn(query, key, value, bias=None, mask=None, ...)`` with query
     ``[..., T, Hq, D]``, key ``[..., T, Hkv, D]`` and value ``[..., T, Hkv, Dv]`` returning
-    ``[..., T, Hq, Dv]`` (``Dv`` is ``D`` in Flax's layers).
-    The mask comes from ``mask_or_key``: passing ``mask=``/``bias=`` to the layer, attention
-    dropout, or ``is_causal=True`` is rejected (dropout on the layer's output works as usual).
+    ``[..., T, Hq, Dv]`` (``Dv`` is ``D`` in Flax's layers). ``bias=``, a boolean ``mask=``,
+    ``mask=`` beside a mask given here, attention dropout, and ``is_causal=True`` without
+    segment ids are rejected (dropout on the layer's output works as usual).
     """
-    if isinstance(mask_or_key, AttnMask):
-        if local:
-            raise ValueError(
-                "local=True needs a MagiKey (it selects the per-rank body of "
-                "context-parallel attention); got an AttnMask"
-            )
-        target = mask_or_key
-    elif isinstance(mask_or_key, MagiKey):
-        target = mask_or_key
-    else:
-        raise TypeError(
-            f"make_attention_fn needs an AttnMask or a MagiKey (from "
-            f"mj.make_flex_key / mj.make_varlen_key); got "
-            f"{type(mask_or_key).__name__}"
+    caller = "make_attention_fn"
+    _check_target(mask_or_key, caller)
+    if segment_ids is not None and mask_or_key is not None:
+        raise ValueError(
+            f"{caller}: got both mask_or_key ({type(mask_or_key).__name__}) and segment_ids=; "
+            "the mask is one of the two"
         )
+    window_bounds(window, causal)  # checked now, used at the call
+    if local and (segment_ids is not None or isinstance(mask_or_key, (AttnMask, AttnPlan))):
+        got = "segment_ids" if segment_ids is not None else f"an {type(mask_or_key).__name__}"
+        raise ValueError(
+            "local=True needs a MagiKey (it selects the per-rank body of context-parallel "
+            f"attention); got {got}"
+        )
+    fixed = mask_or_key is not None or segment_ids is not None
 
     def attention_fn(
         query,
@@ -96,18 +155,44 @@ def make_attention_fn(
         **kwargs,
     ):
         del broadcast_dropout, dropout_rng, precision, module
-        if bias is not None or mask is not None:
-            what = "bias" if bias is not None else "mask"
-            arr = bias if bias is not None else mask
+        if bias is not None:
             raise ValueError(
-                f"magi-jax attention_fn got {what}= (shape {tuple(jnp.shape(arr))}); the mask "
-                "comes from the AttnMask/MagiKey given to make_attention_fn — call the layer "
-                f"without {what}="
+                f"magi-jax attention_fn got bias= (shape {tuple(jnp.shape(bias))}); an additive "
+                "bias needs the [T, S] scores, which are never built: call the layer without "
+                "bias="
             )
-        if kwargs.get("is_causal"):
+        target, ids = mask_or_key, segment_ids
+        if mask is not None:
+            if fixed:
+                raise ValueError(
+                    f"magi-jax attention_fn got mask= ({type(mask).__name__}); the mask comes "
+                    "from the AttnMask/AttnPlan/MagiKey or segment_ids given to "
+                    "make_attention_fn: call the layer without mask=, "
+                    "or build the attention_fn with make_attention_fn() to pass the mask "
+                    "per call"
+                )
+            if isinstance(mask, _MASK_TYPES):
+                target = mask
+            elif _is_segment_ids(mask):
+                ids = mask
+            else:
+                raise ValueError(
+                    f"magi-jax attention_fn got mask= of {type(mask).__name__} "
+                    f"{getattr(mask, 'dtype', '')} {tuple(jnp.shape(mask))}: a dense boolean "
+                    f"mask needs the [T, S] scores this library never builds; pass {_WHAT}, "
+                    "or integer segment ids [..., T], as mask="
+                )
+        elif not fixed:
             raise ValueError(
-                "magi-jax attention_fn got is_causal=True; the mask comes from "
-                "the AttnMask/MagiKey (use AttnMask.causal(T) for plain causal)"
+                "magi-jax attention_fn: no mask; this attention_fn (make_attention_fn() with "
+                f"no mask) takes it per call: pass {_WHAT}, or integer segment ids [..., T], "
+                "as the layer's mask="
+            )
+        is_causal = bool(kwargs.get("is_causal"))
+        if is_causal and ids is None:
+            raise ValueError(
+                "magi-jax attention_fn got is_causal=True; the mask comes from the "
+                "AttnMask/AttnPlan/MagiKey (use AttnMask.causal(T) for plain causal)"
             )
         if dropout_rate > 0.0 and not deterministic:
             raise NotImplementedError(
@@ -120,6 +205,11 @@ def make_attention_fn(
             key,
             value,
             target,
+            segment_ids=ids,
+            causal=causal or is_causal,
+            window=window,
+            capacity=capacity,
+            check_segment_ids=check_segment_ids,
             softmax_scale=softmax_scale,
             softcap=softcap,
             backend=backend,
@@ -134,35 +224,73 @@ def attend(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    mask_or_key: AttnMask | MagiKey,
+    mask_or_key: AttnMask | AttnPlan | MagiKey | None = None,
     *,
+    segment_ids: jax.Array | None = None,
+    causal: bool = True,
+    window: int | tuple[int, int] | None = None,
+    capacity: int | PlanCapacity | None = None,
+    check_segment_ids: bool = False,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
     backend: str = "auto",
     local: bool = False,
     sink: jax.Array | None = None,
     return_max_logits: bool = False,
+    caller: str = "magi-jax attention",
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of ``q [..., T, Hq, D]``, ``k [..., T, Hkv, D]``, ``v [..., T, Hkv, Dv]``
-    (``Dv`` may differ from ``D``: multi-head latent attention) under a mask (natural order,
-    one device) or a key (dispatched tokens, context parallel); returns ``out [..., T, Hq,
-    Dv]``. This is what the adapters and :class:`SelfAttention` call.
+    (``Dv`` may differ from ``D``: multi-head latent attention) under a mask: an
+    :class:`AttnMask` or an :class:`AttnPlan` (natural order, one device), ``segment_ids``
+    ``[..., T]`` or ``[T]`` (natural order, one device, the plan built on the device; with
+    ``causal``, ``window``, ``capacity``, ``check_segment_ids`` as in
+    :func:`make_attention_fn`) or a :class:`MagiKey` (dispatched tokens, context parallel);
+    returns ``out [..., T, Hq, Dv]``. This is what the adapters and :class:`SelfAttention`
+    call; q, k, v are promoted to one dtype first (as Flax's layers do).
 
     ``sink``: attention-sink logits ``[S, Hq]`` (:mod:`magi_jax.ffa.sinks`), shared by every
     batch row. ``return_max_logits=True`` returns ``(out, max_logits)``, the per-head max
     logits of :func:`~magi_jax.flex_flash_attention` shaped ``[..., Hq]`` (q's batch axes;
-    under context parallelism already the max over ranks)."""
-    _check_layout(q, k, v, mask_or_key, local)
+    under context parallelism already the max over ranks; with segment ids the rows are
+    packed into one sequence, so each row holds the max over the batch)."""
+    _check_target(mask_or_key, caller)
+    if (mask_or_key is None) == (segment_ids is None):
+        raise ValueError(
+            f"{caller}: give the mask as one of {_WHAT}, or as segment_ids=; got "
+            + ("neither" if mask_or_key is None else "both")
+        )
+    dtype = jnp.result_type(q, k, v)
+    q, k, v = (x.astype(dtype) if hasattr(x, "astype") else x for x in (q, k, v))
+    _check_layout(q, k, v, mask_or_key, local, caller)
     if sink is not None:
         check_sink(sink, q.shape[-2])
-    dtype = jnp.result_type(q, k, v)
-    q, k, v = (x.astype(dtype) for x in (q, k, v))
     batch, hq = q.shape[:-3], q.shape[-2]
     opts = dict(
         softmax_scale=softmax_scale, softcap=softcap, return_max_logits=bool(return_max_logits)
     )
-    if isinstance(mask_or_key, AttnMask):
-        flat = lambda x: x.reshape((-1,) + x.shape[-3:]) if len(batch) > 1 else x
+    flat = lambda x: x.reshape((-1,) + x.shape[-3:]) if len(batch) > 1 else x
+    if segment_ids is not None:
+        if local:
+            raise ValueError(f"{caller}: local=True needs a MagiKey; segment ids run on one device")
+        res = _attend_segments(
+            q,
+            k,
+            v,
+            segment_ids,
+            causal,
+            window,
+            capacity,
+            check_segment_ids,
+            backend,
+            sink,
+            caller,
+            opts,
+        )
+        out = res[0].reshape(q.shape[:-1] + v.shape[-1:])
+        if return_max_logits:
+            return out, jnp.broadcast_to(res[2], batch + (hq,))
+        return out
+    if isinstance(mask_or_key, (AttnMask, AttnPlan)):
         res = flex_flash_attention(
             flat(q), flat(k), flat(v), mask_or_key, backend=backend, sink=sink, **opts
         )
@@ -173,19 +301,53 @@ def attend(
         if local:
             # The batch is folded into the heads (query head b·Hq + h), so the sinks repeat.
             folded_sink = None if sink is None else jnp.tile(sink, (1, _fold(q).shape[1] // hq))
-            res = magi_attention_local(_fold(q), _fold(k), _fold(v), key, **opts)
-            if folded_sink is not None:
-                res = apply_sink(*res[:2], folded_sink) + tuple(res[2:])
+            res = magi_attention_local(_fold(q), _fold(k), _fold(v), key, sink=folded_sink, **opts)
             out = _unfold(res[0], q.shape[:-1] + v.shape[-1:])
         else:
             # One batch axis, kept: magi_attention shards it over the key's batch axes (and
             # a batched key gives each row its own plan).
-            flat = lambda x: x.reshape((-1,) + x.shape[-3:]) if len(batch) > 1 else x
             res = magi_attention(flat(q), flat(k), flat(v), key, sink=sink, **opts)
             out = res[0].reshape(q.shape[:-1] + v.shape[-1:])
     if not return_max_logits:
         return out
     return out, res[2].reshape(batch + (hq,))
+
+
+def _attend_segments(
+    q, k, v, segment_ids, causal, window, capacity, check, backend, sink, caller, opts
+):
+    """:func:`attend` with segment ids: q's batch axes flattened into ``[B, T]`` rows for
+    :func:`~magi_jax.ffa.dpa.packed_attention`; returns its ``(out [B, T, Hq, Dv], lse,
+    [max_logits [Hq]])``."""
+    batch, t = q.shape[:-3], q.shape[-3]
+    ids = segment_ids
+    if not isinstance(ids, jax.core.Tracer):
+        ids = np.asarray(ids)  # concrete ids stay on the host (checked at the call)
+    if batch and tuple(ids.shape) == (t,):
+        ids = (np.broadcast_to if isinstance(ids, np.ndarray) else jnp.broadcast_to)(
+            ids, batch + (t,)
+        )
+    rows = int(np.prod(batch, dtype=np.int64))
+    if tuple(ids.shape) != batch + (t,):
+        raise ValueError(
+            f"{caller}: segment_ids must be [..., T] = {batch + (t,)} (the layer's batch axes "
+            f"and tokens) or [T] = ({t},) for every row; got shape {tuple(ids.shape)}"
+        )
+    ids = check_segment_ids_shape(ids.reshape(rows, t), rows, t, caller=caller)
+    rows4 = lambda x: x.reshape((rows,) + x.shape[-3:])
+    return packed_attention(
+        rows4(q),
+        rows4(k),
+        rows4(v),
+        ids,
+        window=window_bounds(window, causal),
+        capacity=capacity,
+        backend=backend,
+        check_segment_ids=check,
+        sink=sink,
+        caller=caller,
+        **opts,
+    )
 
 
 def _fold(x):
@@ -204,26 +366,36 @@ def _unfold(x, shape):
     return jnp.moveaxis(x.reshape(t, -1, h, d), 1, 0).reshape(shape)
 
 
-def _check_layout(q, k, v, mask_or_key, local):
-    for name, x in (("query", q), ("key", k), ("value", v)):
-        if x.ndim < 3:
-            raise ValueError(
-                f"magi-jax attention: {name} must be [..., T, heads, head_dim]; "
-                f"got shape {tuple(x.shape)}"
-            )
-    if k.shape[:-1] != v.shape[:-1] or q.shape[:-2] != k.shape[:-2]:
+def _check_layout(q, k, v, mask_or_key, local, caller="magi-jax attention"):
+    check_qkv(
+        q,
+        k,
+        v,
+        caller=caller,
+        names=("query", "key", "value"),
+        layout="[..., T, heads, head_dim]",
+        ranks=None,
+    )
+    if q.shape[-3] != k.shape[-3]:
         raise ValueError(
-            f"magi-jax attention: query {tuple(q.shape)}, key {tuple(k.shape)} "
-            f"and value {tuple(v.shape)} must share batch and token axes, and key and value "
-            "their heads (self-attention over one packed sequence)"
+            f"{caller}: query {tuple(q.shape)}, key {tuple(k.shape)} and value "
+            f"{tuple(v.shape)} must share their token axis (self-attention over one packed "
+            "sequence)"
         )
-    if isinstance(mask_or_key, AttnMask):
-        want, what = mask_or_key.total_q, f"the mask has total_q={mask_or_key.total_q} tokens"
-        if mask_or_key.total_q != mask_or_key.total_k:
+    if mask_or_key is None:  # segment ids: any number of tokens
+        return
+    if isinstance(mask_or_key, (AttnMask, AttnPlan)):
+        tq, tk = (
+            (mask_or_key.total_q, mask_or_key.total_k)
+            if isinstance(mask_or_key, AttnMask)
+            else (mask_or_key.capacity.total_q, mask_or_key.capacity.total_k)
+        )
+        noun = "mask" if isinstance(mask_or_key, AttnMask) else "plan's capacity"
+        want, what = tq, f"the {noun} has total_q={tq} tokens"
+        if tq != tk:
             raise ValueError(
-                f"magi-jax attention layers are self-attention: the mask must have "
-                f"total_q == total_k; got {mask_or_key.total_q} and "
-                f"{mask_or_key.total_k}"
+                f"magi-jax attention layers are self-attention: the {noun} must have "
+                f"total_q == total_k; got {tq} and {tk}"
             )
     else:
         key = mask_or_key
@@ -263,8 +435,7 @@ def _check_layout(q, k, v, mask_or_key, local):
                 "called inside shard_map over the key's cp axis."
             )
     raise ValueError(
-        f"magi-jax attention: the layer sees {t} tokens (query shape "
-        f"{tuple(q.shape)}) but {what}.{hint}"
+        f"{caller}: the layer sees {t} tokens (query shape {tuple(q.shape)}) but {what}.{hint}"
     )
 
 
@@ -288,9 +459,10 @@ def _check_mesh(key: MagiKey, *xs):
 # ---- rotary position embeddings -------------------------------------------------------------
 
 
-def rope_positions(mask_or_key: AttnMask | MagiKey, num_tokens: int) -> jax.Array:
-    """Positions for RoPE: ``arange(T)`` for a mask (natural order), the global position of
-    every dispatched token for a key (:func:`~magi_jax.position_ids`)."""
+def rope_positions(mask_or_key: AttnMask | AttnPlan | MagiKey | None, num_tokens: int) -> jax.Array:
+    """Positions for RoPE: ``arange(T)`` for a mask, a plan or segment ids (``None``; natural
+    order), the global position of every dispatched token for a key
+    (:func:`~magi_jax.position_ids`)."""
     if isinstance(mask_or_key, MagiKey):
         return position_ids(mask_or_key)
     return jnp.arange(num_tokens, dtype=jnp.int32)
@@ -337,8 +509,14 @@ class SelfAttention(nnx.Module):
         weight of a key whose logit is 0).
 
     Call ``layer(x, mask_or_key, positions=None)`` with ``x [..., T, F]``: natural-order
-    tokens and an :class:`AttnMask` (one device), or dispatched tokens and a
-    :class:`MagiKey` (context parallel; positions default to ``position_ids(key)``).
+    tokens and an :class:`AttnMask` or an :class:`AttnPlan` (one device), or dispatched
+    tokens and a :class:`MagiKey` (context parallel; positions default to
+    ``position_ids(key)``); or ``layer(x, segment_ids=ids, causal=True, window=None)``
+    with natural-order tokens and int ids ``[..., T]`` (or ``[T]`` for every row; may be
+    traced): positive ids are documents, 0 and negative ids padding, the plan is built on
+    the device, one compilation for every packing (``capacity``, ``check_segment_ids`` as
+    for :func:`~magi_jax.dot_product_attention`). Positions default to ``arange(T)`` on one
+    device (RoPE sees only differences inside a document).
     Returns ``[..., T, F]`` in the same order; with ``return_max_logits=True``, ``(y,
     max_logits)``: the per-head max logits (before the softcap, sinks not included;
     ``[..., num_heads]`` float32 over x's batch axes, no gradient), what QK-clip needs.
@@ -417,16 +595,23 @@ class SelfAttention(nnx.Module):
     def __call__(
         self,
         x: jax.Array,
-        mask_or_key: AttnMask | MagiKey,
+        mask_or_key: AttnMask | AttnPlan | MagiKey | None = None,
         positions: jax.Array | None = None,
         *,
+        segment_ids: jax.Array | None = None,
+        causal: bool = True,
+        window: int | tuple[int, int] | None = None,
+        capacity: int | PlanCapacity | None = None,
+        check_segment_ids: bool = False,
         return_max_logits: bool = False,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """``x [..., T, F]`` -> ``[..., T, F]`` in ``x``'s order (with ``return_max_logits``,
         also the max logits ``[..., num_heads]`` float32); see the class."""
-        if not isinstance(mask_or_key, (AttnMask, MagiKey)):
-            raise TypeError(
-                f"SelfAttention needs an AttnMask or a MagiKey; got {type(mask_or_key).__name__}"
+        _check_target(mask_or_key, "SelfAttention")
+        if (mask_or_key is None) == (segment_ids is None):
+            raise ValueError(
+                f"SelfAttention needs its mask as one of {_WHAT}, or as segment_ids=; got "
+                + ("neither" if mask_or_key is None else "both")
             )
         if x.ndim < 2:
             raise ValueError(
@@ -437,7 +622,7 @@ class SelfAttention(nnx.Module):
         k = split(self.k_proj(x), self.num_kv_heads, self.head_dim)
         v = split(self.v_proj(x), self.num_kv_heads, self.v_head_dim)
         if self.rope_theta is not None:
-            _check_layout(q, k, v, mask_or_key, False)
+            _check_layout(q, k, v, mask_or_key, False, "SelfAttention")
             if positions is None:
                 positions = rope_positions(mask_or_key, q.shape[-3])
             q = apply_rope(q, positions, self.rope_theta)
@@ -448,6 +633,12 @@ class SelfAttention(nnx.Module):
             k,
             v,
             mask_or_key,
+            segment_ids=segment_ids,
+            causal=causal,
+            window=window,
+            capacity=capacity,
+            check_segment_ids=check_segment_ids,
+            caller="SelfAttention",
             softmax_scale=self.softmax_scale,
             softcap=self.softcap,
             backend=self.backend,

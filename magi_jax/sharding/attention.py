@@ -478,6 +478,7 @@ def magi_attention_local(
     *,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
+    sink: jax.Array | None = None,
     return_max_logits: bool = False,
 ) -> tuple[jax.Array, ...]:
     """The per-rank body, for callers already inside ``shard_map`` over ``key.cp_axis``:
@@ -486,15 +487,24 @@ def magi_attention_local(
     (with ``return_max_logits``, also the max logits ``[(B,) Hq]``, already the max over the
     cp axis). Cross-attention keys: k/v are the rank's ``[kv_local_len, Hkv, D]`` block of
     ``dispatch(k, key, role="kv")`` (``"dispatched"``), or all ``total_k`` keys unmapped
-    (``P()`` in ``in_specs``, so that ``shard_map`` sums their gradients: ``"replicated"``)."""
+    (``P()`` in ``in_specs``, so that ``shard_map`` sums their gradients: ``"replicated"``).
+
+    ``sink``: optional attention-sink logits ``[S, Hq]`` (float32), as for
+    :func:`magi_attention`: a rank's rows are final after its stages, so the sinks join them
+    here; pass ``sink`` replicated (``P()`` in ``in_specs``), and ``shard_map`` sums its
+    gradient over the ranks."""
     check_local_inputs(q, k, v, key)
     _check_options(softmax_scale, softcap)
+    if sink is not None:
+        check_sink(sink, q.shape[-2])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     r = jax.lax.axis_index(key.cp_axis)
     mine = jax.tree.map(lambda a: jnp.asarray(a)[r], (key.stage_arrays, key.backward_stage_arrays))
     max_logits = bool(return_max_logits)
     if not is_checked(key):
-        return _local(q, k, v, *mine, key, scale, float(softcap), max_logits)
-    q, k, v = (_strip_hidden(x, key) for x in (q, k, v))
-    res = _local(q, k, v, *mine, key, scale, float(softcap), max_logits)
-    return _add_hidden(*res[:2]) + res[2:]
+        res = _local(q, k, v, *mine, key, scale, float(softcap), max_logits)
+    else:
+        q, k, v = (_strip_hidden(x, key) for x in (q, k, v))
+        res = _local(q, k, v, *mine, key, scale, float(softcap), max_logits)
+        res = _add_hidden(*res[:2]) + res[2:]
+    return res if sink is None else apply_sink(*res[:2], sink) + tuple(res[2:])

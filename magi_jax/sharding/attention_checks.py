@@ -9,11 +9,11 @@ messages that name the fix. Python at trace time: the compiled program is unchan
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from magi_jax.ffa.api import check_qkv
 from magi_jax.sharding.keys import (
     MagiKey,
     axes_entry,
@@ -36,55 +36,20 @@ def check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, key: MagiKey) -> None
     key's FFA backend takes, and each in the dispatched layout as far as it can be seen
     (see below). ``ValueError`` / ``TypeError`` naming the input, the value and the fix."""
     check_key(key, "magi_attention", q, k, v)
+    check_qkv(
+        q,
+        k,
+        v,
+        caller="magi_attention",
+        layout="[padded_total, H, D] or [B, padded_total, H, D] (dispatched tokens)",
+    )
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not (hasattr(x, "ndim") and hasattr(x, "shape") and hasattr(x, "dtype")):
-            raise TypeError(
-                f"magi_attention: {name} must be an array (dispatched tokens); "
-                f"got {type(x).__name__}"
-            )
-        if x.ndim not in (3, 4) or x.ndim != q.ndim:
-            raise ValueError(
-                f"magi_attention: {name} must be [padded_total, H, D] or "
-                f"[B, padded_total, H, D] (dispatched tokens, like q); got shape "
-                f"{tuple(x.shape)}"
-            )
         if name != "q" and key.cross:
             if x.shape[-3] != key.kv_padded_total:
                 raise ValueError(_kv_length_message(name, x, key))
         elif x.shape[-3] != key.padded_total:
             raise ValueError(_length_message(name, x, key))
-    if q.ndim == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     _check_pod_shapes(q, k, key)
-    if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(
-            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape up to the "
-            "head dim (v may have its own, Dv: multi-head latent attention)"
-        )
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"head dims differ: q has D={q.shape[-1]}, k has D={k.shape[-1]}")
-    from magi_jax.ffa.api import MAX_HEAD_DIM
-
-    for name, d in (("D", q.shape[-1]), ("Dv (v's head dim)", v.shape[-1])):
-        if d % 8 or not 8 <= d <= MAX_HEAD_DIM:
-            raise ValueError(
-                f"magi_attention: head dim {name}={d} is not supported: use a multiple "
-                f"of 8 in [8, {MAX_HEAD_DIM}] (as flex_flash_attention)"
-            )
-    if q.shape[-2] % k.shape[-2]:
-        raise ValueError(
-            f"q has {q.shape[-2]} heads and k/v have {k.shape[-2]}: the number "
-            "of query heads must be a multiple of the number of key/value heads"
-        )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(
-            f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype"
-        )
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise TypeError(
-            f"magi_attention: q, k, v have dtype {q.dtype}; attention needs "
-            "floating-point inputs (bfloat16, float16 or float32)"
-        )
     if key.ffa_backend == "pallas":
         from magi_jax.pallas.api import supported
 
@@ -331,6 +296,13 @@ def check_local_inputs(q: jax.Array, k: jax.Array, v: jax.Array, key: MagiKey) -
             f"batch_axes={key.batch_axes!r}); call mj.magi_attention, which runs each "
             "device's rows under its own shard_map"
         )
+    check_qkv(
+        q,
+        k,
+        v,
+        caller="magi_attention_local",
+        layout="[local_len, H, D] or [B, local_len, H, D] (one rank's dispatched tokens)",
+    )
     for name, x in (("k", k), ("v", v)):
         if key.cross and x.ndim in (3, 4) and x.shape[-3] != key.kv_local_len:
             raise ValueError(
