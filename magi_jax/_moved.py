@@ -10,9 +10,10 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+from collections.abc import Callable
 from types import ModuleType
 
-__all__ = ["MOVED", "install", "old_child"]
+__all__ = ["MOVED", "install", "old_children"]
 
 # old path -> where the module lives now
 MOVED = {
@@ -77,13 +78,17 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None if new is None else importlib.util.spec_from_loader(fullname, _Alias(new))
 
 
-def old_child(package: str, name: str) -> ModuleType:
-    """``package.name`` where that is an old path (a package's ``__getattr__``: the old
-    children of a package are attributes of it, as they were when the package imported
-    them), else ``AttributeError``."""
-    if _target(f"{package}.{name}") is None:
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
-    return importlib.import_module(f"{package}.{name}")
+def old_children(package: str) -> Callable[[str], ModuleType]:
+    """A package's ``__getattr__``: its old children as attributes of it (as they were when
+    the package imported them), each the moved module itself; other names raise
+    ``AttributeError``."""
+
+    def old_child(name: str) -> ModuleType:
+        if _target(f"{package}.{name}") is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return importlib.import_module(f"{package}.{name}")
+
+    return old_child
 
 
 def install() -> None:

@@ -18,6 +18,5 @@ __all__ = [
     "dense_attention",
 ]
 
-
-def __getattr__(name: str) -> object:  # the modules that moved away, by their old names
-    return _moved.old_child(__name__, name)
+# The modules that moved away, by their old names.
+__getattr__ = _moved.old_children(__name__)
