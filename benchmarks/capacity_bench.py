@@ -13,7 +13,7 @@ logged; compilations <= ``--max-compiles``; each field of the settled capacity w
 ``--max-ratio`` of the tightest capacity for the packings seen (the most any packing
 needed); the loss equal to the one-device model's (same parameters and batch) at the steps
 of ``--check-steps``. Writes a JSON record and a Markdown table under
-``benchmarks/results/capacity/``.
+``benchmarks/results/planning/``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "results" / "capacity"
+OUT = ROOT / "benchmarks" / "results" / "planning"
 
 
 def parse_args(argv=None):

@@ -27,7 +27,7 @@ from magi_jax.ffa.ragged import expand_item_runs
 from magi_jax.ffa.xla import LANE_LEN
 from magi_jax.masks import AttnMask
 from magi_jax.planning.backends import AUTO, BACKEND_CHOICES, check_backend
-from magi_jax.planning.capacity import PlanCapacity, list_sizes
+from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.work_list import (
     FFAPlanArrays,
     FFAPlanRuns,
@@ -144,7 +144,7 @@ def plan_attention(
     name, _ = _resolve_backend(backend)
     tq, tk = mask.total_q, mask.total_k
     fwd_block, bwd_block = backend_blocks(name, tq, tk)
-    items, num_runs = list_sizes(capacity, fwd_block, bwd_block)
+    items, num_runs = capacity.list_sizes(fwd_block, bwd_block)
     one = np.zeros(len(mask.shapes.q0), np.int64)
     runs_q = work_list_runs(mask.shapes, one, 1, tq, tk, *fwd_block, "q")
     runs_k = work_list_runs(mask.shapes, one, 1, tq, tk, *bwd_block, "k")

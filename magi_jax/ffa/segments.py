@@ -538,7 +538,7 @@ def device_plan(
     (a ``ValueError``, or a :class:`~magi_jax.planning.capacity.CapacityError`), traced ones
     through ``jax.experimental.checkify`` (:func:`_check_traced`)."""
     from magi_jax.ffa.plan import AttnPlan, PlanStatic
-    from magi_jax.planning.capacity import PlanCapacity, list_sizes
+    from magi_jax.planning.capacity import PlanCapacity
     from magi_jax.planning.work_list import backend_blocks
 
     batch, t, s = shape
@@ -570,7 +570,7 @@ def device_plan(
             f"packed rows hold B·T = {total_q} queries and B·S = {total_k} keys; build it "
             f"with PlanCapacity(total_q={total_q}, total_k={total_k}, items=...)"
         )
-    (fwd_cap, bwd_cap), _ = list_sizes(capacity, fwd_block, bwd_block)  # as plan_attention
+    (fwd_cap, bwd_cap), _ = capacity.list_sizes(fwd_block, bwd_block)  # as plan_attention
     lengths = None
     if q_lengths is not None or kv_lengths is not None:
         full = lambda n: np.full((batch,), n, np.int32)

@@ -8,10 +8,11 @@ that a mask does not use costs memory, not time.
 
 A mask that needs more than its capacity holds is rejected with a ``ValueError`` that names
 the limit, the value the mask needs and the call that fixes it (:class:`CapacityError`).
-:func:`list_sizes` turns a capacity into the sizes of one call's work lists (every planner
-sizes its lists there), :meth:`PlanCapacity.grow` is the one rule that enlarges a capacity
-(``from_masks``, the calibration and :class:`~magi_jax.planning.growth.CapacityPolicy` grow
-by it), and a capacity round-trips through a small JSON file (:meth:`PlanCapacity.save`).
+:meth:`PlanCapacity.list_sizes` turns a capacity into the sizes of one call's work lists
+(every planner sizes its lists there), :meth:`PlanCapacity.grow` is the one rule that
+enlarges a capacity (``from_masks``, the calibration and
+:class:`~magi_jax.planning.growth.CapacityPolicy` grow by it), and a capacity round-trips
+through a small JSON file (:meth:`PlanCapacity.save`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ __all__ = [
     "HEADROOM",
     "tile_count",
     "default_items",
-    "list_sizes",
     "GROWN_FIELDS",
 ]
 
@@ -137,7 +137,7 @@ class PlanCapacity:
         plans are for exactly these lengths; context-parallel keys for this packed total.
       items: work items per call, counted as (slice, q-tile, k-tile) triples on tiles of
         :data:`CAPACITY_TILE` tokens (:func:`magi_jax.planning.tiling.tile_items`); each
-        backend sizes its own lists from it (:func:`list_sizes`). Default ``None``:
+        backend sizes its own lists from it (:meth:`list_sizes`). Default ``None``:
         :func:`default_items` at the mesh size the plan is built for, which holds any mask of
         these lengths, dense ones and many short documents included.
       remote_kv: context parallelism: KV tokens one rank fetches from the others, all remote
@@ -346,7 +346,7 @@ class PlanCapacity:
         *,
         headroom: float = HEADROOM,
         mesh_size: int | None = None,
-        **more,
+        **more: int | None,
     ) -> PlanCapacity:
         """This capacity with every field of :data:`GROWN_FIELDS` that holds less than
         ``needs`` (a mapping, or keyword arguments: ``capacity.grow(items=600)``) raised to
@@ -425,6 +425,34 @@ class PlanCapacity:
             self.k_runs if self.host_k_runs is None else self.host_k_runs,
         )
 
+    def list_sizes(
+        self,
+        fwd_block: tuple[int, int],
+        bwd_block: tuple[int, int],
+        *,
+        mesh_size: int | None = None,
+        chunk_size: int | None = None,
+        host: bool = False,
+    ) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``(items, runs)``: the item and run widths ``(q-tile list, k-tile list)`` of one
+        call's work lists at this capacity — the one place a plan's list shapes come from
+        (single-device plans, traced segment-id plans and every stage of a key).
+
+        ``fwd_block`` / ``bwd_block``: the backend's ``(block_q, block_k)`` of the two
+        lists; the k-tile list steps over tiles of fewer rows where they differ (the Mosaic
+        GPU kernels: 64 against 128), and every q-list item holds at most that ratio of
+        them. ``mesh_size``: ranks of the key (``None``: a single-device plan),
+        ``chunk_size`` its dispatch chunk; ``host``: the host stage's run bounds
+        (:meth:`runs`). Runs never exceed a list's items (a run holds one or more)."""
+        per_item = max(1, int(fwd_block[0]) // int(bwd_block[0]))
+        n = self.items_at(mesh_size, chunk_size)
+        items = (n, n * per_item)
+        runs = tuple(
+            int(width) if bound is None else min(int(bound), int(width))
+            for bound, width in zip(self.runs(host), items)
+        )
+        return items, runs
+
     def check(self, field: str, needed: int, what: str = "this mask") -> None:
         """Raises :class:`CapacityError` when ``needed`` exceeds the capacity's ``field``."""
         have = getattr(self, field)
@@ -434,32 +462,3 @@ class PlanCapacity:
 
 def _grown(need: int, headroom: float) -> int:
     return max(1, int(np.ceil(need * headroom)))
-
-
-def list_sizes(
-    capacity: PlanCapacity,
-    fwd_block: tuple[int, int],
-    bwd_block: tuple[int, int],
-    *,
-    mesh_size: int | None = None,
-    chunk_size: int | None = None,
-    host: bool = False,
-) -> tuple[tuple[int, int], tuple[int, int]]:
-    """``(items, runs)``: the item and run widths ``(q-tile list, k-tile list)`` of one call's
-    work lists at ``capacity`` — the one place a plan's list shapes come from (single-device
-    plans and every stage of a context-parallel key).
-
-    ``fwd_block`` / ``bwd_block``: the backend's ``(block_q, block_k)`` of the two lists;
-    the k-tile list steps over tiles of fewer rows where they differ (the Mosaic GPU
-    kernels: 64 against 128), and every q-list item holds at most that ratio of them.
-    ``mesh_size``: ranks of the key (``None``: a single-device plan), ``chunk_size`` its
-    dispatch chunk; ``host``: the host stage's run bounds
-    (:meth:`PlanCapacity.runs`). Runs never exceed a list's items (a run holds one or more)."""
-    per_item = max(1, int(fwd_block[0]) // int(bwd_block[0]))
-    n = capacity.items_at(mesh_size, chunk_size)
-    items = (n, n * per_item)
-    runs = tuple(
-        int(width) if bound is None else min(int(bound), int(width))
-        for bound, width in zip(capacity.runs(host), items)
-    )
-    return items, runs

@@ -43,7 +43,6 @@ import numpy as np
 from magi_jax.caches import Cache
 from magi_jax.masks import AttnMask, SliceShapes
 from magi_jax.planning.backends import host_planner
-from magi_jax.planning.capacity import list_sizes
 from magi_jax.planning.cast_table import CastTable, cast_table_from_pieces
 from magi_jax.planning.solver import (
     KV_LAYOUTS,
@@ -735,8 +734,8 @@ def _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, host,
     """One stage's FFA plan of every rank, stacked ``[cp, ...]``, and the widths of its item
     arrays: runs (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) standing for lists of
     the capacity's items (at ``capacity``; runs padded to its bounds, the host stage's
-    (``host``) to its own: :func:`~magi_jax.planning.capacity.list_sizes`) or of the longest
-    rank's."""
+    (``host``) to its own: :meth:`~magi_jax.planning.capacity.PlanCapacity.list_sizes`) or
+    of the longest rank's."""
     fwd_block, bwd_block = backend_blocks(backend.name, t_loc, kv_len, bq, bk)
     with _phase("work_lists"):
         runs_q = work_list_runs(flat, rank.rank, cp, t_loc, kv_len, *fwd_block, "q")
@@ -745,8 +744,8 @@ def _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, host,
         items = (int(runs_q.per_rank.max(initial=0)), int(runs_k.per_rank.max(initial=0)))
         num_runs = None
     else:
-        items, num_runs = list_sizes(
-            capacity, fwd_block, bwd_block, mesh_size=cp, chunk_size=chunk, host=host
+        items, num_runs = capacity.list_sizes(
+            fwd_block, bwd_block, mesh_size=cp, chunk_size=chunk, host=host
         )
         for r in range(cp):  # the first rank and list over the capacity, as padding
             check_items(runs_q.per_rank[r : r + 1], items[0])

@@ -21,7 +21,7 @@ from magi_jax.planning import (
     default_block_sizes,
     solve_dispatch,
 )
-from magi_jax.planning.capacity import GROWN_FIELDS, default_items, list_sizes
+from magi_jax.planning.capacity import GROWN_FIELDS, default_items
 
 LENGTHS = (256, 512, 1024, 4096)
 MESH_SIZES = (1, 2, 4, 8)
@@ -136,11 +136,11 @@ def test_capacity_round_trips_through_its_file(tmp_path):
 
 def test_list_sizes_is_the_one_sizing_rule():
     cap = PlanCapacity(1024, items=50, q_runs=70, k_runs=20, host_k_runs=5)
-    assert list_sizes(cap, (128, 128), (64, 128)) == ((50, 100), (50, 20))
-    assert list_sizes(cap, (128, 128), (64, 128), host=True) == ((50, 100), (50, 5))
+    assert cap.list_sizes((128, 128), (64, 128)) == ((50, 100), (50, 20))
+    assert cap.list_sizes((128, 128), (64, 128), host=True) == ((50, 100), (50, 5))
     free = PlanCapacity(1024)
     n = default_items(1024, 1024, 4, 16)
-    assert list_sizes(free, (64, 64), (64, 64), mesh_size=4, chunk_size=16) == ((n, n), (n, n))
+    assert free.list_sizes((64, 64), (64, 64), mesh_size=4, chunk_size=16) == ((n, n), (n, n))
 
 
 def test_capacity_error_names_the_limit_in_words_and_the_fix():
