@@ -33,6 +33,10 @@ from magi_jax.planning.errors import capacity_error
 __all__ = ["CapacityPolicy", "ON_OVERFLOW"]
 
 _log = logging.getLogger(__name__)
+# Quiet unless the application configures logging (no "last resort" lines on stderr).
+_root = logging.getLogger("magi_jax")
+if not any(isinstance(h, logging.NullHandler) for h in _root.handlers):
+    _root.addHandler(logging.NullHandler())
 
 ON_OVERFLOW = ("grow", "skip", "raise")
 
