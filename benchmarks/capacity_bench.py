@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import logging
 import os
@@ -54,9 +55,10 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def run(args, say=print) -> dict:
+def run(args, say=print, compiler_options=None) -> dict:
     """Trains ``args.steps`` steps; returns the record (raises ``AssertionError`` on a
-    failed check). JAX must see ``dp·cp`` devices."""
+    failed check). JAX must see ``dp·cp`` devices; ``compiler_options`` go to the train
+    step's ``jax.jit`` (a test suite that compiles at -O0 asks for -O3 back)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -140,11 +142,13 @@ def run(args, say=print) -> dict:
         d = lambda x: mj.dispatch(x, key, seq_axis=1)
         return train.loss_fn(params, graphdef, d(tokens), d(labels), d(weights), key)
 
-    @jax.jit
+    jit = functools.partial(jax.jit, compiler_options=compiler_options)
+
+    @jit
     def grad_step(params, tokens, labels, weights, key):
         return jax.value_and_grad(cp_loss, has_aux=True)(params, tokens, labels, weights, key)
 
-    @jax.jit
+    @jit
     def update(params, opt_state, grads):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state

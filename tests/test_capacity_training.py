@@ -7,6 +7,8 @@ one-device model's at steps 0 and 99 (the benchmark's own checks)."""
 import importlib.util
 import pathlib
 
+from tests.xla_options import OPTIMIZED
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -25,7 +27,7 @@ def test_training_grows_its_capacity_and_matches_one_device():
         ["--steps", "100", "--seqlen", "256", "--dp", "1", "--dim", "16", "--check-steps", "0,99"]
         + ["--no-write"]
     )
-    record = bench.run(args, say=lambda *a: None)
+    record = bench.run(args, say=lambda *a: None, compiler_options=OPTIMIZED)
     assert record["steps"] == 100
     assert 1 <= len(record["growths"]) == record["logged_growths"]
     assert record["compilations"] == 1 + len(record["growths"]) <= 4
