@@ -56,10 +56,6 @@ import time
 import traceback
 
 _T_START = time.perf_counter()
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
 _SMOKE_DEVICES = 8
 
 
@@ -121,7 +117,7 @@ def _parse(argv):
         help="time each measurement over at least this long (default 0.3; >= 2 "
         "calls; smoke: one call)",
     )
-    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results", "cp"))
+    p.add_argument("--out", default="benchmarks/results/cp")
     p.add_argument("--tag", default="")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument(
@@ -157,10 +153,10 @@ from benchmarks.baselines.allgather import allgather_attention, make_allgather_p
 from benchmarks.baselines.common import LocalFFA, make_layout, pick_backend  # noqa: E402
 from benchmarks.baselines.ring import make_ring_plan, ring_attention  # noqa: E402
 from benchmarks.baselines.ulysses import make_ulysses_plan, ulysses_attention  # noqa: E402
+from benchmarks.harness import describe, environment  # noqa: E402
 from benchmarks.kernel_bench import make_mask  # noqa: E402
 from benchmarks.probe import nocomm_attention  # noqa: E402
-from benchmarks.run_env import describe, environment  # noqa: E402
-from magi_jax.planning.backends import FFA_BACKENDS  # noqa: E402
+from magi_jax.planning.backends import HOST_SPECS  # noqa: E402
 from magi_jax.planning.stages import build_dist_plan  # noqa: E402
 from magi_jax.sharding import magi_attention, make_flex_key  # noqa: E402
 from magi_jax.sharding.key_wire import key_wire  # noqa: E402
@@ -321,7 +317,7 @@ def run(a):
     dtype = jnp.dtype(a.dtype)
     backend, why = pick_backend(a.backend, dtype, a.head_dim)
     ffa = LocalFFA(backend)
-    magi_ffa = backend if backend in FFA_BACKENDS else "xla"
+    magi_ffa = backend if HOST_SPECS[backend].context_parallel else "xla"
     dev = devices[0]
     stamp = datetime.datetime.now(datetime.timezone.utc)
     meta = environment(
@@ -340,7 +336,8 @@ def run(a):
     if magi_ffa != backend:
         meta["note"] = (
             f"magi_attention has no {backend!r} per-rank FFA yet "
-            f"(ffa_backends {FFA_BACKENDS}); it runs on {magi_ffa!r} "
+            f"(ffa_backend takes {[n for n, s in HOST_SPECS.items() if s.context_parallel]}); "
+            f"it runs on {magi_ffa!r} "
             f"while the baselines run on {backend!r}: not a like-for-like row"
         )
     os.makedirs(a.out, exist_ok=True)

@@ -15,26 +15,20 @@ from the mean mask area (4·area·H·D per forward, 3.5× for fwd+bwd).
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-import magi_jax as mj  # noqa: E402
-from benchmarks.kernel_bench import bench_interleaved  # noqa: E402
-from benchmarks.run_env import environment  # noqa: E402
-from magi_jax.mask_zoo import random_doc_lengths  # noqa: E402
+import magi_jax as mj
+from benchmarks import harness
+from benchmarks.harness import environment, time_interleaved
+from magi_jax.mask_zoo import random_doc_lengths
 
 
 class _Cycle:
@@ -84,7 +78,7 @@ def main(argv=None):
         "the path without its run-time check, host plans without "
         "persistent schedules",
     )
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "planning"))
+    ap.add_argument("--out", default=str(harness.RESULTS / "dynamic"))
     args = ap.parse_args(argv)
     t, h, hkv, d = args.total, args.heads, args.kv_heads, args.head_dim
     dtype = jnp.bfloat16
@@ -150,7 +144,7 @@ def main(argv=None):
             "segment_ids_unchecked",
             "host_not_persistent",
         ]
-    times = bench_interleaved(entries, n=len(masks), reps=args.reps)
+    times = [t for t, _ in time_interleaved(entries, len(masks), args.reps)]
     for name, sec in zip(names, times):
         rows.append(dict(row=name, ms=sec * 1e3, tflops=flops / sec / 1e12))
     ratio = times[0] / times[1]
@@ -183,11 +177,11 @@ def main(argv=None):
         f"segment ids {seg._cache_size()}"
     )
     os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
-    path = os.path.join(args.out, f"dynamic_device_{stamp}_{meta['device'].replace(' ', '_')}")
-    with open(path + ".json", "w") as f:
+    name = f"dynamic_device_{harness.stamp()}_{meta['device'].replace(' ', '_')}.json"
+    path = os.path.join(args.out, name)
+    with open(path, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print("wrote", path + ".json")
+    print("wrote", path)
 
 
 def _breakdown(masks, ids, cap, inputs3, inputs4, heads):

@@ -4,7 +4,7 @@ Times ``flex_flash_attention`` on one case (default: doc-causal 32k, bf16, Hq = 
 D = 128, the zoo's document lengths) in four variants — plain, ``sink=`` (4 sink logits per
 head), ``return_max_logits=True``, and both — forward alone and forward+backward (the
 backward differentiates the sink logits too). Variants of one mode are timed in alternating
-rounds after two warm-up calls each (``kernel_bench.bench_interleaved``), so the medians
+rounds after two warm-up calls each (``harness.time_interleaved``), so the medians
 compare within one run. Writes ``<out>/features_<date>_<device>.{json,md}``.
 
     PYTHONPATH=. python benchmarks/features_bench.py
@@ -14,23 +14,16 @@ compare within one run. Writes ``<out>/features_<date>_<device>.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
 import magi_jax as mj  # noqa: E402
-from benchmarks.kernel_bench import bench_interleaved, case_inputs, make_mask  # noqa: E402
-from benchmarks.run_env import describe, environment  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks.kernel_bench import make_mask  # noqa: E402
 
 VARIANTS = {
     "plain": (False, False),
@@ -76,7 +69,7 @@ def variant_fn(mask, sinks: bool, max_logits: bool, mode: str, softcap: float, b
 
 def run(mask_name, length, heads, kv_heads, head_dim, dtype, softcap, backend, reps, n):
     mask = make_mask(mask_name, length)
-    q, k, v, do = case_inputs(length, 1, heads, kv_heads, head_dim, dtype)
+    q, k, v, do = harness.random_inputs(length, 1, heads, kv_heads, head_dim, dtype)
     q, k, v, do = (x[0] for x in (q, k, v, do))
     do = do.astype(jnp.float32)
     sink = jax.random.normal(jax.random.key(1), (NUM_SINKS, heads), jnp.float32)
@@ -86,7 +79,12 @@ def run(mask_name, length, heads, kv_heads, head_dim, dtype, softcap, backend, r
         fns = {
             v_: variant_fn(mask, *flags, mode, softcap, backend) for v_, flags in VARIANTS.items()
         }
-        times = bench_interleaved([(f, (q, k, v, do, sink)) for f in fns.values()], n, reps)
+        times = [
+            t
+            for t, _ in harness.time_interleaved(
+                [(f, (q, k, v, do, sink)) for f in fns.values()], n, reps
+            )
+        ]
         plain = times[0]
         for v_, t in zip(fns, times):
             rows.append(
@@ -112,7 +110,7 @@ def markdown(rows, meta) -> str:
     lines = [
         f"# Sinks and max logits: overhead ({meta['date']}, {meta['device']})",
         "",
-        f"backend {meta['backend']}; {describe(meta)}; median of {meta['reps']} rounds "
+        f"backend {meta['backend']}; {harness.describe(meta)}; median of {meta['reps']} rounds "
         f"of {meta['n']} calls after 2 warm-up calls, variants interleaved",
         "",
         "| case | mode | variant | ms | vs plain |",
@@ -143,7 +141,6 @@ def main(argv=None):
     p.add_argument("--n", type=int, default=5, help="calls per round")
     p.add_argument("--out", default="benchmarks/results/kernel")
     a = p.parse_args(argv)
-    dev = jax.devices()[0]
     rows, backend = run(
         a.mask,
         a.length,
@@ -156,23 +153,18 @@ def main(argv=None):
         a.reps,
         a.n,
     )
-    meta = environment(
+    meta = harness.environment(
         argv,
-        device=getattr(dev, "device_kind", str(dev)),
+        device=harness.device_name(),
         backend=backend,
         reps=a.reps,
         n=a.n,
         num_sinks=NUM_SINKS,
     )
-    os.makedirs(a.out, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
-    base = os.path.join(a.out, f"features_{stamp}_{meta['device'].replace(' ', '_')}")
-    with open(base + ".json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(markdown(rows, meta))
+    record = harness.Run("features", a.out, meta, markdown)
+    record.add(*rows)
     print(markdown(rows, meta))
-    print(f"wrote {base}.json, {base}.md")
+    print(f"wrote {record.base}.json and .md")
     return rows
 
 

@@ -19,13 +19,8 @@ import argparse
 import datetime
 import json
 import os
-import sys
 import time
 import traceback
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -33,9 +28,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from benchmarks.baselines.common import pick_backend  # noqa: E402
+from benchmarks.harness import describe, environment  # noqa: E402
 from benchmarks.kernel_bench import make_mask  # noqa: E402
 from benchmarks.probe import measure_overlap, overlap_probe  # noqa: E402
-from benchmarks.run_env import describe, environment  # noqa: E402
 from magi_jax.sharding import make_flex_key  # noqa: E402
 
 
@@ -57,7 +52,7 @@ def _parse(argv):
         help="also write the order in which XLA scheduled the collectives and the "
         "FFA kernels of magi_attention (<out>/overlap_..._schedule.txt)",
     )
-    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results", "overlap"))
+    p.add_argument("--out", default="benchmarks/results/overlap")
     return p.parse_args(argv)
 
 

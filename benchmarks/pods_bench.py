@@ -23,13 +23,8 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
-
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
 
 def parse_args(argv=None):
@@ -50,7 +45,7 @@ def parse_args(argv=None):
         default="",
         help="take the attention rows from this earlier run's json (plan only)",
     )
-    ap.add_argument("--out", default=str(_ROOT / "benchmarks" / "results" / "pods"))
+    ap.add_argument("--out", default="benchmarks/results/pods")
     return ap.parse_args(argv)
 
 
@@ -68,7 +63,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import magi_jax as mj  # noqa: E402
-from benchmarks.run_env import describe, environment  # noqa: E402
+from benchmarks.harness import describe, environment  # noqa: E402
 
 
 def packings(rng, n, total, docs):

@@ -16,24 +16,19 @@ Writes ``benchmarks/results/solver/solver_<date>.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import time
 
 import numpy as np
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from benchmarks.run_env import describe, environment  # noqa: E402
-from magi_jax.mask import AttnMask  # noqa: E402
-from magi_jax.mask_zoo import make_mask as zoo_mask  # noqa: E402
-from magi_jax.planning import solver as S  # noqa: E402
-from magi_jax.planning import stages as D  # noqa: E402
-from magi_jax.planning.cast_table import build_cast_table  # noqa: E402
+from benchmarks import harness
+from benchmarks.harness import describe, environment
+from magi_jax.mask import AttnMask
+from magi_jax.mask_zoo import make_mask as zoo_mask
+from magi_jax.planning import solver as S
+from magi_jax.planning import stages as D
+from magi_jax.planning.cast_table import build_cast_table
 
 # The zoo of magi_jax.mask_zoo under this benchmark's names (mask_zoo.DOC_LENGTHS documents).
 ZOO = (
@@ -190,15 +185,9 @@ def main(argv=None):
             file=sys.stderr,
             flush=True,
         )
-    now = datetime.datetime.now(datetime.timezone.utc)
-    meta = environment(argv)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"solver_{now.strftime('%Y%m%d_%H%M')}")
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(to_markdown(rows, meta))
-    print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
+    record = harness.Run("solver", args.out, environment(argv), to_markdown)
+    record.add(*rows)
+    print(f"wrote {record.base}.json and .md", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,10 @@ import argparse
 import datetime
 import json
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-from kernel_bench import make_mask  # noqa: E402
-
+from benchmarks.kernel_bench import make_mask  # noqa: E402
 from magi_jax.mask import AttnMask  # noqa: E402
 from magi_jax.planning.work_list import (
     DKV_BLOCK_K,

@@ -28,27 +28,21 @@ Writes ``benchmarks/results/wire/wire_<date>.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import sys
 import time
 
 import numpy as np
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from benchmarks.run_env import describe, environment  # noqa: E402
-from magi_jax.mask import AttnMask  # noqa: E402
-from magi_jax.mask_zoo import make_mask, random_doc_lengths  # noqa: E402
-from magi_jax.planning.capacity import PlanCapacity  # noqa: E402
-from magi_jax.planning.defaults import PAIR_CAST_LEVELS, cast_pieces, default_overlap_degree  # noqa: E402
-from magi_jax.planning.solver import solve_dispatch  # noqa: E402
-from magi_jax.planning.stages import build_dist_plan  # noqa: E402
-from magi_jax.planning.wire import plan_wire, ring_rows  # noqa: E402
-from magi_jax.planning.work_list import default_block_sizes  # noqa: E402
+from benchmarks import harness
+from benchmarks.harness import describe, environment
+from magi_jax.mask import AttnMask
+from magi_jax.mask_zoo import make_mask, random_doc_lengths
+from magi_jax.planning.capacity import PlanCapacity
+from magi_jax.planning.defaults import PAIR_CAST_LEVELS, cast_pieces, default_overlap_degree
+from magi_jax.planning.solver import solve_dispatch
+from magi_jax.planning.stages import build_dist_plan
+from magi_jax.planning.wire import plan_wire, ring_rows
+from magi_jax.planning.work_list import default_block_sizes
 
 GENERATORS = ("doc-causal", "sliding-window", "many-docs", "shared-question", "causal")
 
@@ -160,23 +154,18 @@ def main(argv=None) -> int:
     for i, name in enumerate(names):
         rows.append(run_generator(name, args.total, args.cp, args.packings))
         print(f"[{i + 1}/{len(names)}] {name}: {rows[-1]['seconds']} s", file=sys.stderr)
-    env = environment(argv)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
-    os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"wire_{stamp}")
-    with open(base + ".json", "w") as fh:
-        json.dump(dict(env=env, args=vars(args), rows=rows), fh, indent=1)
-    md = (
-        f"# Wire rows against real rows, {args.total:,} tokens, cp {args.cp} (one node)\n\n"
-        f"{describe(env)}; host planner only. Per forward cast, all "
+    meta = environment(argv, total=args.total, cp=args.cp, packings=args.packings)
+    md = lambda rows, m: (
+        f"# Wire rows against real rows, {m['total']:,} tokens, cp {m['cp']} (one node)\n\n"
+        f"{describe(m)}; host planner only. Per forward cast, all "
         f"remote stages; busiest rank's wire / busiest rank's real rows, then total wire / "
-        f"total real. Capacity: `PlanCapacity.from_masks` over {args.packings} packings "
+        f"total real. Capacity: `PlanCapacity.from_masks` over {m['packings']} packings "
         "(default headroom), the worst packing (by per rank) shown.\n\n" + table(rows) + "\n"
     )
-    with open(base + ".md", "w") as fh:
-        fh.write(md)
-    print(md)
-    print(f"wrote {base}.json, {base}.md", file=sys.stderr)
+    record = harness.Run("wire", args.out, meta, md)
+    record.add(*rows)
+    print(md(rows, meta))
+    print(f"wrote {record.base}.json and .md", file=sys.stderr)
     return 0
 
 

@@ -1,5 +1,6 @@
 """Import paths of modules that moved into the wings (``masks/``, ``sharding/keys/``,
-``sharding/transport/``), kept working for one release: ``import magi_jax.mask`` gives the
+``sharding/transport/``) or took a name that says what they hold, kept working for one
+release: ``import magi_jax.mask`` gives the
 module now at ``magi_jax.masks._mask``, the same module object (so its attributes, set or
 read, are the module's own), not a copy."""
 
@@ -11,7 +12,7 @@ import importlib.util
 import sys
 from types import ModuleType
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "install", "old_child"]
 
 # old path -> where the module lives now
 MOVED = {
@@ -32,6 +33,10 @@ MOVED = {
     "magi_jax.sharding.native": "magi_jax.sharding.transport.native",
     "magi_jax.sharding.native.transport": "magi_jax.sharding.transport.native._calls",
     "magi_jax.sharding.native.library": "magi_jax.sharding.transport.native._library",
+    "magi_jax.planning.persistence": "magi_jax.planning.persistent_kernels",
+    "magi_jax.planning.defaults": "magi_jax.planning.cost_model",
+    "magi_jax.planning.hierarchy": "magi_jax.planning.relay_table",
+    "magi_jax.ffa.segments": "magi_jax.ffa.device_planner",
 }
 
 
@@ -70,6 +75,15 @@ class _Finder(importlib.abc.MetaPathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         new = _target(fullname)
         return None if new is None else importlib.util.spec_from_loader(fullname, _Alias(new))
+
+
+def old_child(package: str, name: str) -> ModuleType:
+    """``package.name`` where that is an old path (a package's ``__getattr__``: the old
+    children of a package are attributes of it, as they were when the package imported
+    them), else ``AttributeError``."""
+    if _target(f"{package}.{name}") is None:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    return importlib.import_module(f"{package}.{name}")
 
 
 def install() -> None:

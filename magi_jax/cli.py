@@ -20,7 +20,7 @@ import sys
 import time
 
 from magi_jax.masks import MASKS, AttnMask, make_mask  # the zoo of --mask (re-exported)
-from magi_jax.planning.defaults import default_overlap_degree
+from magi_jax.planning.cost_model import default_overlap_degree
 from magi_jax.planning.solver import ALGORITHMS, remote_kv_tokens, solve_dispatch
 from magi_jax.planning.stages import build_dist_plan
 from magi_jax.planning.wire import plan_wire, ring_rows
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
 def _print_capacity_wire(mask, args, name):
     """The wire of ``mask`` planned at a capacity from ``--capacity-packings`` packings."""
     from magi_jax.planning.capacity import PlanCapacity
-    from magi_jax.planning.defaults import cast_pieces
+    from magi_jax.planning.cost_model import cast_pieces
 
     if args.cu_seqlens is None and args.slices is None:
         masks = [
@@ -312,8 +312,8 @@ def _print_wire(plan, local, ring: int, pieces: int = 1, pair_pieces: int = 1):
         ),
     ] + [(name, plan_wire(plan, name, local, pieces=pieces)) for name in ("all_to_all", "native")]
     if local is not None and local < plan.cp and plan.cp // local > 1:
-        from magi_jax.planning.hierarchy import NodeLayout
         from magi_jax.planning.relay_runs import build_relay_runs
+        from magi_jax.planning.relay_table import NodeLayout
 
         layout = NodeLayout(plan.cp // local, local)
         widths = (

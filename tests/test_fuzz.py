@@ -27,8 +27,8 @@ import magi_jax as mj
 from magi_jax.ffa.reference import dense_attention
 from magi_jax.ffa.testing import assert_matches_reference
 from magi_jax.mask import AttnMask
-from tests.sharding.masks import self_attention_masks
 from tests.strategies import slice_masks
+from tests.zoo import self_attention_masks
 
 BAD_NUMBERS = [float("nan"), float("inf"), -1.0, "1", None]
 

@@ -1,11 +1,13 @@
 """The library's layout, read from its source with ``ast`` (nothing is imported): no import
-circle among magi_jax modules, lazy (function-level) imports included, and no private name
-(``_x``) of one module used by another."""
+circle among magi_jax modules, lazy (function-level) imports included; no private name
+(``_x``) of one module used by another; the wings (packages of one concept) exist and are
+entered through their ``__init__`` only; the top-level ``__all__`` is the documented API."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 from collections.abc import Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -147,6 +149,49 @@ def private_uses(files: dict[str, pathlib.Path] | None = None) -> list[str]:
     return sorted(found)
 
 
+def _internal_package(module: str) -> str | None:
+    """The package whose inside ``module`` is (the part of its path before its first
+    ``_name``, dunder names aside), or ``None`` for a module of no package's inside."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if _private(part):
+            return ".".join(parts[:i])
+    return None
+
+
+def internal_imports(files: dict[str, pathlib.Path] | None = None) -> list[str]:
+    """``"module imports internal"`` for every import of a package's internal module
+    (``pkg._mod``, or anything below it) by a module outside that package."""
+    edges = import_edges(files)
+    found = []
+    for name, targets in edges.items():
+        for target in sorted(targets):
+            package = _internal_package(target)
+            if package is not None and name != package and not name.startswith(package + "."):
+                found.append(f"{name} imports {target}")
+    return sorted(found)
+
+
+# The wings: packages of one concept, entered through their __init__; the modules of each
+# that are not its inside (a leading underscore) are named here.
+WINGS = {
+    # the slice types, which plot takes without the mask type; realistic packings (data loaders)
+    "magi_jax.masks": {"slices", "packings"},
+    "magi_jax.sharding.keys": set(),
+    "magi_jax.sharding.transport": {"native"},  # the native transport, a package itself
+}
+
+
+def _all_names(path: pathlib.Path) -> list[str] | None:
+    """The literal ``__all__`` of a module (``None`` when it has none)."""
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return [ast.literal_eval(e) for e in node.value.elts]
+    return None
+
+
 KNOWN_CIRCLE_MODULES: set[str] = set()
 KNOWN_PRIVATE_USERS: set[str] = set()
 
@@ -163,6 +208,47 @@ def test_no_private_name_crosses_a_module():
     an imported module (but the known users above)."""
     found = private_uses()
     assert [f for f in found if f.split(":")[0] not in KNOWN_PRIVATE_USERS] == []
+
+
+def test_the_wings_exist_and_hold_their_inside():
+    """Each wing is a package with an ``__all__``; its modules are its inside but those
+    named in :data:`WINGS`."""
+    files = module_files()
+    for wing, public in WINGS.items():
+        assert wing in files and files[wing].name == "__init__.py", wing
+        assert _all_names(files[wing]), f"{wing} has no __all__"
+        children = {
+            name[len(wing) + 1 :].split(".")[0] for name in files if name.startswith(wing + ".")
+        }
+        assert {c for c in children if not _private(c)} == public, wing
+
+
+def test_no_module_outside_a_package_imports_its_inside():
+    """A package's internal modules (``pkg._mod``) are imported by modules of that package
+    only; the rest of the library goes through its ``__init__``."""
+    assert internal_imports() == []
+
+
+def _documented_words() -> set[str]:
+    text = "\n".join(
+        p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    )
+    return set(re.findall(r"\bmj\.(\w+)", text)) | set(re.findall(r"`(\w+)", text))
+
+
+def test_top_level_all_is_the_documented_api():
+    """Every name of ``magi_jax.__all__`` is documented (README or docs/: ``mj.name`` or
+    ``name`` in code), and every ``mj.name`` the documents use is in ``__all__`` (or is a
+    layer of the package)."""
+    public = _all_names(ROOT / PACKAGE / "__init__.py")
+    documented = _documented_words()
+    assert [n for n in public if n not in documented] == []
+    text = "\n".join(
+        p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    )
+    layers = {p.name for p in (ROOT / PACKAGE).iterdir() if not _private(p.name)}
+    used = set(re.findall(r"\bmj\.(\w+)", text))
+    assert sorted(n for n in used if n not in public and n not in layers) == []
 
 
 def test_the_checks_see_what_they_look_for(tmp_path):
@@ -187,6 +273,12 @@ def test_the_checks_see_what_they_look_for(tmp_path):
         "magi_jax.b:6 _h from magi_jax.sub.a",
         "magi_jax.sub.a:2 _g from magi_jax.b",
     ]
+    assert internal_imports(files) == []
+    (pkg / "sub" / "_inside.py").write_text("X = 1\n")
+    (pkg / "sub" / "c.py").write_text("from magi_jax.sub._inside import X\n")
+    (pkg / "d.py").write_text("from magi_jax.sub import _inside\n")
+    files = module_files(tmp_path)
+    assert internal_imports(files) == ["magi_jax.d imports magi_jax.sub._inside"]
 
 
 def _layout_rows(doc: str) -> list[tuple[str, str]]:

@@ -21,27 +21,24 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from magi_jax.mask import AttnMask, SliceShapes
+from magi_jax.planning.backends import backend_blocks, check_backend
 from magi_jax.planning.solver import DispatchMeta, solve_dispatch
 from magi_jax.planning.stages import _clip_to_segments, rank_views
-from magi_jax.planning.work_list import backend_blocks, build_plan_arrays, stack_plans
+from magi_jax.planning.work_list import build_plan_arrays, stack_plans
 
-__all__ = ["BACKENDS", "LocalFFA", "Layout", "make_layout", "pick_backend", "sub_shapes"]
-
-BACKENDS = ("auto", "xla", "pallas")
+__all__ = ["LocalFFA", "Layout", "make_layout", "pick_backend", "sub_shapes"]
 
 
 def pick_backend(backend: str, dtype, head_dim: int) -> tuple[str, str]:
-    """The per-rank FFA backend: ``(name, reason)``. ``"auto"`` takes the Hopper pallas
-    kernels when they accept these inputs on this device, else the portable xla one."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    """The per-rank FFA engine: ``(name, reason)``, from the library's registry
+    (:func:`magi_jax.ffa.backends.auto_backend` among the engines a rank runs)."""
+    from magi_jax.ffa.backends import auto_backend
+
+    check_backend(backend, context_parallel=True)
     if backend != "auto":
         return backend, "requested"
-    from magi_jax.pallas import supported
-
     x = jax.ShapeDtypeStruct((1, 1, head_dim), jnp.dtype(dtype))
-    ok, why = supported(x, x, x)
-    return ("pallas", "supported here") if ok else ("xla", why)
+    return auto_backend(x, x, x, context_parallel=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +57,9 @@ class LocalFFA:
     interpret: bool = False
 
     def __post_init__(self):
-        if self.backend not in ("xla", "pallas"):
-            raise ValueError(
-                f"LocalFFA backend={self.backend!r}: use 'xla' or 'pallas' "
-                "(resolve 'auto' with pick_backend first)"
-            )
+        if self.backend == "auto":
+            raise ValueError("LocalFFA backend='auto': resolve it with pick_backend first")
+        check_backend(self.backend, auto=False, context_parallel=True)
 
     # ---- host ----
     def plan(self, shapes: SliceShapes, tq: int, tk: int):

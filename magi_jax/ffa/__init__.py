@@ -2,9 +2,10 @@
 (:mod:`~magi_jax.ffa.api`), the portable ``xla`` backend (:mod:`~magi_jax.ffa.xla`), the dense
 reference (:mod:`~magi_jax.ffa.reference`), the correctness rule of the tests
 (:mod:`~magi_jax.ffa.testing`) and ``jax.nn.dot_product_attention``'s interface
-(:mod:`~magi_jax.ffa.dpa`, with device-built plans from :mod:`~magi_jax.ffa.segments`).
+(:mod:`~magi_jax.ffa.dpa`, with device-built plans from :mod:`~magi_jax.ffa.device_planner`).
 The ``pallas`` backend is :mod:`magi_jax.pallas`."""
 
+from magi_jax import _moved
 from magi_jax.ffa.api import BACKENDS, flex_flash_attention, select_backend
 from magi_jax.ffa.reference import dense_attention, reference_attention, reference_attention_vjp
 
@@ -16,3 +17,7 @@ __all__ = [
     "reference_attention_vjp",
     "dense_attention",
 ]
+
+
+def __getattr__(name: str) -> object:  # the modules that moved away, by their old names
+    return _moved.old_child(__name__, name)

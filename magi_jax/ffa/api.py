@@ -13,7 +13,8 @@ from magi_jax.ffa.plan import AttnPlan
 from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.ffa.xla import xla_ffa
 from magi_jax.masks import AttnMask
-from magi_jax.planning.work_list import backend_blocks, plan_for_mask
+from magi_jax.planning.backends import backend_blocks
+from magi_jax.planning.work_list import plan_for_mask
 
 __all__ = [
     "flex_flash_attention",
@@ -173,7 +174,9 @@ def flex_flash_attention(
         for every mask within the plan's capacity; the plan fixes the backend).
       softmax_scale: defaults to ``D ** -0.5``.
       softcap: tanh soft-capping of the scores (``c·tanh(s/c)``); 0 disables it.
-      backend: ``"auto"``, ``"xla"`` (portable) or ``"pallas"`` (Mosaic GPU, Hopper).
+      backend: ``"auto"``, ``"xla"`` (portable), ``"pallas"`` (Mosaic GPU, Hopper) or
+        ``"cudnn"`` (cuDNN's packed layout, for per-document full or causal masks);
+        :func:`~magi_jax.ffa.backends.select_backend` says which ``"auto"`` takes and why.
       block_q, block_k: tile sizes of the ``xla`` backend (default: 128, smaller for
         short sequences).
 
@@ -199,6 +202,10 @@ def flex_flash_attention(
     _check_arrays(q, k, v)
     if sink is not None:
         check_sink(sink, q.shape[-2])
+        if backend == "auto" and isinstance(mask, AttnMask):
+            # The engine that takes sinks (they are added to the result afterwards).
+            _check_inputs(q, k, v, mask)
+            backend, _ = select_backend(backend, q, k, v, mask, sink=True, softcap=softcap)
         res = flex_flash_attention(
             q,
             k,
@@ -219,8 +226,14 @@ def flex_flash_attention(
             q, k, v, mask, scale, float(softcap), backend, block_q, block_k, return_max_logits
         )
     _check_inputs(q, k, v, mask)
-    name, reason = select_backend(backend, q, k, v, mask)
+    name, reason = select_backend(
+        backend, q, k, v, mask, softcap=float(softcap), max_logits=return_max_logits
+    )
     _log.debug("flex_flash_attention: backend %s (%s)", name, reason)
+    if name == "cudnn":
+        from magi_jax.ffa.cudnn import cudnn_attention
+
+        return cudnn_attention(q, k, v, mask, softmax_scale=scale)
     if name == "pallas":
         from magi_jax.pallas import ffa_pallas
 

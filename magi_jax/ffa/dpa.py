@@ -10,7 +10,7 @@ How each input becomes a mask:
   (at most three slices, :func:`magi_jax.masks.shape_to_slices`);
 - ``segment_ids`` and/or ``query_seq_lengths`` / ``key_value_seq_lengths`` (may be traced):
   the batch rows are packed into one sequence and the plan is built on the device
-  (:func:`magi_jax.ffa.segments.device_plan`), one compilation for every value;
+  (:func:`magi_jax.ffa.device_planner.device_plan`), one compilation for every value;
 - a concrete boolean ``mask``: its rectangles (:func:`magi_jax.ffa.dense_mask.
   dense_rectangles`), each cut by the causal / window diagonals and by concrete lengths, as
   slices of one host mask (per batch row when the mask or the lengths differ between rows).
@@ -26,7 +26,7 @@ import numpy as np
 
 from magi_jax.ffa.api import finite_float, flex_flash_attention, select_backend
 from magi_jax.ffa.dense_mask import dense_rectangles
-from magi_jax.ffa.segments import device_plan, pack_rows, unpack_rows
+from magi_jax.ffa.device_planner import device_plan, pack_rows, unpack_rows
 from magi_jax.masks import AttnMask, shape_to_slices
 
 if TYPE_CHECKING:  # annotations only
@@ -305,6 +305,12 @@ def dot_product_attention(
                 )
             if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
                 raise ValueError(f"segment_ids must be integers; got dtype {segment_ids.dtype}")
+        if name == "cudnn":
+            raise NotImplementedError(
+                "backend='cudnn' runs masks known on the host (an AttnMask through "
+                "magi_jax.flex_flash_attention); segment ids and sequence lengths are planned "
+                "on the device for the FFA engines: use backend='auto', 'pallas' or 'xla'"
+            )
         plan, bad = device_plan(
             segment_ids,
             q_len,
@@ -330,7 +336,7 @@ def dot_product_attention(
         host = _host_mask(dense, q_len, kv_len, b, t, s, left, right)
         if host.total_q == t:  # one mask for the whole batch
             out, lse = flex_flash_attention(
-                q, k, v, host, softmax_scale=scale, softcap=softcap, backend=name
+                q, k, v, host, softmax_scale=scale, softcap=softcap, backend=backend
             )
         else:
             out, lse = flex_flash_attention(
@@ -340,7 +346,7 @@ def dot_product_attention(
                 host,
                 softmax_scale=scale,
                 softcap=softcap,
-                backend=name,
+                backend=backend,
             )
             out, lse = unpack_rows(out, b), unpack_rows(lse, b)
     if unbatched:

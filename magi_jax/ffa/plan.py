@@ -26,7 +26,7 @@ from magi_jax.ffa.backends import auto_backend
 from magi_jax.ffa.ragged import expand_item_runs
 from magi_jax.ffa.xla import LANE_LEN
 from magi_jax.masks import AttnMask
-from magi_jax.planning.backends import AUTO, BACKEND_CHOICES, check_backend
+from magi_jax.planning.backends import AUTO, HOST_SPECS, check_backend
 from magi_jax.planning.capacity import PlanCapacity
 from magi_jax.planning.work_list import (
     FFAPlanArrays,
@@ -39,9 +39,7 @@ from magi_jax.planning.work_list import (
     work_list_runs,
 )
 
-__all__ = ["AttnPlan", "PlanStatic", "plan_attention", "PLAN_BACKENDS", "expand_lists"]
-
-PLAN_BACKENDS = BACKEND_CHOICES
+__all__ = ["AttnPlan", "PlanStatic", "plan_attention", "expand_lists"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +100,13 @@ class AttnPlan:
 
 def _resolve_backend(backend: str) -> tuple[str, str]:
     if check_backend(backend) == AUTO:
-        return auto_backend()
+        # A plan holds work lists: the engines that read them.
+        return auto_backend(context_parallel=True)
+    if not HOST_SPECS[backend].work_lists:
+        raise ValueError(
+            f"backend={backend!r} reads no work lists, so it has no plan: pass the AttnMask "
+            "to flex_flash_attention for it, or plan for 'pallas' or 'xla'"
+        )
     return backend, "requested explicitly"
 
 
@@ -179,7 +183,7 @@ def expand_lists(
     """The :class:`~magi_jax.planning.work_list.FFAPlanArrays` that ``lists`` stand for, on
     the device: runs (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) expanded to item
     arrays ``items = (q, k)`` wide, exactly those of
-    :func:`~magi_jax.planning.work_list.expand_runs`; lists of items are returned as they
+    :func:`~magi_jax.planning.work_list.expand_plan_runs`; lists of items are returned as they
     are. jnp, traceable, O(items) work: a ragged enumeration of the runs (cumulative lengths
     and an unrolled binary search, no device loop) and one gather. Leading axes (stacked
     ranks) are mapped over."""

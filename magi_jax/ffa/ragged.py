@@ -4,8 +4,8 @@ runs built on it (jnp, traceable, int32 arrays of static shape, no device loop).
 A list stored as *runs* (a value and a length each) is compact on the host and in transit; the
 device expands it into a table of static size by a ragged enumeration — one cumulative sum
 and an unrolled binary search per slot (:func:`ragged_enumerate`) — and gathers. The host
-twins of the expansions are :func:`magi_jax.planning.cast_table.expand_runs` (index tables,
-here :func:`expand_index_runs`) and :func:`magi_jax.planning.work_list.expand_runs` (work
+twins of the expansions are :func:`magi_jax.planning.cast_table.expand_index_runs` (index tables,
+here :func:`expand_index_runs`) and :func:`magi_jax.planning.work_list.expand_plan_runs` (work
 items, here :func:`expand_item_runs`); each expansion here gives exactly its twin's arrays.
 """
 
@@ -48,7 +48,7 @@ def expand_index_runs(runs: jax.Array, size: int) -> jax.Array:
     """The index table of ``runs`` (int32 ``[R, 2]`` rows ``(first value, length)``, in
     order): int32 ``[size]``, run ``i`` filling its ``length`` entries with ``value,
     value + 1, ...`` (``-1`` for ``value < 0``: padding) and ``-1`` past the last run. The
-    device twin of :func:`magi_jax.planning.cast_table.expand_runs`."""
+    device twin of :func:`magi_jax.planning.cast_table.expand_index_runs`."""
     runs = jnp.asarray(runs, jnp.int32)
     owner, pos, total = ragged_enumerate(runs[:, 1], size)
     value = take_in_bounds(runs[:, 0], owner)
@@ -60,7 +60,7 @@ def expand_item_runs(runs: jax.Array, num_items: int) -> jax.Array:
     """Work items ``[..., num_items, 8]`` int32 of runs of items ``[..., R, 9]``
     (:data:`~magi_jax.planning.work_list.RUN_FIELDS`: consecutive items of one owned tile,
     slice and mask kind); slots past the real items are the empty item. The device twin of
-    :func:`magi_jax.planning.work_list.expand_runs` for one list. Leading axes are mapped
+    :func:`magi_jax.planning.work_list.expand_plan_runs` for one list. Leading axes are mapped
     over."""
     runs = jnp.asarray(runs, jnp.int32)
     if runs.ndim > 2:

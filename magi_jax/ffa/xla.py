@@ -23,14 +23,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from magi_jax.planning.backends import HOST_SPECS
 from magi_jax.planning.work_list import EMPTY_ITEM, ITEM_FIELDS, FFAPlanArrays
 
 __all__ = ["xla_ffa", "xla_ffa_forward", "xla_ffa_backward", "XlaConfig", "LANE_LEN"]
 
 _F = {name: i for i, name in enumerate(ITEM_FIELDS)}
-# Items per lane: long enough that a lane's state and its merge are cheap beside its items,
-# short enough that the last lane of a tile wastes little.
-LANE_LEN = 16
+# Items per lane (the xla engine's host spec): long enough that a lane's state and its merge
+# are cheap beside its items, short enough that the last lane of a tile wastes little.
+LANE_LEN = HOST_SPECS["xla"].lane_len
 
 
 @dataclasses.dataclass(frozen=True)

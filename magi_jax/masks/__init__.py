@@ -14,8 +14,6 @@ drawn from published corpus statistics, and their masks and segment ids).
 """
 
 from magi_jax.masks._builders import (
-    DEFAULT_BLOCK,
-    RowRuns,
     canonical,
     combine,
     mask_from_block_mask,
@@ -25,6 +23,7 @@ from magi_jax.masks._builders import (
     runs_to_mask,
 )
 from magi_jax.masks._mask import AttnMask, AttnMaskType, SliceShapes, shape_to_slices, window_bounds
+from magi_jax.masks._row_runs import DEFAULT_BLOCK, RowRuns
 from magi_jax.masks._zoo import (
     DOC_LENGTHS,
     MASKS,

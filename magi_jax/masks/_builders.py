@@ -18,30 +18,13 @@ take and give masks. Host-only NumPy.
 
 from __future__ import annotations
 
-from typing import Callable
-
-import numpy as np
-
 from magi_jax.masks._mask import AttnMask
 from magi_jax.masks._row_runs import (
-    DEFAULT_BLOCK,
     RowRuns,
     combine_runs,
     runs_to_slices,
     shape_runs,
 )
-
-__all__ = [
-    "RowRuns",
-    "row_runs",
-    "runs_to_mask",
-    "mask_from_fn",
-    "mask_from_dense",
-    "mask_from_block_mask",
-    "combine",
-    "canonical",
-    "DEFAULT_BLOCK",
-]
 
 
 def row_runs(mask: AttnMask) -> RowRuns:
@@ -59,44 +42,11 @@ def runs_to_mask(runs: RowRuns, diagonals: bool = True) -> AttnMask:
     return AttnMask(*runs_to_slices(runs, diagonals))
 
 
-def mask_from_fn(
-    fn: Callable[[np.ndarray, np.ndarray], np.ndarray],
-    total_q: int,
-    total_k: int,
-    *,
-    block: int | tuple[int, int] = DEFAULT_BLOCK,
-    blocks: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
-    check_blocks: bool = False,
-) -> AttnMask:
-    """The mask whose cell ``(q, k)`` is ``fn(q, k)``, for a vectorised NumPy predicate
-    (int64 ``q_idx [bq, 1]``, ``k_idx [1, bk]`` → bool ``[bq, bk]``), evaluated block by
-    block; ``blocks(qb, kb)`` optionally codes the blocks (0 empty, 1 full, 2 evaluate).
-    The same as :meth:`AttnMask.from_fn`; see :func:`magi_jax.masks._row_runs.slices_from_fn`."""
-    return AttnMask.from_fn(
-        fn, total_q, total_k, block=block, blocks=blocks, check_blocks=check_blocks
-    )
-
-
-def mask_from_dense(dense: np.ndarray) -> AttnMask:
-    """The mask of a bool array ``[total_q, total_k]`` (True = attend), as slices; the same
-    as :meth:`AttnMask.from_dense`. For masks that fit in memory; :func:`mask_from_fn`
-    builds larger ones block by block."""
-    return AttnMask.from_dense(dense)
-
-
-def mask_from_block_mask(
-    block_mask: np.ndarray,
-    block_q: int,
-    block_k: int,
-    total_q: int | None = None,
-    total_k: int | None = None,
-    fn: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
-) -> AttnMask:
-    """The mask of a block-sparse ``block_mask [ceil(total_q / block_q), ceil(total_k /
-    block_k)]`` (bool, or int codes 0 / 1 / 2 with the partial blocks' predicate ``fn``);
-    the same as :meth:`AttnMask.from_block_mask`, see
-    :func:`magi_jax.masks._row_runs.slices_from_block_mask`."""
-    return AttnMask.from_block_mask(block_mask, block_q, block_k, total_q, total_k, fn)
+# The constructors of AttnMask as functions of this module (the same methods, bound to the
+# class): the mask of a predicate, of a dense bool array, of a block-sparse bool array.
+mask_from_fn = AttnMask.from_fn
+mask_from_dense = AttnMask.from_dense
+mask_from_block_mask = AttnMask.from_block_mask
 
 
 def combine(a: AttnMask, b: AttnMask, op: str) -> AttnMask:

@@ -9,18 +9,6 @@ import numpy as np
 
 from magi_jax.masks.slices import AttnMaskType, SliceShapes
 
-__all__ = [
-    "as_ranges",
-    "as_types",
-    "drop_empty_past_end",
-    "check_bounds",
-    "check_disjoint",
-    "check_total",
-    "check_cu_seqlens",
-    "check_doc_lens",
-    "window_bounds",
-]
-
 # Overlap validation processes (row band, slice) pairs in chunks of this many.
 _OVERLAP_CHUNK = 1 << 22
 

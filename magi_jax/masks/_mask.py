@@ -51,7 +51,6 @@ from magi_jax.masks.slices import AttnMaskType, SliceShapes, shape_to_slices
 if TYPE_CHECKING:  # annotations only (matplotlib is the plot extra)
     from matplotlib.figure import Figure
 
-__all__ = ["AttnMaskType", "AttnMask", "SliceShapes", "shape_to_slices", "window_bounds"]
 
 # Largest dense view to_dense() agrees to build (bool cells).
 _MAX_DENSE_CELLS = 1 << 28
@@ -392,7 +391,7 @@ class AttnMask:
         document that attends only to itself; id 0 is padding: its tokens attend nothing and
         are attended by nothing. A ``[B, T]`` array packs its rows into one sequence of
         ``B·T`` tokens (row ``b`` at ``[b·T, (b+1)·T)``, see
-        :func:`magi_jax.ffa.segments.pack_rows`); documents never cross rows.
+        :func:`magi_jax.ffa.device_planner.pack_rows`); documents never cross rows.
         ``causal`` (default ``True``, like :meth:`varlen` and
         :func:`magi_jax.make_varlen_key`): causal inside each document. ``window``: as in
         :meth:`varlen` — ``(left, right)``, query ``q`` sees keys ``[q - left, q + right]``

@@ -21,18 +21,6 @@ import numpy as np
 
 from magi_jax.masks.slices import AttnMaskType, SliceShapes
 
-__all__ = [
-    "RowRuns",
-    "Slices",
-    "shape_runs",
-    "runs_to_slices",
-    "slices_from_fn",
-    "slices_from_dense",
-    "slices_from_block_mask",
-    "combine_runs",
-    "DEFAULT_BLOCK",
-]
-
 # Predicate blocks of (rows, keys): 4M cells, 4 MiB of bools per evaluation.
 DEFAULT_BLOCK = (256, 16384)
 _OPS = {

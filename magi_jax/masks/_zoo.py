@@ -19,18 +19,6 @@ import numpy as np
 
 from magi_jax.masks._mask import AttnMask, AttnMaskType, shape_to_slices
 
-__all__ = [
-    "DOC_LENGTHS",
-    "REFERENCE_TOTAL",
-    "MASKS",
-    "scaled_doc_lengths",
-    "random_doc_lengths",
-    "make_mask",
-    "zoo",
-    "hstu",
-    "doc_window_global",
-]
-
 # The ten documents of the benchmarks' document-causal mask: 32768 tokens in all.
 DOC_LENGTHS = (7040, 5376, 4352, 2560, 2816, 768, 1024, 512, 1792, 6528)
 REFERENCE_TOTAL = sum(DOC_LENGTHS)

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from magi_jax.pallas.common import MAX_NARROW_D, check_fma_cols, check_pipeline
-from magi_jax.planning.persistence import (
+from magi_jax.planning.persistent_kernels import (
     DKV_PERSISTENT_MAX_MEAN_ITEMS,
     PERSISTENT_MAX_MEAN_ITEMS,
     persistent_pays,
@@ -264,7 +264,7 @@ def default_programs(plan: FFAPlanArrays, interpret: bool, kernel: str = "fwd") 
     """Programs of the persistent forward (``kernel="fwd"``) or dK/dV kernel (``"dkv"``) by
     default: one per SM of the default GPU when the plan is on the host (the schedule is
     built there) and its tiles that own any item are short rows
-    (:func:`~magi_jax.planning.persistence.persistent_pays`); 0 otherwise."""
+    (:func:`~magi_jax.planning.persistent_kernels.persistent_pays`); 0 otherwise."""
     if interpret or not on_host(plan):
         return 0
     offsets = plan.q_offsets if kernel == "fwd" else plan.k_offsets

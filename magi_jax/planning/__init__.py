@@ -7,25 +7,26 @@ Single device: :mod:`~magi_jax.planning.tiling` (work items),
 :mod:`~magi_jax.planning.errors` the error when a mask needs more;
 :mod:`~magi_jax.planning.growth` the policy that grows it over a run),
 :mod:`~magi_jax.planning.backends` (the FFA backends' names),
-:mod:`~magi_jax.planning.persistence` (when the persistent kernels pay),
+:mod:`~magi_jax.planning.persistent_kernels` (when the persistent kernels pay),
 :mod:`~magi_jax.planning.intervals` (integer ranges).
 
 Context parallelism: :mod:`~magi_jax.planning.solver` (which chunks each rank owns),
 :mod:`~magi_jax.planning.stages` (the distributed plan: per-rank stages and exactly-needed
 remote KV), :mod:`~magi_jax.planning.cast_table` (group-cast tables),
-:mod:`~magi_jax.planning.hierarchy` (two-hop cast tables on a mesh of nodes;
+:mod:`~magi_jax.planning.relay_table` (two-hop cast tables on a mesh of nodes;
 :mod:`~magi_jax.planning.relay_runs` the same tables planned by runs),
 :mod:`~magi_jax.planning.wire` (what a plan's casts put on the wire) and
-:mod:`~magi_jax.planning.defaults` (the overlap degree's cost model, and what a sample of
+:mod:`~magi_jax.planning.cost_model` (the overlap degree's cost model, and what a sample of
 masks needs).
 
 The names below are the front door the device layers (:mod:`magi_jax.sharding`) plan
 through.
 """
 
+from magi_jax import _moved
 from magi_jax.planning.capacity import HEADROOM, CapacityError, PlanCapacity
 from magi_jax.planning.cast_table import CastTable, choose_transport
-from magi_jax.planning.defaults import (
+from magi_jax.planning.cost_model import (
     PAIR_CAST_LEVELS,
     OverlapDegrees,
     capacity_chunk_size,
@@ -34,8 +35,8 @@ from magi_jax.planning.defaults import (
     cast_pieces,
     default_overlap_degrees,
 )
-from magi_jax.planning.hierarchy import NodeLayout
 from magi_jax.planning.relay_runs import build_relay_runs, pad_runs, relay_run_bounds
+from magi_jax.planning.relay_table import NodeLayout
 from magi_jax.planning.solver import ALGORITHMS, KV_LAYOUTS, solve_dispatch
 from magi_jax.planning.stages import DistPlan, build_dist_plan, resolve_kv
 from magi_jax.planning.wire import (
@@ -81,3 +82,7 @@ __all__ = [
     "slot_rows",
     "solve_dispatch",
 ]
+
+
+def __getattr__(name: str) -> object:  # the modules that moved away, by their old names
+    return _moved.old_child(__name__, name)

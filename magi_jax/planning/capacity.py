@@ -26,7 +26,7 @@ import numpy as np
 
 from magi_jax.masks import AttnMask
 from magi_jax.planning.errors import CapacityError, capacity_error
-from magi_jax.planning.persistence import persistent_pays
+from magi_jax.planning.persistent_kernels import persistent_pays
 
 __all__ = [
     "PlanCapacity",
@@ -260,7 +260,7 @@ class PlanCapacity:
 
         ``masks``: a sample of the masks a loader produces (same lengths). Without
         ``mesh_size`` it bounds single-device plans; with ``mesh_size=cp`` it also plans
-        each mask for ``cp`` ranks (:func:`magi_jax.planning.defaults.capacity_needs`) and
+        each mask for ``cp`` ranks (:func:`magi_jax.planning.cost_model.capacity_needs`) and
         bounds the per-rank fields. ``fixed``: fields to set rather than measure;
         ``overlap_degree`` may be a pair ``(forward, backward)`` (e.g. the ``degrees`` of
         :func:`~magi_jax.sharding.calibrate.calibrate_overlap`), which sets both degrees."""
@@ -290,7 +290,7 @@ class PlanCapacity:
         if mesh_size is not None:
             fields["mesh_size"] = int(mesh_size)
         # The measuring half lives beside capacity_needs (it plans the masks).
-        from magi_jax.planning.defaults import sample_needs
+        from magi_jax.planning.cost_model import sample_needs
 
         need = sample_needs(
             masks,

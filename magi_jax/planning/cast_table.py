@@ -26,7 +26,7 @@ __all__ = [
     "cast_model",
     "reduce_model",
     "index_runs",
-    "expand_runs",
+    "expand_index_runs",
     "pack_runs",
 ]
 
@@ -35,11 +35,11 @@ __all__ = [
 class CastTable:
     """Host tables of one cast, stacked over ranks (see :mod:`magi_jax.sharding.transport`),
     stored as runs: ``send_runs`` int32 ``[cp, Rs, 2]`` and ``recv_runs`` int32 ``[cp, Rr, 2]``,
-    rows ``(first value, length)`` (:func:`expand_runs`). They expand to ``send_index`` int32
+    rows ``(first value, length)`` (:func:`expand_index_runs`). They expand to ``send_index`` int32
     ``[cp, n_slots, S]`` (``S = slot_len``) and ``recv_index`` int32 ``[cp, B]``
     (``B = buffer_len``), the tables the transports read; the key ships the runs and the
     device expands them right before a collective
-    (:func:`magi_jax.sharding.transport.expand_runs`)."""
+    (:func:`magi_jax.ffa.ragged.expand_index_runs`)."""
 
     send_runs: np.ndarray
     recv_runs: np.ndarray
@@ -74,13 +74,13 @@ class CastTable:
 
     @functools.cached_property
     def send_index(self) -> np.ndarray:
-        return expand_runs(self.send_runs, self.n_slots * self.slot_len).reshape(
+        return expand_index_runs(self.send_runs, self.n_slots * self.slot_len).reshape(
             self.cp, self.n_slots, self.slot_len
         )
 
     @functools.cached_property
     def recv_index(self) -> np.ndarray:
-        return expand_runs(self.recv_runs, self.buffer_len)
+        return expand_index_runs(self.recv_runs, self.buffer_len)
 
     @property
     def nbytes(self) -> int:
@@ -106,7 +106,7 @@ class CastTable:
         return int(send.max(initial=0)), int(recv.max(initial=0))
 
 
-def expand_runs(runs: np.ndarray, size: int) -> np.ndarray:
+def expand_index_runs(runs: np.ndarray, size: int) -> np.ndarray:
     """The index table of ``runs`` (NumPy model of the device expansion): int32
     ``[..., R, 2]`` rows ``(first value, length)`` -> int32 ``[..., size]``. Run ``i`` covers
     the next ``length`` entries with ``value, value + 1, ...``, or with ``-1`` (padding) when
@@ -123,6 +123,10 @@ def expand_runs(runs: np.ndarray, size: int) -> np.ndarray:
     return out.reshape(lead + (int(size),))
 
 
+# The name this function had before it was named for what it expands, for one release.
+expand_runs = expand_index_runs
+
+
 def index_runs(
     index: np.ndarray,
     split: int | None = None,
@@ -130,7 +134,7 @@ def index_runs(
     field: str | None = None,
     value_split: int | None = None,
 ) -> np.ndarray:
-    """Runs of an index table: int ``[cp, N]`` -> int32 ``[cp, R, 2]`` (:func:`expand_runs`
+    """Runs of an index table: int ``[cp, N]`` -> int32 ``[cp, R, 2]`` (:func:`expand_index_runs`
     gives ``index`` back). A run is a stretch of consecutive values (or of ``-1``), cut where
     an entry is a multiple of ``split`` or a value one of ``value_split`` (a slot
     boundary: send tables are cut at ``split = S``, receive tables at ``value_split = S``
@@ -362,7 +366,7 @@ def cast_moves(table: CastTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
     """Every real move of a cast at once, as int64 arrays ``(dst, dst_row, src, src_row)``:
     rank ``dst``'s buffer row ``dst_row`` is rank ``src``'s local row ``src_row``; ordered
     by ``(dst, dst_row)``, each ``[M]`` for ``M`` moves. The input of the two-hop planner
-    (:mod:`magi_jax.planning.hierarchy`)."""
+    (:mod:`magi_jax.planning.relay_table`)."""
     cp, _, s = table.send_index.shape
     dst, row = np.nonzero(table.recv_index >= 0)
     entry = table.recv_index[dst, row].astype(np.int64)

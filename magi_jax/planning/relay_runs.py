@@ -1,5 +1,5 @@
 """Two-hop cast tables planned by runs (host NumPy, no JAX): the tables of
-:func:`~magi_jax.planning.hierarchy.build_relay_table`, entry for entry, built from the runs
+:func:`~magi_jax.planning.relay_table.build_relay_table`, entry for entry, built from the runs
 of the flat cast rather than from its rows.
 
 A flat cast moves runs of consecutive rows (a piece of a chunk from its owner into a stretch
@@ -17,8 +17,9 @@ import dataclasses
 
 import numpy as np
 
-from magi_jax.planning.cast_table import CastTable, expand_runs, pack_runs
-from magi_jax.planning.hierarchy import (
+from magi_jax.planning.cast_table import CastTable, expand_index_runs, pack_runs
+from magi_jax.planning.intervals import ranges_repeat
+from magi_jax.planning.relay_table import (
     NodeLayout,
     RelayTable,
     check_layout,
@@ -26,7 +27,6 @@ from magi_jax.planning.hierarchy import (
     slot_code,
     slot_key,
 )
-from magi_jax.planning.intervals import ranges_repeat
 
 __all__ = ["RelayRunsTable", "build_relay_runs", "move_runs", "relay_run_bounds", "pad_runs"]
 
@@ -35,9 +35,9 @@ __all__ = ["RelayRunsTable", "build_relay_runs", "move_runs", "relay_run_bounds"
 class RelayRunsTable:
     """Two-hop tables as runs, stacked over ranks: ``inter_runs`` int32 ``[cp, R1, 2]``,
     ``intra_runs`` int32 ``[cp, R2, 2]``, ``recv_runs`` int32 ``[cp, Rr, 2]`` (rows ``(first
-    value, length)``, :func:`~magi_jax.planning.cast_table.expand_runs`), expanding to the
+    value, length)``, :func:`~magi_jax.planning.cast_table.expand_index_runs`), expanding to the
     ``inter_send [cp, n_inter, S1]``, ``intra_send [cp, n_intra, S2]`` and ``recv_index [cp,
-    B]`` of :class:`~magi_jax.planning.hierarchy.RelayTable` (:meth:`dense`)."""
+    B]`` of :class:`~magi_jax.planning.relay_table.RelayTable` (:meth:`dense`)."""
 
     layout: NodeLayout
     inter_runs: np.ndarray
@@ -87,15 +87,15 @@ class RelayRunsTable:
         )
 
     def dense(self) -> RelayTable:
-        """The same tables expanded (:class:`~magi_jax.planning.hierarchy.RelayTable`)."""
+        """The same tables expanded (:class:`~magi_jax.planning.relay_table.RelayTable`)."""
         n1, s1 = len(self.inter_shifts), self.inter_slot_len
         n2, s2 = len(self.intra_shifts), self.intra_slot_len
         cp = self.cp
         return RelayTable(
             layout=self.layout,
-            inter_send=expand_runs(self.inter_runs, n1 * s1).reshape(cp, n1, s1),
-            intra_send=expand_runs(self.intra_runs, n2 * s2).reshape(cp, n2, s2),
-            recv_index=expand_runs(self.recv_runs, self.buffer_len),
+            inter_send=expand_index_runs(self.inter_runs, n1 * s1).reshape(cp, n1, s1),
+            intra_send=expand_index_runs(self.intra_runs, n2 * s2).reshape(cp, n2, s2),
+            recv_index=expand_index_runs(self.recv_runs, self.buffer_len),
             inter_shifts=self.inter_shifts,
             inter_widths=self.inter_widths,
             intra_shifts=self.intra_shifts,
@@ -199,7 +199,7 @@ def _need_runs(group, x0, x1, bit, local: int):
 
 def _split_to_relays(start, end, need, local: int):
     """Each run split into ``m`` (its needing ranks) equal parts, part ``i`` of run ``r`` to
-    the ``(i + r) % m``-th needing rank, as :func:`~magi_jax.planning.hierarchy._relay_local`
+    the ``(i + r) % m``-th needing rank, as :func:`~magi_jax.planning.relay_table._relay_local`
     does row by row: ``(run, part start, part end, relay local index)``."""
     bits = (need[:, None] >> np.arange(local)[None, :]) & 1  # [runs, local]
     m = bits.sum(axis=1)
@@ -218,7 +218,7 @@ class _RunBlocks:
     """One hop's send runs from distinct move runs ``(src, dst, row, length)``: a block per
     (src, dst) pair in the slot ``slot_of(src, dst)``, rows in order; ``entry``: each run's
     first position among the receiver's blocks packed at the slots' widths (as
-    :class:`~magi_jax.planning.hierarchy._Blocks`, by runs)."""
+    :class:`~magi_jax.planning.relay_table._Blocks`, by runs)."""
 
     def __init__(self, src, dst, row, length, slot_of, layout, width, all_slots):
         cp = layout.cp
@@ -293,7 +293,7 @@ def build_relay_runs(
     intra_width: int | None = None,
     num_runs: tuple[int, int, int] | None = None,
 ) -> RelayRunsTable:
-    """:func:`~magi_jax.planning.hierarchy.build_relay_table` by runs: the same tables
+    """:func:`~magi_jax.planning.relay_table.build_relay_table` by runs: the same tables
     (:meth:`RelayRunsTable.dense` equals it entry for entry) as runs. ``num_runs``: the runs
     of the ``(inter, intra, recv)`` tables (keys at a capacity: shapes fixed by it; a rank
     that needs more raises :class:`~magi_jax.planning.capacity.CapacityError`); default the

@@ -592,7 +592,7 @@ def _solve(mask: AttnMask, cp: int, chunk_size: int, algorithm: str) -> Dispatch
             assign = _refine_comm(assign, area, mask, chunk_size)
     else:
         assign = _ASSIGN[algorithm](n, cp, area)
-    return _meta(mask, cp, chunk_size, assign, area, algorithm)
+    return _meta(mask.total_q, cp, chunk_size, assign, area, algorithm)
 
 
 def _balanced(n: int, cp: int, area: np.ndarray) -> np.ndarray:
@@ -607,21 +607,6 @@ def _balanced_cached(n: int, cp: int, area_bytes: bytes) -> np.ndarray:
     assign = _refine_swaps(_greedy(n, cp, area), area)
     assign.setflags(write=False)
     return assign
-
-
-def _meta(mask, cp, chunk_size, assign, area, algorithm) -> DispatchMeta:
-    total = mask.total_q
-    assign = np.sort(assign, axis=1).astype(np.int64)
-    assign.setflags(write=False)
-    area.setflags(write=False)
-    return DispatchMeta(
-        total=total,
-        cp=cp,
-        chunk_size=chunk_size,
-        rank_chunks=assign,
-        algorithm=algorithm,
-        chunk_area=area,
-    )
 
 
 # ---- cross attention: where the keys live ----------------------------------------------------
@@ -714,12 +699,10 @@ def _solve_kv(mask, total_q, cp, q_chunk, rank_chunks_bytes, shape, chunk) -> Di
         owner[c] = r
         room[r] -= 1
     assign = np.stack([np.nonzero(owner == r)[0] for r in range(cp)])
-    return _meta_over(
-        mask.total_k, cp, chunk, assign, demand.sum(axis=0).astype(np.int64), "affinity"
-    )
+    return _meta(mask.total_k, cp, chunk, assign, demand.sum(axis=0).astype(np.int64), "affinity")
 
 
-def _meta_over(total, cp, chunk_size, assign, area, algorithm) -> DispatchMeta:
+def _meta(total, cp, chunk_size, assign, area, algorithm) -> DispatchMeta:
     assign = np.sort(assign, axis=1).astype(np.int64)
     assign.setflags(write=False)
     area.setflags(write=False)

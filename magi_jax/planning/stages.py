@@ -42,7 +42,7 @@ import numpy as np
 
 from magi_jax.caches import Cache
 from magi_jax.masks import AttnMask, SliceShapes
-from magi_jax.planning.backends import host_planner
+from magi_jax.planning.backends import host_spec
 from magi_jax.planning.cast_table import CastTable, cast_table_from_pieces
 from magi_jax.planning.solver import (
     KV_LAYOUTS,
@@ -53,7 +53,6 @@ from magi_jax.planning.solver import (
     solve_kv_dispatch,
 )
 from magi_jax.planning.work_list import (
-    backend_blocks,
     check_items,
     check_runs,
     plan_runs,
@@ -136,7 +135,7 @@ class StagePlan:
     ``ffa`` holds the work lists as runs
     (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) and ``items`` the widths ``(q, k)``
     of the item arrays they stand for (expanded on the device right before the FFA call;
-    :func:`~magi_jax.planning.work_list.expand_runs` on the host)."""
+    :func:`~magi_jax.planning.work_list.expand_plan_runs` on the host)."""
 
     ffa: tuple  # the backend's plan arrays (NamedTuple), stacked
     kv_len: int
@@ -584,7 +583,7 @@ def build_dist_plan(
             f"overlap_degree={overlap_degree} must be >= 0 (0: one FFA call "
             "after fetching all remote KV; k: host stage + k remote stages)"
         )
-    backend = host_planner(ffa_backend)
+    backend = host_spec(ffa_backend, "ffa_backend", context_parallel=True)
     key = (
         mask.fingerprint,
         meta.fingerprint(),
@@ -736,7 +735,7 @@ def _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, host,
     the capacity's items (at ``capacity``; runs padded to its bounds, the host stage's
     (``host``) to its own: :meth:`~magi_jax.planning.capacity.PlanCapacity.list_sizes`) or
     of the longest rank's."""
-    fwd_block, bwd_block = backend_blocks(backend.name, t_loc, kv_len, bq, bk)
+    fwd_block, bwd_block = backend.blocks(t_loc, kv_len, bq, bk)
     with _phase("work_lists"):
         runs_q = work_list_runs(flat, rank.rank, cp, t_loc, kv_len, *fwd_block, "q")
         runs_k = work_list_runs(flat, rank.rank, cp, t_loc, kv_len, *bwd_block, "k")

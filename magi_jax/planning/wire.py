@@ -16,7 +16,7 @@ rows*, the real ones and the padding its fixed shapes carry:
 - ``"all_to_all"``: one padded ``lax.all_to_all``; every rank sends ``slot_len`` rows to
   every other rank;
 - ``"native"``: the FFI transport, which sends exactly the real rows;
-- ``"relay"``: the two hops of :class:`~magi_jax.planning.hierarchy.RelayTable`, a
+- ``"relay"``: the two hops of :class:`~magi_jax.planning.relay_table.RelayTable`, a
   ``ppermute`` per slot of each hop at its width.
 
 Counts are per cast (one direction of one stage's collective); the backward's reduce moves
@@ -38,8 +38,8 @@ from numpy.typing import ArrayLike
 from magi_jax.planning.cast_table import CastTable, choose_transport
 
 if TYPE_CHECKING:  # annotations only (the planners of these import this module)
-    from magi_jax.planning.hierarchy import RelayTable
     from magi_jax.planning.relay_runs import RelayRunsTable
+    from magi_jax.planning.relay_table import RelayTable
     from magi_jax.planning.stages import DistPlan
 
 __all__ = [
@@ -163,7 +163,7 @@ def cast_wire(
     many rows from every rank as its fullest rank needs) or ``"pair"`` (each pair its own:
     with ``pieces = 1`` the exact rows of a key of one mask in at most ``levels``
     ``ppermute`` levels per slot, :func:`pair_levels`, default
-    :data:`~magi_jax.planning.defaults.PAIR_CAST_LEVELS`; with ``pieces > 1`` each pair's
+    :data:`~magi_jax.planning.cost_model.PAIR_CAST_LEVELS`; with ``pieces > 1`` each pair's
     gated pieces, :func:`pair_rows_moved`)."""
     if gating not in GATINGS:
         raise ValueError(f"gating={gating!r} is not one of {GATINGS}")
@@ -281,7 +281,7 @@ def pair_rows_moved(
     """int64 ``[cp, n_slots]``: rows each rank sends in each slot of a cast moved pair by
     pair, given the real rows ``per_slot [cp, n_slots]``. ``pieces = 1`` (a key of one
     mask): each pair's rows rounded up to the slot's next level (:func:`pair_levels`, at
-    most ``levels`` a slot; default :data:`~magi_jax.planning.defaults.PAIR_CAST_LEVELS`).
+    most ``levels`` a slot; default :data:`~magi_jax.planning.cost_model.PAIR_CAST_LEVELS`).
     ``pieces > 1`` (a key at a capacity): each pair's rows rounded up to whole pieces of
     :func:`piece_len` rows; a pair that fills its last piece moves the whole piece (up to
     ``piece_len - 1`` rows past the slot's width: the pieces move in power-of-two runs of a
@@ -292,7 +292,7 @@ def pair_rows_moved(
         return -(-per_slot // size) * size
     out = np.zeros_like(per_slot)
     if levels is None:
-        from magi_jax.planning.defaults import PAIR_CAST_LEVELS as levels
+        from magi_jax.planning.cost_model import PAIR_CAST_LEVELS as levels
     for j in range(per_slot.shape[1]):
         lv = np.asarray(pair_levels(per_slot[:, j], levels) or (0,), np.int64)
         out[:, j] = np.where(per_slot[:, j] > 0, lv[np.searchsorted(lv, per_slot[:, j])], 0)
@@ -301,7 +301,7 @@ def pair_rows_moved(
 
 def relay_wire(rt: RelayTable | RelayRunsTable, pieces: int = 1) -> WireCount:
     """Real and wire rows of two-hop tables ``rt``
-    (:class:`~magi_jax.planning.hierarchy.RelayTable`, or
+    (:class:`~magi_jax.planning.relay_table.RelayTable`, or
     :class:`~magi_jax.planning.relay_runs.RelayRunsTable`): the inter-node hop's rows count
     between nodes, the intra-node hop's inside them; each hop's ``ppermute`` per slot sends
     the slot's width from every rank (``pieces``: its gated pieces, :func:`gated_widths`)."""
@@ -336,7 +336,7 @@ def plan_wire(
     (:class:`~magi_jax.planning.stages.DistPlan`) summed: one cast per remote stage, on
     ``transport`` (one name for every stage, or a sequence with one per remote stage, as a
     key's stages hold them; ``"auto"``: :func:`choose_transport` per stage). ``relays``:
-    the stages' :class:`~magi_jax.planning.hierarchy.RelayTable` (``None`` where the stage
+    the stages' :class:`~magi_jax.planning.relay_table.RelayTable` (``None`` where the stage
     stays flat), counted in place of their flat cast. ``local``: ranks per node;
     ``pieces``, ``gating``, ``levels``: how ``ppermute`` slots move (:func:`cast_wire`;
     two-hop casts are gated by slot)."""

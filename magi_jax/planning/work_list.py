@@ -25,7 +25,15 @@ import numpy as np
 
 from magi_jax.caches import cached
 from magi_jax.masks import AttnMask, SliceShapes
-from magi_jax.planning.backends import FFA_BACKENDS
+from magi_jax.planning.backends import (
+    DKV_BLOCK_K,
+    DKV_BLOCK_Q,
+    FWD_BLOCK_K,
+    FWD_BLOCK_Q,
+    HOST_SPECS,
+    backend_blocks,
+    default_block_sizes,
+)
 from magi_jax.planning.errors import capacity_error
 from magi_jax.planning.item_runs import order_runs, slice_runs
 from magi_jax.planning.tiling import BAND, EMPTY_ITEM, FULL, GENERAL, ITEM_FIELDS, tile_items
@@ -42,7 +50,7 @@ __all__ = [
     "FFAPlanRuns",
     "emit_run_lists",
     "check_runs",
-    "expand_runs",
+    "expand_plan_runs",
     "plan_runs",
     "count_runs",
     "build_work_list",
@@ -81,13 +89,8 @@ _HUGE_PAGE_ADVICE_BYTES = 1 << 22
 # The padding of run arrays: no items.
 EMPTY_RUN = np.append(EMPTY_ITEM, 0).astype(np.int32)
 
-# Tile sizes the kernels are built for. Forward and dQ: a program owns 128 query rows (two
-# consumer warpgroups of 64) and steps over 128 keys. dK/dV: a program owns 128 keys (two
-# warpgroups of 64) and steps over 64 query rows.
-FWD_BLOCK_Q, FWD_BLOCK_K = 128, 128
-DKV_BLOCK_Q, DKV_BLOCK_K = 64, 128
-# Tiles of the xla backend (its vectorised tile loop is the same at any size).
-_XLA_BLOCK, _XLA_MIN_BLOCK = 128, 8
+# The engines' tiles (FWD_BLOCK_Q, ..., backend_blocks) are their host specs'
+# (magi_jax.planning.backends); they are named here too, beside the lists built on them.
 
 
 class WorkList(NamedTuple):
@@ -154,7 +157,7 @@ class FFAPlanRuns(NamedTuple):
     parallelism every array gets a leading ``cp`` axis.
 
     The widths of the item arrays it stands for are not part of it (the owner's static part
-    keeps them): :func:`expand_runs` (host) and :func:`magi_jax.ffa.plan.expand_lists`
+    keeps them): :func:`expand_plan_runs` (host) and :func:`magi_jax.ffa.plan.expand_lists`
     (device, inside the traced step) give exactly the :class:`FFAPlanArrays` of those
     widths."""
 
@@ -246,7 +249,7 @@ def _expand_list(order, offsets, runs, num_items: int) -> WorkList:
     return WorkList(order, offsets, items.reshape(*lead, num_items, NUM_FIELDS))
 
 
-def expand_runs(plan: FFAPlanRuns, num_q_items: int, num_k_items: int) -> FFAPlanArrays:
+def expand_plan_runs(plan: FFAPlanRuns, num_q_items: int, num_k_items: int) -> FFAPlanArrays:
     """The :class:`FFAPlanArrays` that ``plan`` stands for, item arrays ``num_q_items`` /
     ``num_k_items`` wide (host NumPy; the device does the same with
     :func:`magi_jax.ffa.plan.expand_lists`)."""
@@ -255,6 +258,10 @@ def expand_runs(plan: FFAPlanRuns, num_q_items: int, num_k_items: int) -> FFAPla
     return FFAPlanArrays(
         *_expand_list(*plan[:3], int(num_q_items)), *_expand_list(*plan[3:], int(num_k_items))
     )
+
+
+# The name this function had before it was named for what it expands, for one release.
+expand_runs = expand_plan_runs
 
 
 def pad_work_list(work: WorkList, num_items: int, field: str = "items") -> WorkList:
@@ -553,44 +560,22 @@ def count_runs(
     cp: int = 1,
 ) -> tuple[int, int]:
     """The most runs (:class:`FFAPlanRuns`) on a q-tile list and on a k-tile list of any
-    call, over both backends' tiles (the ``xla`` backend's: ``xla_blocks``, default its
-    own): what :attr:`~magi_jax.planning.capacity.PlanCapacity.q_runs` and ``k_runs``
-    bound. ``shapes`` hold the slices of ``cp`` calls grouped by ``slice_rank`` (default:
-    one call)."""
+    call, over the tiles of every engine that reads work lists (the ``xla`` engine's:
+    ``xla_blocks``, default its own): what
+    :attr:`~magi_jax.planning.capacity.PlanCapacity.q_runs` and ``k_runs`` bound.
+    ``shapes`` hold the slices of ``cp`` calls grouped by ``slice_rank`` (default: one
+    call)."""
     rank = np.zeros(len(shapes.q0), np.int64) if slice_rank is None else slice_rank
     most = {"q": 0, "k": 0}
-    for backend in FFA_BACKENDS:
-        blocks = xla_blocks if backend == "xla" and xla_blocks is not None else (None, None)
-        fwd, bwd = backend_blocks(backend, total_q, total_k, *blocks)
+    for spec in HOST_SPECS.values():
+        if not spec.work_lists:
+            continue
+        blocks = xla_blocks if spec.name == "xla" and xla_blocks is not None else (None, None)
+        fwd, bwd = spec.blocks(total_q, total_k, *blocks)
         for block, by in ((fwd, "q"), (bwd, "k")):
             runs = work_list_runs(shapes, rank, cp, total_q, total_k, *block, by)
             most[by] = max(most[by], int(np.diff(runs.run_bounds).max(initial=0)))
     return most["q"], most["k"]
-
-
-def default_block_sizes(total_q: int, total_k: int) -> tuple[int, int]:
-    """Tiles of the ``xla`` backend: 128 x 128, shrunk (to a power of two >= 8) for short
-    sequences."""
-
-    def pick(t):
-        return int(min(_XLA_BLOCK, max(_XLA_MIN_BLOCK, 1 << max(int(t) - 1, 0).bit_length())))
-
-    return pick(total_q), pick(total_k)
-
-
-def backend_blocks(
-    backend: str, total_q: int, total_k: int, block_q: int | None = None, block_k: int | None = None
-) -> tuple[tuple[int, int], tuple[int, int]]:
-    """``(q-list tiles, k-list tiles)`` as ``(block_q, block_k)`` pairs for ``backend``:
-    the Mosaic GPU kernels' fixed tiles, or the ``xla`` backend's (``block_q``/``block_k``
-    override its defaults)."""
-    if backend.startswith("pallas"):
-        return (FWD_BLOCK_Q, FWD_BLOCK_K), (DKV_BLOCK_Q, DKV_BLOCK_K)
-    if backend != "xla":
-        raise ValueError(f"backend={backend!r}: use 'xla' or 'pallas'")
-    auto_q, auto_k = default_block_sizes(total_q, total_k)
-    block = (int(block_q or auto_q), int(block_k or auto_k))
-    return block, block
 
 
 def build_plan_arrays(

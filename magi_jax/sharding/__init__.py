@@ -24,6 +24,7 @@ and keep activations in dispatched order between layers, rather than dispatching
 activations per layer.
 """
 
+from magi_jax import _moved
 from magi_jax.planning import solve_dispatch
 from magi_jax.sharding.attention import magi_attention, magi_attention_local
 from magi_jax.sharding.calibrate import (
@@ -64,3 +65,7 @@ __all__ = [
     "solve_dispatch",
     "undispatch",
 ]
+
+
+def __getattr__(name: str) -> object:  # the modules that moved away, by their old names
+    return _moved.old_child(__name__, name)

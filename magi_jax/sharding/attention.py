@@ -25,10 +25,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from magi_jax.ffa.backends import get_backend
 from magi_jax.ffa.plan import expand_lists
 from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.sharding.attention_checks import check_inputs, check_local_inputs
-from magi_jax.sharding.ffa_backends import get_backend
 from magi_jax.sharding.keys import MagiKey, is_checked
 from magi_jax.sharding.layout import PodSpecs, pod_specs
 from magi_jax.sharding.transport import cast_rows, native, reduce_rows, start_reduce_rows
@@ -136,7 +136,7 @@ def stages_backward(
     stages go first so their ``send_back(i, dkv_rows, final)`` (the group-reduce; a combined
     stage's rows start with the local ones, which it adds; ``final``: nothing else adds to
     the result, so it may come in the inputs' dtype) can overlap the host stage's backward.
-    A ``send_back`` with a ``start(i, final)`` method (:func:`group_send_back`) may start the
+    A ``send_back`` with a ``start(i, final)`` method (:class:`GroupSendBack`) may start the
     last remote stage's reduce instead: ``start`` returns ``(rows, own) -> (token, done)``
     (or ``None``), the stage's backward computes dK/dV first, starts it, runs dQ, and
     ``done(token)`` comes after the host stage's backward. A combined stage's dK/dV come
@@ -194,7 +194,7 @@ def group_fetch(kv: KV, stage_arrays: tuple, cfg: _StagesCfg) -> Callable[[int],
     return lambda i: _fetch(kv, stage_arrays[i][1], cfg.stages[i])
 
 
-class group_send_back:
+class GroupSendBack:
     """``send_back(i, rows, final)`` of :func:`rank_stages`: group-reduce onto the owners.
     ``start(i, final)``: where the native transport can start stage ``i``'s reduce
     (:func:`magi_jax.sharding.native.can_start_reduce`), ``(rows, own) -> (token, done)`` (``own``:
@@ -229,7 +229,7 @@ def rank_stages(
     backward_arrays: tuple | None,
     cfg: _StagesCfg,
     fetcher: Callable[..., Callable[[int], KV]] = group_fetch,
-    sender: Callable[..., Callable[[int, KV, bool], KV]] = group_send_back,
+    sender: Callable[..., Callable[[int, KV, bool], KV]] = GroupSendBack,
 ) -> tuple[jax.Array, ...]:
     """One rank's stages and merge -> ``(out, lse)`` (and the rank's max logits, with
     ``cfg.max_logits``; they get no gradient). Backward (docs/design.md §3.2): re-fetch

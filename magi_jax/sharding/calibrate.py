@@ -1,7 +1,7 @@
 """Overlap degrees chosen by measurement on the machine at hand.
 
 The default degrees of a key come from a cost model whose constants were measured once, on a
-pair of H200s (:func:`~magi_jax.planning.defaults.default_overlap_degree`). Elsewhere (other
+pair of H200s (:func:`~magi_jax.planning.cost_model.default_overlap_degree`). Elsewhere (other
 GPUs, other links, more ranks, CPU devices) the best degree differs, and the forward's and
 the backward's differ from each other. :func:`calibrate_overlap` times the key's own
 programs instead: for every candidate degree it builds the key, compiles its forward and its
@@ -68,7 +68,7 @@ _CALIBRATIONS = Cache("overlap_calibrations", max_items=256)
 class OverlapCalibration:
     """The overlap degrees :func:`calibrate_overlap` measured as fastest, and what it saw.
 
-    ``degrees``: :class:`~magi_jax.planning.defaults.OverlapDegrees` ``(forward,
+    ``degrees``: :class:`~magi_jax.planning.cost_model.OverlapDegrees` ``(forward,
     backward)``, for ``make_flex_key(..., overlap_degree=cal.degrees)`` or
     ``PlanCapacity.from_masks(..., overlap_degree=cal.degrees)``. ``forward_ms`` /
     ``backward_ms``: the median milliseconds of each candidate degree (the backward alone,

@@ -1,7 +1,7 @@
 """The distributed benchmark's bookkeeping (no timing): work order, derived ratios, report."""
 
 from benchmarks import dist_bench as db
-from benchmarks.run_env import environment
+from benchmarks.harness import environment
 
 
 def test_work_list_puts_d1_first():

@@ -1,7 +1,7 @@
 """The kernel benchmark's acceptance check (no timing): which lines a run's rows measure."""
 
 from benchmarks import kernel_bench as kb
-from benchmarks.run_env import environment
+from benchmarks.harness import environment
 
 
 def _row(mask, length, mode, impl, tflops):
@@ -115,3 +115,33 @@ def test_judge_reads_a_results_file(tmp_path, capsys):
     checks = kb.main(["--judge", str(path)])
     assert [(c["line"], c["holds"]) for c in checks] == [("causal 16384 fwd", True)]
     assert "causal 16384 fwd" in capsys.readouterr().out
+
+
+def test_document_masks_are_their_packings():
+    from magi_jax.masks import make_mask as zoo_mask
+    from magi_jax.masks.packings import packing_mask
+
+    for name in ("pack_web", "pack_long_full", "pack_web_w1024", "docs128", "docs512_full"):
+        lens, causal, window = kb.documents(name, 32768)
+        assert lens.sum() == 32768 and causal == ("full" not in name)
+        assert window == (1024 if name.endswith("_w1024") else None)
+        assert kb.make_mask(name, 32768) == packing_mask(lens, causal, window)
+    assert len(kb.documents("docs512", 32768)[0]) == 512
+    again = kb.documents("pack_long", 8192)[0]
+    assert (again == kb.documents("pack_long", 8192)[0]).all()  # seeded by length
+    assert kb.make_mask("doc_causal", 32768) == zoo_mask("doc-causal", 32768, multiple=128)
+    assert kb.documents("causal", 1024) is None and kb.documents("swa_causal_1024", 1024) is None
+    for preset in ("realistic", "realistic_masks", "stress"):
+        assert all(kb.documents(m, t) is not None for m, t, _, _ in kb.PRESETS[preset])
+
+
+def test_auto_judged_against_the_faster_of_ffa_and_cudnn_packed():
+    rows = [
+        _row("pack_web", 32768, "fwd", "ffa_pallas", 300.0),
+        _row("pack_web", 32768, "fwd", "cudnn", 400.0),
+        _row("pack_web", 32768, "fwd", "ffa_auto", 396.0),  # 0.99 of cuDNN's
+        _row("causal", 32768, "fwd", "ffa_auto", 100.0),  # not a document mask: no line
+    ]
+    assert _judged(rows) == {
+        "pack_web 32768 fwd": (">= 0.98x best of FFA, cuDNN packed", 0.99, True)
+    }

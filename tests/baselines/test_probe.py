@@ -7,11 +7,11 @@ import numpy as np
 from benchmarks.probe import measure_overlap, nocomm_attention, overlap_probe, time_ms
 from magi_jax.ffa.testing import random_inputs
 from magi_jax.sharding import dispatch, magi_attention, make_flex_key
-from tests.sharding.masks import ZOO
+from tests.zoo import ZOO
 
 
 def test_comm_then_compute_equals_both():
-    mask = ZOO["shared_question"]
+    mask = ZOO["shared-question"]
     mesh = jax.make_mesh(
         (4,), ("cp",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,)
     )
@@ -48,7 +48,7 @@ def test_nocomm_probe_is_magi_without_remote_kv():
 
     cases = (
         (AttnMask.varlen([0, 16, 32], causal=True), 0, True),
-        (ZOO["shared_question"], 1, False),
+        (ZOO["shared-question"], 1, False),
     )
     for mask, degree, local_only in cases:
         key = make_flex_key(

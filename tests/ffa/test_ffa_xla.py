@@ -1,4 +1,6 @@
-"""The xla backend of flex_flash_attention against the float64 reference (docs/design.md §5)."""
+"""The xla backend of flex_flash_attention: random slice masks at several tile sizes, the
+default tiles, jit/grad/vmap, the program's size and the front door's errors. The mask zoo,
+dtypes, head dims, softcap, batches and empty rows are in tests/test_conformance.py."""
 
 import functools
 
@@ -13,25 +15,7 @@ import magi_jax as mj
 from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 from magi_jax.mask import AttnMask
 from tests.strategies import slice_masks
-
-LENS = [13, 1, 22, 9, 19]
-CU = np.cumsum([0] + LENS)
-T = int(CU[-1])
-
-ZOO = {
-    "full": AttnMask.full(T),
-    "causal": AttnMask.causal(T),
-    "causal_rect": AttnMask.causal(24, 53),
-    "doc_causal": AttnMask.varlen(CU, causal=True),
-    "doc_full": AttnMask.varlen(CU, causal=False),
-    "sliding_window": AttnMask.sliding_window(T, 7, 3),
-    "doc_window": AttnMask.varlen(CU, causal=True, window=5),
-    "block_causal": AttnMask.block_causal(LENS, 6),
-    "prefix_lm": AttnMask.prefix_lm(LENS, [5, 1, 10, 0, 19]),
-    "shared_question": AttnMask.shared_question(LENS),
-    "causal_blockwise": AttnMask.causal_blockwise(LENS),
-    "global_sliding_window": AttnMask.global_sliding_window(T, 6, 3),
-}
+from tests.zoo import ZOO
 
 
 def _run(mask, q, k, v, dout, dlse, **kw):
@@ -66,12 +50,6 @@ def _check(
     )
 
 
-@pytest.mark.parametrize("name", list(ZOO))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_zoo(name, dtype):
-    _check(ZOO[name], dtype, block_q=16, block_k=8)
-
-
 @given(
     slice_masks(max_len=40),
     st.sampled_from([(2, 2), (4, 1), (3, 3)]),
@@ -81,44 +59,13 @@ def test_random_slices(mask, heads, blocks):
     _check(mask, jnp.float32, hq=heads[0], hkv=heads[1], d=8, block_q=blocks[0], block_k=blocks[1])
 
 
-def test_softcap_and_scale_gqa():
-    _check(
-        ZOO["shared_question"],
-        jnp.float32,
-        hq=6,
-        hkv=2,
-        softcap=3.0,
-        softmax_scale=0.5,
-        block_q=8,
-        block_k=16,
-    )
-    _check(ZOO["doc_causal"], jnp.bfloat16, hq=4, hkv=1, softcap=5.0)
-
-
-def test_float16_and_head_dims():
-    _check(ZOO["prefix_lm"], jnp.float16, d=32)
-    _check(ZOO["block_causal"], jnp.float32, hq=2, hkv=2, d=24)
-    _check(AttnMask.causal(20), jnp.bfloat16, hq=2, hkv=1, d=256)
-
-
-def test_batched_inputs():
-    _check(ZOO["doc_causal"], jnp.float32, batch=3, block_q=8, block_k=8)
-    _check(ZOO["shared_question"], jnp.bfloat16, batch=2, hq=4, hkv=2)
-
-
 def test_default_blocks_and_long_rows():
     # Default tile size (power of two >= T, capped at 128) and a row that sees 300 keys.
     _check(AttnMask.causal_blockwise([100, 100, 100]), jnp.float32, hq=2, hkv=1, d=8)
 
 
-def test_empty_mask_and_empty_rows():
-    mask = AttnMask.from_ranges([[3, 5]], [[0, 7]], ["causal"], total_q=9, total_k=7)
-    _check(mask, jnp.float32, block_q=4, block_k=4)
-    _check(AttnMask.from_ranges([], [], [], total_q=5, total_k=4), jnp.float32)
-
-
 def test_jit_grad_vmap():
-    mask = ZOO["doc_causal"]
+    mask = ZOO["doc-causal"]
     q, k, v, _, _ = random_inputs(jax.random.key(1), mask, 2, 2, 8, jnp.float32, batch=3)
 
     def loss(q_, k_, v_):

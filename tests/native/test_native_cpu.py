@@ -17,9 +17,9 @@ from magi_jax.planning.cast_table import CastTable, build_cast_table, cast_model
 from magi_jax.sharding import make_flex_key
 from magi_jax.sharding.collectives import CastArrays, CastSpec, group_cast, group_reduce
 from magi_jax.sharding.native import transport as native
-from tests.sharding.masks import ZOO
 from tests.sharding.test_attention import _check, _mesh
 from tests.sharding.test_collectives import _meta, _random_table, _run
+from tests.zoo import ZOO
 
 # CI must build the CPU library (pip install -e .): its absence is a failure, not a skip.
 if not native.available("cpu"):
@@ -309,7 +309,7 @@ def test_check_table_rejects_what_the_kernels_cannot_move():
 
 def test_magi_attention_native_matches_reference():
     # Two remote stages: two casts per forward, their reduces in the backward.
-    key, _ = _check(ZOO["doc_causal"], 8, 2, comm_backend="native")
+    key, _ = _check(ZOO["doc-causal"], 8, 2, comm_backend="native")
     casts = [s.cast for s in key.stages if s.cast is not None]
     assert len(casts) == 2 and all(c.transport == "native" for c in casts)
 
@@ -446,7 +446,7 @@ def test_magi_attention_starts_its_last_reduce():
     from magi_jax.ffa.testing import random_inputs
     from tests.sharding.test_attention import _end_to_end
 
-    mask = ZOO["doc_causal"]
+    mask = ZOO["doc-causal"]
     key = make_flex_key(mask, _mesh(2), "cp", overlap_degree=0, comm_backend="native")
     assert all(s.cast.runs is not None for s in key.stages if s.cast is not None)
     args = random_inputs(jax.random.key(3), mask, 2, 1, 8, jnp.float32)
@@ -461,12 +461,12 @@ def test_magi_attention_starts_its_last_reduce():
         want = sync(*args)
     for name in want:
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), name)
-    _check(ZOO["doc_causal"], 4, 1, comm_backend="native")  # with a host stage after it
+    _check(ZOO["doc-causal"], 4, 1, comm_backend="native")  # with a host stage after it
 
 
 def test_magi_attention_native_bf16_gqa_refetch():
     _check(
-        ZOO["block_causal"],
+        ZOO["block-causal"],
         2,
         1,
         jnp.bfloat16,

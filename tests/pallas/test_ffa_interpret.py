@@ -1,6 +1,9 @@
 """The pallas kernels in Mosaic GPU interpret mode on the CPU (tiny shapes), against the
-float64 reference by docs/design.md §5. Interpret mode fills fresh buffers with NaN, so an output
-element the kernels forget to write fails the NaN check: the outputs are poisoned."""
+float64 reference by docs/design.md §5: band items, pipeline knobs, persistent programs, the
+plan-array and backward entry points, lowering for sm90. Interpret mode fills fresh buffers
+with NaN, so an output element the kernels forget to write fails the NaN check: the outputs
+are poisoned. The mask zoo, the tile-edge masks at every head dim, softcap and batches are in
+tests/test_conformance.py."""
 
 import functools
 
@@ -14,24 +17,10 @@ from magi_jax.ffa.testing import assert_matches_reference, random_inputs
 from magi_jax.mask import AttnMask
 from magi_jax.pallas import ffa_pallas, flex_flash_attention_pallas, plan_for_mask, supported
 from magi_jax.planning.work_list import BAND
+from tests.zoo import EDGES
 
-# Non-square slices, rows covered by several slices, rows [190, 200) covered by none, and
-# lengths that are not multiples of the 128-row tiles.
-IRREGULAR = AttnMask.from_ranges(
-    [[0, 100], [100, 190], [100, 190]],
-    [[0, 100], [0, 60], [100, 200]],
-    ["causal", "full", "causal"],
-    200,
-    200,
-)
-# A whole q-tile ([128, 256)) that sees nothing and keys [300, 384) that nobody sees.
-EMPTY_TILES = AttnMask.from_ranges(
-    [[0, 128], [256, 384], [256, 384]],
-    [[0, 200], [0, 50], [50, 300]],
-    ["inv_causal", "full", "bi_causal"],
-    384,
-    384,
-)
+# The tile-edge masks of the test zoo (tests/zoo.py).
+IRREGULAR, EMPTY_TILES = EDGES["irregular"], EDGES["empty-tiles"]
 
 
 def _run(mask, dtype, hq, hkv, d, batch=None, softcap=0.0, seed=0, jit=False, **tuning):
@@ -48,24 +37,6 @@ def _run(mask, dtype, hq, hkv, d, batch=None, softcap=0.0, seed=0, jit=False, **
     res = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
     assert_matches_reference(res, q, k, v, mask, dout, dlse, softcap=softcap)
     return res
-
-
-def test_irregular_slices_gqa_bf16():
-    res = _run(IRREGULAR, jnp.bfloat16, hq=2, hkv=1, d=64, jit=True)
-    assert np.isneginf(np.asarray(res["lse"])[190:]).all()
-    assert (np.asarray(res["dq"], np.float32)[190:] == 0).all()
-
-
-def test_empty_tiles_fp16_d128():
-    res = _run(EMPTY_TILES, jnp.float16, hq=1, hkv=1, d=128)
-    assert (np.asarray(res["out"], np.float32)[128:256] == 0).all()
-    assert (np.asarray(res["dk"], np.float32)[300:] == 0).all()
-    assert (np.asarray(res["dv"], np.float32)[300:] == 0).all()
-
-
-def test_softcap_batch_window():
-    mask = AttnMask.varlen([0, 70, 150], causal=True, window=40)
-    _run(mask, jnp.bfloat16, hq=1, hkv=1, d=64, batch=2, softcap=4.0, seed=3)
 
 
 def test_band_items():
@@ -417,10 +388,3 @@ def test_backward_hook_with_dkv_in_two_parts(split):
             np.asarray(whole, np.float32),
             err_msg=name,
         )
-
-
-def test_head_dim_256_forward_and_backward():
-    """D = 256 end to end: the forward walks each key tile in two halves, the backward runs
-    the wide kernels (magi_jax.pallas.ffa_dq_wide, ffa_dkv_wide); GQA, batch 2, fp16."""
-    res = _run(IRREGULAR, jnp.float16, hq=2, hkv=1, d=256, batch=2, seed=9)
-    assert np.isneginf(np.asarray(res["lse"])[:, 190:]).all()

@@ -13,7 +13,7 @@ from magi_jax.planning.capacity import CapacityError
 from magi_jax.planning.cast_table import build_cast_table, cast_moves, expand_runs
 from magi_jax.planning.hierarchy import NodeLayout, build_relay_table
 from magi_jax.planning.relay_runs import build_relay_runs, move_runs
-from tests.sharding.masks import ZOO
+from tests.zoo import ZOO
 
 
 def _meta(cp, chunk, per_rank):
@@ -93,7 +93,7 @@ def test_move_runs_are_the_moves():
     assert rows == set(zip(*cast_moves(flat)))
 
 
-@pytest.mark.parametrize("name", ["doc_causal", "sliding_window", "shared_question"])
+@pytest.mark.parametrize("name", ["doc-causal", "sliding-window", "shared-question"])
 @pytest.mark.parametrize("fixed", [False, True])
 def test_zoo_casts_give_the_row_planners_tables(name, fixed):
     mask = ZOO[name]

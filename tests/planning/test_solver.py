@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from magi_jax.mask import AttnMask
 from magi_jax.planning import solver as S
-from tests.sharding.masks import ZOO, self_attention_masks
+from tests.zoo import ZOO, self_attention_masks
 
 
 def _dense_needed(mask, meta, r):
@@ -36,14 +36,14 @@ def test_chunk_areas_match_dense(mask, chunk):
 @pytest.mark.parametrize("algorithm", S.ALGORITHMS)
 @pytest.mark.parametrize("cp", [1, 3, 8])
 def test_layouts_are_equal_token_partitions(algorithm, cp):
-    meta = S.solve_dispatch(ZOO["doc_causal"], cp, None, algorithm)
+    meta = S.solve_dispatch(ZOO["doc-causal"], cp, None, algorithm)
     chunks = np.sort(meta.rank_chunks.reshape(-1))
     np.testing.assert_array_equal(chunks, np.arange(meta.num_chunks))
     assert meta.padded_total >= 64 and meta.padded_total % cp == 0
     assert meta.rank_chunks.shape == (cp, meta.chunks_per_rank)
     # positions: each global position exactly once
     np.testing.assert_array_equal(np.sort(meta.positions.reshape(-1)), np.arange(meta.padded_total))
-    assert meta.rank_area().sum() == ZOO["doc_causal"].area
+    assert meta.rank_area().sum() == ZOO["doc-causal"].area
 
 
 def test_baseline_layouts_hand_checked():

@@ -10,7 +10,7 @@ from magi_jax.mask import AttnMask
 from magi_jax.planning import solver as S
 from magi_jax.planning import stages as D
 from magi_jax.planning.cast_table import cast_model
-from tests.sharding.masks import ZOO, self_attention_masks
+from tests.zoo import ZOO, self_attention_masks
 
 
 def _dense_local(shapes, tq, tk):
@@ -62,11 +62,11 @@ def check_plan(mask, cp, degree, algorithm="magi", chunk_size=None):
     "name",
     [
         "causal",
-        "doc_causal",
-        "sliding_window",
-        "shared_question",
-        "global_sliding_window",
-        "causal_blockwise",
+        "doc-causal",
+        "sliding-window",
+        "shared-question",
+        "global-sliding-window",
+        "causal-blockwise",
     ],
 )
 @pytest.mark.parametrize("degree", [0, 1, 3])
@@ -117,7 +117,7 @@ def test_cached_and_errors():
         D.build_dist_plan(ZOO["causal"], meta, -1, 8, 8)
 
 
-@pytest.mark.parametrize("name", ["causal", "doc_causal", "shared_question"])
+@pytest.mark.parametrize("name", ["causal", "doc-causal", "shared-question"])
 def test_cast_runs_from_pieces_are_those_of_the_tables(name):
     """The runs built from the pieces are the canonical runs of the tables they expand to
     (each maximal within a slot), with and without a capacity's fixed slots."""

@@ -20,8 +20,8 @@ from magi_jax.planning import stages as D
 from magi_jax.planning import work_list as W
 from magi_jax.planning.capacity import CapacityError, PlanCapacity
 from magi_jax.planning.cast_table import build_cast_table, cast_model, cast_table_from_pieces
-from tests.sharding.masks import ZOO, self_attention_masks
 from tests.strategies import slice_masks
+from tests.zoo import ZOO, self_attention_masks
 
 _I32 = np.iinfo(np.int32)
 _FIELDS = ("q0", "q1", "k0", "k1", "dlo", "dhi")
@@ -447,7 +447,7 @@ def index_run_counts(table):
     return most_send, most_recv
 
 
-@pytest.mark.parametrize("name", ["causal", "doc_causal", "shared_question", "full"])
+@pytest.mark.parametrize("name", ["causal", "doc-causal", "shared-question", "full"])
 def test_cast_tables_match_the_model(name):
     """A stage's table puts every remote key the model assigns it at the model's offset, at
     every width and at run capacities from the exact need (same moves) to one below it

@@ -15,7 +15,7 @@ from magi_jax.planning.hierarchy import NodeLayout, build_relay_table
 from magi_jax.planning.relay_runs import build_relay_runs
 from magi_jax.planning.wire import cast_wire, gated_widths, plan_wire, relay_wire, ring_rows
 from magi_jax.planning.work_list import default_block_sizes
-from tests.sharding.masks import self_attention_masks
+from tests.zoo import self_attention_masks
 
 
 def test_worked_example():

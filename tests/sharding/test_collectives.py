@@ -334,7 +334,7 @@ def test_zoo_stage_tables_expand_exactly(cp):
     the tables the device expands from the runs, as the collectives do, are the host's, and
     at a capacity every mask's runs have the capacity's shapes."""
     from magi_jax.planning.capacity import PlanCapacity
-    from tests.sharding.masks import ZOO
+    from tests.zoo import ZOO
 
     masks = list(ZOO.values())
     cap = PlanCapacity.from_masks(masks, mesh_size=cp, overlap_degree=2)
@@ -359,7 +359,7 @@ def test_zoo_stage_tables_expand_exactly(cp):
                 np.testing.assert_array_equal(np.asarray(got.recv_index), table.recv_index)
     assert len(shapes) == 1
     # The runs are far smaller than the tables they stand for.
-    table = _stage_tables(ZOO["doc_causal"], cp, cap)[0]
+    table = _stage_tables(ZOO["doc-causal"], cp, cap)[0]
     assert table.nbytes < table.send_index.nbytes + table.recv_index.nbytes
 
 

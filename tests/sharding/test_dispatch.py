@@ -13,7 +13,7 @@ import pytest
 
 import magi_jax as mj
 from magi_jax.sharding.key import CheckedKey
-from tests.sharding.masks import ZOO
+from tests.zoo import ZOO
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,7 +65,7 @@ def _gather_vjp(dy, index, rows, n, axis):
 
 def _keys():
     """(name, key, role) over the layouts: padded, checked, capacity, cross dispatched."""
-    doc = ZOO["doc_causal"]
+    doc = ZOO["doc-causal"]
     for explicit in (False, True):
         mesh = _mesh(4, explicit)
         key = mj.make_flex_key(doc, mesh, "cp", chunk_size=4, ffa_backend="xla")
@@ -85,7 +85,7 @@ def _keys():
 
 @functools.lru_cache(maxsize=None)
 def _capacity():
-    return mj.PlanCapacity.from_masks([ZOO["doc_causal"], ZOO["causal"]], mesh_size=8)
+    return mj.PlanCapacity.from_masks([ZOO["doc-causal"], ZOO["causal"]], mesh_size=8)
 
 
 KEYS = {name: (key, role) for name, key, role in _keys()}
@@ -128,7 +128,7 @@ def test_token_views_equal_the_host_permutation():
 
 
 def test_capacity_keys_have_one_shape():
-    a = mj.make_flex_key(ZOO["doc_causal"], _mesh(8), "cp", capacity=_capacity(), ffa_backend="xla")
+    a = mj.make_flex_key(ZOO["doc-causal"], _mesh(8), "cp", capacity=_capacity(), ffa_backend="xla")
     b = mj.make_flex_key(ZOO["causal"], _mesh(8), "cp", capacity=_capacity(), ffa_backend="xla")
     assert a.chunk_order.shape == b.chunk_order.shape == (a.padded_total // a.chunk_size,)
     assert not np.array_equal(np.asarray(a.chunk_order), np.asarray(b.chunk_order))

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from magi_jax.ffa.api import flex_flash_attention
+from magi_jax.ffa.backends import get_backend
 from magi_jax.ffa.testing import assert_matches_reference, fwd_bwd, random_inputs, reference_results
 from magi_jax.mask import AttnMask
 from magi_jax.sharding import dispatch, magi_attention, make_flex_key, undispatch
-from magi_jax.sharding.ffa_backends import get_backend
 
 
 def _gpus():
@@ -41,10 +41,9 @@ def test_pallas_split_vjp_matches_ffa_pallas_in_interpret_mode():
     """The pallas split VJP (backward re-fetch without re-running the forward) is bit-exact
     with ffa_pallas's own VJP (single device, Mosaic GPU interpret mode; ~15 s on CPU)."""
     from magi_jax.pallas import ffa_pallas, plan_for_mask
-    from magi_jax.sharding.ffa_backends import _pallas
 
     mask = AttnMask.varlen([0, 50, 128], causal=True)
-    be = _pallas(interpret=True)
+    be = get_backend("pallas", interpret=True)
     plan = plan_for_mask(mask, "pallas")
     q, k, v, dout, dlse = random_inputs(jax.random.key(0), mask, 1, 1, 64, jnp.bfloat16)
     kw = dict(softmax_scale=0.125, softcap=0.0, block_q=0, block_k=0)
@@ -66,12 +65,11 @@ def test_pallas_stage_backwards_from_the_merged_result_in_interpret_mode(d, d_v)
     mode, single device); also with v's own head dim (MLA), as CP with a pallas key runs it."""
     from magi_jax.pallas import ffa_pallas, plan_for_mask
     from magi_jax.sharding.attention import merge_partials
-    from magi_jax.sharding.ffa_backends import _pallas
 
     mask = AttnMask.from_ranges(
         [[0, 128], [0, 128]], [[0, 128], [128, 256]], ["full", "causal"], 128, 256
     )
-    be = _pallas(interpret=True)
+    be = get_backend("pallas", interpret=True)
     kw = dict(softmax_scale=d**-0.5, softcap=0.0, block_q=0, block_k=0)
     q, k, v, dout, dlse = random_inputs(jax.random.key(2), mask, 2, 1, d, jnp.bfloat16, dv=d_v)
     parts = [

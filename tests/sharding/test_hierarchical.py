@@ -36,9 +36,9 @@ from magi_jax.sharding.collectives import (
     group_reduce,
 )
 from tests.dynamic_masks import varlen_packings
-from tests.sharding.masks import ZOO
 from tests.sharding.steps import attention_step
 from tests.xla_options import OPTIMIZED
+from tests.zoo import ZOO
 
 AXES = ("node", "local")
 LAYOUT = NodeLayout(2, 4)
@@ -226,7 +226,7 @@ def test_device_relay_matches_flat():
     # A random cast (single tokens, shuffled buffers) and the casts of two zoo masks.
     rng = np.random.default_rng(5)
     _device_check(*_random_table(rng), rng)
-    for name in ("doc_causal", "sliding_window"):
+    for name in ("doc-causal", "sliding-window"):
         key = make_flex_key(ZOO[name], _mesh(), AXES, overlap_degree=1, hierarchical=False)
         (stage,) = [s for s in key.plan.stages if s.cast is not None]
         rt = _device_check(stage.cast, key.local_len, rng)
@@ -259,7 +259,7 @@ def _end_to_end(key):
 def test_magi_attention_two_hop_vs_reference_and_flat():
     # Degree 0: one combined stage (local KV, then the cast buffer), so the prefix cast and
     # its reduce go through the two hops; the device test above covers plain stage casts.
-    mask, degree = ZOO["doc_causal"], 0
+    mask, degree = ZOO["doc-causal"], 0
     keys = {
         h: make_flex_key(mask, _mesh(), AXES, overlap_degree=degree, hierarchical=h)
         for h in (True, False)
@@ -279,7 +279,7 @@ def test_magi_attention_two_hop_vs_reference_and_flat():
 
 
 def test_auto_and_options():
-    mask = ZOO["doc_causal"]
+    mask = ZOO["doc-causal"]
     auto = make_flex_key(mask, _mesh(), AXES, overlap_degree=1, chunk_size=2)
     remote = [s for s in auto.stages if s.cast is not None]
     flat = make_flex_key(mask, _mesh(), AXES, overlap_degree=1, chunk_size=2, hierarchical=False)
@@ -351,7 +351,7 @@ def test_key_wire_counts_the_transports_the_key_runs():
     from magi_jax.planning.wire import plan_wire
     from magi_jax.sharding.key_wire import key_wire
 
-    mask = ZOO["doc_causal"]
+    mask = ZOO["doc-causal"]
     flat = make_flex_key(
         mask, _mesh(), AXES, overlap_degree=1, hierarchical=False, cast_gating="slot"
     )

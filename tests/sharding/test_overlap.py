@@ -18,7 +18,7 @@ from magi_jax.ffa.testing import (
 )
 from magi_jax.sharding import calibrate as C
 from tests.dynamic_masks import varlen_packings
-from tests.sharding.masks import ZOO
+from tests.zoo import ZOO
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,7 +50,7 @@ def _check(key, mask, seed=0, hq=2, hkv=1, d=8):
 
 @pytest.mark.parametrize(
     "name, degrees",
-    [("doc_causal", (1, 3)), ("shared_question", (0, 2)), ("doc_causal", (3, 0))],
+    [("doc-causal", (1, 3)), ("shared-question", (0, 2)), ("doc-causal", (3, 0))],
 )
 def test_separate_degrees_match_reference(name, degrees):
     mask = ZOO[name]
@@ -65,7 +65,7 @@ def test_separate_degrees_match_reference(name, degrees):
 
 
 def test_one_degree_keeps_one_stage_plan():
-    mask = ZOO["doc_causal"]
+    mask = ZOO["doc-causal"]
     for degree in (2, (2, 2)):
         key = mj.make_flex_key(mask, _mesh(4), "cp", overlap_degree=degree, chunk_size=3)
         assert key.backward_overlap_degree == key.overlap_degree == 2
@@ -86,7 +86,7 @@ def test_backward_cost_model_sees_the_backward():
     meta = solve_dispatch(big, 64)
     degrees = default_overlap_degrees(big, meta)
     assert all(0 <= d <= 4 for d in degrees) and degrees.forward >= 1
-    key_mask = ZOO["doc_causal"]
+    key_mask = ZOO["doc-causal"]
     key = mj.make_flex_key(key_mask, _mesh(4), "cp", chunk_size=3)
     assert key.backward_overlap_degree == default_overlap_degrees(key_mask, key.plan.meta)[1]
 
@@ -169,7 +169,7 @@ def test_separate_degrees_need_refetch_and_capacity_checks():
 
 
 def test_calibration_valid_cached_and_reset(monkeypatch):
-    mask = ZOO["doc_causal"]
+    mask = ZOO["doc-causal"]
     mj.clear_overlap_calibrations()
     args = dict(num_heads=2, num_kv_heads=1, head_dim=8, dtype=jnp.float32, chunk_size=3)
     cal = mj.calibrate_overlap(mask, _mesh(4), "cp", candidates=(0, 2), rounds=1, **args)

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import magi_jax as mj
 from magi_jax.sharding.roll import roll, roll_tables
 from tests.dynamic_masks import varlen_packings
-from tests.sharding.masks import CU, ZOO, T
+from tests.zoo import CU, ZOO, T
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,9 +93,9 @@ def test_tables_shift_zero_is_local_and_zeroes_padding():
 # ---- on the devices -----------------------------------------------------------------------
 
 CASES = [  # (cp, explicit mesh, mask, chunk size): every one has padding (T = 67)
-    (2, True, "doc_causal", 4),
-    (4, False, "sliding_window", 3),
-    (8, False, "shared_question", 3),
+    (2, True, "doc-causal", 4),
+    (4, False, "sliding-window", 3),
+    (8, False, "shared-question", 3),
     (8, True, "causal", 2),
 ]
 
@@ -182,7 +182,7 @@ def test_forward_and_gradient_match_the_definition(case):
 
 
 def test_eager_batch_layout_int_ids_and_natural_roll():
-    key = _key(4, False, "sliding_window", 3)
+    key = _key(4, False, "sliding-window", 3)
     ids = jnp.asarray(np.arange(2 * T).reshape(2, T), jnp.int32)
     xd = mj.dispatch(ids, key, seq_axis=1)
     y = roll(xd, -2, key, seq_axis=1)  # eager, no jit
@@ -195,7 +195,7 @@ def test_eager_batch_layout_int_ids_and_natural_roll():
 
 def test_multi_token_prediction_labels():
     """The docstring's recipe: labels of head k are the tokens k + 1 ahead, same document."""
-    key = _key(4, False, "sliding_window", 3)  # labels depend on the dispatch only
+    key = _key(4, False, "sliding-window", 3)  # labels depend on the dispatch only
     tokens = jnp.asarray(np.random.default_rng(1).integers(1, 50, T), jnp.int32)
     ids, pos = mj.dispatch(tokens, key), mj.position_ids(key)
     cu = jnp.asarray(CU)
@@ -212,7 +212,7 @@ def test_multi_token_prediction_labels():
 
 
 def test_checked_and_capacity_keys():
-    mask = ZOO["doc_window"]
+    mask = ZOO["doc-window"]
     x = jnp.arange(1, T + 1, dtype=jnp.float32)
     checked = mj.make_flex_key(mask, _mesh(2, True), "cp", chunk_size=4, check_dispatch=True)
     with jax.set_mesh(checked.mesh):
@@ -240,7 +240,7 @@ _FULL_SEQUENCE_COLLECTIVES = ("all-gather", "all-reduce", "all-to-all")
 
 
 def test_compiled_program_moves_point_to_point_only():
-    key = _key(8, False, "shared_question", 3)
+    key = _key(8, False, "shared-question", 3)
     xd = mj.dispatch(jnp.ones((T, 4)), key)
     lowered = jax.jit(lambda a: roll(a, 1, key)).lower(xd)
     assert "all-gather" not in lowered.as_text() and "all_gather" not in lowered.as_text()
@@ -254,7 +254,7 @@ def test_compiled_program_moves_point_to_point_only():
 
 
 def test_errors():
-    key = _key(4, False, "sliding_window", 3)
+    key = _key(4, False, "sliding-window", 3)
     xd = mj.dispatch(jnp.ones((T, 2)), key)
     for bad in (1.0, True, "1", None):
         with pytest.raises(TypeError, match="shift"):

@@ -30,8 +30,6 @@ from magi_jax.sharding.keys._key import (
 from magi_jax.sharding.keys._options import KeyOptions
 from magi_jax.sharding.keys._resolve import resolve_options
 
-__all__ = ["make_batch_key", "batch_rows"]
-
 
 def batch_rows(mesh: Mesh, batch_axes: str | Sequence[str], batch: int) -> np.ndarray:
     """int ``[n]``: the global batch rows (of ``batch``) that this process's devices hold

@@ -34,8 +34,6 @@ from magi_jax.sharding.transport import CastRuns, CastSpec, native
 if TYPE_CHECKING:  # annotations only
     from magi_jax.planning import NodeLayout
 
-__all__ = ["HostKey", "host_key"]
-
 
 class HostKey(NamedTuple):
     """A key on the host, before its arrays become global ones: the static part, the leaves

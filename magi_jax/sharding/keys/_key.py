@@ -30,23 +30,6 @@ if TYPE_CHECKING:  # annotations only
     from magi_jax.masks import AttnMask
     from magi_jax.planning import DistPlan
 
-__all__ = [
-    "MagiKey",
-    "KeyStatic",
-    "StageStatic",
-    "CheckedKey",
-    "ROLES",
-    "check_key",
-    "is_checked",
-    "rows_desc",
-    "token_index",
-    "check_mesh",
-    "cp_names",
-    "cp_ranks",
-    "normal_cp_axis",
-    "axes_entry",
-    "check_pod_axes",
-]
 
 # What dispatch / undispatch / position_ids lay out: queries (and outputs), or keys/values.
 ROLES = ("q", "kv")

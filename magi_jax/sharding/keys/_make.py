@@ -43,8 +43,6 @@ from magi_jax.sharding.keys._options import KeyOptions
 from magi_jax.sharding.keys._resolve import ResolvedOptions, resolve_options
 from magi_jax.sharding.keys._resolve import ffa_backend_reason as ffa_backend_reason
 
-__all__ = ["make_flex_key", "make_varlen_key", "clear_key_cache", "put_global"]
-
 
 def make_flex_key(
     mask: AttnMask,
@@ -89,7 +87,7 @@ def make_flex_key(
         ``key.backward_overlap_degree`` say what was chosen; a pair of different degrees
         needs ``backward_refetch=True``). ``None`` or ``"auto"`` (default): one degree for
         both, from a compute/communication cost model whose constants were measured on a
-        pair of H200s (:func:`~magi_jax.planning.defaults.default_overlap_degree`). To choose by
+        pair of H200s (:func:`~magi_jax.planning.cost_model.default_overlap_degree`). To choose by
         timing on the machine at hand, pass the ``degrees`` of
         :func:`~magi_jax.sharding.calibrate.calibrate_overlap`.
       comm_backend: ``"xla"`` (XLA collectives, transport per stage), ``"ppermute"``,
@@ -142,7 +140,7 @@ def make_flex_key(
       hierarchical: two-hop casts on a mesh of nodes, for ``cp_axis=(node_axis,
         local_axis)``: a KV row that several ranks of one node need crosses between nodes
         once, to one of them, which forwards it inside the node; the backward sums inside
-        the node first, then sends once (:mod:`magi_jax.planning.hierarchy`). ``"auto"``
+        the node first, then sends once (:mod:`magi_jax.planning.relay_table`). ``"auto"``
         (default): for every stage whose two-hop cast sends fewer rows between nodes (padding
         of the ``ppermute`` slots included), on a
         key of one mask (at a capacity every slot is padded to its width, so it moves no
@@ -164,7 +162,7 @@ def make_flex_key(
         few ``ppermute`` levels per slot, no conditional); a key at a capacity moves each
         slot in gated pieces that its fullest rank fills (one conditional per slot).
         ``"pair"``: a key at a capacity moves each pair's own gated pieces
-        (:data:`~magi_jax.planning.defaults.PAIR_CAST_PIECES` a slot): the busiest rank's
+        (:data:`~magi_jax.planning.cost_model.PAIR_CAST_PIECES` a slot): the busiest rank's
         wire stays within 1.25x its real rows on every mask counted
         (benchmarks/results/wire/LATEST.md) against up to 3.2x, at ``cp · (cp − 1) · 6``
         conditional collectives per cast instead of ``cp − 1`` (their cost on GPUs is

@@ -18,17 +18,6 @@ from magi_jax.planning.backends import check_backend
 from magi_jax.sharding.keys._key import MagiKey
 from magi_jax.sharding.transport import TRANSPORTS
 
-__all__ = [
-    "KeyOptions",
-    "check_overlap_degree",
-    "COMM_BACKENDS",
-    "MAX_OVERLAP_DEGREE",
-    "CHECK_DISPATCH_ENV",
-    "HIERARCHICAL",
-    "KV_LAYOUTS",
-    "CAST_GATINGS",
-]
-
 COMM_BACKENDS = ("auto", "xla") + TRANSPORTS
 # Largest overlap degree a key accepts (the bound of PlanCapacity.overlap_degree): every stage
 # costs a kernel launch, a merge and a collective, and the cost model never picks more than 4.
@@ -48,7 +37,7 @@ class KeyOptions:
     each means), with its defaults. Built, they are checked one by one (``ValueError`` or
     ``TypeError`` naming the option, the value and the fix) and normalised: integer options
     are Python ints or ``None``, ``overlap_degree`` ``None`` (the cost model's, also for
-    ``"auto"``) or :class:`~magi_jax.planning.defaults.OverlapDegrees` (an integer is both
+    ``"auto"``) or :class:`~magi_jax.planning.cost_model.OverlapDegrees` (an integer is both
     degrees), ``backward_refetch`` a bool, and ``check_dispatch`` a bool (``None`` reads the
     ``MAGI_JAX_CHECK_DISPATCH`` environment variable). Checks that need the mask or the mesh
     are :func:`~magi_jax.sharding.keys._resolve.resolve_options`'."""
@@ -110,7 +99,7 @@ class KeyOptions:
                 f"comm_backend={self.comm_backend!r} moves none: pass comm_backend='xla' "
                 "(or 'ppermute'), or leave cast_gating='auto'"
             )
-        check_backend(self.ffa_backend, "ffa_backend")
+        check_backend(self.ffa_backend, "ffa_backend", context_parallel=True)
         if self.capacity is not None and not isinstance(self.capacity, PlanCapacity):
             raise TypeError(f"capacity must be a PlanCapacity; got {type(self.capacity).__name__}")
         if self.dispatch_algorithm not in ALGORITHMS:

@@ -21,8 +21,6 @@ from magi_jax.sharding.transport import RelayRuns, RelaySpec
 if TYPE_CHECKING:  # annotations only
     from magi_jax.planning import PlanCapacity
 
-__all__ = ["relay_stage"]
-
 
 def relay_stage(
     cast: CastTable,
@@ -37,7 +35,7 @@ def relay_stage(
     padding included (a key of one mask: each slot as wide as its widest block, or, with
     ``flat_gating="pair"``, each pair's rows up to its level). At a
     ``capacity`` the slots are as wide as the capacity allows and move in gated pieces
-    (:func:`~magi_jax.planning.defaults.cast_pieces`), and the tables hold the runs
+    (:func:`~magi_jax.planning.cost_model.cast_pieces`), and the tables hold the runs
     :func:`~magi_jax.planning.relay_runs.relay_run_bounds` allows, so the shapes depend on
     the capacity alone."""
     widths = (

@@ -26,8 +26,6 @@ from magi_jax.sharding.keys._key import check_mesh, check_pod_axes, cp_names, no
 from magi_jax.sharding.keys._options import CHECK_DISPATCH_ENV, KeyOptions
 from magi_jax.sharding.transport import native
 
-__all__ = ["ResolvedOptions", "resolve_options", "ffa_backend_reason"]
-
 
 class _MetaRef:
     """Hashable handle of a DispatchMeta (by its content)."""
@@ -134,7 +132,7 @@ def resolve_options(
         comm_backend = "native"
     relay = _relay_layout(mesh, cp_axis, o.hierarchical, comm_backend, capacity)
     if ffa_backend == AUTO:
-        ffa_backend = auto_backend()[0]
+        ffa_backend = auto_backend(context_parallel=True)[0]
     if capacity is not None:
         chunk_size, overlap_degree = _capacity_options(
             capacity, mask, cp, chunk_size, overlap_degree
@@ -192,12 +190,12 @@ def resolve_options(
 def ffa_backend_reason() -> str | None:
     """``None`` when ``ffa_backend="auto"`` picks ``"pallas"`` (the default device is an sm90
     GPU), else why it picks ``"xla"``."""
-    name, why = auto_backend()
+    name, why = auto_backend(context_parallel=True)
     return None if name == "pallas" else why
 
 
 def _relay_layout(mesh, cp_axis, hierarchical, comm_backend, capacity):
-    """The :class:`~magi_jax.planning.hierarchy.NodeLayout` of a key's two-hop casts and
+    """The :class:`~magi_jax.planning.relay_table.NodeLayout` of a key's two-hop casts and
     whether they are forced (``(layout, forced)``), or ``None`` for flat casts
     (``hierarchical`` checked by :class:`KeyOptions`)."""
     names = cp_names(cp_axis)

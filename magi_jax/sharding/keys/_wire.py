@@ -11,8 +11,6 @@ from magi_jax.sharding.transport import RelaySpec
 if TYPE_CHECKING:  # annotations only
     from magi_jax.sharding.keys._key import MagiKey
 
-__all__ = ["key_wire"]
-
 
 def key_wire(key: MagiKey) -> WireCount:
     """The casts of every remote stage of ``key`` (a :class:`~magi_jax.sharding.MagiKey`

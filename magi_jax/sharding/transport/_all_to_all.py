@@ -10,8 +10,6 @@ import jax.numpy as jnp
 if TYPE_CHECKING:
     from magi_jax.sharding.transport._collectives import CastSpec
 
-__all__ = ["exchange"]
-
 
 def exchange(blocks: jax.Array, spec: CastSpec, reverse: bool) -> jax.Array:
     """``blocks [n_slots, S, ...]``: block ``j`` goes to ``r + shifts[j]`` (``r - shifts[j]``

@@ -21,8 +21,9 @@ So ``out[b] = x_src[send_index_src[j, p]]`` with ``recv_index[b] = j·S + p``.
 Keys store and ship the tables as runs (:class:`CastRuns`, :class:`RelayRuns`: rows
 ``(first value, length)``, value ``-1`` for padding; a few hundred per rank where the tables
 hold a row per token): every collective expands them here, inside the traced step, into
-exactly the tables above (:func:`expand_runs`, O(rows)) right before it reads them. Shifts (not
-absolute ranks) index the slots so that one SPMD program serves every rank. ``group_reduce``
+exactly the tables above (:func:`~magi_jax.ffa.ragged.expand_index_runs`, O(rows)) right
+before it reads them. Shifts (not absolute ranks) index the slots so that one SPMD program
+serves every rank. ``group_reduce``
 is the exact transpose: rows of the buffer go back to their received slot, the blocks go
 back (shift ``-shifts[j]``), and are summed (float32) into the owner's rows. Both directions
 move data by gathers through inverted tables (a scatter of int32 positions), never by a
@@ -39,7 +40,7 @@ C++ XLA FFI custom calls of :mod:`magi_jax.sharding.native` (NVSHMEM on GPU, a r
 the host devices on CPU) take the same tables and replace the whole gather/exchange/scatter.
 
 Two-hop casts (a :class:`RelaySpec` in place of the :class:`CastSpec`, on a mesh of nodes):
-tables of their own (:mod:`magi_jax.planning.hierarchy`, which states their contract) move
+tables of their own (:mod:`magi_jax.planning.relay_table`, which states their contract) move
 each row across nodes once, to a relay in the receiving node, then inside the node; the
 reduce runs the two hops backwards, summing inside the node before the one inter-node send.
 Both hops are ``lax.ppermute``s, one per slot.
@@ -56,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magi_jax.ffa.ragged import expand_index_runs as expand_runs
+from magi_jax.ffa.ragged import expand_index_runs
 from magi_jax.planning import GATINGS, PAIR_CAST_LEVELS
 from magi_jax.sharding.transport import native
 from magi_jax.sharding.transport._all_to_all import exchange
@@ -65,24 +66,9 @@ from magi_jax.sharding.transport._pair import pair_counts, pair_gated_ppermute, 
 from magi_jax.sharding.transport._relay import relay_cast, relay_reduce
 from magi_jax.sharding.transport._slot import gated_ppermute, slot_live, slot_perm
 
-__all__ = [
-    "CastArrays",
-    "CastRuns",
-    "CastSpec",
-    "RelayArrays",
-    "RelayRuns",
-    "RelaySpec",
-    "TRANSPORTS",
-    "expand_runs",
-    "expand_tables",
-    "group_cast",
-    "group_reduce",
-    "cast_rows",
-    "reduce_rows",
-    "start_reduce_rows",
-]
-
 TRANSPORTS = ("ppermute", "all_to_all", "native")
+# The name the device expansion had here before, for one release.
+expand_runs = expand_index_runs
 
 
 # An array [T, ...] or a pytree of them (e.g. (k, v): one collective carries all).
@@ -123,7 +109,7 @@ class CastSpec:
     ``"pair"`` (each sender-receiver pair its own rows, :mod:`magi_jax.sharding.transport._pair`):
     with ``pieces = 1`` the static ``pair_rows`` (per slot, the rows each rank sends in it:
     a key of one mask) move in at most
-    :data:`~magi_jax.planning.defaults.PAIR_CAST_LEVELS` ``ppermute`` levels a slot, exactly;
+    :data:`~magi_jax.planning.cost_model.PAIR_CAST_LEVELS` ``ppermute`` levels a slot, exactly;
     with ``pieces > 1`` each pair moves its own gated pieces, read on the device."""
 
     axis_name: str
@@ -173,7 +159,7 @@ class CastSpec:
 
 
 class RelayArrays(NamedTuple):
-    """Device view of one rank's two-hop tables (:mod:`magi_jax.planning.hierarchy`):
+    """Device view of one rank's two-hop tables (:mod:`magi_jax.planning.relay_table`):
     ``inter_send [n_inter, S1]``, ``intra_send [n_intra, S2]``, ``recv_index [B]`` (with a
     leading ``cp`` axis before sharding)."""
 
@@ -196,7 +182,7 @@ class RelayRuns(NamedTuple):
 class RelaySpec:
     """Static part of a two-hop cast on a mesh of nodes: the mesh axes ``(node, local)``
     (the cp axis is their flattening), their sizes, the slots' shifts and widths of both
-    hops (:class:`~magi_jax.planning.hierarchy.RelayTable`). Both hops move by
+    hops (:class:`~magi_jax.planning.relay_table.RelayTable`). Both hops move by
     ``lax.ppermute``, one per slot: the inter-node hop over both axes, the intra-node hop
     over ``local`` alone. ``group_cast`` / ``group_reduce`` take it in place of a
     :class:`CastSpec`. ``inter_slot_len``, ``intra_slot_len``, ``buffer_len``: ``S1``,
@@ -247,16 +233,16 @@ def expand_tables(
     if isinstance(tables, CastRuns):
         n, s = len(spec.shifts), spec.slot_len
         return CastArrays(
-            expand_runs(tables.send_runs, n * s).reshape(n, s),
-            expand_runs(tables.recv_runs, spec.buffer_len),
+            expand_index_runs(tables.send_runs, n * s).reshape(n, s),
+            expand_index_runs(tables.recv_runs, spec.buffer_len),
         )
     if isinstance(tables, RelayRuns):
         n1, s1 = len(spec.inter_shifts), spec.inter_slot_len
         n2, s2 = len(spec.intra_shifts), spec.intra_slot_len
         return RelayArrays(
-            expand_runs(tables.inter_runs, n1 * s1).reshape(n1, s1),
-            expand_runs(tables.intra_runs, n2 * s2).reshape(n2, s2),
-            expand_runs(tables.recv_runs, spec.buffer_len),
+            expand_index_runs(tables.inter_runs, n1 * s1).reshape(n1, s1),
+            expand_index_runs(tables.intra_runs, n2 * s2).reshape(n2, s2),
+            expand_index_runs(tables.recv_runs, spec.buffer_len),
         )
     return tables
 

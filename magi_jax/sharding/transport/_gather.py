@@ -5,8 +5,6 @@ reads zeros (:func:`take`), and a table is inverted by a scatter of int32 positi
 import jax
 import jax.numpy as jnp
 
-__all__ = ["take", "inverse", "acc_dtype"]
-
 
 def take(x: jax.Array, idx: jax.Array) -> jax.Array:
     """Rows ``x[idx]``, zero where ``idx`` is out of range (the padding convention)."""

@@ -30,8 +30,6 @@ import numpy as np
 
 from magi_jax.planning import pair_levels, piece_len
 
-__all__ = ["staircase_ppermute", "pair_gated_ppermute", "pair_counts"]
-
 
 def _pairs(cp: int, shift: int, senders, reverse: bool) -> list[tuple[int, int]]:
     """``(source, target)`` of the pairs of ``senders`` on the slot of ``shift``; reversed:

@@ -17,8 +17,6 @@ from magi_jax.sharding.transport._slot import gated_ppermute, slot_live
 if TYPE_CHECKING:
     from magi_jax.sharding.transport._collectives import RelayArrays, RelaySpec
 
-__all__ = ["relay_cast", "relay_reduce"]
-
 
 def _relay_perms(spec: RelaySpec, reverse: bool):
     """Per slot, the ``ppermute`` pairs of both hops: inter-node over the flattened

@@ -13,8 +13,6 @@ from magi_jax.planning import piece_len
 if TYPE_CHECKING:
     from magi_jax.sharding.transport._collectives import CastSpec
 
-__all__ = ["slot_perm", "slot_live", "gated_ppermute"]
-
 
 def slot_perm(spec: CastSpec, shift: int, reverse: bool) -> list[tuple[int, int]]:
     sign = -1 if reverse else 1

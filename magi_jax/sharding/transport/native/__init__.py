@@ -6,13 +6,13 @@
 library and says whether a platform or a mesh can run it.
 """
 
+from magi_jax import _moved
 from magi_jax.sharding.transport.native._calls import (
     DEFAULT_TIMEOUT_S,
     MAX_ARRAYS,
     MAX_RUNS,
     CudaTuning,
     auto_reason,
-    available,
     can_start_reduce,
     check_table,
     cuda_tuning,
@@ -26,7 +26,7 @@ from magi_jax.sharding.transport.native._calls import (
     tuning,
     unavailable_reason,
 )
-from magi_jax.sharding.transport.native._library import NativeUnavailable, check_mesh
+from magi_jax.sharding.transport.native._library import NativeUnavailable, available, check_mesh
 
 __all__ = [
     "available",
@@ -50,3 +50,7 @@ __all__ = [
     "check_mesh",
     "NativeUnavailable",
 ]
+
+
+def __getattr__(name: str) -> object:  # the modules that moved away, by their old names
+    return _moved.old_child(__name__, name)

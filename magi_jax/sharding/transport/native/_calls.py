@@ -60,7 +60,6 @@ from magi_jax.sharding.transport.native._library import (
     DONE_TARGET,
     REDUCE_TARGET,
     START_TARGET,
-    available,
     gpu_mesh_problem,
     load_library,
     platform_key,
@@ -76,26 +75,6 @@ if TYPE_CHECKING:  # annotations only: the collectives import this module
 # One array or a list of arrays of the same rows (moved side by side by one collective).
 Arrays = jax.Array | list[jax.Array]
 
-__all__ = [
-    "available",
-    "unavailable_reason",
-    "group_cast",
-    "group_reduce",
-    "MAX_ARRAYS",
-    "check_table",
-    "initialize",
-    "finalize",
-    "staging_bytes",
-    "auto_reason",
-    "DEFAULT_TIMEOUT_S",
-    "CudaTuning",
-    "tuning",
-    "cuda_tuning",
-    "group_reduce_start",
-    "can_start_reduce",
-    "reduce_runs",
-    "MAX_RUNS",
-]
 
 DEFAULT_TIMEOUT_S = 60.0
 # Runs per rank above which a reduce is not started (each run is one contiguous copy per

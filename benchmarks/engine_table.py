@@ -1,0 +1,208 @@
+"""Measures the FFA kernels against the cudnn engine per mask class and rewrites the engine
+table that ``backend="auto"`` reads (``magi_jax/ffa/engine_table.json``).
+
+On one GPU (sm90: both engines run there):
+
+    python benchmarks/engine_table.py                       # measure, rewrite this GPU's rows
+
+times ``flex_flash_attention`` with ``backend="pallas"`` and ``backend="cudnn"`` on the
+same inputs (bf16, Hq = Hkv = 16, D = 128, 32768 tokens a call: B = 32768 / length), forward
+and forward + backward, for every class of cuDNN's packed layout: full and causal, realistic
+packings (``magi_jax.masks.packings``: web text at 8k, 32k and 128k, the long-context mixture at
+32k; causal, full and with a 1024-token window) and the stress cases (128 and 512 equal
+documents in 32k). It replaces this GPU kind's rows of the table and writes the run to
+``benchmarks/results/kernel/engine_table_<date>_<device>.{json,md}``.
+
+    python benchmarks/engine_table.py --from-runs RUN.json ...
+
+rebuilds rows from earlier ``kernel_bench.py`` runs instead (no GPU): the full and causal
+rows where they timed ``ffa_pallas`` and ``cudnn`` on the same mask (their other cuDNN rows
+gave cuDNN a dense boolean mask, not the packed layout, and are not used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+
+import numpy as np  # noqa: E402
+
+from magi_jax.ffa.engine_table import TABLE_PATH, mask_class  # noqa: E402
+
+_TOKENS_PER_CALL = 32768
+_HEADS, _HEAD_DIM = 16, 128
+_WINDOW = 1024
+_KEYS = ("device", "class", "tokens", "docs", "mode")
+
+
+def _cases(smoke: bool):
+    from magi_jax import AttnMask
+    from magi_jax.masks.packings import equal_doc_lens, sample_doc_lens
+
+    def docs(lens, causal=True, window=None):
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        return AttnMask.varlen(cu, causal=causal, window=window)
+
+    if smoke:
+        yield "causal 2k", AttnMask.causal(2048)
+        yield "web 2k", docs(sample_doc_lens(2048, 0))
+        return
+    yield "full 16k", AttnMask.full(16384)
+    yield "causal 16k", AttnMask.causal(16384)
+    yield "causal 32k", AttnMask.causal(32768)
+    for total in (8192, 32768, 131072):
+        yield f"web {total // 1024}k", docs(sample_doc_lens(total, 0))
+    yield "long-context 32k", docs(sample_doc_lens(32768, 0, "long"))
+    yield "web 32k full", docs(sample_doc_lens(32768, 0), causal=False)
+    yield f"web 32k window {_WINDOW}", docs(sample_doc_lens(32768, 0), window=(_WINDOW - 1, 0))
+    for n in (128, 512):
+        yield f"{n} equal docs 32k", docs(equal_doc_lens(32768, n))
+
+
+def _time(fn, args, reps: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _measure(mask, engine: str, reps: int) -> dict[str, float]:
+    import jax
+    import jax.numpy as jnp
+
+    import magi_jax as mj
+
+    t = mask.total_q
+    b = max(1, _TOKENS_PER_CALL // t)
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, do = (jax.random.normal(kk, (b, t, _HEADS, _HEAD_DIM), jnp.bfloat16) for kk in keys)
+    attn = lambda q, k, v: mj.flex_flash_attention(q, k, v, mask, backend=engine)[0]
+    fwd = jax.jit(attn)
+    both = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
+    return {"fwd": _time(fwd, (q, k, v), reps), "fwd+bwd": _time(both, (q, k, v, do), reps)}
+
+
+def _merge(rows: list[dict]) -> None:
+    with open(TABLE_PATH) as f:
+        table = json.load(f)
+    new = {tuple(r[k] for k in _KEYS) for r in rows}
+    kept = [r for r in table["rows"] if tuple(r[k] for k in _KEYS) not in new]
+    table["rows"] = sorted(kept + rows, key=lambda r: tuple(str(r[k]) for k in _KEYS))
+    with open(TABLE_PATH, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+
+
+def _from_runs(paths: list[str]) -> list[dict]:
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        meta = run["meta"]
+        found = {}
+        for r in run["rows"]:
+            if r["mask"] in ("full", "causal") and r["impl"] in ("ffa_pallas", "cudnn"):
+                shape = (r["heads"], r.get("kv_heads", r["heads"]), r.get("head_dim"))
+                found.setdefault((r["mask"], r["length"], r["mode"], shape), {})[r["impl"]] = r
+        for (cls, length, mode, shape), pair in sorted(found.items()):
+            if len(pair) != 2:
+                continue
+            rows.append(
+                {
+                    "device": meta["device"],
+                    "class": cls,
+                    "tokens": int(length),
+                    "docs": 1,
+                    "mode": mode,
+                    "heads": f"{shape[0]}:{shape[1]}",
+                    "head_dim": shape[2],
+                    "pallas_ms": round(pair["ffa_pallas"]["ms"], 4),
+                    "cudnn_ms": round(pair["cudnn"]["ms"], 4),
+                    "date": meta["date"],
+                    "run": os.path.relpath(os.path.abspath(path), _ROOT),
+                }
+            )
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--from-runs", nargs="*", default=None, help="kernel_bench JSON runs")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--smoke", action="store_true", help="two small cases, table untouched")
+    p.add_argument("--out", default="benchmarks/results/kernel")
+    a = p.parse_args(argv)
+    if a.from_runs is not None:
+        rows = _from_runs(a.from_runs)
+        _merge(rows)
+        print(f"{len(rows)} rows from {len(a.from_runs)} runs into {TABLE_PATH}")
+        return
+    import jax
+
+    dev = jax.devices()[0]
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    rows, lines = [], []
+    cases = list(_cases(a.smoke))
+    for i, (name, mask) in enumerate(cases, 1):
+        cls, docs = mask_class(mask)
+        ms = {e: _measure(mask, e, a.reps) for e in ("pallas", "cudnn")}
+        for mode in ("fwd", "fwd+bwd"):
+            rows.append(
+                {
+                    "device": dev.device_kind,
+                    "class": cls,
+                    "tokens": mask.total_q,
+                    "docs": docs,
+                    "mode": mode,
+                    "heads": f"{_HEADS}:{_HEADS}",
+                    "head_dim": _HEAD_DIM,
+                    "pallas_ms": round(ms["pallas"][mode], 4),
+                    "cudnn_ms": round(ms["cudnn"][mode], 4),
+                    "date": stamp.isoformat(timespec="seconds"),
+                    "run": name,
+                }
+            )
+            lines.append(
+                f"| {name} | {cls} | {docs} | {mode} | {ms['pallas'][mode]:.3f} | "
+                f"{ms['cudnn'][mode]:.3f} | {ms['cudnn'][mode] / ms['pallas'][mode]:.3f} |"
+            )
+        print(f"[{i}/{len(cases)}] {lines[-2]}\n{' ' * 8}{lines[-1]}", flush=True)
+    meta = {
+        "date": stamp.isoformat(timespec="seconds"),
+        "device": dev.device_kind,
+        "jax": jax.__version__,
+        "argv": sys.argv,
+        "shape": f"bf16, Hq = Hkv = {_HEADS}, D = {_HEAD_DIM}, {_TOKENS_PER_CALL} tokens a call",
+        "reps": a.reps,
+    }
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(
+        a.out, f"engine_table_{stamp.strftime('%Y%m%d_%H%M')}_{dev.device_kind.replace(' ', '_')}"
+    )
+    with open(base + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(f"# Engine table run, {meta['date']}, {meta['device']}\n\n{meta['shape']}; ")
+        f.write(f"median of {a.reps}; jax {meta['jax']}\n\n")
+        f.write("| case | class | docs | mode | pallas ms | cudnn ms | cudnn / pallas |\n")
+        f.write("|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+    if not a.smoke:
+        _merge(rows)
+    print(f"wrote {base}.json/.md" + ("" if a.smoke else f" and {TABLE_PATH}"))
+
+
+if __name__ == "__main__":
+    main()
