@@ -309,7 +309,7 @@ def run_capacity(args, n):
     ]
     fixed = {} if args.overlap_degree is None else dict(overlap_degree=args.overlap_degree)
     cap = mj.PlanCapacity.from_masks(sample, mesh_size=n, headroom=args.capacity_headroom, **fixed)
-    dense = mj.PlanCapacity(args.seqlen).items
+    dense = mj.PlanCapacity(args.seqlen).items_at(n)
     return dataclasses.replace(cap, items=min(2 * cap.items, dense))
 
 

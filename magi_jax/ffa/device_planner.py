@@ -544,9 +544,6 @@ def device_plan(
     batch, t, s = shape
     total_q, total_k = batch * t, batch * s
     fwd_block, bwd_block = backend_blocks(backend, total_q, total_k)
-    # As plan_attention: every item on fwd_block tiles holds at most fwd_block[0] /
-    # bwd_block[0] items of the k-tile list.
-    per_item = max(1, fwd_block[0] // bwd_block[0])
     if segment_ids is not None:
         if t != s:
             raise ValueError(f"segment ids need T == S; got T={t}, S={s}")
@@ -573,6 +570,7 @@ def device_plan(
             f"packed rows hold B·T = {total_q} queries and B·S = {total_k} keys; build it "
             f"with PlanCapacity(total_q={total_q}, total_k={total_k}, items=...)"
         )
+    (fwd_cap, bwd_cap), _ = capacity.list_sizes(fwd_block, bwd_block)  # as plan_attention
     lengths = None
     if q_lengths is not None or kv_lengths is not None:
         full = lambda n: np.full((batch,), n, np.int32)
@@ -587,15 +585,15 @@ def device_plan(
         right,
         fwd_block=tuple(fwd_block),
         bwd_block=tuple(bwd_block),
-        fwd_cap=capacity.items,
-        bwd_cap=per_item * capacity.items,
+        fwd_cap=fwd_cap,
+        bwd_cap=bwd_cap,
         check_ids=check_ids or raise_now,
         lengths=lengths,
         dims=(batch, t, s),
     )
     checks = dict(
-        fwd_cap=capacity.items,
-        bwd_cap=per_item * capacity.items,
+        fwd_cap=fwd_cap,
+        bwd_cap=bwd_cap,
         total=f"total_q={total_q}" + ("" if total_k == total_q else f", total_k={total_k}"),
         row_len=max(t, 1),
     )

@@ -148,18 +148,12 @@ def plan_attention(
     name, _ = _resolve_backend(backend)
     tq, tk = mask.total_q, mask.total_k
     fwd_block, bwd_block = backend_blocks(name, tq, tk)
-    # The k-tile list steps over tiles of bwd_block rows; every item on fwd_block tiles holds
-    # at most fwd_block[0] / bwd_block[0] of them.
-    items = (capacity.items, capacity.items * max(1, fwd_block[0] // bwd_block[0]))
+    items, num_runs = capacity.list_sizes(fwd_block, bwd_block)
     one = np.zeros(len(mask.shapes.q0), np.int64)
     runs_q = work_list_runs(mask.shapes, one, 1, tq, tk, *fwd_block, "q")
     runs_k = work_list_runs(mask.shapes, one, 1, tq, tk, *bwd_block, "k")
     check_items(runs_q.per_rank, items[0])
     check_items(runs_k.per_rank, items[1])
-    num_runs = tuple(
-        n if bound is None else min(bound, n)
-        for bound, n in zip((capacity.q_runs, capacity.k_runs), items)
-    )
     check_runs(runs_q, num_runs[0], "q_runs")
     check_runs(runs_k, num_runs[1], "k_runs")
     stacked = plan_runs(runs_q, runs_k, num_runs)

@@ -4,7 +4,8 @@ Single device: :mod:`~magi_jax.planning.tiling` (work items),
 :mod:`~magi_jax.planning.work_list` (the work lists every FFA backend reads, one format;
 :mod:`~magi_jax.planning.item_runs` the runs of items they are built from),
 :mod:`~magi_jax.planning.capacity` (the bounds that fix a plan's shapes;
-:mod:`~magi_jax.planning.errors` the error when a mask needs more),
+:mod:`~magi_jax.planning.errors` the error when a mask needs more;
+:mod:`~magi_jax.planning.growth` the policy that grows it over a run),
 :mod:`~magi_jax.planning.backends` (the FFA backends' names),
 :mod:`~magi_jax.planning.persistent_kernels` (when the persistent kernels pay),
 :mod:`~magi_jax.planning.intervals` (integer ranges).

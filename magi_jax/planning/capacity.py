@@ -7,13 +7,20 @@ only the real work of a plan (its CSR offsets say where each tile's items end), 
 that a mask does not use costs memory, not time.
 
 A mask that needs more than its capacity holds is rejected with a ``ValueError`` that names
-the field and the value the mask needs (:class:`CapacityError`).
+the limit, the value the mask needs and the call that fixes it (:class:`CapacityError`).
+:meth:`PlanCapacity.list_sizes` turns a capacity into the sizes of one call's work lists
+(every planner sizes its lists there), :meth:`PlanCapacity.grow` is the one rule that
+enlarges a capacity (``from_masks``, the calibration and
+:class:`~magi_jax.planning.growth.CapacityPolicy` grow by it), and a capacity round-trips
+through a small JSON file (:meth:`PlanCapacity.save`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import json
+import os
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -28,6 +35,7 @@ __all__ = [
     "HEADROOM",
     "tile_count",
     "default_items",
+    "GROWN_FIELDS",
 ]
 
 # Work items are counted on tiles of this size (the forward list of the Mosaic GPU kernels):
@@ -45,11 +53,78 @@ def tile_count(tokens: int, block: int = CAPACITY_TILE) -> int:
     return max(1, -(-int(tokens) // block))
 
 
-def default_items(total_q: int, total_k: int) -> int:
-    """Work items of the default capacity: every tile of the dense ``Tq × Tk`` rectangle plus
-    room for slices that cut tiles (a tile cut by ``n`` slices holds ``n`` items)."""
+# The bounds a capacity measures and grows: each counts something per call (per rank and
+# stage under context parallelism), and a plan's array shapes follow from them.
+GROWN_FIELDS = (
+    "items",
+    "q_runs",
+    "k_runs",
+    "host_q_runs",
+    "host_k_runs",
+    "remote_kv",
+    "cast_width",
+    "send_runs",
+    "recv_runs",
+)
+
+
+def default_items(
+    total_q: int, total_k: int, mesh_size: int | None = None, chunk_size: int | None = None
+) -> int:
+    """Work items of the default capacity, enough for any mask of ``total_q × total_k``
+    whose documents or slices each hold a row or more.
+
+    Single device (``mesh_size=None``): every tile of the dense rectangle, plus one item for
+    every query row (a tile cut by ``n`` documents holds ``n`` items) and room for slices
+    that cut tiles. Context parallelism over ``mesh_size`` ranks (per rank and stage): a
+    rank's rows and keys come in chunks of ``chunk_size`` tokens (default: the capacity
+    keys' chunk), and a stage's slices are cut at chunk and tile boundaries, so the dense
+    count is (the rank's row pieces) × (the key pieces), plus one item per local row for
+    documents; at 1 rank the larger of this and the single-device count."""
     nq, nk = tile_count(total_q), tile_count(total_k)
-    return nq * nk + _BOUNDARY_ITEMS_PER_TILE_ROW * (nq + nk)
+    single = nq * nk + _BOUNDARY_ITEMS_PER_TILE_ROW * (nq + nk) + int(total_q)
+    if mesh_size is None:
+        return single
+    cp = int(mesh_size)
+    if chunk_size is None:
+        from magi_jax.planning.defaults import capacity_chunk_size
+
+        chunk_size = capacity_chunk_size(total_q, cp)
+    c = int(chunk_size)
+
+    def chunks(total):  # a multiple of cp (every rank owns as many)
+        return cp * -(-(-(-int(total) // c)) // cp)
+
+    def pieces(num_chunks, length):
+        """Chunk-and-tile pieces of ``length`` tokens cut into ``num_chunks`` chunks: the
+        larger count where one size divides the other (aligned), else both cuts."""
+        tiles = tile_count(length)
+        aligned = c % CAPACITY_TILE == 0 or CAPACITY_TILE % c == 0
+        return max(num_chunks, tiles) if aligned else num_chunks + tiles
+
+    n_q, n_k = chunks(total_q), max(chunks(total_q), chunks(total_k))
+    local = n_q // cp * c
+    per_rank = pieces(n_q // cp, local) * pieces(n_k, n_k * c) + local
+    return per_rank if cp > 1 else max(per_rank, single)
+
+
+def _mesh_sizes(value) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    values = (value,) if isinstance(value, (int, np.integer)) else value
+    try:
+        sizes = tuple(values)
+    except TypeError:
+        sizes = ()
+    ok = len(sizes) > 0 and all(
+        isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1 for v in sizes
+    )
+    if not ok:
+        raise ValueError(
+            f"PlanCapacity.mesh_size={value!r} must be a positive number of context-parallel "
+            "ranks (or a tuple of them, or None for any)"
+        )
+    return tuple(sorted({int(v) for v in sizes}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +137,9 @@ class PlanCapacity:
         plans are for exactly these lengths; context-parallel keys for this packed total.
       items: work items per call, counted as (slice, q-tile, k-tile) triples on tiles of
         :data:`CAPACITY_TILE` tokens (:func:`magi_jax.planning.tiling.tile_items`); each
-        backend sizes its own lists from it. Default :func:`default_items`: any mask whose
-        slices cut few tiles fits, dense ones included.
+        backend sizes its own lists from it (:meth:`list_sizes`). Default ``None``:
+        :func:`default_items` at the mesh size the plan is built for, which holds any mask of
+        these lengths, dense ones and many short documents included.
       remote_kv: context parallelism: KV tokens one rank fetches from the others, all remote
         stages together (default: every token it does not own).
       cast_width: context parallelism: KV tokens one rank sends to one other rank in one
@@ -97,6 +173,11 @@ class PlanCapacity:
         (a rank's queries on its own KV), whose lists hold far fewer runs than the remote
         stages' (a rank's own diagonal block against every other rank's keys). Default
         ``None``: ``q_runs`` / ``k_runs``; :meth:`from_masks` measures them apart.
+      mesh_size: the context-parallel mesh size(s) the capacity is built for (an int or a
+        tuple; ``1`` or absent: single-device plans too). Measured fields hold per rank of
+        one mesh size, so a key at a size not recorded here is refused (``ValueError``
+        naming ``mesh_size``). Default ``None``: any size (every field at its default holds
+        every mask at every size). :meth:`from_masks` records the size it measured at.
     """
 
     total_q: int
@@ -114,6 +195,7 @@ class PlanCapacity:
     backward_overlap_degree: int | None = None
     host_q_runs: int | None = None
     host_k_runs: int | None = None
+    mesh_size: int | tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.total_k is None:
@@ -125,8 +207,7 @@ class PlanCapacity:
                     f"PlanCapacity.{name}={value!r} must be a positive number of tokens"
                 )
             object.__setattr__(self, name, int(value))
-        if self.items is None:
-            object.__setattr__(self, "items", default_items(self.total_q, self.total_k))
+        object.__setattr__(self, "mesh_size", _mesh_sizes(self.mesh_size))
         for name in (
             "items",
             "q_runs",
@@ -204,8 +285,10 @@ class PlanCapacity:
                     "(without backward_overlap_degree), or two integer fields"
                 )
             fixed = {**fixed, "overlap_degree": pair[0], "backward_overlap_degree": pair[1]}
-        grow = lambda x: max(1, int(np.ceil(x * headroom)))
+        grow = lambda x: _grown(x, headroom)
         fields = dict(total_q=total_q, total_k=total_k)
+        if mesh_size is not None:
+            fields["mesh_size"] = int(mesh_size)
         # The measuring half lives beside capacity_needs (it plans the masks).
         from magi_jax.planning.cost_model import sample_needs
 
@@ -235,6 +318,103 @@ class PlanCapacity:
         fields.update(fixed)
         return cls(**fields)
 
+    def items_at(self, mesh_size: int | None = None, chunk_size: int | None = None) -> int:
+        """Work items per call at ``mesh_size`` ranks (``None``: a single-device plan): the
+        ``items`` field, or :func:`default_items` there (``chunk_size``: the keys' chunk,
+        default the capacity's)."""
+        if self.items is not None:
+            return self.items
+        return default_items(self.total_q, self.total_k, mesh_size, chunk_size or self.chunk_size)
+
+    def check_mesh_size(self, mesh_size: int) -> None:
+        """Raises ``ValueError`` naming ``mesh_size`` when the capacity is not built for
+        ``mesh_size`` ranks (its measured fields hold per rank of another mesh)."""
+        if self.mesh_size is None or int(mesh_size) in self.mesh_size:
+            return
+        have = self.mesh_size[0] if len(self.mesh_size) == 1 else self.mesh_size
+        raise ValueError(
+            f"this PlanCapacity is built for mesh_size={have} but the key's context-parallel "
+            f"axis has {int(mesh_size)} ranks: its bounds are per rank, so they do not carry "
+            f"to another mesh size. Build one for this mesh: PlanCapacity.from_masks(sample, "
+            f"mesh_size={int(mesh_size)}) (or PlanCapacity({self.total_q}, mesh_size="
+            f"{int(mesh_size)}))"
+        )
+
+    def grow(
+        self,
+        needs: Mapping[str, int | None] | None = None,
+        *,
+        headroom: float = HEADROOM,
+        mesh_size: int | None = None,
+        **more: int | None,
+    ) -> PlanCapacity:
+        """This capacity with every field of :data:`GROWN_FIELDS` that holds less than
+        ``needs`` (a mapping, or keyword arguments: ``capacity.grow(items=600)``) raised to
+        the need times ``headroom``; fields that hold enough (:meth:`held` at ``mesh_size``),
+        defaults that hold anything, and needs of ``None`` stay.
+        The one rule by which capacities grow (:meth:`from_masks`' headroom, the overlap
+        calibration, :class:`~magi_jax.planning.growth.CapacityPolicy`)."""
+        if headroom < 1:
+            raise ValueError(f"headroom={headroom} must be >= 1")
+        needs = {**(needs or {}), **more}
+        unknown = sorted(set(needs) - set(GROWN_FIELDS))
+        if unknown:
+            raise ValueError(f"grow: {unknown} are not fields that grow; use {GROWN_FIELDS}")
+        fields = {}
+        for name, need in needs.items():
+            if need is None:
+                continue
+            have = self.held(name, mesh_size)
+            if have is not None and int(need) > have:
+                fields[name] = _grown(int(need), headroom)
+        return dataclasses.replace(self, **fields) if fields else self
+
+    def held(self, name: str, mesh_size: int | None = None) -> int | None:
+        """What field ``name`` holds (its default resolved for ``items``, at ``mesh_size``
+        or the largest recorded one); ``None``: unbounded (a default that holds anything,
+        e.g. ``remote_kv``: every token a rank does not own)."""
+        if name == "items":
+            if mesh_size is None and self.mesh_size is not None:
+                return max(self.items_at(m) for m in self.mesh_size)
+            return self.items_at(mesh_size)
+        if name in ("host_q_runs", "host_k_runs") and getattr(self, name) is None:
+            return self.q_runs if name == "host_q_runs" else self.k_runs
+        return getattr(self, name)
+
+    # ---- a small file beside a checkpoint ----------------------------------------------
+
+    def to_dict(self) -> dict:
+        """The fields as JSON-ready values (``mesh_size`` a list or ``None``)."""
+        out = dataclasses.asdict(self)
+        if self.mesh_size is not None:
+            out["mesh_size"] = list(self.mesh_size)
+        return out
+
+    @classmethod
+    def from_dict(cls, fields: Mapping) -> PlanCapacity:
+        """The capacity of :meth:`to_dict`; unknown keys are an error naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"PlanCapacity fields {unknown} are unknown; known: {sorted(known)}")
+        return cls(**fields)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the capacity to ``path`` as JSON (a few hundred bytes), e.g. beside an
+        Orbax checkpoint, so a resumed run starts with the capacity it had grown to."""
+        with open(path, "w") as f:
+            json.dump({"PlanCapacity": self.to_dict()}, f, indent=1, sort_keys=True)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> PlanCapacity:
+        """The capacity :meth:`save` wrote to ``path``."""
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or "PlanCapacity" not in data:
+            raise ValueError(f"{os.fspath(path)!r} holds no PlanCapacity (write it with save)")
+        return cls.from_dict(data["PlanCapacity"])
+
     def runs(self, host: bool) -> tuple[int | None, int | None]:
         """``(q, k)`` run bounds of a host stage's lists (``host``) or of any other call's:
         ``host_q_runs`` / ``host_k_runs``, each defaulting to ``q_runs`` / ``k_runs``."""
@@ -245,8 +425,40 @@ class PlanCapacity:
             self.k_runs if self.host_k_runs is None else self.host_k_runs,
         )
 
+    def list_sizes(
+        self,
+        fwd_block: tuple[int, int],
+        bwd_block: tuple[int, int],
+        *,
+        mesh_size: int | None = None,
+        chunk_size: int | None = None,
+        host: bool = False,
+    ) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``(items, runs)``: the item and run widths ``(q-tile list, k-tile list)`` of one
+        call's work lists at this capacity — the one place a plan's list shapes come from
+        (single-device plans, traced segment-id plans and every stage of a key).
+
+        ``fwd_block`` / ``bwd_block``: the backend's ``(block_q, block_k)`` of the two
+        lists; the k-tile list steps over tiles of fewer rows where they differ (the Mosaic
+        GPU kernels: 64 against 128), and every q-list item holds at most that ratio of
+        them. ``mesh_size``: ranks of the key (``None``: a single-device plan),
+        ``chunk_size`` its dispatch chunk; ``host``: the host stage's run bounds
+        (:meth:`runs`). Runs never exceed a list's items (a run holds one or more)."""
+        per_item = max(1, int(fwd_block[0]) // int(bwd_block[0]))
+        n = self.items_at(mesh_size, chunk_size)
+        items = (n, n * per_item)
+        runs = tuple(
+            int(width) if bound is None else min(int(bound), int(width))
+            for bound, width in zip(self.runs(host), items)
+        )
+        return items, runs
+
     def check(self, field: str, needed: int, what: str = "this mask") -> None:
         """Raises :class:`CapacityError` when ``needed`` exceeds the capacity's ``field``."""
         have = getattr(self, field)
         if have is not None and needed > have:
             raise capacity_error(field, needed, have, what=what)
+
+
+def _grown(need: int, headroom: float) -> int:
+    return max(1, int(np.ceil(need * headroom)))

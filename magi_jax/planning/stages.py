@@ -53,14 +53,13 @@ from magi_jax.planning.solver import (
     solve_kv_dispatch,
 )
 from magi_jax.planning.work_list import (
-    backend_blocks,
     check_items,
     check_runs,
     plan_runs,
     work_list_runs,
 )
 
-if TYPE_CHECKING:  # annotations only: capacity.py reaches this module when it measures
+if TYPE_CHECKING:
     from magi_jax.planning.capacity import PlanCapacity
 
 __all__ = [
@@ -641,7 +640,7 @@ def cast_runs(
 
 
 def _build(mask, meta, degree, bq, bk, backend, capacity=None, kv=None) -> DistPlan:
-    cp, t_loc = meta.cp, meta.local_len
+    cp, t_loc, chunk = meta.cp, meta.local_len, meta.chunk_size
     num_remote = max(degree, 1)
     with _phase("rank_views"):
         geo = _geometry(mask, meta, kv)
@@ -692,7 +691,7 @@ def _build(mask, meta, degree, bq, bk, backend, capacity=None, kv=None) -> DistP
             num_slices = np.diff(rank.bounds).astype(np.int64)
             area = _rank_sums(flat.areas(), rank)
         ffa, items = _stage_lists(
-            flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, which == "host"
+            flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, which == "host", chunk
         )
         return StagePlan(
             ffa=ffa,
@@ -730,11 +729,12 @@ def _build(mask, meta, degree, bq, bk, backend, capacity=None, kv=None) -> DistP
 _SHAPE_FIELDS = ("q0", "q1", "k0", "k1", "dlo", "dhi")
 
 
-def _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, host):
+def _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, host, chunk):
     """One stage's FFA plan of every rank, stacked ``[cp, ...]``, and the widths of its item
     arrays: runs (:class:`~magi_jax.planning.work_list.FFAPlanRuns`) standing for lists of
-    the capacity's items (at ``capacity``; runs padded to :func:`_capacity_runs`, the host
-    stage's (``host``) to its own bounds) or of the longest rank's."""
+    the capacity's items (at ``capacity``; runs padded to its bounds, the host stage's
+    (``host``) to its own: :meth:`~magi_jax.planning.capacity.PlanCapacity.list_sizes`) or
+    of the longest rank's."""
     fwd_block, bwd_block = backend.blocks(t_loc, kv_len, bq, bk)
     with _phase("work_lists"):
         runs_q = work_list_runs(flat, rank.rank, cp, t_loc, kv_len, *fwd_block, "q")
@@ -743,34 +743,14 @@ def _stage_lists(flat, rank, cp, t_loc, kv_len, bq, bk, backend, capacity, host)
         items = (int(runs_q.per_rank.max(initial=0)), int(runs_k.per_rank.max(initial=0)))
         num_runs = None
     else:
-        items = _capacity_items(capacity, backend.name, t_loc, kv_len)
+        items, num_runs = capacity.list_sizes(
+            fwd_block, bwd_block, mesh_size=cp, chunk_size=chunk, host=host
+        )
         for r in range(cp):  # the first rank and list over the capacity, as padding
             check_items(runs_q.per_rank[r : r + 1], items[0])
             check_items(runs_k.per_rank[r : r + 1], items[1])
-        num_runs = _capacity_runs(capacity, items, host)
         fields = ("host_q_runs", "host_k_runs") if host else ("q_runs", "k_runs")
         check_runs(runs_q, num_runs[0], fields[0])
         check_runs(runs_k, num_runs[1], fields[1])
     with _phase("stack_pad"):
         return plan_runs(runs_q, runs_k, num_runs), items
-
-
-def _capacity_runs(
-    capacity: PlanCapacity, items: tuple[int, int], host: bool = False
-) -> tuple[int, int]:
-    """Runs of the q-tile and k-tile lists at ``capacity`` (lists of ``items``): its
-    ``q_runs`` / ``k_runs`` bounds (the host stage's: ``host_q_runs`` / ``host_k_runs``),
-    never more than a list's items (a run holds at least one)."""
-    return tuple(
-        int(n) if bound is None else min(int(bound), int(n))
-        for bound, n in zip(capacity.runs(host), items)
-    )
-
-
-def _capacity_items(capacity: PlanCapacity, backend: str, t_loc: int, kv_len: int):
-    """Items of the q-tile and k-tile lists at ``capacity``. The k-tile list steps over
-    tiles of fewer rows where the backend's two lists differ (the Mosaic GPU kernels: 64
-    against 128), and every q-list item holds at most that ratio of them."""
-    fwd_block, bwd_block = backend_blocks(backend, t_loc, kv_len)
-    ratio = max(1, fwd_block[0] // bwd_block[0])
-    return capacity.items, capacity.items * ratio

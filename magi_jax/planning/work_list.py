@@ -269,9 +269,7 @@ def pad_work_list(work: WorkList, num_items: int, field: str = "items") -> WorkL
     :class:`~magi_jax.planning.errors.CapacityError` naming ``field`` when it holds more."""
     have = len(work.items)
     if have > num_items:
-        raise capacity_error(
-            field, have, num_items, detail=" work items on one list", fix="more items"
-        )
+        raise capacity_error(field, have, num_items, detail=" work items on one list")
     extra = np.broadcast_to(EMPTY_ITEM, (num_items - have, NUM_FIELDS))
     items = np.concatenate([work.items, extra]).astype(np.int32)
     return WorkList(work.order.astype(np.int32), work.offsets.astype(np.int32), items)

@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from magi_jax.caches import Cache
 from magi_jax.masks import AttnMask
-from magi_jax.planning import HEADROOM, OverlapDegrees, PlanCapacity, capacity_needs
+from magi_jax.planning import OverlapDegrees, PlanCapacity, capacity_needs
 from magi_jax.sharding.attention import magi_attention
 from magi_jax.sharding.keys import (
     MAX_OVERLAP_DEGREE,
@@ -125,7 +125,8 @@ def calibrate_overlap(
         calibration then holds for the capacity, whatever mask within it; ``key_or_mask``
         is the sample it is measured on). Its own degrees are ignored; where a candidate
         degree needs more per stage than it holds, that candidate's capacity grows to the
-        sample's needs (times 1.25). Build the capacity for training with
+        sample's needs (:meth:`~magi_jax.planning.capacity.PlanCapacity.grow`). Build the
+        capacity for training with
         ``PlanCapacity.from_masks(sample, mesh_size=cp, overlap_degree=cal.degrees)``.
       candidates: the degrees tried (default 0 to 4), each in ``[0, MAX_OVERLAP_DEGREE]``.
       rounds: timed calls of each program per candidate (their median counts).
@@ -290,12 +291,9 @@ def _candidate_capacity(capacity, mask, cp, degree, chunk_size):
     """``capacity`` at ``degree`` (both directions), its per-stage bounds grown to what
     ``mask`` needs there where it holds less."""
     need = capacity_needs([mask], cp, chunk_size or capacity.chunk_size, degree, degree)
-    fields = dict(overlap_degree=degree, backward_overlap_degree=degree)
-    for name in ("items", "q_runs", "k_runs", "remote_kv", "cast_width", "send_runs", "recv_runs"):
-        have = getattr(capacity, name)
-        if have is not None and have < need[name]:
-            fields[name] = max(1, int(np.ceil(need[name] * HEADROOM)))
-    return dataclasses.replace(capacity, **fields)
+    grown = ("items", "q_runs", "k_runs", "remote_kv", "cast_width", "send_runs", "recv_runs")
+    capacity = capacity.grow({f: need[f] for f in grown}, mesh_size=cp)
+    return dataclasses.replace(capacity, overlap_degree=degree, backward_overlap_degree=degree)
 
 
 def timed_programs(

@@ -225,6 +225,7 @@ def _relay_layout(mesh, cp_axis, hierarchical, comm_backend, capacity):
 
 def _capacity_options(capacity, mask, cp, chunk_size, overlap_degree):
     """Chunk size and overlap degrees of a key at ``capacity`` (never from the mask)."""
+    capacity.check_mesh_size(cp)
     if (capacity.total_q, capacity.total_k) != (mask.total_q, mask.total_k):
         raise ValueError(
             f"capacity is for total_q={capacity.total_q}, total_k="
