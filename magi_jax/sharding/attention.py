@@ -30,7 +30,14 @@ from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.sharding.attention_checks import check_inputs, check_local_inputs
 from magi_jax.sharding.ffa_backends import get_backend
 from magi_jax.sharding.keys import MagiKey, is_checked
-from magi_jax.sharding.layout import PodSpecs, pod_specs
+from magi_jax.sharding.layout import (
+    DispatchedArray,
+    PodSpecs,
+    layout_tag,
+    open_dispatched,
+    pod_specs,
+    poison,
+)
 from magi_jax.sharding.transport import cast_rows, native, reduce_rows, start_reduce_rows
 
 # One rank's keys and values, [T, Hkv, D] and [T, Hkv, Dv] (or their gradients).
@@ -398,10 +405,12 @@ def magi_attention(
     one when the sequence needs no padding; a key made with ``check_dispatch=True`` (or
     ``MAGI_JAX_CHECK_DISPATCH=1``) rejects those too (:class:`~magi_jax.sharding.keys.CheckedKey`).
     """
+    typed = isinstance(q, DispatchedArray)
+    q, k, v, ok = _open_inputs(q, k, v, key)
     check_inputs(q, k, v, key)
     _check_options(softmax_scale, softcap)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return _global_attention(
+    res = _global_attention(
         q,
         k,
         v,
@@ -411,6 +420,27 @@ def magi_attention(
         softcap=float(softcap),
         max_logits=bool(return_max_logits),
     )
+    if ok is None and not typed:
+        return res
+    res = poison(res, ok)
+    if typed:  # the output stays in the key's layout: it keeps the key's plan id
+        out = DispatchedArray(res[0], key.plan_id, layout_tag(key, "q", q.ndim - 3))
+        res = (out,) + tuple(res[1:])
+    return res
+
+
+def _open_inputs(q, k, v, key: MagiKey):
+    """q, k, v as arrays, each :class:`~magi_jax.sharding.layout.DispatchedArray` among them
+    checked against ``key``; and the traced verdict (``None``: nothing left to check)."""
+    arrays, ok = [], None
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if isinstance(x, DispatchedArray):
+            role = "kv" if name != "q" else "q"
+            x, verdict = open_dispatched(x, key, "magi_attention", name, role)
+            if verdict is not None:
+                ok = verdict if ok is None else ok & verdict
+        arrays.append(x)
+    return (*arrays, ok)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "max_logits"))

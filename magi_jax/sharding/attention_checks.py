@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from magi_jax.sharding.keys import (
     MagiKey,
     axes_entry,
+    check_devices,
     check_key,
     cp_names,
     cp_ranks,
@@ -36,6 +37,8 @@ def check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, key: MagiKey) -> None
     key's FFA backend takes, and each in the dispatched layout as far as it can be seen
     (see below). ``ValueError`` / ``TypeError`` naming the input, the value and the fix."""
     check_key(key, "magi_attention", q, k, v)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_devices(key, "magi_attention", name, x, one_device=False)  # one: never dispatched
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not (hasattr(x, "ndim") and hasattr(x, "shape") and hasattr(x, "dtype")):
             raise TypeError(
