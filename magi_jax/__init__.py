@@ -10,7 +10,7 @@ The public names below are imported on first use, so that ``import magi_jax.mask
 
 from importlib import import_module as _import_module
 
-from magi_jax import _moved
+from magi_jax import _log, _moved  # noqa: F401  (_log: the logger, quiet by default)
 from magi_jax.masks import AttnMask, AttnMaskType
 
 _moved.install()

@@ -143,6 +143,7 @@ def _host_mask(dense, q_len, kv_len, b: int, t: int, s: int, left, right) -> Att
     return AttnMask.from_ranges(arr[:, :2], arr[:, 2:], types, rows * t, rows * s)
 
 
+@jax.named_scope("dot_product_attention")
 def dot_product_attention(
     query: jax.Array,
     key: jax.Array,

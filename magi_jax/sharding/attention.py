@@ -25,6 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from magi_jax._log import Retraces, changed_fields
 from magi_jax.ffa.plan import expand_lists
 from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.sharding.attention_checks import check_inputs, check_local_inputs
@@ -46,6 +47,7 @@ KV = tuple[jax.Array, jax.Array]
 __all__ = ["magi_attention", "magi_attention_local", "merge_partials", "PodSpecs", "pod_specs"]
 
 
+@jax.named_scope("merge_partials")
 def merge_partials(
     outs: Sequence[jax.Array], lses: Sequence[jax.Array], dtype: jnp.dtype
 ) -> tuple[jax.Array, jax.Array]:
@@ -101,6 +103,11 @@ class _StagesCfg(NamedTuple):
         return self._replace(stages=self.backward_stages, backward_stages=None)
 
 
+def _stage_name(i: int, stage) -> str:
+    """A stage's name in a profiler trace: ``stage0_host``, ``stage1_remote``, ..."""
+    return f"stage{i}_{'host' if stage.cast is None else 'remote'}"
+
+
 def stages_forward(
     q: jax.Array, kv: KV, stage_arrays: tuple, cfg: _StagesCfg, fetch: Callable[[int], KV]
 ) -> tuple[tuple[jax.Array, ...], list[KV | None]]:
@@ -113,8 +120,10 @@ def stages_forward(
         kw["return_max_logits"] = True
     outs, lses, peaks, used = [], [], [], []
     for i, (stage, (ffa_arrays, _)) in enumerate(zip(cfg.stages, stage_arrays)):
-        kk, vv = kv if stage.cast is None else fetch(i)
-        (o, l, *peak), _ = be.split_fwd(q, kk, vv, expand_lists(ffa_arrays, stage.items), **kw)
+        with jax.named_scope(_stage_name(i, stage)):
+            kk, vv = kv if stage.cast is None else fetch(i)
+            lists = expand_lists(ffa_arrays, stage.items)
+            (o, l, *peak), _ = be.split_fwd(q, kk, vv, lists, **kw)
         outs.append(o)
         lses.append(l)
         peaks += peak
@@ -167,29 +176,30 @@ def stages_backward(
     finish = None  # ends the started reduce
     for i in order:
         stage, (ffa_arrays, _) = cfg.stages[i], stage_arrays[i]
-        kk, vv = kv if stage.cast is None else fetch(i)
-        args = ((out, lse), q, kk, vv, expand_lists(ffa_arrays, stage.items), cts)
-        if starter is not None and i == remote[-1]:
-            pending = {}
-            own_rows = kv[0].shape[0] if stage.combined else 0
+        with jax.named_scope(_stage_name(i, stage) + "_bwd"):
+            kk, vv = kv if stage.cast is None else fetch(i)
+            args = ((out, lse), q, kk, vv, expand_lists(ffa_arrays, stage.items), cts)
+            if starter is not None and i == remote[-1]:
+                pending = {}
+                own_rows = kv[0].shape[0] if stage.combined else 0
 
-            def between(dk, dv):
-                if own_rows:  # (local rows, fetched rows) each
-                    rows, own = (dk[1], dv[1]), (dk[0], dv[0])
-                else:
-                    rows, own = (dk, dv), None
-                pending["token"], pending["done"] = starter(rows, own)
-                return pending["token"]
+                def between(dk, dv):
+                    if own_rows:  # (local rows, fetched rows) each
+                        rows, own = (dk[1], dv[1]), (dk[0], dv[0])
+                    else:
+                        rows, own = (dk, dv), None
+                    pending["token"], pending["done"] = starter(rows, own)
+                    return pending["token"]
 
-            dq_i, _, _, token = be.split_bwd(
-                *args, between_dkv_dq=between, split_kv_at=own_rows, **kw
-            )
-            finish = functools.partial(pending["done"], token)
-        else:
-            dq_i, dk_i, dv_i = be.split_bwd(*args, **kw)
-            rows = (dk_i, dv_i)
-            dkv = _add(dkv, up(rows) if stage.cast is None else send_back(i, rows, final))
-        dq = _add(dq, dq_i.astype(acc))
+                dq_i, _, _, token = be.split_bwd(
+                    *args, between_dkv_dq=between, split_kv_at=own_rows, **kw
+                )
+                finish = functools.partial(pending["done"], token)
+            else:
+                dq_i, dk_i, dv_i = be.split_bwd(*args, **kw)
+                rows = (dk_i, dv_i)
+                dkv = _add(dkv, up(rows) if stage.cast is None else send_back(i, rows, final))
+            dq = _add(dq, dq_i.astype(acc))
     if finish is not None:
         dkv = _add(dkv, finish())
     return dq, dkv
@@ -362,6 +372,7 @@ def _plan_guard(res, plan_id, key: MagiKey):
     return tuple(jnp.where(agree.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.nan) for x in res)
 
 
+@jax.named_scope("magi_attention")
 def magi_attention(
     q: jax.Array,
     k: jax.Array,
@@ -443,12 +454,74 @@ def _open_inputs(q, k, v, key: MagiKey):
     return (*arrays, ok)
 
 
+class _Traced(NamedTuple):
+    """What one trace of :func:`_global_attention` was specialised to (its jit cache key)."""
+
+    key_type: str
+    static: object  # KeyStatic
+    shapes: tuple
+    dtype: str
+    options: tuple
+
+
+def _describe_change(old: _Traced, new: _Traced) -> str:
+    parts = []
+    if old.key_type != new.key_type:
+        parts.append(f"key type {old.key_type} -> {new.key_type}")
+    if old.static != new.static:
+        fields = changed_fields(old.static, new.static)
+        part = "key fields changed: " + ", ".join(fields)
+        if "fingerprint" in fields:
+            part += (
+                " (a key of another mask: keys of one mask compile once per mask, keys built "
+                "at one PlanCapacity share one compilation)"
+            )
+        elif "capacity" in fields:
+            part += " (a key at another capacity)"
+        parts.append(part)
+    if old.shapes != new.shapes or old.dtype != new.dtype:
+        parts.append(f"inputs {old.shapes} {old.dtype} -> {new.shapes} {new.dtype}")
+    if old.options != new.options:
+        parts.append(f"options (scale, softcap, sink, max_logits) {old.options} -> {new.options}")
+    return "; ".join(parts) or "nothing visible changed"
+
+
+_RETRACES = Retraces(
+    "magi_attention",
+    _describe_change,
+    lambda old, new: (
+        old.static != new.static
+        and old.static.capacity is None
+        and new.static.capacity is None
+        and old.static.fingerprint != new.static.fingerprint
+    ),
+    "build the keys at one PlanCapacity (make_flex_key(..., capacity=cap)) and pass the key "
+    "to the jitted step as an argument: one compilation for every mask within it",
+)
+
+
+def _note_trace(q, k, v, key, sink, scale, softcap, max_logits):
+    """Logs a trace of :func:`_global_attention` (one per compilation of its caller)."""
+    _RETRACES.note(
+        (key.mesh, key.cp_axis),
+        _Traced(
+            type(key).__name__,
+            key.static,
+            (tuple(q.shape), tuple(k.shape), tuple(v.shape)),
+            str(q.dtype),
+            (scale, softcap, sink is not None, max_logits),
+        ),
+        f"mesh {dict(key.mesh.shape)} over {key.cp_axis!r}",
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "max_logits"))
 def _global_attention(q, k, v, key: MagiKey, sink, *, scale: float, softcap: float, max_logits):
     """:func:`magi_attention` past its checks, as one program: under a caller's ``jit`` it is
     inlined; called eagerly it compiles once per key structure and shapes (the key is an
     argument, as in a jitted training step), where an eager ``shard_map`` would run its body
     op by op and compile again at every call."""
+    _note_trace(q, k, v, key, sink, scale, softcap, max_logits)
     specs = pod_specs(key, q.ndim)
     hidden = is_checked(key)
 
@@ -500,6 +573,7 @@ def _global_attention(q, k, v, key: MagiKey, sink, *, scale: float, softcap: flo
     return apply_sink(*res[:2], sink) + tuple(res[2:])
 
 
+@jax.named_scope("magi_attention_local")
 def magi_attention_local(
     q: jax.Array,
     k: jax.Array,

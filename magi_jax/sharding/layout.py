@@ -197,6 +197,7 @@ def _dispatch_kv(x, key, axis, seq_axis):
     )
 
 
+@jax.named_scope("magi_dispatch")
 def dispatch(
     x: jax.typing.ArrayLike,
     key: MagiKey,
@@ -266,6 +267,7 @@ def dispatch(
     return shard_rows(y, key, axis)
 
 
+@jax.named_scope("magi_undispatch")
 def undispatch(
     x: jax.typing.ArrayLike, key: MagiKey, seq_axis: int = 0, *, role: str = "q"
 ) -> jax.Array:
@@ -369,6 +371,7 @@ def check_seq_axis(x: jax.Array, seq_axis: int, fn: str) -> int:
     return seq_axis % x.ndim
 
 
+@jax.named_scope("magi_position_ids")
 def position_ids(key: MagiKey, *, role: str = "q") -> jax.Array:
     """int32 ``[padded_total]`` (``[B, padded_total]`` for a batched key: each row's own): the
     global position of every dispatched token (for RoPE);

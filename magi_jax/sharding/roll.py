@@ -438,6 +438,7 @@ def _check_shift(shift):
     return shift
 
 
+@jax.named_scope("magi_roll")
 def roll(x: jax.Array, shift: int, key: MagiKey, *, seq_axis: int = 0) -> jax.Array:
     """``jnp.roll`` of the packed sequence, on an array in dispatched order.
 
