@@ -10,7 +10,8 @@ the key's ``[num_chunks]`` leaves: no token-level index exists, on the host or o
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -491,18 +492,18 @@ class DispatchedArray:
     dtype = property(lambda self: self.value.dtype)
     ndim = property(lambda self: self.value.ndim)
 
-    def tree_flatten(self):
+    def tree_flatten(self) -> tuple[tuple, _Tag]:
         return (self.value, self.plan_id), self.tag
 
-    def tree_flatten_with_keys(self):
+    def tree_flatten_with_keys(self) -> tuple[tuple, _Tag]:
         keys = jax.tree_util.GetAttrKey
         return ((keys("value"), self.value), (keys("plan_id"), self.plan_id)), self.tag
 
     @classmethod
-    def tree_unflatten(cls, tag: _Tag, children) -> DispatchedArray:
+    def tree_unflatten(cls, tag: _Tag, children: Sequence) -> DispatchedArray:
         return cls(*children, tag)
 
-    def map(self, fn, *others):
+    def map(self, fn: Callable[..., Any], *others: Any) -> Any:
         """``fn(self.value, *others)`` (other ``DispatchedArray`` arguments passed as their
         values), every array of the result a ``DispatchedArray`` of this layout. Arguments
         dispatched with another key raise (concrete ids) or make the result's plan id
@@ -564,7 +565,11 @@ def _combine(a, b, i):
 
 
 def open_dispatched(
-    x: DispatchedArray, key: MagiKey, fn: str = "open_dispatched", name: str = "x", role=None
+    x: DispatchedArray,
+    key: MagiKey,
+    fn: str = "open_dispatched",
+    name: str = "x",
+    role: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """``(x.value, ok)`` once ``x`` is checked against ``key``: ``ok`` is ``None`` when the
     check was made on the host (it raised ``ValueError`` if ``x`` was dispatched with
@@ -610,7 +615,7 @@ def open_dispatched(
     return x.value, jnp.all(mine == theirs)
 
 
-def poison(y, ok):
+def poison(y: Any, ok: jax.Array | None) -> Any:
     """``y`` (any pytree) with NaN in every floating array where ``ok`` is false (``ok``
     ``None``: nothing to do); integer arrays cannot hold NaN and pass unchanged."""
     if ok is None:

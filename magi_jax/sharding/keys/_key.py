@@ -326,7 +326,7 @@ def check_key(key: object, fn: str = "", *xs: object) -> None:
             return
 
 
-def device_ids(devices) -> str:
+def device_ids(devices: Any) -> str:
     """Device ids for messages: ``[0, 1, 2, 3]``."""
     return str(sorted(d.id for d in devices))
 
