@@ -65,12 +65,17 @@ class Retraces:
         self._lock = threading.Lock()
         self.log = get_logger("compile")
 
-    def note(self, family: Hashable, structure: Hashable, family_desc: str) -> None:
-        """One trace of ``structure`` in ``family`` (``family_desc`` names it in messages)."""
+    def note(
+        self, family: Hashable, structure: Hashable, family_desc: str, repeat: bool = True
+    ) -> None:
+        """One trace of ``structure`` in ``family`` (``family_desc`` names it in messages);
+        ``repeat``: log a structure seen before too (a trace, not a cached eager call)."""
         with self._lock:
             seen = self._seen.setdefault(family, collections.OrderedDict())
             if structure in seen:
                 seen.move_to_end(structure)
+                if not repeat:
+                    return
                 self.log.debug(
                     "%s traced again for a structure it has traced before (%s): the enclosing "
                     "function was traced again (another shape, dtype or sharding of its other "

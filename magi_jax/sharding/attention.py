@@ -421,6 +421,7 @@ def magi_attention(
     check_inputs(q, k, v, key)
     _check_options(softmax_scale, softcap)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    _note_trace(q, k, v, key, sink, float(scale), float(softcap), bool(return_max_logits))
     res = _global_attention(
         q,
         k,
@@ -501,7 +502,10 @@ _RETRACES = Retraces(
 
 
 def _note_trace(q, k, v, key, sink, scale, softcap, max_logits):
-    """Logs a trace of :func:`_global_attention` (one per compilation of its caller)."""
+    """Logs a new structure of :func:`_global_attention`'s call (a compilation: of the
+    caller's function when traced, of its own program when eager), and, when traced, a trace
+    of one seen before (the caller's function traced again)."""
+    traced = any(isinstance(x, jax.core.Tracer) for x in (q, k, v))
     _RETRACES.note(
         (key.mesh, key.cp_axis),
         _Traced(
@@ -512,6 +516,7 @@ def _note_trace(q, k, v, key, sink, scale, softcap, max_logits):
             (scale, softcap, sink is not None, max_logits),
         ),
         f"mesh {dict(key.mesh.shape)} over {key.cp_axis!r}",
+        repeat=traced,
     )
 
 
@@ -521,7 +526,6 @@ def _global_attention(q, k, v, key: MagiKey, sink, *, scale: float, softcap: flo
     inlined; called eagerly it compiles once per key structure and shapes (the key is an
     argument, as in a jitted training step), where an eager ``shard_map`` would run its body
     op by op and compile again at every call."""
-    _note_trace(q, k, v, key, sink, scale, softcap, max_logits)
     specs = pod_specs(key, q.ndim)
     hidden = is_checked(key)
 
