@@ -80,6 +80,10 @@ def test_typed_route_keeps_its_tag_through_token_wise_layers():
         mj.dispatch(h, ka)
     with pytest.raises(ValueError, match="laid out by another kind of key"):
         mj.magi_attention(q, k, v, _key(A, True))  # unchecked key, checked layout
+    with pytest.raises(ValueError, match="roll: x was dispatched with another key"):
+        mj.roll(h, -1, kb)
+    shifted = mj.roll(tokens, -1, ka)  # typed in, typed out, the tag kept
+    assert isinstance(shifted, mj.DispatchedArray) and shifted.tag == tokens.tag
 
 
 def test_keys_of_one_plan_agree():

@@ -126,6 +126,9 @@ def make_flex_key(
         sharded over the cp axis, even under ``jit`` on an Auto mesh — never has the
         dispatched length and is rejected ("dispatch first"). Costs a slice and a pad of
         q/k/v/out per call; for debugging, not for training runs. Self-attention keys only.
+        Arrays dispatched with another key of the same mesh (a stale key) are caught by
+        ``dispatch(x, key, typed=True)`` (:class:`~magi_jax.sharding.DispatchedArray`), not
+        by this layout.
       kv_layout: where the keys of a cross-attention mask live (``key.kv_layout`` says what
         was chosen). ``"auto"`` (default): ``"shared"`` for ``total_q == total_k`` (the
         self-attention plan: keys dispatched with the queries), otherwise
