@@ -5,9 +5,9 @@ typed route (``dispatch(..., typed=True)``: the stale-key check on the device), 
 once (keys at one capacity are arguments); the timings are medians of interleaved rounds.
 
 "Zero cost when off" is shown by the compiled program itself: the SHA-256 of the plain
-step's optimised HLO, metadata stripped (named scopes and source lines are metadata), is
-printed with ``--hlo-only``; run it on two trees to compare them (the plain path only, so it
-runs on trees without the typed route too).
+step's optimised HLO computations (source tables and metadata stripped, names numbered: the
+named scopes and source lines live there) is printed with ``--hlo-only``; run it on two
+trees to compare them (the plain path only, so it runs on trees without the typed route).
 
     python benchmarks/debug_checks_bench.py [--tokens 8192 --cp 4 --rounds 7]
     python benchmarks/debug_checks_bench.py --hlo-only
@@ -74,8 +74,13 @@ def _step(heads: int, kv_heads: int, dim: int):
 
 
 def _hlo_hash(compiled) -> tuple[str, int]:
+    """A fingerprint of the optimised program: its computations only (not the tables of
+    source files and frames before them), metadata stripped, and every name (which XLA
+    derives from the source's scopes) replaced by its order of first appearance."""
     text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
-    text = re.sub(r"^HloModule [^\n]*\n", "", text)
+    text = text[re.search(r"^(%|ENTRY )", text, re.M).start() :]
+    names: dict[str, str] = {}
+    text = re.sub(r"%[\w.\-]+", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), text)
     ops = sum(1 for line in text.splitlines() if " = " in line)
     return hashlib.sha256(text.encode()).hexdigest()[:16], ops
 
