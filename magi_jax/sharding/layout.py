@@ -481,7 +481,9 @@ class DispatchedArray:
 
     Token-wise layers run on ``.value`` through :meth:`map`, which keeps the plan id:
     ``h = x.map(embed)``, ``q, k, v = h.map(qkv_proj)``. A pytree (leaves: ``value`` and
-    ``plan_id``), so it passes through ``jax.jit`` and ``jax.grad`` like the array."""
+    ``plan_id``), so it passes through ``jax.jit`` like the array; differentiate with
+    respect to the parameters that ``map`` closes over, or to ``.value`` (the plan id is an
+    integer leaf, which ``jax.grad`` refuses)."""
 
     def __init__(self, value: jax.Array, plan_id: jax.Array | None, tag: _Tag) -> None:
         self.value = value
@@ -505,7 +507,8 @@ class DispatchedArray:
 
     def map(self, fn: Callable[..., Any], *others: Any) -> Any:
         """``fn(self.value, *others)`` (other ``DispatchedArray`` arguments passed as their
-        values), every array of the result a ``DispatchedArray`` of this layout. Arguments
+        values); every array of the result that keeps this array's rows along ``seq_axis``
+        is a ``DispatchedArray`` of this layout (others, e.g. a sum, come back plain). Arguments
         dispatched with another key raise (concrete ids) or make the result's plan id
         ``-1``, which no key matches (traced ids)."""
         plan_id = self.plan_id
@@ -521,7 +524,13 @@ class DispatchedArray:
                 o = o.value
             args.append(o)
         out = fn(self.value, *args)
-        wrap = lambda y: DispatchedArray(y, plan_id, self.tag) if hasattr(y, "shape") else y
+        axis, rows = self.tag.seq_axis, self.value.shape[self.tag.seq_axis]
+
+        def wrap(y):
+            if getattr(y, "ndim", 0) > axis and y.shape[axis] == rows:
+                return DispatchedArray(y, plan_id, self.tag)
+            return y
+
         return jax.tree.map(wrap, out)
 
     def __repr__(self):
