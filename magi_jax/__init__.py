@@ -10,7 +10,7 @@ The public names below are imported on first use, so that ``import magi_jax.mask
 
 from importlib import import_module as _import_module
 
-from magi_jax import _moved
+from magi_jax import _log, _moved  # noqa: F401  (_log: the logger, quiet by default)
 from magi_jax.masks import AttnMask, AttnMaskType
 
 _moved.install()
@@ -31,6 +31,7 @@ _LAZY = {
     "prefetch_keys": "magi_jax.prefetch",
     "clear_caches": "magi_jax.caches",
     "dispatch": "magi_jax.sharding",
+    "DispatchedArray": "magi_jax.sharding",
     "magi_attention": "magi_jax.sharding",
     "make_flex_key": "magi_jax.sharding",
     "make_batch_key": "magi_jax.sharding",
@@ -61,6 +62,7 @@ __all__ = [
     "prefetch_keys",
     "clear_caches",
     "dispatch",
+    "DispatchedArray",
     "magi_attention",
     "make_flex_key",
     "make_batch_key",

@@ -11,8 +11,11 @@ from __future__ import annotations
 import collections
 import functools
 import threading
+import time
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple, TypeVar
+
+from magi_jax._log import get_logger
 
 __all__ = ["Cache", "CacheInfo", "cached", "register", "clear_caches"]
 
@@ -20,6 +23,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 # Every cache's clear function, in the order they were made.
 _REGISTRY: list[Callable[[], None]] = []
 _REGISTRY_LOCK = threading.Lock()
+_LOG = get_logger("caches")
 
 
 class CacheInfo(NamedTuple):
@@ -68,7 +72,17 @@ class Cache:
                 self._hits += 1
                 return self._items[key]
             self._misses += 1
+        start = time.perf_counter()
         value = build()
+        if _LOG.isEnabledFor(10):  # DEBUG
+            _LOG.debug(
+                "cache %r: miss, built in %.3f s (%d hits, %d misses, %d held)",
+                self.name,
+                time.perf_counter() - start,
+                self._hits,
+                self._misses,
+                len(self._items),
+            )
         size = self._size_of(value) if self._size_of is not None else 0
         with self._lock:
             if key not in self._items:

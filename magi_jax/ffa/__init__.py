@@ -8,6 +8,9 @@ The ``pallas`` backend is :mod:`magi_jax.pallas`."""
 from magi_jax import _moved
 from magi_jax.ffa.api import BACKENDS, flex_flash_attention, select_backend
 from magi_jax.ffa.reference import dense_attention, reference_attention, reference_attention_vjp
+from magi_jax.masks import refuse_as_jit_argument
+
+refuse_as_jit_argument()  # JAX is imported now
 
 __all__ = [
     "flex_flash_attention",

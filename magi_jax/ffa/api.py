@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from magi_jax._log import Retraces
 from magi_jax.ffa.backends import BACKENDS, mla_reason, select_backend
 from magi_jax.ffa.plan import AttnPlan
 from magi_jax.ffa.sinks import apply_sink, check_sink
@@ -29,6 +30,14 @@ __all__ = [
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 MAX_HEAD_DIM = 256
 _log = logging.getLogger(__name__)
+# Traces with an AttnMask: each new mask is a new constant, so a compilation of the caller.
+_MASK_TRACES = Retraces(
+    "flex_flash_attention with an AttnMask",
+    lambda old, new: "another mask (an AttnMask is a compile-time constant)",
+    lambda old, new: True,
+    "pass the mask as data, an AttnPlan (mj.plan_attention(mask, mj.PlanCapacity(...))) as "
+    "an argument of the jitted function: one compilation for every mask within the capacity",
+)
 
 
 def _check_inputs(q, k, v, mask: AttnMask):
@@ -179,6 +188,7 @@ def check_qkv(
         )
 
 
+@jax.named_scope("flex_flash_attention")
 def flex_flash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -261,6 +271,8 @@ def flex_flash_attention(
             q, k, v, mask, scale, float(softcap), backend, block_q, block_k, return_max_logits
         )
     _check_inputs(q, k, v, mask)
+    if isinstance(q, jax.core.Tracer):
+        _MASK_TRACES.note((q.shape[-2:], k.shape[-2:]), mask.fingerprint, "masks of any shape")
     name, reason = select_backend(
         backend, q, k, v, mask, softcap=float(softcap), max_logits=return_max_logits
     )

@@ -247,6 +247,7 @@ def packed_attention(
     )
 
 
+@jax.named_scope("dot_product_attention")
 def dot_product_attention(
     query: jax.Array,
     key: jax.Array,

@@ -386,6 +386,7 @@ def _config(
     )
 
 
+@jax.named_scope("ffa_xla")
 def xla_ffa(
     q: jax.Array,
     k: jax.Array,
@@ -419,6 +420,7 @@ def xla_ffa(
     return _ffa_jit(q, k, v, _device(plan), cfg)
 
 
+@jax.named_scope("ffa_xla_fwd")
 def xla_ffa_forward(
     q: jax.Array,
     k: jax.Array,
@@ -444,6 +446,7 @@ def xla_ffa_forward(
     )
 
 
+@jax.named_scope("ffa_xla_bwd")
 def xla_ffa_backward(
     q: jax.Array,
     k: jax.Array,

@@ -22,7 +22,14 @@ from magi_jax.masks._builders import (
     row_runs,
     runs_to_mask,
 )
-from magi_jax.masks._mask import AttnMask, AttnMaskType, SliceShapes, shape_to_slices, window_bounds
+from magi_jax.masks._mask import (
+    AttnMask,
+    AttnMaskType,
+    SliceShapes,
+    refuse_as_jit_argument,
+    shape_to_slices,
+    window_bounds,
+)
 from magi_jax.masks._row_runs import DEFAULT_BLOCK, RowRuns
 from magi_jax.masks._zoo import (
     DOC_LENGTHS,
@@ -38,6 +45,7 @@ from magi_jax.masks._zoo import (
 
 __all__ = [
     "AttnMask",
+    "refuse_as_jit_argument",
     "AttnMaskType",
     "SliceShapes",
     "shape_to_slices",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -570,3 +571,29 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(a)
     a.setflags(write=False)
     return a
+
+
+def _refuse(mask: AttnMask):
+    raise TypeError(
+        f"an AttnMask ({mask!r}) cannot be an argument of a jitted function: a mask is a "
+        "compile-time constant (host slices), not an array. Close over it (jax.jit(lambda "
+        "q, k, v: mj.flex_flash_attention(q, k, v, mask))), mark it static "
+        "(jax.jit(f, static_argnames='mask'); each new mask compiles anew), or pass it as "
+        "data: an AttnPlan, mj.plan_attention(mask, mj.PlanCapacity(...)), whose arrays "
+        "serve every mask of one capacity with one compilation (under CP: a key built at "
+        "a capacity, make_flex_key(..., capacity=cap))"
+    )
+
+
+def refuse_as_jit_argument() -> None:
+    """Makes JAX's refusal of an :class:`AttnMask` passed to a jitted function say what to
+    do instead (JAX raises its own ``TypeError`` with this one as its cause, as it does for
+    a ``str``). Installed when JAX is imported (here if it already is, else by
+    :mod:`magi_jax.ffa`), so that importing the masks alone does not import JAX."""
+    import jax._src.core as jax_core  # the table JAX reads an argument's type from
+
+    jax_core.pytype_aval_mappings.setdefault(AttnMask, _refuse)
+
+
+if "jax" in sys.modules:
+    refuse_as_jit_argument()

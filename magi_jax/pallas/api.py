@@ -249,6 +249,7 @@ def _ffa_bwd(cfg, res, cts, between_dkv_dq=None, split_kv_at=0):
 _ffa.defvjp(_ffa_fwd, _ffa_bwd)
 
 
+@jax.named_scope("ffa_pallas")
 def ffa_pallas(
     q: jax.Array,
     k: jax.Array,
@@ -384,6 +385,7 @@ def _ffa_scheduled(q, k, v, plan, schedules, scale, softcap, interpret, max_logi
     return _ffa(q, k, v, plan, sched, cfg)
 
 
+@jax.named_scope("ffa_pallas_bwd")
 def ffa_pallas_backward(
     q: jax.Array,
     k: jax.Array,

@@ -40,11 +40,12 @@ from magi_jax.sharding.keys import (
     make_flex_key,
     make_varlen_key,
 )
-from magi_jax.sharding.layout import dispatch, position_ids, undispatch
+from magi_jax.sharding.layout import DispatchedArray, dispatch, position_ids, undispatch
 from magi_jax.sharding.roll import roll
 from magi_jax.sharding.transport import group_cast, group_reduce, native
 
 __all__ = [
+    "DispatchedArray",
     "MagiKey",
     "OverlapCalibration",
     "calibrate_overlap",

@@ -25,12 +25,20 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from magi_jax._log import Retraces, changed_fields
 from magi_jax.ffa.backends import get_backend
 from magi_jax.ffa.plan import expand_lists
 from magi_jax.ffa.sinks import apply_sink, check_sink
 from magi_jax.sharding.attention_checks import check_inputs, check_local_inputs
 from magi_jax.sharding.keys import MagiKey, is_checked
-from magi_jax.sharding.layout import PodSpecs, pod_specs
+from magi_jax.sharding.layout import (
+    DispatchedArray,
+    PodSpecs,
+    layout_tag,
+    open_dispatched,
+    pod_specs,
+    poison,
+)
 from magi_jax.sharding.transport import cast_rows, native, reduce_rows, start_reduce_rows
 
 # One rank's keys and values, [T, Hkv, D] and [T, Hkv, Dv] (or their gradients).
@@ -39,6 +47,7 @@ KV = tuple[jax.Array, jax.Array]
 __all__ = ["magi_attention", "magi_attention_local", "merge_partials", "PodSpecs", "pod_specs"]
 
 
+@jax.named_scope("merge_partials")
 def merge_partials(
     outs: Sequence[jax.Array], lses: Sequence[jax.Array], dtype: jnp.dtype
 ) -> tuple[jax.Array, jax.Array]:
@@ -94,6 +103,11 @@ class _StagesCfg(NamedTuple):
         return self._replace(stages=self.backward_stages, backward_stages=None)
 
 
+def _stage_name(i: int, stage) -> str:
+    """A stage's name in a profiler trace: ``stage0_host``, ``stage1_remote``, ..."""
+    return f"stage{i}_{'host' if stage.cast is None else 'remote'}"
+
+
 def stages_forward(
     q: jax.Array, kv: KV, stage_arrays: tuple, cfg: _StagesCfg, fetch: Callable[[int], KV]
 ) -> tuple[tuple[jax.Array, ...], list[KV | None]]:
@@ -106,8 +120,10 @@ def stages_forward(
         kw["return_max_logits"] = True
     outs, lses, peaks, used = [], [], [], []
     for i, (stage, (ffa_arrays, _)) in enumerate(zip(cfg.stages, stage_arrays)):
-        kk, vv = kv if stage.cast is None else fetch(i)
-        (o, l, *peak), _ = be.split_fwd(q, kk, vv, expand_lists(ffa_arrays, stage.items), **kw)
+        with jax.named_scope(_stage_name(i, stage)):
+            kk, vv = kv if stage.cast is None else fetch(i)
+            lists = expand_lists(ffa_arrays, stage.items)
+            (o, l, *peak), _ = be.split_fwd(q, kk, vv, lists, **kw)
         outs.append(o)
         lses.append(l)
         peaks += peak
@@ -160,29 +176,30 @@ def stages_backward(
     finish = None  # ends the started reduce
     for i in order:
         stage, (ffa_arrays, _) = cfg.stages[i], stage_arrays[i]
-        kk, vv = kv if stage.cast is None else fetch(i)
-        args = ((out, lse), q, kk, vv, expand_lists(ffa_arrays, stage.items), cts)
-        if starter is not None and i == remote[-1]:
-            pending = {}
-            own_rows = kv[0].shape[0] if stage.combined else 0
+        with jax.named_scope(_stage_name(i, stage) + "_bwd"):
+            kk, vv = kv if stage.cast is None else fetch(i)
+            args = ((out, lse), q, kk, vv, expand_lists(ffa_arrays, stage.items), cts)
+            if starter is not None and i == remote[-1]:
+                pending = {}
+                own_rows = kv[0].shape[0] if stage.combined else 0
 
-            def between(dk, dv):
-                if own_rows:  # (local rows, fetched rows) each
-                    rows, own = (dk[1], dv[1]), (dk[0], dv[0])
-                else:
-                    rows, own = (dk, dv), None
-                pending["token"], pending["done"] = starter(rows, own)
-                return pending["token"]
+                def between(dk, dv):
+                    if own_rows:  # (local rows, fetched rows) each
+                        rows, own = (dk[1], dv[1]), (dk[0], dv[0])
+                    else:
+                        rows, own = (dk, dv), None
+                    pending["token"], pending["done"] = starter(rows, own)
+                    return pending["token"]
 
-            dq_i, _, _, token = be.split_bwd(
-                *args, between_dkv_dq=between, split_kv_at=own_rows, **kw
-            )
-            finish = functools.partial(pending["done"], token)
-        else:
-            dq_i, dk_i, dv_i = be.split_bwd(*args, **kw)
-            rows = (dk_i, dv_i)
-            dkv = _add(dkv, up(rows) if stage.cast is None else send_back(i, rows, final))
-        dq = _add(dq, dq_i.astype(acc))
+                dq_i, _, _, token = be.split_bwd(
+                    *args, between_dkv_dq=between, split_kv_at=own_rows, **kw
+                )
+                finish = functools.partial(pending["done"], token)
+            else:
+                dq_i, dk_i, dv_i = be.split_bwd(*args, **kw)
+                rows = (dk_i, dv_i)
+                dkv = _add(dkv, up(rows) if stage.cast is None else send_back(i, rows, final))
+            dq = _add(dq, dq_i.astype(acc))
     if finish is not None:
         dkv = _add(dkv, finish())
     return dq, dkv
@@ -355,6 +372,7 @@ def _plan_guard(res, plan_id, key: MagiKey):
     return tuple(jnp.where(agree.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.nan) for x in res)
 
 
+@jax.named_scope("magi_attention")
 def magi_attention(
     q: jax.Array,
     k: jax.Array,
@@ -398,10 +416,13 @@ def magi_attention(
     one when the sequence needs no padding; a key made with ``check_dispatch=True`` (or
     ``MAGI_JAX_CHECK_DISPATCH=1``) rejects those too (:class:`~magi_jax.sharding.keys.CheckedKey`).
     """
+    typed = isinstance(q, DispatchedArray)
+    q, k, v, ok = _open_inputs(q, k, v, key)
     check_inputs(q, k, v, key)
     _check_options(softmax_scale, softcap)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return _global_attention(
+    _note_trace(q, k, v, key, sink, float(scale), float(softcap), bool(return_max_logits))
+    res = _global_attention(
         q,
         k,
         v,
@@ -410,6 +431,92 @@ def magi_attention(
         scale=float(scale),
         softcap=float(softcap),
         max_logits=bool(return_max_logits),
+    )
+    if ok is None and not typed:
+        return res
+    res = poison(res, ok)
+    if typed:  # the output stays in the key's layout: it keeps the key's plan id
+        out = DispatchedArray(res[0], key.plan_id, layout_tag(key, "q", q.ndim - 3))
+        res = (out,) + tuple(res[1:])
+    return res
+
+
+def _open_inputs(q, k, v, key: MagiKey):
+    """q, k, v as arrays, each :class:`~magi_jax.sharding.layout.DispatchedArray` among them
+    checked against ``key``; and the traced verdict (``None``: nothing left to check)."""
+    arrays, ok = [], None
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if isinstance(x, DispatchedArray):
+            role = "kv" if name != "q" else "q"
+            x, verdict = open_dispatched(x, key, "magi_attention", name, role)
+            if verdict is not None:
+                ok = verdict if ok is None else ok & verdict
+        arrays.append(x)
+    return (*arrays, ok)
+
+
+class _Traced(NamedTuple):
+    """What one trace of :func:`_global_attention` was specialised to (its jit cache key)."""
+
+    key_type: str
+    static: object  # KeyStatic
+    shapes: tuple
+    dtype: str
+    options: tuple
+
+
+def _describe_change(old: _Traced, new: _Traced) -> str:
+    parts = []
+    if old.key_type != new.key_type:
+        parts.append(f"key type {old.key_type} -> {new.key_type}")
+    if old.static != new.static:
+        fields = changed_fields(old.static, new.static)
+        part = "key fields changed: " + ", ".join(fields)
+        if "fingerprint" in fields:
+            part += (
+                " (a key of another mask: keys of one mask compile once per mask, keys built "
+                "at one PlanCapacity share one compilation)"
+            )
+        elif "capacity" in fields:
+            part += " (a key at another capacity)"
+        parts.append(part)
+    if old.shapes != new.shapes or old.dtype != new.dtype:
+        parts.append(f"inputs {old.shapes} {old.dtype} -> {new.shapes} {new.dtype}")
+    if old.options != new.options:
+        parts.append(f"options (scale, softcap, sink, max_logits) {old.options} -> {new.options}")
+    return "; ".join(parts) or "nothing visible changed"
+
+
+_RETRACES = Retraces(
+    "magi_attention",
+    _describe_change,
+    lambda old, new: (
+        old.static != new.static
+        and old.static.capacity is None
+        and new.static.capacity is None
+        and old.static.fingerprint != new.static.fingerprint
+    ),
+    "build the keys at one PlanCapacity (make_flex_key(..., capacity=cap)) and pass the key "
+    "to the jitted step as an argument: one compilation for every mask within it",
+)
+
+
+def _note_trace(q, k, v, key, sink, scale, softcap, max_logits):
+    """Logs a new structure of :func:`_global_attention`'s call (a compilation: of the
+    caller's function when traced, of its own program when eager), and, when traced, a trace
+    of one seen before (the caller's function traced again)."""
+    traced = any(isinstance(x, jax.core.Tracer) for x in (q, k, v))
+    _RETRACES.note(
+        (key.mesh, key.cp_axis),
+        _Traced(
+            type(key).__name__,
+            key.static,
+            (tuple(q.shape), tuple(k.shape), tuple(v.shape)),
+            str(q.dtype),
+            (scale, softcap, sink is not None, max_logits),
+        ),
+        f"mesh {dict(key.mesh.shape)} over {key.cp_axis!r}",
+        repeat=traced,
     )
 
 
@@ -470,6 +577,7 @@ def _global_attention(q, k, v, key: MagiKey, sink, *, scale: float, softcap: flo
     return apply_sink(*res[:2], sink) + tuple(res[2:])
 
 
+@jax.named_scope("magi_attention_local")
 def magi_attention_local(
     q: jax.Array,
     k: jax.Array,

@@ -17,6 +17,7 @@ from magi_jax.ffa.api import check_qkv
 from magi_jax.sharding.keys import (
     MagiKey,
     axes_entry,
+    check_devices,
     check_key,
     cp_names,
     cp_ranks,
@@ -43,6 +44,8 @@ def check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, key: MagiKey) -> None
         caller="magi_attention",
         layout="[padded_total, H, D] or [B, padded_total, H, D] (dispatched tokens)",
     )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_devices(key, "magi_attention", name, x, one_device=False)  # one: never dispatched
     for name, x in (("q", q), ("k", k), ("v", v)):
         if name != "q" and key.cross:
             if x.shape[-3] != key.kv_padded_total:

@@ -10,7 +10,8 @@ the key's ``[num_chunks]`` leaves: no token-level index exists, on the host or o
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +20,22 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from magi_jax.caches import cached
-from magi_jax.sharding.keys import ROLES, MagiKey, axes_entry, check_key, is_checked, rows_desc
+from magi_jax.sharding.keys import (
+    ROLES,
+    MagiKey,
+    axes_entry,
+    check_devices,
+    check_key,
+    device_ids,
+    is_checked,
+    rows_desc,
+)
 
 __all__ = [
+    "DispatchedArray",
+    "open_dispatched",
+    "layout_tag",
+    "poison",
     "dispatch",
     "PodSpecs",
     "pod_specs",
@@ -184,9 +198,15 @@ def _dispatch_kv(x, key, axis, seq_axis):
     )
 
 
+@jax.named_scope("magi_dispatch")
 def dispatch(
-    x: jax.typing.ArrayLike, key: MagiKey, seq_axis: int = 0, *, role: str = "q"
-) -> jax.Array:
+    x: jax.typing.ArrayLike,
+    key: MagiKey,
+    seq_axis: int = 0,
+    *,
+    role: str = "q",
+    typed: bool = False,
+) -> jax.Array | DispatchedArray:
     """Natural order -> dispatched order along ``seq_axis`` (``total`` -> ``padded_total``
     rows), sharded over the cp axis: rank ``r`` holds rows ``[r·local_len, (r+1)·local_len)``;
     padding rows are zero. Differentiable (the VJP gathers the cotangent back).
@@ -195,10 +215,27 @@ def dispatch(
     same as queries; for cross-attention keys the layout ``key.kv_layout`` names:
     ``"replicated"`` returns ``x`` replicated on every rank (``total_k`` rows, no padding),
     ``"dispatched"`` permutes it to ``key.kv_padded_total`` rows, rank ``r`` holding rows
-    ``[r·kv_local_len, (r+1)·kv_local_len)``. Call it for k and v whatever the layout."""
+    ``[r·kv_local_len, (r+1)·kv_local_len)``. Call it for k and v whatever the layout.
+
+    ``typed=True`` returns a :class:`DispatchedArray`: the array with the key's plan id, so
+    that :func:`~magi_jax.magi_attention` and :func:`undispatch` can tell a key other than
+    the one it was dispatched with (see there)."""
     check_key(key, "dispatch", x)
     _check_role(role, "dispatch")
+    if isinstance(x, DispatchedArray):
+        raise ValueError(
+            "dispatch: x is a DispatchedArray, already in a key's dispatched layout; "
+            "dispatching it again would scramble its rows (pass it to magi_attention as it "
+            "is, or undispatch it first)"
+        )
+    if not isinstance(typed, bool):
+        raise TypeError(f"dispatch: typed={typed!r} must be a bool")
+    if typed:
+        y = dispatch(x, key, seq_axis, role=role)
+        tag = layout_tag(key, role, check_seq_axis(y, seq_axis, "dispatch"))
+        return DispatchedArray(y, key.plan_id, tag)
     x = _as_array(x, "dispatch")
+    check_devices(key, "dispatch", "x", x)
     axis = check_seq_axis(x, seq_axis, "dispatch")
     _check_rows(x, key, axis, "dispatch")
     if _kv_role(key, role):
@@ -231,16 +268,22 @@ def dispatch(
     return shard_rows(y, key, axis)
 
 
+@jax.named_scope("magi_undispatch")
 def undispatch(
     x: jax.typing.ArrayLike, key: MagiKey, seq_axis: int = 0, *, role: str = "q"
 ) -> jax.Array:
     """Dispatched -> natural order along ``seq_axis`` (``padded_total`` -> ``total`` rows,
     padding dropped). Differentiable (padding rows get zero cotangent). ``role="kv"``: the
     inverse of ``dispatch(..., role="kv")`` (``key.kv_padded_total`` -> ``total_k`` rows; a
-    replicated layout comes back as it is)."""
+    replicated layout comes back as it is). A :class:`DispatchedArray` is checked against
+    the key first (:func:`open_dispatched`)."""
     check_key(key, "undispatch", x)
     _check_role(role, "undispatch")
+    if isinstance(x, DispatchedArray):
+        x, ok = open_dispatched(x, key, "undispatch", "x", role)
+        return poison(undispatch(x, key, seq_axis, role=role), ok)
     x = _as_array(x, "undispatch")
+    check_devices(key, "undispatch", "x", x)
     axis = check_seq_axis(x, seq_axis, "undispatch")
     _check_rows(x, key, axis, "undispatch")
     if _kv_role(key, role):
@@ -329,6 +372,7 @@ def check_seq_axis(x: jax.Array, seq_axis: int, fn: str) -> int:
     return seq_axis % x.ndim
 
 
+@jax.named_scope("magi_position_ids")
 def position_ids(key: MagiKey, *, role: str = "q") -> jax.Array:
     """int32 ``[padded_total]`` (``[B, padded_total]`` for a batched key: each row's own): the
     global position of every dispatched token (for RoPE);
@@ -393,3 +437,204 @@ def pod_specs(key: MagiKey, ndim: int) -> PodSpecs:
     kv = P(*lead, None, heads) if key.kv_layout == "replicated" else q
     plan = P(batch, key.cp_axis) if key.batched else P(key.cp_axis)
     return PodSpecs(q, kv, P(*lead, key.cp_axis, heads), P(*lead, heads), plan)
+
+
+# ---- the typed route: arrays that remember their key --------------------------------------
+#
+# A stale key (arrays dispatched with key A, attended with key B of the same mesh and
+# capacity) cannot be seen on plain arrays: the two layouts have the same shape and
+# sharding, and values carry nothing that survives the model's token-wise layers. So the
+# typed route carries the key with the array: a pytree whose leaves are the array and the
+# key's plan id (a fingerprint of the mask and its dispatch, [cp] int32 sharded like the
+# plan), its static part the mesh and layout (as splash attention's kernel object carries
+# its mask info through jit). Concrete plan ids are compared on the host (an error); traced
+# ones on the device, one scalar all-reduce and one select over the output (NaN rows).
+
+
+class _Tag(NamedTuple):
+    """The static part of a :class:`DispatchedArray`: where and how it was laid out."""
+
+    mesh: jax.sharding.Mesh
+    cp_axis: str | tuple[str, ...]
+    role: str
+    seq_axis: int
+    checked: bool
+
+
+def layout_tag(key: MagiKey, role: str, seq_axis: int) -> _Tag:
+    """The tag of an array laid out by ``key`` for ``role`` (the keys of a self-attention
+    key are laid out like the queries: one role)."""
+    return _Tag(key.mesh, key.cp_axis, role if key.cross else "q", seq_axis, is_checked(key))
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class DispatchedArray:
+    """An array in a key's dispatched layout, with the key's plan id: what
+    ``mj.dispatch(x, key, typed=True)`` returns.
+
+    :func:`~magi_jax.magi_attention`, :func:`undispatch` and :func:`open_dispatched` compare
+    its plan id with their key's: a key built for another mask (a batch paired with the
+    wrong key) raises ``ValueError`` where the ids are concrete (eager calls, or a key and
+    array both closed over) and gives NaN outputs where they are traced (under ``jit``);
+    a key of another mesh, another layout (``role``, ``check_dispatch``) or a second
+    ``dispatch`` raises at trace time. Keys of one mask (the same plan) agree.
+
+    Token-wise layers run on ``.value`` through :meth:`map`, which keeps the plan id:
+    ``h = x.map(embed)``, ``q, k, v = h.map(qkv_proj)``. A pytree (leaves: ``value`` and
+    ``plan_id``), so it passes through ``jax.jit`` like the array; differentiate with
+    respect to the parameters that ``map`` closes over, or to ``.value`` (the plan id is an
+    integer leaf, which ``jax.grad`` refuses)."""
+
+    def __init__(self, value: jax.Array, plan_id: jax.Array | None, tag: _Tag) -> None:
+        self.value = value
+        self.plan_id = plan_id
+        self.tag = tag
+
+    shape = property(lambda self: self.value.shape)
+    dtype = property(lambda self: self.value.dtype)
+    ndim = property(lambda self: self.value.ndim)
+
+    def tree_flatten(self) -> tuple[tuple, _Tag]:
+        return (self.value, self.plan_id), self.tag
+
+    def tree_flatten_with_keys(self) -> tuple[tuple, _Tag]:
+        keys = jax.tree_util.GetAttrKey
+        return ((keys("value"), self.value), (keys("plan_id"), self.plan_id)), self.tag
+
+    @classmethod
+    def tree_unflatten(cls, tag: _Tag, children: Sequence) -> DispatchedArray:
+        return cls(*children, tag)
+
+    def map(self, fn: Callable[..., Any], *others: Any) -> Any:
+        """``fn(self.value, *others)`` (other ``DispatchedArray`` arguments passed as their
+        values); every array of the result that keeps this array's rows along ``seq_axis``
+        is a ``DispatchedArray`` of this layout (others, e.g. a sum, come back plain). Arguments
+        dispatched with another key raise (concrete ids) or make the result's plan id
+        ``-1``, which no key matches (traced ids)."""
+        plan_id = self.plan_id
+        args = []
+        for i, o in enumerate(others):
+            if isinstance(o, DispatchedArray):
+                if o.tag != self.tag:
+                    raise ValueError(
+                        f"DispatchedArray.map: argument {i + 1} was laid out otherwise "
+                        f"({_describe(o.tag)}) than this array ({_describe(self.tag)})"
+                    )
+                plan_id = _combine(plan_id, o.plan_id, i + 1)
+                o = o.value
+            args.append(o)
+        out = fn(self.value, *args)
+        axis, rows = self.tag.seq_axis, self.value.shape[self.tag.seq_axis]
+
+        def wrap(y):
+            if getattr(y, "ndim", 0) > axis and y.shape[axis] == rows:
+                return DispatchedArray(y, plan_id, self.tag)
+            return y
+
+        return jax.tree.map(wrap, out)
+
+    def __repr__(self):
+        return f"DispatchedArray({_describe(self.tag)}, value={self.value!r})"
+
+
+def _describe(tag: _Tag) -> str:
+    check = ", check_dispatch=True" if tag.checked else ""
+    return (
+        f"mesh {dict(tag.mesh.shape)} of devices {device_ids(tag.mesh.devices.flat)}, "
+        f"cp_axis={tag.cp_axis!r}, role={tag.role!r}, seq_axis={tag.seq_axis}{check}"
+    )
+
+
+def _ids(a: np.ndarray) -> str:
+    """Plan ids for messages: one number when every rank holds the same."""
+    flat = a.ravel()
+    return str(int(flat[0])) if flat.size and (flat == flat[0]).all() else str(flat.tolist())
+
+
+def _concrete(a) -> bool:
+    return a is None or (
+        not isinstance(a, jax.core.Tracer)
+        and (not isinstance(a, jax.Array) or a.is_fully_addressable)
+    )
+
+
+def _combine(a, b, i):
+    """Plan ids of two arrays combined: ``a`` where they agree, ``-1`` elsewhere."""
+    if a is None or b is None:
+        return a if b is None else b
+    if _concrete(a) and _concrete(b):
+        if not np.array_equal(np.asarray(a), np.asarray(b)):
+            raise ValueError(
+                f"DispatchedArray.map: argument {i} was dispatched with another key (plan "
+                f"id {_ids(np.asarray(b))} against {_ids(np.asarray(a))}): arrays of "
+                "different packings cannot be combined row by row"
+            )
+        return a
+    return jnp.where(a == b, a, -1)
+
+
+def open_dispatched(
+    x: DispatchedArray,
+    key: MagiKey,
+    fn: str = "open_dispatched",
+    name: str = "x",
+    role: str | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """``(x.value, ok)`` once ``x`` is checked against ``key``: ``ok`` is ``None`` when the
+    check was made on the host (it raised ``ValueError`` if ``x`` was dispatched with
+    another key, naming the mistake), or a traced bool ``[]`` to pass to :func:`poison`.
+    A layout that differs statically (another mesh or cp axis, the other ``role``, a
+    ``check_dispatch`` key against an unchecked one) raises at trace time."""
+    if not isinstance(x, DispatchedArray):
+        raise TypeError(f"{fn}: {name} must be a DispatchedArray; got {type(x).__name__}")
+    check_key(key, fn)
+    want = layout_tag(key, x.tag.role if role is None else role, x.tag.seq_axis)
+    if x.tag.mesh != key.mesh or x.tag.cp_axis != key.cp_axis:
+        raise ValueError(
+            f"{fn}: {name} was dispatched with a key of another mesh ({_describe(x.tag)}); "
+            f"this key is on mesh {dict(key.mesh.shape)} of devices "
+            f"{device_ids(key.mesh.devices.flat)}, cp_axis={key.cp_axis!r}. "
+            f"Attend with the key {name} was dispatched with, or build the keys on one mesh"
+        )
+    if x.tag.checked != want.checked or x.tag.role != want.role:
+        raise ValueError(
+            f"{fn}: {name} was laid out by another kind of key ({_describe(x.tag)}; this "
+            f"call wants {_describe(want)}): dispatch and attend with the same key"
+        )
+    mine, theirs = key.plan_id, x.plan_id
+    if mine is None or theirs is None:
+        return x.value, None  # a key built by hand carries no plan id
+    if _concrete(mine) and _concrete(theirs):
+        a, b = np.asarray(theirs), np.asarray(mine)
+        if a.shape != b.shape or not np.array_equal(a, b):
+            raise ValueError(
+                f"{fn}: {name} was dispatched with another key: its plan id "
+                f"{_ids(a)} is not this key's {_ids(b)} (a "
+                "key of another mask, or another dispatch): its rows are in another order, "
+                f"and attending them with this key gives a wrong answer. Dispatch {name} with "
+                "this key (mj.dispatch(x, key, typed=True)), or pass the key it was "
+                "dispatched with"
+            )
+        return x.value, None
+    if mine.shape != theirs.shape:
+        raise ValueError(
+            f"{fn}: {name} was dispatched with another key (plan ids of shape "
+            f"{tuple(theirs.shape)}, this key's {tuple(mine.shape)})"
+        )
+    return x.value, jnp.all(mine == theirs)
+
+
+def poison(y: Any, ok: jax.Array | None) -> Any:
+    """``y`` (any pytree) with NaN in every floating array where ``ok`` is false (``ok``
+    ``None``: nothing to do); integer arrays cannot hold NaN and pass unchanged."""
+    if ok is None:
+        return y
+
+    def put(a):
+        if isinstance(a, DispatchedArray):
+            return DispatchedArray(put(a.value), a.plan_id, a.tag)
+        if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact):
+            return jnp.where(ok, a, jnp.nan)
+        return a
+
+    return jax.tree.map(put, y, is_leaf=lambda a: isinstance(a, DispatchedArray))

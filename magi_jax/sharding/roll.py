@@ -37,7 +37,14 @@ from jax.sharding import PartitionSpec as P
 
 from magi_jax.caches import Cache
 from magi_jax.sharding.keys import MagiKey, axes_entry, check_key, put_global, rows_desc
-from magi_jax.sharding.layout import check_seq_axis, merge_axes, split_axis
+from magi_jax.sharding.layout import (
+    DispatchedArray,
+    check_seq_axis,
+    merge_axes,
+    open_dispatched,
+    poison,
+    split_axis,
+)
 
 __all__ = ["roll", "roll_tables", "RollTables", "clear_roll_cache"]
 
@@ -438,6 +445,7 @@ def _check_shift(shift):
     return shift
 
 
+@jax.named_scope("magi_roll")
 def roll(x: jax.Array, shift: int, key: MagiKey, *, seq_axis: int = 0) -> jax.Array:
     """``jnp.roll`` of the packed sequence, on an array in dispatched order.
 
@@ -487,6 +495,10 @@ def roll(x: jax.Array, shift: int, key: MagiKey, *, seq_axis: int = 0) -> jax.Ar
     (``mj.roll(h, -1, key)``), and gradients flow back through the roll.
     """
     check_key(key, "roll", x)
+    if isinstance(x, DispatchedArray):  # checked against the key, rolled, still typed
+        value, ok = open_dispatched(x, key, "roll", "x")
+        rolled = roll(value, shift, key, seq_axis=seq_axis)
+        return DispatchedArray(poison(rolled, ok), x.plan_id, x.tag)
     shift = _check_shift(shift)
     if not (hasattr(x, "ndim") and hasattr(x, "shape")):
         try:

@@ -102,6 +102,14 @@ def make_batch_key(
     unknown = sorted(set(options) - set(KeyOptions.names()))
     if unknown:
         raise TypeError(f"make_batch_key: unknown options {unknown}; see make_flex_key")
+    if isinstance(masks, AttnMask):
+        raise TypeError(
+            f"make_batch_key: masks is one AttnMask ({masks.total_q} tokens); a batched key "
+            "takes one mask per batch row: masks=[mask_0, ..., mask_{B-1}] (or [mask] * B for "
+            "the same packing in every row), or a function row -> AttnMask with batch=B. For "
+            "one mask shared by every row, make_flex_key(mask, mesh, cp_axis, "
+            "batch_axes=...) makes a key of one plan"
+        )
     if callable(masks):
         if batch is None:
             raise ValueError(
@@ -109,7 +117,13 @@ def make_batch_key(
             )
         mask_of = masks
     else:
-        masks = list(masks)
+        try:
+            masks = list(masks)
+        except TypeError:
+            raise TypeError(
+                f"make_batch_key: masks must be a sequence of AttnMask (one per batch row) or "
+                f"a function row -> AttnMask; got {type(masks).__name__}"
+            ) from None
         if batch is not None and batch != len(masks):
             raise ValueError(f"make_batch_key: batch={batch} but {len(masks)} masks were given")
         batch = len(masks)

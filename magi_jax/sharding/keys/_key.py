@@ -91,7 +91,20 @@ class KeyStatic:
     backward_stages: tuple[StageStatic, ...] | None = None
 
 
-@jax.tree_util.register_pytree_node_class
+# The leaves in flattening order, named: JAX's messages about a key passed to a jitted
+# function then name the field (``key.chunk_order``), not a position (``key[0]``).
+_LEAVES = (
+    "chunk_order",
+    "chunk_inverse",
+    "stage_arrays",
+    "kv_chunk_order",
+    "kv_chunk_inverse",
+    "backward_stage_arrays",
+    "plan_id",
+)
+
+
+@jax.tree_util.register_pytree_with_keys_class
 class MagiKey:
     """Context-parallel plan of one mask on one mesh (see :func:`make_flex_key`).
 
@@ -157,16 +170,11 @@ class MagiKey:
         self.mask = mask
 
     def tree_flatten(self) -> tuple[tuple, KeyStatic]:
-        children = (
-            self.chunk_order,
-            self.chunk_inverse,
-            self.stage_arrays,
-            self.kv_chunk_order,
-            self.kv_chunk_inverse,
-            self.backward_stage_arrays,
-            self.plan_id,
-        )
-        return children, self.static
+        return tuple(getattr(self, name) for name in _LEAVES), self.static
+
+    def tree_flatten_with_keys(self) -> tuple[tuple, KeyStatic]:
+        keys = jax.tree_util.GetAttrKey
+        return tuple((keys(name), getattr(self, name)) for name in _LEAVES), self.static
 
     @property
     def order(self) -> jax.Array:
@@ -318,7 +326,41 @@ def check_key(key: object, fn: str = "", *xs: object) -> None:
             return
 
 
-@jax.tree_util.register_pytree_node_class
+def device_ids(devices: Any) -> str:
+    """Device ids for messages: ``[0, 1, 2, 3]``."""
+    return str(sorted(d.id for d in devices))
+
+
+def check_devices(key: MagiKey, fn: str, name: str, x: object, *, one_device: bool = True) -> None:
+    """A concrete array committed to devices other than the key's mesh (a key built on
+    another mesh, or, with ``one_device``, an array put on one device): a ``ValueError``
+    that says so, where JAX would say "incompatible devices". Traced arrays carry no
+    devices: nothing to see."""
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return
+    if not getattr(x, "committed", True):
+        return  # JAX moves uncommitted arrays where they are needed
+    held, mesh = set(x.sharding.device_set), set(key.mesh.devices.flat)
+    if held == mesh or (len(held) == 1 and not one_device):
+        return
+    if len(held) > 1:
+        raise ValueError(
+            f"{fn}: {name} lives on devices {device_ids(held)}, but the key was built on a "
+            f"mesh of devices {device_ids(mesh)}: a key of another mesh. Build the key on "
+            f"the mesh {name} lives on (make_flex_key(mask, mesh, ...) with that mesh), or "
+            f"put {name} on the key's mesh: jax.device_put({name}, "
+            "NamedSharding(key.mesh, P()))"
+        )
+    raise ValueError(
+        f"{fn}: {name} is committed to device {device_ids(held)}, but the key's mesh holds "
+        f"devices {device_ids(mesh)}, and JAX does not move committed arrays between them: "
+        f"put {name} on the key's mesh first, jax.device_put({name}, "
+        "NamedSharding(key.mesh, P())), or pass it uncommitted (jax.device_put(x) with no "
+        "device, or a NumPy array)"
+    )
+
+
+@jax.tree_util.register_pytree_with_keys_class
 class CheckedKey(MagiKey):
     """A :class:`MagiKey` whose dispatched layout cannot be mistaken (``make_flex_key(...,
     check_dispatch=True)`` or ``MAGI_JAX_CHECK_DISPATCH=1``).

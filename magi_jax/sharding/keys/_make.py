@@ -20,6 +20,7 @@ release.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from magi_jax._log import get_logger
 from magi_jax.caches import Cache
 from magi_jax.masks import AttnMask
 from magi_jax.planning import KV_LAYOUTS as KV_LAYOUTS
@@ -124,6 +126,9 @@ def make_flex_key(
         sharded over the cp axis, even under ``jit`` on an Auto mesh — never has the
         dispatched length and is rejected ("dispatch first"). Costs a slice and a pad of
         q/k/v/out per call; for debugging, not for training runs. Self-attention keys only.
+        Arrays dispatched with another key of the same mesh (a stale key) are caught by
+        ``dispatch(x, key, typed=True)`` (:class:`~magi_jax.sharding.DispatchedArray`), not
+        by this layout.
       kv_layout: where the keys of a cross-attention mask live (``key.kv_layout`` says what
         was chosen). ``"auto"`` (default): ``"shared"`` for ``total_q == total_k`` (the
         self-attention plan: keys dispatched with the queries), otherwise
@@ -215,11 +220,28 @@ def clear_key_cache(max_bytes: int | None = None) -> None:
         _KEYS.max_bytes = int(max_bytes)
 
 
+_LOG = get_logger("keys")
+
+
 def _make_key(resolved: ResolvedOptions) -> MagiKey:
     """A key of one mask: :func:`~magi_jax.sharding.keys._host.host_key`, its arrays made
     global (plans sharded over the cp axis, replicated over every other axis; the chunk
     permutations replicated)."""
+    start = time.perf_counter()
     hk = host_key(resolved)
+    st = hk.static
+    _LOG.debug(
+        "planned a key: %d tokens, %d slices, cp %d over %r, %s, padded_total %d, %d stages; "
+        "host plan in %.3f s",
+        st.total,
+        hk.mask.num_slices if hk.mask is not None else -1,
+        st.cp,
+        st.cp_axis,
+        "one mask" if st.capacity is None else "at a capacity",
+        st.padded_total,
+        len(st.stages),
+        time.perf_counter() - start,
+    )
     mesh, cp_axis = hk.static.mesh, hk.static.cp_axis
     by_rank = NamedSharding(mesh, P(cp_axis))
     replicated = NamedSharding(mesh, P())

@@ -293,6 +293,7 @@ def _native(fn, leaves, *args):
     return got
 
 
+@jax.named_scope("group_cast")
 def cast_rows(x: PyTree, tables: CastArrays, spec: CastSpec, prefix: bool = False) -> PyTree:
     """``x``: an array ``[T, ...]`` or a pytree of them (e.g. ``(k, v)``: one collective
     carries all, with no concatenated copy). ``prefix``: ``[x; cast(x)]`` per array (the
@@ -339,6 +340,7 @@ def cast_rows(x: PyTree, tables: CastArrays, spec: CastSpec, prefix: bool = Fals
 _GATHER_MAX_SLOTS = 4
 
 
+@jax.named_scope("group_reduce")
 def reduce_rows(
     y: PyTree,
     tables: CastArrays,
@@ -423,6 +425,7 @@ def reduce_rows(
     )
 
 
+@jax.named_scope("group_reduce_start")
 def start_reduce_rows(
     y: PyTree,
     tables: CastArrays,
