@@ -279,7 +279,7 @@ def sm_count() -> int:
     """Streaming multiprocessors of the default device (0 off a GPU): the programs of the
     persistent kernels."""
     dev = jax.devices()[0]
-    if dev.platform != "gpu":
+    if getattr(dev, "platform", None) != "gpu":
         return 0
     return int(getattr(dev, "core_count", 0) or 0)
 

@@ -16,13 +16,14 @@ from jax.sharding import PartitionSpec as P
 from magi_jax.planning.cast_table import CastTable, build_cast_table, cast_model, reduce_model
 from magi_jax.sharding import make_flex_key
 from magi_jax.sharding.collectives import CastArrays, CastSpec, group_cast, group_reduce
+from magi_jax.sharding.native import library as native_library
 from magi_jax.sharding.native import transport as native
 from tests.sharding.test_attention import _check, _mesh
 from tests.sharding.test_collectives import _meta, _random_table, _run
 from tests.zoo import ZOO
 
 # CI must build the CPU library (pip install -e .): its absence is a failure, not a skip.
-if not native.available("cpu"):
+if not native_library.available("cpu"):
     raise RuntimeError(f"native CPU library unavailable: {native.unavailable_reason('cpu')}")
 
 

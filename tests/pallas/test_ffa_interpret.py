@@ -229,6 +229,7 @@ def test_default_persistent_programs(monkeypatch):
     plans or on long rows."""
 
     class _Gpu:
+        platform = "gpu"
         core_count = 132
 
     plan = plan_for_mask(WIDE, "pallas")
