@@ -15,9 +15,10 @@ documents in 32k). It replaces this GPU kind's rows of the table and writes the 
 
     python benchmarks/engine_table.py --from-runs RUN.json ...
 
-rebuilds rows from earlier ``kernel_bench.py`` runs instead (no GPU): the full and causal
-rows where they timed ``ffa_pallas`` and ``cudnn`` on the same mask (their other cuDNN rows
-gave cuDNN a dense boolean mask, not the packed layout, and are not used).
+rebuilds rows from earlier ``kernel_bench.py`` runs instead (no GPU): every packed-layout mask
+where a run timed ``ffa_pallas`` and the cudnn engine (``ffa_cudnn``), and the full and
+causal rows of older runs that timed ``cudnn`` through ``jax.nn`` (their other cuDNN rows gave
+cuDNN a dense boolean mask, not the packed layout, and are not used).
 """
 
 from __future__ import annotations
@@ -107,6 +108,13 @@ def _merge(rows: list[dict]) -> None:
 
 
 def _from_runs(paths: list[str]) -> list[dict]:
+    """Rows of the table from ``kernel_bench.py`` runs: every mask of cuDNN's packed layout
+    where a run timed the FFA kernels (``ffa_pallas``) and the cudnn engine as ``auto`` runs
+    it (``ffa_cudnn``); for full and causal masks, older runs' ``cudnn`` rows (cuDNN through
+    ``jax.nn``, the same call the engine makes for one document) stand in where the engine
+    was not timed."""
+    from benchmarks.kernel_bench import make_mask
+
     rows = []
     for path in paths:
         with open(path) as f:
@@ -114,10 +122,26 @@ def _from_runs(paths: list[str]) -> list[dict]:
         meta = run["meta"]
         found = {}
         for r in run["rows"]:
-            if r["mask"] in ("full", "causal") and r["impl"] in ("ffa_pallas", "cudnn"):
-                shape = (r["heads"], r.get("kv_heads", r["heads"]), r.get("head_dim"))
-                found.setdefault((r["mask"], r["length"], r["mode"], shape), {})[r["impl"]] = r
-        for (cls, length, mode, shape), pair in sorted(found.items()):
+            if not isinstance(r.get("ms"), (int, float)):
+                continue  # a row that failed
+            if r["impl"] == "ffa_cudnn" or (
+                r["impl"] == "cudnn" and r["mask"] in ("full", "causal")
+            ):
+                engine = "cudnn"
+            elif r["impl"] == "ffa_pallas":
+                engine = "pallas"
+            else:
+                continue
+            try:
+                cls, docs = mask_class(make_mask(r["mask"], r["length"]))
+            except ValueError:
+                continue  # not a mask of cuDNN's packed layout
+            shape = (r["heads"], r.get("kv_heads", r["heads"]), r.get("head_dim"))
+            key = (cls, docs, r["length"], r["mode"], shape)
+            pair = found.setdefault(key, {})
+            if engine not in pair or r["impl"] == "ffa_cudnn":
+                pair[engine] = r
+        for (cls, docs, length, mode, shape), pair in sorted(found.items()):
             if len(pair) != 2:
                 continue
             rows.append(
@@ -125,11 +149,11 @@ def _from_runs(paths: list[str]) -> list[dict]:
                     "device": meta["device"],
                     "class": cls,
                     "tokens": int(length),
-                    "docs": 1,
+                    "docs": int(docs),
                     "mode": mode,
                     "heads": f"{shape[0]}:{shape[1]}",
                     "head_dim": shape[2],
-                    "pallas_ms": round(pair["ffa_pallas"]["ms"], 4),
+                    "pallas_ms": round(pair["pallas"]["ms"], 4),
                     "cudnn_ms": round(pair["cudnn"]["ms"], 4),
                     "date": meta["date"],
                     "run": os.path.relpath(os.path.abspath(path), _ROOT),
