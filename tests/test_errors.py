@@ -353,3 +353,13 @@ def test_pallas_key_names_unsupported_inputs():
     x = mj.dispatch(jnp.zeros((256, 2, 64), jnp.float32), key)
     with pytest.raises(ValueError, match="ffa_backend='xla'"):
         mj.magi_attention(x, x, x, key)
+
+
+@pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="the message of a non-GPU device")
+def test_pallas_off_a_gpu_says_so_before_the_inputs():
+    """backend='pallas' on a CPU names the device first, even for inputs the kernels would
+    refuse anyway (float32 here): the device is what the user must change first."""
+    q = jnp.ones((128, 2, 64), jnp.float32)
+    with pytest.raises(NotImplementedError, match="not an NVIDIA GPU") as err:
+        mj.flex_flash_attention(q, q, q, mj.AttnMask.causal(128), backend="pallas")
+    assert "dtype" not in str(err.value)

@@ -101,7 +101,12 @@ def supported(
     q ``[(B,) Tq, Hq, Dqk]``, k ``[(B,) Tk, Hkv, Dqk]``, v ``[(B,) Tk, Hkv, Dv]``; bf16 or
     fp16, ``Dqk = Dv`` in :data:`SUPPORTED_HEAD_DIMS` or ``(Dqk, Dv)`` in
     :data:`SUPPORTED_MLA_HEAD_DIMS` (:func:`head_dims_problem`), ``Hq % Hkv == 0``.
-    ``check_device`` also requires that the default device is an sm90 GPU."""
+    ``check_device`` also requires that the default device is an sm90 GPU, and is checked
+    first: off such a GPU that is the reason, whatever the inputs."""
+    if check_device:
+        ok, why = device_supported()
+        if not ok:
+            return False, why
     if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return False, (
             f"dtype {q.dtype}/{k.dtype}/{v.dtype}: the pallas kernels take "
@@ -122,10 +127,6 @@ def supported(
             f"Tq={tq}/Tk={tk} give more than {_MAX_GRID_TILES} tiles of 128 tokens "
             "(a CUDA grid dimension); split the work (context parallelism)"
         )
-    if check_device:
-        ok, why = device_supported()
-        if not ok:
-            return False, why
     return True, ""
 
 
