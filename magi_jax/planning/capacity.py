@@ -208,18 +208,7 @@ class PlanCapacity:
                 )
             object.__setattr__(self, name, int(value))
         object.__setattr__(self, "mesh_size", _mesh_sizes(self.mesh_size))
-        for name in (
-            "items",
-            "q_runs",
-            "k_runs",
-            "host_q_runs",
-            "host_k_runs",
-            "remote_kv",
-            "cast_width",
-            "send_runs",
-            "recv_runs",
-            "chunk_size",
-        ):
+        for name in (*GROWN_FIELDS, "chunk_size"):
             value = getattr(self, name)
             if value is None:
                 continue
