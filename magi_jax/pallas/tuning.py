@@ -109,17 +109,15 @@ class FwdConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class DqConfig:
-    """Static configuration of the dQ kernel (:func:`~magi_jax.pallas.ffa_bwd.ffa_dq`). It runs
-    one program per unit (a persistent dQ measured slower on every mask) and its consumers
-    issue as they go (in turns it measured 2 % slower)."""
+class _BackwardConfig:
+    """The knobs every backward kernel's config has. ``num_stages``: shared-memory slots of
+    the producer's ring (K/V for dQ, Q/dO/lse/delta for dK/dV). ``registers``: registers per
+    thread of a consumer and of the producer warpgroup after the split (setmaxnreg; multiples
+    of 8, 2·consumer + producer <= 504 for 3 warpgroups)."""
 
     scale: float
     softcap: float = 0.0
-    # Shared-memory slots of the producer's K/V ring.
     num_stages: int = _NUM_STAGES
-    # Registers per thread of a consumer and of the producer warpgroup after the split
-    # (setmaxnreg; multiples of 8, 2·consumer + producer <= 504 for 3 warpgroups).
     registers: tuple[int, int] = _BWD_REGISTERS
     interpret: bool = False
 
@@ -129,13 +127,16 @@ class DqConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class DkvConfig:
+class DqConfig(_BackwardConfig):
+    """Static configuration of the dQ kernel (:func:`~magi_jax.pallas.ffa_bwd.ffa_dq`). It runs
+    one program per unit (a persistent dQ measured slower on every mask) and its consumers
+    issue as they go (in turns it measured 2 % slower)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DkvConfig(_BackwardConfig):
     """Static configuration of the dK/dV kernel (:func:`~magi_jax.pallas.ffa_bwd.ffa_dkv`)."""
 
-    scale: float
-    softcap: float = 0.0
-    # Shared-memory slots of the producer's Q/dO/lse/delta ring.
-    num_stages: int = _NUM_STAGES
     # 0: one program per (k-tile, batch, key head) unit, in the order of launch_grid. N > 0:
     # min(N, units) programs (the SM count, 132 on an H200) walk the units of the host
     # schedule ffa_dkv takes as its ``schedule`` argument. Across units the producer's ring
@@ -151,9 +152,6 @@ class DkvConfig:
     # The two consumers issue their wgmmas in turns (a token handed between them through a
     # barrier pair), so one's matmuls run under the other's softmax.
     turns: bool = False
-    # As DqConfig.registers.
-    registers: tuple[int, int] = _BWD_REGISTERS
-    interpret: bool = False
 
     def __post_init__(self) -> None:
         check_pipeline(self.num_stages, self.persistent)
@@ -163,42 +161,18 @@ class DkvConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class WideDqConfig:
+class WideDqConfig(_BackwardConfig):
     """Static configuration of the dQ kernel at D = 256 (and Dqk = 192)
     (:func:`~magi_jax.pallas.ffa_dq_wide.ffa_dq_wide`): one program per unit, consumers
-    that meet every step."""
-
-    scale: float
-    softcap: float = 0.0
-    # Shared-memory slots of the producer's K/V ring (2 fit, 3 do not).
-    num_stages: int = _NUM_STAGES
-    # As DqConfig.registers.
-    registers: tuple[int, int] = _BWD_REGISTERS
-    interpret: bool = False
-
-    def __post_init__(self) -> None:
-        check_pipeline(self.num_stages, 0)
-        _check_registers(self.registers)
+    that meet every step; 2 ring slots fit, 3 do not."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class WideDkvConfig:
+class WideDkvConfig(_BackwardConfig):
     """Static configuration of the dK/dV kernel at D = 256 (and Dqk = 192)
     (:func:`~magi_jax.pallas.ffa_dkv_wide.ffa_dkv_wide`): one program per unit (its shared
     memory leaves no room for a persistent mode's output buffers), one query block per wait,
-    consumers that meet every step."""
-
-    scale: float
-    softcap: float = 0.0
-    # Shared-memory slots of the producer's Q/dO/lse/delta ring (2 fit, 3 do not).
-    num_stages: int = _NUM_STAGES
-    # As DqConfig.registers.
-    registers: tuple[int, int] = _BWD_REGISTERS
-    interpret: bool = False
-
-    def __post_init__(self) -> None:
-        check_pipeline(self.num_stages, 0)
-        _check_registers(self.registers)
+    consumers that meet every step; 2 ring slots fit, 3 do not."""
 
 
 @dataclasses.dataclass(frozen=True)
