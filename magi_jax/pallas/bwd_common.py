@@ -23,7 +23,7 @@ __all__ = [
     "COL",
     "log2_scores",
     "exp2_minus",
-    "kernel_params",
+    "dkv_out_type",
     "stream",
     "drain",
     "store_outputs",
@@ -52,13 +52,18 @@ def exp2_minus(s: jax.Array, c: float | None, stat: jax.Array, dim: int) -> jax.
     return jnp.exp2(s - b if c is None else s * c - b)
 
 
-def kernel_params(interpret: bool) -> dict[str, Any]:
-    """The ``plgpu.kernel`` keywords of the backward kernels: approximate math, and GPU
-    interpret mode when ``interpret``."""
-    return dict(
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )
+def dkv_out_type(
+    q: jax.Array, k: jax.Array, v: jax.Array, split: int
+) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The outputs of a dK/dV kernel, in q's dtype: ``(dk, dv)`` ``[B, Tk, Hkv, D]`` and
+    ``[B, Tk, Hkv, Dv]``, or, with ``split``, ``(dk[:, :split], dv[:, :split], dk[:, split:],
+    dv[:, split:])``."""
+    b, d, dtype = q.shape[0], q.shape[-1], q.dtype
+    tk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    kv = lambda rows, width: jax.ShapeDtypeStruct((b, rows, hkv, width), dtype)
+    if split:
+        return kv(split, d), kv(split, dv), kv(tk - split, d), kv(tk - split, dv)
+    return kv(tk, d), kv(tk, dv)
 
 
 def stream(

@@ -35,6 +35,7 @@ __all__ = [
     "mask_scores",
     "launch_grid",
     "kernel_grid",
+    "launch_kernel",
     "scheduled_units",
     "check_pipeline",
     "check_schedule",
@@ -284,6 +285,37 @@ def kernel_grid(
         check_schedule(schedule, num_progs, num_units)
         return (num_progs,), ("prog",), schedule
     return (*launch_grid(num_tiles, batch, heads), ())
+
+
+def launch_kernel(
+    kernel: Callable,
+    out_type: Any,
+    scratch: dict[str, Any],
+    grid: tuple,
+    grid_names: tuple,
+    interpret: bool,
+    *,
+    reduction_scratch: bool = True,
+) -> Callable:
+    """``plgpu.kernel`` of one FFA kernel: ``COMPUTE_WGS`` consumer warpgroups and the
+    producer beside them (thread axis ``"wg"``), approximate math, GPU interpret mode when
+    ``interpret``. ``reduction_scratch=False`` gives none of shared memory to the cross-warp
+    reduction scratch Mosaic GPU reserves by default, for kernels that have no such
+    reductions."""
+    params = dict(approx_math=True)
+    if not reduction_scratch:
+        params["reduction_scratch_bytes"] = 0
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=list(scratch.values()),
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(**params),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
 
 
 def scheduled_units(

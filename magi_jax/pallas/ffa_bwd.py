@@ -45,9 +45,9 @@ from magi_jax.pallas.bwd_common import (
     DKV_SPLIT_ALIGN,
     LAYOUT,
     ROW,
+    dkv_out_type,
     drain,
     exp2_minus,
-    kernel_params,
     log2_scores,
     store_outputs,
     stream,
@@ -59,6 +59,7 @@ from magi_jax.pallas.common import (
     item_fields,
     kernel_grid,
     launch_grid,
+    launch_kernel,
     mask_scores,
     mma_lhs,
     scheduled_units,
@@ -290,16 +291,10 @@ def ffa_dq(
     )
     if cfg.interpret:  # dS through shared memory (mma_lhs)
         scratch["p_stage"] = smem((COMPUTE_WGS, bq, bk), dtype)
-    return plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        scratch_types=list(scratch.values()),
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        **kernel_params(cfg.interpret),
-    )(q, k, v, dout, lse2, delta, order, offsets, items)
+    out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+    return launch_kernel(kernel, out_type, scratch, grid, grid_names, cfg.interpret)(
+        q, k, v, dout, lse2, delta, order, offsets, items
+    )
 
 
 def ffa_dkv(
@@ -602,19 +597,7 @@ def ffa_dkv(
     scratch |= out_scratch
     if cfg.interpret:  # Pᵀ and dSᵀ through shared memory (mma_lhs)
         scratch["p_stage"] = smem((COMPUTE_WGS, 2, bk, bq), dtype)
-    kv = lambda rows, width: jax.ShapeDtypeStruct((b, rows, hkv, width), dtype)
-    out_type = (
-        (kv(split, d), kv(split, dv), kv(tk - split, d), kv(tk - split, dv))
-        if split
-        else (kv(tk, d), kv(tk, dv))
+    out_type = dkv_out_type(q, k, v, split)
+    return launch_kernel(kernel, out_type, scratch, grid, grid_names, cfg.interpret)(
+        q, k, v, dout, lse2, delta, order, offsets, items, *schedule
     )
-    return plgpu.kernel(
-        kernel,
-        out_type=out_type,
-        scratch_types=list(scratch.values()),
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        **kernel_params(cfg.interpret),
-    )(q, k, v, dout, lse2, delta, order, offsets, items, *schedule)

@@ -47,6 +47,7 @@ from magi_jax.pallas.bwd_common import (
     COL,
     DKV_SPLIT_ALIGN,
     LAYOUT,
+    dkv_out_type,
     exp2_minus,
     log2_scores,
     store_outputs,
@@ -58,6 +59,7 @@ from magi_jax.pallas.common import (
     check_smem,
     item_fields,
     launch_grid,
+    launch_kernel,
     mask_scores,
     smem64,
     wide_halves,
@@ -342,22 +344,15 @@ def ffa_dkv_wide(
         dtype=dtype,
         dv=dv,
     )
-    kv = lambda rows, width: jax.ShapeDtypeStruct((b, rows, hkv, width), dtype)
-    out_type = (
-        (kv(split, d), kv(split, dv), kv(tk - split, d), kv(tk - split, dv))
-        if split
-        else (kv(tk, d), kv(tk, dv))
-    )
-    return plgpu.kernel(
+    # No cross-warp reductions here, so none of the scratch Mosaic GPU reserves for them: the
+    # buffers above are all the shared memory (check_smem's count).
+    call = launch_kernel(
         kernel,
-        out_type=out_type,
-        scratch_types=list(scratch.values()),
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        # No cross-warp reductions here, so none of the scratch Mosaic GPU reserves for
-        # them: the buffers above are all the shared memory (check_smem's count).
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
-    )(q, k, v, dout, lse2, delta, order, offsets, items)
+        dkv_out_type(q, k, v, split),
+        scratch,
+        grid,
+        grid_names,
+        cfg.interpret,
+        reduction_scratch=False,
+    )
+    return call(q, k, v, dout, lse2, delta, order, offsets, items)

@@ -48,7 +48,6 @@ from magi_jax.pallas.bwd_common import (
     ROW,
     drain,
     exp2_minus,
-    kernel_params,
     log2_scores,
 )
 from magi_jax.pallas.common import (
@@ -57,6 +56,7 @@ from magi_jax.pallas.common import (
     check_smem,
     item_fields,
     launch_grid,
+    launch_kernel,
     mask_scores,
     smem,
     smem64,
@@ -298,13 +298,7 @@ def ffa_dq_wide(
         dtype=dtype,
         dv=dv,
     )
-    return plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        scratch_types=list(scratch.values()),
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        **kernel_params(cfg.interpret),
-    )(q, k, v, dout, lse2, delta, order, offsets, items)
+    out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+    return launch_kernel(kernel, out_type, scratch, grid, grid_names, cfg.interpret)(
+        q, k, v, dout, lse2, delta, order, offsets, items
+    )

@@ -44,6 +44,7 @@ from magi_jax.pallas.common import (
     exp2_cols,
     item_geometry,
     kernel_grid,
+    launch_kernel,
     mask_scores,
     mma_lhs,
     scheduled_units,
@@ -475,17 +476,10 @@ def ffa_forward(
     if cfg.interpret:  # P through shared memory (mma_lhs)
         scratch["p_stage"] = smem((COMPUTE_WGS, bq, bk), dtype)
     scratch |= row_max_scratch
-    return plgpu.kernel(
-        kernel,
-        out_type=out_shape,
-        scratch_types=list(scratch.values()),
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        # The row reductions of the WGMMA layout stay inside a warp, so they need none of the
-        # cross-warp reduction scratch Mosaic GPU reserves by default (2 KiB); without it
-        # num_stages=3 fits at D = 128.
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
-    )(q, k, v, order, offsets, items, *schedule)
+    # The row reductions of the WGMMA layout stay inside a warp, so they need none of the
+    # cross-warp reduction scratch Mosaic GPU reserves by default (2 KiB); without it
+    # num_stages=3 fits at D = 128.
+    call = launch_kernel(
+        kernel, out_shape, scratch, grid, grid_names, cfg.interpret, reduction_scratch=False
+    )
+    return call(q, k, v, order, offsets, items, *schedule)
