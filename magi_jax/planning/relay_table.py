@@ -380,6 +380,19 @@ def _hop(src_rows: list, send: np.ndarray, widths, dest, cp: int):
     return [np.concatenate(g) if g else np.zeros((0,) + trail, src_rows[0].dtype) for g in got]
 
 
+def _unhop(dst: np.ndarray, src: np.ndarray, send: np.ndarray, widths, dest, start: int):
+    """Adjoint of one hop: the row rank ``dest(r, j)`` received in block ``j`` (``src``, its
+    blocks packed at the widths from row ``start``) added back at its entry of ``dst[r]``."""
+    off = start + np.concatenate([[0], np.cumsum(widths)]).astype(int)
+    for r in range(len(dst)):
+        for j, w in enumerate(widths):
+            peer = dest(r, j)
+            for p in range(w):
+                e = send[r, j, p]
+                if e >= 0:
+                    dst[r, e] += src[peer, off[j] + p]
+
+
 def _dests(rt: RelayTable):
     lay = rt.layout
 
@@ -421,21 +434,7 @@ def relay_reduce_model(y: np.ndarray, rt: RelayTable, num_rows: int) -> np.ndarr
                 got[r, e] += y[r, b]
     x2 = np.zeros((cp, r_len + num_rows) + trail)
     x2[:, :r_len] = got[:, :r_len]
-    off2 = np.concatenate([[0], np.cumsum(rt.intra_widths)]).astype(int)
-    off1 = np.concatenate([[0], np.cumsum(rt.inter_widths)]).astype(int)
-    for r in range(cp):
-        for j, w in enumerate(rt.intra_widths):
-            d = intra(r, j)
-            for p in range(w):
-                e = rt.intra_send[r, j, p]
-                if e >= 0:
-                    x2[r, e] += got[d, r_len + off2[j] + p]
+    _unhop(x2, got, rt.intra_send, rt.intra_widths, intra, r_len)
     out = x2[:, r_len:].copy()
-    for r in range(cp):
-        for j, w in enumerate(rt.inter_widths):
-            t = inter(r, j)
-            for p in range(w):
-                e = rt.inter_send[r, j, p]
-                if e >= 0:
-                    out[r, e] += x2[t, off1[j] + p]
+    _unhop(out, x2, rt.inter_send, rt.inter_widths, inter, 0)
     return out
