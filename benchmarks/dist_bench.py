@@ -55,6 +55,8 @@ import sys
 import time
 import traceback
 
+from benchmarks.harness import describe, environment, host_devices
+
 _T_START = time.perf_counter()
 _SMOKE_DEVICES = 8
 
@@ -139,9 +141,7 @@ def _parse(argv):
 ARGS = _parse(sys.argv[1:]) if __name__ == "__main__" else None
 if ARGS is not None and ARGS.smoke:
     os.environ["JAX_PLATFORMS"] = "cpu"
-    flag = f"--xla_force_host_platform_device_count={_SMOKE_DEVICES}"
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    host_devices(_SMOKE_DEVICES)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -153,7 +153,6 @@ from benchmarks.baselines.allgather import allgather_attention, make_allgather_p
 from benchmarks.baselines.common import LocalFFA, make_layout, pick_backend  # noqa: E402
 from benchmarks.baselines.ring import make_ring_plan, ring_attention  # noqa: E402
 from benchmarks.baselines.ulysses import make_ulysses_plan, ulysses_attention  # noqa: E402
-from benchmarks.harness import describe, environment  # noqa: E402
 from benchmarks.kernel_bench import make_mask  # noqa: E402
 from benchmarks.probe import nocomm_attention  # noqa: E402
 from magi_jax.planning.backends import HOST_SPECS  # noqa: E402

@@ -133,6 +133,14 @@ def describe(env: dict[str, object]) -> str:
     return line
 
 
+def host_devices(n: int) -> None:
+    """Asks XLA for ``n`` CPU host devices (``XLA_FLAGS``) unless the flag is already set;
+    call it before JAX starts its backends."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def device_name() -> str:
     """The first JAX device's kind (``"NVIDIA H100 80GB HBM3"``, ``"cpu"``)."""
     import jax
