@@ -55,7 +55,7 @@ import sys
 import time
 import traceback
 
-from benchmarks.harness import describe, environment, host_devices
+from benchmarks.harness import describe, environment, host_devices, progress
 
 _T_START = time.perf_counter()
 _SMOKE_DEVICES = 8
@@ -351,14 +351,8 @@ def run(a):
         carried, work = _resume(a.resume, work)
         rows += carried
         meta["resumed_from"] = dict(file=os.path.basename(a.resume), rows=len(carried))
-    it = work
-    if sys.stderr.isatty():  # a progress bar on a terminal, plain lines in a log
-        try:
-            from tqdm import tqdm
-
-            it = tqdm(work, file=sys.stderr, dynamic_ncols=True)
-        except ImportError:
-            pass
+    # A progress bar on a terminal, plain lines in a log.
+    it = progress(work, dynamic_ncols=True) if sys.stderr.isatty() else work
     setups, inputs = {}, {}
     overhead = _EST_OVERHEAD_S
     for n_done, (name, total, hq, hkv, mode, impl) in enumerate(it):
