@@ -218,7 +218,7 @@ def stamp() -> str:  # a run file's UTC date and minute
 class Run:
     """One run's files: ``<out>/<name>_<stamp>[_<device>][_<tag>].{json,md}`` holding
     ``meta`` (:func:`environment`) and ``rows``; :meth:`add` rewrites both, the markdown by
-    ``render(rows, meta)``."""
+    ``render(rows, meta)``. A second run in the same minute adds ``_<seconds>``."""
 
     def __init__(
         self,
@@ -235,6 +235,8 @@ class Run:
         if tag:
             parts.append(tag.lstrip("_"))
         self.base = Path(out) / "_".join(parts)
+        if self.base.with_suffix(".json").exists():  # a run in the same minute: keep both
+            self.base = self.base.with_name(f"{self.base.name}_{time.gmtime().tm_sec:02d}")
         self.meta, self.rows, self.render = meta, [], render
 
     def add(self, *rows: dict) -> None:
