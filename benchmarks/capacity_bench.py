@@ -19,18 +19,14 @@ of ``--check-steps``. Writes a JSON record and a Markdown table under
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import logging
-import os
-import pathlib
-import platform
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "results" / "planning"
+from benchmarks import harness
+
+OUT = harness.RESULTS / "planning"
 
 
 def parse_args(argv=None):
@@ -70,7 +66,7 @@ def run(args, say=print, compiler_options=None) -> dict:
     import magi_jax as mj
     from magi_jax.masks import packings
 
-    sys.path.insert(0, str(ROOT / "examples"))
+    sys.path.insert(0, str(harness.ROOT / "examples"))
     import train  # the example's model, loss and data
 
     n = args.dp * args.cp
@@ -207,16 +203,9 @@ def run(args, say=print, compiler_options=None) -> dict:
         if u["held"] is not None and u["max"] > 0
     }
     tol = train.check_tolerance(jnp.float32)
-    record = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        device=f"{n} x {devices[0].device_kind} ({jax.default_backend()})",
-        software=dict(
-            python=platform.python_version(),
-            jax=jax.__version__,
-            numpy=np.__version__,
-            magi_jax=mj.__version__,
-        ),
-        machine=f"{platform.machine()}, {os.cpu_count()} cores",
+    record = harness.environment(
+        device=jax.default_backend(),
+        devices=f"{n} x {devices[0].device_kind}",
         args=vars(args),
         steps=len(losses),
         wall_s=round(wall, 1),
@@ -256,60 +245,62 @@ class _Collect(logging.Handler):
             self.out.append(record.getMessage())
 
 
-def table(record) -> str:
+def markdown(_rows, record) -> str:
+    args = " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in record["args"].items() if k != "no_write"
+    )
+    dp, cp = record["args"]["dp"], record["args"]["cp"]
+    start = {f: "default" if v is None else v for f, v in record["start"].items()}
+    fields = [
+        dict(v, f=f, start=start.get(f, "default"), ratio=f"{v['ratio']:.2f}")
+        | dict(p99=f"{record['utilisation'][f]['p99']:.0f}")
+        for f, v in record["fields"].items()
+    ]
+    compared = [
+        dict(
+            step=c["step"], cp=f"{c['cp']:.6f}", one=f"{c['one_device']:.6f}", rel=f"{c['rel']:.1e}"
+        )
+        for c in record["compared"]
+    ]
+    growths = [
+        f"- {g['packing']}: " + ", ".join(f"{f} {a} -> {b}" for f, (a, b) in g["fields"].items())
+        for g in record["growths"]
+    ]
     lines = [
-        f"# Capacity that holds or grows: {record['steps']} steps, {record['device']}",
+        f"# Capacity that holds or grows: {record['steps']} steps, {record['devices']}",
         "",
-        f"{record['date']}; {record['machine']}; jax {record['software']['jax']}, NumPy "
-        f"{record['software']['numpy']}; `benchmarks/capacity_bench.py` "
-        + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in record["args"].items() if k != "no_write"
-        ),
+        f"{harness.describe(record)}; `benchmarks/capacity_bench.py` {args}",
         "",
         f"Wall {record['wall_s']} s; compilations of the train step: {record['compilations']} "
         f"(1 + {len(record['growths'])} growths, every one logged: {record['logged_growths']}).",
         "",
-        "| field | start | settled | tightest (max need) | settled / tightest | p99 need |",
-        "|---|---|---|---|---|---|",
-    ]
-    for f, v in record["fields"].items():
-        start = record["start"].get(f)
-        lines.append(
-            f"| {f} | {'default' if start is None else start} | {v['held']} | {v['tightest']} | "
-            f"{v['ratio']:.2f} | {record['utilisation'][f]['p99']:.0f} |"
-        )
-    lines += ["", "Growths (packing: field old -> new):", ""]
-    for g in record["growths"]:
-        lines.append(
-            f"- {g['packing']}: "
-            + ", ".join(f"{f} {a} -> {b}" for f, (a, b) in g["fields"].items())
-        )
-    lines += [
+        *harness.table(
+            fields,
+            [("field", "f"), ("start", "start"), ("settled", "held")]
+            + [("tightest (max need)", "tightest"), ("settled / tightest", "ratio")]
+            + [("p99 need", "p99")],
+        ),
+        *["", "Growths (packing: field old -> new):", "", *growths, ""],
+        *harness.table(
+            compared,
+            [("step", "step"), (f"loss (dp {dp} x cp {cp})", "cp"), ("loss (one device)", "one")]
+            + [("rel. diff", "rel")],
+        ),
         "",
-        "| step | loss (dp 2 x cp 4) | loss (one device) | rel. diff |",
-        "|---|---|---|---|",
+        f"Tolerance {record['tolerance']:g} (float32 on CPU, `examples/train.py`'s).",
     ]
-    for c in record["compared"]:
-        lines.append(f"| {c['step']} | {c['cp']:.6f} | {c['one_device']:.6f} | {c['rel']:.1e} |")
-    lines += ["", f"Tolerance {record['tolerance']:g} (float32 on CPU, `examples/train.py`'s)."]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
     args = parse_args(argv)
-    n = args.dp * args.cp
-    flag = f"--xla_force_host_platform_device_count={n}"
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    harness.host_devices(args.dp * args.cp)
     record = run(args)
-    text = table(record)
-    print(text)
+    print(markdown([], record))
     if not args.no_write:
-        OUT.mkdir(parents=True, exist_ok=True)
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
-        (OUT / f"capacity_{stamp}_cpu.json").write_text(json.dumps(record, indent=1) + "\n")
-        (OUT / f"capacity_{stamp}_cpu.md").write_text(text)
-        print(f"wrote {OUT}/capacity_{stamp}_cpu.{{json,md}}")
+        out = harness.Run("capacity", OUT, record, markdown)
+        out.save()
+        print(f"wrote {out.base}.{{json,md}}")
 
 
 if __name__ == "__main__":

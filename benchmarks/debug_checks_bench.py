@@ -18,20 +18,12 @@ Writes ``benchmarks/results/debug/debug_checks_<date>_<time>_cpu.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import os
+import hashlib
+import re
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+from benchmarks import harness
 
-import datetime  # noqa: E402
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import platform  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+harness.host_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -40,7 +32,7 @@ from jax.sharding import AxisType  # noqa: E402
 
 import magi_jax as mj  # noqa: E402
 
-OUT = pathlib.Path(__file__).resolve().parent / "results" / "debug"
+OUT = harness.RESULTS / "debug"
 
 
 def _masks(tokens: int, count: int, seed: int) -> list:
@@ -97,16 +89,10 @@ def _check_alone(key, tokens: int, heads: int, dim: int, calls: int) -> dict:
     ids = key.plan_id
     checked = jax.jit(lambda o, s, a, b: poison((o, s), jnp.all(a == b)))
     plain = jax.jit(lambda o, s, a, b: (o + 0, s + 0))  # the same outputs, materialised
-    best = {}
-    for name, fn in (("plain", plain), ("checked", checked)):
-        jax.block_until_ready(fn(out, lse, ids, ids))
-        times = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(out, lse, ids, ids))
-            times.append(time.perf_counter() - t0)
-        best[name] = min(times) * 1e3
-    return best
+    timed = harness.time_interleaved(
+        [(fn, (out, lse, ids, ids)) for fn in (plain, checked)], calls=1, reps=calls, warmup=1
+    )
+    return {name: min(r) * 1e3 for name, (_, r) in zip(("plain", "checked"), timed)}
 
 
 def main() -> None:
@@ -149,81 +135,65 @@ def main() -> None:
     ):
         key = mj.make_flex_key(masks[0], mesh, "cp", capacity=cap, check_dispatch=check)
         xd = mj.dispatch(x, key, typed=True) if typed else mj.dispatch(x, key)
-        compiled = step.lower(w, xd, key).compile()
-        h, n = _hlo_hash(compiled)
-        jax.block_until_ready(step(w, xd, key))  # compile and warm
-        cases[name] = dict(key=key, x=xd, hlo=h, ops=n, times=[])
-    for _ in range(a.rounds):
-        for c in cases.values():
-            t0 = time.perf_counter()
-            for _ in range(a.calls):
-                jax.block_until_ready(step(w, c["x"], c["key"]))
-            c["times"].append((time.perf_counter() - t0) / a.calls)
+        h, n = _hlo_hash(step.lower(w, xd, key).compile())
+        cases[name] = dict(key=key, x=xd, hlo=h, ops=n)
+    timed = harness.time_interleaved(
+        [(step, (w, c["x"], c["key"])) for c in cases.values()], a.calls, a.rounds, warmup=1
+    )
     # The typed check at work: the same step with the other mask's key gives NaN.
     stale = mj.make_flex_key(masks[1], mesh, "cp", capacity=cap)
     loss, _ = step(w, cases["typed"]["x"], stale)
     assert np.isnan(float(loss)), "a stale key must give NaN on the typed route"
     alone = _check_alone(cases["typed"]["key"], a.tokens, a.heads, a.dim, calls=200)
-    base = statistics.median(cases["plain"]["times"])
-    rows = []
-    for name, c in cases.items():
-        med = statistics.median(c["times"])
-        rows.append(
-            dict(
-                case=name,
-                median_ms=round(med * 1e3, 2),
-                min_ms=round(min(c["times"]) * 1e3, 2),
-                vs_plain=round(med / base, 3),
-                hlo_sha256=c["hlo"],
-                hlo_instructions=c["ops"],
-            )
+    base = timed[0][0]
+    rows = [
+        dict(
+            case=name,
+            median_ms=round(med * 1e3, 2),
+            min_ms=round(min(times) * 1e3, 2),
+            vs_plain=round(med / base, 3),
+            hlo_sha256=c["hlo"],
+            hlo_instructions=c["ops"],
         )
-    env = dict(
-        date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        device=f"{a.cp} of {jax.device_count()} CPU host devices",
-        machine=f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
-        python=platform.python_version(),
-        jax=jax.__version__,
-        numpy=np.__version__,
+        for (name, c), (med, times) in zip(cases.items(), timed)
+    ]
+    meta = harness.environment(
+        device="cpu",
+        devices=f"{a.cp} of {jax.device_count()} CPU host devices",
         shape=dict(tokens=a.tokens, cp=a.cp, heads=a.heads, kv_heads=a.kv_heads, dim=a.dim),
         rounds=a.rounds,
         calls=a.calls,
         stale_key_on_typed_route="NaN loss",
         check_alone_ms={k: round(v, 4) for k, v in alone.items()},
     )
+    print(markdown(rows, meta))
+    if not a.no_write:
+        run = harness.Run("debug_checks", OUT, meta, markdown)
+        run.add(*rows)
+        print(f"wrote {run.base}.md/.json")
+
+
+def markdown(rows, meta) -> str:
+    s, alone = meta["shape"], meta["check_alone_ms"]
     lines = [
-        "| case | median ms / step | min ms | vs plain | HLO instructions | HLO sha256 |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['case']} | {r['median_ms']} | {r['min_ms']} | {r['vs_plain']} | "
-            f"{r['hlo_instructions']} | `{r['hlo_sha256']}` |"
-        )
-    lines += [
+        "# Layout checks: cost of a fwd+bwd step",
+        "",
+        f"{harness.describe(meta)}; {meta['devices']}; {s['tokens']} tokens, cp {s['cp']}, "
+        f"{s['heads']}/{s['kv_heads']} heads, D {s['dim']}, float32, `xla` backend, keys at "
+        f"one capacity; median of {meta['rounds']} interleaved rounds of {meta['calls']} calls.",
+        "",
+        *harness.table(
+            rows,
+            [("case", "case"), ("median ms / step", "median_ms"), ("min ms", "min_ms")]
+            + [("vs plain", "vs_plain"), ("HLO instructions", "hlo_instructions")]
+            + [("HLO sha256", "hlo_sha256")],
+        ),
         "",
         f"The typed route's device check alone (plan-id compare and select over out and lse, "
         f"min of 200 calls): {alone['checked']:.3f} ms, against {alone['plain']:.3f} ms for "
         "the same outputs copied.",
     ]
-    print("\n".join(lines))
-    if a.no_write:
-        return
-    OUT.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d_%H%M")
-    base_name = OUT / f"debug_checks_{stamp}_cpu"
-    head = [
-        "# Layout checks: cost of a fwd+bwd step",
-        "",
-        f"{env['date']}; {env['device']} ({env['machine']}); Python {env['python']}, "
-        f"jax {env['jax']}, NumPy {env['numpy']}; {a.tokens} tokens, cp {a.cp}, "
-        f"{a.heads}/{a.kv_heads} heads, D {a.dim}, float32, `xla` backend, keys at one "
-        f"capacity; median of {a.rounds} interleaved rounds of {a.calls} calls.",
-        "",
-    ]
-    base_name.with_suffix(".md").write_text("\n".join(head + lines) + "\n")
-    base_name.with_suffix(".json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
-    print(f"wrote {base_name}.md/.json")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -47,13 +47,14 @@ Writes ``<out>/dist_<date>_<device>.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
 import sys
 import time
 import traceback
+
+from benchmarks.harness import Run, describe, environment, host_devices, progress
 
 _T_START = time.perf_counter()
 _SMOKE_DEVICES = 8
@@ -139,9 +140,7 @@ def _parse(argv):
 ARGS = _parse(sys.argv[1:]) if __name__ == "__main__" else None
 if ARGS is not None and ARGS.smoke:
     os.environ["JAX_PLATFORMS"] = "cpu"
-    flag = f"--xla_force_host_platform_device_count={_SMOKE_DEVICES}"
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    host_devices(_SMOKE_DEVICES)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -153,7 +152,6 @@ from benchmarks.baselines.allgather import allgather_attention, make_allgather_p
 from benchmarks.baselines.common import LocalFFA, make_layout, pick_backend  # noqa: E402
 from benchmarks.baselines.ring import make_ring_plan, ring_attention  # noqa: E402
 from benchmarks.baselines.ulysses import make_ulysses_plan, ulysses_attention  # noqa: E402
-from benchmarks.harness import describe, environment  # noqa: E402
 from benchmarks.kernel_bench import make_mask  # noqa: E402
 from benchmarks.probe import nocomm_attention  # noqa: E402
 from magi_jax.planning.backends import HOST_SPECS  # noqa: E402
@@ -319,7 +317,6 @@ def run(a):
     ffa = LocalFFA(backend)
     magi_ffa = backend if HOST_SPECS[backend].context_parallel else "xla"
     dev = devices[0]
-    stamp = datetime.datetime.now(datetime.timezone.utc)
     meta = environment(
         device=getattr(dev, "device_kind", str(dev)),
         platform=dev.platform,
@@ -340,26 +337,15 @@ def run(a):
             f"it runs on {magi_ffa!r} "
             f"while the baselines run on {backend!r}: not a like-for-like row"
         )
-    os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(
-        a.out, f"dist_{stamp.strftime('%Y%m%d_%H%M')}_{meta['device'].replace(' ', '_')}{a.tag}"
-    )
-    if os.path.exists(base + ".json"):  # a run in the same minute: keep both
-        base += stamp.strftime("_%S")
+    run_files = Run("dist", a.out, meta, lambda rows, meta: markdown(meta, rows), a.tag)
     work = work_list(a)
-    rows = []
+    rows = run_files.rows
     if a.resume:
         carried, work = _resume(a.resume, work)
         rows += carried
         meta["resumed_from"] = dict(file=os.path.basename(a.resume), rows=len(carried))
-    it = work
-    if sys.stderr.isatty():  # a progress bar on a terminal, plain lines in a log
-        try:
-            from tqdm import tqdm
-
-            it = tqdm(work, file=sys.stderr, dynamic_ncols=True)
-        except ImportError:
-            pass
+    # A progress bar on a terminal, plain lines in a log.
+    it = progress(work, dynamic_ncols=True) if sys.stderr.isatty() else work
     setups, inputs = {}, {}
     overhead = _EST_OVERHEAD_S
     for n_done, (name, total, hq, hkv, mode, impl) in enumerate(it):
@@ -445,7 +431,7 @@ def run(a):
             row["error"] = repr(e)[:400]
         rows.append(row)
         _derive(rows)
-        _write(base, meta, rows, plot=False)
+        run_files.save()
         if not hasattr(it, "set_description"):
             res = (
                 f"{row['ms']:.2f} ms, {row['tflops_per_gpu']:.4g} TFLOP/s/GPU, compile "
@@ -460,9 +446,16 @@ def run(a):
             )
     meta["wall_s"] = round(time.perf_counter() - _T_START, 1)
     _derive(rows)
-    table = _write(base, meta, rows, plot=not a.no_plot)
-    print(table)
-    print(f"results: {base}.json / .md" + ("" if a.no_plot else " / .png"), file=sys.stderr)
+    run_files.save()
+    if not a.no_plot:
+        try:
+            make_plot(f"{run_files.base}.png", meta, rows)
+        except Exception as e:  # matplotlib missing: the tables still stand
+            print(f"no plot: {e!r}", file=sys.stderr)
+    print(markdown(meta, rows))
+    print(
+        f"results: {run_files.base}.json / .md" + ("" if a.no_plot else " / .png"), file=sys.stderr
+    )
     return rows
 
 
@@ -641,20 +634,6 @@ def make_plot(path, meta, rows):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _write(base, meta, rows, plot=False):
-    with open(base + ".json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1, default=float)
-    table = markdown(meta, rows)
-    with open(base + ".md", "w") as f:
-        f.write(table)
-    if plot:
-        try:
-            make_plot(base + ".png", meta, rows)
-        except Exception as e:  # matplotlib missing: the tables still stand
-            print(f"no plot: {e!r}", file=sys.stderr)
-    return table
 
 
 def main(argv=None):

@@ -24,19 +24,13 @@ cuDNN a dense boolean mask, not the packed layout, and are not used).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import statistics
-import sys
-import time
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _ROOT)
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from magi_jax.ffa.engine_table import TABLE_PATH, mask_class  # noqa: E402
+from benchmarks import harness
+from magi_jax.ffa.engine_table import TABLE_PATH, mask_class
 
 _TOKENS_PER_CALL = 32768
 _HEADS, _HEAD_DIM = 16, 128
@@ -68,18 +62,6 @@ def _cases(smoke: bool):
         yield f"{n} equal docs 32k", docs(equal_doc_lens(32768, n))
 
 
-def _time(fn, args, reps: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def _measure(mask, engine: str, reps: int) -> dict[str, float]:
     import jax
     import jax.numpy as jnp
@@ -93,7 +75,8 @@ def _measure(mask, engine: str, reps: int) -> dict[str, float]:
     attn = lambda q, k, v: mj.flex_flash_attention(q, k, v, mask, backend=engine)[0]
     fwd = jax.jit(attn)
     both = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
-    return {"fwd": _time(fwd, (q, k, v), reps), "fwd+bwd": _time(both, (q, k, v, do), reps)}
+    timed = harness.time_interleaved([(fwd, (q, k, v)), (both, (q, k, v, do))], 1, reps, 1)
+    return {mode: med * 1e3 for mode, (med, _) in zip(("fwd", "fwd+bwd"), timed)}
 
 
 def _merge(rows: list[dict]) -> None:
@@ -156,10 +139,23 @@ def _from_runs(paths: list[str]) -> list[dict]:
                     "pallas_ms": round(pair["pallas"]["ms"], 4),
                     "cudnn_ms": round(pair["cudnn"]["ms"], 4),
                     "date": meta["date"],
-                    "run": os.path.relpath(os.path.abspath(path), _ROOT),
+                    "run": os.path.relpath(os.path.abspath(path), harness.ROOT),
                 }
             )
     return rows
+
+
+def markdown(rows, meta) -> str:
+    lines = [
+        f"# Engine table run, {meta['date']}, {meta['device']}",
+        "",
+        f"{harness.describe(meta)}; {meta['shape']}; median of {meta['reps']}",
+        "",
+    ]
+    shown = [dict(r, ratio=r["cudnn_ms"] / r["pallas_ms"]) for r in rows]
+    columns = [("case", "run"), ("class", "class"), ("docs", "docs"), ("mode", "mode")]
+    columns += [("pallas ms", "pallas_ms"), ("cudnn ms", "cudnn_ms")]
+    return "\n".join(lines + harness.table(shown, columns + [("cudnn / pallas", "ratio")])) + "\n"
 
 
 def main(argv=None):
@@ -174,19 +170,21 @@ def main(argv=None):
         _merge(rows)
         print(f"{len(rows)} rows from {len(a.from_runs)} runs into {TABLE_PATH}")
         return
-    import jax
-
-    dev = jax.devices()[0]
-    stamp = datetime.datetime.now(datetime.timezone.utc)
-    rows, lines = [], []
+    meta = harness.environment(
+        argv,
+        device=harness.device_name(),
+        shape=f"bf16, Hq = Hkv = {_HEADS}, D = {_HEAD_DIM}, {_TOKENS_PER_CALL} tokens a call",
+        reps=a.reps,
+    )
+    run = harness.Run("engine_table", a.out, meta, markdown)
     cases = list(_cases(a.smoke))
     for i, (name, mask) in enumerate(cases, 1):
         cls, docs = mask_class(mask)
         ms = {e: _measure(mask, e, a.reps) for e in ("pallas", "cudnn")}
         for mode in ("fwd", "fwd+bwd"):
-            rows.append(
+            run.add(
                 {
-                    "device": dev.device_kind,
+                    "device": meta["device"],
                     "class": cls,
                     "tokens": mask.total_q,
                     "docs": docs,
@@ -195,37 +193,14 @@ def main(argv=None):
                     "head_dim": _HEAD_DIM,
                     "pallas_ms": round(ms["pallas"][mode], 4),
                     "cudnn_ms": round(ms["cudnn"][mode], 4),
-                    "date": stamp.isoformat(timespec="seconds"),
+                    "date": meta["date"],
                     "run": name,
                 }
             )
-            lines.append(
-                f"| {name} | {cls} | {docs} | {mode} | {ms['pallas'][mode]:.3f} | "
-                f"{ms['cudnn'][mode]:.3f} | {ms['cudnn'][mode] / ms['pallas'][mode]:.3f} |"
-            )
-        print(f"[{i}/{len(cases)}] {lines[-2]}\n{' ' * 8}{lines[-1]}", flush=True)
-    meta = {
-        "date": stamp.isoformat(timespec="seconds"),
-        "device": dev.device_kind,
-        "jax": jax.__version__,
-        "argv": sys.argv,
-        "shape": f"bf16, Hq = Hkv = {_HEADS}, D = {_HEAD_DIM}, {_TOKENS_PER_CALL} tokens a call",
-        "reps": a.reps,
-    }
-    os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(
-        a.out, f"engine_table_{stamp.strftime('%Y%m%d_%H%M')}_{dev.device_kind.replace(' ', '_')}"
-    )
-    with open(base + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(f"# Engine table run, {meta['date']}, {meta['device']}\n\n{meta['shape']}; ")
-        f.write(f"median of {a.reps}; jax {meta['jax']}\n\n")
-        f.write("| case | class | docs | mode | pallas ms | cudnn ms | cudnn / pallas |\n")
-        f.write("|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+        print(f"[{i}/{len(cases)}]", *markdown(run.rows[-2:], meta).splitlines()[-2:], sep="\n")
     if not a.smoke:
-        _merge(rows)
-    print(f"wrote {base}.json/.md" + ("" if a.smoke else f" and {TABLE_PATH}"))
+        _merge(run.rows)
+    print(f"wrote {run.base}.json/.md" + ("" if a.smoke else f" and {TABLE_PATH}"))
 
 
 if __name__ == "__main__":

@@ -133,6 +133,14 @@ def describe(env: dict[str, object]) -> str:
     return line
 
 
+def host_devices(n: int) -> None:
+    """Asks XLA for ``n`` CPU host devices (``XLA_FLAGS``) unless the flag is already set;
+    call it before JAX starts its backends."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def device_name() -> str:
     """The first JAX device's kind (``"NVIDIA H100 80GB HBM3"``, ``"cpu"``)."""
     import jax
@@ -210,7 +218,7 @@ def stamp() -> str:  # a run file's UTC date and minute
 class Run:
     """One run's files: ``<out>/<name>_<stamp>[_<device>][_<tag>].{json,md}`` holding
     ``meta`` (:func:`environment`) and ``rows``; :meth:`add` rewrites both, the markdown by
-    ``render(rows, meta)``."""
+    ``render(rows, meta)``. A second run in the same minute adds ``_<seconds>``."""
 
     def __init__(
         self,
@@ -227,6 +235,8 @@ class Run:
         if tag:
             parts.append(tag.lstrip("_"))
         self.base = Path(out) / "_".join(parts)
+        if self.base.with_suffix(".json").exists():  # a run in the same minute: keep both
+            self.base = self.base.with_name(f"{self.base.name}_{time.gmtime().tm_sec:02d}")
         self.meta, self.rows, self.render = meta, [], render
 
     def add(self, *rows: dict) -> None:

@@ -16,9 +16,6 @@ Hq = Hkv = 16, D = 128, pallas FFA per rank when supported. Writes
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import time
 import traceback
 
@@ -28,7 +25,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from benchmarks.baselines.common import pick_backend  # noqa: E402
-from benchmarks.harness import describe, environment  # noqa: E402
+from benchmarks.harness import Run, describe, environment  # noqa: E402
 from benchmarks.kernel_bench import make_mask  # noqa: E402
 from benchmarks.probe import measure_overlap, overlap_probe  # noqa: E402
 from magi_jax.sharding import make_flex_key  # noqa: E402
@@ -119,7 +116,6 @@ def main(argv=None):
     )
     dtype = jnp.bfloat16
     ffa, _ = pick_backend("auto", dtype, a.head_dim)
-    stamp = datetime.datetime.now(datetime.timezone.utc)
     meta = environment(
         device=getattr(devices[0], "device_kind", str(devices[0])),
         num_devices=len(devices),
@@ -128,11 +124,8 @@ def main(argv=None):
         ffa_backend=ffa,
         comm=a.comm,
     )
-    os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(
-        a.out, f"overlap_{stamp.strftime('%Y%m%d_%H%M')}_{meta['device'].replace(' ', '_')}"
-    )
-    rows, sched = [], []
+    run = Run("overlap", a.out, meta, lambda rows, meta: markdown(meta, rows))
+    rows, sched = run.rows, []
     shard = NamedSharding(mesh, P("cp"))
     for name in a.masks.split(","):
         for total in (int(x) for x in a.lengths.split(",")):
@@ -180,15 +173,12 @@ def main(argv=None):
                             traceback.print_exc()
                             row["error"] = repr(e)[:300]
                         print(f"[{time.perf_counter() - t_start:.0f}s] {row}", flush=True)
-                        with open(base + ".json", "w") as f:
-                            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+                        run.save()
     if sched:
-        with open(base + "_schedule.txt", "w") as f:
+        with open(f"{run.base}_schedule.txt", "w") as f:
             f.write("\n".join(sched) + "\n")
-    md = markdown(meta, rows)
-    with open(base + ".md", "w") as f:
-        f.write(md)
-    print(md)
+    run.save()
+    print(markdown(meta, rows))
 
 
 if __name__ == "__main__":

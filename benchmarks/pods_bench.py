@@ -26,6 +26,8 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks.harness import describe, environment, host_devices
+
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -51,9 +53,7 @@ def parse_args(argv=None):
 
 ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None:
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    )
+    host_devices(8)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -63,7 +63,6 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import magi_jax as mj  # noqa: E402
-from benchmarks.harness import describe, environment  # noqa: E402
 
 
 def packings(rng, n, total, docs):

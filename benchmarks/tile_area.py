@@ -14,12 +14,10 @@ dK/dV 4 on the k-tile list).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 
 import numpy as np
 
+from benchmarks import harness
 from benchmarks.kernel_bench import make_mask  # noqa: E402
 from magi_jax.mask import AttnMask  # noqa: E402
 from magi_jax.planning.work_list import (
@@ -76,45 +74,36 @@ def fwd_bwd_cells(row: dict) -> float:
     )
 
 
+def markdown(rows, meta) -> str:
+    shown = [
+        dict(r, **{f"t{bq}x{bk}": f"{r[f'touched_{bq}x{bk}']:.2f}x" for bq, bk in GRAINS})
+        | dict(items=f"{r['items_per_q_tile']:.1f}", q=f"{r['fwd_list']:.2f}x")
+        | dict(k=f"{r['dkv_list']:.2f}x", c=f"{r['cap']:.2f}")
+        for r in rows
+    ]
+    columns = [("mask", "mask"), ("length", "length"), ("items / q-tile", "items")]
+    columns += [("q-tile list", "q"), ("k-tile list", "k")]
+    columns += [(f"touched {bq}x{bk}", f"t{bq}x{bk}") for bq, bk in GRAINS]
+    head = [f"# Tile area, {harness.describe(meta)}", ""]
+    return "\n".join(head + harness.table(shown, columns + [("cap vs causal", "c")])) + "\n"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--masks", default="causal,doc_causal,many_docs_128,swa_causal_1024,prefix_lm")
     p.add_argument("--lengths", default="8192,16384,32768")
-    p.add_argument("--out", default=None, help="also write tile_area_<stamp>.json here")
+    p.add_argument("--out", default=None, help="also write tile_area_<stamp>.{json,md} here")
     a = p.parse_args(argv)
     rows = []
-    print(
-        "| mask | length | items / q-tile | q-tile list | k-tile list | touched "
-        + " | touched ".join(f"{bq}x{bk}" for bq, bk in GRAINS)
-        + " | cap vs causal |"
-    )
-    print("|---" * (6 + len(GRAINS)) + "|")
     for t in (int(x) for x in a.lengths.split(",")):
         causal = fwd_bwd_cells(cell_counts(make_mask("causal", t)))
         for name in a.masks.split(","):
             row = dict(mask=name, length=t, **cell_counts(make_mask(name, t)))
-            row["cap"] = causal / fwd_bwd_cells(row)
-            rows.append(row)
-            touched = " | ".join(f"{row[f'touched_{bq}x{bk}']:.2f}x" for bq, bk in GRAINS)
-            print(
-                f"| {name} | {t} | {row['items_per_q_tile']:.1f} | {row['fwd_list']:.2f}x | "
-                f"{row['dkv_list']:.2f}x | {touched} | {row['cap']:.2f} |"
-            )
+            rows.append(dict(row, cap=causal / fwd_bwd_cells(row)))
+    meta = harness.environment(argv, grains=GRAINS)
+    print(markdown(rows, meta))
     if a.out:
-        now = datetime.datetime.now(datetime.timezone.utc)
-        os.makedirs(a.out, exist_ok=True)
-        path = os.path.join(a.out, f"tile_area_{now.strftime('%Y%m%d_%H%M')}.json")
-        with open(path, "w") as f:
-            json.dump(
-                dict(
-                    meta=dict(
-                        date=now.isoformat(timespec="seconds"), numpy=np.__version__, grains=GRAINS
-                    ),
-                    rows=rows,
-                ),
-                f,
-                indent=1,
-            )
+        harness.Run("tile_area", a.out, meta, markdown).add(*rows)
     return rows
 
 
