@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import TYPE_CHECKING
 
 import jax
@@ -35,6 +36,8 @@ import numpy as np
 
 from magi_jax.masks import AttnMask
 from magi_jax.planning.packed import CAUSAL_DOCS, PackedDocs, packed_arrays, packed_docs
+
+_LOG = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from magi_jax.ffa.backends import Call
@@ -250,6 +253,12 @@ def _lse_cotangent(layout, q, k, v, out, lse, dlse):
     from magi_jax.planning.work_list import plan_for_mask
 
     m = layout.mask
+    # Said once per trace: this part runs on the portable engine, slower than the kernels.
+    _LOG.warning(
+        "cudnn engine: a loss that differentiates lse runs lse's part of the backward on "
+        "the xla engine (cuDNN's backward takes no lse cotangent); backend='pallas' keeps "
+        "the whole backward on the kernels"
+    )
     (bq, bk), _ = backend_blocks("xla", m.total_q, m.total_k)
     plan = plan_for_mask(m, "xla", bq, bk)
     dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0).astype(jnp.float32)
